@@ -1,0 +1,34 @@
+# headwater: the two commands a newcomer types are `make serve` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: serve test lint cluster bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench,browser]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/headwater serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check frontend workers headwater tests scripts
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check frontend workers headwater tests scripts
+
+cluster: $(STAMP)
+	$(VENV)/bin/headwater launch --prefill 2 --decode 2 $(ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/headwater bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

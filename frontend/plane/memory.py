@@ -1,0 +1,97 @@
+"""The in-process request plane: trio memory channels to a WorkerRuntime.
+
+This is the twin of the TCP transport (same :class:`WorkerClient` contract), used
+when the workers live in the frontend's own process and in tests. The ACK timeout
+applies here too, so a wedged in-process worker is handled exactly like a remote one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from frontend.plane.base import (
+    CannotConnect,
+    Disconnected,
+    ResponseStream,
+    WorkerClient,
+    WorkerError,
+    WorkerInstance,
+)
+from headwater.wire import Ack, Chunk, End, Error, GenerateRequest, Reply
+from workers.runtime import WorkerRuntime
+
+#: Replies buffered per request: enough to decouple engine steps from the HTTP
+#: writer, small enough that a slow client applies backpressure to the engine.
+REPLY_BUFFER = 64
+
+
+class _MemoryResponseStream(ResponseStream):
+    def __init__(self, replies: trio.MemoryReceiveChannel[Reply]) -> None:
+        self._replies = replies
+        self.finished = False
+
+    async def __anext__(self) -> Chunk:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            msg = await self._replies.receive()
+        except trio.EndOfChannel:
+            self.finished = True
+            raise Disconnected("worker closed the stream without End") from None
+        if isinstance(msg, Chunk):
+            return msg
+        self.finished = True
+        if isinstance(msg, End):
+            raise StopAsyncIteration
+        if isinstance(msg, Error):
+            raise WorkerError(msg.code, msg.message)
+        raise Disconnected(f"unexpected message {type(msg).__name__}")
+
+
+class MemoryWorkerClient(WorkerClient):
+    """A client for a :class:`WorkerRuntime` running in this process."""
+
+    def __init__(
+        self, instance: WorkerInstance, runtime: WorkerRuntime, *, ack_timeout: float = 5.0
+    ) -> None:
+        self.instance = instance
+        self.runtime = runtime
+        self.ack_timeout = ack_timeout
+        self._closed = False
+
+    @asynccontextmanager
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[ResponseStream]:
+        if self._closed:
+            raise CannotConnect(f"client for {self.instance.worker_id} is closed")
+        send, receive = trio.open_memory_channel[Reply](REPLY_BUFFER)
+        async with receive:
+            try:
+                self.runtime.submit(request, send)
+            except RuntimeError as exc:
+                raise CannotConnect(str(exc)) from exc
+            stream = _MemoryResponseStream(receive)
+            with trio.move_on_after(self.ack_timeout) as ack_scope:
+                try:
+                    first = await receive.receive()
+                except trio.EndOfChannel:
+                    raise CannotConnect("worker closed the stream before ACK") from None
+            if ack_scope.cancelled_caught:
+                self.runtime.cancel(request.request_id)
+                raise CannotConnect(
+                    f"no ACK from {self.instance.worker_id} within {self.ack_timeout:g} s"
+                )
+            if isinstance(first, Error):
+                raise WorkerError(first.code, first.message)
+            if not isinstance(first, Ack):
+                raise Disconnected(f"expected Ack, got {type(first).__name__}")
+            try:
+                yield stream
+            finally:
+                if not stream.finished:
+                    self.runtime.cancel(request.request_id)
+
+    async def aclose(self) -> None:
+        self._closed = True

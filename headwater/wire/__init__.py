@@ -1,0 +1,31 @@
+"""Wire types of the request plane, shared by the frontend and the workers."""
+
+from headwater.wire.messages import (
+    Ack,
+    Cancel,
+    Chunk,
+    End,
+    Error,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    Reply,
+    Role,
+    SamplingParams,
+)
+
+__all__ = [
+    "Ack",
+    "Cancel",
+    "Chunk",
+    "End",
+    "Error",
+    "ErrorCode",
+    "FinishReason",
+    "GenerateRequest",
+    "KvHandle",
+    "Reply",
+    "Role",
+    "SamplingParams",
+]

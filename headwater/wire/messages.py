@@ -1,0 +1,227 @@
+"""The messages that cross the request plane, in one place both sides import.
+
+A request travels frontend → worker as a :class:`GenerateRequest`; the worker answers
+with an :class:`Ack` as soon as it has decoded the request (before any engine work),
+then zero or more :class:`Chunk` messages, then exactly one :class:`End` or
+:class:`Error`. The caller may send :class:`Cancel` at any time.
+
+Every message converts to and from a plain dict of msgpack-safe values
+(``to_wire`` / ``from_wire``), so the in-process transport can pass the objects
+themselves while the TCP transport frames the dicts. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Role(enum.StrEnum):
+    """What a worker does with a request.
+
+    ``prefill`` computes the prompt's KV cache and hands back a :class:`KvHandle`;
+    ``decode`` pulls that KV and generates tokens; ``agg`` does both in one place.
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    AGG = "agg"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token id; stop *strings* are matched by the frontend
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What the engine needs to know to generate; text-level options stay in the frontend."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+
+
+@dataclass(frozen=True, slots=True)
+class KvHandle:
+    """Where a decode worker can pull the KV cache a prefill worker computed.
+
+    ``address`` is the prefill worker's transfer endpoint (``tcp://host:port`` for
+    the TCP plane, ``memory://<worker id>`` in-process); ``transfer_id`` names the
+    held blocks there. The prefill side frees them after the pull or a timeout.
+    """
+
+    worker_id: str
+    address: str
+    transfer_id: str
+    num_tokens: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> KvHandle:
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One generation request as a worker sees it: token ids in, token ids out."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    kv_handle: KvHandle | None = None  # set on the decode leg of a disaggregated request
+    eos_token_ids: tuple[int, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "model": self.model,
+            "token_ids": self.token_ids,
+            "sampling": self.sampling.to_wire(),
+            "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
+            "eos_token_ids": list(self.eos_token_ids),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> GenerateRequest:
+        kv = d.get("kv_handle")
+        return cls(
+            request_id=str(d["request_id"]),
+            model=str(d["model"]),
+            token_ids=list(d["token_ids"]),
+            sampling=SamplingParams.from_wire(d["sampling"]),
+            kv_handle=KvHandle.from_wire(kv) if kv else None,
+            eos_token_ids=tuple(d.get("eos_token_ids", ())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The worker decoded the request; engine work has not necessarily started."""
+
+    request_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Ack:
+        return cls(request_id=str(d["request_id"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Newly generated tokens (possibly none, e.g. a prefill's handle-only answer).
+
+    ``finish_reason`` is set on the last chunk of a stream. ``cached_tokens`` reports
+    prompt tokens served from the prefix cache, for usage accounting.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    kv_handle: KvHandle | None = None
+    cached_tokens: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
+            "cached_tokens": self.cached_tokens,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Chunk:
+        kv = d.get("kv_handle")
+        fr = d.get("finish_reason")
+        return cls(
+            request_id=str(d["request_id"]),
+            token_ids=list(d.get("token_ids", ())),
+            finish_reason=FinishReason(fr) if fr else None,
+            kv_handle=KvHandle.from_wire(kv) if kv else None,
+            cached_tokens=int(d.get("cached_tokens", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """The stream finished normally; no more messages for this request."""
+
+    request_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> End:
+        return cls(request_id=str(d["request_id"]))
+
+
+class ErrorCode(enum.StrEnum):
+    INVALID_REQUEST = "invalid_request"  # the worker could not use the request: do not retry
+    OVERLOADED = "overloaded"  # try another worker
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # the decode leg could not pull KV
+    SHUTTING_DOWN = "shutting_down"  # draining: try another worker
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """The worker gave up on this request. The stream ends with it."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "code": self.code.value, "message": self.message}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Error:
+        try:
+            code = ErrorCode(d.get("code"))
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        return cls(request_id=str(d["request_id"]), code=code, message=str(d.get("message", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """The caller no longer wants this request; the worker stops and frees its KV."""
+
+    request_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"request_id": self.request_id}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Cancel:
+        return cls(request_id=str(d["request_id"]))
+
+
+#: What a worker sends back for one request, in order: Ack, Chunk*, (End | Error).
+Reply = Ack | Chunk | End | Error

@@ -1,0 +1,5 @@
+"""Worker-side runtime: serves an engine to whichever transport delivers requests."""
+
+from workers.runtime.runtime import RuntimeStats, WorkerRuntime
+
+__all__ = ["RuntimeStats", "WorkerRuntime"]

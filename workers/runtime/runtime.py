@@ -1,0 +1,174 @@
+"""The worker runtime: drives one engine for whichever transport delivers requests.
+
+A transport (memory channels in-process, a TCP server across processes) hands each
+decoded request to :meth:`WorkerRuntime.submit` together with a channel for the
+replies. The runtime owns the request's task in its own nursery, so a request's
+lifetime is the worker's business once it is ACKed; the caller ends it early with
+:meth:`WorkerRuntime.cancel`, which is what a ``Cancel`` message does.
+
+Per request, in order: ``Ack`` (sent before any engine work, so a busy engine
+never looks dead to the frontend), ``Chunk``\\* and exactly one ``End`` or ``Error``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing, suppress
+from dataclasses import dataclass
+
+import trio
+
+from headwater.wire import Ack, End, Error, ErrorCode, GenerateRequest, Reply
+from workers.engines.base import Engine, EngineError, EngineStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    inflight: int
+    served_total: int
+    cancelled_total: int
+    failed_total: int
+    draining: bool
+    engine: EngineStats
+
+
+class WorkerRuntime:
+    """Serves requests on one engine; see the module docstring for the contract."""
+
+    def __init__(self, engine: Engine, worker_id: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self._nursery: trio.Nursery | None = None
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+        self.draining = False
+        self._served = 0
+        self._cancelled = 0
+        self._failed = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the engine and host request tasks until cancelled."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.engine.run)
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    def submit(self, request: GenerateRequest, replies: trio.abc.SendChannel[Reply]) -> None:
+        """Start serving *request*; replies go to *replies*, which the runtime closes.
+
+        Never blocks and never raises for a bad request: refusals travel as an Error
+        message on *replies* like any other outcome.
+        """
+        if self._nursery is None:
+            raise RuntimeError("WorkerRuntime.submit() before run() started")
+        if self.draining or request.request_id in self._scopes:
+            # Answer at once (retryable while draining) instead of letting the
+            # frontend wait out its ACK timeout.
+            code, why = (
+                (ErrorCode.SHUTTING_DOWN, "worker is draining")
+                if self.draining
+                else (ErrorCode.INVALID_REQUEST, "duplicate request id")
+            )
+            self._nursery.start_soon(_refuse, replies, request, code, why)
+            return
+        scope = trio.CancelScope()
+        self._scopes[request.request_id] = scope
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        self._nursery.start_soon(self._serve, request, replies, scope)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop *request_id* if it is still running; its KV is freed by the engine."""
+        scope = self._scopes.get(request_id)
+        if scope is not None:
+            scope.cancel()
+
+    async def drain(self, grace: float) -> bool:
+        """Refuse new requests and wait up to *grace* seconds for in-flight ones to end.
+
+        Returns True when everything finished in time.
+        """
+        self.draining = True
+        with trio.move_on_after(grace):
+            await self._idle.wait()
+            return True
+        return not self._scopes
+
+    def statistics(self) -> RuntimeStats:
+        return RuntimeStats(
+            inflight=len(self._scopes),
+            served_total=self._served,
+            cancelled_total=self._cancelled,
+            failed_total=self._failed,
+            draining=self.draining,
+            engine=self.engine.statistics(),
+        )
+
+    async def _serve(
+        self,
+        request: GenerateRequest,
+        replies: trio.abc.SendChannel[Reply],
+        scope: trio.CancelScope,
+    ) -> None:
+        rid = request.request_id
+        outcome = "cancelled"
+        try:
+            with scope:
+                await replies.send(Ack(rid))
+                try:
+                    async with aclosing(self.engine.generate(request)) as chunks:
+                        async for chunk in chunks:
+                            await replies.send(chunk)
+                except EngineError as exc:
+                    outcome = "failed"
+                    code = _error_code(exc.code)
+                    await replies.send(Error(rid, code, exc.message))
+                    return
+                await replies.send(End(rid))
+                outcome = "served"
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The caller went away without a Cancel; the engine already stopped
+            # (the generator was closed on the way out of `aclosing`).
+            outcome = "cancelled"
+        except Exception:
+            outcome = "failed"
+            log.exception("request %s failed in the engine", rid)
+            with trio.move_on_after(1, shield=True):
+                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await replies.send(Error(rid, ErrorCode.INTERNAL, "internal engine error"))
+        finally:
+            if outcome == "served":
+                self._served += 1
+            elif outcome == "cancelled":
+                self._cancelled += 1
+            else:
+                self._failed += 1
+            del self._scopes[rid]
+            if not self._scopes:
+                self._idle.set()
+            with trio.move_on_after(1, shield=True):
+                await replies.aclose()
+
+
+async def _refuse(
+    replies: trio.abc.SendChannel[Reply], request: GenerateRequest, code: ErrorCode, msg: str
+) -> None:
+    with trio.move_on_after(1):
+        with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await replies.send(Error(request.request_id, code, msg))
+    await replies.aclose()
+
+
+def _error_code(code: str) -> ErrorCode:
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INTERNAL
+
