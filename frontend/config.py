@@ -1,0 +1,54 @@
+"""The frontend's one configuration object, with every default documented in place.
+
+``headwater serve --help`` is generated from the same fields (see :mod:`frontend.cli`),
+and ``HEADWATER_*`` environment variables mirror each option.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    # -- HTTP ---------------------------------------------------------------------
+    host: str = "127.0.0.1"  # loopback by default: exposing the API is a deliberate choice
+    port: int = 8000
+    max_body_bytes: int = 64 * 1024 * 1024  # 413 above this
+    keep_alive_timeout: float = 5.0  # seconds an idle HTTP/1.1 connection stays open
+    write_timeout: float = 30.0  # seconds a client may stall reading before we drop it
+    graceful_timeout: float = 10.0  # seconds in-flight requests get on shutdown
+
+    # -- model and preprocessing ----------------------------------------------------
+    model_name: str = "deepseek-v4"
+    tokenizer: str | None = None  # tokenizer.json or a directory; None: the DeepSeek-V4 one
+    context_length: int = 131072  # prompt + completion tokens
+    tokenizer_backend: str = "fastokens"  # "fastokens" | "hf"
+    tokenize_mode: str = "thread"  # "thread" | "inline" | "thread-gil" (the last two: repro only)
+    tokenizer_threads: int = field(default_factory=usable_cpus)
+    inline_max_chars: int = 2048  # shorter prompts encode on the loop (cheaper than a hop)
+
+    # -- workers and routing ----------------------------------------------------------
+    engine: str = "mocker"  # engine of the in-process workers
+    mode: str = "disagg"  # "disagg": in-process prefill + decode pair; "agg": one worker
+    workers: str | None = None  # static remote workers: "tcp://host:port?role=...,..."
+    discovery: str | None = None  # "etcd://127.0.0.1:2379": find workers there
+    router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c"
+    speedup_ratio: float = 1.0  # the mocker's timing model is divided by this
+    ack_timeout: float = 5.0  # seconds a worker has to ACK a request (as Dynamo)
+    migration_limit: int = 3  # times a broken stream may move to another worker
+    route_attempts: int = 3  # workers tried when one cannot be reached
+
+    # -- observability -----------------------------------------------------------------
+    instrument: bool = True  # stall detector (trio instrument + watchdog thread)
+    stall_threshold_ms: float = 20.0  # loop delay above this is a stall
+    log_level: str = "info"

@@ -1,0 +1,206 @@
+"""The OpenAI-compatible HTTP API, on quart-trio.
+
+Each request runs in its own task inside quart-trio's per-request nursery, beside a
+task watching for the client's disconnect; a disconnect cancels the handler (or the
+SSE body), which unwinds the pipeline and cancels the work on the worker.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary and SSE),
+``GET /v1/models``, ``GET /v1/models/<id>``, ``GET /health``, ``GET /live``.
+Observability routes (``/metrics``, ``/debug/*``, ``/dashboard``) come from
+:mod:`frontend.http.observability`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from frontend.http.errors import ApiError, bad_request
+from frontend.http.responses import ChunkWriter, unary_body
+from frontend.http.schema import ParsedRequest, parse_request, unknown_model
+from frontend.metrics import FrontendMetrics
+from frontend.pipeline import Delta, Pipeline, Prepared
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    return Response(data, status=status, content_type=JSON)
+
+
+def error_response(err: ApiError) -> Response:
+    return json_response(err.json(), err.status)
+
+
+def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: int) -> QuartTrio:
+    """Build the app. The caller owns *pipeline* and serves the app with hypercorn."""
+    app = QuartTrio("headwater")
+    # Quart cuts responses at RESPONSE_TIMEOUT (60 s by default): that silently
+    # truncates long SSE streams. Request lifetimes are ours to manage.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    created = int(time.time())
+    model = pipeline.model_name
+
+    @app.errorhandler(ApiError)
+    async def _api_error(err: ApiError) -> Response:
+        return error_response(err)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        messages = {
+            404: f"Unknown path {request.path}",
+            405: f"Method {request.method} is not allowed on {request.path}",
+            413: f"Request body is larger than the limit of {max_body_bytes} bytes",
+        }
+        return error_response(ApiError(status, messages.get(status, exc.description or "")))
+
+    @app.errorhandler(Exception)
+    async def _unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "Internal server error"))
+
+    @app.get("/live")
+    async def live() -> Response:
+        return json_response({"status": "live"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = pipeline.ready()
+        views = [
+            {"worker_id": v.worker_id, "role": v.role.value, "state": v.state.value}
+            for v in pipeline.router.views()
+        ]
+        body = {"status": "healthy" if ok else "unhealthy", "workers": views}
+        return json_response(body, 200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [_model_card(model, created)]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model_card(model_id: str) -> Response:
+        if model_id != model:
+            raise unknown_model(model_id)
+        return json_response(_model_card(model, created))
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        return await _serve("chat")
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await _serve("completions")
+
+    async def _serve(endpoint: str) -> Response:
+        parsed = await _parse(endpoint)
+        if parsed.model != model:
+            raise unknown_model(parsed.model)
+        kind = "stream" if parsed.stream else "unary"
+        metrics.inflight_requests.inc()
+        status = "error"
+        try:
+            prep = await pipeline.preprocess(parsed)
+            metrics.input_sequence_tokens.observe(len(prep.prompt_ids))
+            if not pipeline.ready():
+                raise ApiError(503, "no routable worker for this model", code="no_workers")
+            if parsed.stream:
+                status = "streaming"  # the body generator books the final status
+                return Response(
+                    _stream(prep, endpoint), content_type="text/event-stream", headers=SSE_HEADERS
+                )
+            response = await _unary(prep)
+            status = "success"
+            return response
+        except ApiError as err:
+            status = "error" if err.status >= 500 else "rejected"
+            raise
+        except BaseException:
+            status = "cancelled"
+            metrics.disconnected_clients.inc()
+            raise
+        finally:
+            if status != "streaming":
+                metrics.inflight_requests.dec()
+                metrics.requests_total.labels(endpoint, kind, status).inc()
+
+    async def _parse(endpoint: str) -> ParsedRequest:
+        mimetype = request.mimetype
+        if mimetype != JSON:
+            raise ApiError(
+                415, f"Content-Type must be {JSON}, got {mimetype or 'none'}",
+                code="unsupported_media_type",
+            )
+        data = await request.get_data(cache=False)
+        try:
+            body = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise bad_request(f"Malformed JSON body: {exc}") from exc
+        return parse_request(body, endpoint)
+
+    async def _unary(prep: Prepared) -> Response:
+        start = trio.current_time()
+        parts: list[str] = []
+        last: Delta | None = None
+        async with aclosing(pipeline.generate(prep)) as deltas:
+            async for d in deltas:
+                parts.append(d.text)
+                last = d
+        assert last is not None  # generate() always ends with a finishing delta
+        metrics.output_sequence_tokens.observe(last.completion_tokens)
+        metrics.request_duration_seconds.observe(trio.current_time() - start)
+        return json_response(unary_body(prep, "".join(parts), last))
+
+    async def _stream(prep: Prepared, endpoint: str) -> AsyncIterator[bytes]:
+        writer = ChunkWriter(prep)
+        status = "cancelled"
+        last: Delta | None = None
+        try:
+            if writer.chat:
+                yield writer.role()
+            async with aclosing(pipeline.generate(prep)) as deltas:
+                async for d in deltas:
+                    last = d
+                    yield writer.delta(d)
+            if last is not None and prep.parsed.include_usage:
+                yield writer.usage(last)
+            status = "success"
+        except ApiError as err:
+            # Headers are gone already: report in-stream, as OpenAI does.
+            status = "error"
+            yield ChunkWriter.error(err.body())
+        except Exception:
+            status = "error"
+            log.exception("stream %s failed", prep.request_id)
+            yield ChunkWriter.error(ApiError(500, "Internal server error").body())
+        finally:
+            if status == "cancelled":
+                metrics.disconnected_clients.inc()
+                metrics.model_cancellation_total.inc()
+            elif last is not None:
+                metrics.output_sequence_tokens.observe(last.completion_tokens)
+            metrics.request_duration_seconds.observe(trio.current_time() - prep.started)
+            metrics.inflight_requests.dec()
+            metrics.requests_total.labels(endpoint, "stream", status).inc()
+        yield ChunkWriter.DONE
+
+    return app
+
+
+def _model_card(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "headwater"}

@@ -1,0 +1,73 @@
+"""Two fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2.
+
+1. Keep-alive idle timeout never fires on HTTP/1.1: quart-trio cancels the request
+   task while hypercorn restarts its idle timer inside the final body send, so the
+   restart is lost. :class:`ShieldFinalSend` shields that one send (with a deadline).
+2. hypercorn writes to sockets inside a shielded scope with no deadline, so a client
+   that stops reading pins its connection and blocks graceful shutdown forever.
+   :func:`install_write_deadline` bounds each write; a client that does not take the
+   bytes within ``write_timeout`` is disconnected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+from hypercorn.events import Closed, RawData
+from hypercorn.trio.tcp_server import TCPServer
+
+ASGIApp = Any
+
+
+class ShieldFinalSend:
+    """ASGI middleware: the last ``http.response.body`` send completes even if cancelled."""
+
+    def __init__(self, app: ASGIApp, *, deadline: float) -> None:
+        self.app = app
+        self.deadline = deadline
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.move_on_after(self.deadline, shield=True):
+                    await send(message)
+                return
+            await send(message)
+
+        await self.app(scope, receive, guarded_send)
+
+
+_original_protocol_send = TCPServer.protocol_send
+_write_timeout = 30.0
+
+
+async def _protocol_send_with_deadline(self: TCPServer, event: Any) -> None:
+    if not isinstance(event, RawData):
+        await _original_protocol_send(self, event)
+        return
+    async with self.send_lock:
+        timed_out = False
+        try:
+            # Shielded as in hypercorn (a half-written frame corrupts the stream), but
+            # with a deadline: a reader that stalls this long is treated as gone.
+            with trio.move_on_after(_write_timeout, shield=True) as scope:
+                await self.stream.send_all(event.data)
+            timed_out = scope.cancelled_caught
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            timed_out = True
+        if timed_out:
+            with trio.move_on_after(1, shield=True):
+                await trio.aclose_forcefully(self.stream)
+            await self.protocol.handle(Closed())
+
+
+def install_write_deadline(write_timeout: float) -> None:
+    """Bound every socket write hypercorn-trio makes by *write_timeout* seconds."""
+    global _write_timeout
+    _write_timeout = write_timeout
+    TCPServer.protocol_send = _protocol_send_with_deadline  # type: ignore[method-assign]

@@ -1,0 +1,103 @@
+"""The frontend's Prometheus metrics, named after Dynamo's so dashboards carry over.
+
+Prefix ``headwater_frontend_``; suffixes as in Dynamo's ``dynamo_frontend_*``. One
+:class:`prometheus_client.CollectorRegistry` per frontend (not the global one), so
+tests and several in-process frontends never collide. The loop metrics
+(``event_loop_*``) are registered on the same registry by the stall detector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "headwater_frontend_"
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 32768, 65536, 131072, 262144)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+_STAGE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class FrontendMetrics:
+    """All request-level metrics of one frontend."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, p = self.registry, PREFIX
+        self.requests_total = Counter(
+            f"{p}requests", "Requests finished, by endpoint, request type and status",
+            ["endpoint", "request_type", "status"], registry=r,
+        )
+        self.inflight_requests = Gauge(
+            f"{p}inflight_requests", "Requests being served now", registry=r
+        )
+        self.queued_requests = Gauge(
+            f"{p}queued_requests", "Requests waiting for a tokenizer thread", registry=r
+        )
+        self.request_duration_seconds = Histogram(
+            f"{p}request_duration_seconds", "End-to-end request time", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token_seconds = Histogram(
+            f"{p}time_to_first_token_seconds", "Time from request to the first token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.inter_token_latency_seconds = Histogram(
+            f"{p}inter_token_latency_seconds", "Time between streamed tokens",
+            buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.input_sequence_tokens = Histogram(
+            f"{p}input_sequence_tokens", "Prompt length in tokens", buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_sequence_tokens = Histogram(
+            f"{p}output_sequence_tokens", "Completion length in tokens", buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tokenize_seconds = Histogram(
+            f"{p}tokenize_seconds", "Time to tokenize a prompt (preprocess stage)",
+            buckets=_STAGE_BUCKETS, registry=r,
+        )
+        self.template_seconds = Histogram(
+            f"{p}template_seconds", "Time to render a chat template (preprocess stage)",
+            buckets=_STAGE_BUCKETS, registry=r,
+        )
+        self.disconnected_clients = Counter(
+            f"{p}disconnected_clients", "Clients that went away before their response ended",
+            registry=r,
+        )
+        self.model_migration_total = Counter(
+            f"{p}model_migration", "Streams moved to another worker after a break", registry=r
+        )
+        self.model_cancellation_total = Counter(
+            f"{p}model_cancellation", "Requests cancelled on the worker", registry=r
+        )
+        self.tokenizer_threads_busy = Gauge(
+            f"{p}tokenizer_threads_busy", "Tokenizer pool threads encoding now", registry=r
+        )
+        self.tokenizer_threads = Gauge(
+            f"{p}tokenizer_threads", "Tokenizer pool size", registry=r
+        )
+        self.worker_state = Gauge(
+            f"{p}worker_state", "1 for the state each known worker is in",
+            ["worker_id", "role", "state"], registry=r,
+        )
+        self.worker_inflight = Gauge(
+            f"{p}worker_inflight_requests", "In-flight requests per worker",
+            ["worker_id", "role"], registry=r,
+        )
+        self._collect_hooks: list[Callable[[], None]] = []
+
+    def on_collect(self, hook: Callable[[], None]) -> None:
+        """Run *hook* before each scrape (gauges that mirror live objects' statistics())."""
+        self._collect_hooks.append(hook)
+
+    def render(self) -> bytes:
+        """The text exposition format, with gauges refreshed first."""
+        for hook in self._collect_hooks:
+            hook()
+        return generate_latest(self.registry)

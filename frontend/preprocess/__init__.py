@@ -1,0 +1,1 @@
+"""The preprocess stage: chat template, then tokenization off the event loop."""

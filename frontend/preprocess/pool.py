@@ -1,0 +1,108 @@
+"""The tokenizer pool: where prompts are encoded, and the reason headwater exists.
+
+Encoding a 40k-token prompt costs ~1 ms with fastokens and ~100 ms with HF. Done
+on the event loop (as Dynamo's frontend did), concurrent long prompts stall the loop
+for seconds: ACKs time out, healthy workers are marked down, throughput collapses.
+
+``thread`` mode (the default) runs the encoder through ``trio.to_thread.run_sync``
+bounded by a :class:`trio.CapacityLimiter`, with an encoder call that releases the
+GIL, so the loop keeps running while Rust code works on the other cores. Prompts
+shorter than ``inline_max_chars`` are encoded inline: for them the thread hop
+(~60–150 µs) costs more than the encoding itself (measured in docs/tokenization.md).
+
+The two other modes exist to reproduce the failure in tests and benchmarks:
+``inline`` encodes on the loop; ``thread-gil`` uses HF ``Tokenizer.encode`` in a
+thread, which holds the GIL and so stalls the loop anyway.
+
+Cancellation: a request cancelled while its text is being encoded returns at once
+(``abandon_on_cancel=True``), but the thread keeps its limiter token until the
+encoder really finishes, so the pool never runs more encodes than it has threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import trio
+
+from frontend.preprocess.tokenizer import Tokenizer
+
+
+class TokenizeMode(enum.StrEnum):
+    THREAD = "thread"
+    INLINE = "inline"
+    THREAD_GIL = "thread-gil"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    threads: int
+    busy: int  # threads encoding right now
+    waiting: int  # requests queued for a thread
+    encoded_total: int
+    inline_total: int
+
+
+class TokenizerPool:
+    """Encodes prompts without stalling the event loop (in the default mode)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        mode: TokenizeMode | str = TokenizeMode.THREAD,
+        threads: int = 2,
+        inline_max_chars: int = 2048,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.mode = TokenizeMode(mode)
+        self.limiter = trio.CapacityLimiter(max(1, threads))
+        self.inline_max_chars = inline_max_chars
+        self._encoded = 0
+        self._inline = 0
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of *text* (no BOS added: the template writes it)."""
+        self._encoded += 1
+        if self.mode is TokenizeMode.INLINE:
+            self._inline += 1
+            return self.tokenizer.encode(text)
+        if self.mode is TokenizeMode.THREAD_GIL:
+            return await trio.to_thread.run_sync(
+                self.tokenizer.encode_holding_gil, text, limiter=self.limiter,
+                abandon_on_cancel=True,
+            )
+        if len(text) <= self.inline_max_chars:
+            self._inline += 1
+            return self.tokenizer.encode(text)
+        return await trio.to_thread.run_sync(
+            self.tokenizer.encode, text, limiter=self.limiter, abandon_on_cancel=True
+        )
+
+    async def warm_up(self) -> float:
+        """Encode a sample once per thread before traffic arrives; returns seconds spent.
+
+        The first encodes after start pay for lazy initialisation (thread creation,
+        the Rust side's caches) and stalled the loop ~100 ms when left to real traffic.
+        """
+        start = time.perf_counter()
+        sample = "warm up the tokenizer pool " * 512
+        async with trio.open_nursery() as nursery:
+            for _ in range(int(self.limiter.total_tokens)):
+                nursery.start_soon(self._warm_one, sample)
+        return time.perf_counter() - start
+
+    async def _warm_one(self, sample: str) -> None:
+        await trio.to_thread.run_sync(self.tokenizer.encode, sample, limiter=self.limiter)
+
+    def statistics(self) -> PoolStats:
+        s = self.limiter.statistics()
+        return PoolStats(
+            threads=int(s.total_tokens),
+            busy=s.borrowed_tokens,
+            waiting=s.tasks_waiting,
+            encoded_total=self._encoded,
+            inline_total=self._inline,
+        )

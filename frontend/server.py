@@ -1,0 +1,133 @@
+"""Assembling and running one frontend: the object that owns every part.
+
+:class:`Frontend` builds the pipeline (tokenizer pool, template, router), the HTTP
+app and the loop monitor from a :class:`FrontendConfig`; :meth:`Frontend.run` runs
+them all in one nursery — monitor, workers (in-process or discovered), then the
+HTTP server — and reports the bound URLs once the server listens.
+
+Shutdown: set :attr:`Frontend.shutdown` (the CLI does on SIGINT/SIGTERM). Hypercorn
+stops accepting, gives in-flight requests ``graceful_timeout`` seconds, and returns;
+then everything else is cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import trio
+from headwater.instrumentation import LoopMonitor
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from frontend.config import FrontendConfig
+from frontend.http.app import create_app
+from frontend.http.hypercorn_fixes import ShieldFinalSend, install_write_deadline
+from frontend.http.observability import add_observability_routes
+from frontend.metrics import FrontendMetrics
+from frontend.pipeline import Pipeline
+from frontend.plane.local import LocalWorkersConfig, run_local_workers
+from frontend.preprocess.pool import TokenizerPool
+from frontend.preprocess.template import ChatTemplate
+from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
+from frontend.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class Frontend:
+    """One frontend process's parts, wired; see the module docstring."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        files = find_tokenizer_files(config.tokenizer)
+        self.tokenizer = Tokenizer(files, config.tokenizer_backend)
+        self.pool = TokenizerPool(
+            self.tokenizer,
+            mode=config.tokenize_mode,
+            threads=config.tokenizer_threads,
+            inline_max_chars=config.inline_max_chars,
+        )
+        self.template = ChatTemplate.from_tokenizer_config(files.config)
+        self.metrics = FrontendMetrics()
+        self.router = Router(config.router, inhibit_s=config.ack_timeout)
+        self.pipeline = Pipeline(
+            model_name=config.model_name,
+            context_length=config.context_length,
+            pool=self.pool,
+            template=self.template,
+            router=self.router,
+            metrics=self.metrics,
+            migration_limit=config.migration_limit,
+            route_attempts=config.route_attempts,
+        )
+        self.monitor = LoopMonitor(
+            self.metrics.registry,
+            prefix="headwater_frontend_",
+            threshold_s=config.stall_threshold_ms / 1000,
+            enabled=config.instrument,
+        )
+        self.app = create_app(self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes)
+        add_observability_routes(self.app, self)
+        self.metrics.on_collect(self._refresh_gauges)
+        self.shutdown = trio.Event()
+
+    def _refresh_gauges(self) -> None:
+        stats = self.pool.statistics()
+        self.metrics.tokenizer_threads.set(stats.threads)
+        self.metrics.tokenizer_threads_busy.set(stats.busy)
+        self.metrics.queued_requests.set(stats.waiting)
+        self.metrics.worker_state.clear()
+        self.metrics.worker_inflight.clear()
+        for v in self.router.views():
+            self.metrics.worker_state.labels(v.worker_id, v.role.value, v.state.value).set(1)
+            self.metrics.worker_inflight.labels(v.worker_id, v.role.value).set(v.inflight)
+
+    def hypercorn_config(self) -> HypercornConfig:
+        hc = HypercornConfig()
+        hc.bind = [f"{self.config.host}:{self.config.port}"]
+        hc.keep_alive_timeout = self.config.keep_alive_timeout
+        hc.graceful_timeout = self.config.graceful_timeout
+        hc.accesslog = None
+        hc.errorlog = logging.getLogger("hypercorn.error")
+        return hc
+
+    async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Serve until :attr:`shutdown` is set; reports the listening URLs."""
+        cfg = self.config
+        install_write_deadline(cfg.write_timeout)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.monitor.run)
+            warm = await self.pool.warm_up()
+            log.info("tokenizer pool warm (%s, %s mode, %d threads) in %.0f ms",
+                     self.tokenizer.backend.value, self.pool.mode.value,
+                     self.pool.statistics().threads, warm * 1000)
+            await self._start_workers(nursery)
+            app = ShieldFinalSend(self.app, deadline=cfg.write_timeout)
+            async with trio.open_nursery() as http:
+                urls: list[str] = await http.start(
+                    partial(serve, app, self.hypercorn_config(),
+                            shutdown_trigger=self.shutdown.wait)
+                )
+                log.info("headwater serving %s on %s", cfg.model_name, ", ".join(urls))
+                task_status.started(urls)
+            # serve() returned: the shutdown trigger fired and in-flight requests had
+            # their graceful_timeout. Now stop the workers and the monitor.
+            nursery.cancel_scope.cancel()
+
+    async def _start_workers(self, nursery: trio.Nursery) -> None:
+        cfg = self.config
+        if cfg.workers or cfg.discovery:
+            from frontend.discovery import start_discovery
+
+            await start_discovery(nursery, cfg, self.router)
+            return
+        local = LocalWorkersConfig(
+            model=cfg.model_name,
+            mode=cfg.mode,
+            engine=cfg.engine,
+            speedup_ratio=cfg.speedup_ratio,
+            ack_timeout=cfg.ack_timeout,
+        )
+        await nursery.start(run_local_workers, local, self.router)

@@ -1,0 +1,1 @@
+"""Developer scripts that live next to headwater (benchmarks); not part of the installed package."""

@@ -1,0 +1,356 @@
+"""Benchmark tooling: prompt synthesis, the loopback guard, statistics, scraping, the load client.
+
+Test policy: loopback only (127.0.0.1, port 0); the end-to-end tests run a small fake
+OpenAI-compatible server (plain ASGI on hypercorn-trio, in this process) against the real
+load-generator child process; every run is bounded by a time limit of a few seconds.
+Token counts are checked against HF ``tokenizers`` as the independent oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from tokenizers import Tokenizer
+
+from scripts.bench import prompts
+from scripts.bench.loadgen import (
+    LoadResult,
+    NotLoopbackError,
+    check_loopback,
+    run_load,
+    run_load_trio,
+)
+from scripts.bench.scrape import (
+    DYNAMO_PREFIX,
+    loop_report,
+    parse_loop,
+    proc_report,
+    read_proc,
+)
+from scripts.bench.stats import markdown_header, markdown_row, percentile, summarise
+
+MODEL = prompts.DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Callable[[str], int]:
+    tok = Tokenizer.from_file(str(prompts.tokenizer_path()))
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
+# --- prompts ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("scenario", "tokens", "count"), [("short", 100, 20), ("long", 4000, 3)])
+def test_prompts_hit_the_token_count(
+    scenario: str, tokens: int, count: int, oracle: Callable[[str], int]
+) -> None:
+    ps = prompts.make_prompts(scenario, count, tokens=tokens)
+    assert len(ps) == count
+    for p in ps.prompts:
+        assert p.system is None
+        assert p.user_tokens == oracle(p.user)
+        assert abs(p.user_tokens - tokens) <= 0.02 * tokens
+        assert ps.nonce in p.user
+    assert len({p.user for p in ps.prompts}) == count
+
+
+def test_two_runs_give_different_texts() -> None:
+    a = prompts.make_prompts("short", 5)
+    b = prompts.make_prompts("short", 5)
+    assert a.nonce != b.nonce
+    assert not {p.user for p in a.prompts} & {p.user for p in b.prompts}
+    # ...while a seed reproduces a run exactly.
+    assert prompts.make_prompts("short", 3, seed=7) == prompts.make_prompts("short", 3, seed=7)
+
+
+def test_shared_prefix_bodies_share_the_system_prompt(oracle: Callable[[str], int]) -> None:
+    ps = prompts.make_prompts("shared-prefix", 6, tokens=2000, user_tokens=50)
+    system = ps.prompts[0].system
+    assert system is not None
+    assert abs(oracle(system) - 2000) <= 40
+    chat = [orjson.loads(b) for b in prompts.build_bodies(ps, stream=False, max_tokens=4)]
+    assert {b["messages"][0]["content"] for b in chat} == {system}
+    assert [b["messages"][0]["role"] for b in chat] == ["system"] * 6
+    users = [b["messages"][1]["content"] for b in chat]
+    assert len(set(users)) == 6
+    assert all(abs(oracle(u) - 50) <= 1 for u in users)
+    completions = prompts.build_bodies(ps, endpoint="completions", stream=True, max_tokens=4)
+    for body, user in zip(completions, users, strict=True):
+        text = orjson.loads(body)["prompt"]
+        assert text.startswith(system)
+        assert text.endswith(user)
+
+
+def test_bodies_carry_the_request_options() -> None:
+    ps = prompts.make_prompts("short", 2)
+    unary, streamed = (
+        [orjson.loads(b) for b in prompts.build_bodies(ps, stream=s, max_tokens=9)]
+        for s in (False, True)
+    )
+    assert unary[0]["chat_template_kwargs"] == {"thinking": False}
+    assert unary[0]["stream"] is False
+    assert "stream_options" not in unary[0]
+    assert streamed[1]["stream_options"] == {"include_usage": True}
+    assert streamed[1]["max_tokens"] == 9
+    assert streamed[1]["messages"] == [{"role": "user", "content": ps.prompts[1].user}]
+    with pytest.raises(ValueError):
+        prompts.build_bodies(ps, endpoint="embeddings", stream=False, max_tokens=1)  # type: ignore[arg-type]
+
+
+# --- loopback guard -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://10.0.0.1", "http://10.0.0.1:8000/v1/completions", "http://127.0.0.1.example.com/",
+     "http://example.com", "ftp://127.0.0.1/", "127.0.0.1:8000"],
+)
+def test_loopback_guard_refuses(url: str) -> None:
+    with pytest.raises(NotLoopbackError):
+        check_loopback(url)
+    with pytest.raises(NotLoopbackError):
+        run_load(url, [b"{}"], 1, 1, 1.0, False, progress=False)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8000/v1/chat/completions", "http://127.3.4.5/", "http://localhost:1",
+            "http://[::1]:8000/metrics"],
+)
+def test_loopback_guard_accepts(url: str) -> None:
+    check_loopback(url)
+
+
+# --- stats --------------------------------------------------------------------------
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert percentile([], 50) is None
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    rng = random.Random(1)
+    xs = [rng.expovariate(1.0) for _ in range(101)]
+    cuts = statistics.quantiles(xs, n=100, method="inclusive")
+    assert percentile(xs, 50) == pytest.approx(cuts[49])
+    assert percentile(xs, 99) == pytest.approx(cuts[98])
+    assert percentile(xs, 0) == min(xs)
+    assert percentile(xs, 100) == max(xs)
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+# --- scrape -------------------------------------------------------------------------
+
+
+def _exposition(prefix: str, delays: list[float], stalls: int, max_delay: float | None) -> str:
+    reg = CollectorRegistry()
+    hist = Histogram(prefix + "event_loop_delay_seconds", "d", registry=reg,
+                     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 1.0))
+    for d in delays:
+        hist.observe(d)
+    Counter(prefix + "event_loop_stall_total", "s", registry=reg).inc(stalls)
+    if max_delay is not None:
+        Gauge(prefix + "event_loop_max_delay_seconds", "m", registry=reg).set(max_delay)
+    return generate_latest(reg).decode()
+
+
+def test_loop_report_takes_the_run_delta() -> None:
+    before = parse_loop(_exposition("headwater_frontend_", [0.5] * 10, 3, 0.5))
+    # During the run: 99 fast samples (≤ 1 ms) and one 40 ms stall.
+    after = parse_loop(
+        _exposition("headwater_frontend_", [0.5] * 10 + [0.0005] * 99 + [0.04], 5, 0.04)
+    )
+    report = loop_report(before, after)
+    assert report.samples == 100
+    assert report.stalls == 2
+    assert report.max_delay_s == 0.04
+    assert report.delay_mean_s == pytest.approx((99 * 0.0005 + 0.04) / 100)
+    # rank 99 of 100 falls in the first bucket (99 samples ≤ 1 ms), not in the old 0.5 s ones.
+    assert report.delay_p99_s is not None
+    assert 0 < report.delay_p99_s <= 0.001
+
+
+def test_loop_report_without_gauge_for_dynamo() -> None:
+    before = parse_loop(_exposition(DYNAMO_PREFIX, [], 0, None), DYNAMO_PREFIX)
+    after = parse_loop(_exposition(DYNAMO_PREFIX, [0.02] * 4, 1, None), DYNAMO_PREFIX)
+    report = loop_report(before, after)
+    assert report.max_delay_s is None
+    assert (report.samples, report.stalls) == (4, 1)
+    assert report.delay_p99_s is not None
+    assert 0.01 < report.delay_p99_s <= 0.05
+
+
+def test_read_proc_of_this_process() -> None:
+    before = read_proc(os.getpid())
+    sum(i * i for i in range(300_000))  # burn a little CPU
+    after = read_proc(os.getpid())
+    report = proc_report(before, after)
+    assert report.cpu_s >= 0
+    assert after.cpu_s > 0
+    assert after.peak_rss_bytes >= after.rss_bytes > 0
+    with pytest.raises(ProcessLookupError):
+        read_proc(2**22 + 1)  # above the kernel's pid_max ceiling
+
+
+# --- end to end against a fake server -----------------------------------------------
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def _prompt_words(req: dict[str, Any]) -> int:
+    if "messages" in req:
+        return sum(len(m["content"].split()) for m in req["messages"])
+    return len(req["prompt"].split())
+
+
+async def _sse(send: Send, events: AsyncIterator[bytes]) -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    async for data in events:
+        await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n",
+                    "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def fake_openai(scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
+                      send: Send) -> None:
+    """Just enough of the OpenAI API: usage.prompt_tokens = words in the prompt."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            await send({"type": msg["type"] + ".complete"})
+            if msg["type"] == "lifespan.shutdown":
+                return
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    req = orjson.loads(raw)
+    if req["model"] != MODEL:
+        await send({"type": "http.response.start", "status": 404,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": "no such model"}'})
+        return
+    if req.get("hang"):
+        await trio.sleep_forever()
+    chat = scope["path"] == "/v1/chat/completions"
+    n = req["max_tokens"]
+    usage = {"prompt_tokens": _prompt_words(req), "completion_tokens": n,
+             "total_tokens": _prompt_words(req) + n}
+    if not req["stream"]:
+        choice = ({"message": {"role": "assistant", "content": "x " * n}} if chat
+                  else {"text": "x " * n})
+        body = {"choices": [{"index": 0, **choice, "finish_reason": "length"}], "usage": usage}
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": orjson.dumps(body)})
+        return
+
+    async def events() -> AsyncIterator[bytes]:
+        def chunk(text: str, finish: str | None = None) -> bytes:
+            choice = {"delta": {"content": text}} if chat else {"text": text}
+            return orjson.dumps({"choices": [{"index": 0, **choice, "finish_reason": finish}]})
+
+        if chat:  # role-only first chunk: carries no text, must not count as the first token
+            yield orjson.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        for i in range(n):
+            yield chunk(f"t{i} ")
+        yield chunk("", "length")
+        if req.get("stream_options", {}).get("include_usage"):
+            yield orjson.dumps({"choices": [], "usage": usage})
+        yield b"[DONE]"
+
+    await _sse(send, events())
+
+
+async def _start_fake(nursery: trio.Nursery) -> str:
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = None
+    urls = await nursery.start(serve, fake_openai, config)
+    return str(urls[0])
+
+
+def _check(result: LoadResult, bodies: list[bytes], stream: bool, max_tokens: int) -> None:
+    assert result.issued == len(result.records) == 20
+    assert not result.hit_time_limit
+    assert [r.index for r in result.records] == list(range(20))
+    for r in result.records:
+        assert r.ok, r.error
+        assert r.status == 200
+        assert r.ttft_s is not None
+        assert 0 < r.ttft_s <= r.e2e_s
+        assert r.prompt_tokens == _prompt_words(orjson.loads(bodies[r.body]))
+        assert r.completion_tokens == max_tokens
+        assert len(r.itl_s) == (max_tokens - 1 if stream else 0)
+        assert r.chunks == (max_tokens if stream else 1)
+    assert result.wall_s >= max(r.start_s + r.e2e_s for r in result.records) * 0.999
+    assert result.client.cpu_s > 0
+    s = summarise(result, "e2e")
+    assert (s.ok, s.failed, s.cut_off) == (20, 0, 0)
+    assert s.req_per_s == pytest.approx(20 / result.wall_s, rel=0.01)
+    assert (s.itl_p50_ms is not None) == stream
+    assert s.ttft_p50_ms is not None
+    assert s.e2e_p99_ms is not None
+    assert s.ttft_p50_ms <= s.e2e_p99_ms
+    row = markdown_row(s)
+    assert row.count("|") == markdown_header().splitlines()[0].count("|")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_run_load_end_to_end(endpoint: prompts.Endpoint) -> None:
+    ps = prompts.make_prompts("short", 10, tokens=60)
+    async with trio.open_nursery() as nursery:
+        url = await _start_fake(nursery) + prompts.ENDPOINT_PATHS[endpoint]
+        for stream in (True, False):
+            bodies = prompts.build_bodies(ps, endpoint=endpoint, stream=stream, max_tokens=5)
+            # Streaming through the trio shell, unary through the blocking one in a thread.
+            if stream:
+                result = await run_load_trio(url, bodies, 4, 20, 20.0, stream)
+            else:
+                result = await trio.to_thread.run_sync(
+                    lambda b=bodies: run_load(url, b, 4, 20, 20.0, False, progress=False)
+                )
+            _check(result, bodies, stream, 5)
+            assert {r.body for r in result.records} == set(range(10))  # cycled twice
+        nursery.cancel_scope.cancel()
+
+
+async def test_run_load_counts_failures_and_cuts_off_at_the_time_limit() -> None:
+    ps = prompts.make_prompts("short", 6, tokens=40)
+    bodies = prompts.build_bodies(ps, stream=True, max_tokens=3)
+    bodies[2] = prompts.build_bodies(ps.prompts[2:3], stream=True, max_tokens=3, model="nope")[0]
+    bodies[4] = prompts.build_bodies(
+        ps.prompts[4:5], stream=True, max_tokens=3, extra={"hang": True}
+    )[0]
+    async with trio.open_nursery() as nursery:
+        url = await _start_fake(nursery) + "/v1/chat/completions"
+        start = trio.current_time()
+        result = await run_load_trio(url, bodies, 2, 6, 0.5, True)
+        assert trio.current_time() - start < 10
+        nursery.cancel_scope.cancel()
+    by_body = {r.body: r for r in result.records}
+    assert len(result.records) == 6
+    assert result.hit_time_limit
+    assert by_body[2].status == 404
+    assert by_body[2].error is not None
+    assert by_body[2].error.startswith("HTTP 404")
+    assert by_body[4].cut_off
+    assert not by_body[4].ok
+    assert all(by_body[i].ok for i in (0, 1, 3, 5))
+    s = summarise(result)
+    assert (s.ok, s.failed, s.cut_off) == (4, 1, 1)
+    assert s.first_error == by_body[2].error
+    assert result.wall_s >= 0.5

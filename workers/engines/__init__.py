@@ -1,0 +1,1 @@
+"""Engines: the interface (:mod:`workers.engines.base`) and its implementations."""

@@ -1,0 +1,78 @@
+"""Configuration of the simulated engine: one frozen object, the unit next to each field.
+
+The defaults mirror Dynamo's mocker (block size 64, 16,384 GPU blocks, 256 sequences,
+8,192 batched tokens) so that timings compare with the peer at the same load. Token ids
+follow DeepSeek-V4: 0, 1, 2 and everything from 128,000 up are special, so the ordinary
+range the mocker samples from is ``[3, 128000)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MockerConfig:
+    """How fast the simulated engine runs, how big its KV cache is, what it emits.
+
+    Raises ``ValueError`` on construction if a field is out of range.
+    """
+
+    #: Every simulated duration (prefill and decode steps) is divided by this. 1.0 is
+    #: real-GPU speed; 1000 makes the engine nearly free, to measure the frontend alone.
+    speedup_ratio: float = 1.0
+    #: Tokens per KV block (the unit of allocation and of prefix reuse).
+    block_size: int = 64
+    #: KV blocks in the cache; the cache holds ``num_gpu_blocks * block_size`` tokens.
+    num_gpu_blocks: int = 16384
+    #: Most sequences in the running batch at once; more wait in a FIFO queue.
+    max_num_seqs: int = 256
+    #: Token budget of one scheduler step (decode tokens plus prefill chunks).
+    max_num_batched_tokens: int = 8192
+    #: Lowest output token id emitted (inclusive). 0, 1, 2 are DeepSeek-V4 specials.
+    output_token_low: int = 3
+    #: Output token ids stay below this (exclusive). Ids >= 128,000 are specials.
+    output_token_high: int = 128000
+    #: Bytes of KV payload per prompt token, as reported by a transfer (bytes/token).
+    kv_bytes_per_token: int = 16
+    #: KV transfer bandwidth (bytes/s). Transports built for this engine
+    #: (``InProcessKvTransfer(bandwidth=...)``) delay a pull by payload / bandwidth.
+    kv_transfer_bandwidth: float = 10e9
+    #: Seconds a prefill engine holds a finished prompt's KV for a decode worker to
+    #: pull; after that the blocks are freed and the pull fails.
+    kv_transfer_timeout: float = 30.0
+    #: None: every request generates exactly ``max_tokens`` and finishes "length".
+    #: Set (tokens): unless ``ignore_eos``, each request gets a natural length drawn
+    #: from its seed, uniform in ``[1, 2 * mean_output_tokens - 1]``; after that many
+    #: tokens (and never before ``min_tokens``) it emits its first EOS id and
+    #: finishes "stop".
+    mean_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.speedup_ratio > 0:
+            raise ValueError(f"speedup_ratio must be > 0, got {self.speedup_ratio}")
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.output_token_low < self.output_token_high:
+            raise ValueError(
+                "need 0 <= output_token_low < output_token_high, got "
+                f"{self.output_token_low}, {self.output_token_high}"
+            )
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        if not self.kv_transfer_bandwidth > 0:
+            raise ValueError(
+                f"kv_transfer_bandwidth must be > 0, got {self.kv_transfer_bandwidth}"
+            )
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0, got {self.kv_transfer_timeout}")
+        if self.mean_output_tokens is not None and self.mean_output_tokens < 1:
+            raise ValueError(
+                f"mean_output_tokens must be None or >= 1, got {self.mean_output_tokens}"
+            )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole KV cache holds; no prompt may be longer."""
+        return self.num_gpu_blocks * self.block_size
