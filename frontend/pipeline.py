@@ -194,7 +194,9 @@ class Pipeline:
                     return
                 if chunk.finish_reason is not None:
                     tail = delta.text + post.finish()
-                    yield Delta(tail, post.completion_tokens, chunk.finish_reason.value, cached)
+                    # A stop string can complete in the held-back tail released by finish().
+                    reason = "stop" if post.stopped else chunk.finish_reason.value
+                    yield Delta(tail, post.completion_tokens, reason, cached)
                     return
                 if delta.text:
                     yield Delta(delta.text, post.completion_tokens, None, cached)

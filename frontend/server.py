@@ -16,7 +16,6 @@ import logging
 from functools import partial
 
 import trio
-from headwater.instrumentation import LoopMonitor
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
@@ -31,6 +30,7 @@ from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
 from frontend.router import Router
+from headwater.instrumentation import LoopMonitor
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 class Frontend:
     """One frontend process's parts, wired; see the module docstring."""
 
-    def __init__(self, config: FrontendConfig) -> None:
+    def __init__(self, config: FrontendConfig, *, tokenizer: Tokenizer | None = None) -> None:
+        """Build every part; *tokenizer* reuses an already loaded one (tests, benchmarks)."""
         self.config = config
-        files = find_tokenizer_files(config.tokenizer)
-        self.tokenizer = Tokenizer(files, config.tokenizer_backend)
+        files = tokenizer.files if tokenizer else find_tokenizer_files(config.tokenizer)
+        self.tokenizer = tokenizer or Tokenizer(files, config.tokenizer_backend)
         self.pool = TokenizerPool(
             self.tokenizer,
             mode=config.tokenize_mode,
@@ -98,11 +99,13 @@ class Frontend:
         cfg = self.config
         install_write_deadline(cfg.write_timeout)
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.monitor.run)
+            # Warm-up first: its one-off initialisation costs (thread creation, the
+            # encoder's lazy set-up) are not stalls of the serving loop.
             warm = await self.pool.warm_up()
             log.info("tokenizer pool warm (%s, %s mode, %d threads) in %.0f ms",
                      self.tokenizer.backend.value, self.pool.mode.value,
                      self.pool.statistics().threads, warm * 1000)
+            await nursery.start(self.monitor.run)
             await self._start_workers(nursery)
             app = ShieldFinalSend(self.app, deadline=cfg.write_timeout)
             async with trio.open_nursery() as http:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -113,8 +115,14 @@ def test_bodies_carry_the_request_options() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["http://10.0.0.1", "http://10.0.0.1:8000/v1/completions", "http://127.0.0.1.example.com/",
-     "http://example.com", "ftp://127.0.0.1/", "127.0.0.1:8000"],
+    [
+        "http://10.0.0.1",
+        "http://10.0.0.1:8000/v1/completions",
+        "http://127.0.0.1.example.com/",
+        "http://example.com",
+        "ftp://127.0.0.1/",
+        "127.0.0.1:8000",
+    ],
 )
 def test_loopback_guard_refuses(url: str) -> None:
     with pytest.raises(NotLoopbackError):
@@ -124,8 +132,13 @@ def test_loopback_guard_refuses(url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["http://127.0.0.1:8000/v1/chat/completions", "http://127.3.4.5/", "http://localhost:1",
-            "http://[::1]:8000/metrics"],
+    "url",
+    [
+        "http://127.0.0.1:8000/v1/chat/completions",
+        "http://127.3.4.5/",
+        "http://localhost:1",
+        "http://[::1]:8000/metrics",
+    ],
 )
 def test_loopback_guard_accepts(url: str) -> None:
     check_loopback(url)
@@ -153,8 +166,12 @@ def test_percentile_matches_linear_interpolation() -> None:
 
 def _exposition(prefix: str, delays: list[float], stalls: int, max_delay: float | None) -> str:
     reg = CollectorRegistry()
-    hist = Histogram(prefix + "event_loop_delay_seconds", "d", registry=reg,
-                     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 1.0))
+    hist = Histogram(
+        prefix + "event_loop_delay_seconds",
+        "d",
+        registry=reg,
+        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 1.0),
+    )
     for d in delays:
         hist.observe(d)
     Counter(prefix + "event_loop_stall_total", "s", registry=reg).inc(stalls)
@@ -213,16 +230,23 @@ def _prompt_words(req: dict[str, Any]) -> int:
 
 
 async def _sse(send: Send, events: AsyncIterator[bytes]) -> None:
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
     async for data in events:
-        await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n",
-                    "more_body": True})
+        await send(
+            {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
+        )
     await send({"type": "http.response.body", "body": b""})
 
 
-async def fake_openai(scope: dict[str, Any], receive: Callable[[], Awaitable[dict]],
-                      send: Send) -> None:
+async def fake_openai(
+    scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Send
+) -> None:
     """Just enough of the OpenAI API: usage.prompt_tokens = words in the prompt."""
     if scope["type"] == "lifespan":
         while True:
@@ -238,22 +262,36 @@ async def fake_openai(scope: dict[str, Any], receive: Callable[[], Awaitable[dic
             break
     req = orjson.loads(raw)
     if req["model"] != MODEL:
-        await send({"type": "http.response.start", "status": 404,
-                    "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 404,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": b'{"error": "no such model"}'})
         return
     if req.get("hang"):
         await trio.sleep_forever()
     chat = scope["path"] == "/v1/chat/completions"
     n = req["max_tokens"]
-    usage = {"prompt_tokens": _prompt_words(req), "completion_tokens": n,
-             "total_tokens": _prompt_words(req) + n}
+    usage = {
+        "prompt_tokens": _prompt_words(req),
+        "completion_tokens": n,
+        "total_tokens": _prompt_words(req) + n,
+    }
     if not req["stream"]:
-        choice = ({"message": {"role": "assistant", "content": "x " * n}} if chat
-                  else {"text": "x " * n})
+        choice = (
+            {"message": {"role": "assistant", "content": "x " * n}} if chat else {"text": "x " * n}
+        )
         body = {"choices": [{"index": 0, **choice, "finish_reason": "length"}], "usage": usage}
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": orjson.dumps(body)})
         return
 
@@ -354,3 +392,30 @@ async def test_run_load_counts_failures_and_cuts_off_at_the_time_limit() -> None
     assert (s.ok, s.failed, s.cut_off) == (4, 1, 1)
     assert s.first_error == by_body[2].error
     assert result.wall_s >= 0.5
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+async def test_cli_prints_a_json_record_and_a_markdown_row() -> None:
+    async with trio.open_nursery() as nursery:
+        base = await _start_fake(nursery)
+        argv = [sys.executable, "-m", "scripts.bench.loadgen", "--url", base, "--stream",
+                "--scenario", "short", "--prompt-tokens", "50", "--concurrency", "2",
+                "--requests", "6", "--max-tokens", "3", "--pid", str(os.getpid()),
+                "--label", "cli", "--header", "--no-progress"]  # fmt: skip
+        with trio.fail_after(30):
+            done = await trio.run_process(argv, cwd=REPO, capture_stdout=True, check=False,
+                                          capture_stderr=True)  # fmt: skip
+        nursery.cancel_scope.cancel()
+    assert done.returncode == 0, done.stderr.decode()
+    record_line, header, separator, row = done.stdout.decode().splitlines()
+    record = orjson.loads(record_line)
+    assert (record["ok"], record["requests"], record["failed"]) == (6, 6, 0)
+    assert record["content_tokens_mean"] == pytest.approx(50, rel=0.02)
+    assert record["completion_tokens_mean"] == 3
+    assert record["url"] == base + "/v1/chat/completions"
+    assert [p["pid"] for p in record["procs"]] == [os.getpid()]
+    assert record["procs"][0]["cpu_s"] > 0  # this process served the requests
+    assert [header, separator] == markdown_header().splitlines()
+    assert row.startswith("| cli | stream | 2 | 6/6 |")

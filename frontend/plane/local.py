@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import trio
-from workers.runtime.kv_transfer import InProcessKvTransfer
 
 from frontend.plane.base import WorkerInstance
 from frontend.plane.memory import MemoryWorkerClient
@@ -20,6 +19,7 @@ from headwater.wire import Role
 from workers.engines.base import Engine
 from workers.engines.mocker import MockerConfig, MockerEngine
 from workers.runtime import WorkerRuntime
+from workers.runtime.kv_transfer import InProcessKvTransfer
 
 
 @dataclass(frozen=True, slots=True)

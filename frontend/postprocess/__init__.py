@@ -39,7 +39,7 @@ class TextPostprocessor:
         self,
         decode: Callable[[list[int]], str],
         *,
-        stop: Sequence[str] = (),
+        stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
         special_ids: frozenset[int] = frozenset(),
     ) -> None:
@@ -47,7 +47,7 @@ class TextPostprocessor:
         self._detok = IncrementalDetokenizer(
             decode, skip_special_tokens=skip_special_tokens, special_ids=special_ids
         )
-        self._stop = StopMatcher(stop)
+        self._stop = StopMatcher(stops)
         self._completion_tokens = 0
         self._finished = False
 

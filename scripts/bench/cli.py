@@ -41,14 +41,25 @@ def resolve_url(url: str, endpoint: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--url", default="http://127.0.0.1:8000",
-      help="server base URL (the endpoint path is appended) or a full endpoint URL; loopback only")
+    a(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="server base URL (endpoint path appended) or a full endpoint URL; loopback only",
+    )
     a("--endpoint", choices=sorted(prompts.ENDPOINT_PATHS), default="chat")
     a("--scenario", choices=[s.value for s in prompts.Scenario], default="short")
-    a("--prompt-tokens", type=int, default=None,
-      help="content tokens per prompt (system prompt for shared-prefix); default per scenario")
-    a("--user-tokens", type=int, default=prompts.DEFAULT_USER_TOKENS,
-      help="user-turn tokens for shared-prefix")
+    a(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="content tokens per prompt (system prompt for shared-prefix); default per scenario",
+    )
+    a(
+        "--user-tokens",
+        type=int,
+        default=prompts.DEFAULT_USER_TOKENS,
+        help="user-turn tokens for shared-prefix",
+    )
     a("--concurrency", type=int, default=16)
     a("--requests", type=int, default=200, help="requests to send (one distinct prompt each)")
     a("--time-limit", type=float, default=300.0, help="seconds; later requests are not sent")
@@ -59,8 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT)
     a("--metrics-url", default=None, help="scrape this /metrics before and after the run")
     a("--metrics-prefix", default=scrape.HEADWATER_PREFIX)
-    a("--pid", type=int, action="append", default=[],
-      help="report CPU and peak RSS of this server process (repeatable)")
+    a(
+        "--pid",
+        type=int,
+        action="append",
+        default=[],
+        help="report CPU and peak RSS of this server process (repeatable)",
+    )
     a("--label", default="")
     a("--header", action="store_true", help="print the markdown table header first")
     a("--records", action="store_true", help="include per-request records in the JSON")
@@ -73,27 +89,40 @@ def main(args: argparse.Namespace) -> int:
     if args.metrics_url:
         check_loopback(args.metrics_url)
     prompt_set = prompts.make_prompts(
-        args.scenario, args.requests, tokens=args.prompt_tokens,
-        user_tokens=args.user_tokens, seed=args.seed,
+        args.scenario,
+        args.requests,
+        tokens=args.prompt_tokens,
+        user_tokens=args.user_tokens,
+        seed=args.seed,
     )
     bodies = prompts.build_bodies(
-        prompt_set, endpoint=args.endpoint, stream=args.stream,
-        max_tokens=args.max_tokens, model=args.model,
+        prompt_set,
+        endpoint=args.endpoint,
+        stream=args.stream,
+        max_tokens=args.max_tokens,
+        model=args.model,
     )
     loop_before = (
         scrape.scrape_loop(args.metrics_url, args.metrics_prefix) if args.metrics_url else None
     )
     procs_before = [scrape.read_proc(pid) for pid in args.pid]
     result = run_load(
-        url, bodies, args.concurrency, args.requests, args.time_limit, args.stream,
-        request_timeout=args.request_timeout, progress=not args.no_progress,
+        url,
+        bodies,
+        args.concurrency,
+        args.requests,
+        args.time_limit,
+        args.stream,
+        request_timeout=args.request_timeout,
+        progress=not args.no_progress,
         description=args.label or args.scenario,
     )
     procs = [scrape.proc_report(b, scrape.read_proc(b.pid)) for b in procs_before]
     loop = None
     if loop_before is not None:
-        loop = scrape.loop_report(loop_before, scrape.scrape_loop(args.metrics_url,
-                                                                  args.metrics_prefix))
+        loop = scrape.loop_report(
+            loop_before, scrape.scrape_loop(args.metrics_url, args.metrics_prefix)
+        )
     summary = summarise(result, args.label)
     record: dict[str, Any] = {
         **summary.to_json(),

@@ -133,21 +133,30 @@ def check_loopback(url: str) -> None:
     raise NotLoopbackError(f"refusing non-loopback host {host!r} in {url!r}")
 
 
-def _validate(url: str, bodies: Sequence[bytes], concurrency: int, max_requests: int,
-              time_limit: float) -> None:
+def _validate(
+    url: str, bodies: Sequence[bytes], concurrency: int, max_requests: int, time_limit: float
+) -> None:
     check_loopback(url)
     if not bodies:
         raise ValueError("no bodies to send")
     if concurrency < 1 or max_requests < 1:
-        raise ValueError(f"concurrency and max_requests must be >= 1, "
-                         f"got {concurrency} and {max_requests}")
+        raise ValueError(
+            f"concurrency and max_requests must be >= 1, got {concurrency} and {max_requests}"
+        )
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit}")
 
 
-def _write_job(directory: str, url: str, bodies: Sequence[bytes], concurrency: int,
-               max_requests: int, time_limit: float, stream: bool,
-               request_timeout: float) -> list[str]:
+def _write_job(
+    directory: str,
+    url: str,
+    bodies: Sequence[bytes],
+    concurrency: int,
+    max_requests: int,
+    time_limit: float,
+    stream: bool,
+    request_timeout: float,
+) -> list[str]:
     """Write the bodies and the job file; return the child's command line."""
     bodies_path = os.path.join(directory, "bodies.bin")
     with open(bodies_path, "wb") as f:
@@ -172,8 +181,9 @@ def _write_job(directory: str, url: str, bodies: Sequence[bytes], concurrency: i
 class _Collector:
     """Turns the child's stdout lines into a :class:`LoadResult` (sans-IO)."""
 
-    def __init__(self, url: str, concurrency: int, max_requests: int, time_limit: float,
-                 stream: bool) -> None:
+    def __init__(
+        self, url: str, concurrency: int, max_requests: int, time_limit: float, stream: bool
+    ) -> None:
         self._params = (url, concurrency, max_requests, time_limit, stream)
         self._t0: float | None = None
         self._done: dict[str, Any] | None = None
@@ -203,9 +213,15 @@ class _Collector:
         d = self._done
         url, concurrency, max_requests, time_limit, stream = self._params
         return LoadResult(
-            url=url, concurrency=concurrency, max_requests=max_requests,
-            time_limit_s=time_limit, stream=stream, t0=self._t0, wall_s=d["wall_s"],
-            issued=d["issued"], hit_time_limit=d["hit_time_limit"],
+            url=url,
+            concurrency=concurrency,
+            max_requests=max_requests,
+            time_limit_s=time_limit,
+            stream=stream,
+            t0=self._t0,
+            wall_s=d["wall_s"],
+            issued=d["issued"],
+            hit_time_limit=d["hit_time_limit"],
             records=tuple(sorted(self._records, key=lambda r: r.index)),
             client=ClientUsage(d["cpu_user_s"], d["cpu_sys_s"], d["max_rss_kb"]),
         )
@@ -255,12 +271,16 @@ def run_load(
     _validate(url, bodies, concurrency, max_requests, time_limit)
     collector = _Collector(url, concurrency, max_requests, time_limit, stream)
     with tempfile.TemporaryDirectory(prefix="headwater-load-") as tmp:
-        cmd = _write_job(tmp, url, bodies, concurrency, max_requests, time_limit, stream,
-                         request_timeout)
+        cmd = _write_job(
+            tmp, url, bodies, concurrency, max_requests, time_limit, stream, request_timeout
+        )
         stderr_path = os.path.join(tmp, "stderr.txt")
-        with open(stderr_path, "wb") as err, subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
-        ) as proc:
+        with (
+            open(stderr_path, "wb") as err,
+            subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
+            ) as proc,
+        ):
             watchdog = threading.Timer(time_limit + STARTUP_GRACE, proc.kill)
             watchdog.daemon = True
             watchdog.start()
@@ -303,7 +323,14 @@ async def run_load_trio(
     collector = _Collector(url, concurrency, max_requests, time_limit, stream)
     with tempfile.TemporaryDirectory(prefix="headwater-load-") as tmp:
         cmd = await trio.to_thread.run_sync(
-            _write_job, tmp, url, bodies, concurrency, max_requests, time_limit, stream,
+            _write_job,
+            tmp,
+            url,
+            bodies,
+            concurrency,
+            max_requests,
+            time_limit,
+            stream,
             request_timeout,
         )
         stderr_path = os.path.join(tmp, "stderr.txt")
@@ -313,8 +340,9 @@ async def run_load_trio(
             )
         try:
             assert proc.stdout is not None
-            with _progress(progress, max_requests, description) as tick, trio.fail_after(
-                time_limit + STARTUP_GRACE
+            with (
+                _progress(progress, max_requests, description) as tick,
+                trio.fail_after(time_limit + STARTUP_GRACE),
             ):
                 buffer = b""
                 async for chunk in proc.stdout:
@@ -330,7 +358,8 @@ async def run_load_trio(
                 if proc.returncode is None:
                     proc.kill()
                 await proc.wait()
-                await proc.aclose()
+                if proc.stdout is not None:
+                    await proc.stdout.aclose()
         if proc.returncode != 0:
             raise _failure(proc.returncode, stderr_path)
     return collector.result()

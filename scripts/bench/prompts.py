@@ -52,8 +52,7 @@ _MAX_ADJUSTMENTS = 8
 
 # Plain lowercase words: each " word" is its own pre-token under the DeepSeek-V4
 # pre-tokenizer, so a text's token count is (almost exactly) the sum of per-word costs.
-WORDS: tuple[str, ...] = tuple(
-    """
+_WORD_TEXT = """
     able about above across act add after again against age air all almost alone along
     already also always among amount animal answer any apple appear area arm around art
     ask away back ball bank base bear beauty bed before begin behind bell below best
@@ -106,8 +105,8 @@ WORDS: tuple[str, ...] = tuple(
     very village visit voice vowel wait walk wall warm wash watch water wave wealth
     weather week weight west wheel white whole wide wife wild wind window winter wire
     wish woman wonder wood word work world write yard year yellow young
-    """.split()
-)
+    """
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 
 
 class Scenario(enum.StrEnum):

@@ -62,9 +62,7 @@ class MockerConfig:
         if self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
         if not self.kv_transfer_bandwidth > 0:
-            raise ValueError(
-                f"kv_transfer_bandwidth must be > 0, got {self.kv_transfer_bandwidth}"
-            )
+            raise ValueError(f"kv_transfer_bandwidth must be > 0, got {self.kv_transfer_bandwidth}")
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0, got {self.kv_transfer_timeout}")
         if self.mean_output_tokens is not None and self.mean_output_tokens < 1:

@@ -1,0 +1,205 @@
+"""Membership: turns what discovery reports into connected clients in the router.
+
+:class:`Membership` is the frontend's :class:`DiscoverySink`. Discovery calls it
+synchronously; the slow parts run in tasks of the nursery its :meth:`run` owns:
+
+* ``worker_added`` → connect (retried with backoff until it works or the worker is
+  removed; failures are logged, never raised) → ``router.add(client)``. If the
+  worker was known under another address or incarnation, the old client is
+  removed and closed first.
+* ``worker_removed`` → ``router.remove`` now, close the client in the background
+  (bounded by ``close_timeout``, shielded).
+* ``worker_draining`` → ``router.set_draining`` (also applied when a pending
+  connection completes later).
+
+Wiring::
+
+    membership = Membership(router, connect_worker)
+    await nursery.start(membership.run)
+    await nursery.start(discovery.run, membership)
+
+Sink calls do only bookkeeping and ``start_soon``, so a burst of changes costs no
+buffer beyond one task per connecting worker. Cancelling ``run`` stops pending
+connections and closes every client it connected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from frontend.discovery.base import Backoff
+from frontend.plane.base import WorkerClient, WorkerInstance
+from frontend.router.router import Router
+
+log = logging.getLogger(__name__)
+
+#: Opens a client for a discovered worker; raises (any Exception) when it cannot.
+Connect = Callable[[WorkerInstance], Awaitable[WorkerClient]]
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipStats:
+    connected: int  # clients in the router that this membership opened
+    connecting: int  # workers whose connection is pending or being retried
+    draining: int
+    connect_failures_total: int
+
+
+class Membership:
+    """The DiscoverySink that keeps *router* in step with discovery; see the module doc."""
+
+    def __init__(
+        self,
+        router: Router,
+        connect: Connect,
+        *,
+        connect_timeout: float = 10.0,  # seconds per attempt
+        close_timeout: float = 5.0,  # seconds to close a removed worker's client
+        retry_initial: float = 0.2,  # seconds before the first retry
+        retry_max: float = 10.0,  # seconds between retries at most
+    ) -> None:
+        self.router = router
+        self.connect = connect
+        self.connect_timeout = connect_timeout
+        self.close_timeout = close_timeout
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self._nursery: trio.Nursery | None = None
+        self._clients: dict[str, WorkerClient] = {}
+        self._pending: dict[str, tuple[WorkerInstance, trio.CancelScope]] = {}
+        self._draining: set[str] = set()
+        self._failures = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host connection and close tasks until cancelled, then close every client."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            self._pending.clear()
+            clients = list(self._clients.items())
+            self._clients.clear()
+            with trio.move_on_after(self.close_timeout, shield=True):
+                for worker_id, client in clients:
+                    if self.router.remove(worker_id) not in (client, None):
+                        log.warning("router held another client for %s at shutdown", worker_id)
+                    await _close_quietly(client)
+
+    def statistics(self) -> MembershipStats:
+        return MembershipStats(
+            connected=len(self._clients),
+            connecting=len(self._pending),
+            draining=len(self._draining),
+            connect_failures_total=self._failures,
+        )
+
+    # -- DiscoverySink --
+
+    def worker_added(self, instance: WorkerInstance) -> None:
+        nursery = self._require_nursery()
+        wid = instance.worker_id
+        self._draining.discard(wid)
+        pending = self._pending.get(wid)
+        if pending is not None:
+            if _same(pending[0], instance):
+                return  # already connecting to exactly this
+            pending[1].cancel()
+            del self._pending[wid]
+        current = self._clients.get(wid)
+        if current is not None:
+            if _same(current.instance, instance):
+                self.router.set_draining(wid, False)  # a re-announcement: ready again
+                return
+            self._drop(wid)  # moved or restarted: the old connection is stale
+        scope = trio.CancelScope()
+        self._pending[wid] = (instance, scope)
+        nursery.start_soon(self._connect, instance, scope, name=f"connect {wid}")
+
+    def worker_removed(self, worker_id: str) -> None:
+        self._require_nursery()
+        self._draining.discard(worker_id)
+        pending = self._pending.pop(worker_id, None)
+        if pending is not None:
+            pending[1].cancel()
+        self._drop(worker_id)
+
+    def worker_draining(self, worker_id: str) -> None:
+        self._draining.add(worker_id)
+        self.router.set_draining(worker_id, True)
+
+    # -- internals --
+
+    def _require_nursery(self) -> trio.Nursery:
+        if self._nursery is None:
+            raise RuntimeError("Membership used before run() started (or after it ended)")
+        return self._nursery
+
+    def _drop(self, worker_id: str) -> None:
+        nursery = self._require_nursery()
+        ours = self._clients.pop(worker_id, None)
+        routed = self.router.remove(worker_id)  # may be another owner's: ours to close now
+        for client in (ours, routed if routed is not ours else None):
+            if client is not None:
+                nursery.start_soon(self._close, client, name=f"close {worker_id}")
+
+    async def _connect(self, instance: WorkerInstance, scope: trio.CancelScope) -> None:
+        """Connect (retrying) unless *scope* is cancelled, i.e. the worker went away."""
+        wid = instance.worker_id
+        client: WorkerClient | None = None
+        with scope:
+            client = await self._connect_until_done(instance)
+        if client is None:
+            return  # removed or replaced while connecting
+        if scope.cancel_called:
+            # Cancelled after the factory's last checkpoint: the client arrived anyway.
+            await self._close(client)
+            return
+        del self._pending[wid]
+        self._clients[wid] = client
+        self.router.add(client)
+        if wid in self._draining:
+            self.router.set_draining(wid, True)
+        log.info("worker %s (%s) connected at %s", wid, instance.role.value, instance.address)
+
+    async def _connect_until_done(self, instance: WorkerInstance) -> WorkerClient:
+        backoff = Backoff(self.retry_initial, self.retry_max)
+        while True:
+            try:
+                with trio.fail_after(self.connect_timeout):
+                    return await self.connect(instance)
+            except Exception as exc:  # whatever the factory raises: log and retry
+                self._failures += 1
+                delay = backoff.next()
+                log.warning(
+                    "connecting to worker %s at %s failed (attempt %d): %r; retrying in %.2f s",
+                    instance.worker_id,
+                    instance.address,
+                    backoff.failures,
+                    exc,
+                    delay,
+                )
+            await trio.sleep(delay)
+
+    async def _close(self, client: WorkerClient) -> None:
+        with trio.move_on_after(self.close_timeout, shield=True):
+            await _close_quietly(client)
+
+
+async def _close_quietly(client: WorkerClient) -> None:
+    try:
+        await client.aclose()
+    except Exception:
+        log.exception("closing the client of worker %s failed", client.instance.worker_id)
+
+
+def _same(a: WorkerInstance, b: WorkerInstance) -> bool:
+    # metadata (pid, start time) is excluded from ==, but a new incarnation
+    # at the same address still needs a fresh connection.
+    return a == b and a.metadata == b.metadata

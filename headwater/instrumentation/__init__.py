@@ -1,0 +1,38 @@
+"""Watching the event loop: how late it runs, and which task and line stall it.
+
+Shared by the frontend and the workers. Start a :class:`LoopMonitor` in the process's
+top-level nursery; its metrics live in their own prometheus registry.
+"""
+
+from headwater.instrumentation.canary import DelaySeries, run_canary
+from headwater.instrumentation.loop_metrics import (
+    DELAY_BUCKETS,
+    FRONTEND_PREFIX,
+    STALL_CAUSES,
+    WORKER_PREFIX,
+    LoopMetrics,
+    StallCause,
+)
+from headwater.instrumentation.monitor import LoopMonitor
+from headwater.instrumentation.stalls import (
+    StallDetector,
+    StallRecord,
+    StallStatistics,
+    TaskTracker,
+)
+
+__all__ = [
+    "DELAY_BUCKETS",
+    "FRONTEND_PREFIX",
+    "STALL_CAUSES",
+    "WORKER_PREFIX",
+    "DelaySeries",
+    "LoopMetrics",
+    "LoopMonitor",
+    "StallCause",
+    "StallDetector",
+    "StallRecord",
+    "StallStatistics",
+    "TaskTracker",
+    "run_canary",
+]

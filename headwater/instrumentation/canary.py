@@ -1,0 +1,99 @@
+"""The event-loop canary: a task that asks to sleep 10 ms and measures how late it woke.
+
+Why: the overshoot is exactly what every other task on this loop suffered at that moment,
+so it is the loop's latency as users feel it, at the cost of ~100 tiny task steps per
+second. Dynamo exports the same signal (``event_loop_delay_seconds``). The canary also
+keeps trio's I/O-wait timeout at ≤ 10 ms, which lets the stall detector see a loop that
+could not come back from the wait because another thread held the GIL.
+
+It measures with the real monotonic clock, not trio's clock: under a ``MockClock`` with
+autojump it would spin without ever sleeping, so do not run it in virtual-time tests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import TYPE_CHECKING, NoReturn
+
+import trio
+
+if TYPE_CHECKING:
+    from headwater.instrumentation.loop_metrics import LoopMetrics
+
+
+class DelaySeries:
+    """Loop delay over time for a chart: the maximum delay per bucket over a window.
+
+    The default keeps the last 60 s in 250 ms buckets (240 points). Written by the
+    canary on the loop thread; :meth:`recent` copies, so readers never see it change
+    under them.
+    """
+
+    def __init__(self, *, window_s: float = 60.0, bucket_s: float = 0.25) -> None:
+        if window_s <= 0 or bucket_s <= 0:
+            raise ValueError("window_s and bucket_s must be positive")
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        # (bucket index, max delay); a bucket index is floor(wall time / bucket_s)
+        self._buckets: deque[tuple[int, float]] = deque(maxlen=math.ceil(window_s / bucket_s))
+
+    def add(self, wall_time: float, delay_s: float) -> None:
+        """Fold one sample taken at ``wall_time`` (unix seconds) into its bucket."""
+        index = math.floor(wall_time / self.bucket_s)
+        buckets = self._buckets
+        if buckets and buckets[-1][0] == index:
+            if delay_s > buckets[-1][1]:
+                buckets[-1] = (index, delay_s)
+        elif not buckets or index > buckets[-1][0]:
+            buckets.append((index, delay_s))
+        # an older index means the wall clock stepped back: drop the sample
+
+    def recent(self, now: float | None = None) -> list[tuple[float, float]]:
+        """``(bucket start in unix seconds, max delay in seconds)`` pairs, oldest first.
+
+        Only buckets that started within ``window_s`` of ``now`` (default: the current
+        wall time); buckets without samples (the loop was stalled, or not running) are
+        absent rather than zero.
+        """
+        if now is None:
+            now = time.time()
+        oldest = now - self.window_s
+        return [
+            (start, delay)
+            for index, delay in list(self._buckets)
+            if (start := index * self.bucket_s) >= oldest
+        ]
+
+
+async def run_canary(
+    metrics: LoopMetrics,
+    *,
+    interval: float = 0.010,
+    threshold: float = 0.020,
+    series: DelaySeries | None = None,
+    task_status: trio.TaskStatus[DelaySeries] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Sleep ``interval`` seconds in a loop and record each overshoot until cancelled.
+
+    Each overshoot (observed − requested, never negative) goes into ``metrics``' delay
+    histogram and max gauge, and counts as a stall when it exceeds ``threshold``; it is
+    also folded into ``series`` (a fresh :class:`DelaySeries` when ``None``), which is
+    what ``nursery.start(run_canary, metrics)`` returns.
+
+    Cancellation: stops at the sleep; nothing to clean up.
+    """
+    if interval <= 0:
+        raise ValueError("interval must be positive")
+    if series is None:
+        series = DelaySeries()
+    task_status.started(series)
+    clock = time.perf_counter
+    wall = time.time
+    while True:
+        asked = clock()
+        await trio.sleep(interval)
+        delay = max(0.0, clock() - asked - interval)
+        metrics.observe_delay(delay, stalled=delay > threshold)
+        series.add(wall(), delay)

@@ -1,0 +1,641 @@
+"""The request plane's frames on a byte stream, and its handshake, without any I/O.
+
+A frame is a 4-byte big-endian body length followed by a msgpack map whose ``"k"``
+names the kind. Everything here turns bytes into typed frames and back
+(:class:`FrameDecoder`, :func:`encode`) or decides what to answer during the
+handshake (:class:`ClientHandshake`, :class:`ServerHandshake`); the trio shells
+(``frontend.plane.tcp``, ``workers.runtime.tcp_server``) only move bytes.
+
+Kinds and their frame types::
+
+    hello      Hello        client → server, first frame: version, role, id, model, nonce
+    challenge  Challenge    server → client, only with a secret: server nonce + proof
+    auth       Auth         client → server: the client's proof
+    hello_ok   HelloOk      server → client: handshake done, who the worker is
+    request    GenerateRequest          ack / chunk / end: Ack, Chunk, End
+    error      Error (has request_id) or Fault (connection-level, then close)
+    cancel     Cancel       ping / pong: Ping, Pong (heartbeat, echo ``seq``)
+    kv_pull    KvPull       kv_data: KvData (a transfer's payload, in pieces)
+    get_stats  GetStats     stats: Stats (the worker's counters, flat)
+    goaway     GoAway       server → client: no new requests on this connection
+
+The decoder trusts nothing: msgpack is unpacked with ``strict_map_key`` and size
+limits, every field is type-checked, and anything wrong raises
+:class:`ProtocolError` (nothing else), after which the connection is unusable.
+
+Prompt token ids travel as packed little-endian uint32 bytes: for a 40k-token
+prompt that packs 3.6x and unpacks 2.6x faster than a msgpack int list and
+needs no per-element type check (measured: 0.6 vs 2.1 ms, 1.2 vs 3.2 ms + 1.7 ms).
+Chunks carry one or a few tokens, so they keep plain int lists.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+import struct
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from headwater.wire.messages import (
+    Ack,
+    Cancel,
+    Chunk,
+    End,
+    Error,
+    FinishReason,
+    GenerateRequest,
+)
+
+PROTOCOL_VERSION = 1
+#: Largest frame body either side accepts (bytes). A bigger length header is an error
+#: before any of the body is buffered.
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+NONCE_BYTES = 32
+#: Environment variable holding the shared plane secret itself.
+SECRET_ENV = "HEADWATER_PLANE_SECRET"
+
+_HEADER = struct.Struct(">I")
+_MAX_MAP_LEN = 256  # the widest frame (stats) has a few dozen keys
+_TOKEN_ARRAY = "I" if array.array("I").itemsize == 4 else "L"
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol; the connection must be closed.
+
+    ``code`` is what an error frame to the peer says: ``protocol_error``,
+    ``frame_too_large``, ``unsupported_version`` or ``unauthorized``.
+    """
+
+    def __init__(self, message: str, code: str = "protocol_error") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame exceeds the size limit (raised by the decoder and by :func:`encode`)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the {limit}-byte limit", "frame_too_large")
+
+
+class AuthError(ProtocolError):
+    """The handshake failed: missing, unexpected or wrong proof of the shared secret."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "unauthorized")
+
+
+# ---- control frames ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    version: int
+    role: str  # "frontend", or the role of a worker pulling KV
+    peer_id: str
+    model: str  # what the client expects the worker to serve ("" = anything)
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    nonce: bytes
+    proof: bytes  # the server's proof over both nonces
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    proof: bytes  # the client's proof over both nonces
+
+
+@dataclass(frozen=True, slots=True)
+class HelloOk:
+    version: int
+    role: str
+    worker_id: str
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A connection-level error; the sender closes the connection after it."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvPull:
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KvData:
+    """One piece of a transfer's payload; ``last`` marks the final piece."""
+
+    transfer_id: str
+    data: bytes | memoryview
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    seq: int
+    values: dict[str, int | float | str | bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GoAway:
+    reason: str
+
+
+Frame = (
+    Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
+    | Cancel | Ping | Pong | KvPull | KvData | GetStats | Stats | GoAway
+)
+
+# ---- encoding -----------------------------------------------------------------------
+
+
+def pack_token_ids(ids: list[int]) -> bytes:
+    """Token ids → little-endian uint32 bytes. Raises ValueError outside [0, 2**32)."""
+    try:
+        packed = array.array(_TOKEN_ARRAY, ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from exc
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """The inverse of :func:`pack_token_ids`; raises ProtocolError on a ragged length."""
+    if len(data) % 4:
+        raise ProtocolError(f"token_ids: {len(data)} bytes is not a whole number of uint32")
+    ids = array.array(_TOKEN_ARRAY)
+    ids.frombytes(data)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def _body(frame: Frame) -> dict[str, Any]:
+    match frame:
+        case GenerateRequest():
+            d = frame.to_wire()
+            d["token_ids"] = pack_token_ids(frame.token_ids)
+            d["k"] = "request"
+            return d
+        case Ack() | Chunk() | End() | Error() | Cancel():
+            d = frame.to_wire()
+            d["k"] = _WIRE_KINDS[type(frame)]
+            return d
+        case Fault():
+            return {"k": "error", "code": frame.code, "message": frame.message}
+        case Hello():
+            return {"k": "hello", "version": frame.version, "role": frame.role,
+                    "peer_id": frame.peer_id, "model": frame.model, "nonce": frame.nonce}
+        case Challenge():
+            return {"k": "challenge", "nonce": frame.nonce, "proof": frame.proof}
+        case Auth():
+            return {"k": "auth", "proof": frame.proof}
+        case HelloOk():
+            return {"k": "hello_ok", "version": frame.version, "role": frame.role,
+                    "worker_id": frame.worker_id, "model": frame.model}
+        case Ping() | Pong() | GetStats():
+            return {"k": _WIRE_KINDS[type(frame)], "seq": frame.seq}
+        case Stats():
+            return {"k": "stats", "seq": frame.seq, "values": frame.values}
+        case KvPull():
+            return {"k": "kv_pull", "transfer_id": frame.transfer_id}
+        case KvData():
+            return {"k": "kv_data", "transfer_id": frame.transfer_id, "data": frame.data,
+                    "last": frame.last}
+        case GoAway():
+            return {"k": "goaway", "reason": frame.reason}
+    raise TypeError(f"not a frame: {type(frame).__name__}")
+
+
+_WIRE_KINDS: dict[type, str] = {
+    Ack: "ack", Chunk: "chunk", End: "end", Error: "error", Cancel: "cancel",
+    Ping: "ping", Pong: "pong", GetStats: "get_stats",
+}
+
+
+def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """*frame* as length-prefixed bytes.
+
+    Raises :class:`FrameTooLarge` if the body exceeds *max_frame* (the peer would
+    refuse it and drop the whole connection), ValueError on unencodable fields.
+    """
+    body = msgpack.packb(_body(frame), use_bin_type=True)
+    if len(body) > max_frame:
+        raise FrameTooLarge(len(body), max_frame)
+    return _HEADER.pack(len(body)) + body
+
+
+# ---- decoding -----------------------------------------------------------------------
+
+
+class FrameDecoder:
+    """Incremental frame decoder: feed it whatever the socket returned.
+
+    Frames may be split across feeds at any byte. After a :class:`ProtocolError`
+    the decoder stays failed (every later feed raises again): resynchronising a
+    length-prefixed stream is not possible.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+        self._failure: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Add *data*; return the frames it completed, in order.
+
+        Raises ProtocolError (frames completed earlier in the same call are lost,
+        as the connection is closed anyway).
+        """
+        if self._failure is not None:
+            raise self._failure
+        buf = self._buffer
+        buf += data
+        frames: list[Frame] = []
+        pos = 0
+        try:
+            while len(buf) - pos >= 4:
+                (size,) = _HEADER.unpack_from(buf, pos)
+                if size > self.max_frame:
+                    raise FrameTooLarge(size, self.max_frame)
+                if size == 0:
+                    raise ProtocolError("empty frame")
+                end = pos + 4 + size
+                if len(buf) < end:
+                    break
+                with memoryview(buf) as view:
+                    frames.append(decode_body(view[pos + 4 : end], self.max_frame))
+                pos = end
+        except ProtocolError as exc:
+            self._failure = exc
+            buf.clear()
+            raise
+        del buf[:pos]
+        return frames
+
+
+def decode_body(body: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
+    """One frame body (without its length prefix) → a frame. Raises ProtocolError."""
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_map_len=_MAX_MAP_LEN,
+            max_ext_len=0,
+            max_bin_len=max_frame,
+            max_str_len=max_frame,
+            max_array_len=max_frame,
+        )
+    except (ValueError, TypeError) as exc:  # every msgpack unpack error is a ValueError
+        raise ProtocolError(f"undecodable frame body: {exc!r}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"frame body is a {type(obj).__name__}, not a map")
+    kind = obj.get("k")
+    parse = _PARSERS.get(kind) if isinstance(kind, str) else None
+    if parse is None:
+        raise ProtocolError(f"unknown frame kind {kind!r}")
+    try:
+        return parse(obj)
+    except ProtocolError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # from_wire on a checked dict: belt and braces
+        raise ProtocolError(f"bad {kind} frame: {exc!r}") from exc
+
+
+_MISSING: Any = object()
+_FINISH_REASONS = frozenset(r.value for r in FinishReason)
+
+
+def _field(
+    d: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = _MISSING
+) -> Any:
+    """``d[key]`` if its exact type is *kind* (bool is not an int; int passes as float)."""
+    value = d.get(key, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise ProtocolError(f"{d.get('k')}: missing field {key!r}")
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if type(value) in kinds or (float in kinds and type(value) is int):
+        return value
+    if value is None and default is None:
+        return None
+    raise ProtocolError(f"{d.get('k')}: field {key!r} has type {type(value).__name__}")
+
+
+def _nonneg(d: dict[str, Any], key: str, default: Any = _MISSING) -> int:
+    value = _field(d, key, int, default)
+    if value is not None and value < 0:
+        raise ProtocolError(f"{d.get('k')}: field {key!r} is negative")
+    return value
+
+
+def _int_list(d: dict[str, Any], key: str) -> list[int]:
+    values = _field(d, key, list, [])
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise ProtocolError(f"{d.get('k')}: field {key!r} must hold non-negative ints")
+    return values
+
+
+def _request_id(d: dict[str, Any], key: str = "request_id") -> str:
+    value = _field(d, key, str)
+    if not value:
+        raise ProtocolError(f"{d.get('k')}: empty {key}")
+    return value
+
+
+def _kv_handle(d: dict[str, Any]) -> dict[str, Any] | None:
+    handle = _field(d, "kv_handle", dict, None)
+    if handle is None:
+        return None
+    return {
+        "worker_id": _field(handle, "worker_id", str),
+        "address": _field(handle, "address", str),
+        "transfer_id": _field(handle, "transfer_id", str),
+        "num_tokens": _nonneg(handle, "num_tokens"),
+    }
+
+
+def _parse_request(d: dict[str, Any]) -> GenerateRequest:
+    sampling = _field(d, "sampling", dict)
+    checked = {
+        "max_tokens": _nonneg(sampling, "max_tokens"),
+        "min_tokens": _nonneg(sampling, "min_tokens", 0),
+        "ignore_eos": _field(sampling, "ignore_eos", bool, False),
+        "temperature": float(_field(sampling, "temperature", float, 1.0)),
+        "top_p": float(_field(sampling, "top_p", float, 1.0)),
+        "seed": _field(sampling, "seed", int, None),
+        "stop_token_ids": _int_list(sampling, "stop_token_ids"),
+    }
+    return GenerateRequest.from_wire({
+        "request_id": _request_id(d),
+        "model": _field(d, "model", str),
+        "token_ids": unpack_token_ids(_field(d, "token_ids", bytes)),
+        "sampling": checked,
+        "kv_handle": _kv_handle(d),
+        "eos_token_ids": _int_list(d, "eos_token_ids"),
+    })
+
+
+def _parse_chunk(d: dict[str, Any]) -> Chunk:
+    reason = _field(d, "finish_reason", str, None)
+    if reason is not None and reason not in _FINISH_REASONS:
+        raise ProtocolError(f"chunk: unknown finish_reason {reason!r}")
+    return Chunk.from_wire({
+        "request_id": _request_id(d),
+        "token_ids": _int_list(d, "token_ids"),
+        "finish_reason": reason,
+        "kv_handle": _kv_handle(d),
+        "cached_tokens": _nonneg(d, "cached_tokens", 0),
+    })
+
+
+def _parse_error(d: dict[str, Any]) -> Error | Fault:
+    code = _field(d, "code", str)
+    message = _field(d, "message", str, "")
+    if "request_id" not in d:
+        return Fault(code, message)
+    return Error.from_wire({"request_id": _request_id(d), "code": code, "message": message})
+
+
+def _parse_stats(d: dict[str, Any]) -> Stats:
+    values = _field(d, "values", dict)
+    if not all(type(k) is str and type(v) in (int, float, str, bool) for k, v in values.items()):
+        raise ProtocolError("stats: values must map names to scalars")
+    return Stats(_nonneg(d, "seq"), values)
+
+
+def _nonce(d: dict[str, Any]) -> bytes:
+    nonce = _field(d, "nonce", bytes)
+    if len(nonce) != NONCE_BYTES:
+        raise ProtocolError(f"{d.get('k')}: nonce must be {NONCE_BYTES} bytes")
+    return nonce
+
+
+_PARSERS: dict[str, Callable[[dict[str, Any]], Frame]] = {
+    "hello": lambda d: Hello(
+        _nonneg(d, "version"), _field(d, "role", str), _field(d, "peer_id", str),
+        _field(d, "model", str), _nonce(d),
+    ),
+    "challenge": lambda d: Challenge(_nonce(d), _field(d, "proof", bytes)),
+    "auth": lambda d: Auth(_field(d, "proof", bytes)),
+    "hello_ok": lambda d: HelloOk(
+        _nonneg(d, "version"), _field(d, "role", str), _field(d, "worker_id", str),
+        _field(d, "model", str),
+    ),
+    "request": _parse_request,
+    "ack": lambda d: Ack(_request_id(d)),
+    "chunk": _parse_chunk,
+    "end": lambda d: End(_request_id(d)),
+    "error": _parse_error,
+    "cancel": lambda d: Cancel(_request_id(d)),
+    "ping": lambda d: Ping(_nonneg(d, "seq")),
+    "pong": lambda d: Pong(_nonneg(d, "seq")),
+    "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id")),
+    "kv_data": lambda d: KvData(
+        _request_id(d, "transfer_id"), _field(d, "data", bytes), _field(d, "last", bool)
+    ),
+    "get_stats": lambda d: GetStats(_nonneg(d, "seq")),
+    "stats": _parse_stats,
+    "goaway": lambda d: GoAway(_field(d, "reason", str, "")),
+}
+
+#: Every frame kind on the wire.
+KINDS: frozenset[str] = frozenset(_PARSERS)
+
+# ---- handshake ----------------------------------------------------------------------
+#
+#   client                         server
+#   hello(version, nonce_c) ──────▶
+#                           ◀────── challenge(nonce_s, proof_s)   only with a secret
+#   auth(proof_c)          ──────▶                                only with a secret
+#                           ◀────── hello_ok(worker identity)  or  error(code) + close
+#
+# proof_x = HMAC-SHA256(secret, "headwater-plane/1|x|" + nonce_c + nonce_s), x being
+# "server" or "client": each side proves the secret over a nonce the other chose, so a
+# recorded exchange never replays, and the labels stop one side's proof from being
+# reflected back as the other's.
+
+
+def proof(secret: bytes, side: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The HMAC-SHA256 proof of *side* (``"client"`` or ``"server"``)."""
+    label = f"headwater-plane/{PROTOCOL_VERSION}|{side}|".encode()
+    return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+class ClientHandshake:
+    """The client's side: :meth:`start`, then :meth:`receive` each frame until done.
+
+    ``receive`` returns the frame to send next (or None) and sets :attr:`peer` when the
+    handshake completes. Raises :class:`AuthError`, :class:`ProtocolError` (with the
+    server's code when it sent an error frame).
+    """
+
+    def __init__(self, *, role: str, peer_id: str, model: str, secret: bytes | None) -> None:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        self._hello = Hello(PROTOCOL_VERSION, role, peer_id, model, nonce)
+        self._secret = secret
+        self._server_proved = False
+        self.peer: HelloOk | None = None
+
+    def start(self) -> Hello:
+        return self._hello
+
+    def receive(self, frame: Frame) -> Frame | None:
+        if self.peer is not None:
+            raise ProtocolError("handshake already complete")
+        match frame:
+            case Challenge():
+                if self._secret is None:
+                    raise AuthError("the worker requires a plane secret and none is configured")
+                if self._server_proved:
+                    raise ProtocolError("second challenge")
+                expected = proof(self._secret, "server", self._hello.nonce, frame.nonce)
+                if not hmac.compare_digest(expected, frame.proof):
+                    raise AuthError("the worker does not know the plane secret")
+                self._server_proved = True
+                return Auth(proof(self._secret, "client", self._hello.nonce, frame.nonce))
+            case HelloOk():
+                if self._secret is not None and not self._server_proved:
+                    raise AuthError("the worker skipped authentication but a secret is configured")
+                if frame.version != PROTOCOL_VERSION:
+                    raise ProtocolError(
+                        f"worker speaks protocol {frame.version}", "unsupported_version"
+                    )
+                self.peer = frame
+                return None
+            case Fault():
+                if frame.code == "unauthorized":
+                    raise AuthError(f"refused by the worker: {frame.message}")
+                raise ProtocolError(f"refused by the worker: {frame.message}", frame.code)
+        raise ProtocolError(f"unexpected {type(frame).__name__} during the handshake")
+
+
+class ServerHandshake:
+    """The server's side: :meth:`receive` each client frame until :attr:`peer` is set.
+
+    Returns the frame to send back. Raises :class:`AuthError` or
+    :class:`ProtocolError`; the caller sends ``Fault(exc.code, exc.message)`` and closes.
+    """
+
+    def __init__(self, identity: HelloOk, *, secret: bytes | None) -> None:
+        self._identity = identity
+        self._secret = secret
+        self._hello: Hello | None = None
+        self._nonce = b""
+        self.peer: Hello | None = None
+
+    def receive(self, frame: Frame) -> Frame:
+        if self.peer is not None:
+            raise ProtocolError("handshake already complete")
+        if self._hello is None:
+            if not isinstance(frame, Hello):
+                raise ProtocolError(f"expected hello, got {type(frame).__name__}")
+            if frame.version != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    f"protocol {frame.version} not supported (this worker speaks "
+                    f"{PROTOCOL_VERSION})",
+                    "unsupported_version",
+                )
+            self._hello = frame
+            if self._secret is None:
+                self.peer = frame
+                return self._identity
+            self._nonce = secrets.token_bytes(NONCE_BYTES)
+            return Challenge(self._nonce, proof(self._secret, "server", frame.nonce, self._nonce))
+        if not isinstance(frame, Auth) or self._secret is None:
+            raise ProtocolError(f"expected auth, got {type(frame).__name__}")
+        expected = proof(self._secret, "client", self._hello.nonce, self._nonce)
+        if not hmac.compare_digest(expected, frame.proof):
+            raise AuthError("wrong plane secret")
+        self.peer = self._hello
+        return self._identity
+
+
+# ---- addresses and secrets ------------------------------------------------------------
+
+
+def parse_tcp_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` (``[v6]:port`` too) → (host, port). Raises ValueError."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme != "tcp":
+        raise ValueError(f"not a tcp:// address: {address!r}")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad tcp address {address!r}: expected tcp://host:port")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def format_tcp_address(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """True only for loopback IPs and ``localhost``; wildcards and names are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_secret(secret_file: str | None = None) -> bytes | None:
+    """The shared plane secret: *secret_file*'s content, else ``$HEADWATER_PLANE_SECRET``.
+
+    Surrounding whitespace is stripped. Returns None when neither is set; raises
+    ValueError for an empty secret and OSError for an unreadable file. Called once
+    at startup, never on the event loop's hot path.
+    """
+    if secret_file:
+        with open(secret_file, "rb") as f:
+            secret = f.read().strip()
+        source = secret_file
+    else:
+        raw = os.environ.get(SECRET_ENV)
+        if raw is None:
+            return None
+        secret, source = raw.strip().encode(), SECRET_ENV
+    if not secret:
+        raise ValueError(f"the plane secret from {source} is empty")
+    return secret

@@ -1,0 +1,38 @@
+"""A real frontend on a loopback socket, for the HTTP tests.
+
+Policy: hypercorn binds 127.0.0.1:0 inside the test's own nursery; the in-process
+mocker workers run with a large speedup ratio so tests take milliseconds of engine
+time. The tokenizer is loaded once per session and shared (it is immutable).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from frontend.config import FrontendConfig
+from frontend.preprocess.tokenizer import Tokenizer
+from frontend.server import Frontend
+
+
+@functools.cache
+def shared_tokenizer(backend: str = "fastokens") -> Tokenizer:
+    return Tokenizer.load(None, backend)
+
+
+@asynccontextmanager
+async def serve_frontend(**overrides: Any) -> AsyncIterator[tuple[Frontend, str]]:
+    """Run a frontend until the block ends; yields it and its base URL."""
+    settings: dict[str, Any] = {
+        "port": 0, "speedup_ratio": 1000.0, "tokenizer_threads": 2, **overrides,
+    }
+    config = FrontendConfig(**settings)
+    frontend = Frontend(config, tokenizer=shared_tokenizer(config.tokenizer_backend))
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(frontend.run)
+        yield frontend, urls[0]
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,539 @@
+"""The simulated engine and the in-process KV transfer, on virtual time.
+
+Test policy: every engine test takes ``autojump_clock``, so step durations are exact
+and asserted against the timing model with ``pytest.approx``; no sockets, no threads,
+no real sleeps. Expected times are computed from :mod:`workers.engines.mocker.timing`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+import pytest
+import trio
+
+from headwater.wire import Chunk, FinishReason, GenerateRequest, KvHandle, Role, SamplingParams
+from workers.engines.base import EngineError
+from workers.engines.mocker import MockerConfig, MockerEngine
+from workers.engines.mocker.kv_cache import KvCache
+from workers.engines.mocker.timing import decode_ms, prefill_ms, step_seconds
+from workers.runtime.kv_transfer import InProcessKvTransfer
+
+EOS = 1  # DeepSeek-V4's end-of-sentence id
+
+
+def prompt(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def request(
+    rid: str,
+    token_ids: list[int],
+    max_tokens: int = 8,
+    *,
+    kv_handle: KvHandle | None = None,
+    eos: tuple[int, ...] = (),
+    **sampling: object,
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        model="mock",
+        token_ids=token_ids,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+        kv_handle=kv_handle,
+        eos_token_ids=eos,
+    )
+
+
+@asynccontextmanager
+async def running(*engines: MockerEngine) -> AsyncIterator[None]:
+    async with trio.open_nursery() as nursery:
+        for engine in engines:
+            await nursery.start(engine.run)
+        yield
+        nursery.cancel_scope.cancel()
+
+
+async def collect(engine: MockerEngine, req: GenerateRequest) -> list[Chunk]:
+    async with aclosing(engine.generate(req)) as chunks:
+        return [chunk async for chunk in chunks]
+
+
+async def timed(engine: MockerEngine, req: GenerateRequest) -> list[tuple[float, Chunk]]:
+    """Chunks with their arrival time relative to the call."""
+    start = trio.current_time()
+    out = []
+    async with aclosing(engine.generate(req)) as chunks:
+        async for chunk in chunks:
+            out.append((trio.current_time() - start, chunk))
+    return out
+
+
+def tokens_of(chunks: list[Chunk]) -> list[int]:
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+def agg(**overrides: object) -> MockerEngine:
+    return MockerEngine(MockerConfig(**overrides), Role.AGG, "agg-0")  # type: ignore[arg-type]
+
+
+# ---- timing and batching ------------------------------------------------------------
+
+
+def test_timing_model_matches_dynamo_fit() -> None:
+    assert prefill_ms(1000) == pytest.approx(4.209989e-07 * 1e6 + 15.18344 + 16.50142)
+    assert decode_ms(0.5) == pytest.approx(-25.74 * 0.25 + 27.005 + 5.74)
+    assert decode_ms(5.0) == 1.0  # the floor
+    assert step_seconds(100, 0.9, 4.0) == pytest.approx(prefill_ms(100) / 4000)
+    assert step_seconds(0, 0.25, 2.0) == pytest.approx(decode_ms(0.25) / 2000)
+
+
+async def test_single_request_duration_is_prefill_plus_decode_steps(autojump_clock: object) -> None:
+    engine = agg(speedup_ratio=4.0, num_gpu_blocks=64)  # small cache: u visibly > 0
+    p, n = 300, 12
+    async with running(engine):
+        timeline = await timed(engine, request("r1", prompt(p), n))
+    cap = engine.config.kv_capacity_tokens
+    ttft = prefill_ms(p) / 1000 / 4.0
+    total = ttft + sum(decode_ms((p + k) / cap) for k in range(1, n)) / 1000 / 4.0
+    assert timeline[0][0] == pytest.approx(ttft)
+    assert timeline[-1][0] == pytest.approx(total)
+    chunks = [c for _, c in timeline]
+    assert [len(c.token_ids) for c in chunks] == [1] * n
+    assert [c.finish_reason for c in chunks] == [None] * (n - 1) + [FinishReason.LENGTH]
+    assert engine.counters.requests_finished == 1
+    assert engine.counters.prefill_tokens_computed == p
+
+
+async def _finish_times(engine: MockerEngine, count: int, p: int, n: int) -> list[float]:
+    ends: list[float] = []
+
+    async def one(i: int) -> None:
+        chunks = await collect(engine, request(f"r{i}", prompt(p, start=1000 + i * p), n))
+        assert len(tokens_of(chunks)) == n
+        ends.append(trio.current_time())
+
+    start = trio.current_time()
+    async with running(engine), trio.open_nursery() as nursery:
+        for i in range(count):
+            nursery.start_soon(one, i)
+    return sorted(end - start for end in ends)
+
+
+async def test_continuous_batching_overlaps_requests(autojump_clock: object) -> None:
+    count, p, n = 8, 100, 40
+    (single,) = await _finish_times(agg(), 1, p, n)
+    batched = await _finish_times(agg(), count, p, n)
+    assert batched[-1] < 0.3 * count * single
+    # One step prefills all eight prompts together, then they decode in lockstep.
+    assert batched[0] == pytest.approx(batched[-1])
+
+
+async def test_max_num_seqs_one_serializes(autojump_clock: object) -> None:
+    count, p, n = 5, 100, 20
+    (single,) = await _finish_times(agg(max_num_seqs=1), 1, p, n)
+    ends = await _finish_times(agg(max_num_seqs=1), count, p, n)
+    assert ends == pytest.approx([single * (i + 1) for i in range(count)])
+
+
+async def test_long_prompt_is_prefilled_in_chunks(autojump_clock: object) -> None:
+    engine = agg(max_num_batched_tokens=512)
+    async with running(engine):
+        timeline = await timed(engine, request("long", prompt(1300), 1))
+    assert timeline[0][0] == pytest.approx((2 * prefill_ms(512) + prefill_ms(276)) / 1000)
+    assert engine.counters.prefill_tokens_computed == 1300
+
+
+async def test_running_stream_keeps_decoding_during_a_chunked_prefill(
+    autojump_clock: object,
+) -> None:
+    engine = agg(max_num_batched_tokens=512)
+    timelines: dict[str, list[tuple[float, Chunk]]] = {}
+
+    async def run(req: GenerateRequest, delay: float) -> None:
+        await trio.sleep(delay)
+        timelines[req.request_id] = await timed(engine, req)
+
+    async with running(engine), trio.open_nursery() as nursery:
+        nursery.start_soon(run, request("short", prompt(10), 60), 0)
+        nursery.start_soon(run, request("long", prompt(1300, start=50_000), 1), 0.05)
+    # "long" needs three steps of 511 + 511 + 278 prompt tokens (one budget token goes
+    # to "short" each step); "short" gets a token at the end of every one of them.
+    assert timelines["long"][0][0] > 2 * prefill_ms(511) / 1000
+    short = [t for t, _ in timelines["short"]]
+    gaps = [b - a for a, b in itertools.pairwise(short)]
+    assert max(gaps) == pytest.approx(prefill_ms(511) / 1000)
+
+
+# ---- KV cache: prefix reuse, pressure, preemption ------------------------------------
+
+
+async def test_shared_prefix_is_served_from_cache(autojump_clock: object) -> None:
+    engine = agg()
+    prefix = prompt(256, start=5000)
+    async with running(engine):
+        first = await collect(engine, request("a", prefix + prompt(100, start=9000), 4))
+        second = await timed(engine, request("b", prefix + prompt(100, start=20000), 4))
+    assert first[0].cached_tokens == 0
+    assert all(c.cached_tokens == 256 for _, c in second)
+    assert engine.counters.prefill_tokens_cached == 256
+    assert engine.counters.prefill_tokens_computed == 356 + 100
+    assert second[0][0] == pytest.approx(prefill_ms(100) / 1000)
+
+
+async def test_request_waits_for_kv_blocks(autojump_clock: object) -> None:
+    engine = agg(num_gpu_blocks=4)  # 256 tokens: one 200-token prompt at a time
+    first_end: list[float] = []
+    second_first: list[float] = []
+
+    async def first() -> None:
+        await collect(engine, request("a", prompt(200), 10))
+        first_end.append(trio.current_time())
+
+    async def second() -> None:
+        start = trio.current_time()
+        timeline = await timed(engine, request("b", prompt(200, start=9000), 10))
+        second_first.append(start + timeline[0][0])
+
+    async with running(engine), trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await trio.sleep(0.01)
+        nursery.start_soon(second)
+        await trio.sleep(0.01)
+        stats = engine.statistics()
+        assert (stats.active_requests, stats.waiting_requests) == (1, 1)
+        assert stats.kv_blocks_used == 4
+    # Admitted only once the first request's blocks came back.
+    assert second_first[0] == pytest.approx(first_end[0] + prefill_ms(200) / 1000)
+    assert engine.statistics().kv_blocks_used == 0
+
+
+async def test_preempted_sequence_recomputes_and_keeps_its_tokens(autojump_clock: object) -> None:
+    reqs = [request("a", prompt(100), 60, seed=1), request("b", prompt(100, 7000), 60, seed=2)]
+    reference = agg()
+    async with running(reference):
+        expected = [tokens_of(await collect(reference, r)) for r in reqs]
+
+    tight = agg(num_gpu_blocks=4)  # both prompts fit, both outputs do not
+    got: dict[str, list[Chunk]] = {}
+
+    async def one(req: GenerateRequest) -> None:
+        got[req.request_id] = await collect(tight, req)
+
+    async with running(tight), trio.open_nursery() as nursery:
+        for r in reqs:
+            nursery.start_soon(one, r)
+    assert tight.counters.preemptions >= 1
+    assert [tokens_of(got["a"]), tokens_of(got["b"])] == expected
+    assert all(got[k][-1].finish_reason is FinishReason.LENGTH for k in got)
+    assert tight.statistics().kv_blocks_used == 0
+
+
+async def test_sequence_that_outgrows_the_cache_finishes_length(autojump_clock: object) -> None:
+    engine = agg(num_gpu_blocks=2)  # 128 tokens
+    async with running(engine):
+        chunks = await collect(engine, request("big", prompt(100), 100))
+    assert len(tokens_of(chunks)) == 128 - 100 + 1
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert engine.statistics().kv_blocks_used == 0
+
+
+def test_kv_cache_reuse_refcount_and_lru_eviction() -> None:
+    cache = KvCache(num_blocks=4, block_size=2)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+
+    def usage() -> tuple[int, int]:
+        stats = cache.statistics()
+        return stats.used_blocks, stats.cached_free_blocks
+
+    for tokens in (x, y):
+        table = cache.allocate(tokens)
+        assert table is not None
+        assert table.cached_tokens == 0
+        cache.commit(table, tokens, len(tokens))
+        cache.free(table)
+    assert usage() == (0, 4)
+
+    # x was freed before y, and a sequence's tail before its head: x's tail goes first.
+    other = cache.allocate([30, 31])
+    assert other is not None
+    assert other.cached_tokens == 0
+    assert usage() == (1, 3)
+    y1 = cache.allocate(y)
+    assert y1 is not None
+    assert y1.cached_tokens == 4
+    assert usage() == (3, 1)
+    # x's head is cached but its tail needs a block and none is left: no change.
+    assert cache.allocate(x) is None
+    assert usage() == (3, 1)
+    cache.free(other)
+    x1 = cache.allocate(x)
+    assert x1 is not None
+    assert x1.cached_tokens == 2
+    assert usage() == (4, 0)
+
+    # Shared blocks are ref-counted: a second holder costs nothing, the last frees.
+    y2 = cache.allocate(y)
+    assert y2 is not None
+    assert y2.cached_tokens == 4
+    assert usage() == (4, 0)
+    cache.free(y1)
+    assert usage() == (4, 0)
+    cache.free(y2)
+    cache.free(y2)  # idempotent
+    assert usage() == (2, 2)
+
+
+# ---- cancellation and shutdown ---------------------------------------------------------
+
+
+async def test_closing_the_stream_frees_blocks(autojump_clock: object) -> None:
+    engine = agg()
+    async with running(engine):
+        async with aclosing(engine.generate(request("r", prompt(500), 100))) as chunks:
+            seen = 0
+            async for _ in chunks:
+                seen += 1
+                if seen == 3:
+                    assert engine.statistics().kv_blocks_used == math.ceil(503 / 64)
+                    break
+        stats = engine.statistics()
+        assert (stats.kv_blocks_used, stats.active_requests) == (0, 0)
+        assert engine.counters.requests_cancelled == 1
+        # The engine carries on serving.
+        after = await collect(engine, request("next", prompt(10), 3))
+    assert len(tokens_of(after)) == 3
+
+
+async def test_cancel_mid_step_and_while_queued(autojump_clock: object) -> None:
+    engine = agg(max_num_seqs=1)
+    async with running(engine):
+        with trio.move_on_after(0.5 * prefill_ms(4000) / 1000):  # inside the prefill step
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(collect, engine, request("running", prompt(4000), 50))
+                await trio.sleep(0.001)
+                nursery.start_soon(collect, engine, request("queued", prompt(50, 90000), 5))
+                await trio.sleep(0.001)
+                stats = engine.statistics()
+                assert (stats.active_requests, stats.waiting_requests) == (1, 1)
+        stats = engine.statistics()
+        assert (stats.active_requests, stats.waiting_requests, stats.kv_blocks_used) == (0, 0, 0)
+        assert engine.counters.requests_cancelled == 2
+        assert engine.counters.prefill_tokens_computed == 0  # the step never completed
+
+
+async def test_stopping_the_engine_fails_pending_requests(autojump_clock: object) -> None:
+    engine = agg()
+    engine_scope = trio.CancelScope()
+
+    async def run_engine(task_status: trio.TaskStatus[None]) -> None:
+        with engine_scope:
+            await engine.run(task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_engine)
+        async with aclosing(engine.generate(request("r", prompt(10), 100))) as chunks:
+            await chunks.__anext__()
+            engine_scope.cancel()
+            with pytest.raises(EngineError) as err:
+                await chunks.__anext__()
+    assert err.value.code == "shutting_down"
+    assert engine.counters.requests_failed == 1
+    assert engine.statistics().kv_blocks_used == 0
+    with pytest.raises(EngineError, match="shut down"):
+        await collect(engine, request("late", prompt(10), 1))
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "sampling"),
+    [
+        ([], {}),
+        (prompt(129), {}),  # the cache holds 128 tokens
+        (prompt(10), {"max_tokens": 0}),
+        (prompt(10), {"max_tokens": 4, "min_tokens": 5}),
+    ],
+)
+async def test_invalid_requests(token_ids: list[int], sampling: dict[str, int]) -> None:
+    engine = agg(num_gpu_blocks=2)
+    sampling = {"max_tokens": 4, **sampling}
+    with pytest.raises(EngineError) as err:
+        await collect(engine, request("bad", token_ids, **sampling))  # type: ignore[arg-type]
+    assert err.value.code == "invalid_request"
+
+
+# ---- disaggregation --------------------------------------------------------------------
+
+
+def disagg(**overrides: object) -> tuple[MockerEngine, MockerEngine, InProcessKvTransfer]:
+    cfg = MockerConfig(kv_transfer_bandwidth=1e6, **overrides)  # type: ignore[arg-type]
+    transfer = InProcessKvTransfer(bandwidth=cfg.kv_transfer_bandwidth)
+    prefill = MockerEngine(cfg, Role.PREFILL, "prefill-0")
+    decode = MockerEngine(cfg, Role.DECODE, "decode-0", kv_transfer=transfer)
+    transfer.register("prefill-0", prefill)
+    return prefill, decode, transfer
+
+
+async def test_disaggregated_request_flows_through_kv_handle(autojump_clock: object) -> None:
+    prefill, decode, _ = disagg()
+    p, n = 1000, 16
+    async with running(prefill, decode):
+        (chunk,) = await collect(prefill, request("r", prompt(p), n))
+        handle = chunk.kv_handle
+        assert handle is not None
+        assert (handle.worker_id, handle.address, handle.num_tokens) == (
+            "prefill-0",
+            "memory://prefill-0",
+            p,
+        )
+        assert chunk.token_ids == []
+        held = prefill.statistics()
+        assert (held.kv_transfers_held, held.kv_blocks_used) == (1, math.ceil(p / 64))
+
+        timeline = await timed(decode, request("r", prompt(p), n, kv_handle=handle))
+    copy = p * decode.config.kv_bytes_per_token / 1e6
+    cap = decode.config.kv_capacity_tokens
+    assert timeline[0][0] == pytest.approx(copy + decode_ms(p / cap) / 1000)
+    assert len(tokens_of([c for _, c in timeline])) == n
+    assert timeline[-1][1].finish_reason is FinishReason.LENGTH
+    assert decode.counters.prefill_tokens_computed == 0
+    assert prefill.counters.prefill_tokens_computed == p
+    released = prefill.statistics()
+    assert (released.kv_transfers_held, released.kv_blocks_used) == (0, 0)
+    assert prefill.counters.transfers_released == 1
+
+
+async def test_unpulled_transfer_expires(autojump_clock: object) -> None:
+    prefill, decode, _ = disagg(kv_transfer_timeout=5.0)
+    async with running(prefill, decode):
+        (chunk,) = await collect(prefill, request("r", prompt(100), 4))
+        assert chunk.kv_handle is not None
+        await trio.sleep(4.9)
+        assert prefill.statistics().kv_transfers_held == 1
+        await trio.sleep(0.2)
+        stats = prefill.statistics()
+        assert (stats.kv_transfers_held, stats.kv_blocks_used) == (0, 0)
+        assert prefill.counters.transfers_expired == 1
+        with pytest.raises(EngineError) as err:
+            await collect(decode, request("r", prompt(100), 4, kv_handle=chunk.kv_handle))
+    assert err.value.code == "kv_transfer_failed"
+    assert decode.counters.requests_failed == 1
+    assert decode.statistics().kv_blocks_used == 0
+
+
+async def test_pulling_unknown_transfer_or_worker_fails(autojump_clock: object) -> None:
+    prefill, _, transfer = disagg()
+    async with running(prefill):
+        for handle in (
+            KvHandle("prefill-0", "memory://prefill-0", "no-such-transfer", 10),
+            KvHandle("ghost", "memory://ghost", "t", 10),
+        ):
+            with pytest.raises(EngineError) as err:
+                await transfer.pull(handle)
+            assert err.value.code == "kv_transfer_failed"
+
+
+async def test_handles_go_only_where_they_can_be_used() -> None:
+    prefill, _, _ = disagg()
+    lonely = MockerEngine(MockerConfig(), Role.DECODE, "decode-1")  # no KV transfer
+    handle = KvHandle("prefill-0", "memory://prefill-0", "t", 10)
+    with pytest.raises(EngineError) as err:
+        await collect(prefill, request("r", prompt(10), 4, kv_handle=handle))
+    assert err.value.code == "invalid_request"
+    with pytest.raises(EngineError) as err:
+        await collect(lonely, request("r", prompt(10), 4, kv_handle=handle))
+    assert err.value.code == "kv_transfer_failed"
+
+
+async def test_prefill_cancelled_before_handing_over_holds_nothing(
+    autojump_clock: object,
+) -> None:
+    prefill, _, _ = disagg()
+    async with running(prefill):
+        with trio.move_on_after(0.5 * prefill_ms(1000) / 1000):
+            await collect(prefill, request("r", prompt(1000), 4))
+        stats = prefill.statistics()
+        assert (stats.kv_transfers_held, stats.kv_blocks_used) == (0, 0)
+        assert prefill.counters.requests_cancelled == 1
+
+
+# ---- output tokens -----------------------------------------------------------------------
+
+
+async def test_tokens_are_deterministic_per_seed(autojump_clock: object) -> None:
+    engine = agg()
+
+    async def run(rid: str, seed: int | None) -> list[int]:
+        return tokens_of(await collect(engine, request(rid, prompt(20), 64, seed=seed)))
+
+    async with running(engine):
+        a, a2, b = await run("x", 7), await run("y", 7), await run("z", 8)
+        n1, n1_again, n2 = await run("id-1", None), await run("id-1", None), await run("id-2", None)
+    assert a == a2
+    assert a != b
+    assert n1 == n1_again
+    assert n1 != n2
+    assert all(3 <= t < 128000 for t in a + b + n1 + n2)
+
+
+async def test_tokens_stay_in_the_configured_range(autojump_clock: object) -> None:
+    engine = agg(output_token_low=3, output_token_high=6)
+    async with running(engine):
+        out = tokens_of(await collect(engine, request("r", prompt(5), 200, seed=3)))
+    assert set(out) == {3, 4, 5}
+
+
+async def test_mean_output_tokens_ends_with_eos(autojump_clock: object) -> None:
+    engine = agg(mean_output_tokens=20)
+    lengths = []
+    async with running(engine):
+        for seed in range(12):
+            chunks = await collect(
+                engine, request(f"r{seed}", prompt(5), 1000, eos=(EOS,), seed=seed)
+            )
+            out = tokens_of(chunks)
+            assert out[-1] == EOS
+            assert EOS not in out[:-1]
+            assert chunks[-1].finish_reason is FinishReason.STOP
+            lengths.append(len(out))
+        floor = tokens_of(
+            await collect(engine, request("m", prompt(5), 1000, eos=(EOS,), seed=1, min_tokens=50))
+        )
+        ignored = await collect(
+            engine, request("i", prompt(5), 100, eos=(EOS,), seed=1, ignore_eos=True)
+        )
+        no_eos = await collect(engine, request("n", prompt(5), 100, seed=1))
+    assert all(2 <= n <= 40 for n in lengths)
+    assert len(set(lengths)) > 3
+    assert len(floor) == 51
+    assert floor[-1] == EOS
+    assert len(tokens_of(ignored)) == 100
+    assert EOS not in tokens_of(ignored)
+    assert ignored[-1].finish_reason is FinishReason.LENGTH
+    assert len(tokens_of(no_eos)) == 100
+
+
+async def test_stop_token_ids_stop_after_min_tokens(autojump_clock: object) -> None:
+    engine = agg()
+    async with running(engine):
+        base = tokens_of(await collect(engine, request("a", prompt(5), 30, seed=11)))
+        index = next(i for i in range(3, 30) if base.count(base[i]) == 1)
+        stop = (base[index],)
+        stopped = await collect(engine, request("b", prompt(5), 30, seed=11, stop_token_ids=stop))
+        late = await collect(
+            engine,
+            request("c", prompt(5), 30, seed=11, stop_token_ids=stop, min_tokens=index + 1),
+        )
+    assert tokens_of(stopped) == base[: index + 1]
+    assert stopped[-1].finish_reason is FinishReason.STOP
+    assert tokens_of(late) == base
+    assert late[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_package_exports() -> None:
+    import workers.engines.mocker as mocker
+
+    assert sorted(mocker.__all__) == ["MockerConfig", "MockerCounters", "MockerEngine"]
+    assert all(getattr(mocker, name).__doc__ for name in mocker.__all__)

@@ -1,0 +1,483 @@
+"""Serves a :class:`WorkerRuntime` on the TCP request plane.
+
+One task per connection reads and decodes frames; one writer task per connection
+frames the replies of all its requests back. A request is handed to
+``runtime.submit`` as soon as it is decoded, with a send channel that queues its
+replies for the writer; the runtime sends the ACK first, before any engine work.
+
+Per connection::
+
+    reader ── request ─▶ runtime.submit(request, _ReplyChannel) ─┐
+           ── cancel  ─▶ runtime.cancel(request_id)              ├─▶ queue ─▶ writer ─▶ socket
+           ── kv_pull ─▶ engine.release_transfer + kv_data ───────┘
+           ── ping / get_stats ─▶ pong / stats (control frames skip the reply budget)
+
+Isolation: a connection that sends garbage, an oversize or unknown frame gets an
+error frame and is closed; its requests are cancelled and every other connection
+carries on. A peer that vanishes (EOF, reset, stops reading for ``write_timeout``)
+has its requests cancelled the same way, which frees their KV.
+
+Backpressure: replies of all requests on a connection share a budget of
+``send_queue`` queued frames, KV payload pieces a budget of ``kv_queue``; a
+connection whose peer reads slowly slows its own requests, nobody else's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import asdict, dataclass
+
+import trio
+
+from headwater.wire import Ack, Cancel, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, Role
+from headwater.wire.framing import (
+    DEFAULT_MAX_FRAME,
+    PROTOCOL_VERSION,
+    Fault,
+    Frame,
+    FrameDecoder,
+    GetStats,
+    GoAway,
+    Hello,
+    HelloOk,
+    KvData,
+    KvPull,
+    Ping,
+    Pong,
+    ProtocolError,
+    ServerHandshake,
+    Stats,
+    encode,
+    is_loopback,
+)
+from workers.engines.base import EngineError
+from workers.runtime.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+_COALESCE_BYTES = 256 * 1024
+_FAULT_GRACE = 1.0  # s to flush a final error frame before closing
+
+
+class InsecureBind(ValueError):
+    """Refused: listening beyond loopback without a plane secret."""
+
+
+def check_bind(host: str, secret: bytes | None) -> None:
+    """Raise :class:`InsecureBind` unless *host* is loopback or a secret is set.
+
+    Off loopback anyone who can reach the port could submit work or pull KV, so a
+    worker proves a shared secret with every peer there.
+    """
+    if secret is None and not is_loopback(host):
+        raise InsecureBind(
+            f"refusing to listen on {host!r} without a plane secret: set "
+            "HEADWATER_PLANE_SECRET or --plane-secret-file, or listen on 127.0.0.1"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Limits and timeouts of the worker's side of the TCP request plane."""
+
+    #: Largest frame accepted or sent (bytes); frontends must use the same limit.
+    max_frame: int = DEFAULT_MAX_FRAME
+    #: Seconds a new connection has to complete the handshake.
+    handshake_timeout: float = 5.0
+    #: Seconds one write may block (the peer stopped reading) before the connection
+    #: is dropped and its requests cancelled.
+    write_timeout: float = 10.0
+    #: Reply frames queued per connection before request tasks wait for the writer.
+    send_queue: int = 512
+    #: KV payload pieces queued per connection (``kv_queue * kv_piece_bytes`` bytes).
+    kv_queue: int = 4
+    #: Size of one kv_data piece (bytes).
+    kv_piece_bytes: int = 1024 * 1024
+    #: Bytes asked of the socket per read.
+    receive_size: int = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    connections: int
+    connections_total: int
+    protocol_errors_total: int
+    auth_failures_total: int
+    kv_pulls_served_total: int
+    kv_pulls_failed_total: int
+    kv_bytes_served_total: int
+
+
+#: Extra counters merged into the stats frame (must be cheap and never block).
+StatsProvider = Callable[[], dict[str, int | float | str | bool]]
+
+
+class PlaneServer:
+    """The TCP request plane in front of one :class:`WorkerRuntime`.
+
+    :meth:`serve` accepts on listeners the caller opened (so it can learn the port,
+    and give the engine its transfer address, before serving); :meth:`handle_stream`
+    serves one already-accepted stream of any kind. Cancelling :meth:`serve` closes
+    every connection and cancels their requests.
+    """
+
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        *,
+        role: Role,
+        model: str,
+        secret: bytes | None = None,
+        config: ServerConfig | None = None,
+        extra_stats: StatsProvider | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.config = config or ServerConfig()
+        self.identity = HelloOk(PROTOCOL_VERSION, str(role), runtime.worker_id, model)
+        self.secret = secret
+        self.extra_stats = extra_stats
+        self.draining = False
+        self._connections: set[_Connection] = set()
+        self._connections_total = 0
+        self._protocol_errors = 0
+        self._auth_failures = 0
+        self._pulls_served = 0
+        self._pulls_failed = 0
+        self._kv_bytes = 0
+        self._zeros = memoryview(bytes(self.config.kv_piece_bytes))
+
+    async def serve(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept connections on *listeners* until cancelled; reports them started."""
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(trio.serve_listeners, self.handle_stream, listeners)
+            task_status.started(bound)
+
+    async def handle_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one connection until it ends. Never raises (except Cancelled)."""
+        conn = _Connection(self, stream)
+        self._connections.add(conn)
+        self._connections_total += 1
+        try:
+            await conn.run()
+        except Exception:
+            log.exception("connection from %s failed", conn.peer_name)
+        finally:
+            self._connections.discard(conn)
+
+    def goaway(self, reason: str = "shutting down") -> None:
+        """Tell every peer, now and from now on, to send no new requests here.
+
+        Connections stay open: in-flight requests finish and KV pulls still work.
+        """
+        self.draining = True
+        for conn in self._connections:
+            conn.send_control(GoAway(reason))
+
+    def statistics(self) -> ServerStats:
+        return ServerStats(
+            connections=len(self._connections),
+            connections_total=self._connections_total,
+            protocol_errors_total=self._protocol_errors,
+            auth_failures_total=self._auth_failures,
+            kv_pulls_served_total=self._pulls_served,
+            kv_pulls_failed_total=self._pulls_failed,
+            kv_bytes_served_total=self._kv_bytes,
+        )
+
+    def stats_values(self) -> dict[str, int | float | str | bool]:
+        """Runtime, engine and plane counters, flat, for the ``stats`` frame."""
+        rt = self.runtime.statistics()
+        values: dict[str, int | float | str | bool] = {
+            "worker_id": self.identity.worker_id,
+            "role": self.identity.role,
+            "model": self.identity.model,
+            "inflight": rt.inflight,
+            "served_total": rt.served_total,
+            "cancelled_total": rt.cancelled_total,
+            "failed_total": rt.failed_total,
+            "draining": rt.draining,
+        }
+        values.update({f"engine_{k}": v for k, v in asdict(rt.engine).items()})
+        values.update({f"plane_{k}": v for k, v in asdict(self.statistics()).items()})
+        if self.extra_stats is not None:
+            try:
+                values.update(self.extra_stats())
+            except Exception:
+                log.exception("extra stats provider failed; disabled")
+                self.extra_stats = None
+        return values
+
+
+_REPLY_TYPES = (Ack, Chunk, End, Error)
+
+
+class _ReplyChannel(trio.abc.SendChannel[Reply]):
+    """What the runtime sends one request's replies into: the connection's queue."""
+
+    def __init__(self, conn: _Connection, request_id: str) -> None:
+        self._conn = conn
+        self.request_id = request_id
+        self._closed = False
+
+    async def send(self, value: Reply) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError
+        await self._conn.queue_reply(value)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._conn.request_done(self)
+        await trio.lowlevel.checkpoint()
+
+
+class _Connection:
+    def __init__(self, server: PlaneServer, stream: trio.abc.Stream) -> None:
+        self.server = server
+        self.stream = stream
+        self.peer_name = _peer_name(stream)
+        cfg = server.config
+        self.decoder = FrameDecoder(cfg.max_frame)
+        # Unbounded queue; reply and KV frames take a budget token first, so only
+        # control frames (pong, stats, goaway) can bypass it, and they are tiny.
+        self._out_send, self._out_recv = trio.open_memory_channel[Frame](float("inf"))
+        self._reply_budget = trio.Semaphore(cfg.send_queue)
+        self._kv_budget = trio.Semaphore(cfg.kv_queue)
+        self._requests: dict[str, _ReplyChannel] = {}
+        self._pulls: dict[str, trio.CancelScope] = {}
+        self._scope = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
+        self._writer_done = trio.Event()
+        self.peer: Hello | None = None
+
+    # -- lifetime --
+
+    async def run(self) -> None:
+        fault: Fault | None = None
+        try:
+            with self._scope:
+                frames = await self._handshake()
+                if frames is None:
+                    return
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._writer)
+                    if self.server.draining:
+                        self.send_control(GoAway("shutting down"))
+                    try:
+                        for frame in frames:
+                            self._dispatch(frame)
+                        await self._read_loop()
+                    except ProtocolError as exc:
+                        fault = self._protocol_error(exc)
+                    self._cancel_work()
+                    if fault is not None:
+                        await self._flush_fault(fault)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._cancel_work()
+            await trio.aclose_forcefully(self.stream)
+
+    def _cancel_work(self) -> None:
+        for request_id in list(self._requests):
+            self.server.runtime.cancel(request_id)
+        for scope in self._pulls.values():
+            scope.cancel()
+
+    def _protocol_error(self, exc: ProtocolError) -> Fault:
+        self.server._protocol_errors += 1
+        log.warning("closing connection from %s: %s", self.peer_name, exc.message)
+        return Fault(exc.code, exc.message)
+
+    async def _flush_fault(self, fault: Fault) -> None:
+        """Queue *fault* as the last frame and give the writer a moment to send it."""
+        self.send_control(fault)
+        self._out_send.close()  # the writer ends after the fault; replies now fail
+        with trio.move_on_after(_FAULT_GRACE):
+            await self._writer_done.wait()
+
+    async def _handshake(self) -> list[Frame] | None:
+        """The frames after the handshake, or None if the peer failed or left."""
+        server = self.server
+        handshake = ServerHandshake(server.identity, secret=server.secret)
+        frames: list[Frame] = []
+        with trio.move_on_after(server.config.handshake_timeout):
+            try:
+                while handshake.peer is None:
+                    if not frames:
+                        data = await self.stream.receive_some(server.config.receive_size)
+                        if not data:
+                            return None
+                        frames = self.decoder.feed(data)
+                        continue
+                    reply = handshake.receive(frames.pop(0))
+                    await self.stream.send_all(encode(reply))
+            except ProtocolError as exc:
+                if exc.code == "unauthorized":
+                    server._auth_failures += 1
+                fault = self._protocol_error(exc)
+                with trio.move_on_after(_FAULT_GRACE), suppress(trio.BrokenResourceError):
+                    await self.stream.send_all(encode(fault))
+                return None
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None
+            self.peer = handshake.peer
+            log.debug("%s connected from %s as %s", self.peer.peer_id, self.peer_name,
+                      self.peer.role)
+            return frames
+        log.info("handshake from %s timed out", self.peer_name)
+        return None
+
+    # -- writing --
+
+    async def _writer(self) -> None:
+        timeout = self.server.config.write_timeout
+        try:
+            async for frame in self._out_recv:
+                batch = [self._encode(frame)]
+                size = len(batch[0])
+                while size < _COALESCE_BYTES:
+                    try:
+                        frame = self._out_recv.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    batch.append(self._encode(frame))
+                    size += len(batch[-1])
+                with trio.fail_after(timeout):
+                    await self.stream.send_all(batch[0] if len(batch) == 1 else b"".join(batch))
+        except trio.TooSlowError:
+            log.warning("%s stopped reading for %g s; closing", self.peer_name, timeout)
+            self._scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._scope.cancel()
+        finally:
+            self._writer_done.set()
+
+    def _encode(self, frame: Frame) -> bytes:
+        if isinstance(frame, KvData):
+            self._kv_budget.release()
+        elif isinstance(frame, _REPLY_TYPES):
+            self._reply_budget.release()
+        try:
+            return encode(frame, self.server.config.max_frame)
+        except (ValueError, ProtocolError) as exc:
+            # The engine produced something unsendable: fail that request alone.
+            rid = getattr(frame, "request_id", None) or getattr(frame, "transfer_id", "?")
+            log.error("cannot encode %s for %s: %s", type(frame).__name__, rid, exc)
+            self.server.runtime.cancel(rid)
+            return encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))
+
+    async def queue_reply(self, frame: Reply | KvData) -> None:
+        """Queue a reply, waiting for budget; raises ClosedResourceError once closing."""
+        budget = self._kv_budget if isinstance(frame, KvData) else self._reply_budget
+        await budget.acquire()
+        try:
+            self._out_send.send_nowait(frame)
+        except BaseException:
+            budget.release()
+            raise
+
+    def send_control(self, frame: Frame) -> None:
+        with suppress(trio.ClosedResourceError):
+            self._out_send.send_nowait(frame)
+
+    # -- reading --
+
+    async def _read_loop(self) -> None:
+        size = self.server.config.receive_size
+        while True:
+            try:
+                data = await self.stream.receive_some(size)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            for frame in self.decoder.feed(data):
+                self._dispatch(frame)
+
+    def _dispatch(self, frame: Frame) -> None:
+        match frame:
+            case GenerateRequest():
+                self._submit(frame)
+            case Cancel():
+                if frame.request_id in self._requests:
+                    self.server.runtime.cancel(frame.request_id)
+                scope = self._pulls.get(frame.request_id)
+                if scope is not None:
+                    scope.cancel()
+            case Ping():
+                self.send_control(Pong(frame.seq))
+            case Pong():
+                pass
+            case KvPull():
+                assert self._nursery is not None
+                self._nursery.start_soon(self._serve_pull, frame.transfer_id)
+            case GetStats():
+                self.send_control(Stats(frame.seq, self.server.stats_values()))
+            case _:
+                raise ProtocolError(f"unexpected {type(frame).__name__} from a client")
+
+    def _submit(self, request: GenerateRequest) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            self.send_control(Error(rid, ErrorCode.INVALID_REQUEST, "duplicate request id"))
+            return
+        channel = _ReplyChannel(self, rid)
+        self._requests[rid] = channel
+        try:
+            self.server.runtime.submit(request, channel)
+        except RuntimeError as exc:
+            del self._requests[rid]
+            self.send_control(Error(rid, ErrorCode.SHUTTING_DOWN, str(exc)))
+
+    def request_done(self, channel: _ReplyChannel) -> None:
+        if self._requests.get(channel.request_id) is channel:
+            del self._requests[channel.request_id]
+
+    async def _serve_pull(self, transfer_id: str) -> None:
+        server = self.server
+        if transfer_id in self._pulls:
+            self.send_control(Error(transfer_id, ErrorCode.INVALID_REQUEST, "duplicate pull"))
+            return
+        scope = self._pulls[transfer_id] = trio.CancelScope()
+        try:
+            with scope:
+                try:
+                    size = await server.runtime.engine.release_transfer(transfer_id)
+                except EngineError as exc:
+                    server._pulls_failed += 1
+                    await self.queue_reply(
+                        Error(transfer_id, ErrorCode.KV_TRANSFER_FAILED, exc.message)
+                    )
+                    return
+                piece = server.config.kv_piece_bytes
+                sent = 0
+                while True:
+                    n = min(piece, size - sent)
+                    sent += n
+                    await self.queue_reply(KvData(transfer_id, server._zeros[:n], sent >= size))
+                    if sent >= size:
+                        break
+                server._pulls_served += 1
+                server._kv_bytes += size
+        except trio.ClosedResourceError:
+            pass  # the connection is closing; the peer sees its pull fail
+        finally:
+            del self._pulls[transfer_id]
+
+
+def _peer_name(stream: trio.abc.Stream) -> str:
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        return type(stream).__name__
+    try:
+        host, port, *_ = sock.getpeername()
+    except (OSError, ValueError, TypeError):
+        return "?"
+    return f"{host}:{port}"
