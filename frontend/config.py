@@ -35,7 +35,9 @@ class FrontendConfig:
     tokenizer_backend: str = "fastokens"  # "fastokens" | "hf"
     tokenize_mode: str = "thread"  # "thread" | "inline" | "thread-gil" (the last two: repro only)
     tokenizer_threads: int = field(default_factory=usable_cpus)
-    inline_max_chars: int = 2048  # shorter prompts encode on the loop (cheaper than a hop)
+    # Prompts up to this many characters encode on the loop, where that is cheaper than
+    # the thread hop; None picks the backend's measured default (docs/tokenization.md).
+    inline_max_chars: int | None = None
 
     # -- workers and routing ----------------------------------------------------------
     engine: str = "mocker"  # engine of the in-process workers

@@ -6,7 +6,7 @@ multiplexes every concurrent request over it by request id. Its connection tasks
 need an owner, so the client has a :meth:`~TcpWorkerClient.run` method to start in
 a nursery (:func:`connect_worker` does both)::
 
-    client = await connect_worker(instance, nursery, secret=secret)
+    client = await connect_worker(instance, nursery, secret=secret)   # connected
     async with client.stream(request) as chunks:   # entered once the worker ACKed
         async for chunk in chunks: ...
     await client.aclose()   # ends run(); in-flight streams fail with Disconnected
@@ -74,6 +74,7 @@ from headwater.wire.framing import (
     ProtocolError,
     Stats,
     encode,
+    load_secret,
     parse_tcp_address,
 )
 
@@ -688,6 +689,10 @@ class TcpWorkerClient(WorkerClient):
                 raise CannotConnect(f"client for {self.instance.worker_id} is {state}")
             await self._changed.wait()  # CONNECTING: bounded by connect_timeout
 
+    async def wait_connected(self) -> None:
+        """Wait for the current connection attempt; raises CannotConnect if it failed."""
+        await self._connection()
+
     @asynccontextmanager
     async def stream(self, request: GenerateRequest) -> AsyncIterator[ResponseStream]:
         conn = await self._connection()
@@ -722,18 +727,35 @@ class TcpWorkerClient(WorkerClient):
 
 async def connect_worker(
     instance: WorkerInstance,
-    nursery: trio.Nursery,
+    nursery: trio.Nursery | None = None,
     *,
     secret: bytes | None = None,
     config: PlaneConfig | None = None,
     client_id: str = "",
 ) -> TcpWorkerClient:
-    """A running :class:`TcpWorkerClient` for *instance* (``tcp://host:port``), owned by
-    *nursery*. Returns at once; connecting happens in the background.
+    """A connected :class:`TcpWorkerClient` for *instance* (``tcp://host:port``).
 
-    Close it with ``await client.aclose()`` when discovery drops the worker.
-    Raises ValueError if the address is not ``tcp://host:port``.
+    The client's tasks run in *nursery*; by default in the nursery that owns the
+    calling task, so a discovery membership that calls ``connect_worker(instance)``
+    from its own tasks keeps its clients alive exactly as long as itself. *secret*
+    defaults to ``$HEADWATER_PLANE_SECRET`` (None when unset).
+
+    Returns once the first connection is up. Raises CannotConnect (then nothing is
+    left running), ValueError for an address that is not ``tcp://host:port``.
+    Close the client with ``await client.aclose()`` when the worker goes away.
     """
+    if nursery is None:
+        task = trio.lowlevel.current_task()
+        nursery = task.eventual_parent_nursery or task.parent_nursery
+        if nursery is None:
+            raise RuntimeError("connect_worker() needs a nursery here")
+    if secret is None:
+        secret = load_secret()
     client = TcpWorkerClient(instance, secret=secret, config=config, client_id=client_id)
     await nursery.start(client.run)
+    try:
+        await client.wait_connected()
+    except BaseException:
+        await client.aclose()
+        raise
     return client

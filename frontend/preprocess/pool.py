@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 import trio
 
-from frontend.preprocess.tokenizer import Tokenizer
+from frontend.preprocess.tokenizer import Backend, Tokenizer
+
+#: Longest prompt (in characters) encoded inline by default, per backend: below these
+#: the encode costs less than the ~60–300 µs thread hop and at most ~0.1–0.2 ms of
+#: loop time (scripts/measure_tokenizer.py; figures in docs/tokenization.md).
+INLINE_MAX_CHARS = {Backend.FASTOKENS: 8192, Backend.HF: 256}
 
 
 class TokenizeMode(enum.StrEnum):
@@ -54,11 +59,13 @@ class TokenizerPool:
         *,
         mode: TokenizeMode | str = TokenizeMode.THREAD,
         threads: int = 2,
-        inline_max_chars: int = 2048,
+        inline_max_chars: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.mode = TokenizeMode(mode)
         self.limiter = trio.CapacityLimiter(max(1, threads))
+        if inline_max_chars is None:
+            inline_max_chars = INLINE_MAX_CHARS[tokenizer.backend]
         self.inline_max_chars = inline_max_chars
         self._encoded = 0
         self._inline = 0

@@ -1,0 +1,585 @@
+"""The TCP request plane: client, worker server and KV transfer, in one process.
+
+Test policy: real sockets bind 127.0.0.1 port 0 only, and such tests run on real
+time with the mocker sped up (or slowed to real speed where a request must still be
+running when the test acts on it), synchronising on events and on the worker's own
+drain, never on sleeps. Timing behaviour (ACK timeout, heartbeat loss, reconnect
+backoff, goaway) runs over trio memory streams against a scripted worker on the
+autojump clock, with exact asserts on ``trio.current_time()``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from functools import partial
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+
+from frontend.plane.base import CannotConnect, Disconnected, WorkerError, WorkerInstance
+from frontend.plane.memory import MemoryWorkerClient
+from frontend.plane.tcp import (
+    AckTimeout,
+    ClientState,
+    ConnectTimeout,
+    HandshakeFailed,
+    PlaneConfig,
+    TcpWorkerClient,
+    connect_worker,
+)
+from headwater.wire import (
+    Ack,
+    Cancel,
+    Chunk,
+    End,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    Role,
+    SamplingParams,
+)
+from headwater.wire.framing import (
+    PROTOCOL_VERSION,
+    Auth,
+    ClientHandshake,
+    Fault,
+    Frame,
+    FrameDecoder,
+    GoAway,
+    Hello,
+    HelloOk,
+    Ping,
+    Pong,
+    ServerHandshake,
+    encode,
+    parse_tcp_address,
+)
+from workers.cli import RunningWorker, WorkerConfig, serve_worker
+from workers.engines.mocker import MockerConfig, MockerEngine
+from workers.runtime import WorkerRuntime
+from workers.runtime.tcp_server import InsecureBind
+
+MODEL = "deepseek-v4"
+FAST = 100_000.0  # mocker speedup: engine time is negligible
+REAL = 1.0  # mocker at GPU speed: a long request is still running when the test acts
+
+
+def request(rid: str, max_tokens: int = 8, prompt: int = 100, seed: int | None = 7) -> GenerateRequest:
+    return GenerateRequest(
+        rid, MODEL, list(range(3, 3 + prompt)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed),
+    )
+
+
+def instance_of(worker: RunningWorker) -> WorkerInstance:
+    return WorkerInstance(worker.worker_id, worker.role, worker.model, worker.address)
+
+
+async def start_worker(
+    nursery: trio.Nursery, *, speedup: float = FAST, role: Role = Role.AGG, **kw: object
+) -> RunningWorker:
+    config = WorkerConfig(role=role, speedup_ratio=speedup, **kw)  # type: ignore[arg-type]
+    return await nursery.start(partial(serve_worker, config))
+
+
+async def collect(client: TcpWorkerClient | MemoryWorkerClient, req: GenerateRequest) -> list[Chunk]:
+    async with client.stream(req) as chunks:
+        return [c async for c in chunks]
+
+
+# ---- real sockets --------------------------------------------------------------------------
+
+
+async def test_tcp_plane_matches_the_memory_twin(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery)
+    client = await connect_worker(instance_of(worker), nursery)
+    engine = MockerEngine(MockerConfig(speedup_ratio=FAST), Role.AGG, "twin")
+    runtime = WorkerRuntime(engine, "twin")
+    await nursery.start(runtime.run)
+    twin = MemoryWorkerClient(instance_of(worker), runtime)
+    req = request("same", max_tokens=12)
+    over_tcp, in_memory = await collect(client, req), await collect(twin, req)
+    assert over_tcp == in_memory
+    assert len(over_tcp) == 12 and over_tcp[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_many_concurrent_streams_share_one_connection(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery)
+    client = await connect_worker(instance_of(worker), nursery)
+    n, peak = 64, 0
+    tokens: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        nonlocal peak
+        async with client.stream(request(f"r{i}", max_tokens=20, seed=i)) as chunks:
+            peak = max(peak, client.statistics().inflight)
+            tokens[i] = [t async for c in chunks for t in c.token_ids]
+
+    async with trio.open_nursery() as inner:
+        for i in range(n):
+            inner.start_soon(one, i)
+    assert peak == n  # every stream was open at once
+    assert sorted(tokens) == list(range(n)) and all(len(t) == 20 for t in tokens.values())
+    assert len({tuple(t) for t in tokens.values()}) == n  # no stream got another's tokens
+    stats = await client.fetch_stats()
+    assert stats["plane_connections_total"] == 1
+    assert stats["served_total"] == n and stats["inflight"] == 0
+
+
+async def test_leaving_a_stream_cancels_it_on_the_worker(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery, speedup=REAL)
+    client = await connect_worker(instance_of(worker), nursery)
+    async with client.stream(request("long", max_tokens=100_000)) as chunks:
+        first = await chunks.__anext__()
+        assert first.token_ids
+        assert worker.runtime.statistics().engine.kv_blocks_used > 0
+    # 100k tokens take minutes at real speed: finishing at all proves the cancel.
+    with trio.fail_after(5):
+        assert await worker.runtime.drain(5)
+    stats = worker.runtime.statistics()
+    assert stats.cancelled_total == 1 and stats.served_total == 0
+    assert stats.engine.kv_blocks_used == 0
+    assert worker.runtime.engine.counters.requests_cancelled == 1  # type: ignore[attr-defined]
+
+
+async def test_worker_error_before_ack_is_a_worker_error(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery)
+    client = await connect_worker(instance_of(worker), nursery)
+    with pytest.raises(WorkerError) as info:
+        await collect(client, request("bad", max_tokens=0))
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+    assert len(await collect(client, request("good"))) == 8  # the connection lives on
+
+
+async def test_handshake_with_the_right_secret(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery, secret=b"correct horse")
+    client = await connect_worker(instance_of(worker), nursery, secret=b"correct horse")
+    assert len(await collect(client, request("a"))) == 8
+
+
+@pytest.mark.parametrize("client_secret", [b"wrong", None])
+async def test_wrong_or_missing_secret_is_refused(
+    nursery: trio.Nursery, client_secret: bytes | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HEADWATER_PLANE_SECRET", raising=False)
+    worker = await start_worker(nursery, secret=b"correct horse")
+    with pytest.raises(HandshakeFailed) as info:
+        await connect_worker(instance_of(worker), nursery, secret=client_secret)
+    assert info.value.code == "unauthorized"
+
+
+async def test_server_refuses_a_wrong_proof(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery, secret=b"correct horse")
+    raw = await trio.open_tcp_stream(*parse_tcp_address(worker.address))
+    await raw.send_all(encode(Hello(PROTOCOL_VERSION, "frontend", "x", "", b"n" * 32)))
+    await raw.send_all(encode(Auth(b"\x00" * 32)))  # without waiting for the challenge
+    frames = await read_until_eof(raw)
+    assert frames[-1] == Fault("unauthorized", "wrong plane secret")
+    assert worker.server.statistics().auth_failures_total == 1
+
+
+async def test_no_secret_off_loopback_is_refused_at_start() -> None:
+    with pytest.raises(InsecureBind, match="plane secret"):
+        await serve_worker(WorkerConfig(listen="0.0.0.0:0"))
+
+
+async def read_until_eof(stream: trio.abc.Stream) -> list[Frame]:
+    decoder, frames = FrameDecoder(), []
+    with trio.fail_after(5):
+        while data := await stream.receive_some(65536):
+            frames.extend(decoder.feed(data))
+    return frames
+
+
+async def raw_connection(worker: RunningWorker) -> tuple[trio.SocketStream, list[Frame]]:
+    """A plain socket past the handshake, and the frames that came with hello_ok."""
+    raw = await trio.open_tcp_stream(*parse_tcp_address(worker.address))
+    handshake = ClientHandshake(role="frontend", peer_id="raw", model="", secret=None)
+    await raw.send_all(encode(handshake.start()))
+    decoder, frames = FrameDecoder(), []
+    while handshake.peer is None:
+        frames.extend(decoder.feed(await raw.receive_some(65536)))
+        if frames:
+            assert handshake.receive(frames.pop(0)) is None
+    return raw, frames
+
+
+def _frame(body: object) -> bytes:
+    raw = msgpack.packb(body)
+    return struct.pack(">I", len(raw)) + raw
+
+
+@pytest.mark.parametrize(
+    ("junk", "code"),
+    [
+        (b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", "protocol_error"),
+        (struct.pack(">I", 64 * 1024 * 1024 + 1), "frame_too_large"),
+        (_frame({"k": "no_such_kind"}), "protocol_error"),
+        (_frame({"k": "hello_ok", "version": 1, "role": "x", "worker_id": "y", "model": ""}),
+         "protocol_error"),
+    ],
+    ids=["garbage", "oversize", "unknown-kind", "wrong-direction"],
+)
+async def test_bad_frames_close_only_that_connection(
+    nursery: trio.Nursery, junk: bytes, code: str
+) -> None:
+    worker = await start_worker(nursery, speedup=REAL)
+    client = await connect_worker(instance_of(worker), nursery)
+    async with client.stream(request("survivor", max_tokens=100_000)) as chunks:
+        await chunks.__anext__()
+        raw, _ = await raw_connection(worker)
+        await raw.send_all(junk)
+        frames = await read_until_eof(raw)
+        assert isinstance(frames[-1], Fault) and frames[-1].code == code
+        # The other connection, and its request, carry on.
+        await chunks.__anext__()
+        assert worker.server.statistics().connections == 1
+    assert worker.server.statistics().protocol_errors_total == 1
+    assert len(await collect(client, request("after"))) == 8
+
+
+async def test_garbage_before_the_handshake(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery)
+    raw = await trio.open_tcp_stream(*parse_tcp_address(worker.address))
+    await raw.send_all(b"GET / HTTP/1.1\r\n\r\n")
+    frames = await read_until_eof(raw)
+    assert len(frames) == 1 and isinstance(frames[0], Fault)
+
+
+async def test_peer_vanishing_mid_frame_cancels_its_requests(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery, speedup=REAL)
+    raw, _ = await raw_connection(worker)
+    await raw.send_all(encode(request("orphan", max_tokens=100_000)))
+    decoder: FrameDecoder = FrameDecoder()
+    seen: list[Frame] = []
+    while not any(isinstance(f, Chunk) for f in seen):
+        seen.extend(decoder.feed(await raw.receive_some(65536)))
+    assert seen[0] == Ack("orphan")
+    await raw.send_all(encode(Ping(1))[:3])  # half a frame, then gone
+    await raw.aclose()
+    with trio.fail_after(5):
+        assert await worker.runtime.drain(5)
+    assert worker.runtime.statistics().cancelled_total == 1
+    assert worker.runtime.statistics().engine.kv_blocks_used == 0
+
+
+async def test_disaggregated_kv_pull_between_workers(nursery: trio.Nursery) -> None:
+    prefill = await start_worker(nursery, role=Role.PREFILL, kv_bytes_per_token=1000)
+    decode = await start_worker(nursery, role=Role.DECODE)
+    to_prefill = await connect_worker(instance_of(prefill), nursery)
+    to_decode = await connect_worker(instance_of(decode), nursery)
+    req = request("disagg", max_tokens=5, prompt=3000)
+    (handoff,) = await collect(to_prefill, req)
+    handle = handoff.kv_handle
+    assert handle is not None and handle.address == prefill.address
+    assert (await to_prefill.fetch_stats())["engine_kv_transfers_held"] == 1
+    decode_leg = GenerateRequest(req.request_id, MODEL, req.token_ids, req.sampling, handle)
+    assert len(await collect(to_decode, decode_leg)) == 5
+    p, d = await to_prefill.fetch_stats(), await to_decode.fetch_stats()
+    assert p["plane_kv_pulls_served_total"] == 1
+    assert p["plane_kv_bytes_served_total"] == 3000 * 1000  # three 1 MiB pieces
+    assert p["engine_kv_transfers_held"] == 0
+    assert d["kv_pulls_total"] == 1 and d["kv_bytes_total"] == 3000 * 1000
+    # The handle is single-use: a second decode leg fails cleanly.
+    with pytest.raises(WorkerError) as info:
+        await collect(to_decode, GenerateRequest("again", MODEL, req.token_ids, req.sampling, handle))
+    assert info.value.code is ErrorCode.KV_TRANSFER_FAILED
+    assert (await to_decode.fetch_stats())["kv_connections"] == 1  # reused, not redialled
+
+
+async def test_kv_pull_from_a_vanished_prefill_worker_fails(nursery: trio.Nursery) -> None:
+    decode = await start_worker(nursery, role=Role.DECODE)
+    to_decode = await connect_worker(instance_of(decode), nursery)
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    await listener.aclose()  # nothing listens there any more
+    handle = KvHandle("gone", f"tcp://127.0.0.1:{port}", "t1", 10)
+    req = request("orphan-leg", max_tokens=2, prompt=10)
+    with pytest.raises(WorkerError) as info:
+        await collect(to_decode, GenerateRequest("x", MODEL, req.token_ids, req.sampling, handle))
+    assert info.value.code is ErrorCode.KV_TRANSFER_FAILED
+
+
+async def test_drain_sends_goaway_and_lets_streams_finish(nursery: trio.Nursery) -> None:
+    stop = trio.Event()
+    config = WorkerConfig(speedup_ratio=200.0, drain_timeout=10)
+    done = trio.Event()
+
+    async def run_worker(*, task_status: trio.TaskStatus[RunningWorker]) -> None:
+        await serve_worker(config, shutdown_trigger=stop.wait, task_status=task_status)
+        done.set()
+
+    worker = await nursery.start(run_worker)
+    client = await connect_worker(instance_of(worker), nursery)
+    async with client.stream(request("inflight", max_tokens=300)) as chunks:
+        got = [await chunks.__anext__()]
+        stop.set()
+        got += [c async for c in chunks]
+        assert client.state is ClientState.DRAINING
+        with pytest.raises(CannotConnect, match="goaway"):
+            await collect(client, request("late"))
+    assert len(got) == 300 and got[-1].finish_reason is FinishReason.LENGTH
+    with trio.fail_after(5):
+        await done.wait()
+    assert worker.runtime.statistics().served_total == 1
+
+
+# ---- memory streams on virtual time ----------------------------------------------------------
+
+IDENTITY = HelloOk(PROTOCOL_VERSION, "agg", "w1", MODEL)
+INSTANCE = WorkerInstance("w1", Role.AGG, MODEL, "tcp://fake:1")
+
+
+class ScriptedWorker:
+    """The far end of a memory stream, playing a worker by the test's rules."""
+
+    def __init__(
+        self,
+        *,
+        ack: bool = True,
+        answer_pings: bool = True,
+        chunks: int = 2,
+        goaway_after_ack: bool = False,
+    ) -> None:
+        self.ack = ack
+        self.answer_pings = answer_pings
+        self.chunks = chunks
+        self.goaway_after_ack = goaway_after_ack
+        self.received: list[Frame] = []
+        self.connects: list[float] = []
+        self.streams: list[trio.abc.Stream] = []
+        self.hold = trio.Event()  # set it to release held requests' chunks
+
+    async def serve(self, stream: trio.abc.Stream) -> None:
+        handshake, decoder = ServerHandshake(IDENTITY, secret=None), FrameDecoder()
+        async with stream:
+            while data := await stream.receive_some(65536):
+                for frame in decoder.feed(data):
+                    self.received.append(frame)
+                    if handshake.peer is None:
+                        await stream.send_all(encode(handshake.receive(frame)))
+                    else:
+                        await self.answer(stream, frame)
+
+    async def answer(self, stream: trio.abc.Stream, frame: Frame) -> None:
+        if isinstance(frame, Ping) and self.answer_pings:
+            await stream.send_all(encode(Pong(frame.seq)))
+        elif isinstance(frame, GenerateRequest) and self.ack:
+            rid = frame.request_id
+            out = [Ack(rid)] + [Chunk(rid, [i]) for i in range(self.chunks)]
+            if self.goaway_after_ack:
+                out.append(GoAway("draining"))
+            await stream.send_all(b"".join(encode(f) for f in out))
+
+    async def finish(self, stream: trio.abc.Stream, rid: str) -> None:
+        await stream.send_all(encode(Chunk(rid, [99], FinishReason.LENGTH)) + encode(End(rid)))
+
+    def connector(self, nursery: trio.Nursery) -> Callable[[], trio.abc.Stream]:
+        async def connect() -> trio.abc.Stream:
+            self.connects.append(trio.current_time())
+            client_end, server_end = trio.testing.memory_stream_pair()
+            self.streams.append(server_end)
+            nursery.start_soon(self.serve, server_end)
+            return client_end
+
+        return connect  # type: ignore[return-value]
+
+
+async def fake_client(
+    nursery: trio.Nursery, worker: ScriptedWorker, **config: float
+) -> TcpWorkerClient:
+    client = TcpWorkerClient(
+        INSTANCE,
+        config=PlaneConfig(backoff_jitter=0.0, **config),  # type: ignore[arg-type]
+        connector=worker.connector(nursery),
+    )
+    await nursery.start(client.run)
+    await client.wait_connected()
+    return client
+
+
+async def test_ack_timeout_is_cannot_connect_at_exactly_ack_timeout(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(ack=False)
+    client = await fake_client(nursery, worker, ack_timeout=5.0, heartbeat_interval=1.0)
+    start = trio.current_time()
+    with pytest.raises(AckTimeout):
+        async with client.stream(request("silent")):
+            pytest.fail("entered without an ACK")
+    assert trio.current_time() - start == 5.0
+    await trio.testing.wait_all_tasks_blocked()
+    assert Cancel("silent") in worker.received  # the worker is told to drop it
+    assert client.state is ClientState.CONNECTED  # pings answered: connection is fine
+
+
+async def test_connect_timeout(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    async def never() -> trio.abc.Stream:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    client = TcpWorkerClient(
+        INSTANCE, config=PlaneConfig(connect_timeout=2.5, backoff_jitter=0), connector=never
+    )
+    await nursery.start(client.run)
+    start = trio.current_time()
+    with pytest.raises(CannotConnect):
+        await client.wait_connected()
+    assert trio.current_time() - start == 2.5
+    assert client.statistics().last_error is not None
+    assert "2.5 s" in client.statistics().last_error  # type: ignore[operator]
+    assert isinstance(ConnectTimeout("x"), CannotConnect)
+
+
+async def test_heartbeat_loss_fails_inflight_streams(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(answer_pings=False, chunks=1)
+    client = await fake_client(nursery, worker, heartbeat_interval=1.0, heartbeat_timeout=2.0)
+    start = trio.current_time()
+    async with client.stream(request("doomed")) as chunks:
+        assert (await chunks.__anext__()).token_ids == [0]
+        with pytest.raises(Disconnected, match="heartbeat"):
+            await chunks.__anext__()
+    assert trio.current_time() - start == 1.0 + 2.0  # first ping, then its deadline
+    assert client.statistics().disconnects_total == 1
+
+
+async def test_answered_heartbeats_keep_an_idle_connection(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker()
+    client = await fake_client(nursery, worker, heartbeat_interval=1.0, heartbeat_timeout=2.0)
+    await trio.sleep(60)
+    assert client.state is ClientState.CONNECTED and len(worker.connects) == 1
+    assert sum(isinstance(f, Ping) for f in worker.received) == 60
+    assert client.statistics().rtt_s == 0.0
+
+
+async def test_reconnect_backoff_timing(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker()
+    attempts: list[float] = []
+    good = worker.connector(nursery)
+
+    async def flaky() -> trio.abc.Stream:
+        attempts.append(trio.current_time())
+        if len(attempts) <= 5:
+            raise OSError("connection refused")
+        return await good()  # type: ignore[misc]
+
+    client = TcpWorkerClient(
+        INSTANCE,
+        config=PlaneConfig(backoff_initial=0.1, backoff_max=1.0, backoff_jitter=0.0),
+        connector=flaky,
+    )
+    start = trio.current_time()
+    await nursery.start(client.run)
+    await trio.testing.wait_all_tasks_blocked()
+    # While backing off, stream() fails at once instead of waiting.
+    with pytest.raises(CannotConnect, match="connection refused"):
+        async with client.stream(request("early")):
+            pass
+    assert trio.current_time() == start
+    while client.state is not ClientState.CONNECTED:
+        await trio.sleep(0.01)
+    assert [round(t - start, 6) for t in attempts] == [0, 0.1, 0.3, 0.7, 1.5, 2.5]
+    assert len(await collect_n(client, request("late"), 2)) == 2
+
+    # A broken connection is re-dialled at once (the backoff starts over).
+    broke_at = trio.current_time()
+    await worker.streams[-1].aclose()
+    while len(attempts) < 7:
+        await trio.sleep(0.01)
+    assert attempts[-1] - broke_at < 0.02
+
+
+async def collect_n(client: TcpWorkerClient, req: GenerateRequest, n: int) -> list[Chunk]:
+    """Read *n* chunks of a scripted stream (it never sends End) and leave."""
+    async with client.stream(req) as chunks:
+        return [await chunks.__anext__() for _ in range(n)]
+
+
+async def test_slow_consumer_is_cut_off_alone(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(chunks=10)
+    client = await fake_client(nursery, worker, stream_buffer=4)
+    async with client.stream(request("slow")) as chunks:
+        await trio.testing.wait_all_tasks_blocked()  # all 10 chunks have arrived
+        got = [await chunks.__anext__() for _ in range(3)]  # Ack took a slot; 3 left
+        with pytest.raises(Disconnected, match="fell 4 replies behind"):
+            await chunks.__anext__()
+    assert [c.token_ids for c in got] == [[0], [1], [2]]
+    assert Cancel("slow") in worker.received
+    assert client.state is ClientState.CONNECTED  # the connection itself is fine
+    assert len(await collect_n(client, request("next"), 2)) == 2
+
+
+async def test_goaway_stops_new_streams_but_not_inflight_ones(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(goaway_after_ack=True, chunks=1)
+    client = await fake_client(nursery, worker)
+    async with client.stream(request("old")) as chunks:
+        assert (await chunks.__anext__()).token_ids == [0]
+        await trio.testing.wait_all_tasks_blocked()
+        assert client.state is ClientState.DRAINING
+        with pytest.raises(CannotConnect, match="goaway"):
+            await collect_n(client, request("new"), 1)
+        await worker.finish(worker.streams[0], "old")
+        assert [c.token_ids async for c in chunks] == [[99]]
+    assert len(worker.connects) == 1  # no redial while the old connection drains
+
+
+async def test_fault_from_the_worker_breaks_the_connection(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(chunks=0)
+    client = await fake_client(nursery, worker)
+    async with client.stream(request("x")) as chunks:
+        await worker.streams[0].send_all(encode(Fault("protocol_error", "you sent junk")))
+        with pytest.raises(Disconnected, match="you sent junk"):
+            await chunks.__anext__()
+
+
+async def test_closing_the_client_fails_streams_and_refuses_new_ones(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(chunks=0)
+    client = await fake_client(nursery, worker)
+    async with client.stream(request("x")) as chunks:
+        await client.aclose()
+        with pytest.raises(Disconnected):
+            await chunks.__anext__()
+    with pytest.raises(CannotConnect, match="closed"):
+        await collect_n(client, request("y"), 1)
+
+
+async def test_duplicate_request_id_on_one_connection(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(chunks=0)
+    client = await fake_client(nursery, worker)
+    async with client.stream(request("dup")):
+        with pytest.raises(WorkerError) as info:
+            await collect_n(client, request("dup"), 1)
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+
+
+async def test_wrong_worker_at_the_address_is_refused(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker()
+    other = WorkerInstance("someone-else", Role.AGG, MODEL, "tcp://fake:1")
+    client = TcpWorkerClient(other, connector=worker.connector(nursery))
+    await nursery.start(client.run)
+    with pytest.raises(CannotConnect, match="expected worker someone-else"):
+        await client.wait_connected()
