@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from frontend.config import FrontendConfig
 from frontend.discovery import (
     Discovery,
     EtcdClient,
@@ -34,7 +35,10 @@ from frontend.discovery import (
     InstanceState,
     Membership,
     StaticDiscovery,
+    discovery_from_config,
+    etcd_endpoints,
     parse_workers,
+    start_discovery,
 )
 from frontend.discovery.etcd import EventType, model_prefix, prefix_range_end
 from frontend.plane.base import ResponseStream, WorkerClient, WorkerInstance
@@ -89,12 +93,14 @@ class FakeClient(WorkerClient):
     def __init__(self, instance: WorkerInstance) -> None:
         self.instance = instance
         self.closed = False
+        self.closed_event = trio.Event()
 
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:
         raise NotImplementedError
 
     async def aclose(self) -> None:
         self.closed = True
+        self.closed_event.set()
 
 
 class FakeConnect:
@@ -135,7 +141,7 @@ def inst(
     return WorkerInstance(worker_id, role, model, f"tcp://127.0.0.1:{port}")
 
 
-async def start_discovery(
+async def follow(
     nursery: trio.Nursery, discovery: Discovery, sink: RecordingSink | Membership
 ) -> None:
     with trio.fail_after(5):
@@ -305,7 +311,7 @@ async def test_register_seen_then_deregister_removed(etcd_url: str, etcd_prefix:
     sink = RecordingSink()
     worker = inst("w1", Role.PREFILL, port=7101)
     async with trio.open_nursery() as nursery:
-        await start_discovery(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
+        await follow(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
         assert sink.workers == {}
         registration = EtcdRegistration(etcd_url, worker, ttl=2, prefix=etcd_prefix, pid=7)
         async with registration:
@@ -336,7 +342,7 @@ async def test_draining_reaches_router(etcd_url: str, etcd_prefix: str) -> None:
     worker = inst("d1", Role.DECODE, model="m1", port=7102)
     async with trio.open_nursery() as nursery:
         await nursery.start(membership.run)
-        await start_discovery(
+        await follow(
             nursery, EtcdDiscovery(etcd_url, model="m1", prefix=etcd_prefix), membership
         )
         async with EtcdRegistration(etcd_url, worker, ttl=2, prefix=etcd_prefix) as registration:
@@ -347,7 +353,9 @@ async def test_draining_reaches_router(etcd_url: str, etcd_prefix: str) -> None:
             assert router.routable(Role.DECODE, "m1") == 0
             assert registration.record.state is InstanceState.DRAINING
         await wait_router(router, lambda: states(router) == {})
-        assert [c.closed for c in connect.clients] == [True]
+        assert len(connect.clients) == 1
+        with trio.fail_after(5):
+            await connect.clients[0].closed_event.wait()
         nursery.cancel_scope.cancel()
 
 
@@ -374,7 +382,7 @@ async def test_lease_expires_when_worker_is_killed(etcd_url: str, etcd_prefix: s
     ttl = 2
     sink = RecordingSink()
     async with trio.open_nursery() as nursery:
-        await start_discovery(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
+        await follow(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-c", _KILLABLE_WORKER, etcd_url, etcd_prefix, "k1"],
             stdout=subprocess.PIPE,
@@ -409,7 +417,7 @@ async def test_reregisters_after_lease_revoked_behind_its_back(
 ) -> None:
     sink = RecordingSink()
     async with trio.open_nursery() as nursery, EtcdClient(etcd_url) as etcd:
-        await start_discovery(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
+        await follow(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
         async with EtcdRegistration(etcd_url, inst("r1"), ttl=2, prefix=etcd_prefix) as reg:
             await sink.wait_for(lambda: "r1" in sink.workers)
             old_lease = reg.lease_id
@@ -432,6 +440,7 @@ async def test_reregisters_after_lease_revoked_behind_its_back(
             kv = await etcd.get(reg.key)
             assert kv is not None
             assert kv.lease == new_lease
+        await sink.wait_for(lambda: sink.calls.count(("removed", "r1")) == 3)
         assert sink.calls == [("added", "r1"), ("removed", "r1")] * 3
         nursery.cancel_scope.cancel()
 
@@ -444,7 +453,7 @@ async def test_watch_follows_changes_made_in_etcd(etcd_url: str, etcd_prefix: st
     async with trio.open_nursery() as nursery, EtcdClient(etcd_url) as etcd:
         await etcd.put(a.key(etcd_prefix), a.to_json())
         discovery = EtcdDiscovery(etcd_url, model="m1", prefix=etcd_prefix)
-        await start_discovery(nursery, discovery, sink)
+        await follow(nursery, discovery, sink)
         assert sink.calls == [("added", "a")]  # the initial range, before started()
 
         await etcd.put(other_model.key(etcd_prefix), other_model.to_json())
@@ -480,7 +489,7 @@ async def test_two_watchers_see_the_same_set(etcd_url: str, etcd_prefix: str) ->
     workers = [inst(f"w{i}", role, port=7300 + i) for i, role in enumerate(Role)]
     async with trio.open_nursery() as nursery:
         for sink in sinks:
-            await start_discovery(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
+            await follow(nursery, EtcdDiscovery(etcd_url, prefix=etcd_prefix), sink)
         async with trio.open_nursery() as regs:
             registrations = [
                 EtcdRegistration(etcd_url, w, ttl=2, prefix=etcd_prefix) for w in workers
@@ -489,11 +498,13 @@ async def test_two_watchers_see_the_same_set(etcd_url: str, etcd_prefix: str) ->
                 await regs.start(reg.run)
             for sink in sinks:
                 await sink.wait_for(lambda s=sink: len(s.workers) == 3)
+            assert sinks[0].workers == sinks[1].workers == {w.worker_id: w for w in workers}
             await registrations[0].deregister()
             for sink in sinks:
-                await sink.wait_for(lambda s=sink: len(s.workers) == 2)
-            regs.cancel_scope.cancel()
-        assert sinks[0].workers == sinks[1].workers == {}
+                await sink.wait_for(lambda s=sink: set(s.workers) == {"w1", "w2"})
+            regs.cancel_scope.cancel()  # each run() revokes its lease on the way out
+        for sink in sinks:
+            await sink.wait_for(lambda s=sink: not s.workers)
         assert sorted(sinks[0].calls) == sorted(sinks[1].calls)
         assert {wid for _, wid in sinks[0].calls} == {"w0", "w1", "w2"}
         nursery.cancel_scope.cancel()
@@ -508,13 +519,13 @@ async def test_discovery_and_registration_survive_etcd_wipe(
     async with trio.open_nursery() as nursery, EtcdClient(url) as etcd:
         stale = InstanceRecord.from_instance(inst("stale", port=7401))
         await etcd.put(stale.key(etcd_prefix), stale.to_json())  # no lease, gone with the wipe
-        await start_discovery(nursery, discovery, sink)
+        await follow(nursery, discovery, sink)
         async with EtcdRegistration(url, inst("live", port=7402), ttl=2, prefix=etcd_prefix) as reg:
             await sink.wait_for(lambda: set(sink.workers) == {"stale", "live"})
-            await trio.to_thread.run_sync(lambda: private_etcd.restart(wipe=True))
-            # Discovery re-ranges the empty store and drops both; the registration's next
-            # keep-alive finds its lease unknown and registers again.
             old_lease = reg.lease_id
+            await trio.to_thread.run_sync(lambda: private_etcd.restart(wipe=True))
+            # Discovery re-ranges the wiped store and drops the stale worker; the
+            # registration's next keep-alive finds its lease unknown and registers again.
             await sink.wait_for(lambda: "stale" not in sink.workers, limit=10)
             # The wiped store's history starts at 1: this replays the registration's
             # put if it already happened, or waits for it.
@@ -572,7 +583,7 @@ async def test_membership_retries_failed_connect(autojump_clock: trio.abc.Clock)
         assert connect.attempts == {"w": 4}
         assert membership.statistics().connect_failures_total == 3
         gaps = [b - a for a, b in itertools.pairwise(connect.attempt_times)]
-        assert all(gap >= 0.25 for gap in gaps)  # backed off, never a hot loop
+        assert min(gaps) > 0.24  # backed off (at least retry_initial / 2): never a hot loop
         nursery.cancel_scope.cancel()
 
 
@@ -621,3 +632,42 @@ async def test_membership_needs_run() -> None:
     membership = Membership(Router(), FakeConnect())
     with pytest.raises(RuntimeError, match="before run"):
         membership.worker_added(inst("w"))
+
+
+# -- wiring from the frontend's configuration -------------------------------------------------
+
+
+def test_etcd_endpoints() -> None:
+    assert etcd_endpoints("etcd://127.0.0.1:2379") == ["http://127.0.0.1:2379"]
+    assert etcd_endpoints("etcd://a:1,b:2/") == ["http://a:1", "http://b:2"]
+    assert etcd_endpoints("etcds://a:1,http://b:2") == ["https://a:1", "http://b:2"]
+    for bad, message in [("zk://a:1", "unknown scheme"), ("etcd://a:1/x", "expected"), ("", "no")]:
+        with pytest.raises(ValueError, match=message):
+            etcd_endpoints(bad)
+
+
+def test_discovery_from_config() -> None:
+    static = discovery_from_config(
+        FrontendConfig(model_name="served", workers="tcp://127.0.0.1:1?role=agg")
+    )
+    assert isinstance(static, StaticDiscovery)
+    assert [(w.worker_id, w.model) for w in static.instances] == [("127.0.0.1:1", "served")]
+    etcd = discovery_from_config(FrontendConfig(model_name="served", discovery="etcd://h:2379"))
+    assert isinstance(etcd, EtcdDiscovery)
+    assert (etcd.endpoints, etcd.watch_prefix) == (["http://h:2379"], model_prefix("served"))
+    with pytest.raises(ValueError, match="not both"):
+        discovery_from_config(FrontendConfig(workers="tcp://a:1?role=agg", discovery="etcd://h:1"))
+
+
+async def test_start_discovery_feeds_the_router() -> None:
+    router = Router()
+    config = FrontendConfig(
+        model_name="m", workers="tcp://127.0.0.1:1?role=prefill,tcp://127.0.0.1:2?role=decode"
+    )
+    async with trio.open_nursery() as nursery:
+        membership = await start_discovery(nursery, config, router, connect=FakeConnect())
+        await wait_router(router, lambda: len(states(router)) == 2)
+        assert router.pick(Role.PREFILL, "m").instance.address == "tcp://127.0.0.1:1"
+        assert router.pick(Role.DECODE, "m").instance.address == "tcp://127.0.0.1:2"
+        assert membership.statistics().connected == 2
+        nursery.cancel_scope.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import msgpack
@@ -129,7 +130,7 @@ def test_split_feeds_decode_identically(frames: list[Frame], cuts: list[int]) ->
     points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
     decoder = FrameDecoder()
     out: list[Frame] = []
-    for a, b in zip(points, points[1:], strict=False):
+    for a, b in itertools.pairwise(points):
         out.extend(decoder.feed(data[a:b]))
     assert out == frames
     assert decoder.buffered == 0
@@ -266,7 +267,8 @@ def _run_handshake(client_secret: bytes | None, server_secret: bytes | None) -> 
         to_server = client.receive(to_client)
         if to_server is not None:
             (to_server,) = FrameDecoder().feed(encode(to_server))
-    assert server.peer is not None and server.peer.peer_id == "fe"
+    assert server.peer is not None
+    assert server.peer.peer_id == "fe"
     return client.peer
 
 
@@ -342,10 +344,13 @@ def test_addresses() -> None:
     assert parse_tcp_address("tcp://[::1]:9") == ("::1", 9)
     assert parse_tcp_address(format_tcp_address("::1", 9)) == ("::1", 9)
     for bad in ("memory://x", "tcp://host", "tcp://:80", "tcp://h:0", "tcp://h:99999"):
-        with pytest.raises(ValueError):  # noqa: PT011
+        with pytest.raises(ValueError):
             parse_tcp_address(bad)
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert is_loopback("127.0.0.1")
+    assert is_loopback("::1")
+    assert is_loopback("localhost")
+    assert not is_loopback("0.0.0.0")
+    assert not is_loopback("10.1.2.3")
     assert not is_loopback("example.com")
 
 

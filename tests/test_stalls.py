@@ -136,15 +136,17 @@ async def test_blocking_call_on_the_loop_is_a_loop_stall(caplog: pytest.LogCaptu
     assert record.sampled
     assert any("block_the_loop" in frame for frame in record.stack)
     assert "time.sleep(STALL_S)" in record.stack[-1]  # innermost last, with the source line
-    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction < 0.5
+    assert record.loop_busy_fraction is not None
+    assert record.loop_busy_fraction < 0.5
     assert json.loads(json.dumps(record.to_dict()))["task"] == record.task
     assert detector.records() == [record]
     assert (stats.stalls_total, stats.loop_stalls_total, stats.gil_stalls_total) == (1, 1, 0)
     assert stats.last_duration_s == record.duration_s
     assert stats.tracking
     # the watchdog named the culprit while the loop was still stalled
-    assert any("so far" in r.getMessage() and "block_the_loop" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "so far" in r.getMessage() and "block_the_loop" in r.getMessage() for r in caplog.records
+    )
 
 
 async def test_thread_holding_the_gil_is_a_gil_stall() -> None:
@@ -174,7 +176,8 @@ async def test_hf_encode_in_a_thread_is_a_gil_stall(
 
     assert record.cause == "gil"
     assert record.duration_s >= 0.03
-    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction < 0.5
+    assert record.loop_busy_fraction is not None
+    assert record.loop_busy_fraction < 0.5
 
 
 async def test_gil_taken_in_the_middle_of_a_step_is_a_gil_stall(
@@ -201,7 +204,8 @@ async def test_gil_taken_in_the_middle_of_a_step_is_a_gil_stall(
 
     assert record.task == "spinner"
     assert record.cause == "gil"
-    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction < 0.5
+    assert record.loop_busy_fraction is not None
+    assert record.loop_busy_fraction < 0.5
 
 
 async def test_hf_encode_on_the_loop_is_a_loop_stall(
@@ -221,7 +225,8 @@ async def test_hf_encode_on_the_loop_is_a_loop_stall(
 
     assert record.cause == "loop"
     assert record.task == "preprocess"
-    assert record.loop_cpu_fraction is not None and record.loop_cpu_fraction > 0.5
+    assert record.loop_busy_fraction is not None
+    assert record.loop_busy_fraction > 0.5
     assert any("preprocess" in frame for frame in record.stack)
 
 
@@ -259,10 +264,12 @@ async def test_idle_monitor_records_delays_but_no_stall() -> None:
         count = monitor.metrics.registry.get_sample_value(
             f"{WORKER_PREFIX}event_loop_delay_seconds_count"
         )
-    assert count is not None and count >= 20  # ~50 canary wake-ups
+    assert count is not None
+    assert count >= 20
     assert monitor.records() == []
     points = monitor.recent_delays()
-    assert points and all(delay < 0.1 for _, delay in points)
+    assert points
+    assert all(delay < 0.1 for _, delay in points)
 
 
 # -- canary and metrics ------------------------------------------------------------------
@@ -286,10 +293,12 @@ async def test_canary_counts_a_blocked_loop() -> None:
 
         assert slow_count() >= slow_before + 1
         stalls_after = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_stall_total")
-        assert stalls_before is not None and stalls_after is not None
+        assert stalls_before is not None
+        assert stalls_after is not None
         assert stalls_after >= stalls_before + 1
         max_delay = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_max_delay_seconds")
-        assert max_delay is not None and max_delay >= 0.15
+        assert max_delay is not None
+        assert max_delay >= 0.15
         cause_loop = registry.get_sample_value(
             f"{WORKER_PREFIX}stall_records_total", {"cause": record.cause}
         )
@@ -404,7 +413,8 @@ async def test_disabled_monitor_runs_only_the_canary() -> None:
     count = monitor.metrics.registry.get_sample_value(
         f"{FRONTEND_PREFIX}event_loop_delay_seconds_count"
     )
-    assert count is not None and count >= 3
+    assert count is not None
+    assert count >= 3
     assert monitor.detector is None
     assert monitor.records() == []
     assert monitor.statistics() is None
@@ -418,4 +428,3 @@ def test_public_names_are_exported_and_documented() -> None:
     assert {"LoopMonitor", "StallDetector", "TaskTracker", "run_canary"} <= set(
         instrumentation.__all__
     )
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +41,7 @@ log = logging.getLogger("workers")
 READY_PREFIX = "HEADWATER_WORKER_READY"
 ENGINES = ("mocker",)
 _HOOK_TIMEOUT = 10.0  # s for each on-stop hook
+_FLUSH_TIMEOUT = 5.0  # s to send replies still queued when the drain ends
 
 #: Called with the worker's advertised address once it accepts connections.
 ReadyHook = Callable[[str], Awaitable[None]]
@@ -155,7 +157,12 @@ async def serve_worker(
             peer_id=config.worker_id, role=str(config.role), secret=config.secret,
             config=config.plane,
         )
-    engine = engine_factory(config, address, kv_transfer)
+    try:
+        engine = engine_factory(config, address, kv_transfer)
+    except BaseException:
+        for listener in listeners:
+            await trio.aclose_forcefully(listener)
+        raise
     runtime = WorkerRuntime(engine, config.worker_id)
     server = PlaneServer(
         runtime,
@@ -211,6 +218,7 @@ async def _drain(config: WorkerConfig, worker: RunningWorker, on_stop: Sequence[
         )
     else:
         log.info("%s drained", worker.worker_id)
+    await worker.server.close_connections(_FLUSH_TIMEOUT)
 
 
 async def _run_stop_hooks(hooks: Sequence[StopHook]) -> None:
@@ -228,8 +236,6 @@ def _advertised_host(config: WorkerConfig, host: str) -> str:
     if config.advertise_host:
         return config.advertise_host
     if host in ("0.0.0.0", "::"):
-        import socket
-
         return socket.gethostname()
     return host
 

@@ -235,7 +235,7 @@ class EtcdClient:
         url = self.endpoint + path
         try:
             resp = await self._http.post(url, json=body)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             self._failover()
             raise EtcdUnavailable(f"etcd {path} at {url}: {exc!r}") from exc
         try:
@@ -354,7 +354,7 @@ class EtcdClient:
             with trio.move_on_after(self.timeout) as setup:
                 try:
                     response = await self._http.send(request, stream=True)
-                except httpx.TransportError as exc:
+                except httpx.RequestError as exc:
                     self._failover()
                     raise EtcdUnavailable(f"etcd /v3/watch at {url}: {exc!r}") from exc
                 if response.status_code != 200:

@@ -19,8 +19,11 @@ Wiring::
     await nursery.start(discovery.run, membership)
 
 Sink calls do only bookkeeping and ``start_soon``, so a burst of changes costs no
-buffer beyond one task per connecting worker. Cancelling ``run`` stops pending
-connections and closes every client it connected.
+buffer beyond one task per connecting worker. *connect* is called from a task of
+that nursery, so a transport that runs per-client tasks in the caller's nursery
+(``frontend.plane.tcp.connect_worker`` does) keeps them exactly as long as the
+membership. Cancelling ``run`` stops pending connections and closes every client
+it connected.
 """
 
 from __future__ import annotations
@@ -76,21 +79,26 @@ class Membership:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host connection and close tasks until cancelled, then close every client."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
                 await trio.sleep_forever()
-        finally:
-            self._nursery = None
-            self._pending.clear()
-            clients = list(self._clients.items())
-            self._clients.clear()
-            with trio.move_on_after(self.close_timeout, shield=True):
-                for worker_id, client in clients:
-                    if self.router.remove(worker_id) not in (client, None):
-                        log.warning("router held another client for %s at shutdown", worker_id)
-                    await _close_quietly(client)
+            finally:
+                # Close clients while the nursery (where a transport may run its
+                # connection tasks) is still open, then let it cancel the rest.
+                self._nursery = None
+                for _, scope in self._pending.values():
+                    scope.cancel()
+                self._pending.clear()
+                clients = list(self._clients.items())
+                self._clients.clear()
+                with trio.move_on_after(self.close_timeout, shield=True):
+                    for worker_id, client in clients:
+                        if self.router.remove(worker_id) not in (client, None):
+                            log.warning("router held another client for %s", worker_id)
+                        await _close_quietly(client)
+                nursery.cancel_scope.cancel()
 
     def statistics(self) -> MembershipStats:
         return MembershipStats(

@@ -8,6 +8,7 @@ it with a :class:`Membership` feeding the router, in the caller's nursery.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -74,14 +75,15 @@ async def start_discovery(
     Returns once discovery reported the initial set, or after *initial_wait*
     seconds (etcd unreachable: logged; discovery keeps retrying in the background
     and the frontend answers 503 until workers appear). *connect* defaults to the
-    TCP request plane's ``connect_worker``. Raises ValueError for a bad configuration
-    before starting anything.
+    TCP request plane's ``connect_worker`` with the configured ACK timeout. Raises
+    ValueError for a bad configuration before starting anything.
     """
     discovery = discovery_from_config(config)
     if connect is None:
-        from frontend.plane.tcp import connect_worker  # the TCP plane, only when needed
+        # The TCP plane, imported only when remote workers are in use.
+        from frontend.plane.tcp import PlaneConfig, connect_worker
 
-        connect = connect_worker
+        connect = partial(connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout))
     membership = Membership(router, connect)
     await nursery.start(membership.run)
     ready = trio.Event()

@@ -142,9 +142,17 @@ class _Route:
         self.failure: Disconnected | None = None
 
     async def next(self) -> Frame:
-        """The next frame; raises Disconnected once the route was failed and drained."""
+        """The next frame; raises Disconnected once the route was failed and drained.
+
+        A frame already buffered is returned without a schedule point (cancellation
+        is still checked), so a burst of chunks costs one wake-up, not one each.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            return await self.receive.receive()
+            try:
+                return self.receive.receive_nowait()
+            except trio.WouldBlock:
+                return await self.receive.receive()
         except trio.EndOfChannel:
             raise self.failure or Disconnected("connection closed") from None
 
@@ -382,8 +390,10 @@ class PlaneConnection:
             try:
                 self.send_frame(request)
             except FrameTooLarge as exc:
+                stream.finished = True  # never sent: nothing to cancel
                 raise WorkerError(ErrorCode.INVALID_REQUEST, exc.message) from exc
             except Disconnected as exc:
+                stream.finished = True
                 raise CannotConnect(str(exc)) from exc
             with trio.move_on_after(self.config.ack_timeout) as ack_scope:
                 try:
@@ -595,6 +605,7 @@ class TcpWorkerClient(WorkerClient):
         self._conn: PlaneConnection | None = None
         self._retry_at = 0.0
         self._last_error: str | None = None
+        self._last_failure: CannotConnect | None = None  # why the last connect failed
         self._connects = 0
         self._connect_failures = 0
         self._disconnects = 0
@@ -645,6 +656,7 @@ class TcpWorkerClient(WorkerClient):
                 self._connect_failures += 1
                 delay = self._backoff(failures)
                 self._last_error = str(exc)
+                self._last_failure = exc
                 self._retry_at = trio.current_time() + delay
                 self._set_state(ClientState.BACKOFF)
                 log.warning(
@@ -682,7 +694,7 @@ class TcpWorkerClient(WorkerClient):
                 raise CannotConnect(
                     f"{self.instance.worker_id} unreachable ({self._last_error}); "
                     f"next attempt in {wait:.2f} s"
-                )
+                ) from self._last_failure
             if state is ClientState.DRAINING:
                 raise CannotConnect(f"{self.instance.worker_id} is shutting down (goaway)")
             if state in (ClientState.IDLE, ClientState.CLOSED):
@@ -690,7 +702,8 @@ class TcpWorkerClient(WorkerClient):
             await self._changed.wait()  # CONNECTING: bounded by connect_timeout
 
     async def wait_connected(self) -> None:
-        """Wait for the current connection attempt; raises CannotConnect if it failed."""
+        """Wait for the current connection attempt; raises CannotConnect if it failed,
+        with the attempt's own error (ConnectTimeout, HandshakeFailed, ...) as cause."""
         await self._connection()
 
     @asynccontextmanager
@@ -740,8 +753,8 @@ async def connect_worker(
     from its own tasks keeps its clients alive exactly as long as itself. *secret*
     defaults to ``$HEADWATER_PLANE_SECRET`` (None when unset).
 
-    Returns once the first connection is up. Raises CannotConnect (then nothing is
-    left running), ValueError for an address that is not ``tcp://host:port``.
+    Returns once the first connection is up. Raises CannotConnect whose ``__cause__``
+    is the attempt's error (then nothing is left running), ValueError for an address that is not ``tcp://host:port``.
     Close the client with ``await client.aclose()`` when the worker goes away.
     """
     if nursery is None:

@@ -27,13 +27,16 @@ Cause
 -----
 * ``gil``: the loop came back late from the I/O wait (it was parked in epoll, so it was
   not running Python: another thread held the GIL); or a step stretched while the loop
-  thread got little CPU *and* the watchdog was starved of the GIL as well.
+  thread was mostly asleep *and* the watchdog could not get the GIL either.
 * ``loop``: everything else: the loop thread itself was busy (Python, or C code holding
   the GIL, such as ``tokenizers.Tokenizer.encode`` on the loop) or blocked in a
   synchronous call (``time.sleep``, a lock, file I/O).
 
-The loop thread's CPU time is read through ``time.pthread_getcpuclockid``; where that
-is missing, a C call holding the GIL on the loop is reported as ``gil``.
+"Busy" counts time on a CPU *and* time runnable in the OS run queue (Linux
+``/proc/self/task/<tid>/schedstat``), so a busy loop is still "busy" on an overloaded
+machine; a thread waiting for the GIL sleeps on a futex and counts as neither. Without
+schedstat the thread CPU clock is used (CPU time only); without either, a C call
+holding the GIL on the loop is reported as ``gil``.
 
 Limits: GIL stalls are only visible while the I/O-wait timeout is short (the canary
 keeps it ≤ 10 ms); only ``trio.run`` is supported, not guest mode.
@@ -75,7 +78,7 @@ _Frames = tuple[tuple[CodeType, int], ...]  # (code, line), innermost last
 _TRIO_DIR: Final = os.path.dirname(trio.__file__) + os.sep
 _MAX_FRAMES: Final = 48
 _STARVED_MIN_S: Final = 0.002  # watchdog oversleep that counts as "could not run"
-_CPU_BUSY: Final = 0.5  # loop thread on CPU for at least this share of a stall ⇒ "loop"
+_BUSY: Final = 0.5  # loop thread busy for at least this share of a stall ⇒ "loop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +96,9 @@ class StallRecord:
         (it could not run because another thread held the GIL).
       sampled: ``True`` when ``stack`` was sampled during the stall; ``False`` when it
         is where the task next awaited (the watchdog was frozen throughout).
-      loop_cpu_fraction: share of the stall the loop thread spent on a CPU, or ``None``
-        where the thread CPU clock cannot be read.
+      loop_busy_fraction: share of the stall the loop thread was running or runnable
+        (rather than asleep in a blocking call or waiting for the GIL); ``None`` where
+        the platform cannot tell.
     """
 
     started_at: float
@@ -103,7 +107,7 @@ class StallRecord:
     stack: tuple[str, ...]
     cause: StallCause
     sampled: bool
-    loop_cpu_fraction: float | None
+    loop_busy_fraction: float | None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -114,7 +118,7 @@ class StallRecord:
             "stack": list(self.stack),
             "cause": self.cause,
             "sampled": self.sampled,
-            "loop_cpu_fraction": self.loop_cpu_fraction,
+            "loop_busy_fraction": self.loop_busy_fraction,
         }
 
 
@@ -133,7 +137,7 @@ class StallStatistics:
 class _Overrun(NamedTuple):
     phase: _Phase
     ended: float  # perf_counter seconds
-    loop_cpu: float  # the loop thread's CPU seconds at `ended`
+    loop_busy: float | None  # the loop thread's busy seconds (see _ThreadTimes) at `ended`
     awaiting: _Frames  # for a step: where the task awaited next
 
 
@@ -160,7 +164,7 @@ class TaskTracker(trio.abc.Instrument):
     would otherwise remove the instrument behind the detector's back.
     """
 
-    __slots__ = ("_threshold_s", "disabled_reason", "pending", "phase")
+    __slots__ = ("_threshold_s", "busy_clock", "disabled_reason", "pending", "phase")
 
     def __init__(self, threshold_s: float = 0.020, *, max_pending: int = 1024) -> None:
         if threshold_s <= 0:
@@ -170,6 +174,8 @@ class TaskTracker(trio.abc.Instrument):
         #: Overruns for the watchdog; deque appends and pops are thread-safe.
         self.pending: deque[_Overrun] = deque(maxlen=max_pending)
         self.disabled_reason: str | None = None
+        #: Reads this thread's busy seconds when a phase overran; set by the detector.
+        self.busy_clock: Callable[[], float | None] = _no_clock
 
     @property
     def threshold_s(self) -> float:
@@ -202,9 +208,9 @@ class TaskTracker(trio.abc.Instrument):
         try:
             now = _clock()
             previous = self.phase
+            self.phase = (_STEP, task, now, now)
             if now - previous[3] > self._threshold_s:
                 self._overran(previous, now)
-            self.phase = (_STEP, task, now, now)
         except Exception as exc:
             self._fail("before_task_step", exc)
 
@@ -212,9 +218,9 @@ class TaskTracker(trio.abc.Instrument):
         try:
             now = _clock()
             previous = self.phase
+            self.phase = (_IO, timeout, now, now + timeout)
             if now - previous[3] > self._threshold_s:
                 self._overran(previous, now)
-            self.phase = (_IO, timeout, now, now + timeout)
         except Exception as exc:
             self._fail("before_io_wait", exc)
 
@@ -222,14 +228,16 @@ class TaskTracker(trio.abc.Instrument):
         try:
             now = _clock()
             previous = self.phase
+            self.phase = (_SCHED, None, now, now)
             if now - previous[3] > self._threshold_s:
                 self._overran(previous, now)
-            self.phase = (_SCHED, None, now, now)
         except Exception as exc:
             self._fail("after_io_wait", exc)
 
     def _overran(self, phase: _Phase, now: float) -> None:
         # Rare path, on the loop thread: keep it cheap and free of I/O (no linecache).
+        # The next phase is already published, so the watchdog's samples taken from here
+        # on are not mistaken for the overrun phase's.
         if phase[0] == _OFF:
             return
         awaiting: _Frames = ()
@@ -238,7 +246,10 @@ class TaskTracker(trio.abc.Instrument):
                 awaiting = tuple(
                     (frame.f_code, lineno) for frame, lineno in phase[1].iter_await_frames()
                 )[-_MAX_FRAMES:]
-        self.pending.append(_Overrun(phase, now, time.thread_time(), awaiting))
+        busy: float | None = None
+        with suppress(Exception):
+            busy = self.busy_clock()
+        self.pending.append(_Overrun(phase, now, busy, awaiting))
 
     def _fail(self, hook: str, exc: Exception) -> None:
         logger.error(
@@ -294,10 +305,10 @@ class StallDetector:
         self._watchdog_alive = False
         self._stop = threading.Event()
         self._loop_ident = 0
-        self._cpu_clock: int | None = None
-        # Watchdog-thread state only:
-        self._cpu_samples: deque[tuple[float, float]] = deque(maxlen=256)
-        self._starved: deque[tuple[float, float]] = deque(maxlen=256)
+        self._loop_times: _ThreadTimes | None = None
+        # Watchdog-thread state (written before the thread starts, then only by it):
+        self._busy_samples: deque[tuple[float, float]] = deque(maxlen=256)  # (t, busy s)
+        self._starved: deque[tuple[float, float]] = deque(maxlen=256)  # watchdog GIL waits
         self._sampled_phase: _Phase | None = None
         self._best: _Frames = ()
         self._reported_live = False
@@ -336,17 +347,29 @@ class StallDetector:
             raise RuntimeError("StallDetector.run is already running")
         self._running = True
         self._loop_ident = threading.get_ident()
-        self._cpu_clock = _thread_cpu_clock(self._loop_ident)
+        loop_times = self._loop_times = _ThreadTimes(self._loop_ident, threading.get_native_id())
+        self._busy_samples.clear()
+        self._starved.clear()
+        self._sample_loop_busy()  # a base for stalls that begin before the watchdog's first tick
         self._stop.clear()
+        watching = trio.Event()
+        token = trio.lowlevel.current_trio_token()
         watchdog = threading.Thread(
-            target=self._watch, name="headwater-stall-watchdog", daemon=True
+            target=self._watch,
+            args=(functools.partial(token.run_sync_soon, watching.set),),
+            name="headwater-stall-watchdog",
+            daemon=True,
         )
         tracker = self.tracker
+        tracker.busy_clock = loop_times.busy
         tracker.start()
         trio.lowlevel.add_instrument(tracker)
         self._watchdog_alive = True
         watchdog.start()
         try:
+            # Report started only once the watchdog measures: a GIL stall that begins
+            # while the thread is still starting up would otherwise go unclassified.
+            await watching.wait()
             task_status.started()
             me = trio.lowlevel.current_task()
             while tracker.enabled and self._watchdog_alive:
@@ -362,33 +385,44 @@ class StallDetector:
             self._stop.set()
             with trio.move_on_after(1.0, shield=True):
                 await trio.to_thread.run_sync(watchdog.join, abandon_on_cancel=True)
+            if not watchdog.is_alive():
+                loop_times.close()
             self._running = False
 
     # -- watchdog thread ------------------------------------------------------------
 
-    def _watch(self) -> None:
+    def _watch(self, watching: Callable[[], object]) -> None:
+        own: _ThreadTimes | None = None
         try:
-            expected = _clock() + self._poll_s
+            own = _ThreadTimes(threading.get_ident(), threading.get_native_id())
+            last_wake, last_busy = _clock(), own.busy() or 0.0
+            with suppress(trio.RunFinishedError):
+                watching()
             while not self._stop.wait(self._poll_s):
-                self._tick(expected)
-                expected = _clock() + self._poll_s
+                # Of the wall time since the last wake, whatever was neither the requested
+                # sleep nor our own running (or runnable) time went to waiting for the GIL:
+                # in the wait's wake-up or at any GIL release inside the previous tick.
+                now, busy = _clock(), own.busy() or 0.0
+                starved = now - last_wake - self._poll_s - (busy - last_busy)
+                last_wake, last_busy = now, busy
+                if starved > _STARVED_MIN_S:
+                    self._starved.append((now - starved, now))
+                self._sample_loop_busy()
+                self._drain()
+                self._observe(_clock())
             self._drain()
         except Exception:
             logger.exception("stall watchdog failed; stall detection is off")
         finally:
+            if own is not None:
+                own.close()
             self._watchdog_alive = False
+            with suppress(trio.RunFinishedError):
+                watching()  # again, in case the loop is still waiting for it
 
-    def _tick(self, expected: float) -> None:
-        now = _clock()
-        if now - expected > _STARVED_MIN_S:
-            self._starved.append((expected, now))
-        if self._cpu_clock is not None:
-            try:
-                self._cpu_samples.append((now, time.clock_gettime(self._cpu_clock)))
-            except OSError:
-                self._cpu_clock = None
-        self._drain()
-        self._observe(_clock())
+    def _sample_loop_busy(self) -> None:
+        if self._loop_times is not None and (busy := self._loop_times.busy()) is not None:
+            self._busy_samples.append((_clock(), busy))
 
     def _observe(self, now: float) -> None:
         """Sample the loop thread's stack if the current phase is overdue."""
@@ -435,15 +469,13 @@ class StallDetector:
     def _finish(self, overrun: _Overrun) -> None:
         phase = overrun.phase
         kind, _, started, due = phase
+        began = due if kind == _IO else started
+        busy = self._busy_fraction(began, overrun.ended, overrun.loop_busy)
+        cause: StallCause = "loop"
         if kind == _IO:
-            began, cause = due, "gil"
-            cpu = self._cpu_fraction(due, overrun.ended, overrun.loop_cpu)
-        else:
-            began = started
-            cpu = self._cpu_fraction(started, overrun.ended, overrun.loop_cpu)
-            busy = cpu is not None and cpu >= _CPU_BUSY
-            starved = self._starved_fraction(started, overrun.ended) >= 0.5
-            cause = "gil" if starved and not busy else "loop"
+            cause = "gil"  # parked in epoll, so not running Python: it could not get the GIL
+        elif (busy is None or busy < _BUSY) and self._starved_fraction(began, overrun.ended) >= 0.5:
+            cause = "gil"
         if phase is self._sampled_phase:
             frames, sampled = self._best, True
             self._sampled_phase, self._best = None, ()
@@ -456,7 +488,7 @@ class StallDetector:
             stack=tuple(_format_frame(code, line) for code, line in frames),
             cause=cause,
             sampled=sampled,
-            loop_cpu_fraction=cpu,
+            loop_busy_fraction=busy,
         )
         with self._lock:
             self._records.append(record)
@@ -477,19 +509,21 @@ class StallDetector:
             except Exception:
                 logger.exception("on_stall callback failed")
 
-    def _cpu_fraction(self, start: float, end: float, loop_cpu_end: float) -> float | None:
-        """Share of [start, end] the loop thread was on a CPU, from the latest sample ≤ start."""
+    def _busy_fraction(self, start: float, end: float, busy_end: float | None) -> float | None:
+        """Share of [start, end] the loop thread was busy, from the latest sample ≤ start."""
+        if busy_end is None:
+            return None
         base: tuple[float, float] | None = None
-        for sample in reversed(self._cpu_samples):
+        for sample in reversed(self._busy_samples):
             base = sample
             if sample[0] <= start:
                 break
         if base is None or end - base[0] <= 0:
             return None
-        return min(1.0, max(0.0, (loop_cpu_end - base[1]) / (end - base[0])))
+        return min(1.0, max(0.0, (busy_end - base[1]) / (end - base[0])))
 
     def _starved_fraction(self, start: float, end: float) -> float:
-        """Share of [start, end] during which the watchdog overslept (could not get the GIL)."""
+        """Share of [start, end] during which the watchdog waited for the GIL."""
         if end <= start:
             return 0.0
         total = sum(
@@ -499,11 +533,47 @@ class StallDetector:
         return total / (end - start)
 
 
-def _thread_cpu_clock(ident: int) -> int | None:
-    try:
-        return time.pthread_getcpuclockid(ident)
-    except (AttributeError, OSError):  # not on this platform
+class _ThreadTimes:
+    """How long one thread has been busy, readable from any thread.
+
+    Busy = on a CPU + runnable in the OS run queue, from Linux's
+    ``/proc/self/task/<tid>/schedstat`` (``pread`` on a kept descriptor, ~2 µs);
+    otherwise CPU time from ``time.pthread_getcpuclockid`` (run-queue wait unknown: 0).
+    """
+
+    def __init__(self, ident: int, native_id: int) -> None:
+        self._fd: int | None = None
+        self._cpu_clock: int | None = None
+        try:
+            self._fd = os.open(f"/proc/self/task/{native_id}/schedstat", os.O_RDONLY)
+            self._schedstat()
+        except (OSError, ValueError):
+            self.close()
+            with suppress(AttributeError, OSError):  # not on this platform
+                self._cpu_clock = time.pthread_getcpuclockid(ident)
+
+    def _schedstat(self) -> tuple[float, float]:
+        assert self._fd is not None
+        on_cpu, waiting, _ = os.pread(self._fd, 128, 0).split()
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+    def busy(self) -> float | None:
+        """Seconds on a CPU or waiting for one; ``None`` if unknown. Raises ``OSError``."""
+        if self._fd is not None:
+            on_cpu, waiting = self._schedstat()
+            return on_cpu + waiting
+        if self._cpu_clock is not None:
+            return time.clock_gettime(self._cpu_clock)
         return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _no_clock() -> float | None:
+    return None
 
 
 def _phase_name(phase: _Phase) -> str:

@@ -13,7 +13,7 @@ themselves while the TCP transport frames the dicts. Nothing here does I/O.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -48,9 +48,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["stop_token_ids"] = list(self.stop_token_ids)
-        return d
+        # Explicit rather than dataclasses.asdict: this runs once per request leg and
+        # asdict's deep copy costs ~20 µs.
+        return {
+            "max_tokens": self.max_tokens,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
@@ -72,7 +80,12 @@ class KvHandle:
     num_tokens: int
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "worker_id": self.worker_id,
+            "address": self.address,
+            "transfer_id": self.transfer_id,
+            "num_tokens": self.num_tokens,
+        }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> KvHandle:

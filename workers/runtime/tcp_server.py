@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import trio
 
-from headwater.wire import Ack, Cancel, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, Role
+from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role
 from headwater.wire.framing import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
@@ -178,7 +178,21 @@ class PlaneServer:
         """
         self.draining = True
         for conn in self._connections:
-            conn.send_control(GoAway(reason))
+            conn.goaway(reason)
+
+    async def close_connections(self, grace: float) -> None:
+        """Flush what every connection has queued, then close them all.
+
+        Call after the runtime drained: a request counts as done once its End is
+        queued, and closing without this would drop the frames still in the queue.
+        Waits at most *grace* seconds, then closes regardless.
+        """
+        with trio.move_on_after(grace):
+            async with trio.open_nursery() as nursery:
+                for conn in list(self._connections):
+                    nursery.start_soon(conn.flush_and_close)
+        for conn in list(self._connections):
+            conn.abort()
 
     def statistics(self) -> ServerStats:
         return ServerStats(
@@ -215,9 +229,6 @@ class PlaneServer:
         return values
 
 
-_REPLY_TYPES = (Ack, Chunk, End, Error)
-
-
 class _ReplyChannel(trio.abc.SendChannel[Reply]):
     """What the runtime sends one request's replies into: the connection's queue."""
 
@@ -244,9 +255,12 @@ class _Connection:
         self.peer_name = _peer_name(stream)
         cfg = server.config
         self.decoder = FrameDecoder(cfg.max_frame)
-        # Unbounded queue; reply and KV frames take a budget token first, so only
-        # control frames (pong, stats, goaway) can bypass it, and they are tiny.
-        self._out_send, self._out_recv = trio.open_memory_channel[Frame](float("inf"))
+        # Unbounded queue of (frame, budget it holds a token of): reply and KV frames
+        # take a token first, so only tiny control frames (pong, stats, goaway,
+        # refusals) bypass the bound; the writer returns tokens as it takes frames.
+        self._out_send, self._out_recv = trio.open_memory_channel[
+            tuple[Frame, trio.Semaphore | None]
+        ](float("inf"))
         self._reply_budget = trio.Semaphore(cfg.send_queue)
         self._kv_budget = trio.Semaphore(cfg.kv_queue)
         self._requests: dict[str, _ReplyChannel] = {}
@@ -254,6 +268,7 @@ class _Connection:
         self._scope = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._writer_done = trio.Event()
+        self._goaway_sent = False
         self.peer: Hello | None = None
 
     # -- lifetime --
@@ -269,7 +284,7 @@ class _Connection:
                     self._nursery = nursery
                     nursery.start_soon(self._writer)
                     if self.server.draining:
-                        self.send_control(GoAway("shutting down"))
+                        self.goaway("shutting down")
                     try:
                         for frame in frames:
                             self._dispatch(frame)
@@ -278,11 +293,32 @@ class _Connection:
                         fault = self._protocol_error(exc)
                     self._cancel_work()
                     if fault is not None:
-                        await self._flush_fault(fault)
+                        self.send_control(fault)
+                        with trio.move_on_after(_FAULT_GRACE):
+                            await self._flush()
                     nursery.cancel_scope.cancel()
         finally:
             self._cancel_work()
             await trio.aclose_forcefully(self.stream)
+
+    async def flush_and_close(self) -> None:
+        """Stop taking frames, let the writer send what is queued, then close."""
+        if self._nursery is not None:  # else still in the handshake: nothing queued
+            await self._flush()
+        self.abort()
+
+    async def _flush(self) -> None:
+        """Close the queue (later replies fail) and wait for the writer to empty it."""
+        self._out_send.close()
+        await self._writer_done.wait()
+
+    def goaway(self, reason: str) -> None:
+        if not self._goaway_sent:
+            self._goaway_sent = True
+            self.send_control(GoAway(reason))
+
+    def abort(self) -> None:
+        self._scope.cancel()
 
     def _cancel_work(self) -> None:
         for request_id in list(self._requests):
@@ -294,13 +330,6 @@ class _Connection:
         self.server._protocol_errors += 1
         log.warning("closing connection from %s: %s", self.peer_name, exc.message)
         return Fault(exc.code, exc.message)
-
-    async def _flush_fault(self, fault: Fault) -> None:
-        """Queue *fault* as the last frame and give the writer a moment to send it."""
-        self.send_control(fault)
-        self._out_send.close()  # the writer ends after the fault; replies now fail
-        with trio.move_on_after(_FAULT_GRACE):
-            await self._writer_done.wait()
 
     async def _handshake(self) -> list[Frame] | None:
         """The frames after the handshake, or None if the peer failed or left."""
@@ -339,15 +368,15 @@ class _Connection:
     async def _writer(self) -> None:
         timeout = self.server.config.write_timeout
         try:
-            async for frame in self._out_recv:
-                batch = [self._encode(frame)]
+            async for item in self._out_recv:
+                batch = [self._encode(*item)]
                 size = len(batch[0])
                 while size < _COALESCE_BYTES:
                     try:
-                        frame = self._out_recv.receive_nowait()
+                        item = self._out_recv.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                    batch.append(self._encode(frame))
+                    batch.append(self._encode(*item))
                     size += len(batch[-1])
                 with trio.fail_after(timeout):
                     await self.stream.send_all(batch[0] if len(batch) == 1 else b"".join(batch))
@@ -359,11 +388,9 @@ class _Connection:
         finally:
             self._writer_done.set()
 
-    def _encode(self, frame: Frame) -> bytes:
-        if isinstance(frame, KvData):
-            self._kv_budget.release()
-        elif isinstance(frame, _REPLY_TYPES):
-            self._reply_budget.release()
+    def _encode(self, frame: Frame, budget: trio.Semaphore | None) -> bytes:
+        if budget is not None:
+            budget.release()
         try:
             return encode(frame, self.server.config.max_frame)
         except (ValueError, ProtocolError) as exc:
@@ -374,18 +401,28 @@ class _Connection:
             return encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))
 
     async def queue_reply(self, frame: Reply | KvData) -> None:
-        """Queue a reply, waiting for budget; raises ClosedResourceError once closing."""
+        """Queue a reply, waiting only when the budget is spent.
+
+        Not a schedule point while there is budget (cancellation is still checked):
+        an Ack, the first chunk and an End produced in one engine step then leave in
+        one write instead of three. Raises ClosedResourceError once closing.
+        """
         budget = self._kv_budget if isinstance(frame, KvData) else self._reply_budget
-        await budget.acquire()
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            self._out_send.send_nowait(frame)
+            budget.acquire_nowait()
+        except trio.WouldBlock:
+            await budget.acquire()
+        try:
+            self._out_send.send_nowait((frame, budget))
         except BaseException:
             budget.release()
             raise
 
     def send_control(self, frame: Frame) -> None:
+        """Queue a small frame outside the reply budget; dropped once closing."""
         with suppress(trio.ClosedResourceError):
-            self._out_send.send_nowait(frame)
+            self._out_send.send_nowait((frame, None))
 
     # -- reading --
 

@@ -1,0 +1,216 @@
+"""Run the benchmark suite (``headwater bench``; ``make bench``).
+
+Starts every server itself on loopback (headwater on free ports; NVIDIA Dynamo's
+frontend + mocker, when its peer scripts are present, on the port they fix), drives
+them with the out-of-process aiohttp client and writes, under --out/<timestamp>/:
+runs.jsonl (a record per run, as it finishes), results.json, report.md and img/*.png.
+--docs also puts the tables and charts into docs/performance.md and docs/img/.
+
+Every run is bounded in requests and time; Ctrl-C stops the servers and keeps what
+was measured. Runs from a source checkout (it imports scripts/bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCS_PAGE = Path("docs") / "performance.md"
+DOCS_IMG = Path("docs") / "img"
+
+
+def _import_suite() -> Any:
+    """Import scripts.bench from the checkout this package lives in (it is not installed)."""
+    if not (REPO_ROOT / "scripts" / "bench" / "suite.py").is_file():
+        raise SystemExit(
+            "headwater bench needs a source checkout: scripts/bench/ is not installed with "
+            f"the package (looked in {REPO_ROOT}). Run it as `make bench` from the checkout."
+        )
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    from scripts.bench import suite
+
+    return suite
+
+
+def _scenarios(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    allowed = ("short", "long", "shared-prefix")
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
+    return names
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="small counts: a smoke run of the whole suite in about two minutes")
+    p.add_argument("--scenarios", type=_scenarios, default=("short", "long", "shared-prefix"),
+                   help="comma-separated: short, long, shared-prefix")
+    p.add_argument("--compare-dynamo", dest="dynamo", action="store_true", default=True,
+                   help="also run NVIDIA Dynamo's frontend + mocker and report ratios")
+    p.add_argument("--no-dynamo", dest="dynamo", action="store_false",
+                   help="headwater only", default=argparse.SUPPRESS)
+    p.add_argument("--matrix", dest="matrix", action="store_true", default=True,
+                   help="tokenizer backend × tokenize mode on long prompts")
+    p.add_argument("--no-matrix", dest="matrix", action="store_false",
+                   help="skip the matrix", default=argparse.SUPPRESS)
+    p.add_argument("--profile", dest="profile", action="store_true", default=True,
+                   help="CPU per request by stage, from a pyinstrument profile")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the profile", default=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="results go to OUT/<timestamp>/")
+    p.add_argument("--docs", action="store_true",
+                   help="write the tables into docs/performance.md and charts into docs/img/")
+    p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="measure nothing: render report (and --docs) from an earlier results.json")
+    p.add_argument("--dynamo-dir", type=Path, default=REPO_ROOT.parent / "shared/peers/dynamo",
+                   help="the Dynamo peer scripts (install.sh, start_disagg.sh, stop.sh)")
+    p.add_argument("--dynamo-install-dir", type=Path, default=None,
+                   help="where Dynamo is (or gets) installed; default $DYN_DIR or "
+                        "${TMPDIR:-/tmp}/dynamo-peer, never inside the repository")
+    p.add_argument("--speedup-ratio", type=_positive, default=1000.0,
+                   help="the mocker timing model is divided by this (both servers)")
+    p.add_argument("--requests-scale", type=_positive, default=1.0,
+                   help="multiply every run's request count")
+    p.add_argument("--time-limit", type=_positive, default=None,
+                   help="seconds per run (default 60 with --quick, else 180)")
+    p.add_argument("--server-args", default="",
+                   help="extra `headwater serve` options for every headwater server")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="first wait up to this long for the 1-minute load average to drop "
+                        "below --quiet-load (other work skews the figures)")
+    p.add_argument("--quiet-load", type=float, default=1.0)
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars")
+
+
+def wait_for_quiet(limit_s: float, threshold: float) -> float:
+    """Sleep until the 1-minute load average is below *threshold* or *limit_s* passed.
+
+    Returns the last load average seen. (A blocking wait before any event loop runs.)
+    """
+    deadline = time.monotonic() + limit_s
+    load = os.getloadavg()[0]
+    while load >= threshold and time.monotonic() < deadline:
+        print(f"load average {load:.2f} ≥ {threshold}: waiting for a quiet machine...",
+              file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(min(30.0, max(1.0, deadline - time.monotonic())))
+        load = os.getloadavg()[0]
+    return load
+
+
+def main(args: argparse.Namespace) -> int:
+    suite = _import_suite()
+    import orjson
+
+    if args.render is not None:
+        results = orjson.loads(args.render.read_bytes())
+        run_dir = args.render.parent
+    else:
+        if args.wait_quiet > 0:
+            wait_for_quiet(args.wait_quiet, args.quiet_load)
+        stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+        run_dir = args.out / stamp
+        cfg = _config(suite, args, run_dir)
+        results = _measure(suite, cfg)
+        if results is None:
+            print(f"interrupted; what was measured is in {run_dir}/runs.jsonl", file=sys.stderr)
+            return 130
+    _publish(results, run_dir, docs=args.docs, command=_command(args))
+    return 0
+
+
+def _config(suite: Any, args: argparse.Namespace, run_dir: Path) -> Any:
+    from scripts.bench.servers import default_dynamo_install_dir
+
+    install = args.dynamo_install_dir or default_dynamo_install_dir()
+    if install.resolve().is_relative_to(REPO_ROOT):
+        raise SystemExit(f"--dynamo-install-dir {install} is inside the repository; use a "
+                         "scratch directory")  # fmt: skip
+    return suite.SuiteConfig(
+        out_dir=run_dir,
+        repo_root=REPO_ROOT,
+        scenarios=args.scenarios,
+        quick=args.quick,
+        dynamo=args.dynamo,
+        matrix=args.matrix,
+        profile=args.profile,
+        dynamo_scripts=args.dynamo_dir.resolve(),
+        dynamo_install=install,
+        speedup_ratio=args.speedup_ratio,
+        server_args=tuple(shlex.split(args.server_args)),
+        requests_scale=args.requests_scale,
+        time_limit_s=args.time_limit,
+        progress=args.progress,
+    )
+
+
+def _measure(suite: Any, cfg: Any) -> dict[str, Any] | None:
+    import trio
+
+    print(f"headwater bench: results in {cfg.out_dir}", file=sys.stderr, flush=True)
+    try:
+        results = trio.run(suite.Suite(cfg).run)
+    except KeyboardInterrupt:
+        return None
+    return dict(results.to_json())
+
+
+def _command(args: argparse.Namespace) -> str:
+    flags = [f"--scenarios {','.join(args.scenarios)}"] if len(args.scenarios) < 3 else []
+    flags += [f for f, on in (("--quick", args.quick), ("--no-dynamo", not args.dynamo),
+                              ("--no-matrix", not args.matrix),
+                              ("--no-profile", not args.profile), ("--docs", True)) if on]
+    return f"make bench ARGS='{' '.join(flags)}'"
+
+
+def _publish(results: dict[str, Any], run_dir: Path, *, docs: bool, command: str) -> None:
+    from scripts.bench import plots, report
+
+    images = plots.plot_all(results, run_dir / "img")
+    local = [(title, f"img/{path.name}") for title, path in images]
+    (run_dir / "report.md").write_text(
+        "# headwater bench\n\n" + report.render(results, local, command=command)
+    )
+    print(report.targets_table(report.targets(results)))
+    print(f"\nreport: {run_dir / 'report.md'}", file=sys.stderr)
+    if not docs:
+        return
+    if results.get("quick"):
+        print("note: writing --quick figures into the docs", file=sys.stderr)
+    img_dir = REPO_ROOT / DOCS_IMG
+    img_dir.mkdir(parents=True, exist_ok=True)
+    for _, path in images:
+        shutil.copy2(path, img_dir / path.name)
+    section = report.render(results, [(t, f"img/{p.name}") for t, p in images], command=command)
+    page = REPO_ROOT / DOCS_PAGE
+    report.update_docs(page, section, skeleton=_SKELETON)
+    print(f"docs: {page} and {img_dir}/", file=sys.stderr)
+
+
+_SKELETON = """# Performance
+
+How fast headwater's frontend is on this kind of machine, how it compares with NVIDIA
+Dynamo's, and how to reproduce the figures: `make bench ARGS='--docs'`.
+
+## Results
+
+<!-- bench:begin -->
+<!-- bench:end -->
+"""

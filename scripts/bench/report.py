@@ -1,0 +1,384 @@
+"""Markdown from a suite's results: tables, ratios against Dynamo, targets met or missed.
+
+Pure functions of the ``results.json`` dict (:class:`scripts.bench.suite.SuiteResults`),
+so a report can be re-rendered from an earlier run (``headwater bench --render``).
+:func:`update_docs` rewrites only the part of ``docs/performance.md`` between the
+``<!-- bench:begin -->`` and ``<!-- bench:end -->`` markers; prose outside them is kept.
+
+Conventions: times in ms; a ratio is headwater ÷ Dynamo (req/s above 1 and latency
+below 1 favour headwater); ``≤`` marks a loop maximum known only as a histogram bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BEGIN = "<!-- bench:begin -->"
+END = "<!-- bench:end -->"
+HEADWATER_DEFAULT = "headwater fastokens/thread"
+
+#: Targets (benchmarks, not tests): the figures they name are in docs/performance.md.
+LOOP_MAX_TARGET_MS = 20.0
+LOOP_P99_TARGET_MS = 5.0
+IDLE_RSS_TARGET_MB = 300.0
+RSS_GROWTH_LIMIT = 0.10  # "flat": end-of-phase RSS within +10% of the post-warm-up RSS
+SHORT_RATIO_TARGET = 0.7
+
+Record = Mapping[str, Any]
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    """A number for a table cell; ``-`` for missing."""
+    if value is None:
+        return "-"
+    if abs(value) >= 100 or digits == 0:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def pair_cell(a: float | None, b: float | None, digits: int = 1) -> str:
+    return f"{fmt(a, digits)} / {fmt(b, digits)}"
+
+
+def loop_max_cell(r: Record) -> str:
+    value = fmt(r.get("loop_max_ms"))
+    return value if r.get("loop_max_exact") or value == "-" else f"≤ {value}"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# --- tables ---------------------------------------------------------------------------
+
+
+def runs_table(runs: Sequence[Record]) -> str:
+    """One row per run: the figures the suite measures."""
+    header = ["phase", "server", "run", "ok/req", "req/s", "TTFT p50/p99", "ITL p50/p99",
+              "e2e p50/p99", "FE CPU ms/req", "all CPU ms/req", "peak RSS MB",
+              "loop p99 / max ms", "stalls", "client CPU %"]  # fmt: skip
+    rows = []
+    for r in runs:
+        failed = f" ({r['failed']} failed)" if r.get("failed") else ""
+        rows.append([
+            r["phase"], r["label"], r["key"], f"{r['ok']}/{r['requests']}{failed}",
+            fmt(r["req_per_s"]), pair_cell(r["ttft_p50_ms"], r["ttft_p99_ms"]),
+            pair_cell(r["itl_p50_ms"], r["itl_p99_ms"], 2),
+            pair_cell(r["e2e_p50_ms"], r["e2e_p99_ms"]),
+            fmt(r["frontend_cpu_ms_per_req"], 2), fmt(r["server_cpu_ms_per_req"], 2),
+            fmt(r["peak_rss_mb"], 0), f"{fmt(r['loop_p99_ms'], 2)} / {loop_max_cell(r)}",
+            _stalls(r), fmt(r["client_cpu_pct"]),
+        ])  # fmt: skip
+    return table(header, rows)
+
+
+def _stalls(r: Record) -> str:
+    if r.get("stalls") is None:
+        return "-"
+    return f"{r['stalls']} (>{fmt(r['stall_threshold_ms'], 0)} ms)"
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """A headwater run and the Dynamo run beside it (same prompts, adjacent in time)."""
+
+    phase: str
+    key: str
+    headwater: Record
+    dynamo: Record
+
+    def ratio(self, field: str) -> float | None:
+        a, b = self.headwater.get(field), self.dynamo.get(field)
+        if a is None or b is None or b == 0:
+            return None
+        return a / b
+
+
+def pairs(runs: Sequence[Record]) -> list[Pair]:
+    by_pair: dict[str, dict[str, Record]] = {}
+    for r in runs:
+        if r.get("pair") and r.get("ok"):
+            by_pair.setdefault(r["pair"], {})[r["server"]] = r
+    out = []
+    for sides in by_pair.values():
+        if "headwater" in sides and "dynamo" in sides:
+            h, d = sides["headwater"], sides["dynamo"]
+            out.append(Pair(h["phase"], h["key"], h, d))
+    return out
+
+
+_RATIO_FIELDS = ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+                 "itl_p50_ms", "itl_p99_ms")  # fmt: skip
+
+
+def ratio_table(ps: Sequence[Pair]) -> str:
+    header = ["against", "run", "headwater req/s", "Dynamo req/s", "req/s ratio",
+              "TTFT p50 / p99 ratio", "e2e p50 / p99 ratio", "ITL p50 / p99 ratio"]  # fmt: skip
+    rows = []
+    for p in ps:
+        rows.append([
+            p.phase.removeprefix("vs "), p.key, fmt(p.headwater["req_per_s"]),
+            fmt(p.dynamo["req_per_s"]), fmt(p.ratio("req_per_s"), 2),
+            pair_cell(p.ratio("ttft_p50_ms"), p.ratio("ttft_p99_ms"), 2),
+            pair_cell(p.ratio("e2e_p50_ms"), p.ratio("e2e_p99_ms"), 2),
+            pair_cell(p.ratio("itl_p50_ms"), p.ratio("itl_p99_ms"), 2),
+        ])  # fmt: skip
+    return table(header, rows)
+
+
+def matrix_table(runs: Sequence[Record], idle_rss: Mapping[str, float | None]) -> str:
+    header = ["backend / mode", "req/s", "prompt tok/s", "TTFT p50/p99", "loop p99 / max ms",
+              "stalls", "stall records (max ms)", "FE CPU ms/req", "idle RSS MB"]  # fmt: skip
+    rows = []
+    for r in runs:
+        if r["phase"] != "matrix":
+            continue
+        rows.append([
+            r["variant"], fmt(r["req_per_s"]), fmt(r["prompt_tokens_per_s"], 0),
+            pair_cell(r["ttft_p50_ms"], r["ttft_p99_ms"]),
+            f"{fmt(r['loop_p99_ms'], 2)} / {loop_max_cell(r)}", _stalls(r),
+            f"{r['stall_records']} ({fmt(r['stall_record_max_ms'])})",
+            fmt(r["frontend_cpu_ms_per_req"], 2), fmt(idle_rss.get(r["label"]), 0),
+        ])  # fmt: skip
+    return table(header, rows)
+
+
+def limit_rows(results: Record) -> list[dict[str, Any]]:
+    """Long-prompt tokens/s against ``usable cores × single-thread encode rate``."""
+    cores = results["machine"].get("usable_cpus") or 1
+    out = []
+    for cal in results.get("calibration", []):
+        backend = cal["backend"]
+        rate = cal.get("tokens_per_cpu_s")
+        ceiling = rate * cores if rate else None
+        candidates = [r for r in results["runs"] if r["server"] == "headwater"
+                      and r["scenario"] == "long" and r["variant"] == f"{backend}/thread"
+                      and r["phase"] != "profile" and r["ok"]]  # fmt: skip
+        best = max(candidates, key=lambda r: r["prompt_tokens_per_s"], default=None)
+        achieved = best["prompt_tokens_per_s"] if best else None
+        out.append({
+            "backend": backend, "rate": rate, "cores": cores, "ceiling": ceiling,
+            "achieved": achieved, "run": f"{best['phase']}: {best['key']}" if best else None,
+            "ratio": achieved / ceiling if achieved and ceiling else None,
+        })  # fmt: skip
+    return out
+
+
+def limit_table(results: Record) -> str:
+    header = ["backend", "encode rate, 1 thread (tok/CPU-s)", "usable cores",
+              "ceiling (tok/s)", "best long-prompt run (tok/s)", "share of ceiling", "run"]
+    rows = [[r["backend"], fmt(r["rate"], 0), str(r["cores"]), fmt(r["ceiling"], 0),
+             fmt(r["achieved"], 0), "-" if r["ratio"] is None else f"{r['ratio']:.1%}",
+             r["run"] or "-"] for r in limit_rows(results)]  # fmt: skip
+    return table(header, rows)
+
+
+def stage_table(results: Record) -> str:
+    entries = results.get("profile", [])
+    if not entries:
+        return "_No profile in this run._"
+    stages = list(entries[0]["stage_ms_per_req"])
+    header = ["stage", *[f"{e['key']} ms/req" for e in entries],
+              *[f"{e['key']} share of loop" for e in entries]]  # fmt: skip
+    rows = []
+    for stage in stages:
+        share = [e["stage_share_of_loop"].get(stage) for e in entries]
+        rows.append([
+            stage, *[fmt(e["stage_ms_per_req"][stage], 3) for e in entries],
+            *["-" if s is None else f"{s:.0%}" for s in share],
+        ])  # fmt: skip
+    totals = [sum(e["stage_ms_per_req"].values()) for e in entries]
+    rows.append(["**total (profiled)**", *[fmt(t, 3) for t in totals], *["" for _ in entries]])
+    return table(header, rows)
+
+
+def profile_overhead(results: Record) -> list[str]:
+    """One line per profiled run: its CPU/request against the same run unprofiled."""
+    lines = []
+    for e in results.get("profile", []):
+        plain = [r["frontend_cpu_ms_per_req"] for r in results["runs"]
+                 if r["label"] == HEADWATER_DEFAULT and r["key"] == e["key"]
+                 and r["phase"] != "profile" and r["frontend_cpu_ms_per_req"]]  # fmt: skip
+        if plain and e["frontend_cpu_ms_per_req"]:
+            factor = e["frontend_cpu_ms_per_req"] / statistics.median(plain)
+            lines.append(f"{e['key']}: {fmt(e['frontend_cpu_ms_per_req'], 2)} ms/req profiled "
+                         f"vs {fmt(statistics.median(plain), 2)} ms/req without the profiler "
+                         f"(×{factor:.2f})")  # fmt: skip
+    return lines
+
+
+def memory_rows(results: Record) -> list[tuple[str, str]]:
+    rows = [(label, fmt(mb, 0)) for label, mb in results.get("idle_rss_mb", {}).items()]
+    main = _main_headwater(results)
+    if main:
+        rows.append((f"{HEADWATER_DEFAULT}: RSS at the end of the main phase",
+                     fmt(main[-1]["rss_end_mb"], 0)))  # fmt: skip
+        rows.append((f"{HEADWATER_DEFAULT}: peak RSS (VmHWM) over the main phase",
+                     fmt(max(r["peak_rss_mb"] or 0 for r in main), 0)))  # fmt: skip
+    return rows
+
+
+def _main_headwater(results: Record) -> list[Record]:
+    return sorted(
+        (r for r in results["runs"] if r["label"] == HEADWATER_DEFAULT
+         and r["phase"] not in ("matrix", "profile")),
+        key=lambda r: r["started_unix"],
+    )  # fmt: skip
+
+
+# --- targets ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str
+    goal: str
+    measured: str
+    passed: bool | None  # None: not measured in this run
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "**missed**", None: "not measured"}[self.passed]
+
+
+def targets(results: Record) -> list[Target]:
+    """The project's performance targets, judged on *results*."""
+    out: list[Target] = []
+    long16 = [r for r in _main_headwater(results)
+              if r["scenario"] == "long" and r["concurrency"] == 16]  # fmt: skip
+    maxes = [r["loop_max_ms"] for r in long16 if r["loop_max_ms"] is not None]
+    worst = max(long16, key=lambda r: r["loop_max_ms"] or 0, default=None)
+    out.append(Target(
+        "long prompts c16: loop max delay", f"< {LOOP_MAX_TARGET_MS:g} ms",
+        f"worst {loop_max_cell(worst)} ms over {len(long16)} runs" if worst else "-",
+        bool(maxes) and max(maxes) <= LOOP_MAX_TARGET_MS if long16 else None,
+    ))  # fmt: skip
+    p99s = [r["loop_p99_ms"] for r in long16 if r["loop_p99_ms"] is not None]
+    out.append(Target(
+        "long prompts c16: loop p99 delay", f"< {LOOP_P99_TARGET_MS:g} ms",
+        f"worst {fmt(max(p99s), 2)} ms" if p99s else "-",
+        max(p99s) < LOOP_P99_TARGET_MS if p99s else None,
+    ))  # fmt: skip
+    ps = pairs(results["runs"])
+    for phase, name, goal, floor in (
+        ("vs dynamo fastokens", "long prompts c16: req/s vs Dynamo + fastokens", "≥ 1.0×", 1.0),
+        ("vs dynamo default", "short prompts: req/s vs Dynamo (default tokenizer)",
+         f"≥ {SHORT_RATIO_TARGET}×", SHORT_RATIO_TARGET),
+        ("vs dynamo fastokens", "short prompts: req/s vs Dynamo + fastokens",
+         f"≥ {SHORT_RATIO_TARGET}×", SHORT_RATIO_TARGET),
+    ):  # fmt: skip
+        scenario = "long" if name.startswith("long") else "short"
+        chosen = [p for p in ps if p.phase == phase and p.headwater["scenario"] == scenario
+                  and (scenario == "short" or p.headwater["concurrency"] == 16)]  # fmt: skip
+        ratios = [x for p in chosen if (x := p.ratio("req_per_s")) is not None]
+        out.append(Target(
+            name, goal,
+            ", ".join(f"{p.key} {fmt(p.ratio('req_per_s'), 2)}×" for p in chosen) or "-",
+            min(ratios) >= floor if ratios else None,
+        ))  # fmt: skip
+    idle = results.get("idle_rss_mb", {}).get(HEADWATER_DEFAULT)
+    dyn_idle = [v for k, v in results.get("idle_rss_mb", {}).items() if k.startswith("dynamo")]
+    out.append(Target(
+        "frontend RSS idle, default tokenizer", f"< {IDLE_RSS_TARGET_MB:g} MB",
+        f"{fmt(idle, 0)} MB" + (f" (Dynamo frontend: {', '.join(fmt(v, 0) for v in dyn_idle)}"
+                                " MB)" if dyn_idle else ""),
+        idle < IDLE_RSS_TARGET_MB if idle is not None else None,
+    ))  # fmt: skip
+    warm = results.get("idle_rss_mb", {}).get(HEADWATER_DEFAULT + " (after warm-up)")
+    main = _main_headwater(results)
+    if warm and main and main[-1]["rss_end_mb"]:
+        growth = main[-1]["rss_end_mb"] / warm - 1
+        measured = (f"{fmt(warm, 0)} → {fmt(main[-1]['rss_end_mb'], 0)} MB "
+                    f"({growth:+.1%}) over {len(main)} runs")  # fmt: skip
+        out.append(Target("frontend RSS flat across the run",
+                          f"growth < {RSS_GROWTH_LIMIT:.0%}", measured,
+                          growth < RSS_GROWTH_LIMIT))  # fmt: skip
+    else:
+        out.append(Target("frontend RSS flat across the run",
+                          f"growth < {RSS_GROWTH_LIMIT:.0%}", "-", None))  # fmt: skip
+    return out
+
+
+def targets_table(ts: Sequence[Target]) -> str:
+    return table(["target", "goal", "measured", "verdict"],
+                 [[t.name, t.goal, t.measured, t.verdict] for t in ts])  # fmt: skip
+
+
+# --- the whole report -------------------------------------------------------------------
+
+
+def machine_table(results: Record) -> str:
+    m = results["machine"]
+    pkgs = ", ".join(f"{k} {v}" for k, v in m.get("packages", {}).items() if v)
+    rows = [
+        ["CPU", f"{m.get('cpu_model')} ({m.get('nproc')} CPUs, {m.get('usable_cpus')} usable)"],
+        ["memory", f"{m.get('memory_gb')} GB"],
+        ["OS / Python", f"{m.get('os')} / Python {m.get('python')}"],
+        ["packages", pkgs],
+        ["Dynamo", results.get("dynamo_version") or "not run"],
+        ["commit", f"{m.get('commit')}{' (with local changes)' if m.get('dirty') else ''}"],
+        ["load average (1 min) at start / end",
+         f"{fmt(results['load_avg_start'][0], 2)} / "
+         f"{fmt((results.get('load_avg_end') or [None])[0], 2)}"],
+        ["started, duration", f"{results['started']}, {fmt(results.get('elapsed_s'), 0)} s"],
+    ]  # fmt: skip
+    return table(["", ""], rows)
+
+
+def render(results: Record, images: Sequence[tuple[str, str]] = (), *,
+           command: str = "make bench ARGS='--docs'") -> str:  # fmt: skip
+    """The results section: machine, targets, tables and (*title*, *path*) images."""
+    runs = results["runs"]
+    parts = [
+        f"_Generated by `headwater bench`{' --quick (smoke counts)' if results['quick'] else ''}"
+        f" on {results['started']}. Reproduce: `{command}`._",
+        "### Machine", machine_table(results),
+    ]  # fmt: skip
+    if results.get("skipped"):
+        parts += ["**Skipped or failed:**", "\n".join(f"- {s}" for s in results["skipped"])]
+    if not results.get("finished"):
+        parts.append("**This run did not finish: the tables hold what was measured.**")
+    parts += ["### Targets", targets_table(targets(results))]
+    ps = pairs(runs)
+    if ps:
+        parts += ["### headwater ÷ Dynamo",
+                  "Ratios of adjacent runs on the same prompts. req/s above 1 and latency "
+                  "below 1 favour headwater.", ratio_table(ps)]  # fmt: skip
+    parts += ["### Every run", runs_table([r for r in runs if r["phase"] != "matrix"])]
+    if any(r["phase"] == "matrix" for r in runs):
+        parts += ["### Tokenizer backend × tokenize mode (long prompts, unary, c16)",
+                  matrix_table(runs, results.get("idle_rss_mb", {}))]  # fmt: skip
+    if results.get("calibration"):
+        parts += ["### The limit: long-prompt tokens/s against the encoder", limit_table(results)]
+    if results.get("profile"):
+        parts += ["### Frontend CPU per request by stage", stage_table(results),
+                  "\n".join(f"- {line}" for line in profile_overhead(results))]  # fmt: skip
+    mem = memory_rows(results)
+    if mem:
+        parts += ["### Memory", table(["", "RSS MB"], [list(row) for row in mem])]
+    for title, path in images:
+        parts.append(f"![{title}]({path})")
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def update_docs(path: Path, section: str, *, skeleton: str) -> None:
+    """Put *section* between the markers in *path* (created from *skeleton* if absent).
+
+    *skeleton* must contain both markers. Raises ValueError if the file has one marker
+    without the other.
+    """
+    text = path.read_text() if path.exists() else skeleton
+    if BEGIN not in text and END not in text:
+        text = text.rstrip() + f"\n\n{BEGIN}\n{END}\n"
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{path}: expected one {BEGIN} before one {END}")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{head}{BEGIN}\n{section.strip()}\n{END}{tail}")

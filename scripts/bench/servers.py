@@ -1,0 +1,416 @@
+"""The servers a benchmark measures: started on loopback, awaited until ready, always stopped.
+
+Two kinds, each an async context manager that yields a :class:`ServerInfo`:
+
+- :func:`headwater_server`: ``python -m frontend`` (``headwater serve``) on a free port
+  (``--port 0``; the bound URL is read from its start-up line), optionally under
+  pyinstrument. Stopped with SIGINT (the frontend shuts down gracefully and pyinstrument
+  writes its session), SIGKILL after a deadline.
+- :func:`dynamo_server`: NVIDIA Dynamo's frontend + mocker through the peer scripts
+  (``start_disagg.sh`` / ``stop.sh`` in the directory given; their code is not part of
+  this project). Those scripts bind port 8000, so the port is checked first and the
+  server is refused rather than started on top of something else. Raises
+  :class:`DynamoUnavailable` when the scripts or the installation are missing.
+
+Every child runs in its own session, so a Ctrl-C at the terminal reaches only the suite,
+which then stops the servers itself (shielded, with a deadline). Only processes started
+here are signalled, by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import trio
+
+from scripts.bench.scrape import DYNAMO_PREFIX, HEADWATER_PREFIX
+
+READY_TIMEOUT = 120.0  # s for a server to print its URL and report healthy
+STOP_TIMEOUT = 20.0  # s after SIGINT before SIGKILL (pyinstrument writes its session then)
+DYNAMO_PORT = 8000  # fixed by the peer scripts
+DYNAMO_INSTALL_TIMEOUT = 600.0  # s
+_READY_LINE = re.compile(rb"headwater: serving (\S+) on (http://\S+)")
+
+
+class ServerError(RuntimeError):
+    """A server did not start (its log is named in the message)."""
+
+
+class DynamoUnavailable(ServerError):
+    """The Dynamo peer cannot be run here; the message says why (the suite skips it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """A running server as the suite sees it.
+
+    ``pids[0]`` is the frontend process; the others are its worker processes (Dynamo's
+    mockers). ``stall_threshold_ms`` is the threshold behind its stall counter.
+    """
+
+    kind: str  # "headwater" | "dynamo"
+    variant: str  # e.g. "fastokens/thread", "default", "fastokens"
+    base_url: str
+    model: str
+    pids: tuple[int, ...]
+    metrics_prefix: str
+    stall_threshold_ms: float
+    log_path: Path
+    profile_path: Path | None = None
+    args: tuple[str, ...] = field(default=())
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.variant}"
+
+    @property
+    def metrics_url(self) -> str:
+        return self.base_url + "/metrics"
+
+
+# --- helpers ------------------------------------------------------------------------
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Something accepts connections on *host*:*port* (a quick connect, 0.5 s at most)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET on loopback without proxies; returns (status, body). Raises OSError."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def child_env(
+    drop_prefixes: Sequence[str] = ("HEADWATER_",), **extra: str | None
+) -> dict[str, str]:
+    """This process's environment without *drop_prefixes* variables, plus *extra*.
+
+    ``HEADWATER_*`` variables are dropped so that a server's configuration is exactly its
+    command line; an *extra* value of ``None`` removes that variable.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop_prefixes))}
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+async def _wait_healthy(url: str, process: trio.Process | None, deadline: float) -> None:
+    while trio.current_time() < deadline:
+        if process is not None and process.returncode is not None:
+            raise ServerError(f"exited with status {process.returncode} before it was ready")
+        try:
+            status, _ = await trio.to_thread.run_sync(http_get, url, 2.0)
+            if status == 200:
+                return
+        except OSError:
+            pass
+        await trio.sleep(0.2)
+    raise ServerError(f"{url} not healthy within {READY_TIMEOUT:.0f} s")
+
+
+async def poll_until(predicate: Callable[[], bool], limit_s: float, every_s: float = 0.2) -> bool:
+    """Check *predicate* every *every_s* seconds for up to *limit_s*; return its last value.
+
+    For outside state that sends no event (a process's /proc entry, a port).
+    """
+    with trio.move_on_after(limit_s):
+        while True:
+            if predicate():
+                return True
+            await trio.sleep(every_s)
+    return predicate()
+
+
+async def _stop_process(process: trio.Process, grace_s: float = STOP_TIMEOUT) -> None:
+    """SIGINT, then SIGKILL after *grace_s*; always reaps. Call shielded."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGINT)
+        with trio.move_on_after(grace_s):
+            await process.wait()
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+
+
+# --- headwater ----------------------------------------------------------------------
+
+
+def headwater_command(
+    *,
+    backend: str,
+    mode: str,
+    speedup_ratio: float,
+    extra_args: Sequence[str] = (),
+    profile_path: Path | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line of one frontend (``python -m frontend`` = ``headwater serve``)."""
+    serve = [
+        "-m", "frontend", "--host", "127.0.0.1", "--port", "0",
+        "--speedup-ratio", f"{speedup_ratio:g}",
+        "--tokenizer-backend", backend, "--tokenize-mode", mode,
+        "--log-level", "warning", *extra_args,
+    ]  # fmt: skip
+    if profile_path is None:
+        return [python, *serve]
+    return [python, "-m", "pyinstrument", "-r", "pyisession", "-o", str(profile_path), *serve]
+
+
+@asynccontextmanager
+async def headwater_server(
+    *,
+    backend: str,
+    mode: str,
+    speedup_ratio: float,
+    log_dir: Path,
+    extra_args: Sequence[str] = (),
+    profile_path: Path | None = None,
+    stall_threshold_ms: float = 20.0,
+) -> AsyncIterator[ServerInfo]:
+    """Run one headwater frontend with in-process mocker workers for the block.
+
+    Raises :class:`ServerError` if it does not come up within :data:`READY_TIMEOUT`.
+    On exit (normal, error or cancellation) it is stopped with SIGINT, then SIGKILL.
+    """
+    await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
+    tag = f"headwater-{backend}-{mode}" + ("-profile" if profile_path else "")
+    out_path = log_dir / f"{tag}.out"
+    log_path = log_dir / f"{tag}.log"
+    cmd = headwater_command(
+        backend=backend, mode=mode, speedup_ratio=speedup_ratio,
+        extra_args=extra_args, profile_path=profile_path,
+    )  # fmt: skip
+    with open(out_path, "wb") as out, open(log_path, "wb") as err:  # noqa: ASYNC230 - new files
+        process = await trio.lowlevel.open_process(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            env=child_env(), start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = trio.current_time() + READY_TIMEOUT
+        model, url = await _read_ready_line(out_path, process, deadline, log_path)
+        try:
+            await _wait_healthy(url + "/health", process, deadline)
+        except ServerError as exc:
+            raise ServerError(f"headwater ({log_path}): {exc}") from exc
+        yield ServerInfo(
+            kind="headwater",
+            variant=f"{backend}/{mode}",
+            base_url=url,
+            model=model,
+            pids=(process.pid,),
+            metrics_prefix=HEADWATER_PREFIX,
+            stall_threshold_ms=stall_threshold_ms,
+            log_path=log_path,
+            profile_path=profile_path,
+            args=tuple(cmd),
+        )
+    finally:
+        with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):
+            await _stop_process(process)
+
+
+async def _read_ready_line(
+    out_path: Path, process: trio.Process, deadline: float, log_path: Path
+) -> tuple[str, str]:
+    while trio.current_time() < deadline:
+        match = _READY_LINE.search(await trio.Path(out_path).read_bytes())
+        if match:
+            return match.group(1).decode(), match.group(2).decode().rstrip("/")
+        if process.returncode is not None:
+            raise ServerError(
+                f"headwater exited with status {process.returncode} at start-up; see {log_path}"
+            )
+        await trio.sleep(0.1)
+    raise ServerError(f"headwater printed no URL within {READY_TIMEOUT:.0f} s; see {log_path}")
+
+
+# --- Dynamo -------------------------------------------------------------------------
+
+_DYNAMO_SCRIPTS = ("install.sh", "start_disagg.sh", "stop.sh", "env.sh")
+_DYNAMO_PID_FILES = ("frontend.pid", "prefill.pid", "decode.pid")
+
+
+def default_dynamo_install_dir() -> Path:
+    """Where the peer scripts install Dynamo: ``$DYN_DIR`` or ``${TMPDIR:-/tmp}/dynamo-peer``."""
+    if os.environ.get("DYN_DIR"):
+        return Path(os.environ["DYN_DIR"])
+    return Path(os.environ.get("TMPDIR") or "/tmp") / "dynamo-peer"
+
+
+def check_dynamo_scripts(scripts_dir: Path) -> None:
+    """Raise :class:`DynamoUnavailable` unless every peer script is in *scripts_dir*."""
+    missing = [s for s in _DYNAMO_SCRIPTS if not (scripts_dir / s).is_file()]
+    if missing:
+        raise DynamoUnavailable(f"no Dynamo peer scripts in {scripts_dir} (missing {missing})")
+
+
+def dynamo_installed(install_dir: Path) -> bool:
+    """The install dir has a venv in which ``dynamo.frontend`` and ``dynamo.mocker`` import."""
+    python = install_dir / "venv" / "bin" / "python"
+    if not python.is_file() or not (install_dir / "model" / "tokenizer.json").is_file():
+        return False
+    probe = subprocess.run(
+        [str(python), "-c", "import importlib.util as u, sys; sys.exit(0 if "
+         "u.find_spec('dynamo.frontend') and u.find_spec('dynamo.mocker') else 1)"],
+        capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    return probe.returncode == 0
+
+
+async def ensure_dynamo(scripts_dir: Path, install_dir: Path, log_dir: Path) -> str:
+    """Install Dynamo with the peer's ``install.sh`` if needed; return its version.
+
+    Raises :class:`DynamoUnavailable` when the scripts are missing or installing fails.
+    """
+    check_dynamo_scripts(scripts_dir)
+    if not await trio.to_thread.run_sync(dynamo_installed, install_dir):
+        await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
+        log = log_dir / "dynamo-install.log"
+        print(f"installing Dynamo into {install_dir} (about a minute); log: {log}",
+              file=sys.stderr)  # fmt: skip
+        with open(log, "wb") as f:  # noqa: ASYNC230 - a new log file
+            try:
+                with trio.fail_after(DYNAMO_INSTALL_TIMEOUT):
+                    done = await trio.run_process(
+                        ["bash", str(scripts_dir / "install.sh")], stdout=f, stderr=f,
+                        env=child_env(DYN_DIR=str(install_dir)), check=False,
+                        start_new_session=True,
+                    )  # fmt: skip
+            except trio.TooSlowError as exc:
+                raise DynamoUnavailable(f"Dynamo install timed out; see {log}") from exc
+        if done.returncode != 0 or not dynamo_installed(install_dir):
+            raise DynamoUnavailable(f"Dynamo install failed (status {done.returncode}); see {log}")
+    return dynamo_version(install_dir)
+
+
+def dynamo_version(install_dir: Path) -> str:
+    """``ai-dynamo``'s version in the install dir's venv, or ``"unknown"``."""
+    python = install_dir / "venv" / "bin" / "python"
+    probe = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('ai-dynamo'))"],
+        capture_output=True, timeout=60, check=False,
+    )
+    return probe.stdout.decode().strip() or "unknown"
+
+
+def _read_pids(install_dir: Path) -> list[int]:
+    pids = []
+    for name in _DYNAMO_PID_FILES:
+        try:
+            pids.append(int((install_dir / name).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+@asynccontextmanager
+async def dynamo_server(
+    *,
+    scripts_dir: Path,
+    install_dir: Path,
+    tokenizer: str,
+    speedup_ratio: float,
+    log_dir: Path,
+) -> AsyncIterator[ServerInfo]:
+    """Run Dynamo's frontend + prefill + decode mockers (disaggregated) for the block.
+
+    *tokenizer* is ``"default"`` (HF tokenizers) or ``"fastokens"`` (``DYN_TOKENIZER``).
+    Raises :class:`DynamoUnavailable` if port 8000 is taken, and :class:`ServerError`
+    if the servers do not come up. On exit the peer's ``stop.sh`` stops the recorded PIDs;
+    any still alive after 10 s get SIGKILL.
+    """
+    if port_in_use(DYNAMO_PORT):
+        raise DynamoUnavailable(
+            f"port {DYNAMO_PORT} (fixed by the Dynamo peer scripts) is already in use"
+        )
+    await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"dynamo-{tokenizer}-start.log"
+    env = child_env(
+        DYN_DIR=str(install_dir),
+        DYN_TOKENIZER="fastokens" if tokenizer == "fastokens" else None,
+    )
+    cmd = ["bash", str(scripts_dir / "start_disagg.sh"), "--speedup-ratio", f"{speedup_ratio:g}"]
+    pids: list[int] = []
+    try:
+        with open(log_path, "wb") as f:  # noqa: ASYNC230 - a new log file
+            with trio.move_on_after(READY_TIMEOUT):
+                done = await trio.run_process(
+                    cmd, stdout=f, stderr=f, env=env, check=False, start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+        pids = _read_pids(install_dir)
+        if done.returncode != 0 or len(pids) != len(_DYNAMO_PID_FILES):
+            raise ServerError(f"Dynamo did not start; see {log_path} and {install_dir}/logs")
+        base = f"http://127.0.0.1:{DYNAMO_PORT}"
+        status, body = await trio.to_thread.run_sync(http_get, base + "/v1/models")
+        models = [m["id"] for m in orjson.loads(body).get("data", [])] if status == 200 else []
+        if not models:
+            raise ServerError(f"Dynamo lists no model at {base}/v1/models; see {log_path}")
+        yield ServerInfo(
+            kind="dynamo",
+            variant=tokenizer,
+            base_url=base,
+            model=models[0],
+            pids=tuple(pids),
+            metrics_prefix=DYNAMO_PREFIX,
+            stall_threshold_ms=5.0,  # Dynamo's canary counts overshoots above 5 ms
+            log_path=install_dir / "logs" / "frontend.log",
+            args=tuple(cmd),
+        )
+    finally:
+        with trio.move_on_after(30, shield=True):
+            await _stop_dynamo(scripts_dir, install_dir, pids or _read_pids(install_dir))
+
+
+async def _stop_dynamo(scripts_dir: Path, install_dir: Path, pids: Sequence[int]) -> None:
+    env = child_env(DYN_DIR=str(install_dir))
+    await trio.run_process(
+        ["bash", str(scripts_dir / "stop.sh")], env=env, check=False,
+        capture_stdout=True, capture_stderr=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    await poll_until(lambda: not any(_alive(p) for p in pids), 10)
+    for pid in pids:
+        if _alive(pid) and _is_dynamo(pid):
+            os.kill(pid, signal.SIGKILL)
+    await poll_until(lambda: not port_in_use(DYNAMO_PORT), 10)
+
+
+def _is_dynamo(pid: int) -> bool:
+    """Guard against a recycled PID: the process must be one of Dynamo's."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dynamo." in f.read()
+    except OSError:
+        return False
+
