@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="turn off the stall detector (the loop-delay canary stays)")
     o.add_argument("--stall-threshold-ms", type=_positive_float, default=_D.stall_threshold_ms,
                    help="loop delay above this counts as a stall")
+    o.add_argument("--debug-endpoints", action="store_true", default=_D.debug_endpoints,
+                   help="serve POST /debug/stall?ms=N, which blocks the event loop on "
+                        "purpose (testing only: never on a production frontend)")
     o.add_argument("--log-level", default=_D.log_level,
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
 

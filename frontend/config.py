@@ -53,4 +53,7 @@ class FrontendConfig:
     # -- observability -----------------------------------------------------------------
     instrument: bool = True  # stall detector (trio instrument + watchdog thread)
     stall_threshold_ms: float = 20.0  # loop delay above this is a stall
+    # POST /debug/stall?ms=N blocks the event loop on purpose (to test the stall
+    # detector and the dashboard); off in production, where that route is a 404.
+    debug_endpoints: bool = False
     log_level: str = "info"

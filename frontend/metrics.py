@@ -4,11 +4,18 @@ Prefix ``headwater_frontend_``; suffixes as in Dynamo's ``dynamo_frontend_*``. O
 :class:`prometheus_client.CollectorRegistry` per frontend (not the global one), so
 tests and several in-process frontends never collide. The loop metrics
 (``event_loop_*``) are registered on the same registry by the stall detector.
+
+TTFT and ITL also feed a :class:`RecentWindow` (through :class:`WindowedHistogram`),
+so the dashboard can show percentiles of the last minute without a Prometheus server.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,6 +27,82 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 32768, 65536, 131072, 262144)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _STAGE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    """Percentiles of a :class:`RecentWindow`'s observations; ``None`` when it is empty."""
+
+    window_s: float
+    count: int
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+
+class RecentWindow:
+    """The latest observations of one quantity: at most *max_samples*, none older
+    than *window_s* seconds (of *clock*).
+
+    Why: a histogram's percentiles need a Prometheus server and PromQL; the dashboard
+    wants them from the process itself. Feeding is a deque append (the ITL is observed
+    once per streamed chunk); :meth:`statistics` sorts a copy, on read only. Not
+    thread-safe: feed and read it on the event loop.
+    """
+
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        max_samples: int = 4096,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if window_s <= 0 or max_samples < 1:
+            raise ValueError("window_s and max_samples must be positive")
+        self.window_s = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (time, value)
+
+    def add(self, value: float) -> None:
+        self._samples.append((self._clock(), value))
+
+    def values(self) -> list[float]:
+        """The observations still inside the window, oldest first."""
+        oldest = self._clock() - self.window_s
+        samples = self._samples
+        while samples and samples[0][0] < oldest:
+            samples.popleft()
+        return [value for _, value in samples]
+
+    def statistics(self) -> WindowStats:
+        """Nearest-rank p50 / p90 / p99 and the max of :meth:`values`."""
+        ordered = sorted(self.values())
+        n = len(ordered)
+
+        def rank(q: float) -> float | None:
+            return ordered[max(0, math.ceil(q * n) - 1)] if n else None
+
+        return WindowStats(
+            self.window_s, n, rank(0.50), rank(0.90), rank(0.99), ordered[-1] if n else None
+        )
+
+
+class WindowedHistogram:
+    """A Prometheus :class:`Histogram` that also feeds a :class:`RecentWindow`.
+
+    Stands where the histogram stood: callers keep calling ``observe(value)``.
+    """
+
+    __slots__ = ("histogram", "window")
+
+    def __init__(self, histogram: Histogram, window: RecentWindow | None = None) -> None:
+        self.histogram = histogram
+        self.window = window if window is not None else RecentWindow()
+
+    def observe(self, value: float) -> None:
+        self.histogram.observe(value)
+        self.window.add(value)
 
 
 class FrontendMetrics:
@@ -42,14 +125,14 @@ class FrontendMetrics:
             f"{p}request_duration_seconds", "End-to-end request time", buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.time_to_first_token_seconds = Histogram(
+        self.time_to_first_token_seconds = WindowedHistogram(Histogram(
             f"{p}time_to_first_token_seconds", "Time from request to the first token",
             buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.inter_token_latency_seconds = Histogram(
+        ))
+        self.inter_token_latency_seconds = WindowedHistogram(Histogram(
             f"{p}inter_token_latency_seconds", "Time between streamed tokens",
             buckets=_ITL_BUCKETS, registry=r,
-        )
+        ))
         self.input_sequence_tokens = Histogram(
             f"{p}input_sequence_tokens", "Prompt length in tokens", buckets=_TOKEN_BUCKETS,
             registry=r,

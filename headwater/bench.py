@@ -84,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamo-install-dir", type=Path, default=None,
                    help="where Dynamo is (or gets) installed; default $DYN_DIR or "
                         "${TMPDIR:-/tmp}/dynamo-peer, never inside the repository")
+    p.add_argument("--topology", choices=["inprocess", "processes", "both"], default=None,
+                   help="headwater's mocker workers in the main phase: inside the frontend "
+                        "process (`headwater serve`'s default), as two worker processes "
+                        "(Dynamo's layout), or both side by side (default: both; "
+                        "inprocess with --quick)")
     p.add_argument("--speedup-ratio", type=_positive, default=1000.0,
                    help="the mocker timing model is divided by this (both servers)")
     p.add_argument("--requests-scale", type=_positive, default=1.0,
@@ -155,25 +160,54 @@ def _config(suite: Any, args: argparse.Namespace, run_dir: Path) -> Any:
         dynamo_install=install,
         speedup_ratio=args.speedup_ratio,
         server_args=tuple(shlex.split(args.server_args)),
+        topologies=_topologies(args),
         requests_scale=args.requests_scale,
         time_limit_s=args.time_limit,
         progress=args.progress,
     )
 
 
+def _topologies(args: argparse.Namespace) -> tuple[str, ...]:
+    choice = args.topology or ("inprocess" if args.quick else "both")
+    return ("inprocess", "processes") if choice == "both" else (choice,)
+
+
 def _measure(suite: Any, cfg: Any) -> dict[str, Any] | None:
+    """Run the suite; ``None`` if SIGINT or SIGTERM stopped it (servers stopped first)."""
+    import signal
+
     import trio
 
     print(f"headwater bench: results in {cfg.out_dir}", file=sys.stderr, flush=True)
-    try:
-        results = trio.run(suite.Suite(cfg).run)
-    except KeyboardInterrupt:
+    outcome: dict[str, Any] = {}
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            # A signal cancels the suite: every server's context manager stops it on the
+            # way out. (Background jobs of a non-interactive shell ignore SIGINT, hence
+            # SIGTERM too.)
+            async def watch() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        print(f"\n{signal.Signals(signum).name}: stopping the servers...",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                        outcome["interrupted"] = True
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(watch)
+            outcome["results"] = await suite.Suite(cfg).run()
+            nursery.cancel_scope.cancel()
+
+    trio.run(run)
+    if outcome.get("interrupted") or "results" not in outcome:
         return None
-    return dict(results.to_json())
+    return dict(outcome["results"].to_json())
 
 
 def _command(args: argparse.Namespace) -> str:
     flags = [f"--scenarios {','.join(args.scenarios)}"] if len(args.scenarios) < 3 else []
+    flags += [f"--topology {args.topology}"] if args.topology else []
     flags += [f for f, on in (("--quick", args.quick), ("--no-dynamo", not args.dynamo),
                               ("--no-matrix", not args.matrix),
                               ("--no-profile", not args.profile), ("--docs", True)) if on]

@@ -6,6 +6,9 @@ and back. Client and worker share this process and its one event loop, so the
 figures count both sides' CPU. Prints one JSON object::
 
     .venv/bin/python scripts/bench_plane.py [--requests 3000] [--concurrency 32]
+
+:func:`first_chunk_s` and :func:`latency_ms` are reused by
+``scripts/bench/cluster_bench.py``, which measures the same across two processes.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from frontend.plane.base import WorkerClient, WorkerInstance
+from frontend.plane.base import WorkerClient
 from frontend.plane.memory import MemoryWorkerClient
 from frontend.plane.tcp import connect_worker
+from headwater.plane.base import WorkerInstance
 from headwater.wire import (
     Chunk,
     FinishReason,
@@ -63,7 +67,7 @@ def _request(i: int, prompt: list[int], tokens: int) -> GenerateRequest:
     return GenerateRequest(f"b{i}", "bench", prompt, SamplingParams(max_tokens=tokens))
 
 
-async def _one(client: WorkerClient, req: GenerateRequest) -> float:
+async def first_chunk_s(client: WorkerClient, req: GenerateRequest) -> float:
     """Seconds from stream() to the first chunk; drains the rest."""
     start = time.perf_counter()
     first = None
@@ -78,33 +82,37 @@ async def _one(client: WorkerClient, req: GenerateRequest) -> float:
 async def _measure(client: WorkerClient, args: argparse.Namespace) -> dict[str, float]:
     prompt = list(range(3, 3 + args.prompt_tokens))
     for i in range(args.warmup):
-        await _one(client, _request(-i - 1, prompt, args.tokens))
+        await first_chunk_s(client, _request(-i - 1, prompt, args.tokens))
     latencies = sorted([
-        await _one(client, _request(i, prompt, args.tokens)) for i in range(args.requests)
+        await first_chunk_s(client, _request(i, prompt, args.tokens)) for i in range(args.requests)
     ])
     start = time.perf_counter()
     for i in range(args.requests):
-        await _one(client, _request(i, prompt, args.tokens))
+        await first_chunk_s(client, _request(i, prompt, args.tokens))
     serial_rps = args.requests / (time.perf_counter() - start)
 
     counter = iter(range(args.requests))
 
     async def worker() -> None:
         for i in counter:
-            await _one(client, _request(i, prompt, args.tokens))
+            await first_chunk_s(client, _request(i, prompt, args.tokens))
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(args.concurrency):
             nursery.start_soon(worker)
     concurrent_rps = args.requests / (time.perf_counter() - start)
-    q = statistics.quantiles(latencies, n=100)
     return {
-        "first_chunk_p50_ms": round(q[49] * 1e3, 4),
-        "first_chunk_p99_ms": round(q[98] * 1e3, 4),
+        **latency_ms(latencies, "first_chunk"),
         "req_per_s_serial": round(serial_rps, 1),
         f"req_per_s_c{args.concurrency}": round(concurrent_rps, 1),
     }
+
+
+def latency_ms(latencies: list[float], name: str) -> dict[str, float]:
+    """``{name}_p50_ms``, ``{name}_p99_ms`` of *latencies* (seconds; at least 2)."""
+    q = statistics.quantiles(latencies, n=100)
+    return {f"{name}_p50_ms": round(q[49] * 1e3, 4), f"{name}_p99_ms": round(q[98] * 1e3, 4)}
 
 
 async def main(args: argparse.Namespace) -> dict[str, object]:

@@ -26,23 +26,28 @@ import trio
 from frontend.config import FrontendConfig
 from frontend.discovery import (
     Discovery,
-    EtcdClient,
-    EtcdCompacted,
     EtcdDiscovery,
-    EtcdLeaseNotFound,
-    EtcdUnavailable,
-    InstanceRecord,
-    InstanceState,
     Membership,
     StaticDiscovery,
     discovery_from_config,
-    etcd_endpoints,
     parse_workers,
     start_discovery,
 )
-from frontend.discovery.etcd import EventType, model_prefix, prefix_range_end
-from frontend.plane.base import ResponseStream, WorkerClient, WorkerInstance
+from frontend.plane.base import WorkerClient
 from frontend.router import Router, WorkerState
+from headwater.etcd import (
+    EtcdClient,
+    EtcdCompacted,
+    EtcdLeaseNotFound,
+    EtcdUnavailable,
+    EventType,
+    InstanceRecord,
+    InstanceState,
+    etcd_endpoints,
+    model_prefix,
+    prefix_range_end,
+)
+from headwater.plane.base import ResponseStream, WorkerInstance
 from headwater.wire import GenerateRequest, Role
 from workers.runtime.registration import EtcdRegistration
 
@@ -362,7 +367,7 @@ async def test_draining_reaches_router(etcd_url: str, etcd_prefix: str) -> None:
 _KILLABLE_WORKER = textwrap.dedent(
     """
     import sys, trio
-    from frontend.plane.base import WorkerInstance
+    from headwater.plane.base import WorkerInstance
     from headwater.wire import Role
     from workers.runtime.registration import EtcdRegistration
 

@@ -19,17 +19,10 @@ import pytest
 import trio
 import trio.testing
 
-from frontend.plane.base import CannotConnect, Disconnected, WorkerError, WorkerInstance
 from frontend.plane.memory import MemoryWorkerClient
-from frontend.plane.tcp import (
-    AckTimeout,
-    ClientState,
-    ConnectTimeout,
-    HandshakeFailed,
-    PlaneConfig,
-    TcpWorkerClient,
-    connect_worker,
-)
+from frontend.plane.tcp import ClientState, TcpWorkerClient, connect_worker
+from headwater.plane.base import CannotConnect, Disconnected, WorkerError, WorkerInstance
+from headwater.plane.connection import AckTimeout, ConnectTimeout, HandshakeFailed, PlaneConfig
 from headwater.wire import (
     Ack,
     Cancel,

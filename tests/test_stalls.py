@@ -106,9 +106,15 @@ async def monitoring(
         nursery.cancel_scope.cancel()
 
 
-async def next_record(receive: trio.MemoryReceiveChannel[StallRecord]) -> StallRecord:
-    with trio.fail_after(5):
-        return await receive.receive()
+async def stall_of_at_least(
+    seconds: float, receive: trio.MemoryReceiveChannel[StallRecord]
+) -> StallRecord:
+    """The first record at least this long: on a loaded machine the OS adds short ones."""
+    with trio.fail_after(10):
+        async for record in receive:
+            if record.duration_s >= seconds:
+                return record
+    raise AssertionError("the detector stopped")
 
 
 def watchdog_alive() -> bool:
@@ -126,7 +132,7 @@ async def test_blocking_call_on_the_loop_is_a_loop_stall(caplog: pytest.LogCaptu
         before = time.time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(blocker, name="blocker")
-        record = await next_record(records)
+        record = await stall_of_at_least(0.15, records)
         stats = detector.statistics()
 
     assert record.cause == "loop"
@@ -139,9 +145,11 @@ async def test_blocking_call_on_the_loop_is_a_loop_stall(caplog: pytest.LogCaptu
     assert record.loop_busy_fraction is not None
     assert record.loop_busy_fraction < 0.5
     assert json.loads(json.dumps(record.to_dict()))["task"] == record.task
-    assert detector.records() == [record]
-    assert (stats.stalls_total, stats.loop_stalls_total, stats.gil_stalls_total) == (1, 1, 0)
-    assert stats.last_duration_s == record.duration_s
+    assert record in detector.records()
+    assert stats.stalls_total == len(detector.records())
+    assert stats.stalls_total == stats.loop_stalls_total + stats.gil_stalls_total
+    assert stats.loop_stalls_total >= 1
+    assert stats.max_duration_s >= record.duration_s
     assert stats.tracking
     # the watchdog named the culprit while the loop was still stalled
     assert any(
@@ -155,7 +163,7 @@ async def test_thread_holding_the_gil_is_a_gil_stall() -> None:
     try:
         async with monitoring() as (monitor, records):
             await trio.to_thread.run_sync(hold_the_gil, STALL_S)
-            record = await next_record(records)
+            record = await stall_of_at_least(0.15, records)
     finally:
         sys.setswitchinterval(old)
 
@@ -172,10 +180,9 @@ async def test_hf_encode_in_a_thread_is_a_gil_stall(
     # tokenizers' encode holds the GIL throughout: offloading it does not free the loop
     async with monitoring() as (_, records):
         await trio.to_thread.run_sync(tokenizer.encode, long_prompt)
-        record = await next_record(records)
+        record = await stall_of_at_least(0.04, records)
 
     assert record.cause == "gil"
-    assert record.duration_s >= 0.03
     assert record.loop_busy_fraction is not None
     assert record.loop_busy_fraction < 0.5
 
@@ -200,7 +207,7 @@ async def test_gil_taken_in_the_middle_of_a_step_is_a_gil_stall(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(spinner, name="spinner")
         await trio.to_thread.run_sync(thread.join)
-        record = await next_record(records)
+        record = await stall_of_at_least(0.04, records)
 
     assert record.task == "spinner"
     assert record.cause == "gil"
@@ -221,7 +228,7 @@ async def test_hf_encode_on_the_loop_is_a_loop_stall(
     async with monitoring() as (_, records):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(preprocess, name="preprocess")
-        record = await next_record(records)
+        record = await stall_of_at_least(0.04, records)
 
     assert record.cause == "loop"
     assert record.task == "preprocess"
@@ -289,7 +296,7 @@ async def test_canary_counts_a_blocked_loop() -> None:
         stalls_before = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_stall_total")
         block_the_loop()
         await trio.testing.wait_all_tasks_blocked()  # the canary has woken and recorded
-        record = await next_record(records)
+        record = await stall_of_at_least(0.15, records)
 
         assert slow_count() >= slow_before + 1
         stalls_after = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_stall_total")
@@ -299,10 +306,12 @@ async def test_canary_counts_a_blocked_loop() -> None:
         max_delay = registry.get_sample_value(f"{WORKER_PREFIX}event_loop_max_delay_seconds")
         assert max_delay is not None
         assert max_delay >= 0.15
-        cause_loop = registry.get_sample_value(
-            f"{WORKER_PREFIX}stall_records_total", {"cause": record.cause}
+        assert record.cause == "loop"
+        counted = registry.get_sample_value(
+            f"{WORKER_PREFIX}stall_records_total", {"cause": "loop"}
         )
-        assert cause_loop == 1.0
+        assert counted is not None
+        assert counted >= 1
         assert max(delay for _, delay in monitor.recent_delays()) >= 0.15
 
 

@@ -19,8 +19,8 @@ from typing import BinaryIO
 import pytest
 import trio
 
-from frontend.plane.base import WorkerInstance
 from frontend.plane.tcp import ClientState, TcpWorkerClient, connect_worker
+from headwater.plane.base import WorkerInstance
 from headwater.wire import FinishReason, GenerateRequest, Role, SamplingParams
 
 pytestmark = pytest.mark.slow

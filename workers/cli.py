@@ -5,10 +5,15 @@ the engine, serves, and prints one line to stdout once it accepts connections::
 
     HEADWATER_WORKER_READY tcp://127.0.0.1:PORT <worker_id> <role>
 
-SIGTERM or SIGINT drains it: the on-stop hooks run (discovery deregisters there),
-every connected frontend gets a goaway, in-flight requests finish (and, on a
-prefill worker, held KV gets pulled) for up to ``--drain-timeout`` seconds, then
-the process exits 0. A second signal stops at once.
+With ``--discovery etcd://HOST:PORT`` it registers in etcd before printing that line
+(on a lease of ``--lease-ttl`` seconds, kept alive while it runs), so frontends
+watching etcd find it.
+
+SIGTERM or SIGINT drains it: the on-stop hooks run (with discovery: the etcd record
+turns ``draining``, so frontends stop routing here), every connected frontend gets a
+goaway, in-flight requests finish (and, on a prefill worker, held KV gets pulled)
+for up to ``--drain-timeout`` seconds, then the lease is revoked and the process
+exits 0. A second signal stops at once (exit 1).
 
 The lifecycle is :func:`serve_worker`, reusable in-process (tests, a local cluster,
 discovery registration via its ``on_ready`` / ``on_stop`` hooks).
@@ -22,17 +27,19 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import trio
 
-from frontend.plane.tcp import PlaneConfig
+from headwater.etcd.client import EtcdError, etcd_endpoints
+from headwater.plane.connection import PlaneConfig
 from headwater.wire import Role
 from headwater.wire.framing import format_tcp_address, load_secret
 from workers.engines.base import Engine, KvTransfer
 from workers.runtime.kv_transfer_tcp import TcpKvTransfer
+from workers.runtime.registration import RegistrationHooks
 from workers.runtime.runtime import WorkerRuntime
 from workers.runtime.tcp_server import PlaneServer, ServerConfig, check_bind
 
@@ -70,6 +77,11 @@ class WorkerConfig:
     secret: bytes | None = field(default=None, repr=False)
     #: Port of the metrics endpoint; 0 = off.
     metrics_port: int = 0
+    #: etcd to register in (``etcd://host:port[,host:port]``); empty = no registration.
+    discovery: str = ""
+    #: Seconds the etcd lease outlives the last keep-alive: how long a crashed worker
+    #: stays registered. etcd raises values below its minimum (~2 s).
+    lease_ttl: int = 10
     # mocker sizing
     speedup_ratio: float = 1.0
     kv_bytes_per_token: int = 16  # bytes of KV payload per prompt token
@@ -87,6 +99,10 @@ class WorkerConfig:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose from {', '.join(ENGINES)}")
         split_host_port(self.listen)
+        if self.discovery:
+            etcd_endpoints(self.discovery)
+        if self.lease_ttl < 1:
+            raise ValueError(f"--lease-ttl must be at least 1 s, got {self.lease_ttl}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +303,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
       "to listen beyond loopback")
     a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
+    a("--discovery", default="",
+      help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
+      "no registration; frontends then need --workers)")
+    a("--lease-ttl", type=int, default=d.lease_ttl,
+      help="seconds a crashed worker stays registered in etcd (lease TTL)")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"],
       help="log level")
     a("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="mocker: KV cache blocks")
@@ -308,6 +329,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         drain_timeout=args.drain_timeout,
         secret=load_secret(args.plane_secret_file),
         metrics_port=args.metrics_port,
+        discovery=args.discovery,
+        lease_ttl=args.lease_ttl,
         speedup_ratio=args.speedup_ratio,
         kv_bytes_per_token=args.kv_bytes_per_token,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -318,7 +341,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 after a drain, 1 on a forced stop or bind failure, 2 on bad options."""
+    """Exit status: 0 after a drain; 1 on a forced stop, a bind failure or no etcd;
+    2 on bad options."""
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -332,17 +356,42 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         return trio.run(_run, config)
-    except OSError as exc:
-        print(f"headwater worker: {exc}", file=sys.stderr)
+    except (OSError, EtcdError, BaseExceptionGroup) as exc:
+        leaves = list(_leaves(exc))
+        if not all(isinstance(e, OSError | EtcdError) for e in leaves):
+            raise
+        for e in leaves:
+            print(f"headwater worker: {e}", file=sys.stderr)
         return 1
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
 
 
 async def _run(config: WorkerConfig) -> int:
     stop = trio.Event()
     forced = trio.Event()
     async with trio.open_nursery() as nursery:
+        hooks: RegistrationHooks | None = None
+        if config.discovery:
+            hooks = RegistrationHooks(
+                etcd_endpoints(config.discovery),
+                nursery,
+                worker_id=config.worker_id,
+                role=str(config.role),
+                model=config.model_name,
+                capacity=config.max_num_seqs,
+                ttl=config.lease_ttl,
+            )
         nursery.start_soon(_watch_signals, stop, forced, nursery.cancel_scope)
-        worker: RunningWorker = await nursery.start(_serve, config, stop, nursery.cancel_scope)
+        worker: RunningWorker = await nursery.start(
+            _serve, config, stop, nursery.cancel_scope, hooks
+        )
         print(f"{READY_PREFIX} {worker.address} {worker.worker_id} {worker.role}", flush=True)
     return 1 if forced.is_set() else 0
 
@@ -351,10 +400,21 @@ async def _serve(
     config: WorkerConfig,
     stop: trio.Event,
     done: trio.CancelScope,
+    hooks: RegistrationHooks | None,
     *,
     task_status: trio.TaskStatus[RunningWorker],
 ) -> None:
-    await serve_worker(config, shutdown_trigger=stop.wait, task_status=task_status)
+    # Registration order: registered before READY; draining published before the
+    # goaway; the lease revoked only once the drain is over (in-flight requests done).
+    await serve_worker(
+        config,
+        shutdown_trigger=stop.wait,
+        on_ready=[hooks.on_ready] if hooks else (),
+        on_stop=[hooks.on_stop] if hooks else (),
+        task_status=task_status,
+    )
+    if hooks is not None:
+        await hooks.deregister()
     done.cancel()  # drained: stop watching for signals too
 
 

@@ -14,12 +14,11 @@ stall discovery, so a sink only records the change and does the slow part
 from __future__ import annotations
 
 import abc
-import random
 from typing import Protocol
 
 import trio
 
-from frontend.plane.base import WorkerInstance
+from headwater.plane.base import WorkerInstance
 
 
 class DiscoverySink(Protocol):
@@ -57,37 +56,3 @@ class Discovery(abc.ABC):
         Runs until cancelled. Transient failures of the backing store are retried and
         logged, never raised; only misuse (e.g. a malformed configuration) raises.
         """
-
-
-class Backoff:
-    """Exponential backoff with full jitter, for reconnect and retry loops.
-
-    ``next()`` returns how long to wait before the next attempt: a uniform draw from
-    ``[0, min(maximum, initial * factor**n)]`` after the n-th consecutive failure
-    (never less than ``initial / 2``, so a hot loop is impossible). ``reset()`` after
-    a success. Jitter keeps a fleet of workers from reconnecting in lockstep.
-    """
-
-    def __init__(
-        self,
-        initial: float = 0.1,  # seconds
-        maximum: float = 10.0,  # seconds
-        factor: float = 2.0,
-        *,
-        rng: random.Random | None = None,
-    ) -> None:
-        if initial <= 0 or maximum < initial or factor < 1:
-            raise ValueError("need 0 < initial <= maximum and factor >= 1")
-        self.initial = initial
-        self.maximum = maximum
-        self.factor = factor
-        self.failures = 0
-        self._rng = rng or random.Random()
-
-    def next(self) -> float:
-        cap = min(self.maximum, self.initial * self.factor ** min(self.failures, 64))
-        self.failures += 1
-        return max(self.initial / 2, self._rng.uniform(0, cap))
-
-    def reset(self) -> None:
-        self.failures = 0

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import trio
 
-from frontend.discovery.base import Backoff
-from frontend.plane.base import WorkerClient, WorkerInstance
+from frontend.plane.base import WorkerClient
 from frontend.router.router import Router
+from headwater.backoff import Backoff
+from headwater.plane.base import WorkerInstance
 
 log = logging.getLogger(__name__)
 

@@ -18,37 +18,12 @@ from frontend.discovery.etcd import EtcdDiscovery
 from frontend.discovery.membership import Connect, Membership
 from frontend.discovery.static import StaticDiscovery
 from frontend.router.router import Router
+from headwater.etcd.client import etcd_endpoints
 
 if TYPE_CHECKING:
     from frontend.config import FrontendConfig
 
 log = logging.getLogger(__name__)
-
-_SCHEMES = {"etcd": "http", "etcds": "https", "http": "http", "https": "https"}
-
-
-def etcd_endpoints(url: str) -> list[str]:
-    """``etcd://h1:2379,h2:2379`` → ``["http://h1:2379", "http://h2:2379"]``.
-
-    ``etcds://`` means https; ``http(s)://`` URLs and bare ``host:port`` are accepted
-    too. Raises ValueError for anything else.
-    """
-    scheme = "etcd"
-    out: list[str] = []
-    for item in (i.strip() for i in url.split(",")):
-        if not item:
-            continue
-        if "://" in item:
-            scheme, _, item = item.partition("://")
-        if scheme not in _SCHEMES:
-            raise ValueError(f"--discovery {url!r}: unknown scheme {scheme!r} (use etcd://)")
-        hostport = item.rstrip("/")
-        if not hostport or "/" in hostport:
-            raise ValueError(f"--discovery {url!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
-        out.append(f"{_SCHEMES[scheme]}://{hostport}")
-    if not out:
-        raise ValueError(f"--discovery {url!r}: no etcd endpoint")
-    return out
 
 
 def discovery_from_config(config: FrontendConfig) -> Discovery:
@@ -81,7 +56,8 @@ async def start_discovery(
     discovery = discovery_from_config(config)
     if connect is None:
         # The TCP plane, imported only when remote workers are in use.
-        from frontend.plane.tcp import PlaneConfig, connect_worker
+        from frontend.plane.tcp import connect_worker
+        from headwater.plane.connection import PlaneConfig
 
         connect = partial(connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout))
     membership = Membership(router, connect)

@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlsplit
 import trio
 
 from frontend.discovery.base import Discovery, DiscoverySink
-from frontend.plane.base import WorkerInstance
+from headwater.plane.base import WorkerInstance
 from headwater.wire import Role
 
 _PARAMS = ("role", "model", "id", "capacity")

@@ -1,24 +1,60 @@
-"""Observability routes: ``/metrics``, ``/debug/stalls``, ``/debug/workers``.
+"""Observability routes: metrics, debug views and the live dashboard.
 
-Read-only views of the frontend's live state. (The dashboard page is added here too.)
+Read-only views of the frontend's live state:
+
+* ``GET /metrics``: Prometheus text format (``headwater_frontend_*``).
+* ``GET /debug/stalls``: the stall records, oldest first (JSON list).
+* ``GET /debug/workers``: every known worker, its state, load and last error.
+* ``GET /dashboard``: a self-contained page (:mod:`frontend.http.dashboard`) that polls
+  ``GET /dashboard/data``, a JSON snapshot of all of the above.
+
+And one route that is not read-only, served only with ``debug_endpoints`` on (a 404
+otherwise): ``POST /debug/stall?ms=N`` blocks the event loop for N ms on purpose, so
+tests and demos can show the stall detector and the dashboard catching it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
+
+from frontend.http.dashboard import ASSETS, load_asset, snapshot
+from frontend.http.errors import ApiError, bad_request
 
 if TYPE_CHECKING:
     from frontend.server import Frontend
 
+log = logging.getLogger(__name__)
+
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+JSON = "application/json"
+
+#: Longest stall ``POST /debug/stall`` injects, in ms (twice the default ACK timeout).
+MAX_INJECTED_STALL_MS: Final = 10_000
+
+#: The page loads only its own files and data: no other host, no inline code.
+_PAGE_HEADERS: Final = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 
 
 def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
+    """Register the routes above on *app*; the debug route only if
+    ``frontend.config.debug_endpoints``."""
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(frontend.metrics.render(), content_type=PROMETHEUS_TEXT)
@@ -26,12 +62,80 @@ def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
     @app.get("/debug/stalls")
     async def stalls() -> Response:
         records = [r.to_dict() for r in frontend.monitor.records()]
-        return Response(orjson.dumps(records), content_type="application/json")
+        return Response(orjson.dumps(records), content_type=JSON)
 
     @app.get("/debug/workers")
     async def workers() -> Response:
-        return Response(orjson.dumps(workers_snapshot(frontend)), content_type="application/json")
+        return Response(orjson.dumps(workers_snapshot(frontend)), content_type=JSON)
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return _asset("index.html")
+
+    @app.get("/dashboard/<name>")
+    async def dashboard_asset(name: str) -> Response:
+        if name not in ASSETS or name == "index.html":
+            raise ApiError(404, f"Unknown path {request.path}")
+        return _asset(name)
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> Response:
+        after = _float_arg("stalls_after")
+        body = orjson.dumps(snapshot(frontend, stalls_after=after))
+        return Response(body, content_type=JSON, headers={"Cache-Control": "no-store"})
+
+    if frontend.config.debug_endpoints:
+
+        @app.post("/debug/stall")
+        async def debug_stall() -> Response:
+            ms = _stall_ms()
+            log.warning("debug endpoint: blocking the event loop for %d ms on purpose", ms)
+            took = inject_loop_stall(ms / 1000)
+            return Response(
+                orjson.dumps({"requested_ms": ms, "blocked_ms": round(took * 1000, 3)}),
+                content_type=JSON,
+            )
 
 
 def workers_snapshot(frontend: Frontend) -> list[dict[str, Any]]:
+    """What ``/debug/workers`` answers: one dict per :class:`~frontend.router.WorkerView`."""
     return [dataclasses.asdict(v) for v in frontend.router.views()]
+
+
+def inject_loop_stall(seconds: float) -> float:
+    """Block the calling thread for *seconds* and return how long it was blocked.
+
+    Called on the event loop by ``POST /debug/stall`` only (``debug_endpoints``), this
+    IS a stall: every task waits, and the stall detector records this function's frame.
+    """
+    started = time.perf_counter()
+    time.sleep(seconds)  # the deliberate injection: blocks the event loop on purpose
+    return time.perf_counter() - started
+
+
+def _asset(name: str) -> Response:
+    return Response(load_asset(name), content_type=ASSETS[name], headers=_PAGE_HEADERS)
+
+
+def _float_arg(name: str) -> float | None:
+    raw = request.args.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise bad_request(f"{name} must be a finite number, got {raw!r}", name)
+    return value
+
+
+def _stall_ms() -> int:
+    raw = request.args.get("ms", "200")
+    try:
+        ms = int(raw)
+    except ValueError:
+        ms = 0
+    if not 1 <= ms <= MAX_INJECTED_STALL_MS:
+        raise bad_request(f"ms must be an integer from 1 to {MAX_INJECTED_STALL_MS}", "ms")
+    return ms

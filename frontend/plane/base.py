@@ -1,8 +1,8 @@
 """The request-plane interface: how the frontend talks to one worker.
 
 A request goes out, the worker ACKs it, chunks stream back, and the stream ends.
-Every transport (in-process memory channels, framed TCP) implements the same two
-classes, so the router and the pipeline never know which one they hold::
+Every transport (in-process memory channels, framed TCP) implements
+:class:`WorkerClient`, so the router and the pipeline never know which one they hold::
 
     async with client.stream(request) as replies:   # returns once the worker ACKed
         async for chunk in replies:                 # Chunk messages until End
@@ -13,73 +13,19 @@ because the HTTP client went away, a stop string matched, an exception), cancels
 request on the worker, which frees its KV. That is the whole cancellation design:
 the caller's cancel scope is the request's lifetime.
 
-Errors, grouped by what the caller can do::
-
-    PlaneError
-    ├── CannotConnect   no connection, or no ACK within ack_timeout: route elsewhere,
-    │                   and the router inhibits that worker for a while
-    ├── Disconnected    the stream broke after the ACK: a migration candidate
-    └── WorkerError     the worker answered with an Error message (``code``, ``retryable``)
+The types both ends of the plane share — :class:`~headwater.plane.base.WorkerInstance`,
+:class:`~headwater.plane.base.ResponseStream` and the error tree (``CannotConnect``:
+route elsewhere; ``Disconnected``: migrate; ``WorkerError``: see ``retryable``) — live
+in :mod:`headwater.plane.base`; :mod:`frontend.plane` re-exports them.
 """
 
 from __future__ import annotations
 
 import abc
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 
-from headwater.wire import Chunk, ErrorCode, GenerateRequest, Role
-
-
-class PlaneError(Exception):
-    """Root of request-plane failures."""
-
-
-class CannotConnect(PlaneError):
-    """The worker could not be reached or did not ACK in time. Nothing was generated."""
-
-
-class Disconnected(PlaneError):
-    """The stream broke after the ACK; some chunks may have been delivered."""
-
-
-class WorkerError(PlaneError):
-    """The worker rejected or failed the request with an Error message."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
-        self.message = message
-
-    @property
-    def retryable(self) -> bool:
-        return self.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInstance:
-    """A worker as discovery knows it: who, what role, serving which model, where."""
-
-    worker_id: str
-    role: Role
-    model: str
-    address: str  # "memory://<id>" or "tcp://host:port"
-    capacity: int = 256  # max concurrent sequences the worker advertises
-    metadata: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
-
-
-class ResponseStream(abc.ABC):
-    """The chunks of one ACKed request, in order. Ends at the worker's End message.
-
-    ``__anext__`` raises :class:`WorkerError` when the worker sent an Error and
-    :class:`Disconnected` when the transport broke mid-stream.
-    """
-
-    def __aiter__(self) -> ResponseStream:
-        return self
-
-    @abc.abstractmethod
-    async def __anext__(self) -> Chunk: ...
+from headwater.plane.base import ResponseStream, WorkerInstance
+from headwater.wire import GenerateRequest
 
 
 class WorkerClient(abc.ABC):
@@ -97,4 +43,3 @@ class WorkerClient(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Release the transport's resources; in-flight streams fail with Disconnected."""
-

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import trio
 
-from frontend.plane.base import WorkerInstance
 from frontend.plane.memory import MemoryWorkerClient
 from frontend.router import Router
+from headwater.plane.base import WorkerInstance
 from headwater.wire import Role
 from workers.engines.base import Engine
 from workers.engines.mocker import MockerConfig, MockerEngine

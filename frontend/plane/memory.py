@@ -12,11 +12,11 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from frontend.plane.base import (
+from frontend.plane.base import WorkerClient
+from headwater.plane.base import (
     CannotConnect,
     Disconnected,
     ResponseStream,
-    WorkerClient,
     WorkerError,
     WorkerInstance,
 )

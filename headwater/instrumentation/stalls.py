@@ -33,10 +33,13 @@ Cause
   synchronous call (``time.sleep``, a lock, file I/O).
 
 "Busy" counts time on a CPU *and* time runnable in the OS run queue (Linux
-``/proc/self/task/<tid>/schedstat``), so a busy loop is still "busy" on an overloaded
-machine; a thread waiting for the GIL sleeps on a futex and counts as neither. Without
-schedstat the thread CPU clock is used (CPU time only); without either, a C call
-holding the GIL on the loop is reported as ``gil``.
+``/proc/self/task/<tid>/schedstat``), so a busy loop is still busy on an overloaded
+machine (measured: 0.97–1.0 of the stall with two CPU hogs on 2 cores), while a thread
+waiting for the GIL sleeps on a futex but for brief wake-ups every switch interval
+(measured: 0.02–0.25). The watchdog counts as "could not get the GIL" any gap of more
+than 10 ms between its wake-ups beyond its requested sleep and its own CPU time.
+Without schedstat the thread CPU clock is used (CPU time only); without either, a C
+call holding the GIL on the loop is reported as ``gil``.
 
 Limits: GIL stalls are only visible while the I/O-wait timeout is short (the canary
 keeps it ≤ 10 ms); only ``trio.run`` is supported, not guest mode.
@@ -77,7 +80,7 @@ _Frames = tuple[tuple[CodeType, int], ...]  # (code, line), innermost last
 
 _TRIO_DIR: Final = os.path.dirname(trio.__file__) + os.sep
 _MAX_FRAMES: Final = 48
-_STARVED_MIN_S: Final = 0.002  # watchdog oversleep that counts as "could not run"
+_STARVED_MIN_S: Final = 0.010  # watchdog oversleep that counts as "could not get the GIL"
 _BUSY: Final = 0.5  # loop thread busy for at least this share of a stall ⇒ "loop"
 
 
@@ -95,7 +98,8 @@ class StallRecord:
       cause: ``"loop"`` (the loop thread was busy or blocked in a call) or ``"gil"``
         (it could not run because another thread held the GIL).
       sampled: ``True`` when ``stack`` was sampled during the stall; ``False`` when it
-        is where the task next awaited (the watchdog was frozen throughout).
+        is where the task next awaited (the watchdog was frozen throughout), or empty
+        if the task ended in that step.
       loop_busy_fraction: share of the stall the loop thread was running or runnable
         (rather than asleep in a blocking call or waiting for the GIL); ``None`` where
         the platform cannot tell.
@@ -191,10 +195,16 @@ class TaskTracker(trio.abc.Instrument):
         return phase[1] if phase[0] == _STEP else None
 
     def start(self) -> None:
-        """Begin tracking from now: call right before ``trio.lowlevel.add_instrument``."""
+        """Begin tracking from now: call right before ``trio.lowlevel.add_instrument``.
+
+        Called from a task, it counts the rest of that task's current step as a step.
+        """
         now = _clock()
         self.disabled_reason = None
-        self.phase = (_SCHED, None, now, now)
+        try:
+            self.phase = (_STEP, trio.lowlevel.current_task(), now, now)
+        except RuntimeError:  # not inside a trio task
+            self.phase = (_SCHED, None, now, now)
 
     def disable(self, reason: str) -> None:
         """Stop tracking, and leave trio's instrument list if still in it."""
@@ -252,9 +262,7 @@ class TaskTracker(trio.abc.Instrument):
         self.pending.append(_Overrun(phase, now, busy, awaiting))
 
     def _fail(self, hook: str, exc: Exception) -> None:
-        logger.error(
-            "stall tracker disabled: its %s hook raised", hook, exc_info=(type(exc), exc, None)
-        )
+        logger.error("stall tracker disabled: its %s hook raised", hook, exc_info=exc)
         self.disable(f"{hook} raised {exc!r}")
 
 
@@ -365,17 +373,21 @@ class StallDetector:
         tracker.start()
         trio.lowlevel.add_instrument(tracker)
         self._watchdog_alive = True
-        watchdog.start()
         try:
+            # Thread.start() waits for the new thread to run: not on the loop.
+            await trio.to_thread.run_sync(watchdog.start)
             # Report started only once the watchdog measures: a GIL stall that begins
             # while the thread is still starting up would otherwise go unclassified.
             await watching.wait()
             task_status.started()
             me = trio.lowlevel.current_task()
             while tracker.enabled and self._watchdog_alive:
+                asleep = _clock()
                 await trio.sleep(self._selfcheck_s)
-                phase = tracker.phase
-                if tracker.enabled and (phase[0] != _STEP or phase[1] is not me):
+                phase = tracker.phase  # must be this very step, begun after the sleep
+                if tracker.enabled and (
+                    phase[0] != _STEP or phase[1] is not me or phase[2] < asleep
+                ):
                     logger.error("stall tracker lost: trio no longer calls its hooks")
                     tracker.disable("trio stopped calling the tracker's hooks")
             self._stop.set()
@@ -383,8 +395,9 @@ class StallDetector:
         finally:
             tracker.disable("stopped")
             self._stop.set()
-            with trio.move_on_after(1.0, shield=True):
-                await trio.to_thread.run_sync(watchdog.join, abandon_on_cancel=True)
+            if watchdog.ident is not None:  # started
+                with trio.move_on_after(1.0, shield=True):
+                    await trio.to_thread.run_sync(watchdog.join, abandon_on_cancel=True)
             if not watchdog.is_alive():
                 loop_times.close()
             self._running = False
@@ -395,18 +408,19 @@ class StallDetector:
         own: _ThreadTimes | None = None
         try:
             own = _ThreadTimes(threading.get_ident(), threading.get_native_id())
-            last_wake, last_busy = _clock(), own.busy() or 0.0
+            last_wake, last_cpu = _clock(), own.cpu()
             with suppress(trio.RunFinishedError):
                 watching()
             while not self._stop.wait(self._poll_s):
-                # Of the wall time since the last wake, whatever was neither the requested
-                # sleep nor our own running (or runnable) time went to waiting for the GIL:
-                # in the wait's wake-up or at any GIL release inside the previous tick.
-                now, busy = _clock(), own.busy() or 0.0
-                starved = now - last_wake - self._poll_s - (busy - last_busy)
-                last_wake, last_busy = now, busy
-                if starved > _STARVED_MIN_S:
-                    self._starved.append((now - starved, now))
+                # A long gap between two wakes, beyond the requested sleep and our own CPU
+                # time, means we could not get the GIL (at the wake-up or at any GIL
+                # release inside the previous tick). Run-queue waits are not subtracted: a
+                # thread waiting for the GIL wakes every switch interval, and on a busy
+                # machine queues for a CPU each time; but such waits rarely reach 10 ms.
+                now, cpu = _clock(), own.cpu()
+                if now - last_wake - self._poll_s - (cpu - last_cpu) > _STARVED_MIN_S:
+                    self._starved.append((last_wake, now))
+                last_wake, last_cpu = now, cpu
                 self._sample_loop_busy()
                 self._drain()
                 self._observe(_clock())
@@ -534,11 +548,12 @@ class StallDetector:
 
 
 class _ThreadTimes:
-    """How long one thread has been busy, readable from any thread.
+    """How one thread spent its time, readable from any thread.
 
-    Busy = on a CPU + runnable in the OS run queue, from Linux's
-    ``/proc/self/task/<tid>/schedstat`` (``pread`` on a kept descriptor, ~2 µs);
-    otherwise CPU time from ``time.pthread_getcpuclockid`` (run-queue wait unknown: 0).
+    Linux ``/proc/self/task/<tid>/schedstat`` (``pread`` on a kept descriptor, ~2 µs)
+    gives time on a CPU and time runnable in the run queue; elsewhere the thread CPU
+    clock (``time.pthread_getcpuclockid``) gives CPU time only. Methods raise ``OSError``
+    if the thread is gone.
     """
 
     def __init__(self, ident: int, native_id: int) -> None:
@@ -554,17 +569,25 @@ class _ThreadTimes:
 
     def _schedstat(self) -> tuple[float, float]:
         assert self._fd is not None
-        on_cpu, waiting, _ = os.pread(self._fd, 128, 0).split()
-        return int(on_cpu) / 1e9, int(waiting) / 1e9
+        on_cpu, queued, _ = os.pread(self._fd, 128, 0).split()
+        return int(on_cpu) / 1e9, int(queued) / 1e9
 
     def busy(self) -> float | None:
-        """Seconds on a CPU or waiting for one; ``None`` if unknown. Raises ``OSError``."""
+        """Seconds on a CPU or runnable waiting for one (CPU only without schedstat)."""
         if self._fd is not None:
-            on_cpu, waiting = self._schedstat()
-            return on_cpu + waiting
+            on_cpu, queued = self._schedstat()
+            return on_cpu + queued
         if self._cpu_clock is not None:
             return time.clock_gettime(self._cpu_clock)
         return None
+
+    def cpu(self) -> float:
+        """Seconds on a CPU; 0 if unknown."""
+        if self._fd is not None:
+            return self._schedstat()[0]
+        if self._cpu_clock is not None:
+            return time.clock_gettime(self._cpu_clock)
+        return 0.0
 
     def close(self) -> None:
         if self._fd is not None:

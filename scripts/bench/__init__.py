@@ -12,6 +12,17 @@ Modules, one job each:
 - :mod:`scripts.bench.cli`: ``python -m scripts.bench.loadgen ...`` (also ``python -m
   scripts.bench``).
 
+The suite behind ``headwater bench`` (:mod:`headwater.bench`) builds on them:
+
+- :mod:`scripts.bench.suite`: the phases (calibration, main with Dynamo alternating,
+  backend × mode matrix, profile) and the results they add up to.
+- :mod:`scripts.bench.measure`: one run, sampled, reduced to a JSON record.
+- :mod:`scripts.bench.machine`: machine facts and the encoders' single-thread rate.
+- :mod:`scripts.bench.servers`: headwater and Dynamo servers, started and always stopped.
+- :mod:`scripts.bench.timeline`: loop delay, RSS and CPU at 4 Hz during a run.
+- :mod:`scripts.bench.profile`: CPU per request by pipeline stage (pyinstrument + /proc).
+- :mod:`scripts.bench.report` and :mod:`scripts.bench.plots`: markdown and PNG charts.
+
 Nothing is re-exported here on purpose: ``python -m scripts.bench.loadgen`` must be able to
 run that module as ``__main__`` without the package having imported it first.
 """

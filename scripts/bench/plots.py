@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the backend
 
+from scripts.bench.report import scaled_stage_ms
+
 Record = Mapping[str, Any]
 _DPI = 110
 _STAGE_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
@@ -41,17 +43,21 @@ def loop_delay_timeline(results: Record, out_dir: Path) -> Path | None:
     for r in runs:
         points = [p for p in r["timeline"] if p["loop_samples"]]
         t = [p["t_s"] for p in points]
-        style = {"thread": "-", "thread-gil": "--", "inline": ":"}.get(r["variant"].split("/")[1])
-        ax_p99.plot(t, [p["loop_p99_ms"] for p in points], style, label=r["variant"])
-        ax_max.step(t, [_finite(p["loop_max_ms"]) for p in points], style, where="post",
-                    label=r["variant"])  # fmt: skip
+        backend, mode = r["variant"].split("/", 1)
+        style = {"ls": {"thread": "-", "thread-gil": "--", "inline": ":"}.get(mode, "-."),
+                 "color": "C0" if backend == "fastokens" else "C3",
+                 "marker": {"thread": "o", "thread-gil": "s", "inline": "^"}.get(mode, "x"),
+                 "ms": 3, "label": r["variant"]}  # fmt: skip
+        ax_p99.plot(t, [p["loop_p99_ms"] for p in points], **style)
+        ax_max.step(t, [_finite(p["loop_max_ms"]) for p in points], where="post", **style)
     for ax in (ax_p99, ax_max):
         ax.set_yscale("log")
         ax.axhline(20, color="grey", lw=0.8, ls="-.")
         ax.grid(True, which="both", alpha=0.3)
     ax_p99.set_ylabel("loop delay p99 per 250 ms (ms)")
     ax_max.set_ylabel("highest bucket reached (ms)")
-    ax_max.set_xlabel("seconds into the run (long prompts, unary, c16)")
+    ax_max.set_xlabel("seconds into the run (long prompts, unary, c16); a gap between markers: "
+                      "the server could not even answer /metrics")
     ax_p99.set_title("Event-loop delay by tokenizer backend / mode (grey: 20 ms stall threshold)")
     ax_p99.legend(fontsize=8, ncol=2)
     return _save(fig, out_dir / "loop_delay_by_mode.png")
@@ -163,14 +169,15 @@ def stage_bars(results: Record, out_dir: Path) -> Path | None:
     stages = list(entries[0]["stage_ms_per_req"])
     fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 2.8), squeeze=False)
     for ax, e in zip(axes[0], entries, strict=True):
+        ms = scaled_stage_ms(e, results) or e["stage_ms_per_req"]
         left = 0.0
         for i, stage in enumerate(stages):
-            v = e["stage_ms_per_req"][stage]
+            v = ms.get(stage, 0.0)
             ax.barh([0], [v], left=left, color=_STAGE_COLORS[i % len(_STAGE_COLORS)],
                     label=stage)  # fmt: skip
             left += v
         ax.set_yticks([])
-        ax.set_xlabel("frontend CPU ms per request (profiled)")
+        ax.set_xlabel("frontend CPU ms per request")
         ax.set_title(e["key"])
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out_dir / "stages.png")

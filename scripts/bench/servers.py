@@ -28,7 +28,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,7 @@ STOP_TIMEOUT = 20.0  # s after SIGINT before SIGKILL (pyinstrument writes its se
 DYNAMO_PORT = 8000  # fixed by the peer scripts
 DYNAMO_INSTALL_TIMEOUT = 600.0  # s
 _READY_LINE = re.compile(rb"headwater: serving (\S+) on (http://\S+)")
+_WORKER_READY = re.compile(rb"HEADWATER_WORKER_READY (tcp://\S+) (\S+)")
 
 
 class ServerError(RuntimeError):
@@ -166,6 +167,9 @@ async def _stop_process(process: trio.Process, grace_s: float = STOP_TIMEOUT) ->
 # --- headwater ----------------------------------------------------------------------
 
 
+TOPOLOGIES: tuple[str, ...] = ("inprocess", "processes")
+
+
 def headwater_command(
     *,
     backend: str,
@@ -173,18 +177,65 @@ def headwater_command(
     speedup_ratio: float,
     extra_args: Sequence[str] = (),
     profile_path: Path | None = None,
+    workers: str | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    """The command line of one frontend (``python -m frontend`` = ``headwater serve``)."""
+    """The command line of one frontend (``python -m frontend`` = ``headwater serve``).
+
+    *workers* (``tcp://...?role=prefill,...``) points it at worker processes instead of
+    starting in-process ones.
+    """
     serve = [
         "-m", "frontend", "--host", "127.0.0.1", "--port", "0",
         "--speedup-ratio", f"{speedup_ratio:g}",
         "--tokenizer-backend", backend, "--tokenize-mode", mode,
-        "--log-level", "warning", *extra_args,
+        "--log-level", "warning", *(("--workers", workers) if workers else ()), *extra_args,
     ]  # fmt: skip
     if profile_path is None:
         return [python, *serve]
     return [python, "-m", "pyinstrument", "-r", "pyisession", "-o", str(profile_path), *serve]
+
+
+def worker_command(role: str, speedup_ratio: float, python: str = sys.executable) -> list[str]:
+    """One mocker worker process on the TCP request plane (``headwater worker``)."""
+    return [python, "-m", "workers", "--role", role, "--listen", "127.0.0.1:0",
+            "--speedup-ratio", f"{speedup_ratio:g}", "--log-level", "warning"]  # fmt: skip
+
+
+@asynccontextmanager
+async def _child(
+    cmd: Sequence[str], log_dir: Path, tag: str, ready: re.Pattern[bytes]
+) -> AsyncIterator[tuple[trio.Process, re.Match[bytes], Path]]:
+    """Run *cmd* until the block ends; enter once its stdout matches *ready*.
+
+    Yields the process, the match and its stderr log. Raises :class:`ServerError` if
+    it exits first or prints nothing matching within :data:`READY_TIMEOUT`. Stopped
+    on exit with SIGINT, then SIGKILL (shielded, bounded).
+    """
+    await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
+    out_path, log_path = log_dir / f"{tag}.out", log_dir / f"{tag}.log"
+    with open(out_path, "wb") as out, open(log_path, "wb") as err:  # noqa: ASYNC230 - new files
+        process = await trio.lowlevel.open_process(
+            list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            env=child_env(), start_new_session=True,
+        )  # fmt: skip
+    match: re.Match[bytes] | None = None
+    try:
+        with trio.move_on_after(READY_TIMEOUT):
+            while True:
+                match = ready.search(await trio.Path(out_path).read_bytes())
+                if match:
+                    break
+                if process.returncode is not None:
+                    raise ServerError(f"{tag} exited with status {process.returncode} at "
+                                      f"start-up; see {log_path}")  # fmt: skip
+                await trio.sleep(0.1)
+        if match is None:
+            raise ServerError(f"{tag} was not ready within {READY_TIMEOUT:.0f} s; see {log_path}")
+        yield process, match, log_path
+    finally:
+        with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):
+            await _stop_process(process)
 
 
 @asynccontextmanager
@@ -194,65 +245,57 @@ async def headwater_server(
     mode: str,
     speedup_ratio: float,
     log_dir: Path,
+    topology: str = "inprocess",
     extra_args: Sequence[str] = (),
     profile_path: Path | None = None,
     stall_threshold_ms: float = 20.0,
 ) -> AsyncIterator[ServerInfo]:
-    """Run one headwater frontend with in-process mocker workers for the block.
+    """Run one headwater frontend and its mocker workers for the block.
 
-    Raises :class:`ServerError` if it does not come up within :data:`READY_TIMEOUT`.
-    On exit (normal, error or cancellation) it is stopped with SIGINT, then SIGKILL.
+    *topology* ``"inprocess"`` is ``headwater serve``'s default (a prefill + decode pair
+    inside the frontend process); ``"processes"`` runs them as two ``headwater worker``
+    processes on the TCP request plane, Dynamo's layout. Raises :class:`ServerError` if
+    anything does not come up within :data:`READY_TIMEOUT`. On exit (normal, error or
+    cancellation) the frontend, then the workers, get SIGINT, then SIGKILL.
     """
-    await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
     tag = f"headwater-{backend}-{mode}" + ("-profile" if profile_path else "")
-    out_path = log_dir / f"{tag}.out"
-    log_path = log_dir / f"{tag}.log"
-    cmd = headwater_command(
-        backend=backend, mode=mode, speedup_ratio=speedup_ratio,
-        extra_args=extra_args, profile_path=profile_path,
-    )  # fmt: skip
-    with open(out_path, "wb") as out, open(log_path, "wb") as err:  # noqa: ASYNC230 - new files
-        process = await trio.lowlevel.open_process(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-            env=child_env(), start_new_session=True,
+    async with AsyncExitStack() as stack:
+        workers: list[tuple[trio.Process, str]] = []
+        if topology == "processes":
+            for role in ("prefill", "decode"):
+                proc, match, _ = await stack.enter_async_context(_child(
+                    worker_command(role, speedup_ratio), log_dir, f"{tag}-{role}",
+                    _WORKER_READY,
+                ))  # fmt: skip
+                address, worker_id = match.group(1).decode(), match.group(2).decode()
+                workers.append((proc, f"{address}?role={role}&id={worker_id}"))
+        cmd = headwater_command(
+            backend=backend, mode=mode, speedup_ratio=speedup_ratio, extra_args=extra_args,
+            profile_path=profile_path, workers=",".join(w for _, w in workers) or None,
         )  # fmt: skip
-    try:
-        deadline = trio.current_time() + READY_TIMEOUT
-        model, url = await _read_ready_line(out_path, process, deadline, log_path)
+        process, match, log_path = await stack.enter_async_context(
+            _child(cmd, log_dir, tag, _READY_LINE)
+        )
+        model, url = match.group(1).decode(), match.group(2).decode().rstrip("/")
         try:
-            await _wait_healthy(url + "/health", process, deadline)
+            await _wait_healthy(url + "/health", process, trio.current_time() + READY_TIMEOUT)
         except ServerError as exc:
             raise ServerError(f"headwater ({log_path}): {exc}") from exc
+        suffix = "" if topology == "inprocess" else " +worker procs"
         yield ServerInfo(
             kind="headwater",
-            variant=f"{backend}/{mode}",
+            variant=f"{backend}/{mode}{suffix}",
             base_url=url,
             model=model,
-            pids=(process.pid,),
+            pids=(process.pid, *(p.pid for p, _ in workers)),
             metrics_prefix=HEADWATER_PREFIX,
             stall_threshold_ms=stall_threshold_ms,
             log_path=log_path,
             profile_path=profile_path,
             args=tuple(cmd),
         )
-    finally:
-        with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):
-            await _stop_process(process)
-
-
-async def _read_ready_line(
-    out_path: Path, process: trio.Process, deadline: float, log_path: Path
-) -> tuple[str, str]:
-    while trio.current_time() < deadline:
-        match = _READY_LINE.search(await trio.Path(out_path).read_bytes())
-        if match:
-            return match.group(1).decode(), match.group(2).decode().rstrip("/")
-        if process.returncode is not None:
-            raise ServerError(
-                f"headwater exited with status {process.returncode} at start-up; see {log_path}"
-            )
-        await trio.sleep(0.1)
-    raise ServerError(f"headwater printed no URL within {READY_TIMEOUT:.0f} s; see {log_path}")
 
 
 # --- Dynamo -------------------------------------------------------------------------

@@ -15,8 +15,14 @@ from dataclasses import dataclass
 
 import trio
 
-from frontend.plane.base import PlaneError
-from frontend.plane.tcp import Connector, PlaneConfig, PlaneConnection, dial, tcp_connector
+from headwater.plane.base import PlaneError
+from headwater.plane.connection import (
+    Connector,
+    PlaneConfig,
+    PlaneConnection,
+    dial,
+    tcp_connector,
+)
 from headwater.wire import ErrorCode, KvHandle
 from workers.engines.base import EngineError, KvTransfer
 

@@ -1,6 +1,6 @@
 """A worker's registration in etcd: one key on a lease, kept alive for the worker's life.
 
-The key and value are the ones :mod:`frontend.discovery.etcd` documents
+The key and value are the ones :mod:`headwater.etcd.records` documents
 (``headwater/v1/instances/<model>/<role>/<worker_id>`` → an ``InstanceRecord``).
 The key is attached to a lease, so a worker that dies without saying goodbye
 disappears from every frontend by itself, at most ``ttl`` seconds after its last
@@ -15,6 +15,9 @@ As an async context manager — registered on entry, deregistered on exit::
 
 As a task — ``await nursery.start(registration.run)`` returns once the key is
 written; cancelling the task (or ``await registration.deregister()``) revokes.
+
+A worker process uses it through :class:`RegistrationHooks` (``--discovery``), which
+ties those steps to the worker's ready / drain / exit lifecycle.
 
 While running it renews the lease every ``ttl / 3`` seconds and repairs what it
 finds: a lost lease (keep-alive answers TTL 0 — etcd was wiped, or someone revoked
@@ -34,17 +37,17 @@ from types import TracebackType
 
 import trio
 
-from frontend.discovery.base import Backoff
-from frontend.discovery.etcd import (
-    KEY_PREFIX,
+from headwater.backoff import Backoff
+from headwater.etcd.client import (
     EtcdClient,
     EtcdError,
     EtcdLeaseNotFound,
-    InstanceRecord,
-    InstanceState,
+    EtcdUnavailable,
     Lease,
 )
-from frontend.plane.base import WorkerInstance
+from headwater.etcd.records import KEY_PREFIX, InstanceRecord, InstanceState
+from headwater.plane.base import WorkerInstance
+from headwater.wire import Role
 
 log = logging.getLogger(__name__)
 
@@ -252,3 +255,67 @@ class EtcdRegistration:
         if nursery_cm is not None:
             await nursery_cm.__aexit__(None, None, None)
 
+
+
+class RegistrationHooks:
+    """A worker's etcd registration tied to :func:`workers.cli.serve_worker`'s lifecycle.
+
+    The order matters to frontends: a worker must be gone from routing before it
+    stops taking requests, and must stay known until what it accepted is done.
+
+    * :meth:`on_ready` (an ``on_ready`` hook): registers the advertised address and
+      keeps the lease alive in a task of *nursery*. Raises
+      :class:`~headwater.etcd.EtcdUnavailable` if the first registration does not
+      succeed within *register_timeout* seconds (a worker no frontend can find is
+      useless, so that is fatal).
+    * :meth:`on_stop` (an ``on_stop`` hook, run before the goaway): publishes
+      ``draining``, so frontends stop routing new requests here.
+    * :meth:`deregister`, to call after the drain: revokes the lease.
+
+    A hard stop that cancels *nursery* revokes the lease too (shielded, bounded).
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        nursery: trio.Nursery,
+        *,
+        worker_id: str,
+        role: str,
+        model: str,
+        capacity: int = 256,
+        ttl: int = 10,  # seconds
+        register_timeout: float = 30.0,  # seconds
+    ) -> None:
+        self.endpoints = endpoints
+        self.worker_id = worker_id
+        self.role = role
+        self.model = model
+        self.capacity = capacity
+        self.ttl = ttl
+        self.register_timeout = register_timeout
+        self.registration: EtcdRegistration | None = None
+        self._nursery = nursery
+
+    async def on_ready(self, address: str) -> None:
+        instance = WorkerInstance(
+            self.worker_id, Role(self.role), self.model, address, capacity=self.capacity
+        )
+        registration = EtcdRegistration(self.endpoints, instance, ttl=self.ttl)
+        with trio.move_on_after(self.register_timeout) as scope:
+            await self._nursery.start(registration.run)
+        if scope.cancelled_caught:
+            raise EtcdUnavailable(
+                f"could not register {instance.worker_id} in etcd at {self.endpoints} "
+                f"within {self.register_timeout:g} s"
+            )
+        self.registration = registration
+
+    async def on_stop(self) -> None:
+        if self.registration is not None:
+            await self.registration.mark_draining()
+
+    async def deregister(self) -> None:
+        """Revoke the lease (idempotent; bounded and shielded, see EtcdRegistration)."""
+        if self.registration is not None:
+            await self.registration.deregister()

@@ -1,0 +1,369 @@
+// headwater dashboard: polls /dashboard/data and draws it. Read-only.
+//
+// Every string from the server goes into the page as text (textContent, text nodes),
+// never as markup: stack frames contain "<" and task names are arbitrary. Charts are
+// plain SVG drawn here; the x axes use the server's clock (data.now), not the browser's.
+"use strict";
+
+(() => {
+  const POLL_MS = 500;
+  const HIDDEN_POLL_MS = 5000;
+  const HISTORY_S = 60;
+  const RATE_WINDOW_S = 5;
+  const MAX_STALL_ROWS = 50;
+  const SVG_NS = "http://www.w3.org/2000/svg";
+
+  const state = {
+    stallsAfter: null, // started_at of the newest stall record shown
+    history: [], // {t, inflight, queued, busy, threads, waiting, total}
+    last: null, // the latest snapshot, redrawn on resize
+  };
+
+  const $ = (id) => document.getElementById(id);
+
+  // -- DOM helpers: text only ----------------------------------------------------------
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") node.className = v;
+      else node.setAttribute(k, String(v));
+    }
+    for (const child of children) {
+      if (child === null || child === undefined) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  function svgEl(tag, attrs) {
+    const node = document.createElementNS(SVG_NS, tag);
+    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
+    return node;
+  }
+
+  function setText(id, text, hot) {
+    const node = $(id);
+    node.textContent = text;
+    if (hot !== undefined) node.classList.toggle("hot", Boolean(hot));
+  }
+
+  // -- formatting ------------------------------------------------------------------------
+
+  function fmtSeconds(s) {
+    if (s === null || s === undefined || Number.isNaN(s)) return "–";
+    if (s < 0.001) return (s * 1000).toFixed(2) + " ms";
+    if (s < 1) return (s * 1000).toFixed(s < 0.01 ? 2 : 1) + " ms";
+    return s.toFixed(2) + " s";
+  }
+
+  function fmtClock(unix) {
+    const d = new Date(unix * 1000);
+    const pad = (n, w) => String(n).padStart(w, "0");
+    return `${pad(d.getHours(), 2)}:${pad(d.getMinutes(), 2)}:${pad(d.getSeconds(), 2)}.` +
+      pad(d.getMilliseconds(), 3);
+  }
+
+  function niceCeil(v) {
+    // A round upper bound for a count axis: 1, 2, 4, 5, 10, 20, 40, 50, 100, ...
+    if (v <= 1) return 1;
+    const p = Math.pow(10, Math.floor(Math.log10(v)));
+    for (const m of [1, 2, 4, 5, 10]) if (m * p >= v) return m * p;
+    return 10 * p;
+  }
+
+  // -- charts ----------------------------------------------------------------------------
+
+  // opts: {x: [x0, x1], y: [y0, y1], log, yTicks: [{v, label}], xTicks: [{v, label}],
+  //        lines: [{points: [[x, y]], cls, area}], hlines: [{v, cls, label}],
+  //        marks: [{x, w, from, to}]}
+  function drawChart(svg, opts) {
+    const box = svg.getBoundingClientRect();
+    const w = Math.max(120, Math.round(box.width));
+    const h = Math.max(60, Math.round(box.height));
+    svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+    svg.replaceChildren();
+    const m = { l: 46, r: 8, t: 8, b: 18 };
+    const pw = w - m.l - m.r;
+    const ph = h - m.t - m.b;
+    const [x0, x1] = opts.x;
+    const [y0, y1] = opts.y;
+    const f = opts.log ? (v) => Math.log10(v) : (v) => v;
+    const clampY = (v) => Math.min(Math.max(v, y0), y1);
+    const sx = (x) => m.l + ((x - x0) / (x1 - x0)) * pw;
+    const sy = (v) => m.t + ph - ((f(clampY(v)) - f(y0)) / (f(y1) - f(y0))) * ph;
+
+    for (const tick of opts.yTicks || []) {
+      const y = sy(tick.v).toFixed(1);
+      svg.append(svgEl("line", { class: "gridline", x1: m.l, x2: w - m.r, y1: y, y2: y }));
+      const label = svgEl("text", { class: "axis", x: m.l - 4, y: Number(y) + 3, "text-anchor": "end" });
+      label.textContent = tick.label;
+      svg.append(label);
+    }
+    const xTicks = opts.xTicks || [];
+    xTicks.forEach((tick, i) => {
+      const anchor = i === 0 ? "start" : i === xTicks.length - 1 ? "end" : "middle";
+      const label = svgEl("text", { class: "axis", x: sx(tick.v).toFixed(1), y: h - 4, "text-anchor": anchor });
+      label.textContent = tick.label;
+      svg.append(label);
+    });
+    for (const mark of opts.marks || []) {
+      const xa = sx(mark.x);
+      const width = Math.max(2, sx(mark.x + mark.w) - xa);
+      const top = sy(mark.to);
+      svg.append(svgEl("rect", {
+        class: "stall-mark", x: xa.toFixed(1), y: top.toFixed(1), width: width.toFixed(1),
+        height: Math.max(1, sy(mark.from) - top).toFixed(1),
+      }));
+    }
+    for (const line of opts.lines || []) {
+      const pts = line.points.filter((p) => p[0] >= x0 && p[0] <= x1);
+      if (!pts.length) continue;
+      const coords = pts.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`);
+      if (line.area) {
+        const base = sy(y0).toFixed(1);
+        const first = sx(pts[0][0]).toFixed(1);
+        const last = sx(pts[pts.length - 1][0]).toFixed(1);
+        svg.append(svgEl("path", { class: line.area, d: `M${first},${base}L${coords.join("L")}L${last},${base}Z` }));
+      }
+      svg.append(svgEl("path", { class: line.cls, d: "M" + coords.join("L") }));
+    }
+    for (const hline of opts.hlines || []) {
+      const y = sy(hline.v).toFixed(1);
+      svg.append(svgEl("line", { class: hline.cls, x1: m.l, x2: w - m.r, y1: y, y2: y }));
+      if (hline.label) {
+        const label = svgEl("text", { class: hline.cls + "-label", x: m.l + 4, y: Number(y) - 4, "text-anchor": "start" });
+        label.textContent = hline.label;
+        svg.append(label);
+      }
+    }
+  }
+
+  function timeTicks(now) {
+    return [60, 45, 30, 15, 0].map((ago) => ({ v: now - ago, label: ago ? `-${ago}s` : "now" }));
+  }
+
+  function linearTicks(top) {
+    const values = Number.isInteger(top / 2) ? [0, top / 2, top] : [0, top];
+    return values.map((v) => ({ v, label: String(v) }));
+  }
+
+  // -- sections --------------------------------------------------------------------------
+
+  function renderLoop(data) {
+    const loop = data.loop;
+    const now = data.now;
+    const delays = loop.delays;
+    const peak = delays.reduce((acc, p) => Math.max(acc, p[1]), 0);
+    const floor = 1e-4;
+    const top = Math.max(1, Math.pow(10, Math.ceil(Math.log10(Math.max(peak, floor) * 1.5))));
+    const ticks = [];
+    for (let v = floor; v <= top * 1.001; v *= 10) ticks.push({ v, label: fmtSeconds(v).replace(".00", "").replace(".0 ", " ") });
+    const half = loop.bucket_s / 2;
+    const marks = delays
+      .filter((p) => p[1] > loop.threshold_s)
+      .map((p) => ({ x: p[0], w: loop.bucket_s, from: loop.threshold_s, to: p[1] }));
+    drawChart($("loop-chart"), {
+      x: [now - loop.window_s, now],
+      y: [floor, top],
+      log: true,
+      yTicks: ticks,
+      xTicks: timeTicks(now),
+      lines: [{ points: delays.map((p) => [p[0] + half, Math.max(p[1], floor)]), cls: "s-delay", area: "a-delay" }],
+      hlines: [{ v: loop.threshold_s, cls: "threshold", label: "threshold " + fmtSeconds(loop.threshold_s) }],
+      marks,
+    });
+    setText("threshold", fmtSeconds(loop.threshold_s));
+    setText("t-delay", fmtSeconds(peak), peak > loop.threshold_s);
+    const hint = `max per ${loop.bucket_s * 1000} ms, last ${loop.window_s} s, log scale` +
+      (loop.instrumented ? "" : " · stall detector off");
+    setText("loop-hint", hint);
+  }
+
+  function renderRequests(data) {
+    const now = data.now;
+    const hist = state.history;
+    const top = niceCeil(Math.max(1, ...hist.map((h) => Math.max(h.inflight, h.queued))) * 1.1);
+    drawChart($("requests-chart"), {
+      x: [now - HISTORY_S, now],
+      y: [0, top],
+      yTicks: linearTicks(top),
+      xTicks: timeTicks(now),
+      lines: [
+        { points: hist.map((h) => [h.t, h.queued]), cls: "s-queued" },
+        { points: hist.map((h) => [h.t, h.inflight]), cls: "s-inflight" },
+      ],
+    });
+    const tbody = $("by-status").tBodies[0];
+    const rows = Object.entries(data.requests.by_status).sort((a, b) => b[1] - a[1]);
+    rows.push(["disconnected clients", data.requests.disconnected_clients]);
+    tbody.replaceChildren(...rows.map(([status, n]) => el("tr", {}, el("td", {}, status), el("td", { class: "num" }, n))));
+    setText("t-inflight", String(data.requests.inflight));
+    setText("t-queued", String(data.requests.queued), data.requests.queued > 0);
+    const cur = hist[hist.length - 1];
+    const old = hist.find((h) => h.t >= now - RATE_WINDOW_S);
+    const rate = old && cur.t > old.t ? (cur.total - old.total) / (cur.t - old.t) : 0;
+    setText("t-rate", rate.toFixed(rate < 10 ? 1 : 0));
+  }
+
+  function renderPool(data) {
+    const pool = data.pool;
+    const now = data.now;
+    const share = pool.threads ? pool.busy / pool.threads : 0;
+    const fill = $("pool-fill");
+    fill.style.width = (share * 100).toFixed(1) + "%";
+    fill.classList.toggle("full", share >= 1 && pool.waiting > 0);
+    setText("pool-text", `${pool.busy} of ${pool.threads} threads busy · ${pool.waiting} waiting · ` +
+      `${pool.encoded_total} encoded in threads, ${pool.inline_total} inline · mode ${pool.mode}`);
+    setText("t-pool", `${pool.busy} / ${pool.threads}`, share >= 1);
+    const hist = state.history;
+    const top = niceCeil(Math.max(pool.threads, ...hist.map((h) => Math.max(h.busy, h.waiting))) * 1.15);
+    drawChart($("pool-chart"), {
+      x: [now - HISTORY_S, now],
+      y: [0, top],
+      yTicks: linearTicks(top),
+      xTicks: timeTicks(now),
+      lines: [
+        { points: hist.map((h) => [h.t, h.waiting]), cls: "s-waiting" },
+        { points: hist.map((h) => [h.t, h.busy]), cls: "s-busy" },
+      ],
+      hlines: [{ v: pool.threads, cls: "capacity", label: `pool size ${pool.threads}` }],
+    });
+  }
+
+  function renderLatency(data) {
+    const rows = [["TTFT", data.latency.ttft], ["ITL", data.latency.itl]];
+    $("latency").tBodies[0].replaceChildren(...rows.map(([name, s]) => el("tr", {},
+      el("th", {}, name),
+      el("td", { class: "num" }, s.count),
+      el("td", { class: "num" }, fmtSeconds(s.p50)),
+      el("td", { class: "num" }, fmtSeconds(s.p90)),
+      el("td", { class: "num" }, fmtSeconds(s.p99)),
+      el("td", { class: "num" }, fmtSeconds(s.max)),
+    )));
+    setText("latency-hint", `last ${data.latency.ttft.window_s} s`);
+    setText("t-ttft", fmtSeconds(data.latency.ttft.p99));
+  }
+
+  function renderWorkers(data) {
+    const rows = data.workers.map((w) => {
+      const state = el("span", { class: "badge state-" + w.state }, w.state);
+      const stateCell = el("td", { "data-label": "state" }, state);
+      if (w.state === "inhibited") stateCell.append(" ", fmtSeconds(w.inhibited_for_s));
+      return el("tr", {},
+        el("td", { class: "mono", title: w.address, "data-label": "worker" }, w.worker_id),
+        el("td", { "data-label": "role" }, w.role),
+        stateCell,
+        el("td", { class: "num", "data-label": "in flight" }, w.inflight),
+        el("td", { class: "num", "data-label": "served" }, w.served),
+        el("td", { class: "num", "data-label": "failures" }, w.failures),
+        el("td", { class: "err", "data-label": "last error" }, w.last_error || ""),
+      );
+    });
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7 }, "No worker known yet.")));
+    $("workers").tBodies[0].replaceChildren(...rows);
+  }
+
+  function stallRow(rec) {
+    const stack = rec.stack || [];
+    const innermost = stack.length ? stack[stack.length - 1] : "(no stack sampled)";
+    const pre = el("pre", {});
+    stack.forEach((frame, i) => {
+      if (i === stack.length - 1) pre.append(el("span", { class: "inner" }, frame));
+      else pre.append(frame + "\n");
+    });
+    const busy = rec.loop_busy_fraction === null ? "unknown" : Math.round(rec.loop_busy_fraction * 100) + "%";
+    const detail = (rec.sampled ? "stack sampled during the stall" : "stack: where the task next awaited (not sampled)") +
+      ` · loop thread busy ${busy} of the stall`;
+    return el("li", { class: "stall", "data-started-at": rec.started_at, "data-cause": rec.cause },
+      el("details", {},
+        el("summary", {},
+          el("span", { class: "when" }, fmtClock(rec.started_at)),
+          el("span", { class: "dur" }, fmtSeconds(rec.duration_s)),
+          el("span", { class: "badge cause-" + rec.cause }, rec.cause),
+          el("span", { class: "task" }, rec.task),
+          el("span", { class: "where" }, innermost),
+        ),
+        el("p", { class: "detail" }, detail),
+        stack.length ? pre : null,
+      ),
+    );
+  }
+
+  function renderStalls(data) {
+    const stats = data.stalls.statistics;
+    if (stats === null) {
+      setText("stall-stats", "Stall detector off (--no-instrument): only the loop-delay canary runs.");
+      setText("t-stalls", "off");
+    } else {
+      setText("stall-stats", `${stats.stalls_total} stalls (${stats.loop_stalls_total} loop, ` +
+        `${stats.gil_stalls_total} gil) · longest ${fmtSeconds(stats.max_duration_s)} · ` +
+        `last ${fmtSeconds(stats.last_duration_s)} · ` +
+        (stats.tracking ? "detector tracking" : "detector NOT tracking"));
+    }
+    const list = $("stalls");
+    const fresh = data.stalls.records; // newest first
+    for (let i = fresh.length - 1; i >= 0; i--) {
+      list.prepend(stallRow(fresh[i]));
+      if (state.stallsAfter === null || fresh[i].started_at > state.stallsAfter) state.stallsAfter = fresh[i].started_at;
+    }
+    while (list.children.length > MAX_STALL_ROWS) list.lastElementChild.remove();
+    $("stalls-empty").hidden = list.children.length > 0;
+    if (stats !== null) {
+      const recent = state.stallsAfter !== null && state.stallsAfter > data.now - HISTORY_S;
+      setText("t-stalls", String(stats.stalls_total), recent);
+    }
+  }
+
+  // -- loop ------------------------------------------------------------------------------
+
+  function remember(data) {
+    const pool = data.pool;
+    const total = Object.values(data.requests.by_status).reduce((a, b) => a + b, 0);
+    state.history.push({
+      t: data.now, inflight: data.requests.inflight, queued: data.requests.queued,
+      busy: pool.busy, threads: pool.threads, waiting: pool.waiting, total,
+    });
+    while (state.history.length && state.history[0].t < data.now - HISTORY_S) state.history.shift();
+  }
+
+  function drawAll(data) {
+    setText("model", data.model);
+    renderLoop(data);
+    renderRequests(data);
+    renderPool(data);
+    renderLatency(data);
+    renderWorkers(data);
+  }
+
+  function setStatus(kind, text) {
+    const node = $("status");
+    node.className = "status status-" + kind;
+    node.textContent = text;
+  }
+
+  async function poll() {
+    let url = "/dashboard/data";
+    if (state.stallsAfter !== null) url += "?stalls_after=" + encodeURIComponent(String(state.stallsAfter));
+    try {
+      const response = await fetch(url, { cache: "no-store", headers: { Accept: "application/json" } });
+      if (!response.ok) throw new Error("HTTP " + response.status);
+      const data = await response.json();
+      state.last = data;
+      remember(data);
+      drawAll(data);
+      renderStalls(data);
+      setStatus("live", "live");
+      setText("updated", "updated " + fmtClock(data.now));
+    } catch (err) {
+      setStatus("down", "disconnected (" + (err && err.message ? err.message : "error") + ")");
+    } finally {
+      setTimeout(poll, document.hidden ? HIDDEN_POLL_MS : POLL_MS);
+    }
+  }
+
+  window.addEventListener("resize", () => {
+    if (state.last) drawAll(state.last);
+  });
+  poll();
+})();

@@ -1,0 +1,130 @@
+"""What a worker stores in etcd: one key per worker, a JSON record as its value.
+
+Layout (each segment percent-encoded, so a model name with a slash stays one
+segment)::
+
+    headwater/v1/instances/<model>/<role>/<worker_id>
+
+whose value is the JSON of an :class:`InstanceRecord`::
+
+    {"worker_id": "w1", "role": "prefill", "model": "deepseek-v4",
+     "address": "tcp://10.0.0.5:7001", "capacity": 256, "state": "ready",
+     "pid": 4242, "started_at": 1790000000.0}
+
+Written by the workers (``workers.runtime.registration``), read by the frontends
+(``frontend.discovery.etcd``); the contract is docs/discovery.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from headwater.plane.base import WorkerInstance
+from headwater.wire import Role
+
+#: Where instance keys live; one more segment per model, role and worker id.
+KEY_PREFIX = "headwater/v1/instances/"
+
+
+class InstanceState(enum.StrEnum):
+    READY = "ready"
+    DRAINING = "draining"  # serving what it has, taking nothing new
+
+
+def _segment(text: str) -> str:
+    return quote(text, safe="")
+
+
+def model_prefix(model: str, prefix: str = KEY_PREFIX) -> str:
+    """The prefix under which every worker of *model* registers."""
+    return f"{prefix}{_segment(model)}/"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    """One worker's entry in etcd: the key it owns and the JSON value stored there."""
+
+    worker_id: str
+    role: Role
+    model: str
+    address: str
+    capacity: int
+    state: InstanceState = InstanceState.READY
+    pid: int = 0
+    started_at: float = 0.0  # unix time
+
+    @classmethod
+    def from_instance(
+        cls,
+        instance: WorkerInstance,
+        *,
+        state: InstanceState = InstanceState.READY,
+        pid: int = 0,
+        started_at: float = 0.0,
+    ) -> InstanceRecord:
+        return cls(
+            worker_id=instance.worker_id,
+            role=instance.role,
+            model=instance.model,
+            address=instance.address,
+            capacity=instance.capacity,
+            state=state,
+            pid=pid,
+            started_at=started_at,
+        )
+
+    def key(self, prefix: str = KEY_PREFIX) -> str:
+        return f"{model_prefix(self.model, prefix)}{_segment(self.role.value)}/" + _segment(
+            self.worker_id
+        )
+
+    def instance(self) -> WorkerInstance:
+        return WorkerInstance(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.model,
+            address=self.address,
+            capacity=self.capacity,
+            metadata={"pid": str(self.pid), "started_at": repr(self.started_at)},
+        )
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "worker_id": self.worker_id,
+                "role": self.role.value,
+                "model": self.model,
+                "address": self.address,
+                "capacity": self.capacity,
+                "state": self.state.value,
+                "pid": self.pid,
+                "started_at": self.started_at,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> InstanceRecord:
+        """Parse a stored value; unknown fields are ignored. Raises ValueError."""
+        try:
+            d = json.loads(data)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            for name in ("worker_id", "model", "address"):
+                if not isinstance(d.get(name), str) or not d[name]:
+                    raise ValueError(f"{name} must be a non-empty string")
+            return cls(
+                worker_id=d["worker_id"],
+                role=Role(d.get("role")),
+                model=d["model"],
+                address=d["address"],
+                capacity=int(d.get("capacity", 256)),
+                state=InstanceState(d.get("state", InstanceState.READY.value)),
+                pid=int(d.get("pid") or 0),
+                started_at=float(d.get("started_at") or 0.0),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad instance record: {exc}") from None

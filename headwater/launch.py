@@ -1,0 +1,376 @@
+"""Run a local cluster: etcd, prefill / decode / aggregated workers and a frontend.
+
+    headwater launch --prefill 2 --decode 2                  # what `make cluster` runs
+    headwater launch --agg 1 --port 0 -- --router p2c        # options after -- go to serve
+
+Starts, on free loopback ports and in a temporary directory: etcd (with
+``--discovery etcd``, the default when the etcd binary is found), the workers
+(``python -m workers``, registering in that etcd; with ``--discovery static`` they
+start first and the frontend gets their addresses as ``--workers``), then the
+frontend (``python -m frontend``). Prints the URL once ``/health`` answers 200,
+then a line ``HEADWATER_CLUSTER_READY <url>``. Everything binds 127.0.0.1.
+
+Options after ``--`` are passed to ``headwater serve`` as they are (``--router``,
+``--tokenizer-threads``, ...), except the ones the launcher sets itself: ``--host``,
+``--port``, ``--model-name``, ``--workers``, ``--discovery``. Extra worker options
+go in ``--worker-args "..."``.
+
+Ctrl-C or SIGTERM stops the frontend first (its in-flight requests finish), then the
+workers (SIGTERM: they drain), then etcd; a second signal kills whatever is left.
+If any process dies unexpectedly the whole cluster is torn down the same way and
+the exit status is 1. Logs (one file per process) are in the run directory, which
+is removed after a clean stop unless ``--workdir`` was given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from headwater.processes import (
+    DEFAULT_MODEL,
+    ChildProcess,
+    EtcdProcess,
+    LaunchError,
+    WorkerProcess,
+    start_etcd,
+    start_frontend,
+    start_worker,
+    wait_healthy,
+)
+
+log = logging.getLogger("headwater.launch")
+
+CLUSTER_READY_PREFIX = "HEADWATER_CLUSTER_READY"
+ETCD_BIN_ENV = "HEADWATER_ETCD_BIN"  # also read by the tests' etcd fixture
+#: serve options the launcher sets itself; refused after ``--``.
+OWNED_SERVE_OPTIONS = ("--host", "--port", "--model-name", "--workers", "--discovery")
+_FRONTEND_GRACE = 20.0  # s after SIGTERM (serve's graceful timeout is 10 s) before SIGKILL
+_ETCD_GRACE = 5.0  # s
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterPlan:
+    """What to start; built from the command line by :func:`plan_from_args`."""
+
+    prefill: int = 1
+    decode: int = 1
+    agg: int = 0
+    engine: str = "mocker"
+    #: "etcd" (start one), "static" (no etcd: --workers), or an etcd:// URL to use.
+    discovery: str = "etcd"
+    etcd_binary: str = ""
+    port: int = 8000
+    model: str = DEFAULT_MODEL
+    speedup_ratio: float = 1.0
+    lease_ttl: int = 10  # s
+    drain_timeout: float = 10.0  # s each worker gets to finish at shutdown
+    worker_args: tuple[str, ...] = ()
+    serve_args: tuple[str, ...] = ()
+    workdir: Path | None = None  # None: a temporary directory, removed after a clean stop
+    start_within: float = 60.0  # s for each process to come up, and for /health
+    roles: tuple[str, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        roles = ("prefill",) * self.prefill + ("decode",) * self.decode + ("agg",) * self.agg
+        object.__setattr__(self, "roles", roles)
+
+
+def find_etcd(explicit: str = "") -> str | None:
+    """The etcd binary: *explicit*, else ``$HEADWATER_ETCD_BIN``, else ``etcd`` on PATH."""
+    candidate = explicit or os.environ.get(ETCD_BIN_ENV, "")
+    if candidate:
+        found = shutil.which(candidate)
+        return found if found and os.access(found, os.X_OK) else None
+    return shutil.which("etcd")
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _discovery(text: str) -> str:
+    if text in ("etcd", "static") or text.startswith(("etcd://", "etcds://")):
+        return text
+    raise argparse.ArgumentTypeError(f"expected etcd, static or etcd://HOST:PORT, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--prefill", type=_count, default=None,
+      help="prefill workers (with no worker count given: 1 prefill + 1 decode)")
+    a("--decode", type=_count, default=None, help="decode workers")
+    a("--agg", type=_count, default=None, help="aggregated workers")
+    a("--engine", choices=["mocker"], default="mocker", help="workers' engine")
+    a("--discovery", type=_discovery, default=None,
+      help="etcd: start an etcd and register the workers there (default when the etcd "
+      "binary is found); static: no etcd, the frontend gets --workers; etcd://HOST:PORT: "
+      "use that etcd")
+    a("--etcd-binary", default="",
+      help=f"etcd executable (default: ${ETCD_BIN_ENV}, else etcd on PATH)")
+    a("--port", type=int, default=8000, help="frontend port (0: any free port)")
+    a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
+    a("--speedup-ratio", type=float, default=1.0, help="mocker workers: divide step times")
+    a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
+    a("--drain-timeout", type=float, default=10.0,
+      help="seconds each worker gets to finish its requests at shutdown")
+    a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
+    a("--workdir", default=None,
+      help="directory for logs and etcd data (default: a temporary one, removed after a "
+      "clean stop)")
+    a("--start-timeout", type=float, default=60.0,
+      help="seconds each process gets to start, and the frontend to become healthy")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+      help="the launcher's log level")
+    a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
+      help="options passed to headwater serve, after a -- separator")
+
+
+def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
+    """Raises ValueError for a cluster that could not serve or a bad option."""
+    serve_args = list(args.serve_args)
+    if serve_args and serve_args[0] == "--":
+        serve_args = serve_args[1:]
+    for arg in serve_args:
+        if arg.split("=", 1)[0] in OWNED_SERVE_OPTIONS:
+            raise ValueError(
+                f"{arg.split('=', 1)[0]} after -- : the launcher sets it (use launch's own "
+                "--port / --model-name / --discovery)"
+            )
+    counts = (args.prefill, args.decode, args.agg)
+    prefill, decode, agg = (1, 1, 0) if counts == (None, None, None) else (n or 0 for n in counts)
+    if not agg and not (prefill and decode):
+        raise ValueError("need --agg N, or both --prefill N and --decode N (N >= 1)")
+    discovery = args.discovery
+    binary = ""
+    if discovery in (None, "etcd"):
+        binary = find_etcd(args.etcd_binary) or ""
+        if not binary:
+            if discovery == "etcd":
+                raise ValueError(
+                    "etcd binary not found (install etcd-server, pass --etcd-binary or set "
+                    f"{ETCD_BIN_ENV}), or use --discovery static"
+                )
+            discovery = "static"
+        else:
+            discovery = "etcd"
+    if args.port < 0 or args.port > 65535:
+        raise ValueError(f"--port must be 0-65535, got {args.port}")
+    return ClusterPlan(
+        prefill=prefill,
+        decode=decode,
+        agg=agg,
+        engine=args.engine,
+        discovery=discovery,
+        etcd_binary=binary,
+        port=args.port,
+        model=args.model_name,
+        speedup_ratio=args.speedup_ratio,
+        lease_ttl=args.lease_ttl,
+        drain_timeout=args.drain_timeout,
+        worker_args=tuple(shlex.split(args.worker_args)),
+        serve_args=tuple(serve_args),
+        workdir=Path(args.workdir) if args.workdir else None,
+        start_within=args.start_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll
+    try:
+        plan = plan_from_args(args)
+    except ValueError as exc:
+        print(f"headwater launch: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(run_cluster, plan)
+
+
+# ---- the cluster -------------------------------------------------------------------------
+
+
+class Cluster:
+    """The processes of one local cluster, started and stopped in dependency order.
+
+    Children are supervised in the nursery given to :meth:`start`. An unexpected
+    exit of any of them (after it was ready) is logged and cancels *run_scope*, so
+    the launcher tears everything down.
+    """
+
+    def __init__(self, plan: ClusterPlan, workdir: Path, run_scope: trio.CancelScope) -> None:
+        self.plan = plan
+        self.workdir = workdir
+        self.etcd: EtcdProcess | None = None
+        self.workers: list[WorkerProcess] = []
+        self.frontend: ChildProcess | None = None
+        self.failure: str | None = None
+        self._run_scope = run_scope
+
+    @property
+    def discovery_url(self) -> str:
+        if self.etcd is not None:
+            return self.etcd.discovery
+        return self.plan.discovery if "://" in self.plan.discovery else ""
+
+    def children(self) -> list[ChildProcess]:
+        frontend = [self.frontend] if self.frontend else []
+        etcd = [self.etcd] if self.etcd else []
+        return [*frontend, *self.workers, *etcd]
+
+    def _died(self, child: ChildProcess) -> None:
+        if self.failure is None:
+            self.failure = (
+                f"{child.name} (pid {child.pid}) exited unexpectedly with status "
+                f"{child.returncode}; last lines of {child.log_path}:\n{child.log_tail(1500)}"
+            )
+        self._run_scope.cancel()
+
+    async def start(self, nursery: trio.Nursery) -> str:
+        """Start everything; return the frontend URL once /health is 200. Raises LaunchError."""
+        plan = self.plan
+        if plan.discovery == "etcd":
+            self.etcd = await start_etcd(
+                nursery, binary=plan.etcd_binary, workdir=self.workdir,
+                ready_within=plan.start_within, on_exit=self._died,
+            )  # fmt: skip
+            log.info("etcd on %s (pid %d)", self.etcd.address, self.etcd.pid)
+        await self._start_workers(nursery)
+        static = "" if self.discovery_url else ",".join(
+            w.static_url(plan.model) for w in self.workers
+        )
+        self.frontend = await start_frontend(
+            nursery, log_dir=self.workdir, port=plan.port, discovery=self.discovery_url,
+            workers=static, model=plan.model, extra_args=plan.serve_args,
+            ready_within=plan.start_within, on_exit=self._died,
+        )  # fmt: skip
+        await wait_healthy(self.frontend.address, within=plan.start_within, child=self.frontend)
+        return self.frontend.address
+
+    async def _start_workers(self, nursery: trio.Nursery) -> None:
+        plan = self.plan
+        errors: list[LaunchError] = []
+        numbered: dict[str, int] = {}
+
+        async def one(role: str, cancel: trio.CancelScope) -> None:
+            index = numbered[role] = numbered.get(role, -1) + 1
+            try:
+                worker = await start_worker(
+                    nursery, role, log_dir=self.workdir, name=f"{role}-{index}",
+                    discovery=self.discovery_url, model=plan.model, engine=plan.engine,
+                    speedup_ratio=plan.speedup_ratio, lease_ttl=plan.lease_ttl,
+                    drain_timeout=plan.drain_timeout, extra_args=plan.worker_args,
+                    ready_within=plan.start_within, on_exit=self._died,
+                )  # fmt: skip
+            except LaunchError as exc:
+                errors.append(exc)
+                cancel.cancel()
+                return
+            self.workers.append(worker)
+            log.info("%s: %s %s (pid %d)", worker.name, worker.worker_id, worker.address,
+                     worker.pid)  # fmt: skip
+
+        async with trio.open_nursery() as starting:
+            for role in plan.roles:
+                starting.start_soon(one, role, starting.cancel_scope)
+        if errors:
+            raise errors[0]
+        order = {role: i for i, role in enumerate(("prefill", "decode", "agg"))}
+        self.workers.sort(key=lambda w: (order.get(w.role, 9), w.name))
+
+    async def stop(self) -> None:
+        """Frontend first (in-flight requests finish), then the workers (they drain),
+        then etcd. Bounded: each step ends in SIGKILL if its grace runs out."""
+        if self.frontend is not None:
+            await self.frontend.stop(grace=_FRONTEND_GRACE)
+        async with trio.open_nursery() as nursery:
+            for worker in self.workers:
+                nursery.start_soon(worker.stop, self.plan.drain_timeout + 10.0)
+        if self.etcd is not None:
+            await self.etcd.stop(grace=_ETCD_GRACE)
+
+    def kill_all(self) -> None:
+        for child in self.children():
+            child.kill()
+
+
+async def run_cluster(plan: ClusterPlan) -> int:
+    """Start the cluster, serve until a signal or a failure, stop it in order.
+
+    Returns the exit status: 0 after SIGINT/SIGTERM, 1 if a process failed to start
+    or died, or if a second signal forced the stop.
+    """
+    workdir = plan.workdir or Path(tempfile.mkdtemp(prefix="headwater-cluster-"))
+    await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
+    forced = False
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            run_scope = trio.CancelScope()
+            cluster = Cluster(plan, workdir, run_scope)
+
+            async def watch_signals() -> None:
+                nonlocal forced
+                async for signum in signals:
+                    if not run_scope.cancel_called:
+                        log.info("%s: stopping the cluster", signal.Signals(signum).name)
+                        run_scope.cancel()
+                    else:
+                        log.warning("%s again: killing every process", signal.Signals(signum).name)
+                        forced = True
+                        cluster.kill_all()
+
+            nursery.start_soon(watch_signals)
+            with run_scope:
+                try:
+                    url = await cluster.start(nursery)
+                except LaunchError as exc:
+                    cluster.failure = cluster.failure or str(exc)
+                else:
+                    _announce(cluster, url)
+                    await trio.sleep_forever()
+            if cluster.failure:
+                log.error("%s", cluster.failure)
+            log.info("stopping: frontend, then workers, then etcd")
+            await cluster.stop()
+            nursery.cancel_scope.cancel()
+    failed = cluster.failure is not None or forced
+    if failed:
+        print(f"headwater launch: logs kept in {workdir}", file=sys.stderr)
+    elif plan.workdir is None:
+        await trio.to_thread.run_sync(shutil.rmtree, workdir, True)
+    log.info("cluster stopped")
+    return 1 if failed else 0
+
+
+def _announce(cluster: Cluster, url: str) -> None:
+    plan = cluster.plan
+    counts = ", ".join(
+        f"{n} {role}" for role, n in (("prefill", plan.prefill), ("decode", plan.decode),
+                                      ("agg", plan.agg)) if n
+    )  # fmt: skip
+    where = f"etcd {cluster.etcd.address}" if cluster.etcd else (
+        f"etcd {cluster.discovery_url}" if cluster.discovery_url else "static --workers"
+    )
+    lines = [f"headwater launch: {plan.model} on {url} ({counts}; discovery: {where})"]
+    for child in cluster.children():
+        lines.append(f"  {child.name:<12} pid {child.pid:<8} {child.address}")
+    lines.append(f"  logs in {cluster.workdir}; Ctrl-C stops the cluster")
+    lines.append(f"{CLUSTER_READY_PREFIX} {url}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,558 @@
+"""The request plane's connection layer: one multiplexed, heartbeated TCP connection.
+
+Both clients of the plane run on it: the frontend's per-worker client
+(``frontend.plane.tcp.TcpWorkerClient``, which adds reconnects and routing state)
+and a decode worker pulling KV from prefill workers
+(``workers.runtime.kv_transfer_tcp.TcpKvTransfer``). It lives here, in the shared
+package, so that neither of them imports the other.
+
+:func:`dial` connects and runs the client handshake within ``connect_timeout``
+(else :class:`ConnectTimeout`); the :class:`PlaneConnection` it returns carries any
+number of concurrent streams, routed by request id, once its :meth:`~PlaneConnection.run`
+task is started in a nursery::
+
+    conn = await dial(tcp_connector("tcp://127.0.0.1:7001"), role="frontend",
+                      peer_id="fe-1", secret=None, config=PlaneConfig())
+    await nursery.start(conn.run)
+    async with conn.stream(request) as chunks:   # entered once the worker ACKed
+        async for chunk in chunks: ...
+    kv_bytes = await conn.pull_kv(transfer_id)   # worker-to-worker KV transfer
+    conn.close()                                 # in-flight streams fail with Disconnected
+
+Behaviour (all times from :class:`PlaneConfig`):
+
+* ``stream()`` sends the request and waits ``ack_timeout`` for the ACK, else
+  :class:`AckTimeout` (a CannotConnect) and a cancel goes out for the request.
+* heartbeat: a ping every ``heartbeat_interval``; no pong within
+  ``heartbeat_timeout`` marks the connection broken and every in-flight stream
+  fails with :class:`~headwater.plane.base.Disconnected`.
+* leaving ``stream()`` before the End sends a cancel; a worker's ``goaway`` stops new
+  streams on the connection (``unusable`` is set) while in-flight ones finish.
+
+The reader never blocks on a slow consumer (a slow HTTP client must not stall the
+other streams sharing the connection): each stream buffers up to ``stream_buffer``
+replies, and a stream that falls further behind is cancelled and fails with
+Disconnected. :class:`PlaneConnection` runs over any ``trio.abc.Stream``, which is how
+the tests drive it over memory streams on virtual time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from headwater.plane.base import (
+    CannotConnect,
+    Disconnected,
+    ResponseStream,
+    WorkerError,
+)
+from headwater.wire import Ack, Cancel, Chunk, End, Error, ErrorCode, GenerateRequest
+from headwater.wire.framing import (
+    DEFAULT_MAX_FRAME,
+    AuthError,
+    ClientHandshake,
+    Fault,
+    Frame,
+    FrameDecoder,
+    FrameTooLarge,
+    GetStats,
+    GoAway,
+    HelloOk,
+    KvData,
+    KvPull,
+    Ping,
+    Pong,
+    ProtocolError,
+    Stats,
+    encode,
+    parse_tcp_address,
+)
+
+log = logging.getLogger(__name__)
+
+#: Opens the byte stream to a worker (a TCP connect in production, memory in tests).
+Connector = Callable[[], Awaitable[trio.abc.Stream]]
+
+_COALESCE_BYTES = 256 * 1024  # frames queued together go out in one send_all
+
+
+class ConnectTimeout(CannotConnect):
+    """TCP connect plus handshake took longer than ``connect_timeout``."""
+
+
+class AckTimeout(CannotConnect):
+    """The worker did not ACK the request within ``ack_timeout``."""
+
+
+class HandshakeFailed(CannotConnect):
+    """The worker refused the handshake or is not the worker expected. ``code`` says why."""
+
+    def __init__(self, message: str, code: str = "protocol_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneConfig:
+    """Timeouts and limits of the plane's client side (frontends and KV-pulling workers).
+
+    The backoff fields govern reconnects of the frontend's ``TcpWorkerClient``.
+    """
+
+    #: Seconds to wait for the ACK after sending a request (Dynamo: 5 s).
+    ack_timeout: float = 5.0
+    #: Seconds for TCP connect plus handshake.
+    connect_timeout: float = 5.0
+    #: Seconds between heartbeat pings on an open connection.
+    heartbeat_interval: float = 5.0
+    #: Seconds a ping may go unanswered before the connection counts as broken.
+    heartbeat_timeout: float = 10.0
+    #: Seconds before the first retry after a failed connect; doubles per failure.
+    backoff_initial: float = 0.1
+    #: Upper bound of the retry delay (s).
+    backoff_max: float = 5.0
+    #: Each delay is shortened by up to this fraction at random, so frontends that
+    #: lost the same worker do not reconnect in lockstep. 0 = exact delays.
+    backoff_jitter: float = 0.1
+    #: Largest frame accepted or sent (bytes); the worker must use the same limit.
+    max_frame: int = DEFAULT_MAX_FRAME
+    #: Replies buffered per stream before that stream is cancelled as too slow.
+    stream_buffer: int = 4096
+    #: Bytes asked of the socket per read.
+    receive_size: int = 64 * 1024
+
+
+# ---- one connection -----------------------------------------------------------------
+
+
+class _Route:
+    """The frames for one request (or KV pull, or stats query) on a connection."""
+
+    __slots__ = ("failure", "receive", "send")
+
+    def __init__(self, size: int) -> None:
+        self.send, self.receive = trio.open_memory_channel[Frame](size)
+        self.failure: Disconnected | None = None
+
+    async def next(self) -> Frame:
+        """The next frame; raises Disconnected once the route was failed and drained.
+
+        A frame already buffered is returned without a schedule point (cancellation
+        is still checked), so a burst of chunks costs one wake-up, not one each.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            try:
+                return self.receive.receive_nowait()
+            except trio.WouldBlock:
+                return await self.receive.receive()
+        except trio.EndOfChannel:
+            raise self.failure or Disconnected("connection closed") from None
+
+
+class _TcpResponseStream(ResponseStream):
+    def __init__(self, route: _Route) -> None:
+        self._route = route
+        self.finished = False
+
+    async def __anext__(self) -> Chunk:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            msg = await self._route.next()
+        except Disconnected:
+            self.finished = True
+            raise
+        if isinstance(msg, Chunk):
+            return msg
+        self.finished = True
+        if isinstance(msg, End):
+            raise StopAsyncIteration
+        if isinstance(msg, Error):
+            raise WorkerError(msg.code, msg.message)
+        raise Disconnected(f"unexpected {type(msg).__name__} in a response stream")
+
+
+class PlaneConnection:
+    """One handshaken connection to a worker, shared by many concurrent streams.
+
+    Made by :func:`open_connection`; its reader, writer and heartbeat tasks live in
+    :meth:`run`, which the owner starts with ``await nursery.start(conn.run)`` and
+    which returns (never raises, except Cancelled) once the connection is over.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        peer: HelloOk,
+        decoder: FrameDecoder,
+        pending: list[Frame],
+        config: PlaneConfig,
+    ) -> None:
+        self.peer = peer
+        self.config = config
+        self._stream = stream
+        self._decoder = decoder
+        self._pending = pending  # frames that arrived with the end of the handshake
+        # Unbounded on purpose: senders never block (cancels go out from `finally`),
+        # and what is queued is bounded by the streams open on this connection.
+        self._out_send, self._out_recv = trio.open_memory_channel[bytes](math.inf)
+        self._routes: dict[str | tuple[str, int], _Route] = {}
+        self._scope = trio.CancelScope()
+        self._reason: str | None = None
+        self._ping_seq = 0
+        self._pong_seq = 0
+        self._pong = trio.Event()
+        self._stats_seq = 0
+        #: Set on goaway or when the connection ends: take no new streams.
+        self.unusable = trio.Event()
+        #: Set when :meth:`run` has finished and every stream on it has failed.
+        self.closed = trio.Event()
+        self.draining = False  # the worker sent goaway
+        self.rtt: float | None = None  # seconds, last heartbeat round trip
+
+    @property
+    def inflight(self) -> int:
+        return len(self._routes)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the connection ended (None while it is open)."""
+        return self._reason
+
+    # -- lifetime --
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer)
+                    nursery.start_soon(self._heartbeat)
+                    task_status.started()
+                    await self._reader()
+        finally:
+            self._fail_all(self._reason or "connection closed")
+            await trio.aclose_forcefully(self._stream)
+            self.closed.set()
+
+    def close(self, reason: str = "closed by the client") -> None:
+        """End the connection now; in-flight streams fail with Disconnected."""
+        self._break(reason)
+
+    def _break(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+        self.unusable.set()
+        self._scope.cancel()
+
+    def _fail_all(self, reason: str) -> None:
+        self.unusable.set()
+        self._out_send.close()
+        for route in self._routes.values():
+            route.failure = Disconnected(f"{self.peer.worker_id}: {reason}")
+            route.send.close()
+        self._routes.clear()
+
+    # -- sending --
+
+    def send_frame(self, frame: Frame) -> None:
+        """Queue *frame*; never blocks. Raises FrameTooLarge, Disconnected if closed."""
+        data = encode(frame, self.config.max_frame)
+        try:
+            self._out_send.send_nowait(data)
+        except trio.ClosedResourceError:
+            raise Disconnected(f"{self.peer.worker_id}: {self._reason}") from None
+
+    async def _writer(self) -> None:
+        try:
+            async for data in self._out_recv:
+                batch, size = [data], len(data)
+                while size < _COALESCE_BYTES:
+                    try:
+                        more = self._out_recv.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    batch.append(more)
+                    size += len(more)
+                await self._stream.send_all(data if len(batch) == 1 else b"".join(batch))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._break(f"write failed: {exc!r}")
+
+    async def _heartbeat(self) -> None:
+        cfg = self.config
+        while True:
+            await trio.sleep(cfg.heartbeat_interval)
+            self._ping_seq += 1
+            seq, sent = self._ping_seq, trio.current_time()
+            self._pong = trio.Event()
+            self.send_frame(Ping(seq))
+            with trio.move_on_after(cfg.heartbeat_timeout):
+                await self._pong.wait()
+            if self._pong_seq < seq:
+                # After a stall of our own loop the pong may be sitting in the socket
+                # with the reader scheduled in this same batch: let it run first.
+                await trio.lowlevel.checkpoint()
+            if self._pong_seq < seq:
+                self._break(f"no heartbeat reply within {cfg.heartbeat_timeout:g} s")
+                return
+            self.rtt = trio.current_time() - sent
+
+    # -- receiving --
+
+    async def _reader(self) -> None:
+        for frame in self._pending:
+            self._dispatch(frame)
+        self._pending = []
+        while True:
+            try:
+                data = await self._stream.receive_some(self.config.receive_size)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._break(f"read failed: {exc!r}")
+                return
+            if not data:
+                self._break("the worker closed the connection")
+                return
+            try:
+                frames = self._decoder.feed(data)
+            except ProtocolError as exc:
+                self._break(f"protocol error from the worker: {exc.message}")
+                return
+            for frame in frames:
+                self._dispatch(frame)
+
+    def _dispatch(self, frame: Frame) -> None:
+        match frame:
+            case Ack() | Chunk() | End() | Error():
+                self._deliver(frame.request_id, frame)
+            case KvData():
+                self._deliver(frame.transfer_id, frame)
+            case Pong():
+                if frame.seq == self._ping_seq:
+                    self._pong_seq = frame.seq
+                    self._pong.set()
+            case Stats():
+                self._deliver(("stats", frame.seq), frame)
+            case Ping():
+                self.send_frame(Pong(frame.seq))
+            case GoAway():
+                log.info("%s sent goaway: %s", self.peer.worker_id, frame.reason)
+                self.draining = True
+                self.unusable.set()
+            case Fault():
+                self._break(f"the worker closed the connection: {frame.code}: {frame.message}")
+            case _:
+                self._break(f"unexpected {type(frame).__name__} from the worker")
+
+    def _deliver(self, key: str | tuple[str, int], frame: Frame) -> None:
+        route = self._routes.get(key)
+        if route is None:
+            return  # its stream already left; late replies are expected after a cancel
+        try:
+            route.send.send_nowait(frame)
+        except trio.WouldBlock:
+            del self._routes[key]
+            route.failure = Disconnected(
+                f"stream fell {self.config.stream_buffer} replies behind its worker; cancelled"
+            )
+            route.send.close()
+            if isinstance(key, str):
+                self.send_frame(Cancel(key))
+
+    # -- streams --
+
+    def _open_route(self, key: str | tuple[str, int]) -> _Route:
+        if self.unusable.is_set():
+            raise CannotConnect(f"{self.peer.worker_id}: connection is closing ({self._reason})")
+        if key in self._routes:
+            raise WorkerError(ErrorCode.INVALID_REQUEST, f"duplicate id {key!r} on this connection")
+        route = self._routes[key] = _Route(self.config.stream_buffer)
+        return route
+
+    def _close_route(self, key: str | tuple[str, int], route: _Route) -> None:
+        if self._routes.get(key) is route:
+            del self._routes[key]
+        route.receive.close()
+
+    @asynccontextmanager
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[ResponseStream]:
+        """Send *request*; enter once ACKed, yielding its chunks (see the module docstring).
+
+        Raises :class:`AckTimeout`, CannotConnect (connection closing or lost before
+        the ACK), WorkerError (refused, or the frame is too large). Leaving before
+        the End sends a cancel.
+        """
+        rid = request.request_id
+        route = self._open_route(rid)
+        stream = _TcpResponseStream(route)
+        try:
+            try:
+                self.send_frame(request)
+            except FrameTooLarge as exc:
+                stream.finished = True  # never sent: nothing to cancel
+                raise WorkerError(ErrorCode.INVALID_REQUEST, exc.message) from exc
+            except Disconnected as exc:
+                stream.finished = True
+                raise CannotConnect(str(exc)) from exc
+            with trio.move_on_after(self.config.ack_timeout) as ack_scope:
+                try:
+                    first = await route.next()
+                except Disconnected as exc:
+                    stream.finished = True
+                    raise CannotConnect(f"no ACK, connection lost: {exc}") from exc
+            if ack_scope.cancelled_caught:
+                raise AckTimeout(
+                    f"no ACK from {self.peer.worker_id} within {self.config.ack_timeout:g} s"
+                )
+            if isinstance(first, Error):
+                stream.finished = True
+                raise WorkerError(first.code, first.message)
+            if not isinstance(first, Ack):
+                raise Disconnected(f"expected Ack, got {type(first).__name__}")
+            yield stream
+        finally:
+            self._close_route(rid, route)
+            if not stream.finished:
+                self._cancel_quietly(rid)
+
+    def _cancel_quietly(self, key: str) -> None:
+        with suppress(Disconnected):  # a closed connection has cancelled everything
+            self.send_frame(Cancel(key))
+
+    async def pull_kv(self, transfer_id: str) -> int:
+        """Fetch the KV held under *transfer_id*; return the payload bytes received.
+
+        Raises WorkerError (unknown or expired transfer), Disconnected.
+        Cancellation sends a cancel so the worker stops sending the payload.
+        """
+        route = self._open_route(transfer_id)
+        done = False
+        try:
+            self.send_frame(KvPull(transfer_id))
+            received = 0
+            while True:
+                msg = await route.next()
+                if isinstance(msg, KvData):
+                    received += len(msg.data)
+                    if msg.last:
+                        done = True
+                        return received
+                elif isinstance(msg, Error):
+                    done = True
+                    raise WorkerError(msg.code, msg.message)
+                else:
+                    raise Disconnected(f"unexpected {type(msg).__name__} in a KV transfer")
+        finally:
+            self._close_route(transfer_id, route)
+            if not done:
+                self._cancel_quietly(transfer_id)
+
+    async def fetch_stats(self) -> dict[str, int | float | str | bool]:
+        """The worker's counters (runtime, engine, plane), flat. Raises Disconnected."""
+        self._stats_seq += 1
+        key = ("stats", self._stats_seq)
+        route = self._open_route(key)
+        try:
+            self.send_frame(GetStats(self._stats_seq))
+            msg = await route.next()
+        finally:
+            self._close_route(key, route)
+        if not isinstance(msg, Stats):
+            raise Disconnected(f"unexpected {type(msg).__name__} for a stats query")
+        return msg.values
+
+
+async def open_connection(
+    stream: trio.abc.Stream,
+    *,
+    role: str,
+    peer_id: str,
+    secret: bytes | None,
+    expect_worker_id: str = "",
+    expect_model: str = "",
+    config: PlaneConfig,
+) -> PlaneConnection:
+    """Run the client handshake on *stream*; return the (not yet running) connection.
+
+    Raises :class:`HandshakeFailed` (refused, wrong secret, not the expected worker;
+    *stream* is closed then) and CannotConnect if the stream breaks. No timeout of
+    its own: the caller bounds it (``connect_timeout``).
+    """
+    try:
+        handshake = ClientHandshake(role=role, peer_id=peer_id, model=expect_model, secret=secret)
+        decoder = FrameDecoder(config.max_frame)
+        await stream.send_all(encode(handshake.start()))
+        frames: list[Frame] = []
+        while handshake.peer is None:
+            if not frames:
+                data = await stream.receive_some(config.receive_size)
+                if not data:
+                    raise CannotConnect("the worker closed the connection during the handshake")
+                frames = decoder.feed(data)
+                continue
+            reply = handshake.receive(frames.pop(0))
+            if reply is not None:
+                await stream.send_all(encode(reply))
+        peer = handshake.peer
+        if expect_worker_id and peer.worker_id != expect_worker_id:
+            raise HandshakeFailed(
+                f"expected worker {expect_worker_id}, found {peer.worker_id}", "wrong_worker"
+            )
+        if expect_model and peer.model != expect_model:
+            raise HandshakeFailed(
+                f"worker {peer.worker_id} serves {peer.model!r}, expected {expect_model!r}",
+                "wrong_model",
+            )
+        return PlaneConnection(stream, peer, decoder, frames, config)
+    except BaseException as exc:
+        await trio.aclose_forcefully(stream)
+        if isinstance(exc, AuthError | ProtocolError):
+            raise HandshakeFailed(f"handshake failed: {exc.message}", exc.code) from exc
+        if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError):
+            raise CannotConnect(f"connection lost during the handshake: {exc!r}") from exc
+        raise
+
+
+def tcp_connector(address: str) -> Connector:
+    """A :data:`Connector` for ``tcp://host:port``. Raises ValueError on a bad address."""
+    host, port = parse_tcp_address(address)
+    return partial(trio.open_tcp_stream, host, port)
+
+
+async def dial(
+    connector: Connector,
+    *,
+    role: str,
+    peer_id: str,
+    secret: bytes | None,
+    expect_worker_id: str = "",
+    expect_model: str = "",
+    config: PlaneConfig,
+) -> PlaneConnection:
+    """Connect and handshake within ``config.connect_timeout``.
+
+    Raises :class:`ConnectTimeout`, :class:`HandshakeFailed` or CannotConnect
+    (refused, unreachable).
+    """
+    with trio.move_on_after(config.connect_timeout) as scope:
+        try:
+            stream = await connector()
+        except OSError as exc:
+            raise CannotConnect(f"connect failed: {exc}") from exc
+        return await open_connection(
+            stream,
+            role=role,
+            peer_id=peer_id,
+            secret=secret,
+            expect_worker_id=expect_worker_id,
+            expect_model=expect_model,
+            config=config,
+        )
+    assert scope.cancelled_caught
+    raise ConnectTimeout(f"connect + handshake took over {config.connect_timeout:g} s")

@@ -1,0 +1,162 @@
+"""The dashboard in a real browser: a stall injected on the server shows up within 2 s.
+
+Policy: headless Debian Chromium (``/usr/bin/chromium``) driven by Playwright for Python,
+which downloads no browser here. A frontend runs on 127.0.0.1:0 with its debug endpoints
+on; the browser runs in a worker thread (Playwright's sync API must not run on the trio
+loop, which keeps serving meanwhile). The page may fetch from its own origin only.
+Screenshots go to ``artifacts/`` (gitignored). Without Chromium the test is skipped,
+unless ``CI`` is set: then it fails, since ``.ci/run`` installs it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from frontend_fixture import serve_frontend
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+STALL_VISIBLE_WITHIN_S = 2.0
+MODEL = "deepseek-v4"
+
+#: True when the page shows a stall row whose text (summary or stack) names the frame.
+HAS_INJECTED_ROW = """() => [...document.querySelectorAll('#stalls .stall')]
+    .some(li => li.textContent.includes('inject_loop_stall'))"""
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _require_browser() -> Any:
+    """The Playwright sync API module; skips (or fails in CI) when it cannot run."""
+    problem = None
+    if not CHROMIUM.exists():
+        problem = f"{CHROMIUM} is missing (apt-get install chromium)"
+    try:
+        from playwright import sync_api
+    except ImportError:
+        problem = "the playwright package is not installed (pip install -e '.[browser]')"
+    if problem is not None:
+        if _in_ci():
+            pytest.fail(f"CI is set but the browser test cannot run: {problem}")
+        pytest.skip(problem)
+    return sync_api
+
+
+@dataclass
+class Seen:
+    """What the browser thread observed, for the assertions on the test's side."""
+
+    appeared_after_s: float = -1.0
+    stack_text: str = ""
+    wide_overflow: tuple[int, int] = (0, 0)
+    phone_overflow: tuple[int, int] = (0, 0)
+    phone_rows: int = 0
+    foreign_requests: list[str] = field(default_factory=list)
+    page_errors: list[str] = field(default_factory=list)
+
+
+def drive_browser(sync_api: Any, base_url: str, seen: Seen) -> None:
+    """Runs in a worker thread: load the page, inject a stall, watch it appear."""
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+
+            def on_request(req: Any) -> None:
+                if not req.url.startswith(base_url):
+                    seen.foreign_requests.append(req.url)
+
+            context.on("request", on_request)
+            page = context.new_page()
+            page.on("pageerror", lambda exc: seen.page_errors.append(str(exc)))
+            page.on("console", lambda msg: msg.type == "error"
+                    and seen.page_errors.append(msg.text))
+            page.goto(base_url + "/dashboard")
+            page.wait_for_function(
+                "() => document.getElementById('status').textContent === 'live'", timeout=10_000
+            )
+            assert not page.evaluate(HAS_INJECTED_ROW)
+
+            r = httpx.post(base_url + "/debug/stall", params={"ms": 150}, timeout=10)
+            r.raise_for_status()
+            injected = time.monotonic()
+            page.wait_for_function(HAS_INJECTED_ROW, timeout=STALL_VISIBLE_WITHIN_S * 1000)
+            seen.appeared_after_s = time.monotonic() - injected
+
+            row = page.locator("#stalls .stall", has_text="inject_loop_stall").first
+            row.locator("summary").click()
+            pre = row.locator("pre")
+            pre.wait_for(state="visible", timeout=2000)
+            seen.stack_text = pre.text_content() or ""
+            seen.wide_overflow = _overflow(page)
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+            phone = browser.new_context(
+                viewport={"width": 390, "height": 844}, device_scale_factor=2,
+                is_mobile=True, has_touch=True,
+            )
+            phone.on("request", on_request)
+            small = phone.new_page()
+            small.on("pageerror", lambda exc: seen.page_errors.append(str(exc)))
+            small.goto(base_url + "/dashboard")
+            small.wait_for_function(HAS_INJECTED_ROW, timeout=10_000)
+            small.locator("#stalls .stall summary").first.click()  # an open stack, too
+            seen.phone_rows = small.locator("#stalls .stall").count()
+            seen.phone_overflow = _overflow(small)
+            small.evaluate("window.scrollTo(0, 0)")
+            small.screenshot(path=str(ARTIFACTS / "dashboard-phone.png"))
+        finally:
+            browser.close()
+
+
+def _overflow(page: Any) -> tuple[int, int]:
+    """(document scroll width, viewport width): equal when nothing spills sideways."""
+    width, inner = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    return int(width), int(inner)
+
+
+async def test_injected_stall_appears_on_the_dashboard() -> None:
+    sync_api = _require_browser()
+    seen = Seen()
+    async with (
+        serve_frontend(debug_endpoints=True) as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        for stream in (False, True):  # some traffic, so every panel has data
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 8, "stream": stream}
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        with trio.fail_after(90):
+            await trio.to_thread.run_sync(
+                drive_browser, sync_api, url, seen, abandon_on_cancel=True
+            )
+        records = (await c.get("/debug/stalls")).json()
+
+    assert 0 <= seen.appeared_after_s <= STALL_VISIBLE_WITHIN_S
+    (injected,) = [r for r in records if any("inject_loop_stall" in f for f in r["stack"])]
+    # The stack is shown as text, frame for frame: "<locals>" in a qualname stays text.
+    assert seen.stack_text == "\n".join(injected["stack"])
+    assert any("<locals>" in frame for frame in injected["stack"])
+    assert seen.foreign_requests == []
+    assert seen.page_errors == []
+    assert seen.wide_overflow[0] <= seen.wide_overflow[1]
+    assert seen.phone_overflow[0] <= seen.phone_overflow[1], "horizontal overflow on a phone"
+    assert seen.phone_rows >= 1
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+    assert (ARTIFACTS / "dashboard-phone.png").stat().st_size > 10_000

@@ -1,0 +1,436 @@
+"""Observability: /metrics, /debug/*, the dashboard's page and data, worker metrics.
+
+Policy: every frontend runs on 127.0.0.1:0 (see frontend_fixture) with in-process
+simulated workers; worker processes bind 127.0.0.1 port 0 for the plane and a free
+loopback port for metrics, and are killed by their own handle. Stalls are injected
+through the opt-in debug endpoint; waits for the watchdog's record poll live state
+under a deadline. Real time throughout (the loop monitor measures the real clock).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from frontend.http.observability import MAX_INJECTED_STALL_MS
+from frontend.metrics import RecentWindow, WindowedHistogram
+from frontend.plane.tcp import connect_worker
+from headwater.plane.base import WorkerInstance
+from headwater.wire import GenerateRequest, Role, SamplingParams
+from workers.cli import READY_PREFIX, RunningWorker, WorkerConfig, serve_worker
+from workers.metrics import serve_worker_metrics
+
+from frontend_fixture import serve_frontend
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "deepseek-v4"
+CHAT = [{"role": "user", "content": "Name three rivers."}]
+P = "headwater_frontend_"
+
+#: The sample names the issue asks /metrics to carry (counters with their _total).
+FRONTEND_SAMPLES = [
+    f"{P}requests_total",
+    f"{P}inflight_requests",
+    f"{P}queued_requests",
+    f"{P}request_duration_seconds_bucket",
+    f"{P}time_to_first_token_seconds_bucket",
+    f"{P}inter_token_latency_seconds_bucket",
+    f"{P}input_sequence_tokens_bucket",
+    f"{P}output_sequence_tokens_bucket",
+    f"{P}tokenize_seconds_bucket",
+    f"{P}template_seconds_bucket",
+    f"{P}disconnected_clients_total",
+    f"{P}event_loop_delay_seconds_bucket",
+    f"{P}event_loop_max_delay_seconds",
+    f"{P}event_loop_stall_total",
+    f"{P}stall_records_total",
+    f"{P}tokenizer_threads",
+    f"{P}tokenizer_threads_busy",
+    f"{P}worker_state",
+    f"{P}worker_inflight_requests",
+]
+WORKER_SAMPLES = [
+    "headwater_worker_event_loop_delay_seconds_bucket",
+    "headwater_worker_event_loop_max_delay_seconds",
+    "headwater_worker_event_loop_stall_total",
+    "headwater_worker_stall_records_total",
+    "headwater_worker_info",
+    "headwater_worker_inflight_requests",
+    "headwater_worker_kv_blocks_used",
+    "headwater_worker_kv_blocks_total",
+    "headwater_worker_requests_served_total",
+    "headwater_worker_requests_cancelled_total",
+]
+WORKER_VIEW_KEYS = {
+    "worker_id", "role", "model", "address", "state", "inflight", "served", "failures",
+    "last_error", "inhibited_for_s",
+}
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a Prometheus text body, via prometheus-client's own parser."""
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
+
+
+def value(found: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    matches = [v for n, ls, v in found if n == name and labels.items() <= ls.items()]
+    assert len(matches) == 1, (name, labels, matches)
+    return matches[0]
+
+
+async def chat(c: httpx.AsyncClient, *, stream: bool = False, max_tokens: int = 6) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": max_tokens, "stream": stream}
+    r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+async def stall_records_naming(c: httpx.AsyncClient, needle: str) -> list[dict[str, Any]]:
+    """Poll /debug/stalls until a record's stack names *needle* (the watchdog writes it
+    a few ms after the stall ends)."""
+    with trio.fail_after(5):
+        while True:
+            records = (await c.get("/debug/stalls")).json()
+            hits = [r for r in records if any(needle in frame for frame in r["stack"])]
+            if hits:
+                return hits
+            await trio.sleep(0.02)
+
+
+# -- /metrics -----------------------------------------------------------------------
+
+
+async def test_metrics_parse_and_name_everything() -> None:
+    async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
+        await chat(c)
+        await chat(c, stream=True)
+        r = await c.get("/metrics")
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        found = samples(r.text)
+        workers = fe.router.views()
+        threads = fe.pool.statistics().threads
+    names = {n for n, _, _ in found}
+    missing = [n for n in FRONTEND_SAMPLES if n not in names]
+    assert missing == []
+    total = f"{P}requests_total"
+    assert value(found, total, endpoint="chat", request_type="unary", status="success") == 1
+    assert value(found, total, endpoint="chat", request_type="stream", status="success") == 1
+    assert value(found, f"{P}time_to_first_token_seconds_count") == 2
+    assert value(found, f"{P}inflight_requests") == 0
+    assert value(found, f"{P}tokenizer_threads") == threads == 2
+    assert len(workers) == 2
+    for w in workers:
+        assert value(found, f"{P}worker_state", worker_id=w.worker_id, state="healthy") == 1
+
+
+# -- /debug/workers, /debug/stalls, /debug/stall --------------------------------------
+
+
+async def test_debug_workers_lists_state_load_and_last_error() -> None:
+    async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
+        before = (await c.get("/debug/workers")).json()
+        await chat(c)
+        after = {w["role"]: w for w in (await c.get("/debug/workers")).json()}
+    assert len(before) == 2
+    for w in before:
+        assert set(w) == WORKER_VIEW_KEYS
+        assert w["state"] == "healthy"
+        assert w["inflight"] == 0
+        assert w["last_error"] is None
+        assert w["model"] == MODEL
+    assert set(after) == {"prefill", "decode"}
+    assert after["prefill"]["served"] == 1
+    assert all(w["inflight"] == 0 for w in after.values())
+
+
+async def test_injected_stall_is_recorded_with_its_function() -> None:
+    async with (
+        serve_frontend(debug_endpoints=True) as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        r = await c.post("/debug/stall", params={"ms": 120})
+        assert r.status_code == 200, r.text
+        assert r.json()["requested_ms"] == 120
+        assert r.json()["blocked_ms"] >= 120
+        (record, *_) = await stall_records_naming(c, "inject_loop_stall")
+        found = samples((await c.get("/metrics")).text)
+    assert record["cause"] == "loop"
+    assert record["sampled"] is True
+    assert 0.110 <= record["duration_s"] < 5
+    assert "time.sleep(" in record["stack"][-1]  # innermost last, with its source line
+    assert value(found, f"{P}stall_records_total", cause="loop") >= 1
+    assert value(found, f"{P}event_loop_max_delay_seconds") >= 0.1
+
+
+async def test_debug_stall_rejects_bad_durations() -> None:
+    async with (
+        serve_frontend(debug_endpoints=True) as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        for ms in ("0", "-5", "abc", str(MAX_INJECTED_STALL_MS + 1)):
+            r = await c.post("/debug/stall", params={"ms": ms})
+            assert r.status_code == 400, ms
+            assert r.json()["error"]["param"] == "ms"
+        assert (await c.get("/debug/stall")).status_code == 405
+
+
+async def test_debug_stall_is_not_served_by_default() -> None:
+    async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
+        assert fe.config.debug_endpoints is False
+        r = await c.post("/debug/stall", params={"ms": 300})
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "not_found_error"
+        stalls = (await c.get("/debug/stalls")).json()
+    assert not any("inject_loop_stall" in f for s in stalls for f in s["stack"])
+
+
+# -- the dashboard --------------------------------------------------------------------
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[tuple[str, str, str]] = []  # (tag, attribute, value)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, val in attrs:
+            if name in ("src", "href", "action", "srcset", "poster", "data") and val:
+                self.urls.append((tag, name, val))
+
+
+async def test_dashboard_is_self_contained() -> None:
+    async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
+        page = await c.get("/dashboard")
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        csp = page.headers["content-security-policy"]
+        assert "default-src 'none'" in csp
+        assert "script-src 'self'" in csp
+        links = _Links()
+        links.feed(page.text)
+        assets = {}
+        for tag, attr, link in links.urls:
+            # Same-origin paths or inline data only: never another host.
+            assert link.startswith("data:") or (
+                link.startswith("/") and not link.startswith("//")
+            ), (tag, attr, link)
+            if link.startswith("/"):
+                r = await c.get(link)
+                assert r.status_code == 200, link
+                assets[link] = r
+        assert (await c.get("/dashboard/nothing-here.js")).status_code == 404
+    assert {"/dashboard/dashboard.js", "/dashboard/dashboard.css"} <= set(assets)
+    js = assets["/dashboard/dashboard.js"]
+    assert js.headers["content-type"].startswith("text/javascript")
+    assert assets["/dashboard/dashboard.css"].headers["content-type"].startswith("text/css")
+    # The only absolute URL in the code is the SVG namespace (a name, never fetched).
+    everything = page.text + js.text + assets["/dashboard/dashboard.css"].text
+    urls = set(re.findall(r"https?://[^\s\"')]+", everything))
+    assert urls == {"http://www.w3.org/2000/svg"}
+    assert "<script>" not in page.text  # no inline code: the CSP would block it
+    assert ".innerHTML" not in js.text  # server text goes in as text, never markup
+    assert "/dashboard/data" in js.text
+
+
+async def test_dashboard_data_snapshot() -> None:
+    async with (
+        serve_frontend(debug_endpoints=True) as (fe, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        await chat(c, stream=True, max_tokens=8)
+        await c.post("/debug/stall", params={"ms": 80})
+        await stall_records_naming(c, "inject_loop_stall")
+        r = await c.get("/dashboard/data")
+        assert r.status_code == 200
+        assert r.headers["cache-control"] == "no-store"
+        data = r.json()
+        newest = data["stalls"]["records"][0]["started_at"]
+        none_newer = (await c.get("/dashboard/data", params={"stalls_after": newest})).json()
+        just_one = (
+            await c.get("/dashboard/data", params={"stalls_after": newest - 1e-6})
+        ).json()
+        bad = await c.get("/dashboard/data", params={"stalls_after": "soon"})
+        workers = (await c.get("/debug/workers")).json()
+
+    assert set(data) == {"now", "model", "loop", "stalls", "pool", "requests", "latency",
+                         "workers"}
+    assert data["model"] == MODEL
+    loop = data["loop"]
+    assert loop["threshold_s"] == pytest.approx(0.020)
+    assert loop["instrumented"] is True
+    assert loop["delays"], "the canary has been sampling for a while"
+    assert all(data["now"] - 61 <= t <= data["now"] + 1 and d >= 0 for t, d in loop["delays"])
+    assert max(d for _, d in loop["delays"]) >= 0.05  # the injected stall shows in the series
+
+    records = data["stalls"]["records"]
+    starts = [rec["started_at"] for rec in records]
+    assert starts == sorted(starts, reverse=True)  # newest first
+    assert any("inject_loop_stall" in f for rec in records for f in rec["stack"])
+    stats = data["stalls"]["statistics"]
+    assert stats["stalls_total"] >= 1
+    assert stats["tracking"] is True
+    assert none_newer["stalls"]["records"] == []
+    assert [rec["started_at"] for rec in just_one["stalls"]["records"]] == [newest]
+    assert bad.status_code == 400
+
+    assert set(data["pool"]) == {"mode", "threads", "busy", "waiting", "encoded_total",
+                                 "inline_total"}
+    assert data["pool"]["threads"] == 2
+    assert data["requests"]["inflight"] == 0
+    assert data["requests"]["queued"] == 0
+    assert data["requests"]["by_status"] == {"success": 1}
+    ttft, itl = data["latency"]["ttft"], data["latency"]["itl"]
+    assert ttft["count"] == 1
+    assert 0 < ttft["p50"] == ttft["p99"] == ttft["max"]
+    assert itl["count"] == 7  # 8 tokens, one per chunk: 7 gaps
+    assert itl["p50"] <= itl["p90"] <= itl["p99"] <= itl["max"]
+    assert data["workers"] == workers
+    assert fe.metrics.time_to_first_token_seconds.window.statistics().count == 1
+
+
+# -- the recent window behind the percentiles --------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recent_window_percentiles_are_nearest_rank() -> None:
+    window = RecentWindow(window_s=60, clock=FakeClock())
+    assert window.statistics().count == 0
+    assert window.statistics().p50 is None
+    for v in range(100, 0, -1):
+        window.add(float(v))
+    stats = window.statistics()
+    assert (stats.count, stats.p50, stats.p90, stats.p99, stats.max) == (100, 50, 90, 99, 100)
+
+
+def test_recent_window_forgets_old_and_excess_observations() -> None:
+    clock = FakeClock()
+    window = RecentWindow(window_s=10, max_samples=5, clock=clock)
+    window.add(1.0)
+    clock.now = 5
+    window.add(2.0)
+    clock.now = 10.5  # the first observation is now 10.5 s old
+    assert window.values() == [2.0]
+    for v in range(10):
+        window.add(float(v))
+    assert window.values() == [5.0, 6.0, 7.0, 8.0, 9.0]
+
+
+def test_windowed_histogram_feeds_both() -> None:
+    registry = CollectorRegistry()
+    hist = WindowedHistogram(Histogram("x_seconds", "x", registry=registry))
+    hist.observe(0.25)
+    hist.observe(0.75)
+    assert registry.get_sample_value("x_seconds_count") == 2
+    assert registry.get_sample_value("x_seconds_sum") == 1.0
+    assert hist.window.values() == [0.25, 0.75]
+
+
+# -- worker metrics ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.Nursery) -> None:
+    port = free_port()
+    log = (tmp_path / "worker.log").open("wb")
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "workers", "--role", "agg", "--listen", "127.0.0.1:0",
+         "--metrics-port", str(port), "--num-gpu-blocks", "512", "--speedup-ratio", "1000"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=log,
+    )
+    try:
+        assert process.stdout is not None
+        line = b""
+        with trio.fail_after(10):
+            while not line.endswith(b"\n"):
+                data = await process.stdout.receive_some(1)
+                assert data, f"worker exited early; see {log.name}"
+                line += data
+        tag, address, worker_id, role = line.decode().split()
+        assert tag == READY_PREFIX
+        client = await connect_worker(WorkerInstance(worker_id, Role(role), MODEL, address),
+                                      nursery)
+        request = GenerateRequest("m1", MODEL, list(range(3, 200)),
+                                  SamplingParams(max_tokens=4, ignore_eos=True))
+        async with client.stream(request) as chunks:
+            assert len([c async for c in chunks]) == 4
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            r = await c.get("/metrics")
+            stalls = await c.get("/debug/stalls")
+    finally:
+        process.kill()
+        with trio.move_on_after(5, shield=True):
+            await process.wait()
+        log.close()
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    found = samples(r.text)
+    names = {n for n, _, _ in found}
+    assert [n for n in WORKER_SAMPLES if n not in names] == []
+    assert value(found, "headwater_worker_info", worker_id=worker_id, role="agg") == 1
+    assert value(found, "headwater_worker_kv_blocks_total") == 512
+    assert value(found, "headwater_worker_requests_served_total") == 1
+    assert value(found, "headwater_worker_inflight_requests") == 0
+    assert value(found, "headwater_worker_event_loop_delay_seconds_count") > 0
+    assert stalls.status_code == 200
+    assert isinstance(stalls.json(), list)
+
+
+async def test_worker_metrics_endpoint_answers_only_metrics(nursery: trio.Nursery) -> None:
+    worker: RunningWorker = await nursery.start(
+        serve_worker, WorkerConfig(speedup_ratio=1000.0, num_gpu_blocks=64)
+    )
+    port: int = await nursery.start(serve_worker_metrics, 0, worker)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+        ok = await c.get("/metrics?x=1")
+        head = await c.head("/metrics")
+        missing = await c.get("/")
+        post = await c.post("/metrics", content=b"")
+    assert ok.status_code == 200
+    assert value(samples(ok.text), "headwater_worker_kv_blocks_total") == 64
+    assert head.status_code == 200
+    assert head.content == b""
+    assert int(head.headers["content-length"]) > 0
+    assert missing.status_code == 404
+    assert post.status_code == 405
+    # A client that sends garbage, or nothing, costs only its own connection.
+    for junk in (b"\x00\x01 nonsense\r\n\r\n", b""):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            if junk:
+                await stream.send_all(junk)
+            await stream.send_eof()
+            with trio.fail_after(5):
+                reply = b""
+                while chunk := await stream.receive_some(4096):
+                    reply += chunk
+        assert reply.startswith(b"HTTP/1.1 400") if junk else reply == b""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+        assert (await c.get("/metrics")).status_code == 200

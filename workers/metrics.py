@@ -1,0 +1,174 @@
+"""A worker's own metrics endpoint (``--metrics-port``): loop health and load.
+
+``GET /metrics`` answers in the Prometheus text format with the prefix
+``headwater_worker_``: the same loop metrics as the frontend (``event_loop_delay_seconds``,
+``event_loop_stall_total``, ...), from a :class:`~headwater.instrumentation.LoopMonitor`
+watching the worker's event loop, plus the worker's load read from
+``worker.runtime.statistics()`` at each scrape. ``GET /debug/stalls`` lists the stall
+records as JSON, like the frontend's.
+
+Why a hand-written responder: a worker process carries no web framework, and this
+endpoint answers one kind of request from one kind of client. One request per
+connection (``Connection: close``), a request head of at most 8 KiB read within 5 s,
+loopback only by default. A broken or slow client costs its own connection, nothing
+else: per-connection errors are logged and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Final
+
+import orjson
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from headwater.instrumentation import WORKER_PREFIX, LoopMonitor
+
+if TYPE_CHECKING:
+    from workers.cli import RunningWorker
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
+MAX_HEAD_BYTES: Final = 8192
+READ_TIMEOUT_S: Final = 5.0
+WRITE_TIMEOUT_S: Final = 5.0
+
+
+class WorkerCollector(Collector):
+    """Mirrors one worker's ``runtime.statistics()`` at scrape time.
+
+    A custom collector rather than gauges set by a timer: every value is as fresh as
+    the scrape, and the totals stay true counters.
+    """
+
+    def __init__(self, worker: RunningWorker, prefix: str = WORKER_PREFIX) -> None:
+        self._worker = worker
+        self._prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        w, p = self._worker, self._prefix
+        stats = w.runtime.statistics()
+        engine = stats.engine
+        info = GaugeMetricFamily(
+            f"{p}info", "This worker's identity (always 1)",
+            labels=["worker_id", "role", "model", "address"],
+        )
+        info.add_metric([w.worker_id, str(w.role), w.model, w.address], 1)
+        yield info
+        gauges = (
+            ("inflight_requests", "Requests being served now", stats.inflight),
+            ("active_requests", "Requests the engine is running", engine.active_requests),
+            ("waiting_requests", "Requests waiting for the engine", engine.waiting_requests),
+            ("kv_blocks_used", "KV cache blocks in use", engine.kv_blocks_used),
+            ("kv_blocks_total", "KV cache blocks in all", engine.kv_blocks_total),
+            ("kv_transfers_held", "Prefilled KV held for a decode worker to pull",
+             engine.kv_transfers_held),
+            ("draining", "1 while the worker drains (refuses new requests)", int(stats.draining)),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{p}{name}", doc, value=value)
+        counters = (
+            ("requests_served", "Requests served to the end", stats.served_total),
+            ("requests_cancelled", "Requests cancelled before their end", stats.cancelled_total),
+            ("requests_failed", "Requests that ended in an error", stats.failed_total),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"{p}{name}", doc, value=value)
+
+
+async def serve_worker_metrics(
+    port: int,
+    worker: RunningWorker,
+    *,
+    host: str = "127.0.0.1",
+    monitor: LoopMonitor | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/metrics`` for *worker* on ``host:port`` until cancelled.
+
+    Args:
+      port: TCP port; 0 picks a free one (reported).
+      worker: the running worker whose load is exported.
+      host: address to bind; loopback by default.
+      monitor: the worker's loop monitor, if it runs one (also read from
+        ``worker.monitor``); without one, a :class:`LoopMonitor` with the prefix
+        ``headwater_worker_`` is started here, in this task's nursery.
+
+    Reports the bound port once listening. Raises ``OSError`` if the port is taken.
+    Cancellation: stops listening, drops open connections, stops the monitor it started.
+    """
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(worker))
+    monitor = monitor or getattr(worker, "monitor", None)
+    async with trio.open_nursery() as nursery:
+        if monitor is None:
+            monitor = LoopMonitor(registry, prefix=WORKER_PREFIX)
+            await nursery.start(monitor.run)
+        registries = [registry]
+        if monitor.metrics.registry is not registry:
+            registries.append(monitor.metrics.registry)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()[1]
+        handler = partial(_serve_connection, registries, monitor)
+        await nursery.start(partial(trio.serve_listeners, handler, listeners))
+        log.info("worker metrics on http://%s:%d/metrics", host, bound)
+        task_status.started(bound)
+
+
+def render(registries: list[CollectorRegistry]) -> bytes:
+    """The text exposition format of every registry, concatenated."""
+    return b"".join(generate_latest(r) for r in registries)
+
+
+async def _serve_connection(
+    registries: list[CollectorRegistry], monitor: LoopMonitor, stream: trio.SocketStream
+) -> None:
+    try:
+        async with stream:
+            head = b""
+            with trio.move_on_after(READ_TIMEOUT_S):
+                while b"\r\n\r\n" not in head and len(head) <= MAX_HEAD_BYTES:
+                    data = await stream.receive_some(4096)
+                    if not data:
+                        break
+                    head += data
+            if b"\r\n" not in head:
+                return  # nothing usable arrived: just close
+            status, content_type, body = _respond(head, registries, monitor)
+            method = head.split(b" ", 1)[0]
+            response = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode() + (b"" if method == b"HEAD" else body)
+            with trio.move_on_after(WRITE_TIMEOUT_S):
+                await stream.send_all(response)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the client went away
+    except Exception:
+        log.exception("worker metrics: a connection failed")
+
+
+def _respond(
+    head: bytes, registries: list[CollectorRegistry], monitor: LoopMonitor
+) -> tuple[str, str, bytes]:
+    """(status line, content type, body) for one request head."""
+    line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        return "400 Bad Request", "text/plain", b"bad request\n"
+    method, target, _ = parts
+    path = target.split("?", 1)[0]
+    if path not in ("/metrics", "/debug/stalls"):
+        return "404 Not Found", "text/plain", b"not found: try /metrics\n"
+    if method not in ("GET", "HEAD"):
+        return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
+    if path == "/metrics":
+        return "200 OK", PROMETHEUS_TEXT, render(registries)
+    records = [r.to_dict() for r in monitor.records()]
+    return "200 OK", "application/json", orjson.dumps(records)
