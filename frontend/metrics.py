@@ -166,7 +166,7 @@ class FrontendMetrics:
             f"{p}tokenizer_threads", "Tokenizer pool size", registry=r
         )
         self.worker_state = Gauge(
-            f"{p}worker_state", "1 for the state each known worker is in",
+            f"{p}worker_state", "1 for the state each worker is in, 0 for the others",
             ["worker_id", "role", "state"], registry=r,
         )
         self.worker_inflight = Gauge(

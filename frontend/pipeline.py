@@ -267,12 +267,16 @@ class Pipeline:
         while True:
             client = self._pick(role, frozenset(tried))
             tried.add(client.instance.worker_id)
+            # The consumer closes this generator at the yield of the final chunk, so
+            # success is booked in `finally`, from what was seen, not after the loop.
+            finished = False
             try:
                 with self.router.track(client):
                     async with client.stream(request) as replies:
                         async for chunk in replies:
+                            finished = chunk.finish_reason is not None
                             yield chunk
-                self.router.report_success(client)
+                finished = True  # End received (a prefill leg has no finish reason)
                 return
             except CannotConnect as exc:
                 self.router.report_unreachable(client, exc)
@@ -285,6 +289,9 @@ class Pipeline:
                 if not exc.retryable or len(tried) >= self.route_attempts:
                     why = f"the worker failed the request ({exc.code.value})"
                     raise ApiError(502, why) from exc
+            finally:
+                if finished:
+                    self.router.report_success(client)
 
     def _pick(self, role: Role, exclude: frozenset[str]) -> WorkerClient:
         try:

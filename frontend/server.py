@@ -29,7 +29,7 @@ from frontend.plane.local import LocalWorkersConfig, run_local_workers
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
-from frontend.router import Router
+from frontend.router import Router, WorkerState
 from headwater.instrumentation import LoopMonitor
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ class Frontend:
         self.metrics.worker_state.clear()
         self.metrics.worker_inflight.clear()
         for v in self.router.views():
-            self.metrics.worker_state.labels(v.worker_id, v.role.value, v.state.value).set(1)
+            for state in WorkerState:  # one 0/1 series per state, as Prometheus prefers
+                value = 1 if state is v.state else 0
+                self.metrics.worker_state.labels(v.worker_id, v.role.value, state.value).set(value)
             self.metrics.worker_inflight.labels(v.worker_id, v.role.value).set(v.inflight)
 
     def hypercorn_config(self) -> HypercornConfig:

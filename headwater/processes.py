@@ -144,8 +144,8 @@ class ChildProcess:
     def _mark_ready(self, on_exit: ExitHook | None) -> None:
         self.ready = True
         self.on_exit = on_exit
-        if self.exited.is_set() and not self.stopping and on_exit is not None:
-            on_exit(self)  # it died between its announcement and now
+        if self.exited.is_set() and not self.stopping:
+            self._report_exit()  # it died between its announcement and now
 
     async def _supervise(self) -> None:
         try:
@@ -158,10 +158,16 @@ class ChildProcess:
                     await self.process.wait()
             self.exited.set()
         if self.ready and not self.stopping:
-            log.error("%s (pid %d) exited unexpectedly with status %s",
-                      self.name, self.pid, self.process.returncode)  # fmt: skip
-            if self.on_exit is not None:
+            self._report_exit()
+
+    def _report_exit(self) -> None:
+        log.warning("%s (pid %d) exited unexpectedly with status %s",
+                    self.name, self.pid, self.process.returncode)  # fmt: skip
+        if self.on_exit is not None:
+            try:
                 self.on_exit(self)
+            except Exception:  # a supervisor's bug must not take its siblings down
+                log.exception("on_exit hook for %s failed", self.name)
 
 
 class WorkerProcess(ChildProcess):

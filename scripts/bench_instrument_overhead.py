@@ -4,9 +4,10 @@ Runs the same workload (``--steps`` checkpoints spread over ``--tasks`` tasks) u
 each configuration, interleaved, ``--reps`` times, and prints the best CPU time per
 step and the difference to no instrumentation. Process CPU time, not wall time: it
 ignores the time other processes take from us on a shared machine, and it includes
-the watchdog thread's own CPU. Best-of-N because noise only ever adds time.
+the watchdog thread's own CPU. Best-of-N because noise only ever adds time; many short
+runs beat a few long ones on a shared machine.
 
-    .venv/bin/python scripts/bench_instrument_overhead.py --steps 200000 --tasks 100
+    .venv/bin/python scripts/bench_instrument_overhead.py --steps 50000 --reps 41
 """
 
 from __future__ import annotations
@@ -107,9 +108,9 @@ CONFIGS: dict[str, Callable[[int, int], Awaitable[None]]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200_000)
+    parser.add_argument("--steps", type=int, default=50_000)
     parser.add_argument("--tasks", type=int, default=100)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=31)
     args = parser.parse_args()
 
     best = dict.fromkeys(CONFIGS, float("inf"))

@@ -323,9 +323,10 @@ async def test_worker_is_draining_in_etcd_before_it_stops_and_gone_after(
 
     nursery.start_soon(watch)
     await watching.wait()
-    # Mocker at 1/3 of GPU time: the request below runs for about a second.
+    # Mocker at 1/2 of GPU time: the request below runs for about 1.5 s, far longer
+    # than an etcd write takes to reach a watcher.
     worker = await start_worker(
-        nursery, "agg", log_dir=tmp_path, discovery=discovery, model=model, speedup_ratio=3.0
+        nursery, "agg", log_dir=tmp_path, discovery=discovery, model=model, speedup_ratio=2.0
     )
     async with EtcdClient(etcd_url) as etcd:
         (kv,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
@@ -337,14 +338,14 @@ async def test_worker_is_draining_in_etcd_before_it_stops_and_gone_after(
     instance = WorkerInstance(worker.worker_id, Role.AGG, model, worker.address)
     client = await connect_worker(instance, nursery, secret=None)
     request = GenerateRequest(
-        "long", model, list(range(3, 67)), SamplingParams(max_tokens=300, ignore_eos=True)
+        "long", model, list(range(3, 67)), SamplingParams(max_tokens=500, ignore_eos=True)
     )
     async with client.stream(request) as chunks:
         await chunks.__anext__()
-        worker.send_signal(signal.SIGTERM)
+        nursery.start_soon(worker.stop)  # SIGTERM: drain
         received = 1 + len([c async for c in chunks])
         finished_at = trio.current_time()
-    assert received == 300
+    assert received == 500
     with trio.fail_after(10):
         assert await worker.wait() == 0
     await client.aclose()

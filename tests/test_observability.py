@@ -9,6 +9,7 @@ under a deadline. Real time throughout (the loop monitor measures the real clock
 
 from __future__ import annotations
 
+import itertools
 import re
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import trio
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from frontend.http.dashboard import LoadHistory
 from frontend.http.observability import MAX_INJECTED_STALL_MS
 from frontend.metrics import RecentWindow, WindowedHistogram
 from frontend.plane.tcp import connect_worker
@@ -136,6 +138,7 @@ async def test_metrics_parse_and_name_everything() -> None:
     assert len(workers) == 2
     for w in workers:
         assert value(found, f"{P}worker_state", worker_id=w.worker_id, state="healthy") == 1
+        assert value(found, f"{P}worker_state", worker_id=w.worker_id, state="draining") == 0
 
 
 # -- /debug/workers, /debug/stalls, /debug/stall --------------------------------------
@@ -155,6 +158,7 @@ async def test_debug_workers_lists_state_load_and_last_error() -> None:
         assert w["model"] == MODEL
     assert set(after) == {"prefill", "decode"}
     assert after["prefill"]["served"] == 1
+    assert after["decode"]["served"] == 1  # booked although the stream is closed at its last chunk
     assert all(w["inflight"] == 0 for w in after.values())
 
 
@@ -267,8 +271,8 @@ async def test_dashboard_data_snapshot() -> None:
         bad = await c.get("/dashboard/data", params={"stalls_after": "soon"})
         workers = (await c.get("/debug/workers")).json()
 
-    assert set(data) == {"now", "model", "loop", "stalls", "pool", "requests", "latency",
-                         "workers"}
+    assert set(data) == {"now", "model", "loop", "stalls", "pool", "requests", "history",
+                         "latency", "workers"}
     assert data["model"] == MODEL
     loop = data["loop"]
     assert loop["threshold_s"] == pytest.approx(0.020)
@@ -294,6 +298,11 @@ async def test_dashboard_data_snapshot() -> None:
     assert data["requests"]["inflight"] == 0
     assert data["requests"]["queued"] == 0
     assert data["requests"]["by_status"] == {"success": 1}
+    history = data["history"]
+    assert history["fields"] == ["t", "inflight", "queued", "busy", "threads", "finished"]
+    point = dict(zip(history["fields"], history["points"][-1], strict=True))
+    assert point == {"t": pytest.approx(data["now"], abs=1e-3), "inflight": 0, "queued": 0,
+                     "busy": 0, "threads": 2, "finished": 1}
     ttft, itl = data["latency"]["ttft"], data["latency"]["itl"]
     assert ttft["count"] == 1
     assert 0 < ttft["p50"] == ttft["p99"] == ttft["max"]
@@ -345,6 +354,18 @@ def test_windowed_histogram_feeds_both() -> None:
     assert registry.get_sample_value("x_seconds_count") == 2
     assert registry.get_sample_value("x_seconds_sum") == 1.0
     assert hist.window.values() == [0.25, 0.75]
+
+
+def test_load_history_keeps_one_point_per_interval_over_the_window() -> None:
+    history = LoadHistory(window_s=10, interval_s=0.25)
+    for i in range(200):  # a point every 0.1 s for 20 s
+        history.add((i / 10, i, 0, 0, 2, 0))
+    points = history.recent(now=19.9)
+    times = [p[0] for p in points]
+    assert times[0] >= 9.9
+    assert times == sorted(times)
+    assert all(b - a >= 0.25 for a, b in itertools.pairwise(times))
+    assert 30 <= len(points) <= 41
 
 
 # -- worker metrics ----------------------------------------------------------------------

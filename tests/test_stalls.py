@@ -190,20 +190,23 @@ async def test_hf_encode_in_a_thread_is_a_gil_stall(
 async def test_gil_taken_in_the_middle_of_a_step_is_a_gil_stall(
     tokenizer: tokenizers.Tokenizer, long_prompt: str
 ) -> None:
+    spinning = threading.Event()
     encoding = threading.Event()
 
     def encode() -> None:
+        spinning.wait()
         encoding.set()
         tokenizer.encode(long_prompt)  # keeps the GIL from here on
 
     thread = threading.Thread(target=encode)
 
     async def spinner() -> None:
-        thread.start()
+        spinning.set()
         while not encoding.is_set():  # pure Python: the thread takes the GIL mid-step
             pass
 
     async with monitoring() as (_, records):
+        await trio.to_thread.run_sync(thread.start)  # Thread.start() blocks: not on the loop
         async with trio.open_nursery() as nursery:
             nursery.start_soon(spinner, name="spinner")
         await trio.to_thread.run_sync(thread.join)

@@ -106,19 +106,23 @@ async def serve_worker_metrics(
     registry = CollectorRegistry()
     registry.register(WorkerCollector(worker))
     monitor = monitor or getattr(worker, "monitor", None)
-    async with trio.open_nursery() as nursery:
-        if monitor is None:
-            monitor = LoopMonitor(registry, prefix=WORKER_PREFIX)
-            await nursery.start(monitor.run)
-        registries = [registry]
-        if monitor.metrics.registry is not registry:
-            registries.append(monitor.metrics.registry)
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        bound = listeners[0].socket.getsockname()[1]
-        handler = partial(_serve_connection, registries, monitor)
-        await nursery.start(partial(trio.serve_listeners, handler, listeners))
-        log.info("worker metrics on http://%s:%d/metrics", host, bound)
-        task_status.started(bound)
+    listeners = await trio.open_tcp_listeners(port, host=host)  # OSError before any task
+    bound = listeners[0].socket.getsockname()[1]
+    try:
+        async with trio.open_nursery() as nursery:
+            if monitor is None:
+                monitor = LoopMonitor(registry, prefix=WORKER_PREFIX)
+                await nursery.start(monitor.run)
+            registries = [registry]
+            if monitor.metrics.registry is not registry:
+                registries.append(monitor.metrics.registry)
+            handler = partial(_serve_connection, registries, monitor)
+            await nursery.start(partial(trio.serve_listeners, handler, listeners))
+            log.info("worker metrics on http://%s:%d/metrics", host, bound)
+            task_status.started(bound)
+    finally:
+        for listener in listeners:  # serve_listeners closes them too; closing twice is fine
+            await trio.aclose_forcefully(listener)
 
 
 def render(registries: list[CollectorRegistry]) -> bytes:

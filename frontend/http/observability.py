@@ -25,7 +25,7 @@ import orjson
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from frontend.http.dashboard import ASSETS, load_asset, snapshot
+from frontend.http.dashboard import ASSETS, LoadHistory, load_asset, snapshot
 from frontend.http.errors import ApiError, bad_request
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ _PAGE_HEADERS: Final = {
 def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
     """Register the routes above on *app*; the debug route only if
     ``frontend.config.debug_endpoints``."""
+    history = LoadHistory()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -81,7 +82,7 @@ def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
     @app.get("/dashboard/data")
     async def dashboard_data() -> Response:
         after = _float_arg("stalls_after")
-        body = orjson.dumps(snapshot(frontend, stalls_after=after))
+        body = orjson.dumps(snapshot(frontend, history, stalls_after=after))
         return Response(body, content_type=JSON, headers={"Cache-Control": "no-store"})
 
     if frontend.config.debug_endpoints:

@@ -144,13 +144,16 @@ async def cluster_throughput(
         await wait_healthy(frontend.address, child=frontend)
         children = (frontend, prefill, decode)
         warm = prompts.build_bodies(prompt_set.prompts[:32], stream=False, max_tokens=MAX_TOKENS)
-        await run_load_trio(frontend.address, warm, 4, 32, time_limit, False)
+        url = frontend.address + prompts.ENDPOINT_PATHS["chat"]
+        warmed = summarise(await run_load_trio(url, warm, 4, 32, time_limit, False))
+        if warmed.ok != warmed.requests:
+            raise RuntimeError(f"warm-up requests failed: {warmed.first_error}")
         for stream in streams:
             bodies = prompts.build_bodies(prompt_set, stream=stream, max_tokens=MAX_TOKENS)
             for c in concurrency:
                 before = {child.name: read_proc(child.pid) for child in children}
                 load = await run_load_trio(
-                    frontend.address, bodies, c, requests, time_limit, stream
+                    url, bodies, c, requests, time_limit, stream
                 )
                 summary = summarise(load, f"1+1+1 {'stream' if stream else 'unary'} c{c}")
                 ok = max(1, summary.ok)
@@ -221,6 +224,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{cpu['frontend']:.2f}, {cpu['prefill']:.2f}, {cpu['decode']:.2f} | "
             f"{r['client_cpu_pct']} |"
         )
+        if r["failed"]:
+            lines.append(f"|  ↳ {r['failed']} failed: {r['first_error']} | | | | | | |")
     return "\n".join(lines)
 
 

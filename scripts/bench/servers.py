@@ -3,9 +3,10 @@
 Two kinds, each an async context manager that yields a :class:`ServerInfo`:
 
 - :func:`headwater_server`: ``python -m frontend`` (``headwater serve``) on a free port
-  (``--port 0``; the bound URL is read from its start-up line), optionally under
-  pyinstrument. Stopped with SIGINT (the frontend shuts down gracefully and pyinstrument
-  writes its session), SIGKILL after a deadline.
+  (``--port 0``; the bound URL is read from its start-up line), its mocker workers
+  in-process or as two ``headwater worker`` processes (``python -m workers``, also on
+  free ports), optionally under pyinstrument. Stopped with SIGINT (the frontend shuts
+  down gracefully and pyinstrument writes its session), SIGKILL after a deadline.
 - :func:`dynamo_server`: NVIDIA Dynamo's frontend + mocker through the peer scripts
   (``start_disagg.sh`` / ``stop.sh`` in the directory given; their code is not part of
   this project). Those scripts bind port 8000, so the port is checked first and the

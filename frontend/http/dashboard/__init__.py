@@ -7,6 +7,11 @@ every server string as text, never as markup. It polls ``GET /dashboard/data`` (
 
 A snapshot only reads ``statistics()``-style records and metric values, so building
 one is cheap and never blocks: it runs on the event loop like any handler.
+
+The load charts (in-flight, queued, tokenizer threads busy) need a history, and the
+frontend runs no sampling task for it: :class:`LoadHistory` takes a sample whenever a
+dashboard polls (at most every 250 ms), so a page opened later still shows the last
+minute, and a minute nobody watched is simply a gap.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections import deque
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,6 +38,33 @@ ASSETS: Final[dict[str, str]] = {
 #: Stall records sent in one snapshot at most (each carries a stack of up to 48 frames).
 MAX_STALLS: Final = 50
 
+#: The columns of each :class:`LoadHistory` point, in order.
+HISTORY_FIELDS: Final = ("t", "inflight", "queued", "busy", "threads", "finished")
+
+
+class LoadHistory:
+    """Load samples over the last *window_s* seconds, one per *interval_s* at most.
+
+    Each point follows :data:`HISTORY_FIELDS`: unix time, requests in flight, requests
+    waiting for a tokenizer thread, tokenizer threads busy, pool size, and requests
+    finished since start (the page derives a rate). Fed and read on the event loop.
+    """
+
+    def __init__(self, window_s: float = 60.0, interval_s: float = 0.25) -> None:
+        self.window_s = window_s
+        self.interval_s = interval_s
+        self._points: deque[tuple[float, ...]] = deque(maxlen=int(window_s / interval_s) + 1)
+
+    def add(self, point: tuple[float, ...]) -> None:
+        """Keep *point* unless the previous one is less than ``interval_s`` older."""
+        if not self._points or point[0] - self._points[-1][0] >= self.interval_s:
+            self._points.append(point)
+
+    def recent(self, now: float) -> list[tuple[float, ...]]:
+        """The points of the last ``window_s`` seconds before *now*, oldest first."""
+        oldest = now - self.window_s
+        return [p for p in self._points if p[0] >= oldest]
+
 
 @functools.cache
 def load_asset(name: str) -> bytes:
@@ -45,18 +78,22 @@ def load_asset(name: str) -> bytes:
     return resources.files(__name__).joinpath(name).read_bytes()
 
 
-def snapshot(frontend: Frontend, *, stalls_after: float | None = None) -> dict[str, Any]:
-    """Everything the page shows, as one JSON-ready dict.
+def snapshot(
+    frontend: Frontend, history: LoadHistory, *, stalls_after: float | None = None
+) -> dict[str, Any]:
+    """Everything the page shows, as one JSON-ready dict; also samples *history*.
 
     Args:
       frontend: the running frontend to describe.
+      history: the load history to add the current point to, and to send.
       stalls_after: send only stall records that started after this unix time (the
         newest one the page already has); ``None`` sends the latest :data:`MAX_STALLS`.
 
     Keys: ``now`` (server unix time: the page's x axes use it, not the browser's clock),
     ``model``, ``loop`` (delay series and threshold), ``stalls`` (records newest first
     and the detector's statistics), ``pool``, ``requests`` (in-flight, queued, totals by
-    status), ``latency`` (TTFT and ITL percentiles over a recent window), ``workers``.
+    status), ``history`` (``fields`` and ``points``: see :class:`LoadHistory`),
+    ``latency`` (TTFT and ITL percentiles over a recent window), ``workers``.
     """
     monitor, metrics, pool = frontend.monitor, frontend.metrics, frontend.pool
     now = time.time()
@@ -65,6 +102,12 @@ def snapshot(frontend: Frontend, *, stalls_after: float | None = None) -> dict[s
         records = [r for r in records if r.started_at > stalls_after]
     stall_stats = monitor.statistics()
     pool_stats = pool.statistics()
+    inflight = int(_value(metrics.inflight_requests))
+    by_status = _totals_by(metrics.requests_total, "status")
+    history.add(
+        (now, inflight, pool_stats.waiting, pool_stats.busy, pool_stats.threads,
+         sum(by_status.values()))
+    )
     return {
         "now": now,
         "model": frontend.config.model_name,
@@ -82,10 +125,14 @@ def snapshot(frontend: Frontend, *, stalls_after: float | None = None) -> dict[s
         },
         "pool": {"mode": pool.mode.value, **dataclasses.asdict(pool_stats)},
         "requests": {
-            "inflight": int(_value(metrics.inflight_requests)),
+            "inflight": inflight,
             "queued": pool_stats.waiting,
-            "by_status": _totals_by(metrics.requests_total, "status"),
+            "by_status": by_status,
             "disconnected_clients": int(_value(metrics.disconnected_clients)),
+        },
+        "history": {
+            "fields": HISTORY_FIELDS,
+            "points": [[round(p[0], 3), *p[1:]] for p in history.recent(now)],
         },
         "latency": {
             "ttft": dataclasses.asdict(metrics.time_to_first_token_seconds.window.statistics()),

@@ -15,7 +15,7 @@
 
   const state = {
     stallsAfter: null, // started_at of the newest stall record shown
-    history: [], // {t, inflight, queued, busy, threads, waiting, total}
+    history: [], // the server's load history as objects: {t, inflight, queued, busy, ...}
     last: null, // the latest snapshot, redrawn on resize
   };
 
@@ -202,7 +202,7 @@
     setText("t-queued", String(data.requests.queued), data.requests.queued > 0);
     const cur = hist[hist.length - 1];
     const old = hist.find((h) => h.t >= now - RATE_WINDOW_S);
-    const rate = old && cur.t > old.t ? (cur.total - old.total) / (cur.t - old.t) : 0;
+    const rate = old && cur && cur.t > old.t ? (cur.finished - old.finished) / (cur.t - old.t) : 0;
     setText("t-rate", rate.toFixed(rate < 10 ? 1 : 0));
   }
 
@@ -217,14 +217,14 @@
       `${pool.encoded_total} encoded in threads, ${pool.inline_total} inline · mode ${pool.mode}`);
     setText("t-pool", `${pool.busy} / ${pool.threads}`, share >= 1);
     const hist = state.history;
-    const top = niceCeil(Math.max(pool.threads, ...hist.map((h) => Math.max(h.busy, h.waiting))) * 1.15);
+    const top = niceCeil(Math.max(pool.threads, ...hist.map((h) => Math.max(h.busy, h.queued))) * 1.15);
     drawChart($("pool-chart"), {
       x: [now - HISTORY_S, now],
       y: [0, top],
       yTicks: linearTicks(top),
       xTicks: timeTicks(now),
       lines: [
-        { points: hist.map((h) => [h.t, h.waiting]), cls: "s-waiting" },
+        { points: hist.map((h) => [h.t, h.queued]), cls: "s-waiting" },
         { points: hist.map((h) => [h.t, h.busy]), cls: "s-busy" },
       ],
       hlines: [{ v: pool.threads, cls: "capacity", label: `pool size ${pool.threads}` }],
@@ -318,13 +318,10 @@
   // -- loop ------------------------------------------------------------------------------
 
   function remember(data) {
-    const pool = data.pool;
-    const total = Object.values(data.requests.by_status).reduce((a, b) => a + b, 0);
-    state.history.push({
-      t: data.now, inflight: data.requests.inflight, queued: data.requests.queued,
-      busy: pool.busy, threads: pool.threads, waiting: pool.waiting, total,
-    });
-    while (state.history.length && state.history[0].t < data.now - HISTORY_S) state.history.shift();
+    // Columns named by data.history.fields: t, inflight, queued, busy, threads, finished.
+    const fields = data.history.fields;
+    state.history = data.history.points.map((point) =>
+      Object.fromEntries(fields.map((name, i) => [name, point[i]])));
   }
 
   function drawAll(data) {
