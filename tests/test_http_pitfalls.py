@@ -1,0 +1,102 @@
+"""The hypercorn / quart-trio pitfalls of FIELD_NOTES §2 stay fixed.
+
+Policy: real loopback sockets for the keep-alive behaviour; the write deadline is
+checked on hypercorn's own TCPServer method over a lockstep memory stream with
+virtual time, since filling a real socket's send buffer would take megabytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+import trio.testing
+from hypercorn.events import Closed, RawData
+from hypercorn.trio.tcp_server import TCPServer
+
+from frontend.http import hypercorn_fixes
+
+from frontend_fixture import serve_frontend
+
+
+async def _open(url: str) -> trio.SocketStream:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return await trio.open_tcp_stream(host, int(port))
+
+
+async def _read_response(stream: trio.SocketStream) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    return head
+
+
+async def test_keep_alive_idle_timeout_closes_the_connection() -> None:
+    async with serve_frontend(keep_alive_timeout=0.5) as (_, url):
+        stream = await _open(url)
+        request = b"GET /live HTTP/1.1\r\nHost: test\r\nConnection: keep-alive\r\n\r\n"
+        await stream.send_all(request)
+        assert (await _read_response(stream)).startswith(b"HTTP/1.1 200")
+        # The connection is reused: a second request on it works.
+        await stream.send_all(request)
+        assert (await _read_response(stream)).startswith(b"HTTP/1.1 200")
+        # Then it idles; the server must close it after keep_alive_timeout.
+        with trio.fail_after(5):
+            assert await stream.receive_some(1024) == b""
+        await stream.aclose()
+
+
+async def test_sse_responses_are_not_cut_by_quart_timeouts() -> None:
+    async with serve_frontend() as (fe, _):
+        assert fe.app.config["RESPONSE_TIMEOUT"] is None
+        assert fe.app.config["BODY_TIMEOUT"] is None
+
+
+class _FakeProtocol:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    async def handle(self, event: Any) -> None:
+        self.events.append(event)
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    server_side, client_side = trio.testing.lockstep_stream_pair()
+    fake = TCPServer.__new__(TCPServer)  # only the attributes protocol_send touches
+    fake.stream = server_side  # type: ignore[assignment]
+    fake.send_lock = trio.Lock()
+    fake.protocol = _FakeProtocol()  # type: ignore[assignment]
+    hypercorn_fixes.install_write_deadline(7.0)
+    start = trio.current_time()
+    # Nobody reads client_side: without a deadline this send would block forever.
+    await TCPServer.protocol_send(fake, RawData(b"x" * 1024))
+    assert trio.current_time() - start == 7.0
+    assert any(isinstance(e, Closed) for e in fake.protocol.events)  # type: ignore[attr-defined]
+    await client_side.aclose()
+
+
+async def test_a_reading_client_gets_its_bytes(autojump_clock: trio.testing.MockClock) -> None:
+    server_side, client_side = trio.testing.lockstep_stream_pair()
+    fake = TCPServer.__new__(TCPServer)
+    fake.stream = server_side  # type: ignore[assignment]
+    fake.send_lock = trio.Lock()
+    fake.protocol = _FakeProtocol()  # type: ignore[assignment]
+    hypercorn_fixes.install_write_deadline(7.0)
+    received = bytearray()
+
+    async def reader() -> None:
+        while len(received) < 3:
+            received.extend(await client_side.receive_some())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader)
+        await TCPServer.protocol_send(fake, RawData(b"abc"))
+    assert bytes(received) == b"abc"
+    assert fake.protocol.events == []  # type: ignore[attr-defined]
