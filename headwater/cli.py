@@ -54,7 +54,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
             conv = action.type or str
             try:
                 action.default = conv(raw)  # type: ignore[operator]
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 parser.error(f"{var}={raw!r}: {exc}")
             if action.choices is not None and action.default not in action.choices:
                 parser.error(f"{var}={raw!r}: choose from {', '.join(map(str, action.choices))}")

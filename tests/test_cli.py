@@ -1,0 +1,83 @@
+"""The command line: every serve option documented, HEADWATER_* variables mirror them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from frontend.cli import config_from_args
+from frontend.config import FrontendConfig, usable_cpus
+from headwater.cli import build_parser, env_name
+
+SERVE_OPTIONS = [
+    "--host", "--port", "--model-name", "--tokenizer", "--context-length", "--tokenizer-backend",
+    "--tokenize-mode", "--tokenizer-threads", "--engine", "--mode", "--speedup-ratio",
+    "--log-level", "--max-body-bytes", "--workers", "--discovery", "--router", "--ack-timeout",
+    "--no-instrument", "--stall-threshold-ms",
+]
+
+
+def test_serve_help_documents_every_option_and_its_variable() -> None:
+    text = build_parser("serve").format_help()
+    for option in SERVE_OPTIONS:
+        assert option in text, option
+        assert env_name(option) in "".join(text.split()), option
+    # The repro-only modes say so.
+    assert "REPRODUCE" in text
+
+
+def test_defaults_match_the_config_object() -> None:
+    config = config_from_args(build_parser("serve").parse_args([]))
+    assert config == FrontendConfig(tokenizer_threads=usable_cpus())
+    assert config.host == "127.0.0.1"
+    assert config.port == 8000
+    assert config.model_name == "deepseek-v4"
+    assert config.tokenizer_backend == "fastokens"
+    assert config.tokenize_mode == "thread"
+    assert config.mode == "disagg"
+
+
+def test_environment_variables_mirror_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HEADWATER_TOKENIZER_THREADS", "3")
+    monkeypatch.setenv("HEADWATER_TOKENIZE_MODE", "inline")
+    monkeypatch.setenv("HEADWATER_NO_INSTRUMENT", "true")
+    monkeypatch.setenv("HEADWATER_SPEEDUP_RATIO", "250")
+    config = config_from_args(build_parser("serve").parse_args([]))
+    assert config.tokenizer_threads == 3
+    assert config.tokenize_mode == "inline"
+    assert config.instrument is False
+    assert config.speedup_ratio == 250.0
+    # The command line wins over the environment.
+    args = build_parser("serve").parse_args(["--tokenizer-threads", "5"])
+    assert config_from_args(args).tokenizer_threads == 5
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [("HEADWATER_TOKENIZER_THREADS", "zero"), ("HEADWATER_TOKENIZE_MODE", "sideways"),
+     ("HEADWATER_TOKENIZER_THREADS", "0")],
+)
+def test_bad_environment_values_are_clear_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], var: str, value: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as exc:
+        build_parser("serve")
+    assert exc.value.code == 2
+    assert var in capsys.readouterr().err
+
+
+def test_bad_flags_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["--tokenizer-backend", "sentencepiece"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_python_dash_m_frontend_is_headwater_serve() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "frontend", "--help"], capture_output=True, text=True, timeout=60,
+        check=True,
+    ).stdout
+    assert out.startswith("usage: headwater serve")
