@@ -371,6 +371,7 @@ def _announce(cluster: Cluster, url: str) -> None:
     lines = [f"headwater launch: {plan.model} on {url} ({counts}; discovery: {where})"]
     for child in cluster.children():
         lines.append(f"  {child.name:<12} pid {child.pid:<8} {child.address}")
-    lines.append(f"  logs in {cluster.workdir}; Ctrl-C stops the cluster")
+    kept = "" if plan.workdir else " (removed after a clean stop)"
+    lines.append(f"  logs in {cluster.workdir}{kept}; Ctrl-C stops the cluster")
     lines.append(f"{CLUSTER_READY_PREFIX} {url}")
     print("\n".join(lines), flush=True)

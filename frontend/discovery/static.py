@@ -75,6 +75,8 @@ def parse_worker_url(url: str, *, default_model: str) -> WorkerInstance:
         role=role,
         model=params.get("model", default_model),
         address=f"tcp://{hostport}",
+        # Without id= we do not know the worker's id: accept whoever answers there.
+        metadata={} if "id" in params else {"expect_worker_id": ""},
     )
     if "capacity" in params:
         raw = params["capacity"]

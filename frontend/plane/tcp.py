@@ -145,7 +145,10 @@ class TcpWorkerClient(WorkerClient):
                     role="frontend",
                     peer_id=self.client_id,
                     secret=self._secret,
-                    expect_worker_id=self.instance.worker_id,
+                    # A static entry without id= names the worker by address only.
+                    expect_worker_id=self.instance.metadata.get(
+                        "expect_worker_id", self.instance.worker_id
+                    ),
                     expect_model=self.instance.model,
                     config=self.config,
                 )

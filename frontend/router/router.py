@@ -108,7 +108,9 @@ class Router:
         self.max_inhibit_s = max_inhibit_s
         self._rng = rng or random.Random()
         self._entries: dict[str, _Entry] = {}
-        self._turn = itertools.count()
+        # One turn counter per (role, model): a shared one would lock the prefill and
+        # decode legs of serial requests into the same phase on every pick.
+        self._turns: dict[tuple[Role, str], itertools.count[int]] = {}
         self.changed = trio.Event()  # set (and replaced) whenever the worker set changes
 
     # -- membership (discovery's side) ------------------------------------------
@@ -157,15 +159,18 @@ class Router:
         elif self.policy is Policy.LEAST_LOADED:
             low = min(e.inflight for e in candidates)
             tied = [e for e in candidates if e.inflight == low]
-            entry = tied[next(self._turn) % len(tied)]
+            entry = tied[self._next_turn(role, model) % len(tied)]
         elif self.policy is Policy.P2C:
             a, b = (
                 self._rng.sample(candidates, 2) if len(candidates) > 1 else candidates * 2
             )
             entry = a if a.inflight <= b.inflight else b
         else:
-            entry = candidates[next(self._turn) % len(candidates)]
+            entry = candidates[self._next_turn(role, model) % len(candidates)]
         return entry.client
+
+    def _next_turn(self, role: Role, model: str) -> int:
+        return next(self._turns.setdefault((role, model), itertools.count()))
 
     def _candidates(
         self, role: Role, model: str, now: float, exclude: frozenset[str] | tuple[()]

@@ -152,21 +152,21 @@ class TaskTracker(trio.abc.Instrument):
     begins, so an ``after_task_step`` would only add a second hook call. The I/O-wait
     hooks run once per loop iteration. Process CPU time per step, measured with
     ``scripts/bench_instrument_overhead.py --steps 50000 --reps 41`` (checkpoints over
-    100 tasks; 2 cores, Python 3.11, trio 0.35; best of 41, three runs; 2.5–2.65 µs
+    100 tasks; 2 cores, Python 3.11, trio 0.35; best of 41, six runs; 2.5–2.65 µs
     per step without instruments):
 
     ===============================================  ==============
     configuration                                    added per step
     ===============================================  ==============
     ``before``/``after_io_wait`` only                +0.01–0.03 µs
-    empty ``before_task_step`` (trio's dispatch)     +0.63–0.68 µs
-    ``before`` + ``after_task_step``, clock in both  +1.58–1.69 µs
-    this tracker                                     +0.88–0.90 µs
-    :class:`StallDetector` (+ watchdog thread CPU)   +1.00–1.06 µs
+    empty ``before_task_step`` (trio's dispatch)     +0.57–0.68 µs
+    ``before`` + ``after_task_step``, clock in both  +1.54–1.69 µs
+    this tracker                                     +0.79–0.90 µs
+    :class:`StallDetector` (+ watchdog thread CPU)   +0.95–1.23 µs
     ===============================================  ==============
 
-    So the per-step clock read and phase tuple cost ~0.25 µs over trio's own dispatch,
-    and the I/O-wait heartbeat is free; the watchdog's 200 wake-ups a second add ~0.1.
+    So the per-step clock read and phase tuple cost ~0.2 µs over trio's own dispatch,
+    and the I/O-wait heartbeat is free; the watchdog's 200 wake-ups a second add 0.1–0.3.
 
     A hook that raises disables the tracker (logged once); it never reaches trio, which
     would otherwise remove the instrument behind the detector's back.
@@ -431,9 +431,9 @@ class StallDetector:
                     self._starved.append((last_wake, now))
                 last_wake, last_cpu = now, cpu
                 self._sample_loop_busy()
-                self._drain()
+                self._drain(until=now)
                 self._observe(_clock())
-            self._drain()
+            self._drain(until=inf)
         except Exception:
             logger.exception("stall watchdog failed; stall detection is off")
         finally:
@@ -484,9 +484,14 @@ class StallDetector:
         frames.reverse()
         return tuple(frames)
 
-    def _drain(self) -> None:
+    def _drain(self, *, until: float) -> None:
+        """Finish the overruns that ended by ``until``, up to which our starvation is known.
+
+        An overrun that ended later may have frozen this very tick at a GIL release; its
+        starvation shows only at the next wake-up, so it waits for the next tick.
+        """
         pending = self.tracker.pending
-        while pending:
+        while pending and pending[0].ended <= until:
             self._finish(pending.popleft())
 
     def _finish(self, overrun: _Overrun) -> None:
@@ -520,9 +525,10 @@ class StallDetector:
             self._max_duration_s = max(self._max_duration_s, record.duration_s)
         if record.duration_s >= self._log_after_s:
             logger.warning(
-                "event loop stalled %.3f s (%s) in %s at %s",
+                "event loop stalled %.3f s (%s; loop thread busy %s) in %s at %s",
                 record.duration_s,
                 cause,
+                "?" if busy is None else f"{busy:.0%}",
                 record.task,
                 record.stack[-1] if record.stack else "?",
             )

@@ -13,8 +13,10 @@ Two measurements, both on loopback, both with real processes:
    figure of ``scripts/bench_plane.py`` (an engine that answers at once) is included.
 2. :func:`cluster_throughput` — short prompts (~100 tokens, 8 output tokens) through
    one frontend, one prefill and one decode worker process (``--workers``, no etcd),
-   driven by the aiohttp load generator in its own process. Reports req/s, TTFT and
-   the CPU each process used per request.
+   and, for reference, through one frontend with the same pair in-process
+   (``headwater serve``'s default), driven by the aiohttp load generator in its own
+   process. Mocker at ``--speedup-ratio 1000``, the benchmark suite's setting. Reports
+   req/s, TTFT and the CPU each process used per request.
 
     .venv/bin/python -m scripts.bench.cluster_bench [--quick] [--json out.json]
 
@@ -118,54 +120,71 @@ async def cluster_throughput(
     concurrency: Sequence[int] = (16, 64),
     requests: int = 1000,
     streams: Sequence[bool] = (False, True),
+    topologies: Sequence[str] = ("processes", "inprocess"),
     time_limit: float = 60.0,
     frontend_args: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Short-prompt runs through 1 frontend + 1 prefill + 1 decode worker process.
+    """Short-prompt runs, one record per (topology, stream, concurrency).
 
-    One record per (stream, concurrency): the load generator's summary plus each
-    process's CPU milliseconds per successful request.
+    Topology ``processes``: 1 frontend + 1 prefill + 1 decode worker process over the
+    TCP plane (``--workers``); ``inprocess``: ``headwater serve``'s default, the same
+    pair inside the frontend process (the reference). Each record is the load
+    generator's summary plus each process's CPU milliseconds per successful request.
     """
     prompt_set = prompts.make_prompts("short", requests, seed=7)
     runs: list[dict[str, Any]] = []
-    async with trio.open_nursery() as nursery:
-        prefill, decode = [
+    for topology in topologies:
+        async with trio.open_nursery() as nursery:
+            children = await _start_topology(nursery, workdir, topology, frontend_args)
+            url = children[0].address + prompts.ENDPOINT_PATHS["chat"]
+            warm = prompts.build_bodies(prompt_set.prompts[:32], stream=False,
+                                        max_tokens=MAX_TOKENS)  # fmt: skip
+            warmed = summarise(await run_load_trio(url, warm, 4, 32, time_limit, False))
+            if warmed.ok != warmed.requests:
+                raise RuntimeError(f"warm-up requests failed: {warmed.first_error}")
+            label = "1+1+1" if topology == "processes" else "in-process"
+            for stream in streams:
+                bodies = prompts.build_bodies(prompt_set, stream=stream, max_tokens=MAX_TOKENS)
+                for c in concurrency:
+                    before = {child.name: read_proc(child.pid) for child in children}
+                    load = await run_load_trio(url, bodies, c, requests, time_limit, stream)
+                    summary = summarise(load, f"{label} {'stream' if stream else 'unary'} c{c}")
+                    ok = max(1, summary.ok)
+                    record = {"topology": topology, **summary.to_json()}
+                    record["cpu_ms_per_request"] = {
+                        child.name: round(1000 * _cpu(before, child) / ok, 3)
+                        for child in children
+                    }
+                    runs.append(record)
+            for child in children:
+                await child.stop()
+            nursery.cancel_scope.cancel()
+    return runs
+
+
+async def _start_topology(
+    nursery: trio.Nursery, workdir: Path, topology: str, frontend_args: Sequence[str]
+) -> list[ChildProcess]:
+    """The frontend first in the list, then its worker processes (if any)."""
+    quiet = ["--log-level", "warning"]
+    workers = []
+    if topology == "processes":
+        workers = [
             await start_worker(
                 nursery, role, log_dir=workdir, model=MODEL, speedup_ratio=THROUGHPUT_SPEEDUP,
-                extra_args=["--log-level", "warning"],
+                extra_args=quiet,
             )
             for role in ("prefill", "decode")
         ]  # fmt: skip
-        frontend = await start_frontend(
-            nursery, log_dir=workdir, model=MODEL,
-            workers=",".join(w.static_url(MODEL) for w in (prefill, decode)),
-            extra_args=["--log-level", "warning", *frontend_args],
-        )  # fmt: skip
-        await wait_healthy(frontend.address, child=frontend)
-        children = (frontend, prefill, decode)
-        warm = prompts.build_bodies(prompt_set.prompts[:32], stream=False, max_tokens=MAX_TOKENS)
-        url = frontend.address + prompts.ENDPOINT_PATHS["chat"]
-        warmed = summarise(await run_load_trio(url, warm, 4, 32, time_limit, False))
-        if warmed.ok != warmed.requests:
-            raise RuntimeError(f"warm-up requests failed: {warmed.first_error}")
-        for stream in streams:
-            bodies = prompts.build_bodies(prompt_set, stream=stream, max_tokens=MAX_TOKENS)
-            for c in concurrency:
-                before = {child.name: read_proc(child.pid) for child in children}
-                load = await run_load_trio(
-                    url, bodies, c, requests, time_limit, stream
-                )
-                summary = summarise(load, f"1+1+1 {'stream' if stream else 'unary'} c{c}")
-                ok = max(1, summary.ok)
-                record = summary.to_json()
-                record["cpu_ms_per_request"] = {
-                    child.name: round(1000 * _cpu(before, child) / ok, 3) for child in children
-                }
-                runs.append(record)
-        for child in children:
-            await child.stop()
-        nursery.cancel_scope.cancel()
-    return runs
+    elif topology != "inprocess":
+        raise ValueError(f"unknown topology {topology!r}")
+    frontend = await start_frontend(
+        nursery, log_dir=workdir, name=f"frontend-{topology}", model=MODEL,
+        workers=",".join(w.static_url(MODEL) for w in workers),
+        extra_args=[*quiet, "--speedup-ratio", f"{THROUGHPUT_SPEEDUP:g}", *frontend_args],
+    )  # fmt: skip
+    await wait_healthy(frontend.address, child=frontend)
+    return [frontend, *workers]
 
 
 def machine() -> dict[str, Any]:
@@ -213,16 +232,15 @@ def markdown(results: dict[str, Any]) -> str:
         f"{one['tcp_overhead_p50_ms']:.3f} | |",
         "",
         "| run | ok/req | req/s | TTFT p50/p99 ms | e2e p50/p99 ms | CPU ms/req "
-        "(frontend, prefill, decode) | client CPU % |",
+        "(frontend + prefill + decode) | client CPU % |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results["throughput"]:
-        cpu = r["cpu_ms_per_request"]
+        cpu = " + ".join(f"{v:.2f}" for v in r["cpu_ms_per_request"].values())
         lines.append(
             f"| {r['label']} | {r['ok']}/{r['requests']} | {r['req_per_s']:.0f} | "
             f"{r['ttft_p50_ms']}/{r['ttft_p99_ms']} | {r['e2e_p50_ms']}/{r['e2e_p99_ms']} | "
-            f"{cpu['frontend']:.2f}, {cpu['prefill']:.2f}, {cpu['decode']:.2f} | "
-            f"{r['client_cpu_pct']} |"
+            f"{cpu} | {r['client_cpu_pct']} |"
         )
         if r["failed"]:
             lines.append(f"|  ↳ {r['failed']} failed: {r['first_error']} | | | | | | |")
