@@ -20,7 +20,7 @@ from headwater.plane.base import (
     WorkerError,
     WorkerInstance,
 )
-from headwater.wire import Ack, Chunk, End, Error, GenerateRequest, Reply
+from headwater.wire import Ack, Error, GenerateRequest, Reply
 from workers.runtime import WorkerRuntime
 
 #: Replies buffered per request: enough to decouple engine steps from the HTTP
@@ -31,24 +31,12 @@ REPLY_BUFFER = 64
 class _MemoryResponseStream(ResponseStream):
     def __init__(self, replies: trio.MemoryReceiveChannel[Reply]) -> None:
         self._replies = replies
-        self.finished = False
 
-    async def __anext__(self) -> Chunk:
-        if self.finished:
-            raise StopAsyncIteration
+    async def _receive(self) -> Reply:
         try:
-            msg = await self._replies.receive()
+            return await self._replies.receive()
         except trio.EndOfChannel:
-            self.finished = True
             raise Disconnected("worker closed the stream without End") from None
-        if isinstance(msg, Chunk):
-            return msg
-        self.finished = True
-        if isinstance(msg, End):
-            raise StopAsyncIteration
-        if isinstance(msg, Error):
-            raise WorkerError(msg.code, msg.message)
-        raise Disconnected(f"unexpected message {type(msg).__name__}")
 
 
 class MemoryWorkerClient(WorkerClient):

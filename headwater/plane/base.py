@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
-from headwater.wire import Chunk, ErrorCode, Role
+from headwater.wire import Chunk, End, Error, ErrorCode, Reply, Role
 
 
 class PlaneError(Exception):
@@ -63,11 +63,35 @@ class ResponseStream(abc.ABC):
     """The chunks of one ACKed request, in order. Ends at the worker's End message.
 
     ``__anext__`` raises :class:`WorkerError` when the worker sent an Error and
-    :class:`Disconnected` when the transport broke mid-stream.
+    :class:`Disconnected` when the transport broke mid-stream. A transport supplies
+    only :meth:`_receive`; how replies end a stream is decided here, once.
     """
+
+    finished = False
 
     def __aiter__(self) -> ResponseStream:
         return self
 
     @abc.abstractmethod
-    async def __anext__(self) -> Chunk: ...
+    async def _receive(self) -> Reply | object:
+        """The next reply for this request; raise Disconnected if the transport broke.
+
+        Anything that is not a Reply ends the stream as Disconnected.
+        """
+
+    async def __anext__(self) -> Chunk:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            msg = await self._receive()
+        except Disconnected:
+            self.finished = True
+            raise
+        if isinstance(msg, Chunk):
+            return msg
+        self.finished = True
+        if isinstance(msg, End):
+            raise StopAsyncIteration
+        if isinstance(msg, Error):
+            raise WorkerError(msg.code, msg.message)
+        raise Disconnected(f"unexpected {type(msg).__name__} in a response stream")

@@ -160,24 +160,9 @@ class _Route:
 class _TcpResponseStream(ResponseStream):
     def __init__(self, route: _Route) -> None:
         self._route = route
-        self.finished = False
 
-    async def __anext__(self) -> Chunk:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            msg = await self._route.next()
-        except Disconnected:
-            self.finished = True
-            raise
-        if isinstance(msg, Chunk):
-            return msg
-        self.finished = True
-        if isinstance(msg, End):
-            raise StopAsyncIteration
-        if isinstance(msg, Error):
-            raise WorkerError(msg.code, msg.message)
-        raise Disconnected(f"unexpected {type(msg).__name__} in a response stream")
+    async def _receive(self) -> Frame:
+        return await self._route.next()
 
 
 class PlaneConnection:
