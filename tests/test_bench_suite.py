@@ -219,7 +219,7 @@ async def test_read_threads_counts_trio_worker_threads_as_tokenizer() -> None:
     other.start()
     try:
         assert burnt.wait(10)
-        delta = profile.read_threads(os.getpid()).minus(before)  # while both threads live
+        delta = profile.read_threads(os.getpid()).since(before)  # while both threads live
     finally:
         release.set()
         other.join()
@@ -227,6 +227,14 @@ async def test_read_threads_counts_trio_worker_threads_as_tokenizer() -> None:
     assert delta.other_s >= 0.1
     with pytest.raises(ProcessLookupError):
         profile.read_threads(2**22 + 1)
+
+
+def test_thread_delta_survives_threads_coming_and_going() -> None:
+    before = profile.ThreadSample({1: ("loop", 5.0), 2: ("tokenizer", 3.0), 3: ("other", 1.0)})
+    # Thread 2 retired (its 3 s are history, not negative); thread 4 started during the run.
+    after = profile.ThreadSample({1: ("loop", 6.5), 3: ("other", 1.25), 4: ("tokenizer", 0.5)})
+    delta = after.since(before)
+    assert (delta.loop_s, delta.tokenizer_s, delta.other_s) == (1.5, 0.5, 0.25)
 
 
 # --- report ----------------------------------------------------------------------------
@@ -259,6 +267,19 @@ def test_targets_judge_pass_and_miss() -> None:
     ))  # fmt: skip
 
 
+@pytest.mark.parametrize(("second_pass_mb", "flat"), [(345.0, True), (400.0, False)])
+def test_rss_flat_compares_the_two_passes(second_pass_mb: float, flat: bool) -> None:
+    runs = [
+        _record(phase="vs dynamo default", started_unix=1.0, rss_end_mb=330.0),
+        _record(phase="vs dynamo default", started_unix=2.0, rss_end_mb=340.0),
+        _record(phase="vs dynamo fastokens", started_unix=3.0, rss_end_mb=350.0),
+        _record(phase="vs dynamo fastokens", started_unix=4.0, rss_end_mb=second_pass_mb),
+    ]
+    target = report.rss_flat(_results(runs))
+    assert target.passed is flat
+    assert "after pass 1 340 MB" in target.measured
+
+
 def test_ratio_table_divides_adjacent_runs() -> None:
     runs = _pair_runs(150.0, 100.0)
     (pair,) = report.pairs(runs)
@@ -267,7 +288,7 @@ def test_ratio_table_divides_adjacent_runs() -> None:
     assert pair.ratio("itl_p50_ms") is None  # unary: no ITL
     row = report.ratio_table([pair]).splitlines()[2]
     assert "| 1.50 |" in row
-    assert "0.50 / 1.00" in row
+    assert "0.50 / 1.00" in row  # TTFT p50 / p99 ratios
 
 
 def test_render_and_update_docs_keep_the_prose(tmp_path: Path) -> None:

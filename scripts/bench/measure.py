@@ -155,6 +155,7 @@ def build_record(m: Measurement) -> dict[str, Any]:
         "stall_threshold_ms": m.server.stall_threshold_ms,
         "stall_records": len(m.stall_records),
         "stall_record_max_ms": _ms(max((r["duration_s"] for r in m.stall_records), default=None)),
+        "stall_longest": longest_stalls(m.stall_records),
         "threads_cpu_s": None if m.threads is None else {
             "loop": round(m.threads.loop_s, 4),
             "tokenizer": round(m.threads.tokenizer_s, 4),
@@ -168,6 +169,20 @@ def build_record(m: Measurement) -> dict[str, Any]:
         "timeline": [p.to_json() for p in m.timeline],
     }  # fmt: skip
     return record
+
+
+def longest_stalls(records: Sequence[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:
+    """The *n* longest stall records, each cut to duration, cause, task and innermost frame."""
+    top = sorted(records, key=lambda r: r.get("duration_s", 0.0), reverse=True)[:n]
+    return [
+        {
+            "duration_ms": _ms(r.get("duration_s")),
+            "cause": r.get("cause"),
+            "task": r.get("task"),
+            "where": (r.get("stack") or ["?"])[-1],
+        }
+        for r in top
+    ]
 
 
 def _rss(samples: Sequence[ProcSample]) -> float | None:
@@ -246,7 +261,7 @@ async def measure(
     stalls = await _stall_records(server, started, ended)
     threads = None
     if threads_before is not None and threads_after is not None:
-        threads = threads_after.minus(threads_before)
+        threads = threads_after.since(threads_before)
     if len(procs_after) != len(procs_before):  # a server process died: keep what matches
         alive = {p.pid for p in procs_after}
         procs_before = tuple(p for p in procs_before if p.pid in alive)
@@ -259,7 +274,7 @@ async def measure(
     )  # fmt: skip
 
 
-def _threads(server: ServerInfo) -> profile.ThreadCpu | None:
+def _threads(server: ServerInfo) -> profile.ThreadSample | None:
     if server.kind != "headwater":
         return None
     try:

@@ -179,28 +179,40 @@ _TOKENIZER_THREADS = re.compile(r"^(Trio thread|fastokens|tokenizers|rayon)", re
 
 @dataclass(frozen=True, slots=True)
 class ThreadCpu:
-    """CPU seconds of one process so far, by thread group."""
+    """CPU seconds by thread group (of a process so far, or used over an interval)."""
 
     loop_s: float  # the main thread, which runs the trio loop
     tokenizer_s: float  # tokenizer pool threads and the encoders' own threads
     other_s: float  # everything else (stall watchdog, ...)
-
-    def minus(self, earlier: ThreadCpu) -> ThreadCpu:
-        """CPU used since *earlier*. A thread that ended in between is lost (rare here)."""
-        return ThreadCpu(
-            self.loop_s - earlier.loop_s,
-            self.tokenizer_s - earlier.tokenizer_s,
-            self.other_s - earlier.other_s,
-        )
 
     @property
     def total_s(self) -> float:
         return self.loop_s + self.tokenizer_s + self.other_s
 
 
-def read_threads(pid: int) -> ThreadCpu:
-    """Group *pid*'s threads' CPU time. Raises ProcessLookupError if *pid* is gone."""
-    loop = tok = other = 0.0
+@dataclass(frozen=True, slots=True)
+class ThreadSample:
+    """One process's threads at one moment: thread id → (group, CPU seconds so far)."""
+
+    threads: Mapping[int, tuple[str, float]]
+
+    def since(self, earlier: ThreadSample) -> ThreadCpu:
+        """CPU each thread used since *earlier*, summed by group.
+
+        Per thread, because pool threads come and go (trio retires idle ones): a thread
+        that started in between counts from zero; one that ended in between is missing
+        from this sample, so its last moments are lost (an underestimate, never negative).
+        """
+        totals = {"loop": 0.0, "tokenizer": 0.0, "other": 0.0}
+        for tid, (group, cpu) in self.threads.items():
+            before = earlier.threads.get(tid)
+            totals[group] += cpu - (before[1] if before and before[0] == group else 0.0)
+        return ThreadCpu(totals["loop"], totals["tokenizer"], totals["other"])
+
+
+def read_threads(pid: int) -> ThreadSample:
+    """Sample *pid*'s threads' CPU time. Raises ProcessLookupError if *pid* is gone."""
+    threads: dict[int, tuple[str, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError as exc:
@@ -215,12 +227,13 @@ def read_threads(pid: int) -> ThreadCpu:
         fields = stat.rsplit(")", 1)[1].split()
         cpu = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
         if int(tid) == pid:
-            loop += cpu
+            group = "loop"
         elif _TOKENIZER_THREADS.match(comm):
-            tok += cpu
+            group = "tokenizer"
         else:
-            other += cpu
-    return ThreadCpu(loop, tok, other)
+            group = "other"
+        threads[int(tid)] = (group, cpu)
+    return ThreadSample(threads)
 
 
 # --- the combination ------------------------------------------------------------------

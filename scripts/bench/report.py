@@ -117,29 +117,29 @@ def pairs(runs: Sequence[Record]) -> list[Pair]:
     return out
 
 
-_RATIO_FIELDS = ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
-                 "itl_p50_ms", "itl_p99_ms")  # fmt: skip
-
-
 def ratio_table(ps: Sequence[Pair]) -> str:
+    """req/s and latency ratios per pair; ITL as absolute values (Dynamo's median gap is
+    often ~0: several tokens arrive in one read, so a ratio of medians says nothing)."""
     header = ["against", "headwater", "run", "headwater req/s", "Dynamo req/s", "req/s ratio",
-              "TTFT p50 / p99 ratio", "e2e p50 / p99 ratio", "ITL p50 / p99 ratio"]  # fmt: skip
+              "TTFT p50 / p99 ratio", "e2e p50 / p99 ratio",
+              "ITL p99 ms headwater / Dynamo"]  # fmt: skip
     rows = []
     for p in ps:
         rows.append([
             p.phase.removeprefix("vs "), p.headwater["variant"], p.key,
-            fmt(p.headwater["req_per_s"]),
-            fmt(p.dynamo["req_per_s"]), fmt(p.ratio("req_per_s"), 2),
+            fmt(p.headwater["req_per_s"]), fmt(p.dynamo["req_per_s"]),
+            fmt(p.ratio("req_per_s"), 2),
             pair_cell(p.ratio("ttft_p50_ms"), p.ratio("ttft_p99_ms"), 2),
             pair_cell(p.ratio("e2e_p50_ms"), p.ratio("e2e_p99_ms"), 2),
-            pair_cell(p.ratio("itl_p50_ms"), p.ratio("itl_p99_ms"), 2),
+            pair_cell(p.headwater["itl_p99_ms"], p.dynamo["itl_p99_ms"], 2),
         ])  # fmt: skip
     return table(header, rows)
 
 
 def matrix_table(runs: Sequence[Record], idle_rss: Mapping[str, float | None]) -> str:
     header = ["backend / mode", "req/s", "prompt tok/s", "TTFT p50/p99", "loop p99 / max ms",
-              "stalls", "stall records (max ms)", "FE CPU ms/req", "idle RSS MB"]  # fmt: skip
+              "stalls", "stall records (max ms)", "longest stall: cause, where",
+              "FE CPU ms/req", "idle RSS MB"]  # fmt: skip
     rows = []
     for r in runs:
         if r["phase"] != "matrix":
@@ -148,10 +148,19 @@ def matrix_table(runs: Sequence[Record], idle_rss: Mapping[str, float | None]) -
             r["variant"], fmt(r["req_per_s"]), fmt(r["prompt_tokens_per_s"], 0),
             pair_cell(r["ttft_p50_ms"], r["ttft_p99_ms"]),
             f"{fmt(r['loop_p99_ms'], 2)} / {loop_max_cell(r)}", _stalls(r),
-            f"{r['stall_records']} ({fmt(r['stall_record_max_ms'])})",
+            f"{r['stall_records']} ({fmt(r['stall_record_max_ms'])})", _longest(r),
             fmt(r["frontend_cpu_ms_per_req"], 2), fmt(idle_rss.get(r["label"]), 0),
         ])  # fmt: skip
     return table(header, rows)
+
+
+def _longest(r: Record) -> str:
+    """The longest stall's cause and innermost frame (``file:line in function``)."""
+    top = (r.get("stall_longest") or [None])[0]
+    if not top:
+        return "-"
+    where = str(top.get("where", "?")).split(": ", 1)[0].rsplit("/", 1)[-1]
+    return f"{top.get('cause')}, `{where}`"
 
 
 def limit_rows(results: Record) -> list[dict[str, Any]]:
@@ -320,21 +329,42 @@ def targets(results: Record) -> list[Target]:
                                 " MB)" if dyn_idle else ""),
         idle < IDLE_RSS_TARGET_MB if idle is not None else None,
     ))  # fmt: skip
-    warm = results.get("idle_rss_mb", {}).get(HEADWATER_DEFAULT + " (after warm-up)")
-    main = _main_headwater(results)
-    ends = [r["rss_end_mb"] for r in main if r.get("rss_end_mb")]
-    if warm and ends:
-        growth = max(ends) / warm - 1
-        measured = (f"after warm-up {fmt(warm, 0)} MB; after each run at most "
-                    f"{fmt(max(ends), 0)} MB ({growth:+.1%}), last {fmt(ends[-1], 0)} MB, "
-                    f"over {len(main)} runs")  # fmt: skip
-        out.append(Target("frontend RSS flat across the run",
-                          f"growth < {RSS_GROWTH_LIMIT:.0%}", measured,
-                          growth < RSS_GROWTH_LIMIT))  # fmt: skip
-    else:
-        out.append(Target("frontend RSS flat across the run",
-                          f"growth < {RSS_GROWTH_LIMIT:.0%}", "-", None))  # fmt: skip
+    out.append(rss_flat(results))
     return out
+
+
+def rss_flat(results: Record) -> Target:
+    """Does the default frontend's RSS grow across the main phase?
+
+    With two passes over the same traffic (beside Dynamo-default, then Dynamo-fastokens)
+    the RSS after the second pass is compared with the RSS after the first: a leak shows
+    as growth. With one pass, the highest RSS after a run is compared with the RSS right
+    after warm-up.
+    """
+    name, goal = "frontend RSS flat across the run", f"growth < {RSS_GROWTH_LIMIT:.0%}"
+    main = [r for r in _main_headwater(results) if r.get("rss_end_mb")]
+    if not main:
+        return Target(name, goal, "-", None)
+    passes: dict[str, list[Record]] = {}
+    for r in main:
+        passes.setdefault(r["phase"], []).append(r)
+    ends = [r["rss_end_mb"] for r in main]
+    span = f"range {fmt(min(ends), 0)}-{fmt(max(ends), 0)} MB over {len(main)} runs"
+    if len(passes) >= 2:
+        ordered = list(passes.values())  # dicts keep the run order
+        first, last = ordered[0][-1]["rss_end_mb"], ordered[-1][-1]["rss_end_mb"]
+        growth = last / first - 1
+        return Target(name, f"pass 2 vs pass 1: {goal}",
+                      f"after pass 1 {fmt(first, 0)} MB, after pass 2 {fmt(last, 0)} MB "
+                      f"({growth:+.1%}); {span}", growth < RSS_GROWTH_LIMIT)  # fmt: skip
+    warm = results.get("idle_rss_mb", {}).get(HEADWATER_DEFAULT + " (after warm-up)")
+    if not warm:
+        return Target(name, goal, span, None)
+    growth = max(ends) / warm - 1
+    return Target(name, f"vs after warm-up: {goal}",
+                  f"after warm-up {fmt(warm, 0)} MB, highest after a run "
+                  f"{fmt(max(ends), 0)} MB ({growth:+.1%}); {span}",
+                  growth < RSS_GROWTH_LIMIT)  # fmt: skip
 
 
 def targets_table(ts: Sequence[Target]) -> str:
@@ -387,7 +417,11 @@ def render(results: Record, images: Sequence[tuple[str, str]] = (), *,
         parts += ["### Tokenizer backend × tokenize mode (long prompts, unary, c16)",
                   matrix_table(runs, results.get("idle_rss_mb", {}))]  # fmt: skip
     if results.get("calibration"):
-        parts += ["### The limit: long-prompt tokens/s against the encoder", limit_table(results)]
+        parts += ["### The limit: long-prompt tokens/s against the encoder", limit_table(results),
+                  "Ceiling: usable cores × the backend's single-thread rate on the same texts. "
+                  "Near 100% the frontend is encoder-bound; far below, the limit is elsewhere "
+                  "(see the stage table). Above 100% the encoder ran faster inside the server "
+                  "than in the calibration (caches, clock): read it as at the ceiling."]
     if results.get("profile"):
         parts += ["### Frontend CPU per request by stage", stage_table(results),
                   "\n".join(f"- {line}" for line in profile_overhead(results))]  # fmt: skip
