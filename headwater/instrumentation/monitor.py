@@ -51,7 +51,14 @@ class LoopMonitor:
         self._canary_interval_s = canary_interval_s
         self._on_stall = on_stall
         self.detector: StallDetector | None = (
-            StallDetector(threshold_s=threshold_s, max_records=max_records, on_stall=self._stalled)
+            StallDetector(
+                threshold_s=threshold_s,
+                # Half the threshold still samples every stall while it lasts; waking
+                # more often costs the loop GIL hand-offs (docs/observability.md).
+                poll_s=threshold_s / 2,
+                max_records=max_records,
+                on_stall=self._stalled,
+            )
             if enabled
             else None
         )
