@@ -30,21 +30,21 @@ def words_text(rng: random.Random, n_words: int) -> str:
 
 def encode_rate(tok: Tokenizer, texts: list[str]) -> float:
     t0 = time.perf_counter()
-    n = sum(len(tok.encode(t)) for t in texts)
+    n = sum(len(tok.encode_ids(t)) for t in texts)
     return n / (time.perf_counter() - t0)
 
 
 async def short_inline_vs_thread(tok: Tokenizer, text: str, reps: int) -> dict[str, float]:
     for _ in range(50):
-        tok.encode(text)
+        tok.encode_ids(text)
     t0 = time.perf_counter()
     for _ in range(reps):
-        tok.encode(text)
+        tok.encode_ids(text)
     inline = (time.perf_counter() - t0) / reps
     limiter = trio.CapacityLimiter(2)
     t0 = time.perf_counter()
     for _ in range(reps):
-        await trio.to_thread.run_sync(tok.encode, text, limiter=limiter)
+        await trio.to_thread.run_sync(tok.encode_ids, text, limiter=limiter)
     hop = (time.perf_counter() - t0) / reps
     return {"chars": len(text), "inline_us": inline * 1e6, "thread_us": hop * 1e6}
 

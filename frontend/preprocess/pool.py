@@ -75,7 +75,7 @@ class TokenizerPool:
         self._encoded += 1
         if self.mode is TokenizeMode.INLINE:
             self._inline += 1
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode_ids(text)
         if self.mode is TokenizeMode.THREAD_GIL:
             return await trio.to_thread.run_sync(
                 self.tokenizer.encode_holding_gil, text, limiter=self.limiter,
@@ -83,9 +83,9 @@ class TokenizerPool:
             )
         if len(text) <= self.inline_max_chars:
             self._inline += 1
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode_ids(text)
         return await trio.to_thread.run_sync(
-            self.tokenizer.encode, text, limiter=self.limiter, abandon_on_cancel=True
+            self.tokenizer.encode_ids, text, limiter=self.limiter, abandon_on_cancel=True
         )
 
     async def warm_up(self) -> float:
@@ -102,7 +102,7 @@ class TokenizerPool:
         return time.perf_counter() - start
 
     async def _warm_one(self, sample: str) -> None:
-        await trio.to_thread.run_sync(self.tokenizer.encode, sample, limiter=self.limiter)
+        await trio.to_thread.run_sync(self.tokenizer.encode_ids, sample, limiter=self.limiter)
 
     def statistics(self) -> PoolStats:
         s = self.limiter.statistics()

@@ -131,7 +131,7 @@ class Tokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return self._hf.token_to_id(token) if token else None
 
-    def encode(self, text: str) -> list[int]:
+    def encode_ids(self, text: str) -> list[int]:
         """Encode one text, releasing the GIL while the Rust code runs.
 
         Special tokens written in the text (``<｜User｜>``) map to their ids; no BOS is
