@@ -5,8 +5,8 @@ the benchmark, and an httpx+trio client saturates its own core at ~150-240 req/s
 (FIELD_NOTES §2), below what a frontend can serve. The child (:mod:`scripts.bench._client`,
 aiohttp) runs a fixed number of workers that replay the bodies and writes one JSON line
 per finished request; this module parses those lines (:class:`_Collector`, no I/O) behind
-two thin shells: :func:`run_load` (blocking, with a tqdm bar) and :func:`run_load_trio`
-(for a trio suite runner; cancelling it kills the child).
+one trio shell, :func:`run_load_trio` (cancelling it kills the child), and :func:`run_load`,
+the same run in a new trio loop for blocking callers.
 
 Only loopback URLs are accepted (:func:`check_loopback`): a benchmark must never load a
 machine it does not own.
@@ -24,10 +24,10 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -266,39 +266,22 @@ def run_load(
 
     Raises :class:`NotLoopbackError` or :class:`ValueError` on bad arguments and
     :class:`LoadGenError` if the child process fails. Failed requests are records.
-    A blocking call: from trio use :func:`run_load_trio`.
+    A blocking call: from trio use :func:`run_load_trio`, which this runs in a new loop.
     """
-    _validate(url, bodies, concurrency, max_requests, time_limit)
-    collector = _Collector(url, concurrency, max_requests, time_limit, stream)
-    with tempfile.TemporaryDirectory(prefix="headwater-load-") as tmp:
-        cmd = _write_job(
-            tmp, url, bodies, concurrency, max_requests, time_limit, stream, request_timeout
+    return trio.run(
+        partial(
+            run_load_trio,
+            url,
+            bodies,
+            concurrency,
+            max_requests,
+            time_limit,
+            stream,
+            request_timeout=request_timeout,
+            progress=progress,
+            description=description,
         )
-        stderr_path = os.path.join(tmp, "stderr.txt")
-        with (
-            open(stderr_path, "wb") as err,
-            subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
-            ) as proc,
-        ):
-            watchdog = threading.Timer(time_limit + STARTUP_GRACE, proc.kill)
-            watchdog.daemon = True
-            watchdog.start()
-            try:
-                assert proc.stdout is not None
-                with _progress(progress, max_requests, description) as tick:
-                    for line in proc.stdout:
-                        if collector.feed(line) is not None:
-                            tick()
-                proc.wait()
-            finally:
-                watchdog.cancel()
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if proc.returncode != 0:
-            raise _failure(proc.returncode, stderr_path)
-    return collector.result()
+    )
 
 
 async def run_load_trio(
