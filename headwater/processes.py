@@ -440,10 +440,14 @@ def frontend_argv(
     workers: str = "",
     model: str = DEFAULT_MODEL,
     extra_args: Sequence[str] = (),
-    python: str = sys.executable,
+    interpreter: Sequence[str] = (sys.executable,),
 ) -> list[str]:
-    """The command line of one frontend on loopback (``python -m frontend`` = serve)."""
-    argv = [python, "-m", "frontend", "--host", "127.0.0.1", "--port", str(port),
+    """The command line of one frontend on loopback (``python -m frontend`` = serve).
+
+    *interpreter* is what runs ``-m frontend``: the benchmark's profiler passes
+    ``(python, "-m", "pyinstrument", ...)``.
+    """
+    argv = [*interpreter, "-m", "frontend", "--host", "127.0.0.1", "--port", str(port),
             "--model-name", model]  # fmt: skip
     if discovery:
         argv += ["--discovery", discovery]
@@ -470,6 +474,7 @@ async def start_frontend(
     workers: str = "",
     model: str = DEFAULT_MODEL,
     extra_args: Sequence[str] = (),
+    interpreter: Sequence[str] = (sys.executable,),
     env: Mapping[str, str] | None = None,
     ready_within: float = 60.0,
     on_exit: ExitHook | None = None,
@@ -480,8 +485,9 @@ async def start_frontend(
     workers. Raises LaunchError.
     """
     argv = frontend_argv(
-        port=port, discovery=discovery, workers=workers, model=model, extra_args=extra_args
-    )
+        port=port, discovery=discovery, workers=workers, model=model, extra_args=extra_args,
+        interpreter=interpreter,
+    )  # fmt: skip
     child = await _spawn(ChildProcess, nursery, name, argv, log_dir / f"{name}.log", env=env)
     child.address = await _announcement(child, nursery, parse_frontend_ready, ready_within)
     child._mark_ready(on_exit)

@@ -21,7 +21,6 @@ here are signalled, by PID.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -29,21 +28,20 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 import trio
 
+from headwater import processes
 from scripts.bench.scrape import DYNAMO_PREFIX, HEADWATER_PREFIX
 
 READY_TIMEOUT = 120.0  # s for a server to print its URL and report healthy
 STOP_TIMEOUT = 20.0  # s after SIGINT before SIGKILL (pyinstrument writes its session then)
 DYNAMO_PORT = 8000  # fixed by the peer scripts
 DYNAMO_INSTALL_TIMEOUT = 600.0  # s
-_READY_LINE = re.compile(rb"headwater: serving (\S+) on (http://\S+)")
-_WORKER_READY = re.compile(rb"HEADWATER_WORKER_READY (tcp://\S+) (\S+)")
 
 
 class ServerError(RuntimeError):
@@ -127,20 +125,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def _wait_healthy(url: str, process: trio.Process | None, deadline: float) -> None:
-    while trio.current_time() < deadline:
-        if process is not None and process.returncode is not None:
-            raise ServerError(f"exited with status {process.returncode} before it was ready")
-        try:
-            status, _ = await trio.to_thread.run_sync(http_get, url, 2.0)
-            if status == 200:
-                return
-        except OSError:
-            pass
-        await trio.sleep(0.2)
-    raise ServerError(f"{url} not healthy within {READY_TIMEOUT:.0f} s")
-
-
 async def poll_until(predicate: Callable[[], bool], limit_s: float, every_s: float = 0.2) -> bool:
     """Check *predicate* every *every_s* seconds for up to *limit_s*; return its last value.
 
@@ -154,89 +138,22 @@ async def poll_until(predicate: Callable[[], bool], limit_s: float, every_s: flo
     return predicate()
 
 
-async def _stop_process(process: trio.Process, grace_s: float = STOP_TIMEOUT) -> None:
-    """SIGINT, then SIGKILL after *grace_s*; always reaps. Call shielded."""
-    if process.returncode is None:
-        process.send_signal(signal.SIGINT)
-        with trio.move_on_after(grace_s):
-            await process.wait()
-    if process.returncode is None:
-        process.kill()
-        await process.wait()
-
-
 # --- headwater ----------------------------------------------------------------------
 
 
 TOPOLOGIES: tuple[str, ...] = ("inprocess", "processes")
 
 
-def headwater_command(
-    *,
-    backend: str,
-    mode: str,
-    speedup_ratio: float,
-    extra_args: Sequence[str] = (),
-    profile_path: Path | None = None,
-    workers: str | None = None,
-    python: str = sys.executable,
-) -> list[str]:
-    """The command line of one frontend (``python -m frontend`` = ``headwater serve``).
+def _serve_args(backend: str, mode: str, speedup_ratio: float, extra: Sequence[str]) -> list[str]:
+    return ["--speedup-ratio", f"{speedup_ratio:g}", "--tokenizer-backend", backend,
+            "--tokenize-mode", mode, "--log-level", "warning", *extra]  # fmt: skip
 
-    *workers* (``tcp://...?role=prefill,...``) points it at worker processes instead of
-    starting in-process ones.
-    """
-    serve = [
-        "-m", "frontend", "--host", "127.0.0.1", "--port", "0",
-        "--speedup-ratio", f"{speedup_ratio:g}",
-        "--tokenizer-backend", backend, "--tokenize-mode", mode,
-        "--log-level", "warning", *(("--workers", workers) if workers else ()), *extra_args,
-    ]  # fmt: skip
+
+def _profiler(profile_path: Path | None) -> tuple[str, ...]:
+    """What runs ``-m frontend``: Python, or Python under pyinstrument."""
     if profile_path is None:
-        return [python, *serve]
-    return [python, "-m", "pyinstrument", "-r", "pyisession", "-o", str(profile_path), *serve]
-
-
-def worker_command(role: str, speedup_ratio: float, python: str = sys.executable) -> list[str]:
-    """One mocker worker process on the TCP request plane (``headwater worker``)."""
-    return [python, "-m", "workers", "--role", role, "--listen", "127.0.0.1:0",
-            "--speedup-ratio", f"{speedup_ratio:g}", "--log-level", "warning"]  # fmt: skip
-
-
-@asynccontextmanager
-async def _child(
-    cmd: Sequence[str], log_dir: Path, tag: str, ready: re.Pattern[bytes]
-) -> AsyncIterator[tuple[trio.Process, re.Match[bytes], Path]]:
-    """Run *cmd* until the block ends; enter once its stdout matches *ready*.
-
-    Yields the process, the match and its stderr log. Raises :class:`ServerError` if
-    it exits first or prints nothing matching within :data:`READY_TIMEOUT`. Stopped
-    on exit with SIGINT, then SIGKILL (shielded, bounded).
-    """
-    await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
-    out_path, log_path = log_dir / f"{tag}.out", log_dir / f"{tag}.log"
-    with open(out_path, "wb") as out, open(log_path, "wb") as err:  # noqa: ASYNC230 - new files
-        process = await trio.lowlevel.open_process(
-            list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-            env=child_env(), start_new_session=True,
-        )  # fmt: skip
-    match: re.Match[bytes] | None = None
-    try:
-        with trio.move_on_after(READY_TIMEOUT):
-            while True:
-                match = ready.search(await trio.Path(out_path).read_bytes())
-                if match:
-                    break
-                if process.returncode is not None:
-                    raise ServerError(f"{tag} exited with status {process.returncode} at "
-                                      f"start-up; see {log_path}")  # fmt: skip
-                await trio.sleep(0.1)
-        if match is None:
-            raise ServerError(f"{tag} was not ready within {READY_TIMEOUT:.0f} s; see {log_path}")
-        yield process, match, log_path
-    finally:
-        with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):
-            await _stop_process(process)
+        return (sys.executable,)
+    return (sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(profile_path))
 
 
 @asynccontextmanager
@@ -255,48 +172,57 @@ async def headwater_server(
 
     *topology* ``"inprocess"`` is ``headwater serve``'s default (a prefill + decode pair
     inside the frontend process); ``"processes"`` runs them as two ``headwater worker``
-    processes on the TCP request plane, Dynamo's layout. Raises :class:`ServerError` if
-    anything does not come up within :data:`READY_TIMEOUT`. On exit (normal, error or
-    cancellation) the frontend, then the workers, get SIGINT, then SIGKILL.
+    processes on the TCP request plane, Dynamo's layout. The processes are started and
+    supervised by :mod:`headwater.processes`, as ``headwater launch`` does. Raises
+    :class:`ServerError` if anything does not come up within :data:`READY_TIMEOUT`. On
+    exit (normal, error or cancellation) the frontend gets SIGINT (pyinstrument writes
+    its session then), then the workers; SIGKILL after :data:`STOP_TIMEOUT`.
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
     tag = f"headwater-{backend}-{mode}" + ("-profile" if profile_path else "")
-    async with AsyncExitStack() as stack:
-        workers: list[tuple[trio.Process, str]] = []
-        if topology == "processes":
-            for role in ("prefill", "decode"):
-                proc, match, _ = await stack.enter_async_context(_child(
-                    worker_command(role, speedup_ratio), log_dir, f"{tag}-{role}",
-                    _WORKER_READY,
-                ))  # fmt: skip
-                address, worker_id = match.group(1).decode(), match.group(2).decode()
-                workers.append((proc, f"{address}?role={role}&id={worker_id}"))
-        cmd = headwater_command(
-            backend=backend, mode=mode, speedup_ratio=speedup_ratio, extra_args=extra_args,
-            profile_path=profile_path, workers=",".join(w for _, w in workers) or None,
-        )  # fmt: skip
-        process, match, log_path = await stack.enter_async_context(
-            _child(cmd, log_dir, tag, _READY_LINE)
-        )
-        model, url = match.group(1).decode(), match.group(2).decode().rstrip("/")
+    env = child_env()
+    children: list[processes.ChildProcess] = []
+    async with trio.open_nursery() as nursery:
         try:
-            await _wait_healthy(url + "/health", process, trio.current_time() + READY_TIMEOUT)
-        except ServerError as exc:
-            raise ServerError(f"headwater ({log_path}): {exc}") from exc
-        suffix = "" if topology == "inprocess" else " +worker procs"
-        yield ServerInfo(
-            kind="headwater",
-            variant=f"{backend}/{mode}{suffix}",
-            base_url=url,
-            model=model,
-            pids=(process.pid, *(p.pid for p, _ in workers)),
-            metrics_prefix=HEADWATER_PREFIX,
-            stall_threshold_ms=stall_threshold_ms,
-            log_path=log_path,
-            profile_path=profile_path,
-            args=tuple(cmd),
-        )
+            workers: list[processes.WorkerProcess] = []
+            for role in ("prefill", "decode") if topology == "processes" else ():
+                worker = await processes.start_worker(
+                    nursery, role, log_dir=log_dir, name=f"{tag}-{role}",
+                    speedup_ratio=speedup_ratio, extra_args=["--log-level", "warning"],
+                    env=env, ready_within=READY_TIMEOUT,
+                )  # fmt: skip
+                children.append(worker)
+                workers.append(worker)
+            frontend = await processes.start_frontend(
+                nursery, log_dir=log_dir, name=tag,
+                workers=",".join(w.static_url() for w in workers),
+                extra_args=_serve_args(backend, mode, speedup_ratio, extra_args),
+                interpreter=_profiler(profile_path), env=env, ready_within=READY_TIMEOUT,
+            )  # fmt: skip
+            children.insert(0, frontend)  # stopped first
+            await processes.wait_healthy(frontend.address, within=READY_TIMEOUT, child=frontend)
+        except processes.LaunchError as exc:
+            raise ServerError(f"{tag}: {exc}; see {log_dir}") from exc
+        try:
+            suffix = "" if topology == "inprocess" else " +worker procs"
+            yield ServerInfo(
+                kind="headwater",
+                variant=f"{backend}/{mode}{suffix}",
+                base_url=frontend.address,
+                model=processes.DEFAULT_MODEL,
+                pids=tuple(c.pid for c in children),
+                metrics_prefix=HEADWATER_PREFIX,
+                stall_threshold_ms=stall_threshold_ms,
+                log_path=frontend.log_path,
+                profile_path=profile_path,
+                args=frontend.argv,
+            )
+        finally:
+            with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):
+                for child in children:
+                    await child.stop(STOP_TIMEOUT, sig=signal.SIGINT)
+            nursery.cancel_scope.cancel()
 
 
 # --- Dynamo -------------------------------------------------------------------------

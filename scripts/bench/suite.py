@@ -345,11 +345,12 @@ class Suite:
         plan = main_plan(cfg)
         async with AsyncExitStack() as stack:
             hws: list[ServerInfo] = []
-            async with trio.open_nursery() as nursery:
-                # The prompt synthesiser loads its tokenizer while the servers start.
-                nursery.start_soon(partial(trio.to_thread.run_sync, prompts.default_counter))
-                for topology in cfg.topologies:
-                    hws.append(await stack.enter_async_context(self._headwater(topology=topology)))
+            # The prompt synthesiser loads its tokenizer while the servers start. The
+            # nursery is on the stack, under the servers, so scopes nest as they exit.
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            nursery.start_soon(partial(trio.to_thread.run_sync, prompts.default_counter))
+            for topology in cfg.topologies:
+                hws.append(await stack.enter_async_context(self._headwater(topology=topology)))
             for hw in hws:
                 self.results.idle_rss_mb[hw.label] = await idle_rss_mb(hw, cfg.idle_settle_s)
                 await warm_up(hw, cfg.scenarios)
