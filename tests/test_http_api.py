@@ -268,6 +268,10 @@ async def test_internal_errors_are_sanitized(monkeypatch: pytest.MonkeyPatch) ->
         err = _assert_error(r, 500)
         assert "secret" not in r.text
         assert err["message"] == "Internal server error"
+        # Booked as a server error, not as a client that went away.
+        assert fe.metrics.disconnected_clients._value.get() == 0
+        errors = fe.metrics.requests_total.labels("chat", "unary", "error")._value.get()
+        assert errors == 1
 
 
 # -- structured concurrency -----------------------------------------------------------------
@@ -297,4 +301,5 @@ async def test_client_disconnect_mid_stream_cancels_and_frees_kv() -> None:
         with trio.fail_after(5):
             while fe.metrics.disconnected_clients._value.get() < 1:
                 await trio.sleep(0.01)
+        assert fe.metrics.model_cancellation_total._value.get() == 1
         assert fe.metrics.inflight_requests._value.get() == 0

@@ -130,14 +130,22 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
         except ApiError as err:
             status = "error" if err.status >= 500 else "rejected"
             raise
-        except BaseException:
-            status = "cancelled"
-            metrics.disconnected_clients.inc()
+        except trio.Cancelled:
+            status = "cancelled"  # the client went away: quart-trio cancelled us
+            _client_gone()
+            raise
+        except Exception:
+            status = "error"  # becomes a sanitized 500
             raise
         finally:
             if status != "streaming":
                 metrics.inflight_requests.dec()
                 metrics.requests_total.labels(endpoint, kind, status).inc()
+
+    def _client_gone() -> None:
+        # Leaving the pipeline cancelled the request on its worker too.
+        metrics.disconnected_clients.inc()
+        metrics.model_cancellation_total.inc()
 
     async def _parse(endpoint: str) -> ParsedRequest:
         mimetype = request.mimetype
@@ -190,8 +198,7 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             yield ChunkWriter.error(ApiError(500, "Internal server error").body())
         finally:
             if status == "cancelled":
-                metrics.disconnected_clients.inc()
-                metrics.model_cancellation_total.inc()
+                _client_gone()
             elif last is not None:
                 metrics.output_sequence_tokens.observe(last.completion_tokens)
             metrics.request_duration_seconds.observe(trio.current_time() - prep.started)
