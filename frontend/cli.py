@@ -32,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a client may stall reading before it is dropped")
     h.add_argument("--graceful-timeout", type=positive_float, default=_D.graceful_timeout,
                    help="seconds in-flight requests get on shutdown")
+    h.add_argument("--processes", type=positive_int, default=_D.processes,
+                   help="frontend processes sharing the port, each with its own event loop "
+                        "and in-process workers; each also serves its own /metrics and "
+                        "/dashboard on a private port it prints")
+    h.add_argument("--listen-fd", type=int, default=_D.listen_fd,
+                   help="serve on this inherited listening socket (set by --processes "
+                        "for its children)")
 
     m = p.add_argument_group("model and tokenization")
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
@@ -102,6 +109,10 @@ def main(args: argparse.Namespace) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if config.processes > 1:
+        from frontend.multiprocess import supervise
+
+        return trio.run(supervise, config, getattr(args, "argv", ()))
     trio.run(serve_until_signalled, config)
     return 0
 

@@ -27,6 +27,13 @@ class FrontendConfig:
     keep_alive_timeout: float = 5.0  # seconds an idle HTTP/1.1 connection stays open
     write_timeout: float = 30.0  # seconds a client may stall reading before we drop it
     graceful_timeout: float = 10.0  # seconds in-flight requests get on shutdown
+    # Frontend processes sharing the port, each a whole frontend with its own event loop
+    # (frontend.multiprocess): one loop is one core's worth of HTTP, template, routing
+    # and streaming. 1: this process serves; N > 1: it supervises N children.
+    processes: int = 1
+    # Serve on this inherited listening socket instead of binding host:port, plus a
+    # private host:0 listener for this process's own /metrics. Set by the supervisor.
+    listen_fd: int | None = None
 
     # -- model and preprocessing ----------------------------------------------------
     model_name: str = "deepseek-v4"

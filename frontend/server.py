@@ -88,7 +88,10 @@ class Frontend:
 
     def hypercorn_config(self) -> HypercornConfig:
         hc = HypercornConfig()
-        hc.bind = [f"{self.config.host}:{self.config.port}"]
+        if self.config.listen_fd is None:
+            hc.bind = [f"{self.config.host}:{self.config.port}"]
+        else:  # one of several processes: the shared socket, then a port of its own
+            hc.bind = [f"fd://{self.config.listen_fd}", f"{self.config.host}:0"]
         hc.keep_alive_timeout = self.config.keep_alive_timeout
         hc.graceful_timeout = self.config.graceful_timeout
         hc.accesslog = None

@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.parse_args(argv[:1])
         return 2
     args = build_parser(argv[0]).parse_args(argv[1:])
+    args.argv = tuple(argv[1:])  # the command line as given: supervisors pass it on
     return int(args._main(args) or 0)
 
 

@@ -40,11 +40,15 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 import httpx
 import trio
+
+if TYPE_CHECKING:
+    from trio._file_io import AsyncIOWrapper
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,8 @@ log = logging.getLogger(__name__)
 WORKER_READY_PREFIX = "HEADWATER_WORKER_READY"
 #: Start of the line a frontend prints once it listens (frontend.cli).
 FRONTEND_READY_PREFIX = "headwater: serving "
+#: Start of the line a supervisor of frontend processes prints about each one.
+FRONTEND_MEMBER_PREFIX = "headwater: process "
 #: Launcher settings the children must not inherit from the environment: they are
 #: given explicitly (and ``--workers`` with ``--discovery`` is an error).
 SCRUBBED_ENV = ("HEADWATER_WORKERS", "HEADWATER_DISCOVERY", "HEADWATER_WORKER_ID")
@@ -78,7 +84,7 @@ class ChildProcess:
     """
 
     def __init__(
-        self, name: str, process: trio.Process, log_path: Path, argv: Sequence[str]
+        self, name: str, process: trio.Process, log_path: Path | None, argv: Sequence[str]
     ) -> None:
         self.name = name
         self.process = process
@@ -133,6 +139,8 @@ class ChildProcess:
 
     def log_tail(self, chars: int = _LOG_TAIL) -> str:
         """The end of the child's log file (blocking read of a local file; small)."""
+        if self.log_path is None:
+            return "(its log went to this process's stderr)"
         try:
             with self.log_path.open("rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -212,13 +220,19 @@ async def _spawn(
     nursery: trio.Nursery,
     name: str,
     argv: Sequence[str],
-    log_path: Path,
+    log_path: Path | None,
     *,
     env: Mapping[str, str] | None,
     stdout: bool = True,
+    pass_fds: Sequence[int] = (),
 ) -> ChildProcess:
-    await trio.Path(log_path.parent).mkdir(parents=True, exist_ok=True)
-    log_file = await trio.to_thread.run_sync(log_path.open, "ab")
+    """Start *argv* in its own session. Its stderr goes to *log_path*, or with None to
+    ours (a supervisor whose children log to the same terminal); *pass_fds* are
+    inherited (a listening socket shared by frontend processes)."""
+    log_file = None
+    if log_path is not None:
+        await trio.Path(log_path.parent).mkdir(parents=True, exist_ok=True)
+        log_file = await trio.to_thread.run_sync(log_path.open, "ab")
     try:
         process = await trio.lowlevel.open_process(
             list(argv),
@@ -227,9 +241,11 @@ async def _spawn(
             stderr=log_file,
             env=dict(env) if env is not None else child_env(),
             start_new_session=True,
+            pass_fds=tuple(pass_fds),
         )
     finally:
-        log_file.close()  # the child holds its own descriptor
+        if log_file is not None:
+            log_file.close()  # the child holds its own descriptor
     child = cls(name, process, log_path, argv)
     nursery.start_soon(child._supervise, name=f"supervise {name}")
     log.debug("started %s (pid %d): %s", name, process.pid, " ".join(argv))
@@ -276,14 +292,23 @@ async def _announcement(
     return result
 
 
-async def _copy_to_log(stream: trio.abc.ReceiveStream, pending: bytes, path: Path) -> None:
-    """Keep the child's stdout pipe drained (a full pipe would block it) into its log."""
-    async with stream, await trio.open_file(path, "ab") as f:
+async def _copy_to_log(stream: trio.abc.ReceiveStream, pending: bytes, path: Path | None
+                       ) -> None:
+    """Keep the child's stdout pipe drained (a full pipe would block it) into its log,
+    or into our stdout when it has no log file."""
+    f = await trio.open_file(path, "ab") if path is not None else _our_stdout()
+    async with stream, f:
         if pending:
             await f.write(pending)
         async for data in stream:
             await f.write(data)
             await f.flush()
+
+
+def _our_stdout() -> AsyncIOWrapper[BinaryIO]:
+    """A duplicate of this process's stdout as a trio file (writes run in a thread;
+    closing it leaves our own stdout open)."""
+    return trio.wrap_file(os.fdopen(os.dup(sys.stdout.fileno()), "ab"))
 
 
 # ---- etcd ---------------------------------------------------------------------------
@@ -458,10 +483,83 @@ def frontend_argv(
 
 def parse_frontend_ready(line: str) -> str | None:
     """``headwater: serving <model> on <url> [<url>...]`` → the first http URL."""
+    urls = frontend_urls(line)
+    return urls[0] if urls else None
+
+
+def frontend_urls(line: str) -> list[str]:
+    """Every http URL of a ``headwater: serving ...`` line; [] for any other line."""
     if not line.startswith(FRONTEND_READY_PREFIX):
+        return []
+    return [w.rstrip("/") for w in line.split() if w.startswith("http://")]
+
+
+def member_line(index: int, pid: int, url: str) -> str:
+    """What a supervisor of several frontend processes prints about each, before the
+    serving line (``headwater serve --processes N``; see frontend.multiprocess)."""
+    return f"{FRONTEND_MEMBER_PREFIX}{index} pid {pid} at {url}"
+
+
+def parse_member_line(line: str) -> FrontendMember | None:
+    """``headwater: process <index> pid <pid> at <url>`` → its fields."""
+    parts = line.removeprefix(FRONTEND_MEMBER_PREFIX).split()
+    if not line.startswith(FRONTEND_MEMBER_PREFIX) or len(parts) != 5:
         return None
-    urls = [w for w in line.split() if w.startswith("http://")]
-    return urls[0].rstrip("/") if urls else None
+    try:
+        return FrontendMember(int(parts[0]), int(parts[2]), parts[4].rstrip("/"))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendMember:
+    """One process of a frontend: its index, pid and a URL that reaches it alone."""
+
+    index: int
+    pid: int
+    url: str
+
+
+class FrontendProcess(ChildProcess):
+    """A ``python -m frontend`` child. ``address`` is where clients go; ``urls`` is
+    every URL it announced; ``members`` are the processes that serve, each with a URL
+    of its own (with ``--processes N``: the N children; otherwise the one process)."""
+
+    urls: tuple[str, ...] = ()
+    members: tuple[FrontendMember, ...] = ()
+
+
+async def spawn_frontend(
+    nursery: trio.Nursery,
+    argv: Sequence[str],
+    *,
+    name: str,
+    log_path: Path | None,
+    env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    ready_within: float = 60.0,
+    on_exit: ExitHook | None = None,
+) -> FrontendProcess:
+    """Run *argv* (a frontend command line); return once it announced that it listens.
+
+    Raises LaunchError if it exits or stays silent for *ready_within* seconds.
+    """
+    members: list[FrontendMember] = []
+
+    def parse(line: str) -> list[str] | None:
+        if (member := parse_member_line(line)) is not None:
+            members.append(member)
+        return frontend_urls(line) or None
+
+    child = await _spawn(
+        FrontendProcess, nursery, name, argv, log_path, env=env, pass_fds=pass_fds
+    )
+    assert isinstance(child, FrontendProcess)
+    urls = await _announcement(child, nursery, parse, ready_within)
+    child.address, child.urls = urls[0], tuple(urls)
+    child.members = tuple(members) or (FrontendMember(0, child.pid, urls[-1]),)
+    child._mark_ready(on_exit)
+    return child
 
 
 async def start_frontend(
@@ -478,7 +576,7 @@ async def start_frontend(
     env: Mapping[str, str] | None = None,
     ready_within: float = 60.0,
     on_exit: ExitHook | None = None,
-) -> ChildProcess:
+) -> FrontendProcess:
     """Start a frontend; return once it listens (``address`` is its URL, real port).
 
     It may not be able to serve yet: :func:`wait_healthy` waits for routable
@@ -488,10 +586,10 @@ async def start_frontend(
         port=port, discovery=discovery, workers=workers, model=model, extra_args=extra_args,
         interpreter=interpreter,
     )  # fmt: skip
-    child = await _spawn(ChildProcess, nursery, name, argv, log_dir / f"{name}.log", env=env)
-    child.address = await _announcement(child, nursery, parse_frontend_ready, ready_within)
-    child._mark_ready(on_exit)
-    return child
+    return await spawn_frontend(
+        nursery, argv, name=name, log_path=log_dir / f"{name}.log", env=env,
+        ready_within=ready_within, on_exit=on_exit,
+    )  # fmt: skip
 
 
 async def wait_healthy(

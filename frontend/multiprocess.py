@@ -1,0 +1,144 @@
+"""Several frontend processes on one port: ``headwater serve --processes N``.
+
+Why: one frontend is one trio event loop, and one loop is one core's worth of HTTP
+parsing, templating, routing and streaming (tokenization already runs in threads
+beside it). Past that, Python uses more cores with more processes; this module runs
+N whole frontends behind one listening socket.
+
+How: this process, the supervisor, binds the port and starts N children
+(``python -m frontend <the same options> --processes 1 --listen-fd FD``) that inherit
+the socket. The kernel hands each new connection to whichever child accepts first, so
+a busy child takes fewer. Each child is a complete frontend: its own tokenizer pool,
+router, stall detector and in-process workers (or its own connections to remote
+ones). On the shared port ``/metrics`` and ``/dashboard`` answer from whichever child
+took the connection, so each child also listens on a private port of its own; the
+supervisor prints one line per child (:func:`headwater.processes.member_line`) and
+then the usual ``headwater: serving <model> on <url>`` line.
+
+Lifetime: all children or none. SIGINT or SIGTERM is passed on as SIGTERM, and each
+child drains as a single frontend does. If a child exits on its own, the supervisor
+stops the others and exits with status 1: a half-sized frontend that looks healthy
+is worse than one that is visibly down.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Sequence
+
+import trio
+
+from frontend.config import FrontendConfig
+from headwater.processes import (
+    ExitHook,
+    FrontendProcess,
+    LaunchError,
+    member_line,
+    spawn_frontend,
+)
+
+log = logging.getLogger(__name__)
+
+READY_WITHIN = 120.0  # s for a child to load its tokenizer and listen
+STOP_MARGIN = 5.0  # s beyond the graceful timeout before a child is killed
+
+
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The shared listening socket. Blocking calls, made before anything is served."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def child_argv(argv: Sequence[str], fd: int) -> list[str]:
+    """A child's command line: the supervisor's own options, then what makes it a child
+    (later flags win in argparse)."""
+    return [sys.executable, "-m", "frontend", *argv, "--processes", "1", "--listen-fd", str(fd)]
+
+
+async def supervise(config: FrontendConfig, argv: Sequence[str]) -> int:
+    """Run ``config.processes`` children on one socket until a signal or a child's exit.
+
+    Returns the exit status: 0 after a signal, 1 if a child failed to start or died.
+    """
+    sock = listen(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    lost = trio.Event()
+    status = 0
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            try:
+                children = await _start_children(
+                    nursery, config.processes, child_argv(argv, sock.fileno()), sock.fileno(),
+                    on_exit=lambda _child: lost.set(),
+                )  # fmt: skip
+            except LaunchError as exc:
+                log.error("%s", exc)
+                nursery.cancel_scope.cancel()  # the started ones are killed by their watchers
+                return 1
+            finally:
+                sock.close()  # the children hold it; this process never accepts
+            for i, child in enumerate(children):
+                print(member_line(i, child.pid, child.urls[-1]), flush=True)
+            print(f"headwater: serving {config.model_name} on {url}", flush=True)
+            async with trio.open_nursery() as waiting:  # the first of: a signal, a lost child
+                waiting.start_soon(_first_signal, signals, waiting.cancel_scope)
+                waiting.start_soon(_lost_child, lost, waiting.cancel_scope)
+            if lost.is_set():
+                log.error("a frontend process exited; stopping the others")
+                status = 1
+            else:
+                log.info("signal received: stopping %d frontend processes", len(children))
+            async with trio.open_nursery() as stopping:
+                for child in children:
+                    stopping.start_soon(child.stop, config.graceful_timeout + STOP_MARGIN)
+            nursery.cancel_scope.cancel()
+    return status
+
+
+async def _start_children(
+    nursery: trio.Nursery, n: int, argv: list[str], fd: int, *, on_exit: ExitHook
+) -> list[FrontendProcess]:
+    """Start *n* children at once (each loads a tokenizer: seconds of CPU).
+
+    Raises the first child's LaunchError if any fails; the others are then killed
+    by their watchers when the caller cancels *nursery*.
+    """
+    children: list[FrontendProcess] = []
+    failures: list[LaunchError] = []
+
+    async def start(i: int) -> None:
+        try:
+            children.append(await spawn_frontend(
+                nursery, argv, name=f"frontend process {i}", log_path=None, pass_fds=(fd,),
+                ready_within=READY_WITHIN, on_exit=on_exit,
+            ))  # fmt: skip
+        except LaunchError as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as starting:
+        for i in range(n):
+            starting.start_soon(start, i)
+    if failures:
+        raise failures[0]
+    return sorted(children, key=lambda c: c.name)
+
+
+async def _first_signal(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:
+    async for _ in signals:
+        break
+    scope.cancel()
+
+
+async def _lost_child(lost: trio.Event, scope: trio.CancelScope) -> None:
+    await lost.wait()
+    scope.cancel()
