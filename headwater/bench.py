@@ -51,6 +51,25 @@ def _scenarios(text: str) -> tuple[str, ...]:
     return names
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 0, got {text!r}")
+    return value
+
+
+def default_frontend_processes() -> int:
+    """The multi-process variant's size: the CPUs this process may use, if more than one
+    (else 0: no variant)."""
+    from frontend.config import usable_cpus
+
+    cpus = usable_cpus()
+    return cpus if cpus > 1 else 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small counts: a smoke run of the whole suite in about two minutes")
@@ -84,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "process (`headwater serve`'s default), as two worker processes "
                         "(Dynamo's layout), or both side by side (default: both; "
                         "inprocess with --quick)")
+    p.add_argument("--frontend-processes", type=_count, default=None, metavar="N",
+                   help="also run headwater as N frontend processes on one port "
+                        "(`headwater serve --processes N`, in-process workers) in the main "
+                        "phase; 0 or 1: not (default: the usable CPUs, when more than one)")
     p.add_argument("--speedup-ratio", type=positive_float, default=1000.0,
                    help="the mocker timing model is divided by this (both servers)")
     p.add_argument("--requests-scale", type=positive_float, default=1.0,
@@ -156,6 +179,7 @@ def _config(suite: Any, args: argparse.Namespace, run_dir: Path) -> Any:
         speedup_ratio=args.speedup_ratio,
         server_args=tuple(shlex.split(args.server_args)),
         topologies=_topologies(args),
+        frontend_processes=_frontend_processes(args),
         requests_scale=args.requests_scale,
         time_limit_s=args.time_limit,
         progress=args.progress,
@@ -165,6 +189,11 @@ def _config(suite: Any, args: argparse.Namespace, run_dir: Path) -> Any:
 def _topologies(args: argparse.Namespace) -> tuple[str, ...]:
     choice = args.topology or ("inprocess" if args.quick else "both")
     return ("inprocess", "processes") if choice == "both" else (choice,)
+
+
+def _frontend_processes(args: argparse.Namespace) -> int:
+    n = args.frontend_processes
+    return default_frontend_processes() if n is None else n
 
 
 def _measure(suite: Any, cfg: Any) -> dict[str, Any] | None:
@@ -203,6 +232,8 @@ def _measure(suite: Any, cfg: Any) -> dict[str, Any] | None:
 def _command(args: argparse.Namespace) -> str:
     flags = [f"--scenarios {','.join(args.scenarios)}"] if len(args.scenarios) < 3 else []
     flags += [f"--topology {args.topology}"] if args.topology else []
+    n = args.frontend_processes
+    flags += [f"--frontend-processes {n}"] if n is not None else []
     flags += [f for f, on in (("--quick", args.quick), ("--no-dynamo", not args.dynamo),
                               ("--no-matrix", not args.matrix),
                               ("--no-profile", not args.profile), ("--docs", True)) if on]
@@ -217,7 +248,7 @@ def _publish(results: dict[str, Any], run_dir: Path, *, docs: bool, command: str
     (run_dir / "report.md").write_text(
         "# headwater bench\n\n" + report.render(results, local, command=command)
     )
-    print(report.targets_table(report.targets(results)))
+    print(report.all_targets_table(results))
     print(f"\nreport: {run_dir / 'report.md'}", file=sys.stderr)
     if not docs:
         return

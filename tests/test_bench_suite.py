@@ -1,15 +1,18 @@
 """The benchmark suite: records, timelines, stage attribution, report, charts, one real run.
 
-Test policy: loopback only; the one end-to-end test starts a real ``headwater serve``
-subprocess on a free port (``--port 0``) and sends ten requests per run, bounded by a
-time limit; everything else runs on synthetic data. No Dynamo is started: the suite is
-pointed at a directory without its scripts and must skip it with a message.
+Test policy: loopback only; the one end-to-end test starts two real ``headwater serve``
+subprocesses on free ports (``--port 0``; one of them as two frontend processes,
+``--processes 2``) and sends ten requests per run, bounded by a time limit; one more
+starts a fake frontend program that only prints its start-up lines. Everything else
+runs on synthetic data. No Dynamo is started: the suite is pointed at a directory
+without its scripts and must skip it with a message.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,9 +23,11 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from headwater import bench
-from scripts.bench import measure, plots, profile, report, suite, timeline
-from scripts.bench.scrape import ProcSample, parse_loop
+from headwater import bench, processes
+from scripts.bench import measure, plots, profile, report, servers, suite, timeline
+from scripts.bench.loadgen import ClientUsage, LoadResult, RequestRecord
+from scripts.bench.scrape import Histogram as Hist
+from scripts.bench.scrape import LoopSnapshot, ProcReport, ProcSample, loop_report, parse_loop
 
 # --- synthetic data -------------------------------------------------------------------
 
@@ -237,6 +242,273 @@ def test_thread_delta_survives_threads_coming_and_going() -> None:
     assert (delta.loop_s, delta.tokenizer_s, delta.other_s) == (1.5, 0.5, 0.25)
 
 
+# --- several frontend processes ---------------------------------------------------------
+
+
+def test_merged_snapshots_are_the_union_of_the_members() -> None:
+    fast = [0.0005] * 97 + [0.003] * 3
+    slow = [0.0005] * 95 + [0.04] * 5  # 5 stalls over 20 ms
+    a, b = _snap(fast, 0.004), _snap(slow, 0.045)
+    merged = timeline.merge_snapshots([a, b])
+    assert merged is not None
+    union = _snap(fast + slow, 0.0)  # one canary that saw every delay
+    assert merged.delay is not None
+    assert union.delay is not None
+    assert merged.delay.buckets == union.delay.buckets
+    assert merged.delay.count == 200
+    assert merged.delay.sum == pytest.approx(union.delay.sum)
+    assert merged.max_delay_s == 0.045  # the worst member's gauge
+    assert merged.stalls == 5
+    # p99 of the union: rank 198 of 200 lands among the slow member's 40 ms delays.
+    p99 = merged.delay.quantile(0.99)
+    assert p99 is not None
+    assert 0.02 < p99 <= 0.05
+    assert timeline.merge_snapshots([a, None]) is None  # a member that did not answer
+    assert timeline.merge_snapshots([]) is None
+    assert timeline.merge_snapshots([a]) is a
+    no_gauge = LoopSnapshot(1.0, None, None, None)  # Dynamo-like: nothing exported
+    assert timeline.merge_snapshots([no_gauge, no_gauge]) == LoopSnapshot(1.0, None, None, None)
+
+
+def test_merge_histograms_with_different_bounds_counts_what_each_holds() -> None:
+    h1 = Hist(((0.001, 2.0), (0.01, 5.0), (float("inf"), 6.0)), 6.0, 0.1)
+    h2 = Hist(((0.005, 3.0), (float("inf"), 4.0)), 4.0, 0.2)
+    merged = timeline.merge_histograms([h1, h2])
+    assert merged.buckets == ((0.001, 2.0), (0.005, 5.0), (0.01, 8.0), (float("inf"), 10.0))
+    assert (merged.count, merged.sum) == (10.0, pytest.approx(0.3))
+    with pytest.raises(ValueError):
+        timeline.merge_histograms([])
+
+
+def test_run_snapshots_keep_only_members_that_answered_twice() -> None:
+    a0, a1 = _snap([0.0005] * 10, 0.001), _snap([0.0005] * 30, 0.001)
+    b0 = _snap([0.0005] * 1000, 0.2)  # answered before the run only
+    before, after = measure.merge_run_snapshots([a0, b0], [a1, None])
+    assert (before, after) == (a0, a1)  # b's 1000 old samples must not enter the delta
+    assert before is not None
+    assert after is not None
+    assert loop_report(before, after).samples == 20
+    assert measure.merge_run_snapshots([None], [a1]) == (None, None)
+    with pytest.raises(ValueError):
+        measure.merge_run_snapshots([a0], [a1, a1])
+
+
+def test_process_figures_add_up() -> None:
+    a = ProcSample(10, 5.0, 1.5, 100 * 2**20, 120 * 2**20)
+    b = ProcSample(11, 5.1, 2.5, 200 * 2**20, 210 * 2**20)
+    total = timeline.sum_samples([a, b])
+    assert total == ProcSample(10, 5.1, 4.0, 300 * 2**20, 330 * 2**20)
+    assert timeline.sum_samples([a, None]) is None  # a process gone: no partial sum
+    assert timeline.sum_samples([]) is None
+    reports = [ProcReport(10, 1.0, 50.0, 2**20), ProcReport(11, 2.0, 90.0, 3 * 2**20)]
+    assert measure.sum_reports(reports) == ProcReport(10, 3.0, 140.0, 4 * 2**20)
+    assert measure.sum_reports([]) is None
+    cpu = measure.sum_thread_cpu([profile.ThreadCpu(1.0, 0.5, 0.25),
+                                  profile.ThreadCpu(2.0, 1.5, 0.25)])  # fmt: skip
+    assert cpu == profile.ThreadCpu(3.0, 2.0, 0.5)
+    assert measure.sum_thread_cpu([]) is None
+
+
+def _server(**overrides: Any) -> servers.ServerInfo:
+    fields: dict[str, Any] = {
+        "kind": "headwater", "variant": "fastokens/thread ×2 procs",
+        "base_url": "http://127.0.0.1:9000", "model": "m", "pids": (10, 11, 12, 20),
+        "metrics_prefix": "headwater_frontend_", "stall_threshold_ms": 20.0,
+        "log_path": Path("x.log"), "frontend_pids": (11, 12),
+        "member_urls": ("http://127.0.0.1:9001", "http://127.0.0.1:9002"),
+    }  # fmt: skip
+    fields.update(overrides)
+    return servers.ServerInfo(**fields)
+
+
+def test_server_info_defaults_to_one_serving_process() -> None:
+    single = _server(pids=(10, 20), frontend_pids=(), member_urls=())
+    assert single.frontend_pids == (10,)
+    assert single.member_urls == ("http://127.0.0.1:9000",)
+    assert single.member_metrics_urls == ("http://127.0.0.1:9000/metrics",)
+    assert (single.frontend_group, single.frontend_processes) == ((10,), 1)
+    multi = _server()
+    assert (multi.frontend_group, multi.frontend_processes) == ((10, 11, 12), 2)
+    assert multi.member_metrics_urls[1] == "http://127.0.0.1:9002/metrics"
+    with pytest.raises(ValueError):
+        _server(member_urls=("http://127.0.0.1:9001",))
+
+
+def _load_result(ok: int) -> LoadResult:
+    records = tuple(
+        RequestRecord(i, i, 0.01 * i, 0.05, 0.05, (), 1, 100, 8, 200, True, False, None)
+        for i in range(ok)
+    )
+    return LoadResult("http://127.0.0.1:9000/v1/chat/completions", 4, ok, 30.0, False, 0.0,
+                      1.0, ok, False, records, ClientUsage(0.1, 0.0, 1000))  # fmt: skip
+
+
+def test_build_record_sums_supervisor_and_members_but_not_workers() -> None:
+    mb = 2**20
+    before = (  # supervisor 10, members 11 and 12, worker 20: (pid, t, CPU, RSS, peak RSS)
+        ProcSample(10, 0.0, 1.0, 40 * mb, 40 * mb), ProcSample(11, 0.0, 5.0, 250 * mb, 260 * mb),
+        ProcSample(12, 0.0, 6.0, 240 * mb, 250 * mb), ProcSample(20, 0.0, 9.0, 90 * mb, 90 * mb),
+    )  # fmt: skip
+    cpu_used = {10: 0.01, 11: 0.4, 12: 0.6, 20: 0.3}
+    after = tuple(ProcSample(p.pid, 2.0, p.cpu_s + cpu_used[p.pid], p.rss_bytes + 10 * mb,
+                             p.peak_rss_bytes + 10 * mb) for p in before)  # fmt: skip
+    loop_a0, loop_a1 = _snap([0.0005] * 10, 0.002), _snap([0.0005] * 60, 0.002)
+    loop_b0, loop_b1 = _snap([0.0005] * 10, 0.001), _snap([0.0005] * 55 + [0.03] * 5, 0.03)
+    loop_before, loop_after = measure.merge_run_snapshots([loop_a0, loop_b0], [loop_a1, loop_b1])
+    stall = {"duration_s": 0.03, "cause": "cpu", "task": "t", "stack": ["f.py:1 in g"],
+             "process": 1}  # fmt: skip
+    m = measure.Measurement(
+        spec=measure.RunSpec("short", False, 4, 10), server=_server(), phase="main", pair=None,
+        result=_load_result(10), started_unix=0.0, ended_unix=2.0, loop_before=loop_before,
+        loop_after=loop_after, procs_before=before, procs_after=after,
+        threads=measure.sum_thread_cpu([profile.ThreadCpu(0.3, 0.05, 0.01),
+                                        profile.ThreadCpu(0.5, 0.05, 0.01)]),
+        timeline=(), stall_records=(stall,), load_avg=(0.0, 0.0, 0.0), content_tokens_mean=100,
+    )  # fmt: skip
+    r = measure.build_record(m)
+    assert r["frontend_processes"] == 2
+    assert r["frontend_group_pids"] == [10, 11, 12]
+    assert r["frontend_cpu_ms_per_req"] == pytest.approx((0.01 + 0.4 + 0.6) * 1e3 / 10)
+    assert r["frontend_cpu_pct"] == pytest.approx(100 * 1.01 / 2)
+    assert r["server_cpu_ms_per_req"] == pytest.approx((0.01 + 0.4 + 0.6 + 0.3) * 1e3 / 10)
+    assert r["peak_rss_mb"] == pytest.approx(40 + 260 + 250 + 30)  # the worker's 100 left out
+    assert r["rss_start_mb"] == pytest.approx(40 + 250 + 240)
+    assert r["rss_end_mb"] == pytest.approx(40 + 250 + 240 + 30)
+    assert r["loop_samples"] == 100  # 50 per member
+    assert r["loop_max_ms"] == 30.0  # the worst member's gauge, which rose in the run
+    assert r["loop_max_exact"] is True
+    assert r["stalls"] == 5
+    # 5 of the 100 are in the (20, 50] ms bucket: interpolated, rank 99 is at 44 ms, above
+    # the 30 ms the gauge saw; the p99 is capped at the maximum.
+    assert r["loop_p99_ms"] == 30.0
+    assert r["threads_cpu_ms_per_req"]["loop"] == pytest.approx(80.0)
+    assert r["stall_longest"][0]["process"] == 1
+
+
+def test_process_layout_and_variant_names() -> None:
+    members = [processes.FrontendMember(1, 12, "http://127.0.0.1:2"),
+               processes.FrontendMember(0, 11, "http://127.0.0.1:1")]  # fmt: skip
+    assert servers.process_layout(10, members, [20, 21]) == (
+        (10, 11, 12, 20, 21), (11, 12), ("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    alone = [processes.FrontendMember(0, 10, "http://127.0.0.1:1")]
+    assert servers.process_layout(10, alone, []) == ((10,), (10,), ("http://127.0.0.1:1",))
+    assert servers.variant_name("fastokens", "thread", "inprocess", 1) == "fastokens/thread"
+    assert servers.variant_name("fastokens", "thread", "inprocess", 2) == (
+        "fastokens/thread ×2 procs")
+    assert servers.variant_name("hf", "inline", "processes", 1) == "hf/inline +worker procs"
+
+
+_FAKE_SUPERVISOR = """
+import sys, time
+for i, port in enumerate((41001, 41002)):
+    print(f"headwater: process {i} pid {4000 + i} at http://127.0.0.1:{port}")
+print("headwater: serving deepseek-v4 on http://127.0.0.1:41000", flush=True)
+time.sleep(60)
+"""
+
+
+async def test_a_supervisors_start_up_lines_name_the_members(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        child = await processes.spawn_frontend(
+            nursery, [sys.executable, "-c", _FAKE_SUPERVISOR], name="fake",
+            log_path=tmp_path / "fake.log", ready_within=20,
+        )  # fmt: skip
+        try:
+            pids, serving, urls = servers.process_layout(child.pid, child.members, [99])
+        finally:
+            await child.stop(5)
+    assert child.address == "http://127.0.0.1:41000"
+    assert pids == (child.pid, 4000, 4001, 99)
+    assert serving == (4000, 4001)
+    assert urls == ("http://127.0.0.1:41001", "http://127.0.0.1:41002")
+
+
+def test_the_multi_process_variant_is_planned(tmp_path: Path) -> None:
+    def cfg(n: int, **kw: Any) -> suite.SuiteConfig:
+        return suite.SuiteConfig(out_dir=tmp_path, repo_root=tmp_path, quick=True,
+                                 matrix=False, profile=False, frontend_processes=n, **kw)
+
+    assert suite.headwater_variants(cfg(2)) == [
+        suite.HeadwaterVariant("inprocess", 1), suite.HeadwaterVariant("inprocess", 2)]
+    assert suite.headwater_variants(cfg(0)) == suite.headwater_variants(cfg(1)) == [
+        suite.HeadwaterVariant("inprocess", 1)]
+    both = cfg(3, topologies=("inprocess", "processes"))
+    assert [(v.topology, v.frontend_processes) for v in suite.headwater_variants(both)] == [
+        ("inprocess", 1), ("processes", 1), ("inprocess", 3)]
+    plan = len(suite.main_plan(cfg(2)))
+    # Per Dynamo tokenizer: each spec once per headwater server and once for Dynamo.
+    assert suite.Suite(cfg(2)).planned_runs(2) == plan * 3 * 2
+    assert suite.Suite(cfg(1)).planned_runs(0) == plan
+
+
+def test_bench_cli_chooses_the_process_count(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    mod = bench._import_suite()
+
+    def count(*argv: str) -> int:
+        args = parser.parse_args(["--dynamo-install-dir", str(tmp_path), *argv])
+        n: int = bench._config(mod, args, tmp_path / "run").frontend_processes
+        return n
+
+    assert count("--frontend-processes", "3") == 3
+    assert count("--frontend-processes", "0") == 0
+    cpus = len(os.sched_getaffinity(0))
+    assert count() == (cpus if cpus > 1 else 0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--frontend-processes", "-1"])
+    assert "--frontend-processes 0" in bench._command(parser.parse_args(
+        ["--frontend-processes", "0"]))
+
+
+def _multi(**overrides: Any) -> dict[str, Any]:
+    return _record(variant="fastokens/thread ×2 procs", label="headwater fastokens/thread ×2 procs",
+                   frontend_processes=2, **overrides)  # fmt: skip
+
+
+def test_report_judges_the_multi_process_variant_beside_the_default() -> None:
+    pair = "vs dynamo fastokens: long unary c16"
+    runs = [
+        *_pair_runs(120.0, 100.0),
+        _multi(pair=pair, req_per_s=190.0, loop_max_ms=35.0, started_unix=1012.0,
+               rss_end_mb=600.0, peak_rss_mb=640.0, prompt_tokens_per_s=7_000_000.0),
+    ]  # fmt: skip
+    label = "headwater fastokens/thread ×2 procs"
+    results = _results(runs, idle_rss_mb={
+        "headwater fastokens/thread": 290.0, "headwater fastokens/thread (after warm-up)": 300.0,
+        label: 570.0, label + " (after warm-up)": 590.0, "dynamo fastokens": 285.0})  # fmt: skip
+    assert report.multi_process_labels(results) == [label]
+    default = {t.name: t.passed for t in report.targets(results)}
+    multi = {t.name: t for t in report.targets(results, label)}
+    assert default["long prompts c16: loop max delay"] is True  # the default's 12 ms
+    assert multi["long prompts c16: loop max delay"].passed is False  # the variant's 35 ms
+    assert default["long prompts c16: req/s vs Dynamo + fastokens"] is True
+    assert multi["long prompts c16: req/s vs Dynamo + fastokens"].measured == (
+        "long unary c16 1.90×")
+    assert multi["frontend RSS idle, default tokenizer"].passed is False  # 570 MB in total
+    assert "over 2 processes + supervisor" in multi["frontend RSS idle, default tokenizer"].measured
+    header, _, *rows = report.all_targets_table(results).splitlines()
+    assert header.endswith("| fastokens/thread ×2 procs |")
+    loop_row = next(r for r in rows if r.startswith("| long prompts c16: loop max delay"))
+    assert loop_row.endswith("| met | worst 35.0 ms over 1 runs (**missed**) |")
+    memory = dict(report.memory_rows(results))
+    assert memory[f"{label} (total: supervisor + 2 processes)"] == "570"
+    assert memory[f"{label} (after warm-up; total: supervisor + 2 processes)"] == "590"
+    assert memory["headwater fastokens/thread (after warm-up)"] == "300"
+    assert memory[f"{label}: peak RSS (VmHWM) over the main phase "
+                  "(total: supervisor + 2 processes)"] == "640"  # fmt: skip
+    (fastokens,) = report.limit_rows(results)
+    assert fastokens["achieved"] == 7_000_000.0  # the variant's run is the best
+    assert fastokens["run"].endswith("(fastokens/thread ×2 procs)")
+    text = report.render(results)
+    assert "the same targets for `headwater serve --processes N`" in text
+    assert "| fastokens/thread ×2 procs | long unary c16 |" in text  # its ratio row
+    # Without such a run the report is as before: no extra column.
+    plain = _results(_pair_runs(120.0, 100.0))
+    assert report.all_targets_table(plain) == report.targets_table(report.targets(plain))
+    assert "--processes N" not in report.render(plain)
+
+
 # --- report ----------------------------------------------------------------------------
 
 
@@ -360,28 +632,40 @@ async def test_a_tiny_real_run_writes_complete_records(tmp_path: Path) -> None:
         quick=True, dynamo=True, dynamo_scripts=tmp_path / "no-dynamo-here",
         dynamo_install=tmp_path / "dyn", matrix=False, profile=False, progress=False,
         requests={("short", 4): 10}, concurrency={"short": (4,)}, time_limit_s=30.0,
-        idle_settle_s=0.2,
+        idle_settle_s=0.2, frontend_processes=2,
     )  # fmt: skip
-    with trio.fail_after(60):
+    with trio.fail_after(90):
         results = await suite.Suite(cfg, log=lambda _: None).run()
     assert results.finished
     assert any("no Dynamo peer scripts" in s for s in results.skipped)
     lines = (cfg.out_dir / "runs.jsonl").read_bytes().splitlines()
     records = [orjson.loads(line) for line in lines]
-    assert [r["key"] for r in records] == ["short unary c4", "short stream c4"]
+    multi = "headwater fastokens/thread ×2 procs"
+    assert [(r["key"], r["label"]) for r in records] == [
+        ("short unary c4", "headwater fastokens/thread"), ("short unary c4", multi),
+        ("short stream c4", "headwater fastokens/thread"), ("short stream c4", multi),
+    ]  # fmt: skip
     for r in records:
         assert r.keys() >= RECORD_FIELDS
         assert (r["ok"], r["requests"], r["failed"]) == (10, 10, 0), r["first_error"]
         assert r["server"] == "headwater"
         assert r["req_per_s"] > 0
         assert r["frontend_cpu_ms_per_req"] > 0
-        assert r["peak_rss_mb"] > 50
+        assert r["peak_rss_mb"] > 50 * r["frontend_processes"]
         assert r["loop_p99_ms"] is not None
         assert r["loop_max_ms"] is not None
+        assert r["threads_cpu_ms_per_req"]["loop"] > 0
         assert r["prompt_tokens_mean"] > 100  # ~100 content tokens + the chat template
-    assert records[1]["itl_p50_ms"] is not None  # streamed: gaps between chunks
+        assert len(r["timeline"]) >= 1
+    assert records[2]["itl_p50_ms"] is not None  # streamed: gaps between chunks
     assert records[0]["itl_p50_ms"] is None
+    single, double = records[0], records[1]
+    assert (single["frontend_processes"], double["frontend_processes"]) == (1, 2)
+    assert single["frontend_group_pids"] == single["server_pids"][:1]
+    assert len(set(double["frontend_group_pids"])) == 3  # the supervisor and two members
     saved = orjson.loads((cfg.out_dir / "results.json").read_bytes())
     assert saved["runs"] == records
     assert saved["idle_rss_mb"]["headwater fastokens/thread"] > 50
+    # Two whole frontends (and a supervisor) hold more than one.
+    assert saved["idle_rss_mb"][multi] > saved["idle_rss_mb"]["headwater fastokens/thread"]
     assert saved["machine"]["usable_cpus"] >= 1

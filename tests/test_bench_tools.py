@@ -247,13 +247,19 @@ async def _sse(send: Send, events: AsyncIterator[bytes]) -> None:
 async def fake_openai(
     scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Send
 ) -> None:
-    """Just enough of the OpenAI API: usage.prompt_tokens = words in the prompt."""
+    """Just enough of the OpenAI API: usage.prompt_tokens = words in the prompt; and a
+    fixed ``/metrics`` page (four canary samples, a 2 ms max-delay gauge)."""
     if scope["type"] == "lifespan":
         while True:
             msg = await receive()
             await send({"type": msg["type"] + ".complete"})
             if msg["type"] == "lifespan.shutdown":
                 return
+    if scope["path"] == "/metrics":
+        page = _exposition("headwater_frontend_", [0.001] * 4, 1, 0.002).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": page})
+        return
     raw = b""
     while True:
         msg = await receive()
@@ -403,7 +409,9 @@ async def test_cli_prints_a_json_record_and_a_markdown_row() -> None:
         argv = [sys.executable, "-m", "scripts.bench.loadgen", "--url", base, "--stream",
                 "--scenario", "short", "--prompt-tokens", "50", "--concurrency", "2",
                 "--requests", "6", "--max-tokens", "3", "--pid", str(os.getpid()),
-                "--label", "cli", "--header", "--no-progress"]  # fmt: skip
+                "--label", "cli", "--header", "--no-progress",
+                # one page per frontend process: here the same one twice, merged
+                "--metrics-url", base + "/metrics", "--metrics-url", base + "/metrics"]  # fmt: skip
         with trio.fail_after(30):
             done = await trio.run_process(argv, cwd=REPO, capture_stdout=True, check=False,
                                           capture_stderr=True)  # fmt: skip
@@ -417,5 +425,8 @@ async def test_cli_prints_a_json_record_and_a_markdown_row() -> None:
     assert record["url"] == base + "/v1/chat/completions"
     assert [p["pid"] for p in record["procs"]] == [os.getpid()]
     assert record["procs"][0]["cpu_s"] > 0  # this process served the requests
+    # The pages did not change during the run; the merged gauge is the larger of the two.
+    assert (record["loop"]["samples"], record["loop"]["stalls"]) == (0, 0)
+    assert record["loop"]["max_delay_s"] == 0.002
     assert [header, separator] == markdown_header().splitlines()
     assert row.startswith("| cli | stream | 2 | 6/6 |")

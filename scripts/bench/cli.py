@@ -3,6 +3,10 @@
     python -m scripts.bench.loadgen --url http://127.0.0.1:8000 --scenario short \\
         --concurrency 16 --requests 200 --stream [--pid PID] [--metrics-url URL]
 
+With ``headwater serve --processes N`` give every process's own ``/metrics`` (its
+private URL, printed at start-up): ``--metrics-url`` repeated; the loop figures are then
+of all of them together (histograms summed, the worst max-delay gauge).
+
 Prints one JSON line (the :class:`~scripts.bench.stats.Summary` plus scenario, client
 usage, event-loop and per-process figures) and one markdown table row (``--header``
 adds the header). Exit status 0 even if requests failed: the record says how many.
@@ -22,7 +26,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from scripts.bench import prompts, scrape
+from scripts.bench import prompts, scrape, timeline
 from scripts.bench.loadgen import (
     DEFAULT_REQUEST_TIMEOUT,
     LoadGenError,
@@ -68,7 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=prompts.DEFAULT_MODEL)
     a("--seed", type=int, default=None, help="reproducible prompts (default: fresh each run)")
     a("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT)
-    a("--metrics-url", default=None, help="scrape this /metrics before and after the run")
+    a(
+        "--metrics-url",
+        action="append",
+        default=[],
+        help="scrape this /metrics before and after the run (repeatable: one per frontend "
+        "process, merged)",
+    )
     a("--metrics-prefix", default=scrape.HEADWATER_PREFIX)
     a(
         "--pid",
@@ -86,8 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     url = resolve_url(args.url, args.endpoint)
     check_loopback(url)
-    if args.metrics_url:
-        check_loopback(args.metrics_url)
+    for metrics_url in args.metrics_url:
+        check_loopback(metrics_url)
     prompt_set = prompts.make_prompts(
         args.scenario,
         args.requests,
@@ -102,9 +112,7 @@ def main(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         model=args.model,
     )
-    loop_before = (
-        scrape.scrape_loop(args.metrics_url, args.metrics_prefix) if args.metrics_url else None
-    )
+    loop_before = _scrape_all(args.metrics_url, args.metrics_prefix)
     procs_before = [scrape.read_proc(pid) for pid in args.pid]
     result = run_load(
         url,
@@ -120,9 +128,9 @@ def main(args: argparse.Namespace) -> int:
     procs = [scrape.proc_report(b, scrape.read_proc(b.pid)) for b in procs_before]
     loop = None
     if loop_before is not None:
-        loop = scrape.loop_report(
-            loop_before, scrape.scrape_loop(args.metrics_url, args.metrics_prefix)
-        )
+        loop_after = _scrape_all(args.metrics_url, args.metrics_prefix)
+        assert loop_after is not None  # the same URLs
+        loop = scrape.loop_report(loop_before, loop_after)
     summary = summarise(result, args.label)
     record: dict[str, Any] = {
         **summary.to_json(),
@@ -143,6 +151,13 @@ def main(args: argparse.Namespace) -> int:
         print(markdown_header())
     print(markdown_row(summary))
     return 0
+
+
+def _scrape_all(urls: Sequence[str], prefix: str) -> scrape.LoopSnapshot | None:
+    """Every URL's loop metrics merged; ``None`` for no URLs. Raises OSError, ValueError."""
+    if not urls:
+        return None
+    return timeline.merge_snapshots([scrape.scrape_loop(url, prefix) for url in urls])
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

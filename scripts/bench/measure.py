@@ -5,6 +5,14 @@ beside a 4 Hz sampler (:mod:`scripts.bench.timeline`), with ``/metrics``, ``/pro
 (headwater) ``/debug/stalls`` read before and after; :func:`build_record` is the pure
 reduction of that :class:`Measurement` to the record ``runs.jsonl`` holds. Figures are
 per run: counters and histograms are differences over the run, never since start-up.
+
+A frontend of several processes (``headwater serve --processes N``) is measured member
+by member on each member's own URL (the shared port's ``/metrics`` answers from
+whichever member takes the connection) and added up: CPU and RSS over the supervisor
+and the members (:attr:`ServerInfo.frontend_group`), loop histograms and stall counters
+summed and max-delay gauges maxed (:func:`~scripts.bench.timeline.merge_snapshots`),
+stall records and per-thread CPU over every member. The record says how many processes
+serve (``frontend_processes``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from scripts.bench.loadgen import LoadResult, run_load_trio
 from scripts.bench.scrape import (
     LoopReport,
     LoopSnapshot,
+    ProcReport,
     ProcSample,
     loop_report,
     proc_report,
@@ -75,11 +84,11 @@ class Measurement:
     result: LoadResult
     started_unix: float
     ended_unix: float
-    loop_before: LoopSnapshot | None
+    loop_before: LoopSnapshot | None  # every member's, merged (see merge_run_snapshots)
     loop_after: LoopSnapshot | None
-    procs_before: tuple[ProcSample, ...]
+    procs_before: tuple[ProcSample, ...]  # every process of the server, one each
     procs_after: tuple[ProcSample, ...]
-    threads: profile.ThreadCpu | None
+    threads: profile.ThreadCpu | None  # summed over the members
     timeline: tuple[timeline.TimelinePoint, ...]
     stall_records: tuple[dict[str, Any], ...]
     load_avg: tuple[float, float, float]
@@ -109,8 +118,56 @@ def loop_max(
     return (min(bounds) if bounds else None), False
 
 
+def merge_run_snapshots(
+    before: Sequence[LoopSnapshot | None], after: Sequence[LoopSnapshot | None]
+) -> tuple[LoopSnapshot | None, LoopSnapshot | None]:
+    """The members' snapshots before and after a run, merged into one pair (pure).
+
+    Only members that answered both times count, so each difference is taken over the
+    same loops; ``(None, None)`` if none did. Raises ValueError for lists of different
+    lengths (one snapshot per member, in member order).
+    """
+    if len(before) != len(after):
+        raise ValueError(f"{len(before)} snapshots before, {len(after)} after")
+    both = [(b, a) for b, a in zip(before, after, strict=True) if b is not None and a is not None]
+    if not both:
+        return None, None
+    return (timeline.merge_snapshots([b for b, _ in both]),
+            timeline.merge_snapshots([a for _, a in both]))  # fmt: skip
+
+
+def sum_reports(reports: Sequence[ProcReport]) -> ProcReport | None:
+    """Several processes' costs over one run as one (pure): CPU seconds and CPU% add up
+    (% of one core, so two busy processes make 200), as do the peak RSS figures (each
+    process's own high-water mark: a bound on the peak of their sum). The pid is the
+    first report's; ``None`` for no reports."""
+    if not reports:
+        return None
+    return ProcReport(
+        pid=reports[0].pid,
+        cpu_s=sum(r.cpu_s for r in reports),
+        cpu_pct=sum(r.cpu_pct for r in reports),
+        peak_rss_bytes=sum(r.peak_rss_bytes for r in reports),
+    )
+
+
+def sum_thread_cpu(cpus: Sequence[profile.ThreadCpu]) -> profile.ThreadCpu | None:
+    """Per-thread-group CPU of several processes added up (pure); ``None`` for none."""
+    if not cpus:
+        return None
+    return profile.ThreadCpu(
+        loop_s=sum(c.loop_s for c in cpus),
+        tokenizer_s=sum(c.tokenizer_s for c in cpus),
+        other_s=sum(c.other_s for c in cpus),
+    )
+
+
 def build_record(m: Measurement) -> dict[str, Any]:
-    """The JSON record of one run (pure). Times in ms, CPU per request in ms, RSS in MB."""
+    """The JSON record of one run (pure). Times in ms, CPU per request in ms, RSS in MB.
+
+    ``frontend_*`` CPU and the RSS figures are over :attr:`ServerInfo.frontend_group`
+    (one process, or a supervisor and its members), ``server_*`` over every process.
+    """
     s: Summary = summarise(m.result)
     report = None
     delta_top = None
@@ -119,9 +176,15 @@ def build_record(m: Measurement) -> dict[str, Any]:
         if m.loop_after.delay is not None and m.loop_before.delay is not None:
             delta_top = timeline.highest_bucket(m.loop_after.delay.minus(m.loop_before.delay))
     max_s, exact = loop_max(report, m.loop_before, delta_top)
+    p99_s = report.delay_p99_s if report else None
+    if p99_s is not None and max_s is not None:
+        # Interpolating within a bucket can put the p99 above the run's maximum (exact,
+        # or a bound on it); the true p99 is not.
+        p99_s = min(p99_s, max_s)
     procs = [proc_report(b, a) for b, a in zip(m.procs_before, m.procs_after, strict=True)]
     ok = max(1, s.ok)
-    frontend = procs[0] if procs else None
+    group = m.server.frontend_group
+    frontend = sum_reports([p for p in procs if p.pid in group])
     record: dict[str, Any] = {
         **s.to_json(),  # first: the fields below replace its empty label
         "phase": m.phase,
@@ -143,12 +206,14 @@ def build_record(m: Measurement) -> dict[str, Any]:
         "frontend_cpu_pct": None if frontend is None else round(frontend.cpu_pct, 1),
         "server_cpu_ms_per_req": round(sum(p.cpu_s for p in procs) * 1e3 / ok, 3),
         "server_pids": list(m.server.pids),
+        "frontend_processes": m.server.frontend_processes,  # serving; a supervisor aside
+        "frontend_group_pids": list(group),  # what the frontend_* and RSS figures sum
         "peak_rss_mb": None if frontend is None else round(frontend.peak_rss_bytes / 2**20, 1),
-        "rss_start_mb": _rss(m.procs_before),
-        "rss_end_mb": _rss(m.procs_after),
+        "rss_start_mb": _rss(m.procs_before, group),
+        "rss_end_mb": _rss(m.procs_after, group),
         "loop_samples": report.samples if report else 0,
         "loop_mean_ms": _ms(report.delay_mean_s if report else None),
-        "loop_p99_ms": _ms(report.delay_p99_s if report else None),
+        "loop_p99_ms": _ms(p99_s),
         "loop_max_ms": _ms(max_s),
         "loop_max_exact": exact,
         "stalls": None if report is None or report.stalls is None else int(report.stalls),
@@ -180,36 +245,50 @@ def longest_stalls(records: Sequence[dict[str, Any]], n: int = 3) -> list[dict[s
             "cause": r.get("cause"),
             "task": r.get("task"),
             "where": (r.get("stack") or ["?"])[-1],
+            **({"process": r["process"]} if "process" in r else {}),
         }
         for r in top
     ]
 
 
-def _rss(samples: Sequence[ProcSample]) -> float | None:
-    return round(samples[0].rss_bytes / 2**20, 1) if samples else None
+def _rss(samples: Sequence[ProcSample], pids: Sequence[int]) -> float | None:
+    """The RSS of *pids* together in MB; ``None`` if none of them was sampled."""
+    chosen = [p.rss_bytes for p in samples if p.pid in pids]
+    return round(sum(chosen) / 2**20, 1) if chosen else None
 
 
 # --- measuring --------------------------------------------------------------------------
 
-async def _scrape(server: ServerInfo) -> LoopSnapshot | None:
-    try:
-        return await trio.to_thread.run_sync(scrape_loop, server.metrics_url,
-                                             server.metrics_prefix, 10.0)  # fmt: skip
-    except (OSError, ValueError):
-        return None
+
+async def _scrape(server: ServerInfo) -> list[LoopSnapshot | None]:
+    """Every member's loop metrics, in member order (``None`` where a scrape failed)."""
+    out: list[LoopSnapshot | None] = []
+    for url in server.member_metrics_urls:
+        try:
+            out.append(await trio.to_thread.run_sync(scrape_loop, url, server.metrics_prefix,
+                                                     10.0))  # fmt: skip
+        except (OSError, ValueError):
+            out.append(None)
+    return out
 
 
 async def _stall_records(server: ServerInfo, start: float, end: float) -> tuple[dict, ...]:
-    """headwater's ``/debug/stalls`` records that started within [start, end] (unix)."""
+    """headwater's ``/debug/stalls`` records that started within [start, end] (unix), of
+    every member; with several, each record gets the member's index as ``process``."""
     if server.kind != "headwater":
         return ()
-    try:
-        status, body = await trio.to_thread.run_sync(http_get, server.base_url + "/debug/stalls")
-    except OSError:
-        return ()
-    if status != 200:
-        return ()
-    return tuple(r for r in orjson.loads(body) if start <= r.get("started_at", 0) <= end)
+    out: list[dict[str, Any]] = []
+    for i, url in enumerate(server.member_urls):
+        try:
+            status, body = await trio.to_thread.run_sync(http_get, url + "/debug/stalls")
+        except OSError:
+            continue
+        if status != 200:
+            continue
+        for r in orjson.loads(body):
+            if start <= r.get("started_at", 0) <= end:
+                out.append({**r, "process": i} if server.frontend_processes > 1 else r)
+    return tuple(sorted(out, key=lambda r: r.get("started_at", 0)))
 
 
 def _procs(pids: Sequence[int]) -> tuple[ProcSample, ...]:
@@ -239,15 +318,15 @@ async def measure(
     """
     url = server.base_url + prompts.ENDPOINT_PATHS["chat"]
     load_avg = os.getloadavg()
-    loop_before = await _scrape(server)
+    loops_before = await _scrape(server)
     procs_before = _procs(server.pids)
     threads_before = _threads(server)
     started = time.time()
     raw: list[timeline.RawSample] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            timeline.sample, server.metrics_url, server.metrics_prefix, server.pids[0],
-            trio.current_time(), raw,
+            timeline.sample, server.member_metrics_urls, server.metrics_prefix,
+            server.frontend_group, trio.current_time(), raw,
         )  # fmt: skip
         result = await run_load_trio(
             url, bodies, spec.concurrency, spec.requests, time_limit_s, spec.stream,
@@ -257,14 +336,14 @@ async def measure(
     ended = time.time()
     procs_after = _procs(server.pids)
     threads_after = _threads(server)
-    loop_after = await _scrape(server)
+    loop_before, loop_after = merge_run_snapshots(loops_before, await _scrape(server))
     stalls = await _stall_records(server, started, ended)
-    threads = None
-    if threads_before is not None and threads_after is not None:
-        threads = threads_after.since(threads_before)
-    if len(procs_after) != len(procs_before):  # a server process died: keep what matches
-        alive = {p.pid for p in procs_after}
-        procs_before = tuple(p for p in procs_before if p.pid in alive)
+    threads = sum_thread_cpu([threads_after[pid].since(threads_before[pid])
+                              for pid in threads_after if pid in threads_before])  # fmt: skip
+    # A server process that died (or was not read) on either side is left out.
+    both = {p.pid for p in procs_before} & {p.pid for p in procs_after}
+    procs_before = tuple(p for p in procs_before if p.pid in both)
+    procs_after = tuple(p for p in procs_after if p.pid in both)
     return Measurement(
         spec=spec, server=server, phase=phase, pair=pair, result=result,
         started_unix=started, ended_unix=ended, loop_before=loop_before,
@@ -274,33 +353,39 @@ async def measure(
     )  # fmt: skip
 
 
-def _threads(server: ServerInfo) -> profile.ThreadSample | None:
+def _threads(server: ServerInfo) -> dict[int, profile.ThreadSample]:
+    """Each serving process's threads (headwater only; a gone process is left out)."""
     if server.kind != "headwater":
-        return None
-    try:
-        return profile.read_threads(server.pids[0])
-    except ProcessLookupError:
-        return None
+        return {}
+    out = {}
+    for pid in server.frontend_pids:
+        try:
+            out[pid] = profile.read_threads(pid)
+        except ProcessLookupError:
+            continue
+    return out
 
 
 async def warm_up(server: ServerInfo, scenarios: Sequence[str]) -> None:
-    """A few unmeasured requests per scenario: first-use costs are not part of a run."""
+    """A few unmeasured requests per scenario and serving process (each on its own URL):
+    first-use costs are not part of a run."""
     for scenario in scenarios:
         n, c = (16, 4) if scenario == "short" else (4, 2)
         spec = RunSpec(scenario, False, c, n)
         ps = await trio.to_thread.run_sync(make_prompt_set, spec)
         bodies = bodies_for(ps, spec, server.model)
-        await run_load_trio(server.base_url + prompts.ENDPOINT_PATHS["chat"], bodies, c, n,
-                            120.0, False, progress=False)  # fmt: skip
+        for base in server.member_urls:
+            await run_load_trio(base + prompts.ENDPOINT_PATHS["chat"], bodies, c, n, 120.0,
+                                False, progress=False)  # fmt: skip
 
 
 def current_rss_mb(server: ServerInfo) -> float | None:
-    """The frontend process's RSS now (``None`` if it is gone)."""
-    return _rss(_procs(server.pids[:1]))
+    """The frontend's RSS now, over its processes together (``None`` if they are gone)."""
+    return _rss(_procs(server.frontend_group), server.frontend_group)
 
 
 async def idle_rss_mb(server: ServerInfo, settle_s: float = IDLE_SETTLE_S) -> float | None:
-    """The frontend's RSS after *settle_s* seconds of doing nothing."""
+    """The frontend's RSS (its processes together) after *settle_s* seconds of doing
+    nothing."""
     await trio.sleep(settle_s)
-    samples = _procs(server.pids[:1])
-    return round(samples[0].rss_bytes / 2**20, 1) if samples else None
+    return current_rss_mb(server)

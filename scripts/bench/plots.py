@@ -116,16 +116,18 @@ def versus_concurrency(results: Record, out_dir: Path, field: str, ylabel: str,
 
 
 def rss_over_time(results: Record, out_dir: Path) -> Path | None:
-    """Frontend RSS through the main phase, per server (from the 4 Hz samples)."""
+    """Frontend RSS through the main phase, per server (from the 4 Hz samples); for a
+    frontend of several processes, their total."""
     lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
     t0 = None
     for r in sorted(results["runs"], key=lambda r: r["started_unix"]):
         if r["phase"] in ("matrix", "profile"):
             continue
         t0 = r["started_unix"] if t0 is None else t0
+        label = r["label"] + (" (total)" if (r.get("frontend_processes") or 1) > 1 else "")
         for p in r.get("timeline", []):
             if p["rss_mb"] is not None:
-                lines[r["label"]].append((r["started_unix"] - t0 + p["t_s"], p["rss_mb"]))
+                lines[label].append((r["started_unix"] - t0 + p["t_s"], p["rss_mb"]))
     if not lines:
         return None
     fig, ax = plt.subplots(figsize=(9, 3.5))

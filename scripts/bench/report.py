@@ -7,6 +7,9 @@ so a report can be re-rendered from an earlier run (``headwater bench --render``
 
 Conventions: times in ms; a ratio is headwater ÷ Dynamo (req/s above 1 and latency
 below 1 favour headwater); ``≤`` marks a loop maximum known only as a histogram bound.
+Targets are judged on the default frontend (one process); a frontend of several
+processes (``headwater serve --processes N``, variant ``... ×N procs``) gets a column of
+its own against the same targets, its CPU and RSS summed over its processes.
 """
 
 from __future__ import annotations
@@ -163,6 +166,35 @@ def _longest(r: Record) -> str:
     return f"{top.get('cause')}, `{where}`"
 
 
+def multi_process_labels(results: Record) -> list[str]:
+    """Labels of the main phase's headwater servers of several frontend processes."""
+    labels = [r["label"] for r in results["runs"] if r["server"] == "headwater"
+              and r["phase"] not in ("matrix", "profile")
+              and (r.get("frontend_processes") or 1) > 1]  # fmt: skip
+    return list(dict.fromkeys(labels))
+
+
+def frontend_processes(results: Record, label: str) -> int:
+    """How many processes serve for the server *label* (1 unless a record says more)."""
+    counts = [r.get("frontend_processes") or 1 for r in results["runs"] if r["label"] == label]
+    return max(counts, default=1)
+
+
+def _total_note(results: Record, label: str) -> str:
+    n = frontend_processes(results, label)
+    return f" (total: supervisor + {n} processes)" if n > 1 else ""
+
+
+def _idle_label(results: Record, label: str) -> str:
+    """An ``idle_rss_mb`` key for the memory table, its total noted for several processes."""
+    base = label.removesuffix(" (after warm-up)")
+    n = frontend_processes(results, base)
+    if n == 1:
+        return label
+    warm = "after warm-up; " if base != label else ""
+    return f"{base} ({warm}total: supervisor + {n} processes)"
+
+
 def limit_rows(results: Record) -> list[dict[str, Any]]:
     """Long-prompt tokens/s against ``usable cores × single-thread encode rate``."""
     cores = results["machine"].get("usable_cpus") or 1
@@ -171,14 +203,19 @@ def limit_rows(results: Record) -> list[dict[str, Any]]:
         backend = cal["backend"]
         rate = cal.get("tokens_per_cpu_s")
         ceiling = rate * cores if rate else None
+        thread = f"{backend}/thread"  # and its variants ("... ×2 procs"), not thread-gil
         candidates = [r for r in results["runs"] if r["server"] == "headwater"
-                      and r["scenario"] == "long" and r["variant"] == f"{backend}/thread"
-                      and r["phase"] != "profile" and r["ok"]]  # fmt: skip
+                      and r["scenario"] == "long" and r["phase"] != "profile" and r["ok"]
+                      and (r["variant"] == thread or r["variant"].startswith(thread + " "))]
         best = max(candidates, key=lambda r: r["prompt_tokens_per_s"], default=None)
         achieved = best["prompt_tokens_per_s"] if best else None
+        run = None
+        if best:
+            other = "" if best["variant"] == thread else f" ({best['variant']})"
+            run = f"{best['phase']}: {best['key']}{other}"
         out.append({
             "backend": backend, "rate": rate, "cores": cores, "ceiling": ceiling,
-            "achieved": achieved, "run": f"{best['phase']}: {best['key']}" if best else None,
+            "achieved": achieved, "run": run,
             "ratio": achieved / ceiling if achieved and ceiling else None,
         })  # fmt: skip
     return out
@@ -253,19 +290,25 @@ def profile_overhead(results: Record) -> list[str]:
 
 
 def memory_rows(results: Record) -> list[tuple[str, str]]:
-    rows = [(label, fmt(mb, 0)) for label, mb in results.get("idle_rss_mb", {}).items()]
-    main = _main_headwater(results)
-    if main:
-        rows.append((f"{HEADWATER_DEFAULT}: RSS at the end of the main phase",
+    """Idle RSS of every server, then the main phase's end and peak RSS of the default
+    frontend and of each multi-process one (those: totals over their processes)."""
+    rows = [(_idle_label(results, label), fmt(mb, 0))
+            for label, mb in results.get("idle_rss_mb", {}).items()]  # fmt: skip
+    for label in (HEADWATER_DEFAULT, *multi_process_labels(results)):
+        main = _main_headwater(results, label)
+        if not main:
+            continue
+        note = _total_note(results, label)
+        rows.append((f"{label}: RSS at the end of the main phase{note}",
                      fmt(main[-1]["rss_end_mb"], 0)))  # fmt: skip
-        rows.append((f"{HEADWATER_DEFAULT}: peak RSS (VmHWM) over the main phase",
+        rows.append((f"{label}: peak RSS (VmHWM) over the main phase{note}",
                      fmt(max(r["peak_rss_mb"] or 0 for r in main), 0)))  # fmt: skip
     return rows
 
 
-def _main_headwater(results: Record) -> list[Record]:
+def _main_headwater(results: Record, label: str = HEADWATER_DEFAULT) -> list[Record]:
     return sorted(
-        (r for r in results["runs"] if r["label"] == HEADWATER_DEFAULT
+        (r for r in results["runs"] if r["label"] == label
          and r["phase"] not in ("matrix", "profile")),
         key=lambda r: r["started_unix"],
     )  # fmt: skip
@@ -286,10 +329,12 @@ class Target:
         return {True: "met", False: "**missed**", None: "not measured"}[self.passed]
 
 
-def targets(results: Record) -> list[Target]:
-    """The project's performance targets, judged on *results*."""
+def targets(results: Record, label: str = HEADWATER_DEFAULT) -> list[Target]:
+    """The project's performance targets, judged on the server *label*'s runs (by
+    default the default frontend's; the same targets serve for any headwater variant,
+    its figures as the records hold them: CPU and RSS summed over its processes)."""
     out: list[Target] = []
-    long16 = [r for r in _main_headwater(results)
+    long16 = [r for r in _main_headwater(results, label)
               if r["scenario"] == "long" and r["concurrency"] == 16]  # fmt: skip
     maxes = [r["loop_max_ms"] for r in long16 if r["loop_max_ms"] is not None]
     worst = max(long16, key=lambda r: r["loop_max_ms"] or 0, default=None)
@@ -304,7 +349,7 @@ def targets(results: Record) -> list[Target]:
         f"worst {fmt(max(p99s), 2)} ms" if p99s else "-",
         max(p99s) < LOOP_P99_TARGET_MS if p99s else None,
     ))  # fmt: skip
-    ps = [p for p in pairs(results["runs"]) if p.headwater["label"] == HEADWATER_DEFAULT]
+    ps = [p for p in pairs(results["runs"]) if p.headwater["label"] == label]
     for phase, name, goal, floor in (
         ("vs dynamo fastokens", "long prompts c16: req/s vs Dynamo + fastokens", "≥ 1.0×", 1.0),
         ("vs dynamo default", "short prompts: req/s vs Dynamo (default tokenizer)",
@@ -321,20 +366,23 @@ def targets(results: Record) -> list[Target]:
             ", ".join(f"{p.key} {fmt(p.ratio('req_per_s'), 2)}×" for p in chosen) or "-",
             min(ratios) >= floor if ratios else None,
         ))  # fmt: skip
-    idle = results.get("idle_rss_mb", {}).get(HEADWATER_DEFAULT)
+    idle = results.get("idle_rss_mb", {}).get(label)
     dyn_idle = [v for k, v in results.get("idle_rss_mb", {}).items() if k.startswith("dynamo")]
+    n = frontend_processes(results, label)
     out.append(Target(
         "frontend RSS idle, default tokenizer", f"< {IDLE_RSS_TARGET_MB:g} MB",
-        f"{fmt(idle, 0)} MB" + (f" (Dynamo frontend: {', '.join(fmt(v, 0) for v in dyn_idle)}"
-                                " MB)" if dyn_idle else ""),
+        f"{fmt(idle, 0)} MB" + (f" over {n} processes + supervisor" if n > 1 else "")
+        + (f" (Dynamo frontend: {', '.join(fmt(v, 0) for v in dyn_idle)} MB)"
+           if dyn_idle else ""),
         idle < IDLE_RSS_TARGET_MB if idle is not None else None,
     ))  # fmt: skip
-    out.append(rss_flat(results))
+    out.append(rss_flat(results, label))
     return out
 
 
-def rss_flat(results: Record) -> Target:
-    """Does the default frontend's RSS grow across the main phase?
+def rss_flat(results: Record, label: str = HEADWATER_DEFAULT) -> Target:
+    """Does the frontend's (*label*'s, by default the default one's) RSS grow across the
+    main phase?
 
     With two passes over the same traffic (beside Dynamo-default, then Dynamo-fastokens)
     the RSS after the second pass is compared with the RSS after the first: a leak shows
@@ -342,7 +390,7 @@ def rss_flat(results: Record) -> Target:
     after warm-up.
     """
     name, goal = "frontend RSS flat across the run", f"growth < {RSS_GROWTH_LIMIT:.0%}"
-    main = [r for r in _main_headwater(results) if r.get("rss_end_mb")]
+    main = [r for r in _main_headwater(results, label) if r.get("rss_end_mb")]
     if not main:
         return Target(name, goal, "-", None)
     passes: dict[str, list[Record]] = {}
@@ -357,7 +405,7 @@ def rss_flat(results: Record) -> Target:
         return Target(name, f"pass 2 vs pass 1: {goal}",
                       f"after pass 1 {fmt(first, 0)} MB, after pass 2 {fmt(last, 0)} MB "
                       f"({growth:+.1%}); {span}", growth < RSS_GROWTH_LIMIT)  # fmt: skip
-    warm = results.get("idle_rss_mb", {}).get(HEADWATER_DEFAULT + " (after warm-up)")
+    warm = results.get("idle_rss_mb", {}).get(label + " (after warm-up)")
     if not warm:
         return Target(name, goal, span, None)
     growth = max(ends) / warm - 1
@@ -367,9 +415,25 @@ def rss_flat(results: Record) -> Target:
                   growth < RSS_GROWTH_LIMIT)  # fmt: skip
 
 
-def targets_table(ts: Sequence[Target]) -> str:
-    return table(["target", "goal", "measured", "verdict"],
-                 [[t.name, t.goal, t.measured, t.verdict] for t in ts])  # fmt: skip
+def targets_table(ts: Sequence[Target], others: Mapping[str, Sequence[Target]] | None = None
+                  ) -> str:  # fmt: skip
+    """The targets, one row each; *others* (server label → the same targets judged on
+    that server) add a column each: measured, and the verdict in brackets."""
+    others = others or {}
+    header = ["target", "goal", "measured", "verdict",
+              *(label.removeprefix("headwater ") for label in others)]  # fmt: skip
+    rows = []
+    for i, t in enumerate(ts):
+        extra = [f"{o[i].measured} ({o[i].verdict})" for o in others.values()]
+        rows.append([t.name, t.goal, t.measured, t.verdict, *extra])
+    return table(header, rows)
+
+
+def all_targets_table(results: Record) -> str:
+    """The targets judged on the default frontend, with a column for each multi-process
+    frontend of the main phase."""
+    others = {label: targets(results, label) for label in multi_process_labels(results)}
+    return targets_table(targets(results), others)
 
 
 # --- the whole report -------------------------------------------------------------------
@@ -406,13 +470,24 @@ def render(results: Record, images: Sequence[tuple[str, str]] = (), *,
         parts += ["**Skipped or failed:**", "\n".join(f"- {s}" for s in results["skipped"])]
     if not results.get("finished"):
         parts.append("**This run did not finish: the tables hold what was measured.**")
-    parts += ["### Targets", targets_table(targets(results))]
+    parts += ["### Targets", all_targets_table(results)]
+    multi = multi_process_labels(results)
+    if multi:
+        parts.append(
+            f"Verdicts are judged on `{HEADWATER_DEFAULT}` (one process). "
+            + ", ".join(f"`{m.removeprefix('headwater ')}`" for m in multi)
+            + ": the same targets for `headwater serve --processes N`; its RSS is the total "
+            "over the supervisor and its processes, its loop p99 over every process's "
+            "canary and its loop max the worst process's.")
     ps = pairs(runs)
     if ps:
         parts += ["### headwater ÷ Dynamo",
                   "Ratios of adjacent runs on the same prompts. req/s above 1 and latency "
                   "below 1 favour headwater.", ratio_table(ps)]  # fmt: skip
     parts += ["### Every run", runs_table([r for r in runs if r["phase"] != "matrix"])]
+    if multi:
+        parts.append("`×N procs`: FE CPU and peak RSS are summed over the supervisor and "
+                     "its N processes, all CPU adds the workers.")
     if any(r["phase"] == "matrix" for r in runs):
         parts += ["### Tokenizer backend × tokenize mode (long prompts, unary, c16)",
                   matrix_table(runs, results.get("idle_rss_mb", {}))]  # fmt: skip

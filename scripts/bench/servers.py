@@ -5,8 +5,10 @@ Two kinds, each an async context manager that yields a :class:`ServerInfo`:
 - :func:`headwater_server`: ``python -m frontend`` (``headwater serve``) on a free port
   (``--port 0``; the bound URL is read from its start-up line), its mocker workers
   in-process or as two ``headwater worker`` processes (``python -m workers``, also on
-  free ports), optionally under pyinstrument. Stopped with SIGINT (the frontend shuts
-  down gracefully and pyinstrument writes its session), SIGKILL after a deadline.
+  free ports), optionally under pyinstrument, optionally as several frontend processes
+  on one port (``--processes N``: a supervisor that does not serve and N members, each
+  also on a private port of its own). Stopped with SIGINT (the frontend shuts down
+  gracefully and pyinstrument writes its session), SIGKILL after a deadline.
 - :func:`dynamo_server`: NVIDIA Dynamo's frontend + mocker through the peer scripts
   (``start_disagg.sh`` / ``stop.sh`` in the directory given; their code is not part of
   this project). Those scripts bind port 8000, so the port is checked first and the
@@ -56,8 +58,15 @@ class DynamoUnavailable(ServerError):
 class ServerInfo:
     """A running server as the suite sees it.
 
-    ``pids[0]`` is the frontend process; the others are its worker processes (Dynamo's
-    mockers). ``stall_threshold_ms`` is the threshold behind its stall counter.
+    ``pids`` holds every process of the server: ``pids[0]`` is the frontend process that
+    was started, then (``--processes N``) the frontend members it supervises, then the
+    worker processes (Dynamo's mockers). ``frontend_pids`` are the processes that serve
+    HTTP and ``member_urls`` one base URL per such process, reaching it alone (its own
+    ``/metrics``, ``/debug/stalls``); both default to the single-process meaning,
+    ``(pids[0],)`` and ``(base_url,)``. With several members ``pids[0]`` is a supervisor
+    that serves nothing but still counts in the frontend's CPU and RSS
+    (:attr:`frontend_group`). ``stall_threshold_ms`` is the threshold behind the stall
+    counter.
     """
 
     kind: str  # "headwater" | "dynamo"
@@ -70,6 +79,17 @@ class ServerInfo:
     log_path: Path
     profile_path: Path | None = None
     args: tuple[str, ...] = field(default=())
+    frontend_pids: tuple[int, ...] = field(default=())
+    member_urls: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.frontend_pids:
+            object.__setattr__(self, "frontend_pids", self.pids[:1])
+        if not self.member_urls:
+            object.__setattr__(self, "member_urls", (self.base_url,))
+        if len(self.member_urls) != len(self.frontend_pids):
+            raise ValueError(f"{len(self.member_urls)} member URLs for "
+                             f"{len(self.frontend_pids)} frontend processes")  # fmt: skip
 
     @property
     def label(self) -> str:
@@ -77,7 +97,24 @@ class ServerInfo:
 
     @property
     def metrics_url(self) -> str:
+        """The shared port's ``/metrics``: whichever member accepts answers (see
+        :attr:`member_metrics_urls` for measuring)."""
         return self.base_url + "/metrics"
+
+    @property
+    def member_metrics_urls(self) -> tuple[str, ...]:
+        return tuple(url + "/metrics" for url in self.member_urls)
+
+    @property
+    def frontend_processes(self) -> int:
+        """How many processes serve (1 for a single-process frontend)."""
+        return len(self.frontend_pids)
+
+    @property
+    def frontend_group(self) -> tuple[int, ...]:
+        """The frontend's processes whose CPU and RSS it costs: ``pids[0]`` (a supervisor
+        when there are members) and the serving processes."""
+        return tuple(dict.fromkeys((*self.pids[:1], *self.frontend_pids)))
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -149,6 +186,29 @@ def _serve_args(backend: str, mode: str, speedup_ratio: float, extra: Sequence[s
             "--tokenize-mode", mode, "--log-level", "warning", *extra]  # fmt: skip
 
 
+def variant_name(backend: str, mode: str, topology: str, frontend_processes: int) -> str:
+    """A headwater server's variant label, e.g. ``fastokens/thread ×2 procs``."""
+    procs = f" ×{frontend_processes} procs" if frontend_processes > 1 else ""
+    workers = " +worker procs" if topology == "processes" else ""
+    return f"{backend}/{mode}{procs}{workers}"
+
+
+def process_layout(
+    frontend_pid: int,
+    members: Sequence[processes.FrontendMember],
+    worker_pids: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """``(pids, frontend_pids, member_urls)`` of a :class:`ServerInfo` (pure).
+
+    *members* is what the frontend announced (:attr:`processes.FrontendProcess.members`):
+    for a single process, the process itself, which then appears once in ``pids``.
+    """
+    ordered = sorted(members, key=lambda m: m.index)
+    frontend_pids = tuple(m.pid for m in ordered)
+    pids = tuple(dict.fromkeys((frontend_pid, *frontend_pids, *worker_pids)))
+    return pids, frontend_pids, tuple(m.url for m in ordered)
+
+
 def _profiler(profile_path: Path | None) -> tuple[str, ...]:
     """What runs ``-m frontend``: Python, or Python under pyinstrument."""
     if profile_path is None:
@@ -167,22 +227,38 @@ async def headwater_server(
     extra_args: Sequence[str] = (),
     profile_path: Path | None = None,
     stall_threshold_ms: float = 20.0,
+    frontend_processes: int = 1,
 ) -> AsyncIterator[ServerInfo]:
     """Run one headwater frontend and its mocker workers for the block.
 
     *topology* ``"inprocess"`` is ``headwater serve``'s default (a prefill + decode pair
     inside the frontend process); ``"processes"`` runs them as two ``headwater worker``
-    processes on the TCP request plane, Dynamo's layout. The processes are started and
-    supervised by :mod:`headwater.processes`, as ``headwater launch`` does. Raises
-    :class:`ServerError` if anything does not come up within :data:`READY_TIMEOUT`. On
-    exit (normal, error or cancellation) the frontend gets SIGINT (pyinstrument writes
-    its session then), then the workers; SIGKILL after :data:`STOP_TIMEOUT`.
+    processes on the TCP request plane, Dynamo's layout. *frontend_processes* > 1 adds
+    ``--processes N``: N frontend members on one port under a supervisor, each with its
+    own in-process workers (or its own connections to the worker processes); the
+    :class:`ServerInfo` then names the members (``frontend_pids``, ``member_urls``). The
+    processes are started and supervised by :mod:`headwater.processes`, as ``headwater
+    launch`` does. Raises :class:`ServerError` if anything does not come up within
+    :data:`READY_TIMEOUT` (every member must report healthy), ValueError for an unknown
+    *topology*, a count below 1, or a profile of several processes (pyinstrument would
+    watch only the supervisor). On exit (normal, error or cancellation) the frontend gets
+    SIGINT (pyinstrument writes its session then; a supervisor stops its members), then
+    the workers; SIGKILL after :data:`STOP_TIMEOUT`.
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
-    tag = f"headwater-{backend}-{mode}" + ("-profile" if profile_path else "")
+    if frontend_processes < 1:
+        raise ValueError(f"frontend_processes must be at least 1, got {frontend_processes}")
+    if frontend_processes > 1 and profile_path is not None:
+        raise ValueError("a profile covers one process: use frontend_processes=1")
+    procs = ["--processes", str(frontend_processes)] if frontend_processes > 1 else []
+    tag = (f"headwater-{backend}-{mode}" + (f"-x{frontend_processes}" if procs else "")
+           + ("-profile" if profile_path else ""))  # fmt: skip
     env = child_env()
     children: list[processes.ChildProcess] = []
+    # An exception leaves the nursery as itself, raised after it: raised inside, trio
+    # would wrap it in an ExceptionGroup and `except ServerError` would miss it.
+    error: Exception | None = None
     async with trio.open_nursery() as nursery:
         try:
             workers: list[processes.WorkerProcess] = []
@@ -197,32 +273,46 @@ async def headwater_server(
             frontend = await processes.start_frontend(
                 nursery, log_dir=log_dir, name=tag,
                 workers=",".join(w.static_url() for w in workers),
-                extra_args=_serve_args(backend, mode, speedup_ratio, extra_args),
+                extra_args=_serve_args(backend, mode, speedup_ratio, [*procs, *extra_args]),
                 interpreter=_profiler(profile_path), env=env, ready_within=READY_TIMEOUT,
             )  # fmt: skip
             children.insert(0, frontend)  # stopped first
-            await processes.wait_healthy(frontend.address, within=READY_TIMEOUT, child=frontend)
-        except processes.LaunchError as exc:
-            raise ServerError(f"{tag}: {exc}; see {log_dir}") from exc
-        try:
-            suffix = "" if topology == "inprocess" else " +worker procs"
-            yield ServerInfo(
-                kind="headwater",
-                variant=f"{backend}/{mode}{suffix}",
-                base_url=frontend.address,
-                model=processes.DEFAULT_MODEL,
-                pids=tuple(c.pid for c in children),
-                metrics_prefix=HEADWATER_PREFIX,
-                stall_threshold_ms=stall_threshold_ms,
-                log_path=frontend.log_path,
-                profile_path=profile_path,
-                args=frontend.argv,
+            for url in dict.fromkeys((frontend.address, *(m.url for m in frontend.members))):
+                await processes.wait_healthy(url, within=READY_TIMEOUT, child=frontend)
+            if len(frontend.members) != frontend_processes:
+                raise ServerError(f"{tag}: {len(frontend.members)} frontend processes "
+                                  f"announced, {frontend_processes} asked for; see {log_dir}")
+            pids, frontend_pids, member_urls = process_layout(
+                frontend.pid, frontend.members, [w.pid for w in workers]
             )
+            try:
+                yield ServerInfo(
+                    kind="headwater",
+                    variant=variant_name(backend, mode, topology, frontend_processes),
+                    base_url=frontend.address,
+                    model=processes.DEFAULT_MODEL,
+                    pids=pids,
+                    metrics_prefix=HEADWATER_PREFIX,
+                    stall_threshold_ms=stall_threshold_ms,
+                    log_path=frontend.log_path or log_dir / f"{tag}.log",
+                    profile_path=profile_path,
+                    args=frontend.argv,
+                    frontend_pids=frontend_pids,
+                    member_urls=member_urls,
+                )
+            finally:
+                with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):
+                    for child in children:
+                        await child.stop(STOP_TIMEOUT, sig=signal.SIGINT)
+        except processes.LaunchError as exc:
+            error = ServerError(f"{tag}: {exc}; see {log_dir}")
+            error.__cause__ = exc
+        except Exception as exc:  # carried out of the nursery (see above)
+            error = exc
         finally:
-            with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):
-                for child in children:
-                    await child.stop(STOP_TIMEOUT, sig=signal.SIGINT)
-            nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # the children's watchers kill what still runs
+    if error is not None:
+        raise error
 
 
 # --- Dynamo -------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Phases (each optional but the first), every one bounded in requests and time:
 2. **Main**: headwater with the defaults (fastokens, ``thread`` mode) runs every
    scenario × {unary, stream} × concurrency, once per worker layout in
    ``topologies`` (mocker workers inside the frontend process, ``headwater serve``'s
-   default, and/or as two worker processes, Dynamo's layout). With Dynamo, the suite
+   default, and/or as two worker processes, Dynamo's layout), and with
+   ``frontend_processes`` > 1 once more as that many frontend processes on one port
+   (``headwater serve --processes N``, in-process workers). With Dynamo, the suite
    starts Dynamo's frontend + mockers twice (default tokenizer, then
    ``DYN_TOKENIZER=fastokens``) and alternates runs: headwater, Dynamo, headwater,
    Dynamo... on the same prompts (a fresh prompt set per group), the same client and
@@ -112,6 +114,9 @@ class SuiteConfig:
     #: headwater's worker layouts in the main phase ("inprocess", "processes"); each
     #: runs beside Dynamo. The first is the one the targets are judged on.
     topologies: tuple[str, ...] = ("inprocess",)
+    #: With N > 1, one more headwater in the main phase: ``--processes N`` (N frontend
+    #: processes on one port, in-process workers). 0 or 1: no such variant.
+    frontend_processes: int = 1
     requests_scale: float = 1.0
     time_limit_s: float | None = None  # per run; None: 60 s quick, 180 s full
     progress: bool = True
@@ -147,6 +152,23 @@ def main_plan(cfg: SuiteConfig) -> list[RunSpec]:
             for c in concurrency[scenario]:
                 plan.append(RunSpec(scenario, stream, c, requests_for(cfg, scenario, c)))
     return plan
+
+
+@dataclass(frozen=True, slots=True)
+class HeadwaterVariant:
+    """One headwater server of the main phase: its worker layout and frontend processes."""
+
+    topology: str = "inprocess"
+    frontend_processes: int = 1
+
+
+def headwater_variants(cfg: SuiteConfig) -> list[HeadwaterVariant]:
+    """The main phase's headwater servers, in run order: one per topology (the first is
+    the one targets are judged on), then the multi-process frontend if configured."""
+    out = [HeadwaterVariant(topology) for topology in cfg.topologies]
+    if cfg.frontend_processes > 1:
+        out.append(HeadwaterVariant("inprocess", cfg.frontend_processes))
+    return out
 
 
 def matrix_spec(cfg: SuiteConfig) -> RunSpec:
@@ -225,7 +247,7 @@ class Suite:
     # -- progress ----------------------------------------------------------------------
 
     def planned_runs(self, dynamo_phases: int) -> int:
-        servers = len(self.cfg.topologies) + (1 if dynamo_phases else 0)
+        servers = len(headwater_variants(self.cfg)) + (1 if dynamo_phases else 0)
         main = len(main_plan(self.cfg)) * servers * max(1, dynamo_phases)
         matrix = len(MATRIX_BACKENDS) * len(MATRIX_MODES) if self.cfg.matrix else 0
         return main + matrix + (2 if self.cfg.profile else 0)
@@ -332,12 +354,12 @@ class Suite:
 
     def _headwater(
         self, backend: str = DEFAULT_BACKEND, mode: str = DEFAULT_MODE, *,
-        topology: str = "inprocess", profile_path: Path | None = None,
+        variant: HeadwaterVariant = HeadwaterVariant(), profile_path: Path | None = None,
     ) -> AbstractAsyncContextManager[ServerInfo]:  # fmt: skip
         return headwater_server(
             backend=backend, mode=mode, speedup_ratio=self.cfg.speedup_ratio,
-            log_dir=self.logs, topology=topology, extra_args=self.cfg.server_args,
-            profile_path=profile_path,
+            log_dir=self.logs, topology=variant.topology, extra_args=self.cfg.server_args,
+            profile_path=profile_path, frontend_processes=variant.frontend_processes,
         )  # fmt: skip
 
     async def main_phase(self, dynamo_phases: Sequence[str]) -> None:
@@ -349,8 +371,14 @@ class Suite:
             # nursery is on the stack, under the servers, so scopes nest as they exit.
             nursery = await stack.enter_async_context(trio.open_nursery())
             nursery.start_soon(partial(trio.to_thread.run_sync, prompts.default_counter))
-            for topology in cfg.topologies:
-                hws.append(await stack.enter_async_context(self._headwater(topology=topology)))
+            for variant in headwater_variants(cfg):
+                try:
+                    hws.append(await stack.enter_async_context(self._headwater(variant=variant)))
+                except ServerError as exc:
+                    if variant.frontend_processes == 1:
+                        raise
+                    # The multi-process frontend is an extra: the others run without it.
+                    self._skip(f"headwater ×{variant.frontend_processes} procs: {exc}")
             for hw in hws:
                 self.results.idle_rss_mb[hw.label] = await idle_rss_mb(hw, cfg.idle_settle_s)
                 await warm_up(hw, cfg.scenarios)

@@ -8,13 +8,22 @@ derives a per-interval p99 (Prometheus-style interpolation) and a per-interval m
 (the upper bound of the highest bucket that gained observations: the histogram cannot
 say more). Polling itself costs the server a ``/metrics`` render per 250 ms.
 
+A frontend of several processes (``headwater serve --processes N``) is sampled member
+by member, each on its own URL, and merged per poll (:func:`merge_snapshots`,
+:func:`sum_samples`): the histograms add up, so a point's p99 is that of every
+member's canary together and its maximum the worst member's; RSS and CPU are the sum
+over the supervisor and the members. A poll in which any member did not answer counts
+as failed, so that no interval compares different sets of members.
+
 :func:`sample` is the trio shell (run it beside the load; cancel it when the load ends);
-:func:`timeline_points` is pure, so it is tested on synthetic snapshots.
+:func:`timeline_points` and the merges are pure, so they are tested on synthetic
+snapshots.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -42,8 +51,8 @@ class TimelinePoint:
     loop_samples: int  # canary observations in the interval (~25 at 100 Hz)
     loop_p99_ms: float | None
     loop_max_ms: float | None  # upper bound of the highest bucket hit (inf: above the last)
-    rss_mb: float | None
-    cpu_pct: float | None  # frontend process, % of one core over the interval
+    rss_mb: float | None  # the frontend's processes together
+    cpu_pct: float | None  # the frontend's processes together, % of one core
 
     def to_json(self) -> dict[str, float | int | None]:
         return {
@@ -60,6 +69,88 @@ def _round(value: float | None) -> float | None:
     if value is None or math.isinf(value):
         return value
     return round(value, 3)
+
+
+# --- merging the processes of one frontend -----------------------------------------------
+
+
+def _cumulative_at(hist: Histogram, le: float) -> float:
+    """Observations ≤ *le* as far as *hist*'s own bounds tell (its largest bound ≤ le)."""
+    count = 0.0
+    for bound, cumulative in hist.buckets:
+        if bound > le:
+            break
+        count = cumulative
+    return count
+
+
+def merge_histograms(hists: Sequence[Histogram]) -> Histogram:
+    """The histogram of every observation of *hists* together (pure).
+
+    Buckets add up by upper bound. The frontend's processes share one layout; were
+    they to differ, each bound of the union counts what each histogram holds at or
+    below it (a lower bound within a bucket it does not have). Raises ValueError for
+    no histograms.
+    """
+    if not hists:
+        raise ValueError("nothing to merge")
+    if len(hists) == 1:
+        return hists[0]
+    bounds = sorted({le for h in hists for le, _ in h.buckets})
+    return Histogram(
+        tuple((le, sum(_cumulative_at(h, le) for h in hists)) for le in bounds),
+        sum(h.count for h in hists),
+        sum(h.sum for h in hists),
+    )
+
+
+def merge_snapshots(snapshots: Sequence[LoopSnapshot | None]) -> LoopSnapshot | None:
+    """One snapshot of several event loops taken at about the same moment (pure).
+
+    Histograms add up (see :func:`merge_histograms`), stall counters add up, and the
+    max-delay gauge is the largest: a loop-max figure derived from the merge is the
+    worst member's. ``None`` if any snapshot is missing (a member that did not answer:
+    comparing different sets of members would make counters jump) or there are none.
+    A figure no member exports stays ``None``.
+    """
+    if not snapshots or any(s is None for s in snapshots):
+        return None
+    snaps = [s for s in snapshots if s is not None]
+    if len(snaps) == 1:
+        return snaps[0]
+    delays = [s.delay for s in snaps if s.delay is not None]
+    maxes = [s.max_delay_s for s in snaps if s.max_delay_s is not None]
+    stalls = [s.stalls for s in snaps if s.stalls is not None]
+    return LoopSnapshot(
+        taken_at=max(s.taken_at for s in snaps),
+        delay=merge_histograms(delays) if delays else None,
+        max_delay_s=max(maxes) if maxes else None,
+        stalls=sum(stalls) if stalls else None,
+    )
+
+
+def sum_samples(samples: Sequence[ProcSample | None]) -> ProcSample | None:
+    """The processes of one frontend as one: CPU, RSS and peak RSS added up (pure).
+
+    The pid is the first sample's, the time the latest. ``None`` if any process is
+    missing (gone, or not read) or there are none: a sum over fewer processes than
+    the last one would read as a drop.
+    """
+    if not samples or any(s is None for s in samples):
+        return None
+    ps = [s for s in samples if s is not None]
+    if len(ps) == 1:
+        return ps[0]
+    return ProcSample(
+        pid=ps[0].pid,
+        taken_at=max(s.taken_at for s in ps),
+        cpu_s=sum(s.cpu_s for s in ps),
+        rss_bytes=sum(s.rss_bytes for s in ps),
+        peak_rss_bytes=sum(s.peak_rss_bytes for s in ps),
+    )
+
+
+# --- per-interval figures -------------------------------------------------------------------
 
 
 def highest_bucket(delta: Histogram) -> float | None:
@@ -116,9 +207,9 @@ def timeline_points(samples: list[RawSample]) -> list[TimelinePoint]:
 
 
 async def sample(
-    metrics_url: str,
+    metrics_urls: Sequence[str],
     prefix: str,
-    pid: int,
+    pids: Sequence[int],
     t0: float,
     out: list[RawSample],
     *,
@@ -126,20 +217,32 @@ async def sample(
 ) -> NoReturn:
     """Append a :class:`RawSample` to *out* every *interval_s* until cancelled.
 
-    *t0* is the ``trio.current_time()`` the samples are timed from. Scrapes run in a
-    worker thread with a short timeout; a failed one is recorded as ``loop=None``.
-    Ticks keep their schedule (a slow scrape delays only its own sample).
+    *metrics_urls* are the frontend's processes' ``/metrics`` (one each) and *pids* the
+    processes whose CPU and RSS are summed (see the module docstring). *t0* is the
+    ``trio.current_time()`` the samples are timed from. Scrapes run in worker threads,
+    the members' side by side, with a short timeout; a failed one makes the poll's
+    ``loop`` ``None``. Ticks keep their schedule (a slow scrape delays only its own
+    sample).
     """
     tick = trio.current_time()
     while True:
-        try:
-            loop = await trio.to_thread.run_sync(scrape_loop, metrics_url, prefix, 2.0)
-        except (OSError, ValueError):
-            loop = None
-        try:
-            proc = read_proc(pid)
-        except ProcessLookupError:
-            proc = None
-        out.append(RawSample(trio.current_time() - t0, loop, proc))
+        loops: list[LoopSnapshot | None] = [None] * len(metrics_urls)
+        async with trio.open_nursery() as nursery:
+            for i, url in enumerate(metrics_urls):
+                nursery.start_soon(_scrape_into, loops, i, url, prefix)
+        procs: list[ProcSample | None] = []
+        for pid in pids:
+            try:
+                procs.append(read_proc(pid))
+            except ProcessLookupError:
+                procs.append(None)
+        out.append(RawSample(trio.current_time() - t0, merge_snapshots(loops), sum_samples(procs)))
         tick += interval_s
         await trio.sleep_until(max(tick, trio.current_time()))
+
+
+async def _scrape_into(out: list[LoopSnapshot | None], index: int, url: str, prefix: str) -> None:
+    try:
+        out[index] = await trio.to_thread.run_sync(scrape_loop, url, prefix, 2.0)
+    except (OSError, ValueError):
+        out[index] = None
