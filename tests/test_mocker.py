@@ -18,7 +18,7 @@ import trio
 from headwater.wire import Chunk, FinishReason, GenerateRequest, KvHandle, Role, SamplingParams
 from workers.engines.base import EngineError
 from workers.engines.mocker import MockerConfig, MockerEngine
-from workers.engines.mocker.kv_cache import KvCache
+from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
 from workers.engines.mocker.timing import decode_ms, prefill_ms, step_seconds
 from workers.runtime.kv_transfer import InProcessKvTransfer
 
@@ -285,6 +285,119 @@ def test_kv_cache_reuse_refcount_and_lru_eviction() -> None:
     cache.free(y2)
     cache.free(y2)  # idempotent
     assert usage() == (2, 2)
+
+
+def kv_usage(cache: KvCache) -> tuple[int, int]:
+    stats = cache.statistics()
+    return stats.used_blocks, stats.cached_free_blocks
+
+
+def kv_table(cache: KvCache, tokens: list[int]) -> BlockTable:
+    table = cache.allocate(tokens)
+    assert table is not None
+    return table
+
+
+def kv_cached_then_freed(cache: KvCache, tokens: list[int]) -> list[int]:
+    """Allocate, compute and release *tokens*; return the blocks they used."""
+    table = kv_table(cache, tokens)
+    cache.commit(table, tokens, len(tokens))
+    blocks = list(table.blocks)
+    cache.free(table)
+    return blocks
+
+
+def test_kv_cache_bulk_allocation_evicts_least_recently_freed_and_forgets_them() -> None:
+    cache = KvCache(num_blocks=6, block_size=2)
+    a, b = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]
+    a_blocks = kv_cached_then_freed(cache, a)
+    kv_cached_then_freed(cache, b)
+    assert kv_usage(cache) == (0, 5)  # one block never used
+
+    # Three blocks: the never-used one, then the two least recently freed (a's tail).
+    c = kv_table(cache, [20, 21, 22, 23, 24, 25])
+    assert c.cached_tokens == 0
+    assert c.blocks[1:] == [a_blocks[2], a_blocks[1]]
+    assert kv_usage(cache) == (3, 3)
+    cache.free(c)  # never committed: back to the free list, not cached
+    assert kv_usage(cache) == (0, 3)
+
+    # a's evicted blocks no longer hit; its head and all of b still do.
+    a1 = kv_table(cache, a)
+    assert a1.cached_tokens == 2
+    assert a1.blocks[0] == a_blocks[0]
+    assert kv_table(cache, b).cached_tokens == 4
+    assert kv_usage(cache) == (5, 0)
+
+
+def test_kv_cache_allocation_that_cannot_be_covered_changes_nothing() -> None:
+    cache = KvCache(num_blocks=5, block_size=2)
+    x = [1, 2, 3, 4]
+    kv_cached_then_freed(cache, x)
+    kv_table(cache, [9])  # held: 2 blocks left free, x's 2 cached
+    before = cache.statistics()
+    assert before == KvCacheStats(used_blocks=1, total_blocks=5, cached_free_blocks=2)
+
+    # x's cached blocks are revived, not evicted: 3 more blocks needed, 2 available.
+    assert cache.allocate([*x, 5, 6, 7, 8, 9, 10]) is None
+    assert cache.statistics() == before
+
+    # Exactly enough: x's two blocks plus the last two free ones.
+    full = kv_table(cache, [*x, 5, 6, 7, 8])
+    assert full.cached_tokens == 4
+    after = cache.statistics()
+    assert after == KvCacheStats(used_blocks=5, total_blocks=5, cached_free_blocks=0)
+    assert cache.allocate([11]) is None
+    assert not cache.append_slot(full)  # its 4 blocks are full
+    assert full.num_tokens == 8
+    assert cache.statistics() == after
+
+
+def test_kv_cache_commit_in_chunks_registers_what_one_commit_does() -> None:
+    tokens = list(range(100, 121))  # 10 full blocks of 2 and a partial one
+    probes = [tokens, [*tokens[:8], 0, 0], tokens[:15], [100, 101, 0]]
+
+    def hits(steps: list[int], allocated: int = len(tokens)) -> list[int]:
+        """Cached tokens of each probe after committing *tokens* at *steps*, growing
+        the table one slot per step past *allocated* tokens as decoding does."""
+        cache = KvCache(num_blocks=32, block_size=2)
+        table = kv_table(cache, tokens[:allocated])
+        for n in steps:
+            while table.num_tokens < n:
+                assert cache.append_slot(table)
+            cache.commit(table, tokens[: max(n, allocated)], n)
+        return [kv_table(cache, probe).cached_tokens for probe in probes]
+
+    at_once = hits([len(tokens)])
+    assert at_once == [20, 8, 14, 2]
+    assert hits([0, 5, 13, 21]) == at_once  # prefill chunks
+    assert hits(list(range(len(tokens) + 1))) == at_once  # a block at a time
+    assert hits(list(range(11, len(tokens) + 1)), allocated=11) == at_once  # decode steps
+    assert hits([9]) == [8, 8, 8, 2]  # only computed blocks are registered
+
+
+def test_kv_cache_prefix_hit_revives_a_freed_block_out_of_the_evictable_pool() -> None:
+    cache = KvCache(num_blocks=4, block_size=2)
+    x, y = [1, 2], [3, 4]
+    [x_block] = kv_cached_then_freed(cache, x)
+    [y_block] = kv_cached_then_freed(cache, y)
+    assert kv_usage(cache) == (0, 2)
+
+    again = kv_table(cache, [*x, 5])
+    assert again.cached_tokens == 2
+    assert again.blocks[0] == x_block
+    assert kv_usage(cache) == (2, 1)  # x is held again, only y is evictable
+    assert cache.allocate([6, 7, 8, 9, 10]) is None
+
+    # Freed again, x is now newer than y: y goes first.
+    cache.free(again)
+    assert kv_usage(cache) == (0, 2)
+    other = kv_table(cache, [6, 7, 8, 9, 10])
+    assert other.blocks[2] == y_block
+    assert x_block not in other.blocks
+    cache.free(other)
+    assert kv_table(cache, x).cached_tokens == 2
+    assert kv_table(cache, y).cached_tokens == 0
 
 
 # ---- cancellation and shutdown ---------------------------------------------------------

@@ -1,23 +1,31 @@
 """A paged KV cache with prefix reuse, accounting only (no tensors).
 
 Blocks hold ``block_size`` tokens. A *full* block whose KV has been computed is
-registered under a chained hash of its content — ``hash((parent_hash, block_tokens))``
+registered under a chained hash of its content — ``hash((parent_hash, hash(block_tokens)))``
 — so a later sequence with the same token prefix shares it instead of recomputing.
 Blocks are ref-counted; a registered block whose count drops to 0 stays cached
 (``cached_free``) and is evicted least-recently-freed first when a new block is needed.
 Partial blocks, and full blocks whose content is already registered elsewhere, are
 private to their sequence and return to the free list when released.
 
-Python's tuple hash is used for the chain: deterministic for ints, 64 bits wide, and a
-collision only mislabels a simulated cache hit. Not thread-safe; the engine's
-scheduler and its request generators share it on one trio thread.
+Cost matters: with the mocker in-process this runs on the frontend's event loop, and a
+40k-token prompt is 625 blocks. So blocks move in runs (one slice off the free stack,
+one pass over the evictable pool, one tight loop per operation rather than a call per
+block), and tokens are hashed in C-level passes (:func:`_block_contents`). Hashing,
+over half of an allocate-commit-free cycle, is the one cost per token.
+
+Python's int/tuple hash is used for the chain: deterministic for ints (str and bytes
+hashes are salted per process), 64 bits wide, and a collision only mislabels a
+simulated cache hit. Not thread-safe; the engine's scheduler and its request
+generators share it on one trio thread.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 _ROOT_HASH = 0  # parent hash of a sequence's first block
 
@@ -54,8 +62,33 @@ class BlockTable:
         self.freed = False
 
 
+def _block_contents(token_ids: Sequence[int], block_size: int, start: int = 0) -> Iterable[int]:
+    """``hash(tuple(block))`` for each full block of *token_ids* from index *start* (a
+    block boundary), lazily; a partial last block is skipped.
+
+    Runs of blocks use the itertools "grouper" recipe: ``zip`` over one iterator repeated
+    *block_size* times cuts the blocks in C, and since ``map(hash, ...)`` drops each
+    block tuple at once, ``zip`` refills one tuple instead of allocating one per block.
+    Setting that up costs more than slicing a lone block (a decode step filling one).
+    """
+    bs = block_size
+    remaining = len(token_ids) - start
+    if remaining < 2 * bs:
+        return [hash(tuple(token_ids[start : start + bs]))] if remaining >= bs else []
+    tokens = iter(token_ids)
+    if start:
+        # List and tuple iterators seek in O(1); slicing would copy the rest of the prompt.
+        tokens.__setstate__(start)  # type: ignore[attr-defined]
+    return map(hash, zip(*[tokens] * bs, strict=False))
+
+
 class KvCache:
-    """Block allocator with prefix reuse and LRU eviction of unreferenced cached blocks."""
+    """Block allocator with prefix reuse and LRU eviction of unreferenced cached blocks.
+
+    Every block is in exactly one place: held by tables (``_refcount > 0``), on the
+    ``_free`` stack (no hash), or in ``_evictable`` (unreferenced, hash registered).
+    ``_hash[block]`` and ``_by_hash`` map registered blocks and hashes both ways.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -79,33 +112,34 @@ class KvCache:
         cover the uncached remainder.
         """
         bs = self.block_size
-        n = len(token_ids)
-        needed = -(-n // bs)
+        needed = -(-len(token_ids) // bs)
+        by_hash = self._by_hash
+        refcount = self._refcount
         hits: list[int] = []
         h = _ROOT_HASH
         revived = 0  # hits that currently sit in the evictable pool
-        for i in range(n // bs):
-            nh = hash((h, tuple(token_ids[i * bs : (i + 1) * bs])))
-            block = self._by_hash.get(nh)
+        for content in _block_contents(token_ids, bs):
+            nh = hash((h, content))  # the chain; commit computes the same
+            block = by_hash.get(nh)
             if block is None:
                 break
             hits.append(block)
-            revived += self._refcount[block] == 0
+            revived += refcount[block] == 0
             h = nh
         if needed - len(hits) > len(self._free) + len(self._evictable) - revived:
             return None
-        table = BlockTable()
+        evictable = self._evictable
         for block in hits:
-            if self._refcount[block] == 0:
-                del self._evictable[block]
-            self._refcount[block] += 1
-        table.blocks = hits
+            if refcount[block] == 0:
+                del evictable[block]
+            refcount[block] += 1
+        table = BlockTable()
+        table.num_tokens = len(token_ids)
         table.num_hashed = len(hits)
         table.last_hash = h
         table.cached_tokens = len(hits) * bs
-        for _ in range(needed - len(hits)):
-            table.blocks.append(self._take_block())
-        table.num_tokens = n
+        hits += self._take(needed - len(hits))
+        table.blocks = hits
         return table
 
     def append_slot(self, table: BlockTable) -> bool:
@@ -113,27 +147,34 @@ class KvCache:
         if table.num_tokens == len(table.blocks) * self.block_size:
             if not self._free and not self._evictable:
                 return False
-            table.blocks.append(self._take_block())
+            table.blocks += self._take(1)
         table.num_tokens += 1
         return True
 
     def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the full blocks among the first *num_computed* tokens for reuse.
 
-        Call as KV gets computed; *token_ids* must be the content the table was
-        allocated for (plus appended tokens).
+        Call as KV gets computed (in any number of steps); *token_ids*, a list or tuple,
+        must be the content the table was allocated for (plus appended tokens). A block
+        whose content is already registered under another block stays private.
         """
         bs = self.block_size
+        start = table.num_hashed
         full = min(num_computed, table.num_tokens) // bs
-        while table.num_hashed < full:
-            i = table.num_hashed
-            h = hash((table.last_hash, tuple(token_ids[i * bs : (i + 1) * bs])))
-            block = table.blocks[i]
-            if self._hash[block] is None and h not in self._by_hash:
-                self._hash[block] = h
-                self._by_hash[h] = block
-            table.last_hash = h
-            table.num_hashed += 1
+        if full <= start:
+            return
+        by_hash = self._by_hash
+        hash_of = self._hash
+        h = table.last_hash
+        # Blocks past num_hashed were taken fresh, so none of them is registered yet.
+        blocks = table.blocks[start:full]
+        for block, content in zip(blocks, _block_contents(token_ids, bs, start * bs), strict=False):
+            h = hash((h, content))
+            if h not in by_hash:
+                by_hash[h] = block
+                hash_of[block] = h
+        table.num_hashed = full
+        table.last_hash = h
 
     def free(self, table: BlockTable) -> None:
         """Drop *table*'s references. Idempotent.
@@ -144,13 +185,19 @@ class KvCache:
         if table.freed:
             return
         table.freed = True
+        refcount = self._refcount
+        hash_of = self._hash
+        evictable = self._evictable
+        push_free = self._free.append
         for block in reversed(table.blocks):
-            self._refcount[block] -= 1
-            if self._refcount[block] == 0:
-                if self._hash[block] is not None:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+            count = refcount[block] - 1
+            refcount[block] = count
+            if count:
+                continue
+            if hash_of[block] is None:
+                push_free(block)
+            else:
+                evictable[block] = None
         table.blocks = []
         table.num_tokens = 0
 
@@ -162,14 +209,35 @@ class KvCache:
             cached_free_blocks=cached,
         )
 
-    def _take_block(self) -> int:
-        if self._free:
-            block = self._free.pop()
-        else:
-            block, _ = self._evictable.popitem(last=False)
-            h = self._hash[block]
-            if h is not None:
-                del self._by_hash[h]
-            self._hash[block] = None
-        self._refcount[block] = 1
-        return block
+    def _take(self, count: int) -> list[int]:
+        """Hand out *count* blocks with refcount 1, unregistered ones first.
+
+        The caller has checked that free plus evictable blocks suffice. Blocks come off
+        the top of the free stack as one slice; only the rest evict cached blocks.
+        """
+        free = self._free
+        split = max(len(free) - count, 0)
+        blocks = free[split:]
+        del free[split:]
+        blocks.reverse()  # top of the stack first
+        refcount = self._refcount
+        for block in blocks:
+            refcount[block] = 1
+        if len(blocks) < count:
+            blocks += self._evict(count - len(blocks))
+        return blocks
+
+    def _evict(self, count: int) -> list[int]:
+        """Unregister the *count* least recently freed cached blocks; return them with
+        refcount 1."""
+        evictable = self._evictable
+        by_hash = self._by_hash
+        hash_of = self._hash
+        refcount = self._refcount
+        victims = list(islice(evictable, count))
+        for block in victims:
+            del evictable[block]
+            del by_hash[hash_of[block]]  # type: ignore[index]  # evictable, so registered
+            hash_of[block] = None
+            refcount[block] = 1
+        return victims
