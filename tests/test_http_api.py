@@ -303,3 +303,50 @@ async def test_client_disconnect_mid_stream_cancels_and_frees_kv() -> None:
                 await trio.sleep(0.01)
         assert fe.metrics.model_cancellation_total._value.get() == 1
         assert fe.metrics.inflight_requests._value.get() == 0
+
+
+async def _raw_chunks(url: str, body: dict[str, Any]) -> list[bytes]:
+    """POST *body* over a bare socket and return the chunked response's chunks, as written."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = orjson.dumps(body)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    raw = b""
+    with trio.fail_after(20):
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(head.encode() + payload)
+            while data := await stream.receive_some():
+                raw += data
+    headers, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in headers.lower()
+    chunks = []
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return chunks
+        chunks.append(rest[:n])
+        rest = rest[n + 2 :]
+
+
+async def test_stream_writes_events_that_are_ready_together_at_once() -> None:
+    async with serve_frontend() as (_, url):
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "seed": 5, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        chunks = await _raw_chunks(url, body)
+    events = [[e for e in c.split(b"\n\n") if e] for c in chunks]
+    # The role chunk leaves with the first token, not on its own.
+    assert len(events[0]) == 2
+    assert orjson.loads(events[0][0][6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert orjson.loads(events[0][1][6:])["choices"][0]["delta"]["content"]
+    # The last token, the usage and [DONE] leave together.
+    assert len(events[-1]) == 3
+    assert orjson.loads(events[-1][0][6:])["choices"][0]["finish_reason"] == "length"
+    assert orjson.loads(events[-1][1][6:])["usage"]["completion_tokens"] == 6
+    assert events[-1][2] == b"data: [DONE]"
+    # Tokens in between go out one write each, as they are generated.
+    assert all(len(e) == 1 for e in events[1:-1])
+    assert len(events) == sum(map(len, events)) - 3  # three writes saved
