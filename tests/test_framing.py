@@ -49,12 +49,19 @@ from headwater.wire.framing import (
     format_tcp_address,
     is_loopback,
     load_secret,
+    pack_block_hashes,
     pack_token_ids,
     parse_tcp_address,
+    unpack_block_hashes,
     unpack_token_ids,
 )
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
+#: A handle carrying its prompt's block hashes: 1234 tokens are 19 full blocks of 64.
+HASHES = (0, 1, -1, 2**63 - 1, -(2**63), hash((0, hash((5, 6)))), *range(-6, 7))
+HASHED_HANDLE = KvHandle(
+    "prefill-1", "tcp://10.0.0.5:7000", "h" * 32, 1234, block_hashes=HASHES, block_size=64
+)
 REQUEST = GenerateRequest(
     request_id="req-1",
     model="deepseek-v4",
@@ -67,6 +74,8 @@ REQUEST = GenerateRequest(
     eos_token_ids=(1,),
 )
 
+HASHED_REQUEST = GenerateRequest("r3", "m", [5] * 1234, SamplingParams(max_tokens=1), HASHED_HANDLE)
+
 #: One of every kind (the error kind twice: per request and per connection).
 EXAMPLES: list[Frame] = [
     Hello(PROTOCOL_VERSION, "frontend", "fe-1", "deepseek-v4", b"n" * 32),
@@ -75,9 +84,11 @@ EXAMPLES: list[Frame] = [
     HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4"),
     REQUEST,
     GenerateRequest("r2", "m", [5], SamplingParams(max_tokens=1)),
+    HASHED_REQUEST,
     Ack("req-1"),
     Chunk("req-1", [17, 18], FinishReason.LENGTH, HANDLE, cached_tokens=64),
     Chunk("req-1"),
+    Chunk("req-1", [], FinishReason.LENGTH, HASHED_HANDLE),
     End("req-1"),
     Error("req-1", ErrorCode.OVERLOADED, "busy"),
     Fault("frame_too_large", "too big"),
@@ -107,6 +118,34 @@ def test_request_tokens_travel_packed() -> None:
     assert body["token_ids"] == pack_token_ids(REQUEST.token_ids)
     assert len(body["token_ids"]) == 4 * len(REQUEST.token_ids)
     assert unpack_token_ids(body["token_ids"]) == REQUEST.token_ids
+
+
+def test_block_hashes_travel_packed_in_requests_and_chunks() -> None:
+    for frame in (HASHED_REQUEST, Chunk("r", [], None, HASHED_HANDLE)):
+        body = msgpack.unpackb(encode(frame)[4:])
+        packed = body["kv_handle"]["block_hashes"]
+        assert packed == pack_block_hashes(HASHES)
+        assert len(packed) == 8 * len(HASHES)
+        assert body["kv_handle"]["block_size"] == 64
+        (decoded,) = FrameDecoder().feed(encode(frame))
+        assert decoded.kv_handle.block_hashes == HASHES
+        assert type(decoded.kv_handle.block_hashes) is tuple
+    assert unpack_block_hashes(pack_block_hashes(HASHES)) == HASHES
+
+
+def test_handle_without_hashes_keeps_the_old_wire_form() -> None:
+    # What an older peer sends and expects: exactly these keys, nothing new.
+    old = {"worker_id": "w", "address": "tcp://h:1", "transfer_id": "t", "num_tokens": 9}
+    assert KvHandle("w", "tcp://h:1", "t", 9).to_wire() == old
+    (chunk,) = FrameDecoder().feed(_body({**GOOD_CHUNK, "kv_handle": old}))
+    assert chunk.kv_handle == KvHandle("w", "tcp://h:1", "t", 9)
+    assert (chunk.kv_handle.block_hashes, chunk.kv_handle.block_size) == ((), 0)
+
+
+def test_block_hashes_out_of_range_refuse_to_encode() -> None:
+    too_big = KvHandle("w", "a", "t", 64, block_hashes=(2**63,), block_size=64)
+    with pytest.raises(ValueError, match="int64"):
+        encode(Chunk("r", [], None, too_big))
 
 
 def test_token_ids_out_of_range_refuse_to_encode() -> None:
@@ -164,6 +203,13 @@ def _body(obj: object) -> bytes:
 
 GOOD_CHUNK = {"k": "chunk", "request_id": "r", "token_ids": [1]}
 GOOD_REQUEST = msgpack.unpackb(encode(REQUEST)[4:])
+GOOD_HASHED = msgpack.unpackb(encode(Chunk("r", [], None, HASHED_HANDLE))[4:])["kv_handle"]
+
+
+def _hashed_chunk(**handle: object) -> dict[str, object]:
+    """A chunk whose hashed KV handle has *handle*'s fields changed (None drops one)."""
+    fields = {k: v for k, v in {**GOOD_HASHED, **handle}.items() if v is not None}
+    return {**GOOD_CHUNK, "kv_handle": fields}
 
 
 @pytest.mark.parametrize(
@@ -183,6 +229,13 @@ GOOD_REQUEST = msgpack.unpackb(encode(REQUEST)[4:])
         ({**GOOD_REQUEST, "sampling": {"max_tokens": "many"}}, "max_tokens"),
         ({**GOOD_REQUEST, "sampling": {"max_tokens": -3}}, "negative"),
         ({**GOOD_REQUEST, "kv_handle": {"worker_id": "w"}}, "address"),
+        (_hashed_chunk(block_hashes=b"\x00" * 7), "int64"),
+        (_hashed_chunk(block_hashes=list(HASHES)), "block_hashes"),
+        (_hashed_chunk(block_size=None), "block_size"),
+        (_hashed_chunk(block_size=0), "block hashes"),
+        (_hashed_chunk(block_size=-64), "negative"),
+        (_hashed_chunk(block_size=65), "block hashes"),  # 1234 tokens: 18 full blocks of 65
+        (_hashed_chunk(num_tokens=64 * 19 - 1), "block hashes"),
         ({"k": "hello", "version": 1, "role": "x", "peer_id": "p", "model": "", "nonce": b"1"},
          "nonce"),
         ({"k": "stats", "seq": 1, "values": {"a": [1]}}, "scalars"),

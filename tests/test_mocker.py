@@ -11,6 +11,7 @@ import itertools
 import math
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 
 import pytest
 import trio
@@ -292,8 +293,8 @@ def kv_usage(cache: KvCache) -> tuple[int, int]:
     return stats.used_blocks, stats.cached_free_blocks
 
 
-def kv_table(cache: KvCache, tokens: list[int]) -> BlockTable:
-    table = cache.allocate(tokens)
+def kv_table(cache: KvCache, tokens: list[int], block_hashes: tuple[int, ...] = ()) -> BlockTable:
+    table = cache.allocate(tokens, block_hashes)
     assert table is not None
     return table
 
@@ -398,6 +399,45 @@ def test_kv_cache_prefix_hit_revives_a_freed_block_out_of_the_evictable_pool() -
     cache.free(other)
     assert kv_table(cache, x).cached_tokens == 2
     assert kv_table(cache, y).cached_tokens == 0
+
+
+def test_kv_cache_carried_hashes_stand_in_for_hashing_the_prompt() -> None:
+    tokens = list(range(100, 121))  # 10 full blocks of 2 and a partial one
+    probes = [tokens, [*tokens[:8], 0, 0], tokens[:15], [100, 101, 0]]
+    source = KvCache(num_blocks=32, block_size=2)
+    table = kv_table(source, tokens)
+    source.commit(table, tokens, 9)
+    with pytest.raises(ValueError, match="committed"):
+        source.prefix_hashes(table, len(tokens))
+    source.commit(table, tokens, len(tokens))
+    carried = source.prefix_hashes(table, len(tokens))
+    assert len(carried) == 10
+    assert source.prefix_hashes(table, 9) == carried[:4]
+
+    def computed(content: list[int], block_hashes: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """Commit *content* given *block_hashes* in a fresh cache, free it; return each
+        probe's cached tokens, and the chain the table ended with."""
+        cache = KvCache(num_blocks=32, block_size=2)
+        t = cache.allocate(content, block_hashes)
+        assert t is not None
+        cache.commit(t, content, len(content))
+        cache.free(t)
+        return [kv_table(cache, probe).cached_tokens for probe in probes], t.hashes
+
+    hashed_here = computed(tokens, ())
+    assert hashed_here == ([20, 8, 14, 2], list(carried))
+    assert computed(tokens, carried) == hashed_here
+    assert computed(tokens, carried[:4]) == hashed_here  # the rest hashed from the content
+    # Carried hashes are taken as given: content never hashed still registers as *tokens*.
+    garbage = [0] * len(tokens)
+    assert computed(garbage, carried) == hashed_here
+    assert computed(garbage, ())[0] == [0, 0, 0, 0]
+
+    # Prefix hits: the known hashes first, then hashing on from the last of them.
+    again = kv_table(source, tokens, carried[:4])
+    assert again.cached_tokens == 20
+    assert again.hashes == list(carried)
+    assert kv_table(source, [*tokens[:8], 0, 0], carried[:4]).cached_tokens == 8
 
 
 # ---- cancellation and shutdown ---------------------------------------------------------
@@ -516,6 +556,48 @@ async def test_disaggregated_request_flows_through_kv_handle(autojump_clock: obj
     released = prefill.statistics()
     assert (released.kv_transfers_held, released.kv_blocks_used) == (0, 0)
     assert prefill.counters.transfers_released == 1
+
+
+async def test_decode_engine_registers_the_prompt_hashes_the_prefill_engine_carried(
+    autojump_clock: object,
+) -> None:
+    cfg = MockerConfig(kv_transfer_bandwidth=1e6)
+    transfer = InProcessKvTransfer(bandwidth=cfg.kv_transfer_bandwidth)
+    prefill = MockerEngine(cfg, Role.PREFILL, "prefill-0")
+    transfer.register("prefill-0", prefill)
+    decodes = [
+        MockerEngine(cfg, Role.DECODE, f"decode-{i}", kv_transfer=transfer) for i in range(4)
+    ]
+    p = 1000  # 15 full blocks of 64 and a partial one
+    reference = KvCache(cfg.num_gpu_blocks, cfg.block_size)
+    table = kv_table(reference, prompt(p))
+    reference.commit(table, prompt(p), p)
+    async with running(prefill, *decodes):
+        handles = []
+        for i in range(len(decodes)):
+            (chunk,) = await collect(prefill, request(f"p{i}", prompt(p), 4))
+            assert chunk.kv_handle is not None
+            handles.append(chunk.kv_handle)
+        assert handles[0].block_size == 64
+        assert handles[0].block_hashes == reference.prefix_hashes(table, p)
+        assert len(handles[0].block_hashes) == p // 64
+        legs = [
+            handles[0],
+            replace(handles[1], block_hashes=(), block_size=0),  # as an older peer sends it
+            replace(handles[2], block_hashes=tuple(range(p // 32)), block_size=32),  # ignored
+            replace(handles[3], block_hashes=tuple(range(p // 64))),  # wrong, yet used
+        ]
+        for decode, handle in zip(decodes, legs, strict=True):
+            chunks = await collect(decode, request("r", prompt(p), 4, kv_handle=handle))
+            assert len(tokens_of(chunks)) == 4
+            assert decode.counters.prefill_tokens_computed == 0
+        # A later request extending the prompt finds its full blocks cached, unless the
+        # decode engine registered them under the wrong hashes it was handed.
+        cached = []
+        for decode in decodes:
+            chunks = await collect(decode, request("again", prompt(p + 100), 2))
+            cached.append(chunks[0].cached_tokens)
+    assert cached == [960, 960, 960, 0]
 
 
 async def test_unpulled_transfer_expires(autojump_clock: object) -> None:

@@ -26,7 +26,10 @@ limits, every field is type-checked, and anything wrong raises
 Prompt token ids travel as packed little-endian uint32 bytes: for a 40k-token
 prompt that packs 3.6x and unpacks 2.6x faster than a msgpack int list and
 needs no per-element type check (measured: 0.6 vs 2.1 ms, 1.2 vs 3.2 ms + 1.7 ms).
-Chunks carry one or a few tokens, so they keep plain int lists.
+Chunks carry one or a few tokens, so they keep plain int lists. A KV handle's block
+hashes (one per 64 prompt tokens) travel likewise as packed little-endian int64
+bytes; ``struct`` packs and unpacks 625 of them in ~25 and ~15 µs (array: ~40, ~20).
+A handle without them, as an older peer sends, is still valid.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import os
 import secrets
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +56,7 @@ from headwater.wire.messages import (
     Error,
     FinishReason,
     GenerateRequest,
+    KvHandle,
 )
 
 PROTOCOL_VERSION = 1
@@ -204,14 +208,41 @@ def unpack_token_ids(data: bytes) -> list[int]:
     return ids.tolist()
 
 
+def pack_block_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes → little-endian int64 bytes. Raises ValueError outside int64."""
+    try:
+        return struct.pack(f"<{len(hashes)}q", *hashes)
+    except struct.error as exc:
+        raise ValueError(f"block hashes must be ints in int64 range: {exc}") from exc
+
+
+def unpack_block_hashes(data: bytes) -> tuple[int, ...]:
+    """The inverse of :func:`pack_block_hashes`; raises ProtocolError on a ragged length."""
+    if len(data) % 8:
+        raise ProtocolError(f"block_hashes: {len(data)} bytes is not a whole number of int64")
+    return struct.unpack(f"<{len(data) // 8}q", data)
+
+
+def _pack_handle(d: dict[str, Any], handle: KvHandle | None) -> None:
+    """Swap the hash tuple in ``d["kv_handle"]`` (from ``to_wire``) for packed bytes."""
+    if handle is not None and handle.block_hashes:
+        d["kv_handle"]["block_hashes"] = pack_block_hashes(handle.block_hashes)
+
+
 def _body(frame: Frame) -> dict[str, Any]:
     match frame:
         case GenerateRequest():
             d = frame.to_wire()
             d["token_ids"] = pack_token_ids(frame.token_ids)
+            _pack_handle(d, frame.kv_handle)
             d["k"] = "request"
             return d
-        case Ack() | Chunk() | End() | Error() | Cancel():
+        case Chunk():
+            d = frame.to_wire()
+            _pack_handle(d, frame.kv_handle)
+            d["k"] = "chunk"
+            return d
+        case Ack() | End() | Error() | Cancel():
             d = frame.to_wire()
             d["k"] = _WIRE_KINDS[type(frame)]
             return d
@@ -390,12 +421,23 @@ def _kv_handle(d: dict[str, Any]) -> dict[str, Any] | None:
     handle = _field(d, "kv_handle", dict, None)
     if handle is None:
         return None
-    return {
+    checked = {
         "worker_id": _field(handle, "worker_id", str),
         "address": _field(handle, "address", str),
         "transfer_id": _field(handle, "transfer_id", str),
         "num_tokens": _nonneg(handle, "num_tokens"),
     }
+    hashes = unpack_block_hashes(_field(handle, "block_hashes", bytes, b""))
+    if hashes:
+        block_size = _nonneg(handle, "block_size")
+        if block_size < 1 or len(hashes) > checked["num_tokens"] // block_size:
+            raise ProtocolError(
+                f"{d.get('k')}: kv_handle has {len(hashes)} block hashes for "
+                f"{checked['num_tokens']} tokens in blocks of {block_size}"
+            )
+        checked["block_hashes"] = hashes
+        checked["block_size"] = block_size
+    return checked
 
 
 def _parse_request(d: dict[str, Any]) -> GenerateRequest:

@@ -72,24 +72,44 @@ class KvHandle:
     ``address`` is the prefill worker's transfer endpoint (``tcp://host:port`` for
     the TCP plane, ``memory://<worker id>`` in-process); ``transfer_id`` names the
     held blocks there. The prefill side frees them after the pull or a timeout.
+
+    ``block_hashes`` are the prefix-cache hashes of the prompt's full blocks of
+    ``block_size`` tokens, as the prefill worker computed them, so the decode worker
+    need not hash the same prompt again; empty (and ``block_size`` 0) when the sender
+    does not provide them (an older peer), in which case the decode side hashes.
+    In-process the tuple is shared, not copied; it stays out of ``repr``.
     """
 
     worker_id: str
     address: str
     transfer_id: str
     num_tokens: int
+    block_hashes: tuple[int, ...] = field(default=(), repr=False)
+    block_size: int = 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "worker_id": self.worker_id,
             "address": self.address,
             "transfer_id": self.transfer_id,
             "num_tokens": self.num_tokens,
         }
+        if self.block_hashes:
+            # The tuple itself (msgpack-safe); the TCP framing packs it into bytes.
+            d["block_hashes"] = self.block_hashes
+            d["block_size"] = self.block_size
+        return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> KvHandle:
-        return cls(**d)
+        return cls(
+            worker_id=d["worker_id"],
+            address=d["address"],
+            transfer_id=d["transfer_id"],
+            num_tokens=d["num_tokens"],
+            block_hashes=tuple(d.get("block_hashes", ())),
+            block_size=d.get("block_size", 0),
+        )
 
 
 @dataclass(frozen=True, slots=True)

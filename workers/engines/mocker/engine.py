@@ -94,6 +94,8 @@ class _Sequence:
     prefill_only: bool
     state: _State = _State.PULLING
     transferred: int = 0  # leading tokens whose KV arrived by transfer
+    # Prefix-cache hashes of leading full prompt blocks, computed by the prefill worker.
+    block_hashes: tuple[int, ...] = ()
     table: BlockTable | None = None
     num_computed: int = 0
     prefill_end: int = 0  # tokens below this index count as prefill work
@@ -184,6 +186,7 @@ class MockerEngine(Engine):
             if request.kv_handle is not None:
                 await self._pull(request.kv_handle)
                 seq.transferred = request.kv_handle.num_tokens
+                seq.block_hashes = self._usable_hashes(request.kv_handle)
             self._enqueue(seq)
             while True:
                 if seq.pending:
@@ -330,6 +333,19 @@ class MockerEngine(Engine):
         finally:
             self._pulling -= 1
 
+    def _usable_hashes(self, handle: KvHandle) -> tuple[int, ...]:
+        """The handle's block hashes this cache can use in place of hashing the prompt.
+
+        The prefill worker hashed the prompt already; hashing it again is most of the
+        decode side's KV bookkeeping. Only hashes of blocks of this cache's size count,
+        and only those within the transferred tokens (no more than the prompt, as
+        ``_new_sequence`` checked; both legs carry the same prompt). They describe
+        content, so they stay valid when a preempted sequence is allocated again.
+        """
+        if handle.block_size != self.config.block_size:
+            return ()  # none sent (an older peer), or another block size: hash here
+        return handle.block_hashes[: handle.num_tokens // handle.block_size]
+
     def _enqueue(self, seq: _Sequence) -> None:
         if self._closed:
             raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id} is shut down")
@@ -379,7 +395,7 @@ class MockerEngine(Engine):
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0]
-            table = self._cache.allocate(seq.tokens)
+            table = self._cache.allocate(seq.tokens, seq.block_hashes)
             if table is None:
                 return  # FIFO: later sequences wait behind the head too
             self._waiting.popleft()
@@ -511,10 +527,19 @@ class MockerEngine(Engine):
         assert seq.table is not None
         transfer_id = uuid.uuid4().hex
         expiry = trio.CancelScope()
-        self._held[transfer_id] = _Held(seq.table, len(seq.tokens), expiry)
+        n = len(seq.tokens)
+        self._held[transfer_id] = _Held(seq.table, n, expiry)
         self._nursery.start_soon(self._expire, transfer_id, expiry)
+        # The prompt's block hashes go along so the decode engine need not recompute them.
+        seq.handle = KvHandle(
+            self.worker_id,
+            self.transfer_address,
+            transfer_id,
+            n,
+            block_hashes=self._cache.prefix_hashes(seq.table, n),
+            block_size=self.config.block_size,
+        )
         seq.table = None
-        seq.handle = KvHandle(self.worker_id, self.transfer_address, transfer_id, len(seq.tokens))
         self._running.remove(seq)
         seq.state = _State.DONE
         seq.ready.set()

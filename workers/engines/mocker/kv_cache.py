@@ -12,12 +12,16 @@ Cost matters: with the mocker in-process this runs on the frontend's event loop,
 40k-token prompt is 625 blocks. So blocks move in runs (one slice off the free stack,
 one pass over the evictable pool, one tight loop per operation rather than a call per
 block), and tokens are hashed in C-level passes (:func:`_block_contents`). Hashing,
-over half of an allocate-commit-free cycle, is the one cost per token.
+over half of an allocate-commit-free cycle, is the one cost per token, so it is done
+once per prompt: a table keeps its chain (:attr:`BlockTable.hashes`), a prefill engine
+ships it in the KV handle, and the decode engine hands it to :meth:`KvCache.allocate`
+instead of hashing the same prompt again.
 
 Python's int/tuple hash is used for the chain: deterministic for ints (str and bytes
-hashes are salted per process), 64 bits wide, and a collision only mislabels a
-simulated cache hit. Not thread-safe; the engine's scheduler and its request
-generators share it on one trio thread.
+hashes are salted per process, so a chain computed in one worker process is valid in
+another), 64 bits wide, and a collision only mislabels a simulated cache hit. Not
+thread-safe; the engine's scheduler and its request generators share it on one trio
+thread.
 """
 
 from __future__ import annotations
@@ -48,17 +52,20 @@ class BlockTable:
     """The blocks one sequence holds, in token order. Created by :meth:`KvCache.allocate`.
 
     ``num_tokens`` is how many token slots are reserved; ``cached_tokens`` how many
-    leading tokens were found in the prefix cache at allocation.
+    leading tokens were found in the prefix cache at allocation. ``hashes`` holds the
+    chained hashes of the leading full blocks as far as they are known: the prefix hits,
+    those handed to :meth:`KvCache.allocate`, and every block committed since. Read it,
+    never write it.
     """
 
-    __slots__ = ("blocks", "cached_tokens", "freed", "last_hash", "num_hashed", "num_tokens")
+    __slots__ = ("blocks", "cached_tokens", "freed", "hashes", "num_committed", "num_tokens")
 
     def __init__(self) -> None:
         self.blocks: list[int] = []
         self.num_tokens = 0
         self.cached_tokens = 0
-        self.num_hashed = 0  # leading blocks whose chained hash is known
-        self.last_hash = _ROOT_HASH
+        self.hashes: list[int] = []
+        self.num_committed = 0  # leading blocks registered (or found registered); <= len(hashes)
         self.freed = False
 
 
@@ -105,27 +112,44 @@ class KvCache:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def allocate(self, token_ids: Sequence[int]) -> BlockTable | None:
+    def allocate(
+        self, token_ids: Sequence[int], block_hashes: Sequence[int] = ()
+    ) -> BlockTable | None:
         """Reserve slots for *token_ids*, reusing the longest cached prefix of full blocks.
 
-        Returns None, with nothing changed, when the free and evictable blocks cannot
-        cover the uncached remainder.
+        *block_hashes*, if given, are the chained hashes of the leading full blocks of
+        *token_ids* as a cache of the same block size computes them (another table's
+        :meth:`prefix_hashes`); they are used instead of hashing those blocks, here and
+        in :meth:`commit`, and blocks past them are hashed as usual. Wrong hashes only
+        mislabel simulated cache hits. Returns None, with nothing changed, when the free
+        and evictable blocks cannot cover the uncached remainder.
         """
         bs = self.block_size
         needed = -(-len(token_ids) // bs)
+        full = len(token_ids) // bs
+        hashes = list(block_hashes[:full])
         by_hash = self._by_hash
         refcount = self._refcount
         hits: list[int] = []
-        h = _ROOT_HASH
         revived = 0  # hits that currently sit in the evictable pool
-        for content in _block_contents(token_ids, bs):
-            nh = hash((h, content))  # the chain; commit computes the same
-            block = by_hash.get(nh)
+        for h in hashes:
+            block = by_hash.get(h)
             if block is None:
                 break
             hits.append(block)
             revived += refcount[block] == 0
-            h = nh
+        else:
+            # Every known hash hit: look further, hashing the content from there on.
+            h = hashes[-1] if hashes else _ROOT_HASH
+            for content in _block_contents(token_ids, bs, len(hashes) * bs):
+                nh = hash((h, content))  # the chain; commit computes the same
+                block = by_hash.get(nh)
+                if block is None:
+                    break
+                hits.append(block)
+                hashes.append(nh)
+                revived += refcount[block] == 0
+                h = nh
         if needed - len(hits) > len(self._free) + len(self._evictable) - revived:
             return None
         evictable = self._evictable
@@ -135,8 +159,8 @@ class KvCache:
             refcount[block] += 1
         table = BlockTable()
         table.num_tokens = len(token_ids)
-        table.num_hashed = len(hits)
-        table.last_hash = h
+        table.num_committed = len(hits)
+        table.hashes = hashes
         table.cached_tokens = len(hits) * bs
         hits += self._take(needed - len(hits))
         table.blocks = hits
@@ -156,25 +180,48 @@ class KvCache:
 
         Call as KV gets computed (in any number of steps); *token_ids*, a list or tuple,
         must be the content the table was allocated for (plus appended tokens). A block
-        whose content is already registered under another block stays private.
+        whose content is already registered under another block stays private. Blocks
+        whose hash the table already knows are not hashed again.
         """
         bs = self.block_size
-        start = table.num_hashed
+        start = table.num_committed
         full = min(num_computed, table.num_tokens) // bs
         if full <= start:
             return
-        by_hash = self._by_hash
+        # Blocks past num_committed were taken fresh, so none of them is registered yet:
+        # setdefault hands back the very block object it stored iff the hash was new
+        # (one dict operation per block instead of a lookup and a store).
+        register = self._by_hash.setdefault
         hash_of = self._hash
-        h = table.last_hash
-        # Blocks past num_hashed were taken fresh, so none of them is registered yet.
-        blocks = table.blocks[start:full]
-        for block, content in zip(blocks, _block_contents(token_ids, bs, start * bs), strict=False):
-            h = hash((h, content))
-            if h not in by_hash:
-                by_hash[h] = block
+        hashes = table.hashes
+        known = min(full, len(hashes))
+        for block, h in zip(table.blocks[start:known], hashes[start:known], strict=True):
+            if register(h, block) is block:
                 hash_of[block] = h
-        table.num_hashed = full
-        table.last_hash = h
+        if full > known:  # then known == len(hashes) >= start
+            h = hashes[-1] if hashes else _ROOT_HASH
+            push = hashes.append
+            blocks = table.blocks[known:full]
+            for block, content in zip(
+                blocks, _block_contents(token_ids, bs, known * bs), strict=False
+            ):
+                h = hash((h, content))
+                push(h)
+                if register(h, block) is block:
+                    hash_of[block] = h
+        table.num_committed = full
+
+    def prefix_hashes(self, table: BlockTable, num_tokens: int) -> tuple[int, ...]:
+        """The chained hashes of the full blocks among *table*'s first *num_tokens*
+        tokens, for :meth:`allocate` in another cache of the same block size (a decode
+        engine's, for a prompt this one prefilled).
+
+        Raises ValueError if some of those blocks have not been committed.
+        """
+        full = num_tokens // self.block_size
+        if full > table.num_committed:
+            raise ValueError(f"{full} full blocks asked for, {table.num_committed} committed")
+        return tuple(table.hashes[:full])
 
     def free(self, table: BlockTable) -> None:
         """Drop *table*'s references. Idempotent.
