@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 from dataclasses import fields
 
@@ -118,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def serve_until_signalled(config: FrontendConfig) -> None:
+    supervisor = os.getppid()  # before the slow start-up: it matters with --listen-fd
     from frontend.server import Frontend  # heavy imports only when serving
 
     frontend = Frontend(config)
@@ -125,6 +127,10 @@ async def serve_until_signalled(config: FrontendConfig) -> None:
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(frontend.run)
             print(f"headwater: serving {config.model_name} on {' '.join(urls)}", flush=True)
+            if config.listen_fd is not None:  # one of several processes (--processes N)
+                from frontend.multiprocess import terminate_when_orphaned
+
+                nursery.start_soon(terminate_when_orphaned, supervisor, frontend.shutdown)
             async for _ in signals:
                 logging.getLogger(__name__).info("signal received: shutting down")
                 frontend.shutdown.set()

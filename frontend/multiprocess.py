@@ -18,12 +18,15 @@ then the usual ``headwater: serving <model> on <url>`` line.
 Lifetime: all children or none. SIGINT or SIGTERM is passed on as SIGTERM, and each
 child drains as a single frontend does. If a child exits on its own, the supervisor
 stops the others and exits with status 1: a half-sized frontend that looks healthy
-is worse than one that is visibly down.
+is worse than one that is visibly down. If the supervisor itself is killed (SIGKILL,
+a crash), each child notices that it was re-parented and stops as if signalled
+(:func:`terminate_when_orphaned`): no frontend outlives its supervisor.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -142,3 +145,25 @@ async def _first_signal(signals: AsyncIterator[int], scope: trio.CancelScope) ->
 async def _lost_child(lost: trio.Event, scope: trio.CancelScope) -> None:
     await lost.wait()
     scope.cancel()
+
+
+async def terminate_when_orphaned(
+    supervisor: int, shutdown: trio.Event, poll_s: float = 1.0
+) -> None:
+    """In a child: send ourselves SIGTERM once our parent is no longer *supervisor* (its
+    pid, read when the child started: by the time this runs it may be gone already);
+    return on *shutdown*.
+
+    A supervisor stops its children itself, unless it is killed outright; then the
+    children are re-parented and must notice on their own. ``PR_SET_PDEATHSIG`` would
+    have the kernel tell them, but it fires when the parent *thread* that started the
+    child exits, and trio starts processes from worker threads that come and go. So a
+    child polls ``getppid()``, once a second, and then takes the usual SIGTERM path.
+    """
+    while not shutdown.is_set():
+        if os.getppid() != supervisor:
+            log.warning("supervisor (pid %d) is gone: shutting down", supervisor)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        with trio.move_on_after(poll_s):
+            await shutdown.wait()

@@ -121,6 +121,18 @@ async def test_a_lost_process_takes_the_frontend_down(
     assert "stopping the others" in frontend.log_tail()
 
 
+@pytest.mark.slow
+async def test_processes_stop_when_the_supervisor_is_killed(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    frontend = await start(nursery, tmp_path, "--processes", "2")
+    frontend.kill()  # SIGKILL: the supervisor cannot stop its children itself
+    await frontend.wait()
+    with trio.fail_after(30):
+        while any(alive(m.pid) for m in frontend.members):
+            await trio.sleep(0.2)
+
+
 async def test_children_that_cannot_start_fail_the_supervisor(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "frontend", *ARGS, "--processes", "2",
             "--tokenizer", str(tmp_path / "missing")]  # fmt: skip
