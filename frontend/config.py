@@ -6,16 +6,9 @@ and ``HEADWATER_*`` environment variables mirror each option.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (the affinity mask, not the machine's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+from headwater.machine import usable_cpus
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from headwater.cli import positive_float
+from headwater.machine import usable_cpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS_PAGE = Path("docs") / "performance.md"
@@ -64,8 +65,6 @@ def _count(text: str) -> int:
 def default_frontend_processes() -> int:
     """The multi-process variant's size: the CPUs this process may use, if more than one
     (else 0: no variant)."""
-    from frontend.config import usable_cpus
-
     cpus = usable_cpus()
     return cpus if cpus > 1 else 0
 

@@ -51,7 +51,7 @@ _PACKAGES = ("headwater", "trio", "hypercorn", "quart", "quart-trio", "fastokens
 
 def machine_info(repo_root: Path) -> dict[str, Any]:
     """CPU, memory, OS, Python, package versions and the checkout's commit."""
-    from frontend.config import usable_cpus
+    from headwater.machine import usable_cpus
 
     model = "unknown"
     try:
