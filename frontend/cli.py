@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("observability")
     o.add_argument("--no-instrument", dest="instrument", action="store_false",
                    help="turn off the stall detector (the loop-delay canary stays)")
+    o.add_argument("--gc-gen0-threshold", type=int, default=_D.gc_gen0_threshold,
+                   help="allocations between the cyclic GC's young collections, each of "
+                        "which walks every young container on the loop (0: Python's 700)")
     o.add_argument("--stall-threshold-ms", type=positive_float, default=_D.stall_threshold_ms,
                    help="loop delay above this counts as a stall")
     o.add_argument("--debug-endpoints", action="store_true", default=_D.debug_endpoints,

@@ -350,3 +350,21 @@ async def test_stream_writes_events_that_are_ready_together_at_once() -> None:
     # Tokens in between go out one write each, as they are generated.
     assert all(len(e) == 1 for e in events[1:-1])
     assert len(events) == sum(map(len, events)) - 3  # three writes saved
+
+
+async def test_the_gc_collects_young_objects_less_often_once_serving() -> None:
+    import gc
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        async with serve_frontend(gc_gen0_threshold=12_345) as (_, url):
+            assert gc.get_threshold() == (12_345, 20, 10)
+            async with httpx.AsyncClient(base_url=url) as c:
+                body = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+                assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        gc.set_threshold(700, 10, 10)
+        async with serve_frontend(gc_gen0_threshold=0):
+            assert gc.get_threshold() == (700, 10, 10)  # 0 leaves Python's setting alone
+    finally:
+        gc.set_threshold(*saved)
