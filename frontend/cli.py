@@ -116,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     if config.processes > 1:
         from frontend.multiprocess import supervise
 
-        return trio.run(supervise, config, getattr(args, "argv", ()))
+        return trio.run(supervise, config, args.argv)
     trio.run(serve_until_signalled, config)
     return 0
 

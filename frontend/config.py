@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
 
 
@@ -55,8 +56,8 @@ class FrontendConfig:
     # Allocations between two young-generation collections of the cyclic GC (Python's
     # default: 700). Every young collection walks every young container, and a request's
     # token-id lists are containers of 40k items: at 700 the collector ran many times per
-    # long request, on the loop. 0 keeps Python's default (docs/performance.md).
-    gc_gen0_threshold: int = 50_000
+    # long request, on the loop. 0 keeps Python's default (headwater/gc_tuning.py).
+    gc_gen0_threshold: int = GEN0_THRESHOLD
     stall_threshold_ms: float = 20.0  # loop delay above this is a stall
     # POST /debug/stall?ms=N blocks the event loop on purpose (to test the stall
     # detector and the dashboard); off in production, where that route is a 404.

@@ -12,7 +12,6 @@ then everything else is cancelled.
 
 from __future__ import annotations
 
-import gc
 import logging
 from functools import partial
 
@@ -31,23 +30,10 @@ from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
 from frontend.router import Router, WorkerState
+from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import LoopMonitor
 
 log = logging.getLogger(__name__)
-
-
-def tune_gc(gen0_threshold: int) -> None:
-    """Make the cyclic GC's young collections rarer (process-wide).
-
-    Python collects the youngest generation every 700 net container allocations, and
-    each collection walks every young container in full: the 40k-item token-id lists of
-    the long requests in flight included. Under long-prompt load that ran many times per
-    request, on the event loop, as a third of its delay (measured in
-    docs/performance.md). Objects freed by reference counting, nearly all of them, are
-    unaffected; only cyclic garbage waits longer. The older generations keep their
-    ratios (one middle collection per 20 young ones, one full per 10 middle ones).
-    """
-    gc.set_threshold(gen0_threshold, 20, 10)
 
 
 class Frontend:

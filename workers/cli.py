@@ -34,6 +34,7 @@ from functools import partial
 import trio
 
 from headwater.etcd.client import EtcdError, etcd_endpoints
+from headwater.gc_tuning import tune_gc
 from headwater.plane.connection import PlaneConfig
 from headwater.wire import Role
 from headwater.wire.framing import format_tcp_address, load_secret
@@ -354,6 +355,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"headwater worker: {exc}", file=sys.stderr)
         return 2
+    tune_gc()  # its requests carry the same long token lists as the frontend's
     try:
         return trio.run(_run, config)
     except (OSError, EtcdError, BaseExceptionGroup) as exc:
