@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
@@ -410,6 +411,9 @@ def test_kv_cache_carried_hashes_stand_in_for_hashing_the_prompt() -> None:
     with pytest.raises(ValueError, match="committed"):
         source.prefix_hashes(table, len(tokens))
     source.commit(table, tokens, len(tokens))
+    # Committed blocks get hashed when a lookup first comes for them, not before.
+    assert source.prefix_hashes(table, len(tokens)) == ()
+    assert kv_table(source, tokens[:5]).cached_tokens == 4
     carried = source.prefix_hashes(table, len(tokens))
     assert len(carried) == 10
     assert source.prefix_hashes(table, 9) == carried[:4]
@@ -529,6 +533,120 @@ def disagg(**overrides: object) -> tuple[MockerEngine, MockerEngine, InProcessKv
     return prefill, decode, transfer
 
 
+class EagerKvCache:
+    """The cache's contract written naively: every committed full block is hashed and
+    registered at once, one block and one list scan at a time."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.by_hash: dict[int, int] = {}
+        self.free_list = list(range(num_blocks))
+        self.lru: list[int] = []  # unreferenced registered blocks, least recently freed first
+
+    def chain(self, tokens: list[int], num_blocks: int) -> list[int]:
+        h, out = 0, []
+        for i in range(num_blocks):
+            h = hash((h, hash(tuple(tokens[i * self.bs : (i + 1) * self.bs]))))
+            out.append(h)
+        return out
+
+    def take(self) -> int:
+        if self.free_list:
+            block = self.free_list.pop()
+        else:
+            block = self.lru.pop(0)
+            del self.by_hash[self.hash_of[block]]  # type: ignore[index]
+            self.hash_of[block] = None
+        self.refcount[block] = 1
+        return block
+
+    def allocate(self, tokens: list[int]) -> dict[str, int | list[int]] | None:
+        hits = []
+        for h in self.chain(tokens, len(tokens) // self.bs):
+            if h not in self.by_hash:
+                break
+            hits.append(self.by_hash[h])
+        needed = -(-len(tokens) // self.bs) - len(hits)
+        revived = sum(self.refcount[b] == 0 for b in hits)
+        if needed > len(self.free_list) + len(self.lru) - revived:
+            return None
+        for block in hits:
+            if self.refcount[block] == 0:
+                self.lru.remove(block)
+            self.refcount[block] += 1
+        blocks = hits + [self.take() for _ in range(needed)]
+        return {"blocks": blocks, "tokens": len(tokens), "committed": len(hits)}
+
+    def append_slot(self, table: dict) -> bool:
+        if table["tokens"] == len(table["blocks"]) * self.bs:
+            if not self.free_list and not self.lru:
+                return False
+            table["blocks"].append(self.take())
+        table["tokens"] += 1
+        return True
+
+    def commit(self, table: dict, tokens: list[int], num_computed: int) -> None:
+        full = min(num_computed, table["tokens"]) // self.bs
+        for i, h in enumerate(self.chain(tokens, full)):
+            if i >= table["committed"] and h not in self.by_hash:
+                self.by_hash[h] = table["blocks"][i]
+                self.hash_of[table["blocks"][i]] = h
+        table["committed"] = max(full, table["committed"])
+
+    def free(self, table: dict) -> None:
+        for block in reversed(table["blocks"]):
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                (self.free_list if self.hash_of[block] is None else self.lru).append(block)
+        table["blocks"] = []
+
+    def statistics(self) -> KvCacheStats:
+        cached = len(self.lru)
+        return KvCacheStats(self.num_blocks - len(self.free_list) - cached, self.num_blocks, cached)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kv_cache_hashing_lazily_hits_and_evicts_as_eager_hashing_would(seed: int) -> None:
+    """Random traffic with shared prefixes, chunked prefill, decode steps, preemption
+    and eviction: the lazily hashing cache agrees with the naive eager one on every
+    lookup's hits and on block usage after every operation."""
+    rng = random.Random(seed)
+    bs = 4
+    lazy, eager = KvCache(num_blocks=40, block_size=bs), EagerKvCache(40, bs)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    live: list[tuple[BlockTable, dict, list[int], int]] = []  # tables, tokens, computed
+    for _ in range(1500):
+        op = rng.random()
+        if op < 0.35 or not live:
+            tokens = [*rng.choice(prefixes), *(rng.randrange(50) for _ in range(rng.randrange(12)))]
+            tokens = tokens or [1]
+            table, ref = lazy.allocate(tokens), eager.allocate(tokens)
+            assert (table is None) == (ref is None)
+            if table is not None and ref is not None:
+                assert table.cached_tokens == ref["committed"] * bs
+                live.append((table, ref, tokens, table.cached_tokens))
+        else:
+            i = rng.randrange(len(live))
+            table, ref, tokens, computed = live[i]
+            if op < 0.6:  # a prefill chunk, or a decode step that fills a slot first
+                if computed >= len(tokens):
+                    assert lazy.append_slot(table) == eager.append_slot(ref)
+                    if table.num_tokens > len(tokens):
+                        tokens = [*tokens, rng.randrange(50)]  # a new list, as callers may
+                computed = min(len(tokens), computed + rng.randrange(1, 3 * bs))
+                lazy.commit(table, tokens, computed)
+                eager.commit(ref, tokens, computed)
+                live[i] = (table, ref, tokens, computed)
+            else:  # finished, cancelled or preempted
+                lazy.free(table)
+                eager.free(ref)
+                del live[i]
+        assert lazy.statistics() == eager.statistics()
+
+
 async def test_disaggregated_request_flows_through_kv_handle(autojump_clock: object) -> None:
     prefill, decode, _ = disagg()
     p, n = 1000, 16
@@ -574,10 +692,16 @@ async def test_decode_engine_registers_the_prompt_hashes_the_prefill_engine_carr
     reference.commit(table, prompt(p), p)
     async with running(prefill, *decodes):
         handles = []
-        for i in range(len(decodes)):
+        for i in range(len(decodes) + 1):
             (chunk,) = await collect(prefill, request(f"p{i}", prompt(p), 4))
             assert chunk.kv_handle is not None
             handles.append(chunk.kv_handle)
+        # The first prefill hashed nothing (a prompt's blocks are hashed when a lookup
+        # first comes for them); the later ones found the prompt cached, hashing it.
+        first, *handles = handles
+        assert first.block_hashes == ()
+        assert reference.prefix_hashes(table, p) == ()
+        kv_table(reference, prompt(p))  # a lookup: the reference hashes its blocks too
         assert handles[0].block_size == 64
         assert handles[0].block_hashes == reference.prefix_hashes(table, p)
         assert len(handles[0].block_hashes) == p // 64

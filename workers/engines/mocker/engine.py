@@ -336,11 +336,12 @@ class MockerEngine(Engine):
     def _usable_hashes(self, handle: KvHandle) -> tuple[int, ...]:
         """The handle's block hashes this cache can use in place of hashing the prompt.
 
-        The prefill worker hashed the prompt already; hashing it again is most of the
-        decode side's KV bookkeeping. Only hashes of blocks of this cache's size count,
-        and only those within the transferred tokens (no more than the prompt, as
-        ``_new_sequence`` checked; both legs carry the same prompt). They describe
-        content, so they stay valid when a preempted sequence is allocated again.
+        What the prefill worker hashed (a prefix hit there) need not be hashed again
+        here: hashing is most of the KV bookkeeping. Only hashes of blocks of this
+        cache's size count, and only those within the transferred tokens (no more than
+        the prompt, as ``_new_sequence`` checked; both legs carry the same prompt). They
+        describe content, so they stay valid when a preempted sequence is allocated
+        again.
         """
         if handle.block_size != self.config.block_size:
             return ()  # none sent (an older peer), or another block size: hash here
@@ -530,7 +531,8 @@ class MockerEngine(Engine):
         n = len(seq.tokens)
         self._held[transfer_id] = _Held(seq.table, n, expiry)
         self._nursery.start_soon(self._expire, transfer_id, expiry)
-        # The prompt's block hashes go along so the decode engine need not recompute them.
+        # The prompt's block hashes known here go along: the decode engine need not
+        # recompute them.
         seq.handle = KvHandle(
             self.worker_id,
             self.transfer_address,

@@ -11,11 +11,19 @@ private to their sequence and return to the free list when released.
 Cost matters: with the mocker in-process this runs on the frontend's event loop, and a
 40k-token prompt is 625 blocks. So blocks move in runs (one slice off the free stack,
 one pass over the evictable pool, one tight loop per operation rather than a call per
-block), and tokens are hashed in C-level passes (:func:`_block_contents`). Hashing,
-over half of an allocate-commit-free cycle, is the one cost per token, so it is done
-once per prompt: a table keeps its chain (:attr:`BlockTable.hashes`), a prefill engine
-ships it in the KV handle, and the decode engine hands it to :meth:`KvCache.allocate`
-instead of hashing the same prompt again.
+block), and tokens are hashed in C-level passes (:func:`_block_contents`).
+
+Hashing is the one cost per token, and most prompts are never looked up again, so it is
+done lazily. :meth:`KvCache.commit` hashes only the first new block and files the
+stretch under that hash as a pending :class:`_Run`; a lookup that arrives at the run's
+first hash hashes and registers the whole run then (:meth:`KvCache._materialize`), and
+an eviction only shortens it. Every lookup gets the hits eager hashing would give: a
+run's blocks are all freed together, tail first, and no lookup can reach past a run's
+first block without hashing it. What is known is not hashed twice: a table keeps its
+chain as far as computed (:attr:`BlockTable.hashes`), a prefill engine ships it in the
+KV handle, and the decode engine hands it to :meth:`KvCache.allocate`. The price is
+memory: a pending run keeps its sequence's token list alive until it is hashed or
+evicted, at most the cache's capacity in tokens.
 
 Python's int/tuple hash is used for the chain: deterministic for ints (str and bytes
 hashes are salted per process, so a chain computed in one worker process is valid in
@@ -58,15 +66,55 @@ class BlockTable:
     never write it.
     """
 
-    __slots__ = ("blocks", "cached_tokens", "freed", "hashes", "num_committed", "num_tokens")
+    __slots__ = (
+        "blocks",
+        "cached_tokens",
+        "freed",
+        "hashes",
+        "num_committed",
+        "num_tokens",
+        "run",
+    )
 
     def __init__(self) -> None:
         self.blocks: list[int] = []
         self.num_tokens = 0
         self.cached_tokens = 0
         self.hashes: list[int] = []
-        self.num_committed = 0  # leading blocks registered (or found registered); <= len(hashes)
+        #: Leading blocks registered, found registered, or pending in :attr:`run`.
+        self.num_committed = 0
+        #: The pending run holding this table's blocks past ``hashes``, if any.
+        self.run: _Run | None = None
         self.freed = False
+
+
+class _Run:
+    """Committed full blocks of one sequence whose hashes are not computed yet.
+
+    ``blocks`` are the sequence's blocks ``first``, ``first + 1``, ...; ``key`` is the
+    chained hash of the first (the run is filed under it), ``parent`` the one before.
+    ``tokens`` is the sequence's token list, read up to the run's end when it is hashed;
+    ``table_hashes`` the owning table's chain, extended then if it still ends where the
+    run starts. Evicting blocks cuts them off ``blocks``.
+    """
+
+    __slots__ = ("blocks", "first", "key", "parent", "table_hashes", "tokens")
+
+    def __init__(
+        self,
+        key: int,
+        parent: int,
+        first: int,
+        blocks: list[int],
+        tokens: Sequence[int],
+        table_hashes: list[int],
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.first = first
+        self.blocks = blocks
+        self.tokens = tokens
+        self.table_hashes = table_hashes
 
 
 def _block_contents(token_ids: Sequence[int], block_size: int, start: int = 0) -> Iterable[int]:
@@ -93,8 +141,11 @@ class KvCache:
     """Block allocator with prefix reuse and LRU eviction of unreferenced cached blocks.
 
     Every block is in exactly one place: held by tables (``_refcount > 0``), on the
-    ``_free`` stack (no hash), or in ``_evictable`` (unreferenced, hash registered).
-    ``_hash[block]`` and ``_by_hash`` map registered blocks and hashes both ways.
+    ``_free`` stack (neither hash nor run), or in ``_evictable`` (unreferenced, with a
+    registered hash or in a pending run). ``_hash[block]`` and ``_by_hash`` map
+    registered blocks and hashes both ways; ``_run_of[block]`` and ``_pending`` (by the
+    run's first hash) do the same for pending runs. No hash is both registered and the
+    key of a pending run.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -105,6 +156,8 @@ class KvCache:
         self._refcount = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
+        self._run_of: list[_Run | None] = [None] * num_blocks
+        self._pending: dict[int, _Run] = {}
         self._free = list(range(num_blocks - 1, -1, -1))  # stack; pops block 0 first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
 
@@ -134,7 +187,7 @@ class KvCache:
         revived = 0  # hits that currently sit in the evictable pool
         for h in hashes:
             block = by_hash.get(h)
-            if block is None:
+            if block is None and (block := self._materialize_at(h)) is None:
                 break
             hits.append(block)
             revived += refcount[block] == 0
@@ -144,7 +197,7 @@ class KvCache:
             for content in _block_contents(token_ids, bs, len(hashes) * bs):
                 nh = hash((h, content))  # the chain; commit computes the same
                 block = by_hash.get(nh)
-                if block is None:
+                if block is None and (block := self._materialize_at(nh)) is None:
                     break
                 hits.append(block)
                 hashes.append(nh)
@@ -179,42 +232,60 @@ class KvCache:
         """Register the full blocks among the first *num_computed* tokens for reuse.
 
         Call as KV gets computed (in any number of steps); *token_ids*, a list or tuple,
-        must be the content the table was allocated for (plus appended tokens). A block
-        whose content is already registered under another block stays private. Blocks
-        whose hash the table already knows are not hashed again.
+        must be the content the table was allocated for (plus appended tokens), and
+        stay unchanged up to there. A block whose content is already registered under
+        another block stays private. Blocks with a known hash are registered at once;
+        the rest join a pending run, hashed only if a lookup comes for them.
         """
         bs = self.block_size
         start = table.num_committed
         full = min(num_computed, table.num_tokens) // bs
         if full <= start:
             return
-        # Blocks past num_committed were taken fresh, so none of them is registered yet:
-        # setdefault hands back the very block object it stored iff the hash was new
-        # (one dict operation per block instead of a lookup and a store).
-        register = self._by_hash.setdefault
-        hash_of = self._hash
         hashes = table.hashes
         known = min(full, len(hashes))
-        for block, h in zip(table.blocks[start:known], hashes[start:known], strict=True):
-            if register(h, block) is block:
-                hash_of[block] = h
-        if full > known:  # then known == len(hashes) >= start
-            h = hashes[-1] if hashes else _ROOT_HASH
-            push = hashes.append
-            blocks = table.blocks[known:full]
-            for block, content in zip(
-                blocks, _block_contents(token_ids, bs, known * bs), strict=False
-            ):
-                h = hash((h, content))
-                push(h)
+        if known > start:
+            # Blocks past num_committed were taken fresh, so none of them is registered
+            # yet: setdefault hands back the very block object it stored iff the hash was
+            # new (one dict operation per block instead of a lookup and a store).
+            register = self._by_hash.setdefault
+            hash_of = self._hash
+            for block, h in zip(table.blocks[start:known], hashes[start:known], strict=True):
                 if register(h, block) is block:
                     hash_of[block] = h
         table.num_committed = full
+        if full == known:
+            return
+        # From here known == len(hashes): the chain is known up to block `known`.
+        lo = max(start, known)
+        blocks = table.blocks[lo:full]
+        run = table.run
+        if run is not None and lo > known:
+            # The table's pending run ends at `start`: it grows, and reads the newest
+            # list (a caller may pass a longer copy each time).
+            run.blocks += blocks
+            run.tokens = token_ids
+        else:
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            [content] = islice(_block_contents(token_ids, bs, lo * bs), 1)
+            key = hash((parent, content))
+            if key in self._by_hash or key in self._pending:
+                # The content is cached already (a twin committed first): hash it all
+                # now, so that what is registered is what eager hashing would register.
+                table.run = None
+                self._register_now(hashes, blocks, token_ids, lo)
+                return
+            run = table.run = _Run(key, parent, lo, blocks, token_ids, hashes)
+            self._pending[key] = run
+        run_of = self._run_of
+        for block in blocks:
+            run_of[block] = run
 
     def prefix_hashes(self, table: BlockTable, num_tokens: int) -> tuple[int, ...]:
         """The chained hashes of the full blocks among *table*'s first *num_tokens*
-        tokens, for :meth:`allocate` in another cache of the same block size (a decode
-        engine's, for a prompt this one prefilled).
+        tokens as far as this cache has computed them, for :meth:`allocate` in another
+        cache of the same block size (a decode engine's, for a prompt this one
+        prefilled), which hashes the rest itself if it needs them.
 
         Raises ValueError if some of those blocks have not been committed.
         """
@@ -236,12 +307,13 @@ class KvCache:
         hash_of = self._hash
         evictable = self._evictable
         push_free = self._free.append
+        run_of = self._run_of
         for block in reversed(table.blocks):
             count = refcount[block] - 1
             refcount[block] = count
             if count:
                 continue
-            if hash_of[block] is None:
+            if hash_of[block] is None and run_of[block] is None:
                 push_free(block)
             else:
                 evictable[block] = None
@@ -275,16 +347,79 @@ class KvCache:
         return blocks
 
     def _evict(self, count: int) -> list[int]:
-        """Unregister the *count* least recently freed cached blocks; return them with
+        """Forget the *count* least recently freed cached blocks; return them with
         refcount 1."""
         evictable = self._evictable
         by_hash = self._by_hash
         hash_of = self._hash
+        run_of = self._run_of
         refcount = self._refcount
         victims = list(islice(evictable, count))
         for block in victims:
             del evictable[block]
-            del by_hash[hash_of[block]]  # type: ignore[index]  # evictable, so registered
-            hash_of[block] = None
             refcount[block] = 1
+            h = hash_of[block]
+            if h is not None:
+                del by_hash[h]
+                hash_of[block] = None
+                continue
+            run = run_of[block]
+            if run is not None:
+                # A pending run's blocks became evictable together, tail first, when
+                # its table freed them, and none left the pool since (a hit would have
+                # hashed the run first): this is its last block.
+                run_of[block] = None
+                run.blocks.pop()
+                if not run.blocks:
+                    del self._pending[run.key]
         return victims
+
+    def _materialize_at(self, h: int) -> int | None:
+        """The block registered under *h* once the pending run filed under it, if any,
+        is hashed and registered; None if there is none."""
+        run = self._pending.get(h)
+        if run is None:
+            return None
+        self._materialize(run)
+        return self._by_hash.get(h)
+
+    def _materialize(self, run: _Run) -> None:
+        """Hash and register *run*'s blocks, as :meth:`commit` would have."""
+        del self._pending[run.key]
+        run_of = self._run_of
+        for block in run.blocks:
+            run_of[block] = None
+        out = run.table_hashes if len(run.table_hashes) == run.first else []
+        self._register_now(out, run.blocks, run.tokens, run.first, run.parent)
+        run.blocks = []
+
+    def _register_now(
+        self,
+        hashes: list[int],
+        blocks: list[int],
+        token_ids: Sequence[int],
+        first: int,
+        parent: int | None = None,
+    ) -> None:
+        """Hash *blocks*, the sequence's blocks from index *first*, from *token_ids*,
+        append their chain to *hashes* and register each whose hash is new.
+
+        The chain starts from *parent*, or ``hashes[-1]`` when not given. A pending run
+        met on the way is registered first: it was committed before.
+        """
+        if parent is None:
+            parent = hashes[-1] if hashes else _ROOT_HASH
+        by_hash = self._by_hash
+        register = by_hash.setdefault
+        hash_of = self._hash
+        pending = self._pending
+        push = hashes.append
+        h = parent
+        contents = _block_contents(token_ids, self.block_size, first * self.block_size)
+        for block, content in zip(blocks, contents, strict=False):
+            h = hash((h, content))
+            push(h)
+            if pending and h in pending:
+                self._materialize(pending[h])
+            if register(h, block) is block:
+                hash_of[block] = h
