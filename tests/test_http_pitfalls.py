@@ -100,3 +100,63 @@ async def test_a_reading_client_gets_its_bytes(autojump_clock: trio.testing.Mock
         await TCPServer.protocol_send(fake, RawData(b"abc"))
     assert bytes(received) == b"abc"
     assert fake.protocol.events == []  # type: ignore[attr-defined]
+
+
+def _server_on(stream: trio.abc.Stream) -> TCPServer:
+    fake = TCPServer.__new__(TCPServer)  # only the attributes protocol_send touches
+    fake.stream = stream  # type: ignore[assignment]
+    fake.send_lock = trio.Lock()
+    fake.protocol = _FakeProtocol()  # type: ignore[assignment]
+    return fake
+
+
+async def _socket_stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+async def test_writes_to_a_real_socket_arrive_whole_and_in_order() -> None:
+    """The fast path (one non-blocking write) and its fallback for what did not fit:
+    8 MiB is more than a socket buffer takes at once."""
+    server_side, client_side = await _socket_stream_pair()
+    fake = _server_on(server_side)
+    hypercorn_fixes.install_write_deadline(7.0)
+    big = bytes(range(256)) * (32 * 1024)
+    received = bytearray()
+
+    async def reader() -> None:
+        while len(received) < 3 + len(big) + 3:
+            received.extend(await client_side.receive_some(1 << 20))
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            for data in (b"abc", big, b"xyz"):
+                await TCPServer.protocol_send(fake, RawData(data))
+    assert bytes(received) == b"abc" + big + b"xyz"
+    assert fake.protocol.events == []  # type: ignore[attr-defined]
+    await server_side.aclose()
+    await client_side.aclose()
+
+
+async def test_a_real_socket_whose_reader_stops_is_dropped_after_the_write_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    server_side, client_side = await _socket_stream_pair()
+    fake = _server_on(server_side)
+    hypercorn_fixes.install_write_deadline(7.0)
+    start = trio.current_time()
+    await TCPServer.protocol_send(fake, RawData(b"x" * (16 << 20)))  # never read
+    assert trio.current_time() - start == 7.0
+    assert any(isinstance(e, Closed) for e in fake.protocol.events)  # type: ignore[attr-defined]
+    await client_side.aclose()
+
+
+async def test_a_write_to_a_socket_closed_by_the_peer_reports_the_connection_closed() -> None:
+    server_side, client_side = await _socket_stream_pair()
+    fake = _server_on(server_side)
+    hypercorn_fixes.install_write_deadline(7.0)
+    await client_side.aclose()
+    with trio.fail_after(5):
+        await TCPServer.protocol_send(fake, RawData(b"late"))
+    assert any(isinstance(e, Closed) for e in fake.protocol.events)  # type: ignore[attr-defined]

@@ -6,11 +6,13 @@
 2. hypercorn writes to sockets inside a shielded scope with no deadline, so a client
    that stops reading pins its connection and blocks graceful shutdown forever.
    :func:`install_write_deadline` bounds each write; a client that does not take the
-   bytes within ``write_timeout`` is disconnected.
+   bytes within ``write_timeout`` is disconnected. On the way it gives writes a fast
+   path: one non-blocking ``write(2)`` first, the bounded send only for what is left.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import trio
@@ -50,20 +52,59 @@ async def _protocol_send_with_deadline(self: TCPServer, event: Any) -> None:
     if not isinstance(event, RawData):
         await _original_protocol_send(self, event)
         return
-    async with self.send_lock:
-        timed_out = False
-        try:
-            # Shielded as in hypercorn (a half-written frame corrupts the stream), but
-            # with a deadline: a reader that stalls this long is treated as gone.
-            with trio.move_on_after(_write_timeout, shield=True) as scope:
-                await self.stream.send_all(event.data)
-            timed_out = scope.cancelled_caught
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            timed_out = True
-        if timed_out:
-            with trio.move_on_after(1, shield=True):
-                await trio.aclose_forcefully(self.stream)
-            await self.protocol.handle(Closed())
+    lock = self.send_lock
+    if lock.locked():
+        async with lock:
+            await _send_bounded(self, event.data)
+        return
+    # The fast path: nobody else is writing, and a write of a response head or an SSE
+    # event nearly always fits the socket buffer. One non-blocking write(2) then,
+    # without a cancel scope, a deadline or a lock round trip through the scheduler
+    # (those were ~10% of the loop's time when streaming); the rest, if any, takes the
+    # bounded path. The lock is held all along so writes never interleave.
+    lock.acquire_nowait()
+    try:
+        data = event.data
+        sent = _write_now(self.stream, data)
+        if sent is None:
+            await _drop(self)
+        elif sent < len(data):
+            await _send_bounded(self, memoryview(data)[sent:])
+    finally:
+        lock.release()
+
+
+def _write_now(stream: Any, data: bytes) -> int | None:
+    """How many bytes of *data* the kernel takes at once from a plain TCP stream, or
+    None if the connection is gone. Other streams (TLS) write nothing here."""
+    if type(stream) is not trio.SocketStream:
+        return 0
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except BlockingIOError:
+        return 0
+    except OSError:  # reset, EPIPE (Python ignores SIGPIPE), or closed (fd -1)
+        return None
+
+
+async def _send_bounded(self: TCPServer, data: bytes | memoryview) -> None:
+    timed_out = False
+    try:
+        # Shielded as in hypercorn (a half-written frame corrupts the stream), but
+        # with a deadline: a reader that stalls this long is treated as gone.
+        with trio.move_on_after(_write_timeout, shield=True) as scope:
+            await self.stream.send_all(data)
+        timed_out = scope.cancelled_caught
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        timed_out = True
+    if timed_out:
+        await _drop(self)
+
+
+async def _drop(self: TCPServer) -> None:
+    with trio.move_on_after(1, shield=True):
+        await trio.aclose_forcefully(self.stream)
+    await self.protocol.handle(Closed())
 
 
 def install_write_deadline(write_timeout: float) -> None:
