@@ -533,6 +533,22 @@ def disagg(**overrides: object) -> tuple[MockerEngine, MockerEngine, InProcessKv
     return prefill, decode, transfer
 
 
+def test_kv_cache_pending_run_past_a_shared_prefix_keeps_only_its_own_tokens() -> None:
+    """A committed run is hashed later from the tokens it keeps; past a cached prefix
+    those are its own, not the whole prompt's (which would pin every prompt served)."""
+    cache = KvCache(num_blocks=64, block_size=4)
+    prefix = list(range(100, 140))  # 10 blocks
+    kv_cached_then_freed(cache, prefix)
+    tokens = [*prefix, *range(7, 16)]  # two more full blocks and a partial one
+    table = kv_table(cache, tokens)
+    assert table.cached_tokens == 40
+    cache.commit(table, tokens, len(tokens))
+    [run] = cache._pending.values()
+    assert list(run.tokens) == tokens[40:]
+    cache.free(table)
+    assert kv_table(cache, tokens[:48]).cached_tokens == 48  # and they hash right
+
+
 class EagerKvCache:
     """The cache's contract written naively: every committed full block is hashed and
     registered at once, one block and one list scan at a time."""

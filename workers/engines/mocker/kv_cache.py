@@ -22,8 +22,7 @@ run's blocks are all freed together, tail first, and no lookup can reach past a 
 first block without hashing it. What is known is not hashed twice: a table keeps its
 chain as far as computed (:attr:`BlockTable.hashes`), a prefill engine ships it in the
 KV handle, and the decode engine hands it to :meth:`KvCache.allocate`. The price is
-memory: a pending run keeps its sequence's token list alive until it is hashed or
-evicted, at most the cache's capacity in tokens.
+memory: a pending run keeps its tokens alive until it is hashed or evicted.
 
 Python's int/tuple hash is used for the chain: deterministic for ints (str and bytes
 hashes are salted per process, so a chain computed in one worker process is valid in
@@ -93,9 +92,11 @@ class _Run:
 
     ``blocks`` are the sequence's blocks ``first``, ``first + 1``, ...; ``key`` is the
     chained hash of the first (the run is filed under it), ``parent`` the one before.
-    ``tokens`` is the sequence's token list, read up to the run's end when it is hashed;
-    ``table_hashes`` the owning table's chain, extended then if it still ends where the
-    run starts. Evicting blocks cuts them off ``blocks``.
+    ``tokens`` holds the sequence's tokens from its block ``first`` on (the sequence's
+    own list when that is 0, else a copy of the tail: a run past a shared prefix must
+    not keep the whole prompt alive), read when the run is hashed; ``table_hashes`` is
+    the owning table's chain, extended then if it still ends where the run starts.
+    Evicting blocks cuts them off ``blocks``.
     """
 
     __slots__ = ("blocks", "first", "key", "parent", "table_hashes", "tokens")
@@ -106,15 +107,19 @@ class _Run:
         parent: int,
         first: int,
         blocks: list[int],
-        tokens: Sequence[int],
         table_hashes: list[int],
     ) -> None:
         self.key = key
         self.parent = parent
         self.first = first
         self.blocks = blocks
-        self.tokens = tokens
+        self.tokens: Sequence[int] = ()
         self.table_hashes = table_hashes
+
+    def read(self, token_ids: Sequence[int], block_size: int) -> None:
+        """Keep what hashing the run will need of *token_ids*, the sequence's tokens."""
+        start = self.first * block_size
+        self.tokens = token_ids[start:] if start else token_ids
 
 
 def _block_contents(token_ids: Sequence[int], block_size: int, start: int = 0) -> Iterable[int]:
@@ -264,7 +269,7 @@ class KvCache:
             # The table's pending run ends at `start`: it grows, and reads the newest
             # list (a caller may pass a longer copy each time).
             run.blocks += blocks
-            run.tokens = token_ids
+            run.read(token_ids, bs)
         else:
             parent = hashes[-1] if hashes else _ROOT_HASH
             [content] = islice(_block_contents(token_ids, bs, lo * bs), 1)
@@ -273,9 +278,10 @@ class KvCache:
                 # The content is cached already (a twin committed first): hash it all
                 # now, so that what is registered is what eager hashing would register.
                 table.run = None
-                self._register_now(hashes, blocks, token_ids, lo)
+                self._register_now(hashes, blocks, token_ids, lo * bs)
                 return
-            run = table.run = _Run(key, parent, lo, blocks, token_ids, hashes)
+            run = table.run = _Run(key, parent, lo, blocks, hashes)
+            run.read(token_ids, bs)
             self._pending[key] = run
         run_of = self._run_of
         for block in blocks:
@@ -390,7 +396,7 @@ class KvCache:
         for block in run.blocks:
             run_of[block] = None
         out = run.table_hashes if len(run.table_hashes) == run.first else []
-        self._register_now(out, run.blocks, run.tokens, run.first, run.parent)
+        self._register_now(out, run.blocks, run.tokens, 0, run.parent)
         run.blocks = []
 
     def _register_now(
@@ -398,11 +404,12 @@ class KvCache:
         hashes: list[int],
         blocks: list[int],
         token_ids: Sequence[int],
-        first: int,
+        start: int,
         parent: int | None = None,
     ) -> None:
-        """Hash *blocks*, the sequence's blocks from index *first*, from *token_ids*,
-        append their chain to *hashes* and register each whose hash is new.
+        """Hash *blocks*, whose content is *token_ids* from index *start* (a block
+        boundary) on, append their chain to *hashes* and register each whose hash is
+        new.
 
         The chain starts from *parent*, or ``hashes[-1]`` when not given. A pending run
         met on the way is registered first: it was committed before.
@@ -415,7 +422,7 @@ class KvCache:
         pending = self._pending
         push = hashes.append
         h = parent
-        contents = _block_contents(token_ids, self.block_size, first * self.block_size)
+        contents = _block_contents(token_ids, self.block_size, start)
         for block, content in zip(blocks, contents, strict=False):
             h = hash((h, content))
             push(h)
