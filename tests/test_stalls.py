@@ -444,3 +444,23 @@ def test_public_names_are_exported_and_documented() -> None:
     assert {"LoopMonitor", "StallDetector", "TaskTracker", "run_canary"} <= set(
         instrumentation.__all__
     )
+
+
+def test_a_stall_is_blamed_where_most_samples_landed_not_on_the_deepest_stack() -> None:
+    """A step that sleeps, then writes its response: one sample caught in the write,
+    deeper, must not outrank the sleep that the other samples caught."""
+
+    def handler() -> None: ...
+
+    def write() -> None: ...
+
+    detector = StallDetector()
+    sleeping = ((handler.__code__, 1),)
+    writing = ((handler.__code__, 2), (write.__code__, 3), (write.__code__, 4))
+    for frames in (sleeping, writing, sleeping):
+        detector._keep(frames)
+    assert detector._best == sleeping
+    # Among samples at the same place, the deepest (most context) is kept.
+    from_deeper = ((write.__code__, 9), (handler.__code__, 1))
+    detector._keep(from_deeper)
+    assert detector._best == from_deeper

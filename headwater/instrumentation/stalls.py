@@ -323,6 +323,7 @@ class StallDetector:
         self._starved: deque[tuple[float, float]] = deque(maxlen=256)  # watchdog GIL waits
         self._sampled_phase: _Phase | None = None
         self._best: _Frames = ()
+        self._votes: dict[tuple[CodeType, int] | None, int] = {}  # innermost frame: samples
         self._reported_live = False
 
     # -- public API ---------------------------------------------------------------
@@ -458,8 +459,8 @@ class StallDetector:
             return  # the loop moved on while we sampled: the sample may be of the next phase
         if phase is not self._sampled_phase:
             self._sampled_phase, self._best, self._reported_live = phase, frames, False
-        elif _score(frames) > _score(self._best):
-            self._best = frames
+            self._votes = {}
+        self._keep(frames)
         if not self._reported_live and overdue >= self._report_after_s:
             self._reported_live = True
             logger.warning(
@@ -468,6 +469,23 @@ class StallDetector:
                 _phase_name(phase),
                 _innermost(self._best),
             )
+
+    def _keep(self, frames: _Frames) -> None:
+        """Count *frames* for the phase; keep it as the phase's stack if it ranks first.
+
+        A sampling profiler's rule: the stall is where most samples landed. The deepest
+        stack is not enough: a step that sleeps 100 ms and then writes its response
+        would be blamed on the write if one sample caught it.
+        """
+        votes = self._votes
+        where = frames[-1] if frames else None
+        votes[where] = votes.get(where, 0) + 1
+        best = self._best
+        if frames is best:
+            return
+        best_where = best[-1] if best else None
+        if _rank(frames, votes[where]) > _rank(best, votes.get(best_where, 0)):
+            self._best = frames
 
     def _sample_stack(self) -> _Frames:
         frame = sys._current_frames().get(self._loop_ident)
@@ -506,7 +524,7 @@ class StallDetector:
             cause = "gil"
         if phase is self._sampled_phase:
             frames, sampled = self._best, True
-            self._sampled_phase, self._best = None, ()
+            self._sampled_phase, self._best, self._votes = None, (), {}
         else:
             frames, sampled = overrun.awaiting, False
         record = StallRecord(
@@ -621,9 +639,11 @@ def _phase_name(phase: _Phase) -> str:
     return "<io wait>" if kind == _IO else "<trio scheduler>"
 
 
-def _score(frames: _Frames) -> tuple[bool, int]:
-    """Most informative sample first: innermost frame outside trio, then deepest."""
-    return (bool(frames) and not frames[-1][0].co_filename.startswith(_TRIO_DIR), len(frames))
+def _rank(frames: _Frames, votes: int) -> tuple[bool, int, int]:
+    """Most informative sample first: innermost frame outside trio, then the innermost
+    frame most samples of the phase share (*votes*), then the deepest."""
+    outside_trio = bool(frames) and not frames[-1][0].co_filename.startswith(_TRIO_DIR)
+    return (outside_trio, votes, len(frames))
 
 
 def _innermost(frames: _Frames) -> str:
