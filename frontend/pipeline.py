@@ -211,7 +211,9 @@ class Pipeline:
                 request_id=prep.request_id if migrations == 0
                 else f"{prep.request_id}.m{migrations}",
                 model=self.model_name,
-                token_ids=prep.prompt_ids + generated,
+                # The prompt's list itself until a migration has output to carry over:
+                # nothing downstream writes to it, and a copy is ~0.1 ms per 40k tokens.
+                token_ids=prep.prompt_ids + generated if generated else prep.prompt_ids,
                 sampling=replace(
                     prep.sampling,
                     max_tokens=prep.sampling.max_tokens - len(generated),

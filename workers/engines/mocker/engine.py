@@ -304,7 +304,10 @@ class MockerEngine(Engine):
                 eos_index = max(natural, sampling.min_tokens)
         return _Sequence(
             request_id=request.request_id,
-            tokens=list(prompt),
+            # Decoding appends to the sequence's tokens; a prefill never does, so it
+            # reads the request's list instead of copying it.
+            tokens=prompt if self.role is Role.PREFILL and isinstance(prompt, list)
+            else list(prompt),
             prompt_len=len(prompt),
             max_tokens=sampling.max_tokens,
             min_tokens=sampling.min_tokens,
