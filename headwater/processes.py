@@ -481,12 +481,6 @@ def frontend_argv(
     return [*argv, *extra_args]
 
 
-def parse_frontend_ready(line: str) -> str | None:
-    """``headwater: serving <model> on <url> [<url>...]`` → the first http URL."""
-    urls = frontend_urls(line)
-    return urls[0] if urls else None
-
-
 def frontend_urls(line: str) -> list[str]:
     """Every http URL of a ``headwater: serving ...`` line; [] for any other line."""
     if not line.startswith(FRONTEND_READY_PREFIX):

@@ -41,7 +41,7 @@ from headwater.processes import (
     WORKER_READY_PREFIX,
     ChildProcess,
     WorkerProcess,
-    parse_frontend_ready,
+    frontend_urls,
     parse_worker_ready,
     start_frontend,
     start_worker,
@@ -494,5 +494,5 @@ def test_ready_lines_parse() -> None:
     )
     assert parse_worker_ready("HEADWATER_WORKER_READY tcp://x:1") is None
     line = "headwater: serving m on http://127.0.0.1:8123/ http://[::1]:8123"
-    assert parse_frontend_ready(line) == "http://127.0.0.1:8123"
-    assert parse_frontend_ready("INFO something on http://127.0.0.1:1") is None
+    assert frontend_urls(line) == ["http://127.0.0.1:8123", "http://[::1]:8123"]
+    assert frontend_urls("INFO something on http://127.0.0.1:1") == []
