@@ -21,7 +21,11 @@ from hypercorn.trio import serve
 
 from frontend.config import FrontendConfig
 from frontend.http.app import create_app
-from frontend.http.hypercorn_fixes import ShieldFinalSend, install_write_deadline
+from frontend.http.hypercorn_fixes import (
+    ShieldFinalSend,
+    install_idle_deadline,
+    install_write_deadline,
+)
 from frontend.http.observability import add_observability_routes
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline
@@ -104,6 +108,7 @@ class Frontend:
         """Serve until :attr:`shutdown` is set; reports the listening URLs."""
         cfg = self.config
         install_write_deadline(cfg.write_timeout)
+        install_idle_deadline()
         async with trio.open_nursery() as nursery:
             # Warm-up first: its one-off initialisation costs (thread creation, the
             # encoder's lazy set-up) are not stalls of the serving loop.

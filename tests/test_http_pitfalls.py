@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+import orjson
 import trio
 import trio.testing
 from hypercorn.events import Closed, RawData
@@ -49,6 +51,39 @@ async def test_keep_alive_idle_timeout_closes_the_connection() -> None:
         with trio.fail_after(5):
             assert await stream.receive_some(1024) == b""
         await stream.aclose()
+
+
+async def test_each_request_moves_the_idle_deadline() -> None:
+    # The idle timer is one deadline per connection: a request lifts it, the end of the
+    # response sets it afresh. A connection used more often than keep_alive_timeout
+    # stays open however long it lives, and still closes once it idles.
+    async with serve_frontend(keep_alive_timeout=0.6) as (_, url):
+        stream = await _open(url)
+        request = b"GET /live HTTP/1.1\r\nHost: test\r\nConnection: keep-alive\r\n\r\n"
+        start = trio.current_time()
+        while trio.current_time() - start < 2.0:  # > 3 × keep_alive_timeout
+            await stream.send_all(request)
+            assert (await _read_response(stream)).startswith(b"HTTP/1.1 200")
+            await trio.sleep(0.3)
+        with trio.fail_after(5):
+            assert await stream.receive_some(1024) == b""
+        await stream.aclose()
+
+
+async def test_a_request_longer_than_the_idle_timeout_is_not_cut() -> None:
+    # While a request runs its connection is not idle: a stream taking several
+    # keep_alive_timeouts arrives whole, and the connection serves the next request.
+    async with serve_frontend(keep_alive_timeout=0.3, speedup_ratio=1.0) as (fe, url):
+        body = {"model": fe.pipeline.model_name, "prompt": "hello", "max_tokens": 200,
+                "stream": True}  # fmt: skip
+        async with httpx.AsyncClient(base_url=url) as client:
+            start = trio.current_time()
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            assert trio.current_time() - start > 0.9
+            assert events[-1] == "data: [DONE]", events[-3:]
+            assert orjson.loads(events[-2][6:])["choices"][0]["finish_reason"] is not None
+            assert (await client.get("/live")).status_code == 200
 
 
 async def test_sse_responses_are_not_cut_by_quart_timeouts() -> None:

@@ -1,9 +1,14 @@
-"""Two fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2.
+"""Three fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2.
 
 1. Keep-alive idle timeout never fires on HTTP/1.1: quart-trio cancels the request
    task while hypercorn restarts its idle timer inside the final body send, so the
-   restart is lost. :class:`ShieldFinalSend` shields that one send (with a deadline).
-2. hypercorn writes to sockets inside a shielded scope with no deadline, so a client
+   restart is lost. :class:`ShieldFinalSend` shields that one send (with a deadline);
+   the connection's close after a ``Connection: close`` response happens there too.
+2. That idle timer is a task hypercorn cancels and spawns afresh, behind a lock,
+   each time a connection goes idle and again when its next request arrives: about
+   ten scheduler passes per request. :func:`install_idle_deadline` makes it one task
+   per connection whose deadline moves, by plain assignment.
+3. hypercorn writes to sockets inside a shielded scope with no deadline, so a client
    that stops reading pins its connection and blocks graceful shutdown forever.
    :func:`install_write_deadline` bounds each write; a client that does not take the
    bytes within ``write_timeout`` is disconnected. On the way it gives writes a fast
@@ -12,11 +17,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 import trio
 from hypercorn.events import Closed, RawData
+from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
 
 ASGIApp = Any
@@ -115,3 +122,42 @@ def install_write_deadline(write_timeout: float) -> None:
     global _write_timeout
     _write_timeout = write_timeout
     TCPServer.protocol_send = _protocol_send_with_deadline  # type: ignore[method-assign]
+
+
+class IdleDeadline:
+    """A connection's keep-alive idle timer: one task, a deadline that moves.
+
+    Stands in for hypercorn's ``TrioSingleTask`` as ``TCPServer.idle_task``, with the
+    same two calls: ``restart`` (the connection went idle) sets the deadline to
+    ``keep_alive_timeout`` from now, ``stop`` (a request arrived) lifts it. Neither
+    yields to the scheduler. When the deadline passes, or the server terminates, the
+    connection is closed, as by hypercorn's own ``TCPServer._idle_timeout``.
+    """
+
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        server: TCPServer = action.__self__  # hypercorn passes TCPServer._idle_timeout
+        deadline = trio.current_time() + server.config.keep_alive_timeout
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group._nursery.start_soon(self._watch, server, self._scope)
+        else:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    @staticmethod
+    async def _watch(server: TCPServer, scope: trio.CancelScope) -> None:
+        with scope:
+            await server.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            await server._initiate_server_close()
+
+
+def install_idle_deadline() -> None:
+    """Give every hypercorn-trio connection an :class:`IdleDeadline` idle timer."""
+    tcp_server.TrioSingleTask = IdleDeadline  # type: ignore[attr-defined,misc]
