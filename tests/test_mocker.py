@@ -740,6 +740,28 @@ async def test_decode_engine_registers_the_prompt_hashes_the_prefill_engine_carr
     assert cached == [960, 960, 960, 0]
 
 
+async def test_each_held_transfer_expires_at_its_own_deadline(autojump_clock: object) -> None:
+    prefill, _, _ = disagg(kv_transfer_timeout=5.0)
+    async with running(prefill):
+        start = trio.current_time()
+        (a,) = await collect(prefill, request("a", prompt(100), 4))
+        await trio.sleep(1.0)
+        await prefill.release_transfer(a.kv_handle.transfer_id)  # pulled: never expires
+        await trio.sleep(1.0)
+        await collect(prefill, request("b", prompt(100), 4))
+        await trio.sleep_until(start + 5.1)  # a's deadline is past; b has 2 s to go
+        assert prefill.statistics().kv_transfers_held == 1
+        assert prefill.counters.transfers_expired == 0
+        await trio.sleep_until(start + 7.1)
+        assert prefill.statistics().kv_transfers_held == 0
+        assert prefill.counters.transfers_expired == 1
+        # The expiry task waits for the next hold once none is left.
+        await collect(prefill, request("c", prompt(100), 4))
+        await trio.sleep(5.1)
+        assert prefill.counters.transfers_expired == 2
+        assert prefill.statistics().kv_blocks_used == 0
+
+
 async def test_unpulled_transfer_expires(autojump_clock: object) -> None:
     prefill, decode, _ = disagg(kv_transfer_timeout=5.0)
     async with running(prefill, decode):

@@ -112,7 +112,7 @@ class _Sequence:
 class _Held:
     table: BlockTable
     num_tokens: int
-    expiry: trio.CancelScope
+    expires_at: float  # trio time
 
 
 class MockerEngine(Engine):
@@ -142,10 +142,11 @@ class MockerEngine(Engine):
         self._cache = KvCache(config.num_gpu_blocks, config.block_size)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
+        # In expiry order: every hold gets the same timeout, so insertion order is it.
         self._held: dict[str, _Held] = {}
+        self._held_added = trio.Event()
         self._pulling = 0
         self._work = trio.Event()
-        self._nursery: trio.Nursery | None = None
         self._started = False
         self._closed = False
 
@@ -154,19 +155,18 @@ class MockerEngine(Engine):
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler until cancelled. May be called once.
 
-        Held transfers' expiry timers are children of this task. On exit every
-        queued or running request fails with ``shutting_down`` and all KV is freed.
+        Held transfers expire in a child task. On exit every queued or running
+        request fails with ``shutting_down`` and all KV is freed.
         """
         if self._started:
             raise RuntimeError("MockerEngine.run() may only be called once")
         self._started = True
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                nursery.start_soon(self._expire_held)
                 task_status.started()
                 await self._schedule_forever()
         finally:
-            self._nursery = None
             self._shutdown()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
@@ -527,13 +527,12 @@ class MockerEngine(Engine):
     # ---- held transfers (prefill role) -------------------------------------------
 
     def _hold(self, seq: _Sequence) -> None:
-        assert self._nursery is not None
         assert seq.table is not None
         transfer_id = uuid.uuid4().hex
-        expiry = trio.CancelScope()
         n = len(seq.tokens)
-        self._held[transfer_id] = _Held(seq.table, n, expiry)
-        self._nursery.start_soon(self._expire, transfer_id, expiry)
+        expires_at = trio.current_time() + self.config.kv_transfer_timeout
+        self._held[transfer_id] = _Held(seq.table, n, expires_at)
+        self._held_added.set()
         # The prompt's block hashes known here go along: the decode engine need not
         # recompute them.
         seq.handle = KvHandle(
@@ -550,16 +549,26 @@ class MockerEngine(Engine):
         seq.ready.set()
         self._notify()
 
-    async def _expire(self, transfer_id: str, expiry: trio.CancelScope) -> None:
-        with expiry:
-            await trio.sleep(self.config.kv_transfer_timeout)
-            held = self._held.pop(transfer_id, None)
-            if held is not None:
-                self._free_held(held)
-                self.counters.transfers_expired += 1
+    async def _expire_held(self) -> None:
+        """Free the KV of transfers nobody pulled within ``kv_transfer_timeout``.
+
+        One task for all holds, sleeping until the oldest one's deadline: a timer task
+        per hold cost a spawn and a cancellation per disaggregated request.
+        """
+        while True:
+            if not self._held:
+                self._held_added = trio.Event()
+                await self._held_added.wait()
+                continue
+            transfer_id, held = next(iter(self._held.items()))
+            if trio.current_time() < held.expires_at:
+                await trio.sleep_until(held.expires_at)
+                continue
+            del self._held[transfer_id]
+            self._free_held(held)
+            self.counters.transfers_expired += 1
 
     def _free_held(self, held: _Held) -> None:
-        held.expiry.cancel()
         self._cache.free(held.table)
         self._notify()
 
