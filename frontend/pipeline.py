@@ -222,7 +222,8 @@ class Pipeline:
                 eos_token_ids=self.eos_token_ids,
             )
             try:
-                async with aclosing(self._one_attempt(request)) as chunks:
+                role, request = await self._route(request)
+                async with aclosing(self._stream_on(role, request)) as chunks:
                     async for chunk in chunks:
                         generated.extend(chunk.token_ids)
                         yield chunk
@@ -235,20 +236,16 @@ class Pipeline:
                 log.warning("request %s: stream broke (%s); migrating with %d tokens",
                             prep.request_id, exc, len(generated))
 
-    async def _one_attempt(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        """One pass through route + plane: disaggregated when possible, else aggregated."""
+    async def _route(self, request: GenerateRequest) -> tuple[Role, GenerateRequest]:
+        """Where the output of one attempt comes from: disaggregated when possible (the
+        prefill leg runs here, and the request gains its KV handle), else aggregated."""
         r, m = self.router, self.model_name
         if r.routable(Role.PREFILL, m) and r.routable(Role.DECODE, m):
             handle = await self._prefill(request)
-            request = replace(request, kv_handle=handle)
-            role = Role.DECODE
-        elif r.routable(Role.AGG, m):
-            role = Role.AGG
-        else:
-            role = Role.DECODE  # a decode worker can prefill locally when alone
-        async with aclosing(self._stream_on(role, request)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+            return Role.DECODE, replace(request, kv_handle=handle)
+        if r.routable(Role.AGG, m):
+            return Role.AGG, request
+        return Role.DECODE, request  # a decode worker can prefill locally when alone
 
     async def _prefill(self, request: GenerateRequest) -> KvHandle | None:
         handle = None
