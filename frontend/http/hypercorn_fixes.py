@@ -5,9 +5,10 @@
    restart is lost. :class:`ShieldFinalSend` shields that one send (with a deadline);
    the connection's close after a ``Connection: close`` response happens there too.
 2. That idle timer is a task hypercorn cancels and spawns afresh, behind a lock,
-   each time a connection goes idle and again when its next request arrives: about
-   ten scheduler passes per request. :func:`install_idle_deadline` makes it one task
-   per connection whose deadline moves, by plain assignment.
+   each time a connection goes idle (and cancels when its next request arrives):
+   a task spawn and about five scheduler passes per request.
+   :func:`install_idle_deadline` makes it one task per connection whose deadline
+   moves, by plain assignment.
 3. hypercorn writes to sockets inside a shielded scope with no deadline, so a client
    that stops reading pins its connection and blocks graceful shutdown forever.
    :func:`install_write_deadline` bounds each write; a client that does not take the
