@@ -195,3 +195,38 @@ async def test_a_write_to_a_socket_closed_by_the_peer_reports_the_connection_clo
     with trio.fail_after(5):
         await TCPServer.protocol_send(fake, RawData(b"late"))
     assert any(isinstance(e, Closed) for e in fake.protocol.events)  # type: ignore[attr-defined]
+
+
+def _tasks_named(fragment: str) -> list[trio.lowlevel.Task]:
+    found, todo = [], [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        if task is None:
+            continue
+        if fragment in task.name:
+            found.append(task)
+        todo.extend(t for n in task.child_nurseries for t in n.child_tasks)
+    return found
+
+
+async def test_a_client_gone_mid_request_leaves_no_connection_task_behind() -> None:
+    # While a request runs the idle timer is lifted; if the client then goes away,
+    # the connection's tasks (idle timer included) must end with it, not linger
+    # until the server shuts down.
+    async with serve_frontend(keep_alive_timeout=60, speedup_ratio=1.0) as (fe, url):
+        assert not _tasks_named("serve_listeners._run_handler")
+        stream = await _open(url)
+        payload = orjson.dumps({"model": fe.pipeline.model_name, "prompt": "hello",
+                                "max_tokens": 500, "stream": True})  # fmt: skip
+        await stream.send_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+        )
+        seen = b""
+        while b"data: " not in seen:
+            seen += await stream.receive_some(65536)
+        assert len(_tasks_named("serve_listeners._run_handler")) == 1
+        await stream.aclose()
+        with trio.fail_after(5):
+            while _tasks_named("serve_listeners._run_handler") or _tasks_named("IdleDeadline"):
+                await trio.sleep(0.05)

@@ -132,13 +132,19 @@ class IdleDeadline:
     same two calls: ``restart`` (the connection went idle) sets the deadline to
     ``keep_alive_timeout`` from now, ``stop`` (a request arrived) lifts it. Neither
     yields to the scheduler. When the deadline passes, or the server terminates, the
-    connection is closed, as by hypercorn's own ``TCPServer._idle_timeout``.
+    connection is closed, as by hypercorn's own ``TCPServer._idle_timeout``. When the
+    connection stops reading (the client went away, or the server closed it),
+    :meth:`end` ends the task: hypercorn cancelled its timer at ``stop``, but this
+    one lives on with no deadline and would hold the connection open.
     """
 
     def __init__(self) -> None:
         self._scope: trio.CancelScope | None = None
+        self._ended = False
 
     async def restart(self, task_group: Any, action: Any) -> None:
+        if self._ended:
+            return
         server: TCPServer = action.__self__  # hypercorn passes TCPServer._idle_timeout
         deadline = trio.current_time() + server.config.keep_alive_timeout
         if self._scope is None:
@@ -151,14 +157,30 @@ class IdleDeadline:
         if self._scope is not None:
             self._scope.deadline = math.inf
 
-    @staticmethod
-    async def _watch(server: TCPServer, scope: trio.CancelScope) -> None:
+    def end(self) -> None:
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _watch(self, server: TCPServer, scope: trio.CancelScope) -> None:
         with scope:
             await server.context.terminated.wait()
-        with trio.CancelScope(shield=True):
-            await server._initiate_server_close()
+        if not self._ended:
+            with trio.CancelScope(shield=True):
+                await server._initiate_server_close()
+
+
+_original_read_data = TCPServer._read_data
+
+
+async def _read_data_then_end_idle_timer(self: TCPServer) -> None:
+    try:
+        await _original_read_data(self)
+    finally:
+        self.idle_task.end()
 
 
 def install_idle_deadline() -> None:
     """Give every hypercorn-trio connection an :class:`IdleDeadline` idle timer."""
     tcp_server.TrioSingleTask = IdleDeadline  # type: ignore[attr-defined,misc]
+    TCPServer._read_data = _read_data_then_end_idle_timer  # type: ignore[method-assign]
