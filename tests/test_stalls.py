@@ -241,7 +241,10 @@ async def test_hf_encode_on_the_loop_is_a_loop_stall(
     assert record.loop_busy_fraction > 0.5
     assert any("preprocess" in frame for frame in record.stack)
     if record.sampled:  # the watchdog got the GIL back before the step ended
-        assert "tokenizer.encode(long_prompt)" in record.stack[-1]
+        # It can sample only once the encode hands the GIL back: at the call's own line,
+        # or, when its GIL request came in late, at the step's next line (seen ~1 in 20).
+        innermost = record.stack[-1]
+        assert "tokenizer.encode(long_prompt)" in innermost or " in checkpoint:" in innermost
 
 
 # -- no false stalls ---------------------------------------------------------------------
