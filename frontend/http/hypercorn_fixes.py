@@ -1,14 +1,15 @@
 """Three fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2.
 
-1. Keep-alive idle timeout never fires on HTTP/1.1: quart-trio cancels the request
-   task while hypercorn restarts its idle timer inside the final body send, so the
-   restart is lost. :class:`ShieldFinalSend` shields that one send (with a deadline);
-   the connection's close after a ``Connection: close`` response happens there too.
-2. That idle timer is a task hypercorn cancels and spawns afresh, behind a lock,
-   each time a connection goes idle (and cancels when its next request arrives):
-   a task spawn and about five scheduler passes per request.
+1. hypercorn finishes a response inside its final body send (closes the stream,
+   closes the connection after ``Connection: close``, restarts the keep-alive idle
+   timer), and quart-trio cancels the request task right there: that work was lost,
+   and the idle timeout never fired. :class:`ShieldFinalSend` shields that one send
+   (with a deadline).
+2. The idle timer itself is a task hypercorn cancels and spawns afresh, behind a
+   lock, each time a connection goes idle (and cancels when its next request
+   arrives): a task spawn and about five scheduler passes per request.
    :func:`install_idle_deadline` makes it one task per connection whose deadline
-   moves, by plain assignment.
+   moves, by plain assignment, so it no longer depends on the shield either.
 3. hypercorn writes to sockets inside a shielded scope with no deadline, so a client
    that stops reading pins its connection and blocks graceful shutdown forever.
    :func:`install_write_deadline` bounds each write; a client that does not take the
