@@ -17,7 +17,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from headwater.instrumentation.exposition import TextExposition
 
 PREFIX = "headwater_frontend_"
 
@@ -174,13 +176,15 @@ class FrontendMetrics:
             ["worker_id", "role"], registry=r,
         )
         self._collect_hooks: list[Callable[[], None]] = []
+        self._exposition = TextExposition(self.registry)
 
     def on_collect(self, hook: Callable[[], None]) -> None:
         """Run *hook* before each scrape (gauges that mirror live objects' statistics())."""
         self._collect_hooks.append(hook)
 
     def render(self) -> bytes:
-        """The text exposition format, with gauges refreshed first."""
+        """The text exposition format, with gauges refreshed first. On the loop: see
+        :mod:`headwater.instrumentation.exposition` for why not ``generate_latest``."""
         for hook in self._collect_hooks:
             hook()
-        return generate_latest(self.registry)
+        return self._exposition.render()

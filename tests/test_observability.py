@@ -21,13 +21,24 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Histogram,
+    Info,
+    Summary,
+    generate_latest,
+)
+from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.http.dashboard import LoadHistory
 from frontend.http.observability import MAX_INJECTED_STALL_MS
-from frontend.metrics import RecentWindow, WindowedHistogram
+from frontend.metrics import FrontendMetrics, RecentWindow, WindowedHistogram
 from frontend.plane.tcp import connect_worker
+from headwater.instrumentation.exposition import TextExposition
 from headwater.plane.base import WorkerInstance
 from headwater.wire import GenerateRequest, Role, SamplingParams
 from workers.cli import READY_PREFIX, RunningWorker, WorkerConfig, serve_worker
@@ -139,6 +150,83 @@ async def test_metrics_parse_and_name_everything() -> None:
     for w in workers:
         assert value(found, f"{P}worker_state", worker_id=w.worker_id, state="healthy") == 1
         assert value(found, f"{P}worker_state", worker_id=w.worker_id, state="draining") == 0
+
+
+# -- the text exposition ----------------------------------------------------------------
+
+
+class _ChurningSeries:
+    """A collector with a new label value per round (workers come and go), timestamps,
+    and a gauge histogram's OpenMetrics-only samples. :meth:`advance` starts a round."""
+
+    def __init__(self) -> None:
+        self.round = 1
+
+    def advance(self) -> None:
+        self.round += 1
+
+    def collect(self) -> list[Metric]:
+        g = GaugeMetricFamily("churn_gauge", "One series per round", labels=["worker"])
+        g.add_metric([f"w{self.round}"], self.round * 1.5, timestamp=1700000000.25)
+        g.add_metric(["steady"], 1e21)
+        gh = GaugeHistogramMetricFamily("churn_ghist", "A gauge histogram",
+                                        buckets=[("1.0", 2), ("+Inf", 3)], gsum_value=4.5)
+        return [g, gh]
+
+
+def _zoo() -> tuple[CollectorRegistry, Counter, _ChurningSeries]:
+    """A registry with every metric type, escapes in help and label values, NaN/Inf."""
+    reg = CollectorRegistry()
+    c = Counter("zoo_requests", "Help with a back\\slash and a\nnewline", ["path", "code"],
+                registry=reg)
+    c.labels(path='/v1/"chat"', code="200").inc(3)
+    c.labels(path="back\\slash\nnew line ünïcode", code="500").inc()
+    Gauge("zoo_gauge", "A gauge", registry=reg).set(float("nan"))
+    Gauge("zoo_inf", "An infinite gauge", registry=reg).set(float("-inf"))
+    h = Histogram("zoo_seconds", "A histogram", ["stage"], buckets=(0.001, 0.5, 10),
+                  registry=reg)
+    h.labels(stage="route").observe(0.2)
+    h.labels(stage="route").observe(1234567.0)
+    Summary("zoo_summary", "A summary", registry=reg).observe(7)
+    Info("zoo_build", "An info", registry=reg).info({"version": "1.2", "commit": "abc"})
+    Enum("zoo_state", "An enum", states=["up", "down"], registry=reg).state("down")
+    churn = _ChurningSeries()
+    reg.register(churn)  # type: ignore[arg-type]
+    return reg, c, churn
+
+
+def test_text_exposition_is_byte_for_byte_generate_latest() -> None:
+    reg, counter, churn = _zoo()
+    other = CollectorRegistry()
+    Gauge("second_registry", "Rendered after the first", registry=other).set(2)
+    exposition = TextExposition(reg, other)
+    for i in range(3):  # the cached text is reused; values and new series are fresh
+        assert exposition.render() == generate_latest(reg) + generate_latest(other)
+        counter.labels(path="/", code=str(i)).inc(i)
+        churn.advance()
+
+
+def test_frontend_metrics_render_as_generate_latest() -> None:
+    m = FrontendMetrics()
+    m.requests_total.labels("chat", "stream", "success").inc()
+    m.time_to_first_token_seconds.observe(0.02)
+    m.worker_state.labels("w1", "decode", "healthy").set(1)
+    assert m.render() == generate_latest(m.registry)
+
+
+def test_text_exposition_forgets_series_that_are_gone() -> None:
+    reg, _, churn = _zoo()
+    exposition = TextExposition(reg)
+    exposition.render()
+    live = len(exposition._series)
+    sizes = []
+    for _ in range(50):
+        churn.advance()
+        exposition.render()
+        sizes.append(len(exposition._series))
+    # One series is new on each scrape; the cache is trimmed rather than keeping fifty.
+    assert max(sizes) <= 2 * live
+    assert exposition.render() == generate_latest(reg)
 
 
 # -- /debug/workers, /debug/stalls, /debug/stall --------------------------------------

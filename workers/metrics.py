@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Final
 
 import orjson
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from headwater.instrumentation import WORKER_PREFIX, LoopMonitor
+from headwater.instrumentation.exposition import TextExposition
 
 if TYPE_CHECKING:
     from workers.cli import RunningWorker
@@ -116,7 +117,7 @@ async def serve_worker_metrics(
             registries = [registry]
             if monitor.metrics.registry is not registry:
                 registries.append(monitor.metrics.registry)
-            handler = partial(_serve_connection, registries, monitor)
+            handler = partial(_serve_connection, TextExposition(*registries), monitor)
             await nursery.start(partial(trio.serve_listeners, handler, listeners))
             log.info("worker metrics on http://%s:%d/metrics", host, bound)
             task_status.started(bound)
@@ -125,13 +126,8 @@ async def serve_worker_metrics(
             await trio.aclose_forcefully(listener)
 
 
-def render(registries: list[CollectorRegistry]) -> bytes:
-    """The text exposition format of every registry, concatenated."""
-    return b"".join(generate_latest(r) for r in registries)
-
-
 async def _serve_connection(
-    registries: list[CollectorRegistry], monitor: LoopMonitor, stream: trio.SocketStream
+    exposition: TextExposition, monitor: LoopMonitor, stream: trio.SocketStream
 ) -> None:
     try:
         async with stream:
@@ -144,7 +140,7 @@ async def _serve_connection(
                     head += data
             if b"\r\n" not in head:
                 return  # nothing usable arrived: just close
-            status, content_type, body = _respond(head, registries, monitor)
+            status, content_type, body = _respond(head, exposition, monitor)
             method = head.split(b" ", 1)[0]
             response = (
                 f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
@@ -159,7 +155,7 @@ async def _serve_connection(
 
 
 def _respond(
-    head: bytes, registries: list[CollectorRegistry], monitor: LoopMonitor
+    head: bytes, exposition: TextExposition, monitor: LoopMonitor
 ) -> tuple[str, str, bytes]:
     """(status line, content type, body) for one request head."""
     line = head.split(b"\r\n", 1)[0].decode("latin-1")
@@ -173,6 +169,6 @@ def _respond(
     if method not in ("GET", "HEAD"):
         return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
     if path == "/metrics":
-        return "200 OK", PROMETHEUS_TEXT, render(registries)
+        return "200 OK", PROMETHEUS_TEXT, exposition.render()
     records = [r.to_dict() for r in monitor.records()]
     return "200 OK", "application/json", orjson.dumps(records)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from headwater.instrumentation.exposition import TextExposition
 
 FRONTEND_PREFIX: Final = "headwater_frontend_"
 WORKER_PREFIX: Final = "headwater_worker_"
@@ -67,6 +69,7 @@ class LoopMetrics:
         for cause in STALL_CAUSES:
             self.stall_records.labels(cause=cause)  # export zeros before the first stall
         self._max_delay_s = 0.0
+        self._exposition = TextExposition(self.registry)
 
     @property
     def max_delay_s(self) -> float:
@@ -94,4 +97,4 @@ class LoopMetrics:
 
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""
-        return generate_latest(self.registry)
+        return self._exposition.render()
