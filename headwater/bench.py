@@ -110,6 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the mocker timing model is divided by this (both servers)")
     p.add_argument("--requests-scale", type=positive_float, default=1.0,
                    help="multiply every run's request count")
+    p.add_argument("--rounds", type=_count, default=1, metavar="N",
+                   help="repeat each main-phase run N times (fresh prompts, still "
+                        "alternating with Dynamo); ratios and verdicts use the medians. "
+                        "Runs on a shared machine swing by tens of percent")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds per run (default 60 with --quick, else 180)")
     p.add_argument("--server-args", default="",
@@ -180,6 +184,7 @@ def _config(suite: Any, args: argparse.Namespace, run_dir: Path) -> Any:
         topologies=_topologies(args),
         frontend_processes=_frontend_processes(args),
         requests_scale=args.requests_scale,
+        rounds=max(1, args.rounds),
         time_limit_s=args.time_limit,
         progress=args.progress,
     )
@@ -233,6 +238,7 @@ def _command(args: argparse.Namespace) -> str:
     flags += [f"--topology {args.topology}"] if args.topology else []
     n = args.frontend_processes
     flags += [f"--frontend-processes {n}"] if n is not None else []
+    flags += [f"--rounds {args.rounds}"] if args.rounds > 1 else []
     flags += [f for f, on in (("--quick", args.quick), ("--no-dynamo", not args.dynamo),
                               ("--no-matrix", not args.matrix),
                               ("--no-profile", not args.profile), ("--docs", True)) if on]

@@ -118,6 +118,9 @@ class SuiteConfig:
     #: processes on one port, in-process workers). 0 or 1: no such variant.
     frontend_processes: int = 1
     requests_scale: float = 1.0
+    #: Each main-phase run is repeated this often, a fresh prompt set each time, still
+    #: alternating with Dynamo; the report gives medians over the rounds.
+    rounds: int = 1
     time_limit_s: float | None = None  # per run; None: 60 s quick, 180 s full
     progress: bool = True
     #: Explicit request counts by (scenario, concurrency); overrides the tables.
@@ -152,6 +155,12 @@ def main_plan(cfg: SuiteConfig) -> list[RunSpec]:
             for c in concurrency[scenario]:
                 plan.append(RunSpec(scenario, stream, c, requests_for(cfg, scenario, c)))
     return plan
+
+
+def pair_id(phase: str, spec: RunSpec, round_index: int, rounds: int) -> str:
+    """What ties a headwater run to the Dynamo run beside it: one id per round."""
+    base = f"{phase}: {spec.key}"
+    return f"{base} #{round_index + 1}" if rounds > 1 else base
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +257,7 @@ class Suite:
 
     def planned_runs(self, dynamo_phases: int) -> int:
         servers = len(headwater_variants(self.cfg)) + (1 if dynamo_phases else 0)
-        main = len(main_plan(self.cfg)) * servers * max(1, dynamo_phases)
+        main = len(main_plan(self.cfg)) * servers * max(1, dynamo_phases) * self.cfg.rounds
         matrix = len(MATRIX_BACKENDS) * len(MATRIX_MODES) if self.cfg.matrix else 0
         return main + matrix + (2 if self.cfg.profile else 0)
 
@@ -385,9 +394,10 @@ class Suite:
                 self.results.idle_rss_mb[hw.label + " (after warm-up)"] = current_rss_mb(hw)
             if not dynamo_phases:
                 for spec in plan:
-                    ps = await trio.to_thread.run_sync(make_prompt_set, spec)
-                    for hw in hws:
-                        await self._run_one(hw, spec, ps, "main", None)
+                    for _ in range(cfg.rounds):
+                        ps = await trio.to_thread.run_sync(make_prompt_set, spec)
+                        for hw in hws:
+                            await self._run_one(hw, spec, ps, "main", None)
                 return
             for tokenizer in dynamo_phases:
                 await self._dynamo_phase(hws, tokenizer, plan)
@@ -408,17 +418,19 @@ class Suite:
                 self.results.idle_rss_mb[dyn.label] = await idle_rss_mb(dyn, cfg.idle_settle_s)
                 await warm_up(dyn, cfg.scenarios)
                 for spec in plan:
-                    ps = await trio.to_thread.run_sync(make_prompt_set, spec)
-                    pair = f"{phase}: {spec.key}"
-                    for hw in hws:  # alternating: headwater, Dynamo, headwater, Dynamo...
-                        await self._run_one(hw, spec, ps, phase, pair)
-                    await self._run_one(dyn, spec, ps, phase, pair)
-                    done += 1
+                    for rnd in range(cfg.rounds):
+                        ps = await trio.to_thread.run_sync(make_prompt_set, spec)
+                        pair = pair_id(phase, spec, rnd, cfg.rounds)
+                        for hw in hws:  # alternating: headwater, Dynamo, headwater, Dynamo...
+                            await self._run_one(hw, spec, ps, phase, pair)
+                        await self._run_one(dyn, spec, ps, phase, pair)
+                        done += 1
                 return
         except (DynamoUnavailable, ServerError) as exc:
             self._skip(f"Dynamo ({tokenizer}) skipped: {exc}")
         # Dynamo could not run: headwater's runs of this phase still happen.
-        for spec in plan[done:]:
+        for i in range(done, len(plan) * cfg.rounds):
+            spec = plan[i // cfg.rounds]
             ps = await trio.to_thread.run_sync(make_prompt_set, spec)
             for hw in hws:
                 await self._run_one(hw, spec, ps, phase, None)
