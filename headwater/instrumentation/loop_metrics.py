@@ -69,7 +69,6 @@ class LoopMetrics:
         for cause in STALL_CAUSES:
             self.stall_records.labels(cause=cause)  # export zeros before the first stall
         self._max_delay_s = 0.0
-        self._exposition = TextExposition(self.registry)
 
     @property
     def max_delay_s(self) -> float:
@@ -96,5 +95,7 @@ class LoopMetrics:
         self.stall_records.labels(cause=cause).inc()
 
     def render(self) -> bytes:
-        """The registry in the Prometheus text exposition format."""
-        return self._exposition.render()
+        """The registry in the Prometheus text exposition format. Servers render their
+        registry through one long-lived :class:`TextExposition` (the frontend's metrics,
+        the worker's endpoint); this one-off render keeps no cache."""
+        return TextExposition(self.registry).render()
