@@ -20,6 +20,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from frontend.config import FrontendConfig
+from frontend.http.activity import MarkActivity
 from frontend.http.app import create_app
 from frontend.http.hypercorn_fixes import (
     ShieldFinalSend,
@@ -35,7 +36,7 @@ from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
 from frontend.router import Router, WorkerState
 from headwater.gc_tuning import tune_gc
-from headwater.instrumentation import LoopMonitor
+from headwater.instrumentation import Activity, LoopMonitor
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,14 @@ class Frontend:
             migration_limit=config.migration_limit,
             route_attempts=config.route_attempts,
         )
+        # HTTP requests in flight: the loop monitor rests while there are none.
+        self.activity = Activity()
         self.monitor = LoopMonitor(
             self.metrics.registry,
             prefix="headwater_frontend_",
             threshold_s=config.stall_threshold_ms / 1000,
             enabled=config.instrument,
+            activity=self.activity,
         )
         self.app = create_app(self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes)
         add_observability_routes(self.app, self)
@@ -120,7 +124,9 @@ class Frontend:
                 tune_gc(cfg.gc_gen0_threshold)
             await nursery.start(self.monitor.run)
             await self._start_workers(nursery)
-            app = ShieldFinalSend(self.app, deadline=cfg.write_timeout)
+            app = MarkActivity(
+                ShieldFinalSend(self.app, deadline=cfg.write_timeout), self.activity
+            )
             async with trio.open_nursery() as http:
                 urls: list[str] = await http.start(
                     partial(serve, app, self.hypercorn_config(),

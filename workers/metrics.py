@@ -99,7 +99,8 @@ async def serve_worker_metrics(
       host: address to bind; loopback by default.
       monitor: the worker's loop monitor, if it runs one (also read from
         ``worker.monitor``); without one, a :class:`LoopMonitor` with the prefix
-        ``headwater_worker_`` is started here, in this task's nursery.
+        ``headwater_worker_`` is started here, in this task's nursery; it rests while
+        the worker has no request in flight (``worker.runtime.activity``).
 
     Reports the bound port once listening. Raises ``OSError`` if the port is taken.
     Cancellation: stops listening, drops open connections, stops the monitor it started.
@@ -112,7 +113,9 @@ async def serve_worker_metrics(
     try:
         async with trio.open_nursery() as nursery:
             if monitor is None:
-                monitor = LoopMonitor(registry, prefix=WORKER_PREFIX)
+                monitor = LoopMonitor(
+                    registry, prefix=WORKER_PREFIX, activity=worker.runtime.activity
+                )
                 await nursery.start(monitor.run)
             registries = [registry]
             if monitor.metrics.registry is not registry:

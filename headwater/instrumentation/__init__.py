@@ -4,6 +4,7 @@ Shared by the frontend and the workers. Start a :class:`LoopMonitor` in the proc
 top-level nursery; its metrics live in their own prometheus registry.
 """
 
+from headwater.instrumentation.activity import Activity
 from headwater.instrumentation.canary import DelaySeries, run_canary
 from headwater.instrumentation.loop_metrics import (
     DELAY_BUCKETS,
@@ -26,6 +27,7 @@ __all__ = [
     "FRONTEND_PREFIX",
     "STALL_CAUSES",
     "WORKER_PREFIX",
+    "Activity",
     "DelaySeries",
     "LoopMetrics",
     "LoopMonitor",

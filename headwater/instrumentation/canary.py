@@ -6,6 +6,10 @@ second. Dynamo exports the same signal (``event_loop_delay_seconds``). The canar
 keeps trio's I/O-wait timeout at ≤ 10 ms, which lets the stall detector see a loop that
 could not come back from the wait because another thread held the GIL.
 
+Given an :class:`~headwater.instrumentation.activity.Activity`, it rests while the
+process is idle: one tick per ``rest_interval_s`` (100 ms) instead of 100 per second,
+back to 10 ms as soon as a request arrives.
+
 It measures with the real monotonic clock, not trio's clock: under a ``MockClock`` with
 autojump it would spin without ever sleeping, so do not run it in virtual-time tests.
 """
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, NoReturn
 import trio
 
 if TYPE_CHECKING:
+    from headwater.instrumentation.activity import Activity
     from headwater.instrumentation.loop_metrics import LoopMetrics
 
 
@@ -73,6 +78,7 @@ async def run_canary(
     interval: float = 0.010,
     threshold: float = 0.020,
     series: DelaySeries | None = None,
+    activity: Activity | None = None,
     task_status: trio.TaskStatus[DelaySeries] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Sleep ``interval`` seconds in a loop and record each overshoot until cancelled.
@@ -81,6 +87,9 @@ async def run_canary(
     histogram and max gauge, and counts as a stall when it exceeds ``threshold``; it is
     also folded into ``series`` (a fresh :class:`DelaySeries` when ``None``), which is
     what ``nursery.start(run_canary, metrics)`` returns.
+
+    With ``activity``, while :meth:`Activity.idle` it sleeps ``activity.rest_interval_s``
+    instead; a rest that work cut short is not a sample (nothing was late).
 
     Cancellation: stops at the sleep; nothing to clean up.
     """
@@ -93,7 +102,12 @@ async def run_canary(
     wall = time.time
     while True:
         asked = clock()
-        await trio.sleep(interval)
-        delay = max(0.0, clock() - asked - interval)
+        if activity is not None and activity.idle():
+            if await activity.rest():
+                continue
+            delay = max(0.0, clock() - asked - activity.rest_interval_s)
+        else:
+            await trio.sleep(interval)
+            delay = max(0.0, clock() - asked - interval)
         metrics.observe_delay(delay, stalled=delay > threshold)
         series.add(wall(), delay)

@@ -64,6 +64,7 @@ from typing import Any, Final, NamedTuple
 
 import trio
 
+from headwater.instrumentation.activity import Activity
 from headwater.instrumentation.loop_metrics import StallCause
 
 logger = logging.getLogger(__name__)
@@ -276,6 +277,9 @@ class StallDetector:
     Args:
       threshold_s: a phase ending this much later than due is a stall.
       poll_s: how often the watchdog wakes.
+      activity: the process's work in flight; while its canary rests (nothing in
+        flight), the watchdog polls every ``activity.rest_interval_s`` instead, and the
+        first request wakes it (see :mod:`headwater.instrumentation.activity`).
       max_records: how many records to keep (oldest dropped).
       on_stall: called with each new record **on the watchdog thread**: keep it quick
         and thread-safe (prometheus counters are; for trio code use
@@ -295,6 +299,7 @@ class StallDetector:
         log_after_s: float = 0.1,
         report_after_s: float = 1.0,
         selfcheck_s: float = 0.25,
+        activity: Activity | None = None,
     ) -> None:
         if poll_s <= 0 or selfcheck_s <= 0:
             raise ValueError("poll_s and selfcheck_s must be positive")
@@ -305,6 +310,7 @@ class StallDetector:
         self._log_after_s = log_after_s
         self._report_after_s = report_after_s
         self._selfcheck_s = selfcheck_s
+        self._activity = activity
         self._wall_offset = time.time() - _clock()
 
         self._lock = threading.Lock()  # guards the records and counters below
@@ -398,11 +404,11 @@ class StallDetector:
                 ):
                     logger.error("stall tracker lost: trio no longer calls its hooks")
                     tracker.disable("trio stopped calling the tracker's hooks")
-            self._stop.set()
+            self._halt()
             await trio.sleep_forever()
         finally:
             tracker.disable("stopped")
-            self._stop.set()
+            self._halt()
             if watchdog is not None and watchdog.ident is not None:  # it was started
                 with trio.move_on_after(1.0, shield=True):
                     await trio.to_thread.run_sync(watchdog.join, abandon_on_cancel=True)
@@ -421,14 +427,14 @@ class StallDetector:
             last_wake, last_cpu = _clock(), own.cpu()
             with suppress(trio.RunFinishedError):
                 watching()
-            while not self._stop.wait(self._poll_s):
+            while (asked := self._nap()) is not None:
                 # A long gap between two wakes, beyond the requested sleep and our own CPU
                 # time, means we could not get the GIL (at the wake-up or at any GIL
                 # release inside the previous tick). Run-queue waits are not subtracted: a
                 # thread waiting for the GIL wakes every switch interval, and on a busy
                 # machine queues for a CPU each time; but such waits rarely reach 10 ms.
                 now, cpu = _clock(), own.cpu()
-                if now - last_wake - self._poll_s - (cpu - last_cpu) > _STARVED_MIN_S:
+                if now - last_wake - asked - (cpu - last_cpu) > _STARVED_MIN_S:
                     self._starved.append((last_wake, now))
                 last_wake, last_cpu = now, cpu
                 self._sample_loop_busy()
@@ -443,6 +449,25 @@ class StallDetector:
             self._watchdog_alive = False
             with suppress(trio.RunFinishedError):
                 watching()  # again, in case the loop is still waiting for it
+
+    def _nap(self) -> float | None:
+        """Sleep one poll; returns the seconds asked for, or ``None`` once stopped.
+
+        While the canary rests, poll as seldom as it ticks: an idle loop has nothing to
+        stall, and the first request ends the nap (``Activity.woken``).
+        """
+        activity = self._activity
+        if activity is not None:
+            activity.woken.clear()  # before reading `resting`, so no wake-up is lost
+            if activity.resting:
+                activity.woken.wait(activity.rest_interval_s)
+                return None if self._stop.is_set() else activity.rest_interval_s
+        return None if self._stop.wait(self._poll_s) else self._poll_s
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._activity is not None:
+            self._activity.woken.set()  # ends a nap at once
 
     def _sample_loop_busy(self) -> None:
         if self._loop_times is not None and (busy := self._loop_times.busy()) is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import trio
 
+from headwater.instrumentation import Activity
 from headwater.wire import Ack, End, Error, ErrorCode, GenerateRequest, Reply
 from workers.engines.base import Engine, EngineError, EngineStats
 
@@ -48,6 +49,8 @@ class WorkerRuntime:
         self._served = 0
         self._cancelled = 0
         self._failed = 0
+        #: Requests in flight, for the process's loop monitor (it rests while none are).
+        self.activity = Activity()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the engine and host request tasks until cancelled."""
@@ -120,7 +123,7 @@ class WorkerRuntime:
         rid = request.request_id
         outcome = "cancelled"
         try:
-            with scope:
+            with self.activity, scope:
                 await replies.send(Ack(rid))
                 try:
                     async with aclosing(self.engine.generate(request)) as chunks:
