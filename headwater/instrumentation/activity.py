@@ -1,8 +1,8 @@
 """Whether a process has work in flight, so that its loop monitor can rest when it has none.
 
 Why: the canary wakes the loop every 10 ms, and the stall watchdog thread wakes as often.
-On an idle frontend that is most of its CPU: 6.4% of a core on the 2-core benchmark VM,
-against 1.1% with both at 10 Hz (docs/observability.md, "What an idle frontend costs").
+On an idle frontend that was most of its CPU: 6.6% of a core on the 2-core benchmark VM,
+against 1.05% resting (docs/observability.md, "What the instrumentation costs").
 Idle processes take that CPU from busy neighbours on the same machine, and an idle loop
 has nothing to delay anyway.
 
