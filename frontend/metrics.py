@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -182,9 +182,10 @@ class FrontendMetrics:
         """Run *hook* before each scrape (gauges that mirror live objects' statistics())."""
         self._collect_hooks.append(hook)
 
-    def render(self) -> bytes:
-        """The text exposition format, with gauges refreshed first. On the loop: see
+    def render(self, names: Collection[str] | None = None) -> bytes:
+        """The text exposition format, with gauges refreshed first; *names* keeps only
+        the samples of those names (``/metrics?name[]=...``). On the loop: see
         :mod:`headwater.instrumentation.exposition` for why not ``generate_latest``."""
         for hook in self._collect_hooks:
             hook()
-        return self._exposition.render()
+        return self._exposition.render(names)

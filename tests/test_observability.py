@@ -41,6 +41,7 @@ from frontend.plane.tcp import connect_worker
 from headwater.instrumentation.exposition import TextExposition
 from headwater.plane.base import WorkerInstance
 from headwater.wire import GenerateRequest, Role, SamplingParams
+from scripts.bench.scrape import loop_series
 from workers.cli import READY_PREFIX, RunningWorker, WorkerConfig, serve_worker
 from workers.metrics import serve_worker_metrics
 
@@ -135,11 +136,14 @@ async def test_metrics_parse_and_name_everything() -> None:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
         found = samples(r.text)
+        loop_names = loop_series(P)
+        loop_only = await c.get("/metrics", params=[("name[]", n) for n in loop_names])
         workers = fe.router.views()
         threads = fe.pool.statistics().threads
     names = {n for n, _, _ in found}
     missing = [n for n in FRONTEND_SAMPLES if n not in names]
     assert missing == []
+    assert {n for n, _, _ in samples(loop_only.text)} == set(loop_names)
     total = f"{P}requests_total"
     assert value(found, total, endpoint="chat", request_type="unary", status="success") == 1
     assert value(found, total, endpoint="chat", request_type="stream", status="success") == 1
@@ -212,6 +216,25 @@ def test_frontend_metrics_render_as_generate_latest() -> None:
     m.time_to_first_token_seconds.observe(0.02)
     m.worker_state.labels("w1", "decode", "healthy").set(1)
     assert m.render() == generate_latest(m.registry)
+
+
+def test_a_scrape_can_ask_for_some_series_only() -> None:
+    """``name[]`` as prometheus-client's handler reads it: sample names; the cache of the
+    full render survives a partial one."""
+    reg, _, churn = _zoo()
+    exposition = TextExposition(reg)
+    full = exposition.render()
+    cached = len(exposition._series)
+    names = ["zoo_seconds_bucket", "zoo_seconds_count", "zoo_requests_total", "no_such"]
+    partial = exposition.render(names)
+    assert partial == generate_latest(reg.restricted_registry(names))
+    assert b"zoo_seconds_bucket" in partial
+    assert b"zoo_seconds_sum" not in partial
+    assert 0 < len(partial) < len(full)
+    assert len(exposition._series) == cached
+    assert exposition.render([]) == b""  # no name asked for: nothing, as the library does
+    churn.advance()
+    assert exposition.render() == generate_latest(reg)
 
 
 def test_text_exposition_forgets_series_that_are_gone() -> None:
@@ -519,11 +542,16 @@ async def test_worker_metrics_endpoint_answers_only_metrics(nursery: trio.Nurser
     port: int = await nursery.start(serve_worker_metrics, 0, worker)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
         ok = await c.get("/metrics?x=1")
+        some = await c.get("/metrics?name[]=headwater_worker_kv_blocks_total")
+        loop = loop_series("headwater_worker_")
+        only_loop = await c.get("/metrics", params=[("name[]", n) for n in loop])
         head = await c.head("/metrics")
         missing = await c.get("/")
         post = await c.post("/metrics", content=b"")
     assert ok.status_code == 200
     assert value(samples(ok.text), "headwater_worker_kv_blocks_total") == 64
+    assert [(n, v) for n, _, v in samples(some.text)] == [("headwater_worker_kv_blocks_total", 64)]
+    assert {n for n, _, _ in samples(only_loop.text)} == set(loop)
     assert head.status_code == 200
     assert head.content == b""
     assert int(head.headers["content-length"]) > 0

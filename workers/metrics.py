@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Final
+from urllib.parse import parse_qs
 
 import orjson
 import trio
@@ -51,6 +52,11 @@ class WorkerCollector(Collector):
     def __init__(self, worker: RunningWorker, prefix: str = WORKER_PREFIX) -> None:
         self._worker = worker
         self._prefix = prefix
+
+    def describe(self) -> list[Metric]:
+        """The families :meth:`collect` yields, so that the registry knows their names
+        (``/metrics?name[]=...`` finds them)."""
+        return list(self.collect())
 
     def collect(self) -> Iterator[Metric]:
         w, p = self._worker, self._prefix
@@ -172,6 +178,7 @@ def _respond(
     if method not in ("GET", "HEAD"):
         return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
     if path == "/metrics":
-        return "200 OK", PROMETHEUS_TEXT, exposition.render()
+        query = parse_qs(target.partition("?")[2])
+        return "200 OK", PROMETHEUS_TEXT, exposition.render(query.get("name[]"))
     records = [r.to_dict() for r in monitor.records()]
     return "200 OK", "application/json", orjson.dumps(records)

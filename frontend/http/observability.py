@@ -58,7 +58,8 @@ def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(frontend.metrics.render(), content_type=PROMETHEUS_TEXT)
+        names = request.args.getlist("name[]")  # some series only, as prometheus-client
+        return Response(frontend.metrics.render(names or None), content_type=PROMETHEUS_TEXT)
 
     @app.get("/debug/stalls")
     async def stalls() -> Response:

@@ -10,13 +10,20 @@ escaping, and per scrape only formats values (~0.5 ms).
 
 The output is byte for byte ``generate_latest``'s (``tests/test_observability.py``
 compares them), so scrapers and the text parsers see no difference.
+
+A scrape may ask for some series only, by sample name, as prometheus-client's own
+handler allows (``/metrics?name[]=x_bucket&name[]=x_count``): then only the collectors
+of those names run (``CollectorRegistry.restricted_registry``). The benchmark samples
+the loop histogram that way at 4 Hz; a full render each time raised the loop p99 it was
+measuring (docs/performance.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from typing import Protocol
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -33,6 +40,12 @@ _TEXT_NAME_SUFFIX = {"counter": "_total", "info": "_info"}
 _INF = float("inf")
 
 
+class _Collects(Protocol):
+    """A registry, or a restricted view of one."""
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
 class TextExposition:
     """Renders *registries* (concatenated, in order) as ``generate_latest`` would.
 
@@ -47,16 +60,18 @@ class TextExposition:
         self._headers: dict[tuple[str, str, str], str] = {}
         self._series: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
 
-    def render(self) -> bytes:
+    def render(self, names: Collection[str] | None = None) -> bytes:
+        """Every series, or with *names* only the samples of those names (``name[]``)."""
         out: list[str] = []
         lines = 0
         for registry in self._registries:
-            lines += self._render_registry(registry, out)
-        if len(self._series) > 2 * lines:
+            source = registry if names is None else registry.restricted_registry(names)
+            lines += self._render_registry(source, out)
+        if names is None and len(self._series) > 2 * lines:
             self._series.clear()  # rebuilt on the next scrape from the live series
         return "".join(out).encode("utf-8")
 
-    def _render_registry(self, registry: CollectorRegistry, out: list[str]) -> int:
+    def _render_registry(self, registry: _Collects, out: list[str]) -> int:
         lines = 0
         line = self._line
         for metric in registry.collect():
