@@ -6,7 +6,9 @@ alike. Each poll takes a snapshot; the difference between two consecutive snapsh
 holds the canary's observations of that interval, from which :func:`timeline_points`
 derives a per-interval p99 (Prometheus-style interpolation) and a per-interval maximum
 (the upper bound of the highest bucket that gained observations: the histogram cannot
-say more). Polling itself costs the server a ``/metrics`` render per 250 ms.
+say more). Polling itself costs the server a request per 250 ms: the loop series only,
+over one kept-alive connection per member (:class:`~scripts.bench.scrape.LoopScraper`),
+which keeps the sampler out of the loop delay it samples.
 
 A frontend of several processes (``headwater serve --processes N``) is sampled member
 by member, each on its own URL, and merged per poll (:func:`merge_snapshots`,
@@ -29,7 +31,7 @@ from typing import NoReturn
 
 import trio
 
-from scripts.bench.scrape import Histogram, LoopSnapshot, ProcSample, read_proc, scrape_loop
+from scripts.bench.scrape import Histogram, LoopScraper, LoopSnapshot, ProcSample, read_proc
 
 DEFAULT_INTERVAL_S = 0.25
 
@@ -224,12 +226,24 @@ async def sample(
     ``loop`` ``None``. Ticks keep their schedule (a slow scrape delays only its own
     sample).
     """
+    scrapers = [LoopScraper(url, prefix, timeout=2.0) for url in metrics_urls]
+    try:
+        await _poll(scrapers, pids, t0, out, interval_s)
+    finally:
+        for scraper in scrapers:
+            scraper.close()
+
+
+async def _poll(
+    scrapers: Sequence[LoopScraper], pids: Sequence[int], t0: float, out: list[RawSample],
+    interval_s: float,
+) -> NoReturn:  # fmt: skip
     tick = trio.current_time()
     while True:
-        loops: list[LoopSnapshot | None] = [None] * len(metrics_urls)
+        loops: list[LoopSnapshot | None] = [None] * len(scrapers)
         async with trio.open_nursery() as nursery:
-            for i, url in enumerate(metrics_urls):
-                nursery.start_soon(_scrape_into, loops, i, url, prefix)
+            for i, scraper in enumerate(scrapers):
+                nursery.start_soon(_scrape_into, loops, i, scraper)
         procs: list[ProcSample | None] = []
         for pid in pids:
             try:
@@ -241,8 +255,8 @@ async def sample(
         await trio.sleep_until(max(tick, trio.current_time()))
 
 
-async def _scrape_into(out: list[LoopSnapshot | None], index: int, url: str, prefix: str) -> None:
+async def _scrape_into(out: list[LoopSnapshot | None], index: int, scraper: LoopScraper) -> None:
     try:
-        out[index] = await trio.to_thread.run_sync(scrape_loop, url, prefix, 2.0)
+        out[index] = await trio.to_thread.run_sync(scraper.scrape)
     except (OSError, ValueError):
         out[index] = None
