@@ -13,9 +13,9 @@ compares them), so scrapers and the text parsers see no difference.
 
 A scrape may ask for some series only, by sample name, as prometheus-client's own
 handler allows (``/metrics?name[]=x_bucket&name[]=x_count``): then only the collectors
-of those names run (``CollectorRegistry.restricted_registry``). The benchmark samples
-the loop histogram that way at 4 Hz; a full render each time raised the loop p99 it was
-measuring (docs/performance.md).
+of those names run (``CollectorRegistry.restricted_registry``): the loop series alone in
+0.15 ms instead of the whole page's 1.2 ms. The benchmark samples the loop that way, at
+4 Hz, on one kept-alive connection (docs/performance.md, "The observer").
 """
 
 from __future__ import annotations
