@@ -96,34 +96,32 @@ class LoopReport:
 
 def parse_loop(text: str, prefix: str = HEADWATER_PREFIX) -> LoopSnapshot:
     """Extract the event-loop metrics named ``<prefix>event_loop_*`` from exposition *text*."""
-    name = prefix + "event_loop_delay_seconds"
+    bucket, count, total, max_name, stall_name = loop_series(prefix)
     buckets: dict[float, float] = {}
     sums: dict[str, float] = {}
     max_delay: float | None = None
     stalls: float | None = None
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == name + "_bucket":
+            if s.name == bucket:
                 le = float(s.labels["le"])
                 buckets[le] = buckets.get(le, 0.0) + s.value
-            elif s.name in (name + "_count", name + "_sum"):
+            elif s.name in (count, total):
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
-            elif s.name == prefix + "event_loop_max_delay_seconds":
+            elif s.name == max_name:
                 max_delay = s.value if max_delay is None else max(max_delay, s.value)
-            elif s.name == prefix + "event_loop_stall_total":
+            elif s.name == stall_name:
                 stalls = (stalls or 0.0) + s.value
     delay = None
     if buckets:
-        delay = Histogram(
-            tuple(sorted(buckets.items())),
-            sums.get(name + "_count", 0.0),
-            sums.get(name + "_sum", 0.0),
-        )
+        histogram = tuple(sorted(buckets.items()))
+        delay = Histogram(histogram, sums.get(count, 0.0), sums.get(total, 0.0))
     return LoopSnapshot(time.perf_counter(), delay, max_delay, stalls)
 
 
 def loop_series(prefix: str = HEADWATER_PREFIX) -> tuple[str, ...]:
-    """The sample names :func:`parse_loop` reads."""
+    """The sample names :func:`parse_loop` reads (histogram bucket, count, sum; max-delay
+    gauge; stall counter), and :func:`loop_url` asks for."""
     delay = prefix + "event_loop_delay_seconds"
     return (delay + "_bucket", delay + "_count", delay + "_sum",
             prefix + "event_loop_max_delay_seconds", prefix + "event_loop_stall_total")  # fmt: skip
