@@ -55,6 +55,7 @@ from headwater.wire.framing import (
     unpack_block_hashes,
     unpack_token_ids,
 )
+from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
 #: A handle carrying its prompt's block hashes: 1234 tokens are 19 full blocks of 64.
@@ -65,7 +66,7 @@ HASHED_HANDLE = KvHandle(
 REQUEST = GenerateRequest(
     request_id="req-1",
     model="deepseek-v4",
-    token_ids=[0, 1, 127_999, 128_000, 2**32 - 1],
+    token_ids=token_array([0, 1, 127_999, 128_000, 2**32 - 1]),
     sampling=SamplingParams(
         max_tokens=64, min_tokens=2, ignore_eos=True, temperature=0.7, top_p=0.9, seed=42,
         stop_token_ids=(7, 8),
@@ -74,7 +75,9 @@ REQUEST = GenerateRequest(
     eos_token_ids=(1,),
 )
 
-HASHED_REQUEST = GenerateRequest("r3", "m", [5] * 1234, SamplingParams(max_tokens=1), HASHED_HANDLE)
+HASHED_REQUEST = GenerateRequest(
+    "r3", "m", token_array([5] * 1234), SamplingParams(max_tokens=1), HASHED_HANDLE
+)
 
 #: One of every kind (the error kind twice: per request and per connection).
 EXAMPLES: list[Frame] = [
@@ -83,7 +86,7 @@ EXAMPLES: list[Frame] = [
     Auth(b"q" * 32),
     HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4"),
     REQUEST,
-    GenerateRequest("r2", "m", [5], SamplingParams(max_tokens=1)),
+    GenerateRequest("r2", "m", token_array([5]), SamplingParams(max_tokens=1)),
     HASHED_REQUEST,
     Ack("req-1"),
     Chunk("req-1", [17, 18], FinishReason.LENGTH, HANDLE, cached_tokens=64),
@@ -118,6 +121,16 @@ def test_request_tokens_travel_packed() -> None:
     assert body["token_ids"] == pack_token_ids(REQUEST.token_ids)
     assert len(body["token_ids"]) == 4 * len(REQUEST.token_ids)
     assert unpack_token_ids(body["token_ids"]) == REQUEST.token_ids
+    # The packed bytes are the token array's own: little-endian uint32, in order.
+    assert body["token_ids"][:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00"
+    (decoded,) = FrameDecoder().feed(encode(REQUEST))
+    assert decoded.token_ids.typecode == TOKEN_TYPECODE  # unpacked as one array, no int list
+
+
+def test_requests_built_from_int_lists_travel_the_same() -> None:
+    as_list = GenerateRequest("r", "m", [3, 2**32 - 1, 0], SamplingParams(max_tokens=1))
+    (decoded,) = FrameDecoder().feed(encode(as_list))
+    assert decoded.token_ids == token_array([3, 2**32 - 1, 0])
 
 
 def test_block_hashes_travel_packed_in_requests_and_chunks() -> None:

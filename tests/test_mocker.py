@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from headwater.wire import Chunk, FinishReason, GenerateRequest, KvHandle, Role, SamplingParams
+from headwater.wire.tokens import token_array
 from workers.engines.base import EngineError
 from workers.engines.mocker import MockerConfig, MockerEngine
 from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
@@ -511,6 +512,8 @@ async def test_stopping_the_engine_fails_pending_requests(autojump_clock: object
         (prompt(129), {}),  # the cache holds 128 tokens
         (prompt(10), {"max_tokens": 0}),
         (prompt(10), {"max_tokens": 4, "min_tokens": 5}),
+        ([5, 2**32], {}),  # not a uint32: no token array can hold it
+        ([-1, 5], {}),
     ],
 )
 async def test_invalid_requests(token_ids: list[int], sampling: dict[str, int]) -> None:
@@ -690,6 +693,19 @@ async def test_disaggregated_request_flows_through_kv_handle(autojump_clock: obj
     released = prefill.statistics()
     assert (released.kv_transfers_held, released.kv_blocks_used) == (0, 0)
     assert prefill.counters.transfers_released == 1
+
+
+async def test_engines_never_write_into_the_request_token_array(autojump_clock: object) -> None:
+    # The pipeline hands the same array to the prefill and the decode leg (and keeps it
+    # for a migration): decoding must append to a copy of its own.
+    prefill, decode, _ = disagg()
+    ids = token_array(prompt(300))
+    before = ids.tobytes()
+    async with running(prefill, decode):
+        (chunk,) = await collect(prefill, request("r", ids, 8))
+        out = await collect(decode, request("r", ids, 8, kv_handle=chunk.kv_handle))
+    assert len(tokens_of(out)) == 8
+    assert ids.tobytes() == before
 
 
 async def test_decode_engine_registers_the_prompt_hashes_the_prefill_engine_carried(

@@ -7,6 +7,7 @@ long inputs; the pool's thread path is checked against the same oracle.
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Backend, Tokenizer, TokenizerLoadError
+from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 from frontend_fixture import shared_tokenizer
 
@@ -29,8 +31,9 @@ def fast() -> Tokenizer:
     return tok
 
 
-def oracle(tok: Tokenizer, text: str) -> list[int]:
-    return list(tok.hf.encode(text, add_special_tokens=False).ids)
+def oracle(tok: Tokenizer, text: str) -> array[int]:
+    """HF's ids, as the token array the frontend carries them in."""
+    return token_array(tok.hf.encode(text, add_special_tokens=False).ids)
 
 
 _settings = settings(max_examples=150, deadline=None,
@@ -77,12 +80,19 @@ def test_long_inputs_match_hf(fast: Tokenizer) -> None:
     alphabet = "abcdefghij klmnopqrstuvwxyz,.;\n αβγ 中文字符 🌊🚀 ñé"
     for size in (10_000, 100_000):
         text = "".join(rng.choice(alphabet) for _ in range(size))
-        assert fast.encode_ids(text) == oracle(fast, text)
+        ids = fast.encode_ids(text)
+        assert ids == oracle(fast, text)
+        # One uint32 buffer, not a list of int objects: that is what keeps building it
+        # (in the tokenizer thread) and freeing it (on the loop) cheap.
+        assert isinstance(ids, array)
+        assert ids.typecode == TOKEN_TYPECODE
 
 
 def test_batch_encode_matches_single(fast: Tokenizer) -> None:
     texts = ["hello world", "<｜User｜>hi<｜Assistant｜>", "", "数字 123 🚀" * 50]
-    assert fast.encode_batch(texts) == [oracle(fast, t) for t in texts]
+    batch = fast.encode_batch(texts)
+    assert batch == [oracle(fast, t) for t in texts]
+    assert all(ids.typecode == TOKEN_TYPECODE for ids in batch)
     hf = shared_tokenizer("hf")
     assert hf.encode_batch(texts) == [oracle(hf, t) for t in texts]
 
@@ -106,7 +116,9 @@ def test_fallback_to_hf_when_fastokens_cannot_load(
     tok = Tokenizer(fast.files, "fastokens")
     assert tok.backend is Backend.HF
     assert "falling back to hf" in caplog.text
-    assert tok.encode_ids("fallback works") == oracle(fast, "fallback works")
+    ids = tok.encode_ids("fallback works")
+    assert ids == oracle(fast, "fallback works")
+    assert ids.typecode == TOKEN_TYPECODE  # the hf backend hands over a token array too
 
 
 def test_missing_tokenizer_is_a_clear_error(tmp_path: object) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass
 
 import trio
@@ -70,8 +71,8 @@ class TokenizerPool:
         self._encoded = 0
         self._inline = 0
 
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of *text* (no BOS added: the template writes it)."""
+    async def encode(self, text: str) -> array[int]:
+        """Token ids of *text* as a token array (no BOS added: the template writes it)."""
         self._encoded += 1
         if self.mode is TokenizeMode.INLINE:
             self._inline += 1

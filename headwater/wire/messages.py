@@ -7,14 +7,18 @@ then zero or more :class:`Chunk` messages, then exactly one :class:`End` or
 
 Every message converts to and from a plain dict of msgpack-safe values
 (``to_wire`` / ``from_wire``), so the in-process transport can pass the objects
-themselves while the TCP transport frames the dicts. Nothing here does I/O.
+themselves while the TCP transport frames the dicts; the one exception, a request's
+token array, the framing packs into bytes. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from headwater.wire.tokens import token_array
 
 
 class Role(enum.StrEnum):
@@ -114,11 +118,15 @@ class KvHandle:
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    """One generation request as a worker sees it: token ids in, token ids out."""
+    """One generation request as a worker sees it: token ids in, token ids out.
+
+    ``token_ids`` is a token array (``headwater.wire.tokens``) on the serving path;
+    engines accept any sequence of ints and never write to it.
+    """
 
     request_id: str
     model: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     sampling: SamplingParams
     kv_handle: KvHandle | None = None  # set on the decode leg of a disaggregated request
     eos_token_ids: tuple[int, ...] = ()
@@ -139,7 +147,7 @@ class GenerateRequest:
         return cls(
             request_id=str(d["request_id"]),
             model=str(d["model"]),
-            token_ids=list(d["token_ids"]),
+            token_ids=token_array(d["token_ids"]),
             sampling=SamplingParams.from_wire(d["sampling"]),
             kv_handle=KvHandle.from_wire(kv) if kv else None,
             eos_token_ids=tuple(d.get("eos_token_ids", ())),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import uuid
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import trio
 
 from headwater.wire import Chunk, ErrorCode, FinishReason, GenerateRequest, KvHandle, Role
+from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineError, EngineStats, KvTransfer
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
@@ -83,7 +85,7 @@ class _State(enum.Enum):
 @dataclass(eq=False, slots=True)
 class _Sequence:
     request_id: str
-    tokens: list[int]  # prompt + output so far: the KV content
+    tokens: array[int]  # prompt + output so far: the KV content
     prompt_len: int
     max_tokens: int
     min_tokens: int
@@ -292,6 +294,13 @@ class MockerEngine(Engine):
         if problem is not None:
             raise EngineError(ErrorCode.INVALID_REQUEST, problem)
 
+        if self.role is Role.PREFILL and isinstance(prompt, array):
+            tokens = prompt  # a prefill never appends: it reads the request's array
+        else:
+            try:
+                tokens = copy_tokens(prompt)  # a memcpy for a token array
+            except ValueError as exc:
+                raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
         key = _seed_key(sampling.seed, request.request_id)
         stop_ids = set(sampling.stop_token_ids)
         eos_token = eos_index = None
@@ -304,10 +313,7 @@ class MockerEngine(Engine):
                 eos_index = max(natural, sampling.min_tokens)
         return _Sequence(
             request_id=request.request_id,
-            # Decoding appends to the sequence's tokens; a prefill never does, so it
-            # reads the request's list instead of copying it.
-            tokens=prompt if self.role is Role.PREFILL and isinstance(prompt, list)
-            else list(prompt),
+            tokens=tokens,
             prompt_len=len(prompt),
             max_tokens=sampling.max_tokens,
             min_tokens=sampling.min_tokens,

@@ -236,7 +236,7 @@ class KvCache:
     def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the full blocks among the first *num_computed* tokens for reuse.
 
-        Call as KV gets computed (in any number of steps); *token_ids*, a list or tuple,
+        Call as KV gets computed (in any number of steps); *token_ids*, a sequence of ints,
         must be the content the table was allocated for (plus appended tokens), and
         stay unchanged up to there. A block whose content is already registered under
         another block stays private. Blocks with a known hash are registered at once;
