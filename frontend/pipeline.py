@@ -118,7 +118,7 @@ class Pipeline:
             prompt_ids = await self.pool.encode(text_or_ids)
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
-            if any(t >= self.tokenizer.vocab_size for t in text_or_ids):
+            if any(t >= self.tokenizer.vocab_size for t in text_or_ids):  # >= 0: schema
                 raise bad_request("prompt token ids must be below the vocabulary size", "prompt")
             prompt_ids = token_array(text_or_ids)
         return Prepared(

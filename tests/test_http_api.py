@@ -140,6 +140,16 @@ async def test_completions_accepts_token_ids() -> None:
         assert data["usage"]["prompt_tokens"] == 4
 
 
+@pytest.mark.parametrize("prompt", [[5, -1], [5, 10**6], [2**32]])
+async def test_completions_refuse_token_ids_outside_the_vocabulary(prompt: list[int]) -> None:
+    async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+        err = _assert_error(await c.post("/v1/completions", json=body), 400, "prompt")
+        assert "token ids" in err["message"]
+        ok = await c.post("/v1/completions", json={**body, "prompt": [5, 6]})
+        assert ok.status_code == 200
+
+
 async def test_stop_string_across_tokens_ends_the_stream() -> None:
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 40, "seed": 5}
