@@ -403,6 +403,28 @@ def test_kv_cache_prefix_hit_revives_a_freed_block_out_of_the_evictable_pool() -
     assert kv_table(cache, y).cached_tokens == 0
 
 
+def test_kv_cache_run_hashed_while_it_waits_keeps_its_place_in_the_eviction_order() -> None:
+    # A freed prompt's unhashed run waits in the pool as one entry; a lookup hashes it
+    # there and revives its head. Its other blocks must still go first, tail first, and
+    # before anything freed after them.
+    cache = KvCache(num_blocks=8, block_size=2)
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    a_blocks = kv_cached_then_freed(cache, a)
+    b_blocks = kv_cached_then_freed(cache, [20, 21, 22, 23])
+    assert kv_usage(cache) == (0, 6)
+
+    head = kv_table(cache, [1, 2, 3, 4, 99])
+    assert head.blocks[:2] == a_blocks[:2]  # the run was hashed for this lookup
+    assert kv_usage(cache) == (3, 4)
+
+    new = kv_table(cache, [50, 51, 52, 53, 54, 55, 56, 57])
+    assert new.blocks[1:] == [a_blocks[3], a_blocks[2], b_blocks[1]]
+    cache.free(new)
+    cache.free(head)
+    assert kv_table(cache, [1, 2, 3, 4, 5, 6]).cached_tokens == 4
+    assert kv_table(cache, [20, 21, 22, 23]).cached_tokens == 2
+
+
 def test_kv_cache_carried_hashes_stand_in_for_hashing_the_prompt() -> None:
     tokens = list(range(100, 121))  # 10 full blocks of 2 and a partial one
     probes = [tokens, [*tokens[:8], 0, 0], tokens[:15], [100, 101, 0]]
@@ -627,14 +649,17 @@ class EagerKvCache:
         return KvCacheStats(self.num_blocks - len(self.free_list) - cached, self.num_blocks, cached)
 
 
+@pytest.mark.parametrize("num_blocks", [12, 40])
 @pytest.mark.parametrize("seed", range(6))
-def test_kv_cache_hashing_lazily_hits_and_evicts_as_eager_hashing_would(seed: int) -> None:
+def test_kv_cache_hashing_lazily_hits_and_evicts_as_eager_hashing_would(
+    seed: int, num_blocks: int
+) -> None:
     """Random traffic with shared prefixes, chunked prefill, decode steps, preemption
     and eviction: the lazily hashing cache agrees with the naive eager one on every
     lookup's hits and on block usage after every operation."""
     rng = random.Random(seed)
     bs = 4
-    lazy, eager = KvCache(num_blocks=40, block_size=bs), EagerKvCache(40, bs)
+    lazy, eager = KvCache(num_blocks, block_size=bs), EagerKvCache(num_blocks, bs)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
     live: list[tuple[BlockTable, dict, list[int], int]] = []  # tables, tokens, computed
     for _ in range(1500):
