@@ -394,20 +394,15 @@ class KvCache:
         """Forget the *count* least recently freed cached blocks; return them with
         refcount 1. A run entry gives up its tail first, as its blocks were freed."""
         evictable = self._evictable
-        by_hash = self._by_hash
-        hash_of = self._hash
         seg_of = self._seg_of
         victims: list[int] = []
         need = count
         while need:
             entry, _ = evictable.popitem(last=False)
             if isinstance(entry, int):
+                self._unregister(entry)
                 victims.append(entry)
                 need -= 1
-                h = hash_of[entry]
-                if h is not None:
-                    del by_hash[h]
-                    hash_of[entry] = None
                 continue
             blocks = entry.blocks
             if not entry.segment:  # a pending run: nothing in it is hashed yet
@@ -423,12 +418,9 @@ class KvCache:
                     block = blocks.pop()
                     if seg_of[block] is entry:
                         seg_of[block] = None
+                        self._unregister(block)
                         victims.append(block)
                         need -= 1
-                        h = hash_of[block]
-                        if h is not None:
-                            del by_hash[h]
-                            hash_of[block] = None
             if blocks:  # not used up: it stays the oldest entry
                 evictable[entry] = None
                 evictable.move_to_end(entry, last=False)
@@ -437,6 +429,13 @@ class KvCache:
         for block in victims:
             refcount[block] = 1
         return victims
+
+    def _unregister(self, block: int) -> None:
+        """Forget *block*'s hash, if it has one (it is being reused)."""
+        h = self._hash[block]
+        if h is not None:
+            del self._by_hash[h]
+            self._hash[block] = None
 
     def _materialize_at(self, h: int) -> int | None:
         """The block registered under *h* once the pending run filed under it, if any,
