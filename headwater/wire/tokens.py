@@ -28,10 +28,7 @@ def token_array(ids: Iterable[int] = ()) -> array.array[int]:
     """
     if isinstance(ids, array.array) and ids.typecode == TOKEN_TYPECODE:
         return ids
-    try:
-        return array.array(TOKEN_TYPECODE, ids)
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from exc
+    return copy_tokens(ids)
 
 
 def copy_tokens(ids: Iterable[int]) -> array.array[int]:

@@ -329,7 +329,7 @@ class KvCache:
         table.freed = True
         blocks = table.blocks
         run = table.run
-        if run is not None and run.blocks and self._pending.get(run.key) is run:
+        if run is not None and run.blocks:  # still pending: hashing it would empty it
             # The run's blocks are this table's alone: all of them join the pool now, as
             # one entry, between the blocks after the run and those before it.
             end = run.first + len(run.blocks)
