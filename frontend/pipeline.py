@@ -180,14 +180,18 @@ class Pipeline:
         async with aclosing(self._token_stream(prep)) as chunks:
             async for chunk in chunks:
                 now = trio.current_time()
-                if chunk.token_ids:
+                if n := len(chunk.token_ids):
+                    # One ITL sample per token after the first: a chunk's gap is shared
+                    # by its tokens (the plane merges chunks that arrived together), and
+                    # tokens that came with the first one came 0 s after it.
                     if first:
                         self.metrics.time_to_first_token_seconds.observe(now - prep.started)
                         first = False
+                        gap, n = 0.0, n - 1
                     else:
-                        self.metrics.inter_token_latency_seconds.observe(
-                            (now - last_token_at) / len(chunk.token_ids)
-                        )
+                        gap = (now - last_token_at) / n
+                    for _ in range(n):
+                        self.metrics.inter_token_latency_seconds.observe(gap)
                     last_token_at = now
                 cached = max(cached, chunk.cached_tokens)
                 delta = post.step(chunk.token_ids)

@@ -262,6 +262,23 @@ def test_postprocessor_stop_string_across_tokens() -> None:
     assert post.completion_tokens == len(deltas)
 
 
+def test_postprocessor_counts_a_merged_chunk_up_to_the_stop_token() -> None:
+    # The plane merges chunks that arrived together: usage must not count the tokens
+    # of such a chunk that came after the stop string.
+    ids = encode("Hello world, and goodbye")
+    one_by_one = TextPostprocessor(decode, stops=["lo wor"])
+    deltas, tail = run(one_by_one, ids)
+    merged = TextPostprocessor(decode, stops=["lo wor"])
+    delta = merged.step(ids)
+    assert delta == Delta("".join(d.text for d in deltas), True)
+    assert merged.finish() == tail == ""
+    assert merged.completion_tokens == one_by_one.completion_tokens < len(ids)
+    # Without stop strings a merged chunk is one step, counted whole.
+    plain = TextPostprocessor(decode)
+    assert plain.step(ids).text + plain.finish() == "Hello world, and goodbye"
+    assert plain.completion_tokens == len(ids)
+
+
 def test_postprocessor_without_stop_counts_and_flushes() -> None:
     ids = [*encode("数学 🤖 ok END"), EOS_ID]
     post = TextPostprocessor(decode, stops=["END!"], special_ids=frozenset({EOS_ID}))

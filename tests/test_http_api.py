@@ -15,6 +15,7 @@ import trio
 
 from frontend.plane import MemoryWorkerClient
 from frontend.server import Frontend
+from headwater.wire import Chunk
 
 from frontend_fixture import serve_frontend, shared_tokenizer
 
@@ -360,6 +361,41 @@ async def test_stream_writes_events_that_are_ready_together_at_once() -> None:
     # Tokens in between go out one write each, as they are generated.
     assert all(len(e) == 1 for e in events[1:-1])
     assert len(events) == sum(map(len, events)) - 3  # three writes saved
+
+
+async def test_tokens_that_arrive_together_leave_in_one_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer that fell behind its engine finds several chunks waiting: the plane
+    merges them, so they cost one pass through postprocessing and one write."""
+    from frontend.plane import memory
+
+    held: dict[int, list[Any]] = {}
+    send = memory._ReplyChannel.send
+
+    async def send_late(self: memory._ReplyChannel, value: Any) -> None:
+        # Hold each stream's unfinished chunks until its last one: they arrive together.
+        if isinstance(value, Chunk) and value.finish_reason is None:
+            held.setdefault(id(self), []).append(value)
+            return
+        for chunk in held.pop(id(self), []):
+            await send(self, chunk)
+        await send(self, value)
+
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "seed": 5}
+    async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
+        unary = (await c.post("/v1/chat/completions", json=body)).json()
+        itl = fe.metrics.inter_token_latency_seconds.window
+        before = itl.statistics().count
+        monkeypatch.setattr(memory._ReplyChannel, "send", send_late)
+        stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = await _raw_chunks(url, stream_body)
+    assert len(chunks) == 1  # role, all eight tokens, usage and [DONE] in one write
+    events = [orjson.loads(e[6:]) for e in chunks[0].split(b"\n\n") if e[6:] != b"[DONE]" and e]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == unary["choices"][0]["message"]["content"]
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    assert itl.statistics().count - before == 7  # still one sample per token after the first
 
 
 async def test_the_gc_collects_young_objects_less_often_once_serving() -> None:

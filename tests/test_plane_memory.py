@@ -1,4 +1,5 @@
-"""The in-process request plane's own mechanics: schedule points and backpressure.
+"""The in-process request plane's own mechanics: schedule points, backpressure, and
+how a reply stream merges chunks that arrived together.
 
 Its end-to-end behaviour (ACK, errors, cancellation) is the TCP plane's twin and is
 tested beside it in test_plane_tcp.py; here a scripted runtime fills the reply channel.
@@ -10,9 +11,27 @@ import pytest
 import trio
 import trio.testing
 
-from frontend.plane.memory import BURST, REPLY_BUFFER, MemoryWorkerClient, _ReplyChannel
-from headwater.plane.base import WorkerInstance
-from headwater.wire import Ack, Chunk, End, GenerateRequest, Reply, Role, SamplingParams
+from frontend.plane.memory import (
+    BURST,
+    REPLY_BUFFER,
+    MemoryWorkerClient,
+    _MemoryResponseStream,
+    _ReplyChannel,
+)
+from headwater.plane.base import WorkerError, WorkerInstance
+from headwater.wire import (
+    Ack,
+    Chunk,
+    End,
+    Error,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    Reply,
+    Role,
+    SamplingParams,
+)
 
 
 class _ScriptedRuntime:
@@ -57,7 +76,7 @@ async def test_waiting_replies_are_taken_in_bursts_not_one_schedule_point_each()
         nursery.start_soon(ticker)
         async with _client(n).stream(_request()) as chunks:
             ticks = 0
-            got = [c.token_ids[0] async for c in chunks]
+            got = [t async for c in chunks for t in c.token_ids]
             seen = ticks
         nursery.cancel_scope.cancel()
     assert got == list(range(n))
@@ -87,3 +106,50 @@ async def test_a_reply_send_still_raises_when_cancelled() -> None:
         with pytest.raises(trio.Cancelled):
             await replies.send(Ack("r"))
     assert _receive.statistics().current_buffer_used == 0
+
+
+# -- merging chunks that wait -------------------------------------------------------------
+
+
+async def test_chunks_are_merged_only_when_they_have_arrived_together() -> None:
+    send, receive = trio.open_memory_channel[Reply](REPLY_BUFFER)
+    stream = _MemoryResponseStream(receive)
+    send.send_nowait(Chunk("r", [1], cached_tokens=64))
+    assert await stream.__anext__() == Chunk("r", [1], cached_tokens=64)  # nothing else waited
+    for reply in (Chunk("r", [2]), Chunk("r", [3, 4], cached_tokens=64)):
+        send.send_nowait(reply)
+    # A consumer that fell behind catches up in one step.
+    assert await stream.__anext__() == Chunk("r", [2, 3, 4], cached_tokens=64)
+    send.send_nowait(Chunk("r", [5], FinishReason.LENGTH))
+    send.send_nowait(End("r"))
+    assert await stream.__anext__() == Chunk("r", [5], FinishReason.LENGTH)
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    assert stream.finished
+
+
+async def test_a_merge_stops_at_a_finish_a_kv_handle_and_an_error() -> None:
+    handle = KvHandle("p", "memory://p", "t", 3)
+    send, receive = trio.open_memory_channel[Reply](REPLY_BUFFER)
+    for reply in (
+        Chunk("r", [1]), Chunk("r", [2]), Chunk("r", [], kv_handle=handle),
+        Chunk("r", [3]), Chunk("r", [4], FinishReason.STOP), Chunk("r", [5]),
+        Error("r", ErrorCode.INTERNAL, "boom"),
+    ):
+        send.send_nowait(reply)
+    stream = _MemoryResponseStream(receive)
+    assert await stream.__anext__() == Chunk("r", [1, 2])
+    assert await stream.__anext__() == Chunk("r", [], kv_handle=handle)
+    assert await stream.__anext__() == Chunk("r", [3, 4], FinishReason.STOP)
+    assert await stream.__anext__() == Chunk("r", [5])  # the Error waits its turn
+    with pytest.raises(WorkerError, match="boom"):
+        await stream.__anext__()
+    assert stream.finished
+
+
+async def test_a_merge_takes_no_more_than_a_burst() -> None:
+    n = 3 * BURST
+    async with _client(n).stream(_request()) as chunks:
+        sizes = [len(c.token_ids) async for c in chunks]
+    assert sum(sizes) == n
+    assert max(sizes) <= BURST

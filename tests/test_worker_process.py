@@ -87,7 +87,7 @@ async def test_sigterm_lets_the_inflight_request_finish(
         assert worker.role is Role.AGG
         client: TcpWorkerClient = await connect_worker(worker.instance, nursery)
         async with client.stream(request("quick", 4)) as chunks:
-            assert len([c async for c in chunks]) == 4
+            assert len([t async for c in chunks for t in c.token_ids]) == 4
         # ~1000 decode steps of ~0.3 ms each: still running when the signal lands.
         after_goaway = 0
         async with client.stream(request("inflight", 1000)) as chunks:
@@ -97,7 +97,7 @@ async def test_sigterm_lets_the_inflight_request_finish(
                 got.append(chunk)
                 after_goaway += client.state is ClientState.DRAINING
         assert after_goaway > 0  # the drain began while the request ran
-        assert len(got) == 1000
+        assert sum(len(c.token_ids) for c in got) == 1000
         assert got[-1].finish_reason is FinishReason.LENGTH
         with trio.fail_after(10):
             assert await worker.process.wait() == 0
@@ -120,7 +120,7 @@ async def test_prefill_and_decode_processes_move_kv(
         assert handoff.kv_handle.address == prefill.address
         leg = GenerateRequest(req.request_id, MODEL, req.token_ids, req.sampling, handoff.kv_handle)
         async with to_decode.stream(leg) as chunks:
-            assert len([c async for c in chunks]) == 6
+            assert len([t async for c in chunks for t in c.token_ids]) == 6
         served, pulled = await to_prefill.fetch_stats(), await to_decode.fetch_stats()
         assert served["plane_kv_pulls_served_total"] == 1
         assert served["plane_kv_bytes_served_total"] == 5000 * 256

@@ -58,7 +58,8 @@ class _ReplyChannel(trio.abc.SendChannel[Reply]):
 
 class _MemoryResponseStream(ResponseStream):
     """The frontend's end: a reply that is already there is taken without a schedule
-    point, up to :data:`BURST` in a row, so a backlog cannot hold the loop for long."""
+    point, up to :data:`BURST` in a row (merged into one chunk or not), so a backlog
+    cannot hold the loop for long."""
 
     def __init__(self, replies: trio.MemoryReceiveChannel[Reply]) -> None:
         self._replies = replies
@@ -76,9 +77,22 @@ class _MemoryResponseStream(ResponseStream):
                     self._burst += 1
                     return reply
             self._burst = 0
-            return await self._replies.receive()
+            reply = await self._replies.receive()
+            self._burst = 1  # this step's first
+            return reply
         except trio.EndOfChannel:
             raise Disconnected("worker closed the stream without End") from None
+
+    def _ready(self) -> Reply | None:
+        # Counts against the burst: merged or not, BURST replies at most per loop step.
+        if self._burst >= BURST:
+            return None
+        try:
+            reply = self._replies.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
+        self._burst += 1
+        return reply
 
 
 class MemoryWorkerClient(WorkerClient):

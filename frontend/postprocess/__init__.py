@@ -20,7 +20,7 @@ __all__ = ["Delta", "IncrementalDetokenizer", "StopMatcher", "TextPostprocessor"
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """What one engine chunk adds to the response: ``text`` to send (may be empty) and
+    """What one chunk of tokens adds to the response: ``text`` to send (may be empty) and
     whether a stop string ended the response (finish_reason "stop"; send nothing more)."""
 
     text: str
@@ -48,13 +48,14 @@ class TextPostprocessor:
             decode, skip_special_tokens=skip_special_tokens, special_ids=special_ids
         )
         self._stop = StopMatcher(stops)
+        self._has_stops = bool(stops)
         self._completion_tokens = 0
         self._finished = False
 
     @property
     def completion_tokens(self) -> int:
         """Generated tokens consumed so far, special ones included, up to and including
-        the chunk that completed a stop string (what OpenAI's ``usage`` reports)."""
+        the token that completed a stop string (what OpenAI's ``usage`` reports)."""
         return self._completion_tokens
 
     @property
@@ -65,12 +66,25 @@ class TextPostprocessor:
     def step(self, token_ids: Sequence[int]) -> Delta:
         if self._stop.stopped or self._finished:
             return Delta("", self._stop.stopped)
+        if self._has_stops and len(token_ids) > 1:
+            return self._step_each(token_ids)
         self._completion_tokens += len(token_ids)
         text = self._detok.add(token_ids)
         if not text:
             return Delta("", False)
         out, stopped = self._stop.feed(text)
         return Delta(out, stopped)
+
+    def _step_each(self, token_ids: Sequence[int]) -> Delta:
+        # A chunk of several tokens (the plane merges waiting ones) is taken one token
+        # at a time, so that usage counts up to the token that completed a stop string.
+        pieces = []
+        for token in token_ids:
+            delta = self.step((token,))
+            pieces.append(delta.text)
+            if delta.stopped:
+                return Delta("".join(pieces), True)
+        return Delta("".join(pieces), False)
 
     def finish(self) -> str:
         """Release the text still held back (an unfinished character, a partial stop

@@ -59,15 +59,26 @@ class WorkerInstance:
     metadata: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
+#: Chunks merged into one at most, so that draining a backlog stays a bounded step.
+COALESCE_MAX = 64
+
+
 class ResponseStream(abc.ABC):
     """The chunks of one ACKed request, in order. Ends at the worker's End message.
 
     ``__anext__`` raises :class:`WorkerError` when the worker sent an Error and
     :class:`Disconnected` when the transport broke mid-stream. A transport supplies
-    only :meth:`_receive`; how replies end a stream is decided here, once.
+    :meth:`_receive`, and :meth:`_ready` if it can tell that a reply has already
+    arrived; how replies end a stream is decided here, once.
+
+    Chunks that are already waiting when one is taken are merged into it, their tokens
+    appended, up to :data:`COALESCE_MAX`: a consumer that fell behind the engine catches
+    up in one pass through postprocessing and one SSE write instead of one per token.
+    A chunk that finishes the stream or carries a KV handle ends a merge.
     """
 
     finished = False
+    _held: Reply | object | None = None  # a reply read ahead by a merge, not a Chunk
 
     def __aiter__(self) -> ResponseStream:
         return self
@@ -79,19 +90,46 @@ class ResponseStream(abc.ABC):
         Anything that is not a Reply ends the stream as Disconnected.
         """
 
+    def _ready(self) -> Reply | object | None:
+        """A reply that has already arrived, taken without waiting; ``None`` if there
+        is none yet (or the stream broke: :meth:`_receive` reports that next)."""
+        return None
+
     async def __anext__(self) -> Chunk:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            msg = await self._receive()
-        except Disconnected:
-            self.finished = True
-            raise
+        msg, self._held = self._held, None
+        if msg is None:
+            try:
+                msg = await self._receive()
+            except Disconnected:
+                self.finished = True
+                raise
         if isinstance(msg, Chunk):
-            return msg
+            return self._merge_waiting(msg)
         self.finished = True
         if isinstance(msg, End):
             raise StopAsyncIteration
         if isinstance(msg, Error):
             raise WorkerError(msg.code, msg.message)
         raise Disconnected(f"unexpected {type(msg).__name__} in a response stream")
+
+    def _merge_waiting(self, first: Chunk) -> Chunk:
+        last, tokens, cached = first, None, first.cached_tokens
+        for _ in range(COALESCE_MAX - 1):
+            if last.finish_reason is not None or last.kv_handle is not None:
+                break
+            nxt = self._ready()
+            if nxt is None:
+                break
+            if not isinstance(nxt, Chunk) or nxt.kv_handle is not None:
+                self._held = nxt  # End, Error or a handle: the next call handles it
+                break
+            if tokens is None:
+                tokens = list(first.token_ids)
+            tokens.extend(nxt.token_ids)
+            cached = max(cached, nxt.cached_tokens)
+            last = nxt
+        if tokens is None:
+            return first
+        return Chunk(first.request_id, tokens, last.finish_reason, cached_tokens=cached)

@@ -164,6 +164,12 @@ class _TcpResponseStream(ResponseStream):
     async def _receive(self) -> Frame:
         return await self._route.next()
 
+    def _ready(self) -> Frame | None:
+        try:
+            return self._route.receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
+
 
 class PlaneConnection:
     """One handshaken connection to a worker, shared by many concurrent streams.
