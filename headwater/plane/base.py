@@ -78,7 +78,7 @@ class ResponseStream(abc.ABC):
     """
 
     finished = False
-    _held: Reply | object | None = None  # a reply read ahead by a merge, not a Chunk
+    _held: Reply | object | None = None  # read ahead by a merge that could not take it
 
     def __aiter__(self) -> ResponseStream:
         return self
