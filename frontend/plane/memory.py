@@ -67,26 +67,20 @@ class _MemoryResponseStream(ResponseStream):
 
     async def _receive(self) -> Reply:
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            if self._burst < BURST:
-                try:
-                    reply = self._replies.receive_nowait()
-                except trio.WouldBlock:
-                    pass
-                else:
-                    self._burst += 1
-                    return reply
-            self._burst = 0
-            reply = await self._replies.receive()
-            self._burst = 1  # this step's first
+        reply = self._ready()
+        if reply is not None:
             return reply
+        try:
+            reply = await self._replies.receive()
         except trio.EndOfChannel:
             raise Disconnected("worker closed the stream without End") from None
+        self._burst = 1  # this loop step's first
+        return reply
 
     def _ready(self) -> Reply | None:
-        # Counts against the burst: merged or not, BURST replies at most per loop step.
+        # Merged or not, BURST replies at most are taken per loop step.
         if self._burst >= BURST:
-            return None
+            return None  # _receive then waits: a schedule point, and a new burst
         try:
             reply = self._replies.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):

@@ -148,13 +148,20 @@ class _Route:
         is still checked), so a burst of chunks costs one wake-up, not one each.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        frame = self.ready()
+        if frame is not None:
+            return frame
         try:
-            try:
-                return self.receive.receive_nowait()
-            except trio.WouldBlock:
-                return await self.receive.receive()
+            return await self.receive.receive()
         except trio.EndOfChannel:
             raise self.failure or Disconnected("connection closed") from None
+
+    def ready(self) -> Frame | None:
+        """A frame already buffered, or None (also once failed: :meth:`next` says why)."""
+        try:
+            return self.receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
 
 
 class _TcpResponseStream(ResponseStream):
@@ -165,10 +172,7 @@ class _TcpResponseStream(ResponseStream):
         return await self._route.next()
 
     def _ready(self) -> Frame | None:
-        try:
-            return self._route.receive.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
-            return None
+        return self._route.ready()
 
 
 class PlaneConnection:
