@@ -179,6 +179,10 @@ APP, PIPE, PRE = "/r/frontend/http/app.py", "/r/frontend/pipeline.py", "/r/front
         ([_frame("render", "/r/frontend/metrics.py")], "observability"),
         ([_frame("protocol_send", "/v/site-packages/hypercorn/trio/tcp_server.py")], "stream out"),
         ([_frame("_read_data", "/v/site-packages/hypercorn/trio/tcp_server.py")], "receive+parse"),
+        ([_frame("_read_data", "/r/frontend/http/hypercorn_fixes.py"),
+          _frame("receive_some", "/v/site-packages/trio/_highlevel_socket.py")], "receive+parse"),
+        ([_frame("_protocol_send_with_deadline", "/r/frontend/http/hypercorn_fixes.py"),
+          _frame("_write_now", "/r/frontend/http/hypercorn_fixes.py")], "stream out"),
         ([_frame("reschedule", TRIO)], "HTTP server + trio (other)"),
     ],
 )  # fmt: skip

@@ -7,6 +7,7 @@ virtual time, since filling a real socket's send buffer would take megabytes.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -135,6 +136,62 @@ async def test_a_reading_client_gets_its_bytes(autojump_clock: trio.testing.Mock
         await TCPServer.protocol_send(fake, RawData(b"abc"))
     assert bytes(received) == b"abc"
     assert fake.protocol.events == []  # type: ignore[attr-defined]
+
+
+class _ScriptedStream:
+    """Hands out *pieces* in order, each cut to the size the reader asks for, then EOF."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+        self.asked: list[int | None] = []
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        self.asked.append(max_bytes)
+        if not self.pieces:
+            return b""
+        piece = self.pieces.pop(0)
+        if max_bytes is not None and len(piece) > max_bytes:
+            piece, rest = piece[:max_bytes], piece[max_bytes:]
+            self.pieces.insert(0, rest)
+        return piece
+
+
+class _IdleTimer:
+    ended = False
+
+    def end(self) -> None:
+        self.ended = True
+
+
+async def _read_all(pieces: list[bytes]) -> tuple[_ScriptedStream, TCPServer]:
+    fake = TCPServer.__new__(TCPServer)  # only the attributes _read_data touches
+    fake.stream = stream = _ScriptedStream(pieces)  # type: ignore[assignment]
+    fake.config = SimpleNamespace(read_timeout=None)  # type: ignore[assignment]
+    fake.protocol = _FakeProtocol()  # type: ignore[assignment]
+    fake.idle_task = _IdleTimer()  # type: ignore[assignment]
+    hypercorn_fixes.install_idle_deadline()
+    await TCPServer._read_data(fake)
+    return stream, fake
+
+
+async def test_a_connection_that_carries_a_large_body_reads_in_larger_pieces() -> None:
+    body = bytes(range(256)) * 2400  # 614,400 bytes: a long prompt's body, arrived whole
+    stream, fake = await _read_all([body])
+    small, large = hypercorn_fixes.READ_SIZE, hypercorn_fixes.READ_SIZE_LARGE
+    # The first read fills 64 KiB; from then on the connection reads 256 KiB at a time:
+    # 5 reads instead of hypercorn's 11 (EOF included).
+    assert stream.asked == [small, large, large, large, large]
+    events = fake.protocol.events  # type: ignore[attr-defined]
+    assert b"".join(e.data for e in events[:-1]) == body
+    assert isinstance(events[-1], Closed)
+    assert fake.idle_task.ended  # type: ignore[attr-defined]
+
+
+async def test_a_connection_of_short_requests_keeps_small_reads() -> None:
+    stream, fake = await _read_all([b"x" * 1500] * 4 + [b"y" * (hypercorn_fixes.READ_SIZE - 1)])
+    assert set(stream.asked) == {hypercorn_fixes.READ_SIZE}
+    assert fake.idle_task.ended  # type: ignore[attr-defined]
 
 
 def _server_on(stream: trio.abc.Stream) -> TCPServer:

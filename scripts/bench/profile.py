@@ -72,6 +72,10 @@ _STAGE_FUNCTIONS: Mapping[str, Mapping[str, str]] = {
         "json_response": "stream out",
         "error_response": "stream out",
     },
+    "/frontend/http/hypercorn_fixes": {
+        "_read_data": "receive+parse",
+        "_protocol_send_with_deadline": "stream out",
+    },
     "/frontend/pipeline": {
         "preprocess": "template",
         "_render": "template",
