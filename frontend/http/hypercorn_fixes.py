@@ -190,8 +190,9 @@ async def _read_data(self: TCPServer) -> None:
     takes two reads instead of four or five, each a pass through hypercorn, h11 and
     Quart (docs/performance.md). Connections of short requests keep 64 KiB reads:
     glibc serves a buffer above its mmap threshold (128 KiB until the process has
-    freed a larger block) from fresh pages, ~20 us per read. The size is not larger
-    still for the same reason: a 1 MiB buffer is always above it.
+    freed a larger block) from fresh pages, ~20 us more per read. The size is not
+    larger still for the same reason: the threshold only rises to the largest block
+    freed, so a 1 MiB buffer would stay above it (~200 us per 240 kB body).
     """
     size = READ_SIZE
     try:
