@@ -16,11 +16,13 @@ from dataclasses import replace
 
 import pytest
 import trio
+import trio.testing
 
 from headwater.wire import Chunk, FinishReason, GenerateRequest, KvHandle, Role, SamplingParams
 from headwater.wire.tokens import token_array
 from workers.engines.base import EngineError
 from workers.engines.mocker import MockerConfig, MockerEngine
+from workers.engines.mocker.engine import MIN_SLEEP
 from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
 from workers.engines.mocker.timing import decode_ms, prefill_ms, step_seconds
 from workers.runtime.kv_transfer import InProcessKvTransfer
@@ -109,6 +111,55 @@ async def test_single_request_duration_is_prefill_plus_decode_steps(autojump_clo
     assert [c.finish_reason for c in chunks] == [None] * (n - 1) + [FinishReason.LENGTH]
     assert engine.counters.requests_finished == 1
     assert engine.counters.prefill_tokens_computed == p
+
+
+def _model_times(engine: MockerEngine, p: int, n: int) -> list[float]:
+    """When each of a lone request's *n* tokens is due by the timing model."""
+    cap, speedup = engine.config.kv_capacity_tokens, engine.config.speedup_ratio
+    times = [prefill_ms(p) / 1000 / speedup]
+    for k in range(1, n):
+        times.append(times[-1] + decode_ms((p + k) / cap) / 1000 / speedup)
+    return times
+
+
+async def test_a_late_wake_up_does_not_slow_the_simulated_device(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # In-process, the scheduler shares the frontend's loop, and a busy loop wakes it
+    # after its step's end. The device keeps its own timeline: the steps that came due
+    # meanwhile run at once, and the request ends when the timing model says.
+    engine = agg(speedup_ratio=4.0, num_gpu_blocks=64)
+    p, n = 300, 12
+    due = _model_times(engine, p, n)
+    late = (due[-1] - due[0]) / 2
+
+    async def busy_loop() -> None:
+        await trio.sleep(due[0] * 1.5)  # mid-decode
+        autojump_clock.jump(late)  # time passes while the scheduler cannot run
+
+    async with running(engine), trio.open_nursery() as nursery:
+        nursery.start_soon(busy_loop)
+        timeline = await timed(engine, request("r1", prompt(p), n))
+    assert timeline[0][0] == pytest.approx(due[0])
+    assert timeline[-1][0] == pytest.approx(due[-1])  # not due[-1] + late
+    assert len(tokens_of([c for _, c in timeline])) == n
+
+
+async def test_steps_shorter_than_min_sleep_share_a_timer(autojump_clock: object) -> None:
+    # At --speedup-ratio 1000 a decode step lasts ~10 us, less than a trio timer costs
+    # the loop: the scheduler yields instead, and sleeps once the steps it ran ahead add
+    # up to MIN_SLEEP. No token comes MIN_SLEEP or more before the model says, or after.
+    engine = agg(speedup_ratio=1000.0, num_gpu_blocks=64)
+    p, n = 300, 200
+    due = _model_times(engine, p, n)
+    async with running(engine):
+        timeline = await timed(engine, request("r1", prompt(p), n))
+    assert len(timeline) == n
+    for (arrived, _), model in zip(timeline, due, strict=True):
+        assert model - MIN_SLEEP < arrived <= model + 1e-9
+    # One timer per MIN_SLEEP of device time, not one per step.
+    instants = {arrived for arrived, _ in timeline}
+    assert len(instants) <= due[-1] / MIN_SLEEP + 2 < n / 10
 
 
 async def _finish_times(engine: MockerEngine, count: int, p: int, n: int) -> list[float]:
