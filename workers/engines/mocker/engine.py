@@ -4,9 +4,10 @@ One scheduler task (:meth:`MockerEngine.run`) owns the batch. Each step it admit
 waiting sequences (FIFO) while ``max_num_seqs`` and the KV cache allow, then spends up
 to ``max_num_batched_tokens``: one token per decoding sequence, the rest on prompt
 chunks (chunked prefill). The step lasts ``prefill_ms(T)`` if it prefilled ``T > 0``
-prompt tokens, else ``decode_ms(u)`` (:mod:`.timing`), as a ``trio.sleep`` so tests run
-on virtual time. When a sequence's last prompt token is computed, that step also
-samples its first output token (as real engines do); each later step adds one token.
+prompt tokens, else ``decode_ms(u)`` (:mod:`.timing`), on the device's own timeline
+(:meth:`MockerEngine._schedule_forever`) and trio's clock, so tests run on virtual
+time. When a sequence's last prompt token is computed, that step also samples its
+first output token (as real engines do); each later step adds one token.
 
 A sequence computes KV for its tokens in order; ``num_computed`` counts them. While
 some of its KV is missing it is scheduled for the remainder, and when all is there it
