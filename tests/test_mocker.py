@@ -96,23 +96,6 @@ def test_timing_model_matches_dynamo_fit() -> None:
     assert step_seconds(0, 0.25, 2.0) == pytest.approx(decode_ms(0.25) / 2000)
 
 
-async def test_single_request_duration_is_prefill_plus_decode_steps(autojump_clock: object) -> None:
-    engine = agg(speedup_ratio=4.0, num_gpu_blocks=64)  # small cache: u visibly > 0
-    p, n = 300, 12
-    async with running(engine):
-        timeline = await timed(engine, request("r1", prompt(p), n))
-    cap = engine.config.kv_capacity_tokens
-    ttft = prefill_ms(p) / 1000 / 4.0
-    total = ttft + sum(decode_ms((p + k) / cap) for k in range(1, n)) / 1000 / 4.0
-    assert timeline[0][0] == pytest.approx(ttft)
-    assert timeline[-1][0] == pytest.approx(total)
-    chunks = [c for _, c in timeline]
-    assert [len(c.token_ids) for c in chunks] == [1] * n
-    assert [c.finish_reason for c in chunks] == [None] * (n - 1) + [FinishReason.LENGTH]
-    assert engine.counters.requests_finished == 1
-    assert engine.counters.prefill_tokens_computed == p
-
-
 def _model_times(engine: MockerEngine, p: int, n: int) -> list[float]:
     """When each of a lone request's *n* tokens is due by the timing model."""
     cap, speedup = engine.config.kv_capacity_tokens, engine.config.speedup_ratio
@@ -120,6 +103,21 @@ def _model_times(engine: MockerEngine, p: int, n: int) -> list[float]:
     for k in range(1, n):
         times.append(times[-1] + decode_ms((p + k) / cap) / 1000 / speedup)
     return times
+
+
+async def test_single_request_duration_is_prefill_plus_decode_steps(autojump_clock: object) -> None:
+    engine = agg(speedup_ratio=4.0, num_gpu_blocks=64)  # small cache: u visibly > 0
+    p, n = 300, 12
+    async with running(engine):
+        timeline = await timed(engine, request("r1", prompt(p), n))
+    due = _model_times(engine, p, n)
+    assert timeline[0][0] == pytest.approx(due[0])
+    assert timeline[-1][0] == pytest.approx(due[-1])
+    chunks = [c for _, c in timeline]
+    assert [len(c.token_ids) for c in chunks] == [1] * n
+    assert [c.finish_reason for c in chunks] == [None] * (n - 1) + [FinishReason.LENGTH]
+    assert engine.counters.requests_finished == 1
+    assert engine.counters.prefill_tokens_computed == p
 
 
 async def test_a_late_wake_up_does_not_slow_the_simulated_device(
