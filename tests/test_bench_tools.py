@@ -245,11 +245,17 @@ async def _sse(send: Send, events: AsyncIterator[bytes]) -> None:
         await send(
             {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
         )
+    # The body's end (the last, empty chunk) comes in a later segment than [DONE], as it
+    # can from any server: a client that stops reading at [DONE] then loses the connection.
+    await trio.sleep(0.002)
     await send({"type": "http.response.body", "body": b""})
 
 
 #: The query string of every /metrics request the fake server answered.
 METRICS_QUERIES: list[bytes] = []
+
+#: The client address (one per connection) of every API request the fake server answered.
+API_CLIENTS: list[tuple[str, int]] = []
 
 
 async def fake_openai(
@@ -269,6 +275,7 @@ async def fake_openai(
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": page})
         return
+    API_CLIENTS.append(scope["client"])
     raw = b""
     while True:
         msg = await receive()
@@ -417,6 +424,21 @@ async def test_run_load_end_to_end(endpoint: prompts.Endpoint) -> None:
             _check(result, bodies, stream, 5)
             assert {r.body for r in result.records} == set(range(10))  # cycled twice
         nursery.cancel_scope.cancel()
+
+
+async def test_streamed_requests_keep_their_connections() -> None:
+    """The client reads each stream to its end after [DONE], as the OpenAI SDK does, so a
+    connection serves request after request instead of one per streamed request."""
+    ps = prompts.make_prompts("short", 10, tokens=40)
+    bodies = prompts.build_bodies(ps, stream=True, max_tokens=3)
+    async with trio.open_nursery() as nursery:
+        url = await _start_fake(nursery) + "/v1/chat/completions"
+        API_CLIENTS.clear()
+        result = await run_load_trio(url, bodies, 2, 20, 20.0, True)
+        nursery.cancel_scope.cancel()
+    assert all(r.ok for r in result.records)
+    assert len(API_CLIENTS) == 20
+    assert len(set(API_CLIENTS)) <= 2
 
 
 async def test_run_load_counts_failures_and_cuts_off_at_the_time_limit() -> None:

@@ -147,7 +147,9 @@ async def _stream(req: _Request, resp: aiohttp.ClientResponse) -> dict[str, Any]
                 continue  # blank separators, comments, "event:" lines
             payload = line[5:].strip()
             if payload == b"[DONE]":
-                return req.record(ok=True)
+                record = req.record(ok=True)
+                await _drain(resp)
+                return record
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
@@ -159,6 +161,18 @@ async def _stream(req: _Request, resp: aiohttp.ClientResponse) -> dict[str, Any]
             if any(_content_of(c) for c in obj.get("choices") or ()):
                 req.token_chunk()
     return req.record(ok=False, error="stream ended without [DONE]")
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    """Read a stream to its end after ``[DONE]``, as the OpenAI SDK does.
+
+    Why: aiohttp closes a connection whose response was left unread, and the end of a
+    chunked body (its last, empty chunk) often arrives just after ``[DONE]``. Returning
+    at ``[DONE]`` made most streamed requests open a new connection, a cost no
+    keep-alive client pays (docs/performance.md, "Method").
+    """
+    while await resp.content.readany():
+        pass
 
 
 async def _one(
