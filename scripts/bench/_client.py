@@ -169,7 +169,7 @@ async def _drain(resp: aiohttp.ClientResponse) -> None:
     Why: aiohttp closes a connection whose response was left unread, and the end of a
     chunked body (its last, empty chunk) often arrives just after ``[DONE]``. Returning
     at ``[DONE]`` made most streamed requests open a new connection, a cost no
-    keep-alive client pays (docs/performance.md, "Method").
+    keep-alive client pays (docs/performance.md, "The client's connections").
     """
     while await resp.content.readany():
         pass
