@@ -275,6 +275,31 @@ async def test_many_short_tasks_are_not_a_stall() -> None:
     assert detector.records() == []  # ...but no single step or batch does
 
 
+async def test_watchdog_on_a_busy_healthy_loop_wakes_once_per_threshold() -> None:
+    """Each wake-up takes the GIL from the loop: while no phase nears the threshold, the
+    watchdog sleeps a whole threshold, not ``poll_s`` (a stall is still sampled: the
+    tests above)."""
+    busy_for = 0.6
+
+    async def chatty() -> None:
+        end = time.perf_counter() + busy_for
+        while time.perf_counter() < end:
+            # Short steps that release the GIL now and then, as a server's socket calls
+            # do: the watchdog gets the GIL as soon as it wakes.
+            time.sleep(0.0002)  # noqa: ASYNC251
+            await trio.lowlevel.checkpoint()
+
+    async with detecting(threshold_s=0.05, poll_s=0.005) as (detector, _):
+        ticks: list[float] = []
+        detector._sample_loop_busy = lambda: ticks.append(time.perf_counter())  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(chatty, name=f"chatty-{i}")
+    assert detector.records() == []
+    # ~12 naps of 50 ms in 0.6 s; polling every 5 ms would make ~120
+    assert 3 <= len(ticks) <= 30
+
+
 async def test_idle_monitor_records_delays_but_no_stall() -> None:
     async with monitoring(threshold_s=0.1) as (monitor, _):
         await trio.sleep(0.5)

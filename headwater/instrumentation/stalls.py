@@ -167,7 +167,8 @@ class TaskTracker(trio.abc.Instrument):
     ===============================================  ==============
 
     So the per-step clock read and phase tuple cost ~0.2 µs over trio's own dispatch,
-    and the I/O-wait heartbeat is free; the watchdog's 200 wake-ups a second add 0.1–0.3.
+    and the I/O-wait heartbeat is free; the watchdog's wake-ups (then 200 a second, now
+    at most one per ``poll_s`` and, on a healthy loop, one per threshold) added 0.1–0.3.
 
     A hook that raises disables the tracker (logged once); it never reaches trio, which
     would otherwise remove the instrument behind the detector's back.
@@ -276,7 +277,9 @@ class StallDetector:
 
     Args:
       threshold_s: a phase ending this much later than due is a stall.
-      poll_s: how often the watchdog wakes.
+      poll_s: how often the watchdog wakes while a phase is overdue or about to be;
+        while none is, it sleeps until the current one could first count as a stall
+        (at most ``threshold_s``): see :meth:`_nap`.
       activity: the process's work in flight; while its canary rests (nothing in
         flight), the watchdog polls every ``activity.rest_interval_s`` instead, and the
         first request wakes it (see :mod:`headwater.instrumentation.activity`).
@@ -453,6 +456,14 @@ class StallDetector:
     def _nap(self) -> float | None:
         """Sleep one poll; returns the seconds asked for, or ``None`` once stopped.
 
+        The nap lasts until the loop's current phase could first count as a stall, at
+        least ``poll_s`` and at most ``threshold_s``. Why: every wake-up takes the GIL
+        from the loop thread, which on a busy loop is a forced switch that costs it two
+        OS wake-ups (docs/performance.md, "Where the loop's wall time goes besides its
+        CPU"). A loop that runs short steps is never close to a stall, so the watchdog
+        wakes every ``threshold_s`` instead of every ``poll_s``, and a phase that does
+        stall is still sampled within ``threshold_s + poll_s`` of its start, as before.
+
         While the canary rests, poll as seldom as it ticks: an idle loop has nothing to
         stall, and the first request ends the nap (``Activity.woken``).
         """
@@ -462,7 +473,14 @@ class StallDetector:
             if activity.resting:
                 activity.woken.wait(activity.rest_interval_s)
                 return None if self._stop.is_set() else activity.rest_interval_s
-        return None if self._stop.wait(self._poll_s) else self._poll_s
+        asked = self._until_overdue(_clock())
+        return None if self._stop.wait(asked) else asked
+
+    def _until_overdue(self, now: float) -> float:
+        """Seconds until the current phase could first count as a stall, clamped to
+        ``[poll_s, threshold_s]``."""
+        stall_at = self.tracker.phase[3] + self._threshold_s
+        return min(self._threshold_s, max(self._poll_s, stall_at - now))
 
     def _halt(self) -> None:
         self._stop.set()
