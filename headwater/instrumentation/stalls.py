@@ -167,8 +167,8 @@ class TaskTracker(trio.abc.Instrument):
     ===============================================  ==============
 
     So the per-step clock read and phase tuple cost ~0.2 µs over trio's own dispatch,
-    and the I/O-wait heartbeat is free; the watchdog's wake-ups (then 200 a second, now
-    at most one per ``poll_s`` and, on a healthy loop, one per threshold) added 0.1–0.3.
+    and the I/O-wait heartbeat is free; the watchdog's wake-ups (200 a second in that
+    measurement) added 0.1–0.3.
 
     A hook that raises disables the tracker (logged once); it never reaches trio, which
     would otherwise remove the instrument behind the detector's back.
