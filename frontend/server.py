@@ -24,6 +24,7 @@ from frontend.http.activity import MarkActivity
 from frontend.http.app import create_app
 from frontend.http.hypercorn_fixes import (
     ShieldFinalSend,
+    install_head_with_body,
     install_idle_deadline,
     install_write_deadline,
 )
@@ -113,6 +114,7 @@ class Frontend:
         cfg = self.config
         install_write_deadline(cfg.write_timeout)
         install_idle_deadline()
+        install_head_with_body()
         async with trio.open_nursery() as nursery:
             # Warm-up first: its one-off initialisation costs (thread creation, the
             # encoder's lazy set-up) are not stalls of the serving loop.

@@ -287,3 +287,59 @@ async def test_a_client_gone_mid_request_leaves_no_connection_task_behind() -> N
         with trio.fail_after(5):
             while _tasks_named("serve_listeners._run_handler") or _tasks_named("IdleDeadline"):
                 await trio.sleep(0.05)
+
+
+async def _raw_request(stream: trio.SocketStream, head: bytes, body: bytes = b"") -> bytes:
+    await stream.send_all(head + b"Host: test\r\n" + b"Content-Length: %d\r\n\r\n" % len(body)
+                          + body)
+    return await _read_response(stream)
+
+
+async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> None:
+    # Head and body of a JSON answer go out in one write(2); a streamed answer (no
+    # Content-Length) still sends its head alone, at once, before its first event.
+    writes: list[bytes] = []
+    write_now = hypercorn_fixes._write_now
+
+    def recording(stream: Any, data: bytes) -> int | None:
+        writes.append(bytes(data))
+        return write_now(stream, data)
+
+    monkeypatch.setattr(hypercorn_fixes, "_write_now", recording)
+    async with serve_frontend() as (fe, url):
+        stream = await _open(url)
+        chat = orjson.dumps({"model": fe.pipeline.model_name, "max_tokens": 3,
+                             "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+        post = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+        for body, status in ((chat, b"200"), (b"{", b"400")):
+            writes.clear()
+            assert (await _raw_request(stream, post, body)).startswith(b"HTTP/1.1 " + status)
+            assert len(writes) == 1, writes
+            head, _, answer = writes[0].partition(b"\r\n\r\n")
+            assert b"content-length" in head.lower()
+            assert answer.startswith(b'{"')
+        # A HEAD answer is a head alone: it still goes out, and the connection goes on.
+        writes.clear()
+        await stream.send_all(b"HEAD /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
+        seen = b""
+        while b"\r\n\r\n" not in seen:
+            seen += await stream.receive_some(65536)
+        assert seen.startswith(b"HTTP/1.1 200")
+        assert seen.endswith(b"\r\n\r\n")
+        assert len(writes) == 1
+        assert (await _raw_request(stream, b"GET /live HTTP/1.1\r\n")).startswith(b"HTTP/1.1 200")
+
+        writes.clear()
+        streamed = orjson.dumps({"model": fe.pipeline.model_name, "max_tokens": 3,
+                                 "prompt": "hello", "stream": True})  # fmt: skip
+        await stream.send_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(streamed) + streamed
+        )
+        seen = b""
+        while b"data: [DONE]" not in seen:
+            seen += await stream.receive_some(65536)
+        assert writes[0].startswith(b"HTTP/1.1 200")
+        assert writes[0].endswith(b"\r\n\r\n")
+        assert b"data: " in writes[1]  # the events follow in writes of their own
+        await stream.aclose()

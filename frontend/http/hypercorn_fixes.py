@@ -1,4 +1,5 @@
-"""Four fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2.
+"""Five fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2
+and docs/performance.md.
 
 1. hypercorn finishes a response inside its final body send (closes the stream,
    closes the connection after ``Connection: close``, restarts the keep-alive idle
@@ -19,6 +20,11 @@
    and Quart's body task: a long prompt's body (40k tokens, ~240 kB) took four or
    five. The read loop that :func:`install_idle_deadline` puts in place grows a
    connection's reads to 256 KiB once one of them fills 64 KiB.
+5. hypercorn writes a response's head as soon as the app starts the response, and
+   its body in a second write. :func:`install_head_with_body` holds the head of a
+   response whose length is known (its body is in hand: a JSON answer) and writes it
+   with the body, in one ``write(2)``, as hyper and nginx do. A streamed response
+   (no Content-Length) still sends its head at once, before the first event.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import math
 import os
 from typing import Any
 
+import h11
 import trio
 from hypercorn.events import Closed, RawData
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -217,3 +225,36 @@ def install_idle_deadline() -> None:
     the read loop that ends it (:func:`_read_data`, which also grows its reads)."""
     tcp_server.TrioSingleTask = IdleDeadline  # type: ignore[attr-defined,misc]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
+
+
+async def _send_h11_event_head_with_body(self: H11Protocol, event: Any) -> None:
+    """hypercorn's ``H11Protocol._send_h11_event``, holding a known-length head back
+    until the body's first bytes (or its end) go out with it."""
+    held: bytes | None = getattr(self, "_held_head", None)
+    try:
+        data = self.connection.send(event)
+    except h11.LocalProtocolError:
+        if self.connection.their_state != h11.ERROR:
+            raise
+        data = None
+    if held is not None:
+        self._held_head = None  # type: ignore[attr-defined]
+        data = held + (data or b"")
+    elif type(event) is h11.Response and data and _has_length(event):
+        # The next event is this response's body (or its end, for an empty or HEAD
+        # response): the app sends its start and body back to back. A connection
+        # that closes in between (the app failed) never sends this head, and the
+        # client sees a closed connection instead of a truncated body.
+        self._held_head = data  # type: ignore[attr-defined]
+        return
+    if data is not None:
+        await self.send(RawData(data=data))
+
+
+def _has_length(response: h11.Response) -> bool:
+    return any(name == b"content-length" for name, _ in response.headers)
+
+
+def install_head_with_body() -> None:
+    """Write the head of every known-length response together with its body."""
+    H11Protocol._send_h11_event = _send_h11_event_head_with_body  # type: ignore[method-assign]
