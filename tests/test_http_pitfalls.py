@@ -39,6 +39,20 @@ async def _read_response(stream: trio.SocketStream) -> bytes:
     return head
 
 
+async def _post_json(stream: trio.SocketStream, path: bytes, payload: bytes) -> None:
+    await stream.send_all(
+        b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n" % path
+        + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+    )
+
+
+async def _read_until(stream: trio.SocketStream, marker: bytes) -> bytes:
+    seen = b""
+    while marker not in seen:
+        seen += await stream.receive_some(65536)
+    return seen
+
+
 async def test_keep_alive_idle_timeout_closes_the_connection() -> None:
     async with serve_frontend(keep_alive_timeout=0.5) as (_, url):
         stream = await _open(url)
@@ -275,24 +289,13 @@ async def test_a_client_gone_mid_request_leaves_no_connection_task_behind() -> N
         stream = await _open(url)
         payload = orjson.dumps({"model": fe.pipeline.model_name, "prompt": "hello",
                                 "max_tokens": 500, "stream": True})  # fmt: skip
-        await stream.send_all(
-            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
-        )
-        seen = b""
-        while b"data: " not in seen:
-            seen += await stream.receive_some(65536)
+        await _post_json(stream, b"/v1/completions", payload)
+        await _read_until(stream, b"data: ")
         assert len(_tasks_named("serve_listeners._run_handler")) == 1
         await stream.aclose()
         with trio.fail_after(5):
             while _tasks_named("serve_listeners._run_handler") or _tasks_named("IdleDeadline"):
                 await trio.sleep(0.05)
-
-
-async def _raw_request(stream: trio.SocketStream, head: bytes, body: bytes = b"") -> bytes:
-    await stream.send_all(head + b"Host: test\r\n" + b"Content-Length: %d\r\n\r\n" % len(body)
-                          + body)
-    return await _read_response(stream)
 
 
 async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> None:
@@ -310,10 +313,10 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
         stream = await _open(url)
         chat = orjson.dumps({"model": fe.pipeline.model_name, "max_tokens": 3,
                              "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
-        post = b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
         for body, status in ((chat, b"200"), (b"{", b"400")):
             writes.clear()
-            assert (await _raw_request(stream, post, body)).startswith(b"HTTP/1.1 " + status)
+            await _post_json(stream, b"/v1/chat/completions", body)
+            assert (await _read_response(stream)).startswith(b"HTTP/1.1 " + status)
             assert len(writes) == 1, writes
             head, _, answer = writes[0].partition(b"\r\n\r\n")
             assert b"content-length" in head.lower()
@@ -321,24 +324,18 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
         # A HEAD answer is a head alone: it still goes out, and the connection goes on.
         writes.clear()
         await stream.send_all(b"HEAD /v1/models HTTP/1.1\r\nHost: test\r\n\r\n")
-        seen = b""
-        while b"\r\n\r\n" not in seen:
-            seen += await stream.receive_some(65536)
+        seen = await _read_until(stream, b"\r\n\r\n")
         assert seen.startswith(b"HTTP/1.1 200")
         assert seen.endswith(b"\r\n\r\n")
         assert len(writes) == 1
-        assert (await _raw_request(stream, b"GET /live HTTP/1.1\r\n")).startswith(b"HTTP/1.1 200")
+        await stream.send_all(b"GET /live HTTP/1.1\r\nHost: test\r\n\r\n")
+        assert (await _read_response(stream)).startswith(b"HTTP/1.1 200")
 
         writes.clear()
         streamed = orjson.dumps({"model": fe.pipeline.model_name, "max_tokens": 3,
                                  "prompt": "hello", "stream": True})  # fmt: skip
-        await stream.send_all(
-            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            + b"Content-Length: %d\r\n\r\n" % len(streamed) + streamed
-        )
-        seen = b""
-        while b"data: [DONE]" not in seen:
-            seen += await stream.receive_some(65536)
+        await _post_json(stream, b"/v1/completions", streamed)
+        await _read_until(stream, b"data: [DONE]")
         assert writes[0].startswith(b"HTTP/1.1 200")
         assert writes[0].endswith(b"\r\n\r\n")
         assert b"data: " in writes[1]  # the events follow in writes of their own
