@@ -28,7 +28,7 @@ cluster: $(STAMP)
 	$(VENV)/bin/headwater launch --prefill 2 --decode 2 $(ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/headwater bench $(ARGS)
+	$(PY) -m scripts.bench.run $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,15 +1,17 @@
 """The frontend's one configuration object, with every default documented in place.
 
-``headwater serve --help`` is generated from the same fields (see :mod:`frontend.cli`),
+``headwater serve --help`` is generated from the same fields (see :mod:`headwater.cli.serve`),
 and ``HEADWATER_*`` environment variables mirror each option.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
+from workers.engines import registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +24,7 @@ class FrontendConfig:
     write_timeout: float = 30.0  # seconds a client may stall reading before we drop it
     graceful_timeout: float = 10.0  # seconds in-flight requests get on shutdown
     # Frontend processes sharing the port, each a whole frontend with its own event loop
-    # (frontend.multiprocess): one loop is one core's worth of HTTP, template, routing
+    # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template, routing
     # and streaming. 1: this process serves; N > 1: it supervises N children.
     processes: int = 1
     # Serve on this inherited listening socket instead of binding host:port, plus a
@@ -41,12 +43,14 @@ class FrontendConfig:
     inline_max_chars: int | None = None
 
     # -- workers and routing ----------------------------------------------------------
-    engine: str = "mocker"  # engine of the in-process workers
+    engine: str = "mocker"  # engine of the in-process workers (workers.engines.registry)
+    # That engine's own config (its dataclass: MockerConfig for the mocker); None: its
+    # defaults. `headwater serve` fills it from the engine's options (--speedup-ratio).
+    engine_config: Any = None
     mode: str = "disagg"  # "disagg": in-process prefill + decode pair; "agg": one worker
     workers: str | None = None  # static remote workers: "tcp://host:port?role=...,..."
     discovery: str | None = None  # "etcd://127.0.0.1:2379": find workers there
     router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c"
-    speedup_ratio: float = 1.0  # the mocker's timing model is divided by this
     ack_timeout: float = 5.0  # seconds a worker has to ACK a request (as Dynamo)
     migration_limit: int = 3  # times a broken stream may move to another worker
     route_attempts: int = 3  # workers tried when one cannot be reached
@@ -63,3 +67,10 @@ class FrontendConfig:
     # detector and the dashboard); off in production, where that route is a 404.
     debug_endpoints: bool = False
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        cls = registry.config_type(self.engine)  # ValueError for an unknown engine
+        if self.engine_config is None:
+            object.__setattr__(self, "engine_config", cls())
+        elif not isinstance(self.engine_config, cls):
+            raise ValueError(f"engine {self.engine!r} takes a {cls.__name__} config")

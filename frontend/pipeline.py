@@ -26,11 +26,11 @@ import trio
 from frontend.http.errors import ApiError, bad_request
 from frontend.http.schema import ParsedRequest
 from frontend.metrics import FrontendMetrics
-from frontend.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
 from frontend.postprocess import TextPostprocessor
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate, TemplateError, completion_prompt
 from frontend.router import NoWorkers, Router
+from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role, SamplingParams
 from headwater.wire.tokens import token_array
 

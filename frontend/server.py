@@ -20,6 +20,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from frontend.config import FrontendConfig
+from frontend.discovery import start_discovery
 from frontend.http.activity import MarkActivity
 from frontend.http.app import create_app
 from frontend.http.hypercorn_fixes import (
@@ -29,9 +30,9 @@ from frontend.http.hypercorn_fixes import (
     install_write_deadline,
 )
 from frontend.http.observability import add_observability_routes
+from frontend.http.observed import Observed
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline
-from frontend.plane.local import LocalWorkersConfig, run_local_workers
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
@@ -79,7 +80,12 @@ class Frontend:
             activity=self.activity,
         )
         self.app = create_app(self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes)
-        add_observability_routes(self.app, self)
+        self.observed = Observed(
+            config.model_name, self.metrics, self.monitor, self.pool, self.router
+        )
+        add_observability_routes(
+            self.app, self.observed, debug_endpoints=config.debug_endpoints
+        )
         self.metrics.on_collect(self._refresh_gauges)
         self.shutdown = trio.Event()
 
@@ -141,17 +147,6 @@ class Frontend:
             nursery.cancel_scope.cancel()
 
     async def _start_workers(self, nursery: trio.Nursery) -> None:
-        cfg = self.config
-        if cfg.workers or cfg.discovery:
-            from frontend.discovery import start_discovery
-
-            await start_discovery(nursery, cfg, self.router)
-            return
-        local = LocalWorkersConfig(
-            model=cfg.model_name,
-            mode=cfg.mode,
-            engine=cfg.engine,
-            speedup_ratio=cfg.speedup_ratio,
-            ack_timeout=cfg.ack_timeout,
-        )
-        await nursery.start(run_local_workers, local, self.router)
+        """The workers this frontend routes to, from whichever source the config names
+        (in-process by default, ``--workers``, or etcd), all through one membership."""
+        await start_discovery(nursery, self.config, self.router)

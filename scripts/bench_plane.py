@@ -26,10 +26,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from frontend.plane.base import WorkerClient
-from frontend.plane.memory import MemoryWorkerClient
-from frontend.plane.tcp import connect_worker
-from headwater.plane.base import WorkerInstance
+from headwater.plane.base import WorkerClient, WorkerInstance
+from headwater.plane.client import connect_worker
+from headwater.plane.memory import MemoryWorkerClient
+from headwater.plane.server import PlaneServer
 from headwater.wire import (
     Chunk,
     FinishReason,
@@ -39,7 +39,6 @@ from headwater.wire import (
 )
 from workers.engines.base import Engine, EngineError, EngineStats
 from workers.runtime import WorkerRuntime
-from workers.runtime.tcp_server import PlaneServer
 
 
 class InstantEngine(Engine):

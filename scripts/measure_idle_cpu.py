@@ -47,7 +47,8 @@ def tree_ticks(root: int) -> int:
 
 
 def one_round(serve_args: list[str], settle_s: float, window_s: float) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "frontend", "--port", "0", "--log-level", "warning", *serve_args]
+    cmd = [sys.executable, "-m", "headwater", "serve", "--port", "0", "--log-level", "warning",
+           *serve_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(settle_s)

@@ -17,6 +17,7 @@ import trio
 from frontend.config import FrontendConfig
 from frontend.preprocess.tokenizer import Tokenizer
 from frontend.server import Frontend
+from workers.engines.mocker import MockerConfig
 
 
 @functools.cache
@@ -26,9 +27,15 @@ def shared_tokenizer(backend: str = "fastokens") -> Tokenizer:
 
 @asynccontextmanager
 async def serve_frontend(**overrides: Any) -> AsyncIterator[tuple[Frontend, str]]:
-    """Run a frontend until the block ends; yields it and its base URL."""
+    """Run a frontend until the block ends; yields it and its base URL.
+
+    *overrides* are FrontendConfig fields, plus ``speedup_ratio`` for the in-process
+    mocker workers (1000 unless given).
+    """
+    speedup = overrides.pop("speedup_ratio", 1000.0)
     settings: dict[str, Any] = {
-        "port": 0, "speedup_ratio": 1000.0, "tokenizer_threads": 2, **overrides,
+        "port": 0, "tokenizer_threads": 2, "engine_config": MockerConfig(speedup_ratio=speedup),
+        **overrides,
     }
     config = FrontendConfig(**settings)
     frontend = Frontend(config, tokenizer=shared_tokenizer(config.tokenizer_backend))

@@ -23,8 +23,9 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from headwater import bench, processes
+from headwater.cluster import recipes as processes
 from scripts.bench import measure, plots, profile, report, servers, suite, timeline
+from scripts.bench import run as bench
 from scripts.bench.loadgen import ClientUsage, LoadResult, RequestRecord
 from scripts.bench.scrape import Histogram as Hist
 from scripts.bench.scrape import LoopSnapshot, ProcReport, ProcSample, loop_report, parse_loop
@@ -457,11 +458,10 @@ def test_each_round_pairs_its_own_runs() -> None:
 def test_bench_cli_chooses_the_process_count(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    mod = bench._import_suite()
 
     def count(*argv: str) -> int:
         args = parser.parse_args(["--dynamo-install-dir", str(tmp_path), *argv])
-        n: int = bench._config(mod, args, tmp_path / "run").frontend_processes
+        n: int = bench._config(args, tmp_path / "run").frontend_processes
         return n
 
     assert count("--frontend-processes", "3") == 3
@@ -473,7 +473,7 @@ def test_bench_cli_chooses_the_process_count(tmp_path: Path) -> None:
     assert "--frontend-processes 0" in bench._command(parser.parse_args(
         ["--frontend-processes", "0"]))
     rounds = parser.parse_args(["--dynamo-install-dir", str(tmp_path), "--rounds", "3"])
-    assert bench._config(mod, rounds, tmp_path / "run").rounds == 3
+    assert bench._config(rounds, tmp_path / "run").rounds == 3
     assert "--rounds 3" in bench._command(rounds)
     assert "--rounds" not in bench._command(parser.parse_args([]))
 

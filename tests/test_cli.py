@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from frontend.cli import config_from_args
 from frontend.config import FrontendConfig, usable_cpus
 from headwater.cli import build_parser, env_name
+from headwater.cli.serve import frontend_config_from_args as config_from_args
 
 SERVE_OPTIONS = [
     "--host", "--port", "--model-name", "--tokenizer", "--context-length", "--tokenizer-backend",
@@ -48,7 +48,7 @@ def test_environment_variables_mirror_options(monkeypatch: pytest.MonkeyPatch) -
     assert config.tokenizer_threads == 3
     assert config.tokenize_mode == "inline"
     assert config.instrument is False
-    assert config.speedup_ratio == 250.0
+    assert config.engine_config.speedup_ratio == 250.0
     # The command line wins over the environment.
     args = build_parser("serve").parse_args(["--tokenizer-threads", "5"])
     assert config_from_args(args).tokenizer_threads == 5
@@ -75,9 +75,9 @@ def test_bad_flags_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_python_dash_m_frontend_is_headwater_serve() -> None:
+def test_python_dash_m_headwater_is_the_headwater_command() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "frontend", "--help"], capture_output=True, text=True, timeout=60,
-        check=True,
+        [sys.executable, "-m", "headwater", "serve", "--help"], capture_output=True, text=True,
+        timeout=60, check=True,
     ).stdout
     assert out.startswith("usage: headwater serve")

@@ -5,7 +5,7 @@ probed free ports, see etcd_fixture.py: skipped without the binary, failed under
 CI=true). Tests share one etcd server and keep apart by serving a model name of
 their own, so no frontend ever sees another test's workers. The mocker runs sped
 up; frontends load the HF tokenizer backend (1 s instead of 4-5 s). Processes are
-started with :mod:`headwater.processes` in the test's nursery, which kills whatever
+started with :mod:`headwater.cluster.recipes` in the test's nursery, which kills whatever
 is left when a test ends or fails. What a test verifies comes from the workers
 themselves (their ``stats`` frame over the request plane), not from the frontend.
 Waits poll live state with a bound (``trio.fail_after``); no fixed sleeps. The slow
@@ -33,11 +33,8 @@ import orjson
 import pytest
 import trio
 
-from frontend.plane.tcp import connect_worker
-from headwater.etcd import EtcdClient, EventType, InstanceRecord, InstanceState, model_prefix
-from headwater.launch import CLUSTER_READY_PREFIX, ClusterPlan, add_arguments, plan_from_args
-from headwater.plane.base import WorkerInstance
-from headwater.processes import (
+from headwater.cli.launch import CLUSTER_READY_PREFIX, ClusterPlan, add_arguments, plan_from_args
+from headwater.cluster.recipes import (
     WORKER_READY_PREFIX,
     ChildProcess,
     WorkerProcess,
@@ -46,8 +43,11 @@ from headwater.processes import (
     start_frontend,
     start_worker,
 )
+from headwater.etcd import EtcdClient, EventType, InstanceRecord, InstanceState, model_prefix
+from headwater.plane.base import WorkerInstance
+from headwater.plane.client import connect_worker
 from headwater.wire import GenerateRequest, Role, SamplingParams
-from workers.cli import READY_PREFIX
+from workers.lifecycle import READY_PREFIX
 
 from etcd_fixture import require_etcd
 
@@ -85,7 +85,8 @@ async def start_workers(
     async def one(i: int, role: str) -> None:
         started[i] = await start_worker(
             nursery, role, log_dir=tmp_path, name=f"{role}-{first_index + i}",
-            discovery=discovery, model=model, speedup_ratio=FAST, **options,
+            discovery=discovery, model=model, engine_args=["--speedup-ratio", f"{FAST:g}"],
+            **options,
         )  # fmt: skip
 
     async with trio.open_nursery() as starting:
@@ -327,7 +328,8 @@ async def test_worker_is_draining_in_etcd_before_it_stops_and_gone_after(
     # Mocker at 1/2 of GPU time: the request below runs for about 1.5 s, far longer
     # than an etcd write takes to reach a watcher.
     worker = await start_worker(
-        nursery, "agg", log_dir=tmp_path, discovery=discovery, model=model, speedup_ratio=2.0
+        nursery, "agg", log_dir=tmp_path, discovery=discovery, model=model,
+        engine_args=["--speedup-ratio", "2.0"],
     )
     async with EtcdClient(etcd_url) as etcd:
         (kv,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
@@ -401,7 +403,7 @@ async def launch(tmp_path: Path, *args: str) -> AsyncIterator[Launched]:
     workdir = tmp_path / "cluster"
     with (tmp_path / "launch.log").open("wb") as log:
         launcher = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "headwater.cli", "launch", "--port", "0",
+            [sys.executable, "-m", "headwater", "launch", "--port", "0",
              "--speedup-ratio", str(FAST), "--workdir", str(workdir), *args],
             stdout=subprocess.PIPE, stderr=log,
             env={k: v for k, v in os.environ.items() if not k.startswith("HEADWATER_")},

@@ -30,10 +30,10 @@ from frontend.discovery import (
     Membership,
     StaticDiscovery,
     discovery_from_config,
+    open_membership,
     parse_workers,
     start_discovery,
 )
-from frontend.plane.base import WorkerClient
 from frontend.router import Router, WorkerState
 from headwater.etcd import (
     EtcdClient,
@@ -47,7 +47,7 @@ from headwater.etcd import (
     model_prefix,
     prefix_range_end,
 )
-from headwater.plane.base import ResponseStream, WorkerInstance
+from headwater.plane.base import ResponseStream, WorkerClient, WorkerInstance
 from headwater.wire import GenerateRequest, Role
 from workers.runtime.registration import EtcdRegistration
 
@@ -343,10 +343,8 @@ async def test_registration_context_propagates_body_error(etcd_url: str, etcd_pr
 async def test_draining_reaches_router(etcd_url: str, etcd_prefix: str) -> None:
     router = Router()
     connect = FakeConnect()
-    membership = Membership(router, connect)
     worker = inst("d1", Role.DECODE, model="m1", port=7102)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(membership.run)
+    async with open_membership(router, connect) as membership, trio.open_nursery() as nursery:
         await follow(
             nursery, EtcdDiscovery(etcd_url, model="m1", prefix=etcd_prefix), membership
         )
@@ -551,11 +549,8 @@ async def test_discovery_and_registration_survive_etcd_wipe(
 async def membership_parts() -> AsyncIterator[tuple[Router, FakeConnect, Membership]]:
     router = Router()
     connect = FakeConnect()
-    membership = Membership(router, connect, retry_initial=0.5, retry_max=4.0)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(membership.run)
+    async with open_membership(router, connect, retry_initial=0.5, retry_max=4.0) as membership:
         yield router, connect, membership
-        nursery.cancel_scope.cancel()
 
 
 async def test_membership_add_drain_remove(
@@ -580,16 +575,13 @@ async def test_membership_add_drain_remove(
 async def test_membership_retries_failed_connect(autojump_clock: trio.abc.Clock) -> None:
     router = Router()
     connect = FakeConnect(failures=3)
-    membership = Membership(router, connect, retry_initial=0.5, retry_max=4.0)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(membership.run)
+    async with open_membership(router, connect, retry_initial=0.5, retry_max=4.0) as membership:
         membership.worker_added(inst("w"))
         await wait_router(router, lambda: "w" in states(router), limit=60)
         assert connect.attempts == {"w": 4}
         assert membership.statistics().connect_failures_total == 3
         gaps = [b - a for a, b in itertools.pairwise(connect.attempt_times)]
         assert min(gaps) > 0.24  # backed off (at least retry_initial / 2): never a hot loop
-        nursery.cancel_scope.cancel()
 
 
 async def test_membership_removed_or_draining_while_connecting(
@@ -613,9 +605,7 @@ async def test_membership_removed_or_draining_while_connecting(
 async def test_membership_replaces_moved_worker_and_closes_all_on_exit() -> None:
     router = Router()
     connect = FakeConnect()
-    membership = Membership(router, connect)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(membership.run)
+    async with open_membership(router, connect) as membership:
         membership.worker_added(inst("w", port=1))
         await wait_router(router, lambda: "w" in states(router))
         membership.worker_added(inst("w", port=2))  # restarted elsewhere
@@ -624,7 +614,6 @@ async def test_membership_replaces_moved_worker_and_closes_all_on_exit() -> None
         )
         membership.worker_added(inst("x", port=3))
         await wait_router(router, lambda: len(states(router)) == 2)
-        nursery.cancel_scope.cancel()
     assert [(c.instance.address, c.closed) for c in connect.clients] == [
         ("tcp://127.0.0.1:1", True),
         ("tcp://127.0.0.1:2", True),
@@ -633,9 +622,10 @@ async def test_membership_replaces_moved_worker_and_closes_all_on_exit() -> None
     assert states(router) == {}
 
 
-async def test_membership_needs_run() -> None:
-    membership = Membership(Router(), FakeConnect())
-    with pytest.raises(RuntimeError, match="before run"):
+async def test_membership_refuses_work_after_its_block() -> None:
+    async with open_membership(Router(), FakeConnect()) as membership:
+        pass
+    with pytest.raises(RuntimeError, match="block ended"):
         membership.worker_added(inst("w"))
 
 

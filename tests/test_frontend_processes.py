@@ -3,7 +3,7 @@
 Real processes on loopback (the supervisor binds port 0; each child also opens a
 private port 0). Children load the HF tokenizer backend (about 1 s instead of 4-5 s)
 and run their own in-process mocker workers, sped up. Processes are started with
-:mod:`headwater.processes` in the test's nursery, which kills whatever is left when a
+:mod:`headwater.cluster.recipes` in the test's nursery, which kills whatever is left when a
 test ends or fails. Waits are bounded with ``trio.fail_after``; no fixed sleeps.
 """
 
@@ -19,8 +19,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.multiprocess import child_argv
-from headwater.processes import (
+from headwater.cluster.frontend_group import child_argv
+from headwater.cluster.recipes import (
     FrontendMember,
     FrontendProcess,
     frontend_urls,
@@ -47,14 +47,14 @@ def test_member_lines_round_trip() -> None:
 
 def test_a_child_is_the_same_command_with_the_shared_socket() -> None:
     argv = child_argv(["--port", "9000", "--processes", "4", "--router", "p2c"], fd=7)
-    assert argv[:3] == [sys.executable, "-m", "frontend"]
+    assert argv[:4] == [sys.executable, "-m", "headwater", "serve"]
     # argparse keeps the last value: the child serves alone, on fd 7, same router
     assert argv[-4:] == ["--processes", "1", "--listen-fd", "7"]
-    assert argv[3:-4] == ["--port", "9000", "--processes", "4", "--router", "p2c"]
+    assert argv[4:-4] == ["--port", "9000", "--processes", "4", "--router", "p2c"]
 
 
 async def start(nursery: trio.Nursery, tmp_path: Path, *extra: str) -> FrontendProcess:
-    argv = [sys.executable, "-m", "frontend", *ARGS, *extra]
+    argv = [sys.executable, "-m", "headwater", "serve", *ARGS, *extra]
     return await spawn_frontend(
         nursery, argv, name="frontend", log_path=tmp_path / "frontend.log", ready_within=90
     )
@@ -134,7 +134,7 @@ async def test_processes_stop_when_the_supervisor_is_killed(
 
 
 async def test_children_that_cannot_start_fail_the_supervisor(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "frontend", *ARGS, "--processes", "2",
+    argv = [sys.executable, "-m", "headwater", "serve", *ARGS, "--processes", "2",
             "--tokenizer", str(tmp_path / "missing")]  # fmt: skip
     with trio.fail_after(60):
         proc = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)

@@ -13,8 +13,8 @@ import orjson
 import pytest
 import trio
 
-from frontend.plane import MemoryWorkerClient
 from frontend.server import Frontend
+from headwater.plane.memory import MemoryWorkerClient
 from headwater.wire import Chunk
 
 from frontend_fixture import serve_frontend, shared_tokenizer
@@ -368,7 +368,7 @@ async def test_tokens_that_arrive_together_leave_in_one_event(
 ) -> None:
     """A consumer that fell behind its engine finds several chunks waiting: the plane
     merges them, so they cost one pass through postprocessing and one write."""
-    from frontend.plane import memory
+    from headwater.plane import memory
 
     held: dict[int, list[Any]] = {}
     send = memory._ReplyChannel.send

@@ -25,7 +25,7 @@ from headwater.instrumentation import FRONTEND_PREFIX, Activity, LoopMonitor, St
 from headwater.wire import Ack, End, GenerateRequest, Reply, Role, SamplingParams
 from tests.frontend_fixture import serve_frontend
 from workers.engines.mocker import MockerConfig, MockerEngine
-from workers.runtime import WorkerRuntime
+from workers.runtime import open_runtime
 
 WATCHDOG_THREAD = "headwater-stall-watchdog"
 
@@ -210,18 +210,15 @@ async def test_the_frontend_counts_a_stream_until_it_ends_then_rests() -> None:
 
 async def test_a_worker_counts_each_request_it_serves() -> None:
     engine = MockerEngine(MockerConfig(speedup_ratio=100_000.0), Role.AGG, "w1")
-    runtime = WorkerRuntime(engine, "w1")
     request = GenerateRequest(
         "r1", "m", list(range(3, 103)), SamplingParams(max_tokens=8, ignore_eos=True, seed=7)
     )
     send, receive = trio.open_memory_channel[Reply](math.inf)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runtime.run)
+    async with open_runtime(engine, "w1") as runtime:
         runtime.submit(request, send)
         assert isinstance(await receive.receive(), Ack)
         assert runtime.activity.inflight == 1
         async for reply in receive:
             last = reply
-        nursery.cancel_scope.cancel()
     assert isinstance(last, End)
     assert runtime.activity.inflight == 0

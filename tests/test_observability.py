@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import socket
-import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -37,13 +34,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from frontend.http.dashboard import LoadHistory
 from frontend.http.observability import MAX_INJECTED_STALL_MS
 from frontend.metrics import FrontendMetrics, RecentWindow, WindowedHistogram
-from frontend.plane.tcp import connect_worker
+from headwater.cluster.children import free_port
+from headwater.cluster.recipes import start_worker
 from headwater.instrumentation.exposition import TextExposition
 from headwater.plane.base import WorkerInstance
+from headwater.plane.client import connect_worker
 from headwater.wire import GenerateRequest, Role, SamplingParams
 from scripts.bench.scrape import loop_series
-from workers.cli import READY_PREFIX, RunningWorker, WorkerConfig, serve_worker
-from workers.metrics import serve_worker_metrics
+from workers.engines.mocker import MockerConfig
+from workers.lifecycle import RunningWorker, WorkerConfig, serve_worker
+from workers.metrics_endpoint import serve_worker_metrics
 
 from frontend_fixture import serve_frontend
 
@@ -482,45 +482,25 @@ def test_load_history_keeps_one_point_per_interval_over_the_window() -> None:
 # -- worker metrics ----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.Nursery) -> None:
     port = free_port()
-    log = (tmp_path / "worker.log").open("wb")
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "workers", "--role", "agg", "--listen", "127.0.0.1:0",
-         "--metrics-port", str(port), "--num-gpu-blocks", "512", "--speedup-ratio", "1000"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log,
+    worker = await start_worker(
+        nursery, "agg", log_dir=tmp_path, model=MODEL, ready_within=10,
+        engine_args=["--num-gpu-blocks", "512", "--speedup-ratio", "1000"],
+        extra_args=["--metrics-port", str(port)],
+    )  # fmt: skip
+    worker_id = worker.worker_id
+    client = await connect_worker(
+        WorkerInstance(worker_id, Role(worker.role), MODEL, worker.address), nursery
     )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(10):
-            while not line.endswith(b"\n"):
-                data = await process.stdout.receive_some(1)
-                assert data, f"worker exited early; see {log.name}"
-                line += data
-        tag, address, worker_id, role = line.decode().split()
-        assert tag == READY_PREFIX
-        client = await connect_worker(WorkerInstance(worker_id, Role(role), MODEL, address),
-                                      nursery)
-        request = GenerateRequest("m1", MODEL, list(range(3, 200)),
-                                  SamplingParams(max_tokens=4, ignore_eos=True))
-        async with client.stream(request) as chunks:
-            assert len([t async for c in chunks for t in c.token_ids]) == 4
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
-            r = await c.get("/metrics")
-            stalls = await c.get("/debug/stalls")
-    finally:
-        process.kill()
-        with trio.move_on_after(5, shield=True):
-            await process.wait()
-        log.close()
+    request = GenerateRequest("m1", MODEL, list(range(3, 200)),
+                              SamplingParams(max_tokens=4, ignore_eos=True))
+    async with client.stream(request) as chunks:
+        assert len([t async for c in chunks for t in c.token_ids]) == 4
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+        r = await c.get("/metrics")
+        stalls = await c.get("/debug/stalls")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     found = samples(r.text)
@@ -537,7 +517,8 @@ async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.N
 
 async def test_worker_metrics_endpoint_answers_only_metrics(nursery: trio.Nursery) -> None:
     worker: RunningWorker = await nursery.start(
-        serve_worker, WorkerConfig(speedup_ratio=1000.0, num_gpu_blocks=64)
+        serve_worker,
+        WorkerConfig(engine_config=MockerConfig(speedup_ratio=1000.0, num_gpu_blocks=64)),
     )
     port: int = await nursery.start(serve_worker_metrics, 0, worker)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:

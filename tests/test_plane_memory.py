@@ -11,14 +11,14 @@ import pytest
 import trio
 import trio.testing
 
-from frontend.plane.memory import (
+from headwater.plane.base import WorkerError, WorkerInstance
+from headwater.plane.memory import (
     BURST,
     REPLY_BUFFER,
     MemoryWorkerClient,
     _MemoryResponseStream,
     _ReplyChannel,
 )
-from headwater.plane.base import WorkerError, WorkerInstance
 from headwater.wire import (
     Ack,
     Chunk,

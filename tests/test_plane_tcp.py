@@ -19,10 +19,11 @@ import pytest
 import trio
 import trio.testing
 
-from frontend.plane.memory import MemoryWorkerClient
-from frontend.plane.tcp import ClientState, TcpWorkerClient, connect_worker
 from headwater.plane.base import CannotConnect, Disconnected, WorkerError, WorkerInstance
+from headwater.plane.client import ClientState, TcpWorkerClient, connect_worker
 from headwater.plane.connection import AckTimeout, ConnectTimeout, HandshakeFailed, PlaneConfig
+from headwater.plane.memory import MemoryWorkerClient
+from headwater.plane.server import InsecureBind, PlaneServer, ServerConfig
 from headwater.wire import (
     Ack,
     Cancel,
@@ -51,10 +52,10 @@ from headwater.wire.framing import (
     encode,
     parse_tcp_address,
 )
-from workers.cli import RunningWorker, WorkerConfig, serve_worker
 from workers.engines.mocker import MockerConfig, MockerEngine
-from workers.runtime import WorkerRuntime
-from workers.runtime.tcp_server import InsecureBind, PlaneServer, ServerConfig
+from workers.lifecycle import RunningWorker, WorkerConfig, serve_worker
+
+from helpers import start_runtime
 
 MODEL = "deepseek-v4"
 FAST = 100_000.0  # mocker speedup: engine time is negligible
@@ -75,9 +76,11 @@ def instance_of(worker: RunningWorker) -> WorkerInstance:
 
 
 async def start_worker(
-    nursery: trio.Nursery, *, speedup: float = FAST, role: Role = Role.AGG, **kw: object
+    nursery: trio.Nursery, *, speedup: float = FAST, role: Role = Role.AGG,
+    kv_bytes_per_token: int = 16, **kw: object,
 ) -> RunningWorker:
-    config = WorkerConfig(role=role, speedup_ratio=speedup, **kw)  # type: ignore[arg-type]
+    engine_config = MockerConfig(speedup_ratio=speedup, kv_bytes_per_token=kv_bytes_per_token)
+    config = WorkerConfig(role=role, engine_config=engine_config, **kw)  # type: ignore[arg-type]
     return await nursery.start(partial(serve_worker, config))
 
 
@@ -107,8 +110,7 @@ async def test_tcp_plane_matches_the_memory_twin(nursery: trio.Nursery) -> None:
     worker = await start_worker(nursery)
     client = await connect_worker(instance_of(worker), nursery)
     engine = MockerEngine(MockerConfig(speedup_ratio=FAST), Role.AGG, "twin")
-    runtime = WorkerRuntime(engine, "twin")
-    await nursery.start(runtime.run)
+    runtime = await start_runtime(nursery, engine, "twin")
     twin = MemoryWorkerClient(instance_of(worker), runtime)
     req = request("same", max_tokens=12)
     over_tcp, in_memory = await collect(client, req), await collect(twin, req)
@@ -326,7 +328,7 @@ async def test_kv_pull_from_a_vanished_prefill_worker_fails(nursery: trio.Nurser
 
 async def test_drain_sends_goaway_and_lets_streams_finish(nursery: trio.Nursery) -> None:
     stop = trio.Event()
-    config = WorkerConfig(speedup_ratio=200.0, drain_timeout=10)
+    config = WorkerConfig(engine_config=MockerConfig(speedup_ratio=200.0), drain_timeout=10)
     done = trio.Event()
 
     async def run_worker(*, task_status: trio.TaskStatus[RunningWorker]) -> None:
@@ -626,8 +628,7 @@ async def test_worker_drops_a_peer_that_stops_reading(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     engine = MockerEngine(MockerConfig(speedup_ratio=REAL), Role.AGG, "w1")
-    runtime = WorkerRuntime(engine, "w1")
-    await nursery.start(runtime.run)
+    runtime = await start_runtime(nursery, engine, "w1")
     server = PlaneServer(runtime, role=Role.AGG, model=MODEL, config=ServerConfig(write_timeout=3))
     ours, theirs = trio.testing.lockstep_stream_pair()  # a write waits for the reader
     nursery.start_soon(server.handle_stream, theirs)

@@ -1,4 +1,4 @@
-"""Worker processes: ``python -m workers`` end to end over the TCP request plane.
+"""Worker processes: ``headwater worker`` end to end over the TCP request plane.
 
 Test policy: every worker binds 127.0.0.1 port 0 and announces its address on the
 READY line; each process gets 10 s to start and 10 s to exit; the whole file stays
@@ -8,19 +8,18 @@ well under 20 s. Processes are killed (by their own handle) if a test fails.
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import pytest
 import trio
 
-from frontend.plane.tcp import ClientState, TcpWorkerClient, connect_worker
+from headwater.cluster.recipes import start_worker
 from headwater.plane.base import WorkerInstance
+from headwater.plane.client import ClientState, TcpWorkerClient, connect_worker
 from headwater.wire import FinishReason, GenerateRequest, Role, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -41,36 +40,15 @@ class WorkerProcess:
         return WorkerInstance(self.worker_id, self.role, MODEL, self.address)
 
 
-def _log_file(tmp_path: Path, role: str) -> BinaryIO:
-    return (tmp_path / f"{role}.log").open("wb")
-
-
 @asynccontextmanager
 async def worker_process(tmp_path: Path, role: str, *args: str) -> AsyncIterator[WorkerProcess]:
-    log = _log_file(tmp_path, role)
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "workers", "--listen", "127.0.0.1:0", "--role", role, *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=log,
-    )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(10):
-            while not line.endswith(b"\n"):
-                data = await process.stdout.receive_some(1)
-                assert data, f"worker exited early; see {log.name}"
-                line += data
-        tag, address, worker_id, role = line.decode().split()
-        assert tag == "HEADWATER_WORKER_READY"
-        yield WorkerProcess(process, address, worker_id, Role(role))
-    finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.move_on_after(5, shield=True):
-                await process.wait()
-        log.close()
+    """A worker started by the project's own recipe; killed when the block ends."""
+    async with trio.open_nursery() as nursery:
+        child = await start_worker(
+            nursery, role, log_dir=tmp_path, model=MODEL, extra_args=args, ready_within=10
+        )
+        yield WorkerProcess(child.process, child.address, child.worker_id, Role(child.role))
+        nursery.cancel_scope.cancel()
 
 
 def request(rid: str, max_tokens: int, prompt: int = 64) -> GenerateRequest:
@@ -135,7 +113,7 @@ async def test_prefill_and_decode_processes_move_kv(
 async def test_refuses_to_listen_off_loopback_without_a_secret(tmp_path: Path) -> None:
     env_free = {"PATH": "/usr/bin:/bin"}
     result = await trio.run_process(
-        [sys.executable, "-m", "workers", "--listen", "0.0.0.0:0"],
+        [sys.executable, "-m", "headwater", "worker", "--listen", "0.0.0.0:0"],
         cwd=REPO, capture_stdout=True, capture_stderr=True, check=False, env=env_free,
     )
     assert result.returncode == 2

@@ -1,7 +1,8 @@
 """Membership: turns what discovery reports into connected clients in the router.
 
 :class:`Membership` is the frontend's :class:`DiscoverySink`. Discovery calls it
-synchronously; the slow parts run in tasks of the nursery its :meth:`run` owns:
+synchronously; the slow parts run in tasks of the nursery :func:`open_membership`
+owns:
 
 * ``worker_added`` → connect (retried with backoff until it works or the worker is
   removed; failures are logged, never raised) → ``router.add(client)``. If the
@@ -14,30 +15,31 @@ synchronously; the slow parts run in tasks of the nursery its :meth:`run` owns:
 
 Wiring::
 
-    membership = Membership(router, connect_worker)
-    await nursery.start(membership.run)
-    await nursery.start(discovery.run, membership)
+    async with open_membership(router, connect_worker) as membership:
+        await nursery.start(discovery.run, membership)
 
 Sink calls do only bookkeeping and ``start_soon``, so a burst of changes costs no
 buffer beyond one task per connecting worker. *connect* is called from a task of
 that nursery, so a transport that runs per-client tasks in the caller's nursery
-(``frontend.plane.tcp.connect_worker`` does) keeps them exactly as long as the
-membership. Cancelling ``run`` stops pending connections and closes every client
-it connected.
+(``headwater.plane.client.connect_worker`` does) keeps them exactly as long as the
+membership. Leaving the block stops pending connections and closes every client it
+connected.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import trio
+from trio_util import AsyncValue
 
-from frontend.plane.base import WorkerClient
 from frontend.router.router import Router
 from headwater.backoff import Backoff
-from headwater.plane.base import WorkerInstance
+from headwater.plane.base import WorkerClient, WorkerInstance
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +55,33 @@ class MembershipStats:
     connect_failures_total: int
 
 
+@asynccontextmanager
+async def open_membership(
+    router: Router, connect: Connect, **options: Any
+) -> AsyncIterator[Membership]:
+    """A :class:`Membership` (*options* are its keyword arguments) whose connection and
+    close tasks live until the block ends; then every client it connected is closed
+    (each bounded by ``close_timeout``) and removed from the router."""
+    async with trio.open_nursery() as nursery:
+        membership = Membership(router, connect, nursery, **options)
+        try:
+            yield membership
+        finally:
+            await membership._close_all()
+            nursery.cancel_scope.cancel()
+
+
 class Membership:
-    """The DiscoverySink that keeps *router* in step with discovery; see the module doc."""
+    """The DiscoverySink that keeps *router* in step with discovery; see the module doc.
+
+    Made by :func:`open_membership`, whose nursery hosts its tasks.
+    """
 
     def __init__(
         self,
         router: Router,
         connect: Connect,
+        nursery: trio.Nursery,
         *,
         connect_timeout: float = 10.0,  # seconds per attempt
         close_timeout: float = 5.0,  # seconds to close a removed worker's client
@@ -72,34 +94,33 @@ class Membership:
         self.close_timeout = close_timeout
         self.retry_initial = retry_initial
         self.retry_max = retry_max
-        self._nursery: trio.Nursery | None = None
+        self._nursery: trio.Nursery | None = nursery
         self._clients: dict[str, WorkerClient] = {}
         self._pending: dict[str, tuple[WorkerInstance, trio.CancelScope]] = {}
         self._draining: set[str] = set()
         self._failures = 0
+        #: Workers whose connection is pending: ``await connecting.wait_value(0)``
+        #: waits until every reported worker is in the router (or was removed).
+        self.connecting = AsyncValue(0)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Host connection and close tasks until cancelled, then close every client."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                # Close clients while the nursery (where a transport may run its
-                # connection tasks) is still open, then let it cancel the rest.
-                self._nursery = None
-                for _, scope in self._pending.values():
-                    scope.cancel()
-                self._pending.clear()
-                clients = list(self._clients.items())
-                self._clients.clear()
-                with trio.move_on_after(self.close_timeout, shield=True):
-                    for worker_id, client in clients:
-                        if self.router.remove(worker_id) not in (client, None):
-                            log.warning("router held another client for %s", worker_id)
-                        await _close_quietly(client)
-                nursery.cancel_scope.cancel()
+    async def _close_all(self) -> None:
+        """Stop pending connections; close and remove every client, while the nursery
+        (where a transport may run its connection tasks) is still open."""
+        self._nursery = None
+        for _, scope in self._pending.values():
+            scope.cancel()
+        self._pending.clear()
+        self._count_pending()
+        clients = list(self._clients.items())
+        self._clients.clear()
+        with trio.move_on_after(self.close_timeout, shield=True):
+            for worker_id, client in clients:
+                if self.router.remove(worker_id) not in (client, None):
+                    log.warning("router held another client for %s", worker_id)
+                await _close_quietly(client)
+
+    def _count_pending(self) -> None:
+        self.connecting.value = len(self._pending)
 
     def statistics(self) -> MembershipStats:
         return MembershipStats(
@@ -121,6 +142,7 @@ class Membership:
                 return  # already connecting to exactly this
             pending[1].cancel()
             del self._pending[wid]
+            self._count_pending()
         current = self._clients.get(wid)
         if current is not None:
             if _same(current.instance, instance):
@@ -129,12 +151,14 @@ class Membership:
             self._drop(wid)  # moved or restarted: the old connection is stale
         scope = trio.CancelScope()
         self._pending[wid] = (instance, scope)
+        self._count_pending()
         nursery.start_soon(self._connect, instance, scope, name=f"connect {wid}")
 
     def worker_removed(self, worker_id: str) -> None:
         self._require_nursery()
         self._draining.discard(worker_id)
         pending = self._pending.pop(worker_id, None)
+        self._count_pending()
         if pending is not None:
             pending[1].cancel()
         self._drop(worker_id)
@@ -147,7 +171,7 @@ class Membership:
 
     def _require_nursery(self) -> trio.Nursery:
         if self._nursery is None:
-            raise RuntimeError("Membership used before run() started (or after it ended)")
+            raise RuntimeError("Membership used after its open_membership() block ended")
         return self._nursery
 
     def _drop(self, worker_id: str) -> None:
@@ -171,6 +195,7 @@ class Membership:
             await self._close(client)
             return
         del self._pending[wid]
+        self._count_pending()
         self._clients[wid] = client
         self.router.add(client)
         if wid in self._draining:

@@ -1,8 +1,10 @@
 """Choosing and starting discovery from the frontend's configuration.
 
 ``--workers tcp://...`` selects :class:`StaticDiscovery`; ``--discovery etcd://...``
-selects :class:`EtcdDiscovery` for the served model. :func:`start_discovery` runs
-it with a :class:`Membership` feeding the router, in the caller's nursery.
+selects :class:`EtcdDiscovery` for the served model; neither runs the in-process
+cluster (:class:`LocalCluster`). :func:`start_discovery` runs the chosen source with a
+:class:`Membership` feeding the router, in the caller's nursery: one mechanism for
+every source.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import trio
 
 from frontend.discovery.base import Discovery
 from frontend.discovery.etcd import EtcdDiscovery
-from frontend.discovery.membership import Connect, Membership
+from frontend.discovery.local import LocalCluster
+from frontend.discovery.membership import Connect, Membership, open_membership
 from frontend.discovery.static import StaticDiscovery
 from frontend.router.router import Router
 from headwater.etcd.client import etcd_endpoints
@@ -34,7 +37,21 @@ def discovery_from_config(config: FrontendConfig) -> Discovery:
         return StaticDiscovery.from_spec(config.workers, default_model=config.model_name)
     if config.discovery:
         return EtcdDiscovery(etcd_endpoints(config.discovery), model=config.model_name)
-    raise ValueError("neither --workers nor --discovery is set")
+    return LocalCluster(
+        model=config.model_name, mode=config.mode, engine=config.engine,
+        engine_config=config.engine_config, ack_timeout=config.ack_timeout,
+    )  # fmt: skip
+
+
+def connect_for(discovery: Discovery, config: FrontendConfig) -> Connect:
+    """How to reach what *discovery* reports: in-process clients for the local cluster,
+    the TCP request plane (with the configured ACK timeout) for everything else."""
+    if isinstance(discovery, LocalCluster):
+        return discovery.connect
+    from headwater.plane.client import connect_worker
+    from headwater.plane.connection import PlaneConfig
+
+    return partial(connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout))
 
 
 async def start_discovery(
@@ -47,31 +64,42 @@ async def start_discovery(
 ) -> Membership:
     """Start membership and discovery in *nursery*; returns the running Membership.
 
-    Returns once discovery reported the initial set, or after *initial_wait*
-    seconds (etcd unreachable: logged; discovery keeps retrying in the background
-    and the frontend answers 503 until workers appear). *connect* defaults to the
-    TCP request plane's ``connect_worker`` with the configured ACK timeout. Raises
+    Returns once discovery reported the initial set (the in-process cluster: once its
+    workers are in the router), or after *initial_wait* seconds (etcd unreachable:
+    logged; discovery keeps retrying in the background and the frontend answers 503
+    until workers appear). *connect* defaults to :func:`connect_for`. Raises
     ValueError for a bad configuration before starting anything.
     """
     discovery = discovery_from_config(config)
-    if connect is None:
-        # The TCP plane, imported only when remote workers are in use.
-        from frontend.plane.tcp import connect_worker
-        from headwater.plane.connection import PlaneConfig
-
-        connect = partial(connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout))
-    membership = Membership(router, connect)
-    await nursery.start(membership.run)
-    ready = trio.Event()
-    nursery.start_soon(_follow, discovery, membership, ready, name="discovery")
-    with trio.move_on_after(initial_wait):
-        await ready.wait()
-    if not ready.is_set():
-        log.warning("discovery has not reported workers after %.0f s; still trying", initial_wait)
+    connect = connect or connect_for(discovery, config)
+    membership: Membership = await nursery.start(
+        _follow, discovery, router, connect, initial_wait, name="discovery"
+    )
     return membership
 
 
-async def _follow(discovery: Discovery, membership: Membership, ready: trio.Event) -> None:
+async def _follow(
+    discovery: Discovery,
+    router: Router,
+    connect: Connect,
+    initial_wait: float,
+    *,
+    task_status: trio.TaskStatus[Membership],
+) -> None:
+    async with open_membership(router, connect) as membership, trio.open_nursery() as nursery:
+        ready = trio.Event()
+        nursery.start_soon(_report, discovery, membership, ready)
+        with trio.move_on_after(initial_wait):
+            await ready.wait()
+            if isinstance(discovery, LocalCluster):
+                await membership.connecting.wait_value(0)
+        if not ready.is_set():
+            log.warning("discovery has not reported workers after %.0f s; still trying",
+                        initial_wait)  # fmt: skip
+        task_status.started(membership)
+
+
+async def _report(discovery: Discovery, membership: Membership, ready: trio.Event) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(discovery.run, membership)
         ready.set()

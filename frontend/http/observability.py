@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from quart import Response, request
@@ -27,9 +27,7 @@ from quart_trio import QuartTrio
 
 from frontend.http.dashboard import ASSETS, LoadHistory, load_asset, snapshot
 from frontend.http.errors import ApiError, bad_request
-
-if TYPE_CHECKING:
-    from frontend.server import Frontend
+from frontend.http.observed import Observed
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +49,11 @@ _PAGE_HEADERS: Final = {
 }
 
 
-def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
-    """Register the routes above on *app*; the debug route only if
-    ``frontend.config.debug_endpoints``."""
+def add_observability_routes(
+    app: QuartTrio, frontend: Observed, *, debug_endpoints: bool = False
+) -> None:
+    """Register the routes above on *app*, reading *frontend*'s parts; the debug route
+    only with *debug_endpoints*."""
     history = LoadHistory()
 
     @app.get("/metrics")
@@ -86,7 +86,7 @@ def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
         body = orjson.dumps(snapshot(frontend, history, stalls_after=after))
         return Response(body, content_type=JSON, headers={"Cache-Control": "no-store"})
 
-    if frontend.config.debug_endpoints:
+    if debug_endpoints:
 
         @app.post("/debug/stall")
         async def debug_stall() -> Response:
@@ -99,7 +99,7 @@ def add_observability_routes(app: QuartTrio, frontend: Frontend) -> None:
             )
 
 
-def workers_snapshot(frontend: Frontend) -> list[dict[str, Any]]:
+def workers_snapshot(frontend: Observed) -> list[dict[str, Any]]:
     """What ``/debug/workers`` answers: one dict per :class:`~frontend.router.WorkerView`."""
     return [dataclasses.asdict(v) for v in frontend.router.views()]
 

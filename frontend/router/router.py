@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import trio
 
-from frontend.plane.base import WorkerClient
+from headwater.plane.base import WorkerClient
 from headwater.wire import Role
 
 

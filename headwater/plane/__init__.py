@@ -1,17 +1,25 @@
-"""The request plane's shared layer: worker identity, errors and the TCP connection.
+"""The request plane, in one place: its interface, its two transports, the KV pull.
 
-:mod:`headwater.plane.base` holds the types both ends agree on (``WorkerInstance``,
-``ResponseStream``, the ``PlaneError`` tree); :mod:`headwater.plane.connection` the
-multiplexed, heartbeated connection used by the frontend's clients and by decode
-workers pulling KV. The frame codec is :mod:`headwater.wire.framing`. See
-docs/request-plane.md.
+* :mod:`headwater.plane.base` — the interface: ``WorkerInstance``, ``WorkerClient``,
+  ``ResponseStream``, the ``PlaneError`` tree, and ``RequestHandler`` (what a
+  transport delivers a worker's requests to);
+* :mod:`headwater.plane.memory` — the in-process transport (``MemoryWorkerClient``),
+  the TCP transport's twin in tests and in ``headwater serve``'s default cluster;
+* the TCP transport: :mod:`headwater.plane.connection` (one multiplexed, heartbeated
+  connection), :mod:`headwater.plane.client` (``TcpWorkerClient``: reconnects and
+  backoff), :mod:`headwater.plane.server` (``PlaneServer``, the worker's side);
+* :mod:`headwater.plane.kv` — both halves of a worker-to-worker KV pull.
+
+The frame codec is :mod:`headwater.wire`. See docs/request-plane.md.
 """
 
 from headwater.plane.base import (
     CannotConnect,
     Disconnected,
     PlaneError,
+    RequestHandler,
     ResponseStream,
+    WorkerClient,
     WorkerError,
     WorkerInstance,
 )
@@ -37,7 +45,9 @@ __all__ = [
     "PlaneConfig",
     "PlaneConnection",
     "PlaneError",
+    "RequestHandler",
     "ResponseStream",
+    "WorkerClient",
     "WorkerError",
     "WorkerInstance",
     "dial",

@@ -1,9 +1,20 @@
-"""What both ends of the request plane agree on: who a worker is, a reply stream, errors.
+"""The request-plane interface: who a worker is, how a caller talks to one, the errors.
 
-The frontend's clients (``frontend.plane``) and a decode worker pulling KV from a
-prefill worker (``workers.runtime.kv_transfer_tcp``) speak the same protocol over
-the same connection layer (:mod:`headwater.plane.connection`); this module holds
-the types that layer hands out, so neither side imports the other.
+A request goes out, the worker ACKs it, chunks stream back, and the stream ends.
+Every transport (in-process memory channels, framed TCP) implements
+:class:`WorkerClient`, so the router and the pipeline never know which one they hold::
+
+    async with client.stream(request) as replies:   # returns once the worker ACKed
+        async for chunk in replies:                 # Chunk messages until End
+            ...
+
+Leaving the ``async with`` early, for any reason (the caller's scope is cancelled
+because the HTTP client went away, a stop string matched, an exception), cancels the
+request on the worker, which frees its KV. That is the whole cancellation design:
+the caller's cancel scope is the request's lifetime.
+
+On the worker's side a transport hands each request it decodes to a
+:class:`RequestHandler` (the worker runtime), with a channel for the replies.
 
 Errors, grouped by what the caller can do::
 
@@ -17,9 +28,13 @@ Errors, grouped by what the caller can do::
 from __future__ import annotations
 
 import abc
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from headwater.wire import Chunk, End, Error, ErrorCode, Reply, Role
+import trio
+
+from headwater.wire import Chunk, End, Error, ErrorCode, GenerateRequest, Reply, Role
 
 
 class PlaneError(Exception):
@@ -133,3 +148,37 @@ class ResponseStream(abc.ABC):
         if tokens is None:
             return first
         return Chunk(first.request_id, tokens, last.finish_reason, cached_tokens=cached)
+
+
+class WorkerClient(abc.ABC):
+    """A caller's handle on one worker, over one transport."""
+
+    instance: WorkerInstance
+
+    @abc.abstractmethod
+    def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:
+        """Send *request*; enter once ACKed (raises CannotConnect otherwise).
+
+        Exiting the context before the stream ended sends a cancel to the worker.
+        """
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release the transport's resources; in-flight streams fail with Disconnected."""
+
+
+class RequestHandler(Protocol):
+    """What a transport delivers a worker's requests to (``workers.runtime.WorkerRuntime``).
+
+    ``submit`` never blocks and never raises for a bad request: the handler answers on
+    *replies* (Ack first, then chunks, then exactly one End or Error) and closes it.
+    It raises RuntimeError only when it cannot take requests at all (not running).
+    ``cancel`` stops a request that is still running; unknown ids are ignored.
+    """
+
+    @property
+    def worker_id(self) -> str: ...
+
+    def submit(self, request: GenerateRequest, replies: trio.abc.SendChannel[Reply]) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...

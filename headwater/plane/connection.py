@@ -1,10 +1,9 @@
 """The request plane's connection layer: one multiplexed, heartbeated TCP connection.
 
-Both clients of the plane run on it: the frontend's per-worker client
-(``frontend.plane.tcp.TcpWorkerClient``, which adds reconnects and routing state)
-and a decode worker pulling KV from prefill workers
-(``workers.runtime.kv_transfer_tcp.TcpKvTransfer``). It lives here, in the shared
-package, so that neither of them imports the other.
+Both clients of the plane run on it: the per-worker client
+(:class:`headwater.plane.client.TcpWorkerClient`, which adds reconnects and routing
+state) and a decode worker pulling KV from prefill workers
+(:class:`headwater.plane.kv.TcpKvTransfer`).
 
 :func:`dial` connects and runs the client handshake within ``connect_timeout``
 (else :class:`ConnectTimeout`); the :class:`PlaneConnection` it returns carries any
@@ -16,7 +15,7 @@ task is started in a nursery::
     await nursery.start(conn.run)
     async with conn.stream(request) as chunks:   # entered once the worker ACKed
         async for chunk in chunks: ...
-    kv_bytes = await conn.pull_kv(transfer_id)   # worker-to-worker KV transfer
+    kv_bytes = await pull_kv(conn, transfer_id)   # worker-to-worker (headwater.plane.kv)
     conn.close()                                 # in-flight streams fail with Disconnected
 
 Behaviour (all times from :class:`PlaneConfig`):
@@ -66,7 +65,6 @@ from headwater.wire.framing import (
     GoAway,
     HelloOk,
     KvData,
-    KvPull,
     Ping,
     Pong,
     ProtocolError,
@@ -135,11 +133,13 @@ class PlaneConfig:
 class _Route:
     """The frames for one request (or KV pull, or stats query) on a connection."""
 
-    __slots__ = ("failure", "receive", "send")
+    __slots__ = ("done", "failure", "receive", "send")
 
     def __init__(self, size: int) -> None:
         self.send, self.receive = trio.open_memory_channel[Frame](size)
         self.failure: Disconnected | None = None
+        #: The exchange ended as the protocol says (End, Error, last KV piece): no cancel.
+        self.done = False
 
     async def next(self) -> Frame:
         """The next frame; raises Disconnected once the route was failed and drained.
@@ -376,6 +376,30 @@ class PlaneConnection:
         route.receive.close()
 
     @asynccontextmanager
+    async def route(self, key: str | tuple[str, int], opening: Frame) -> AsyncIterator[_Route]:
+        """Open the route for *key*, send *opening* on it, and yield the route.
+
+        Raises CannotConnect (the connection is closing or lost), WorkerError (the
+        frame is too large, or *key* is in use). Leaving the block before the route's
+        exchange is ``done`` sends a cancel for a request or KV pull.
+        """
+        route = self._open_route(key)
+        try:
+            try:
+                self.send_frame(opening)
+            except FrameTooLarge as exc:
+                route.done = True  # never sent: nothing to cancel
+                raise WorkerError(ErrorCode.INVALID_REQUEST, exc.message) from exc
+            except Disconnected as exc:
+                route.done = True
+                raise CannotConnect(str(exc)) from exc
+            yield route
+        finally:
+            self._close_route(key, route)
+            if not route.done and isinstance(key, str):
+                self._cancel_quietly(key)
+
+    @asynccontextmanager
     async def stream(self, request: GenerateRequest) -> AsyncIterator[ResponseStream]:
         """Send *request*; enter once ACKed, yielding its chunks (see the module docstring).
 
@@ -383,81 +407,39 @@ class PlaneConnection:
         the ACK), WorkerError (refused, or the frame is too large). Leaving before
         the End sends a cancel.
         """
-        rid = request.request_id
-        route = self._open_route(rid)
-        stream = _TcpResponseStream(route)
-        try:
+        async with self.route(request.request_id, request) as route:
+            stream = _TcpResponseStream(route)
             try:
-                self.send_frame(request)
-            except FrameTooLarge as exc:
-                stream.finished = True  # never sent: nothing to cancel
-                raise WorkerError(ErrorCode.INVALID_REQUEST, exc.message) from exc
-            except Disconnected as exc:
-                stream.finished = True
-                raise CannotConnect(str(exc)) from exc
-            with trio.move_on_after(self.config.ack_timeout) as ack_scope:
-                try:
-                    first = await route.next()
-                except Disconnected as exc:
-                    stream.finished = True
-                    raise CannotConnect(f"no ACK, connection lost: {exc}") from exc
-            if ack_scope.cancelled_caught:
-                raise AckTimeout(
-                    f"no ACK from {self.peer.worker_id} within {self.config.ack_timeout:g} s"
-                )
-            if isinstance(first, Error):
-                stream.finished = True
-                raise WorkerError(first.code, first.message)
-            if not isinstance(first, Ack):
-                raise Disconnected(f"expected Ack, got {type(first).__name__}")
-            yield stream
-        finally:
-            self._close_route(rid, route)
-            if not stream.finished:
-                self._cancel_quietly(rid)
+                with trio.move_on_after(self.config.ack_timeout) as ack_scope:
+                    try:
+                        first = await route.next()
+                    except Disconnected as exc:
+                        route.done = True
+                        raise CannotConnect(f"no ACK, connection lost: {exc}") from exc
+                if ack_scope.cancelled_caught:
+                    raise AckTimeout(
+                        f"no ACK from {self.peer.worker_id} within {self.config.ack_timeout:g} s"
+                    )
+                if isinstance(first, Error):
+                    route.done = True
+                    raise WorkerError(first.code, first.message)
+                if not isinstance(first, Ack):
+                    raise Disconnected(f"expected Ack, got {type(first).__name__}")
+                yield stream
+            finally:
+                route.done = route.done or stream.finished
 
     def _cancel_quietly(self, key: str) -> None:
         with suppress(Disconnected):  # a closed connection has cancelled everything
             self.send_frame(Cancel(key))
 
-    async def pull_kv(self, transfer_id: str) -> int:
-        """Fetch the KV held under *transfer_id*; return the payload bytes received.
-
-        Raises WorkerError (unknown or expired transfer), Disconnected.
-        Cancellation sends a cancel so the worker stops sending the payload.
-        """
-        route = self._open_route(transfer_id)
-        done = False
-        try:
-            self.send_frame(KvPull(transfer_id))
-            received = 0
-            while True:
-                msg = await route.next()
-                if isinstance(msg, KvData):
-                    received += len(msg.data)
-                    if msg.last:
-                        done = True
-                        return received
-                elif isinstance(msg, Error):
-                    done = True
-                    raise WorkerError(msg.code, msg.message)
-                else:
-                    raise Disconnected(f"unexpected {type(msg).__name__} in a KV transfer")
-        finally:
-            self._close_route(transfer_id, route)
-            if not done:
-                self._cancel_quietly(transfer_id)
-
     async def fetch_stats(self) -> dict[str, int | float | str | bool]:
-        """The worker's counters (runtime, engine, plane), flat. Raises Disconnected."""
+        """The worker's counters (runtime, engine, plane), flat. Raises CannotConnect,
+        Disconnected."""
         self._stats_seq += 1
         key = ("stats", self._stats_seq)
-        route = self._open_route(key)
-        try:
-            self.send_frame(GetStats(self._stats_seq))
+        async with self.route(key, GetStats(self._stats_seq)) as route:
             msg = await route.next()
-        finally:
-            self._close_route(key, route)
         if not isinstance(msg, Stats):
             raise Disconnected(f"unexpected {type(msg).__name__} for a stats query")
         return msg.values

@@ -4,7 +4,7 @@ A frame is a 4-byte big-endian body length followed by a msgpack map whose ``"k"
 names the kind. Everything here turns bytes into typed frames and back
 (:class:`FrameDecoder`, :func:`encode`) or decides what to answer during the
 handshake (:class:`ClientHandshake`, :class:`ServerHandshake`); the trio shells
-(``frontend.plane.tcp``, ``workers.runtime.tcp_server``) only move bytes.
+(``headwater.plane.connection``, ``headwater.plane.server``) only move bytes.
 
 Kinds and their frame types::
 

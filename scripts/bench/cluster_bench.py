@@ -38,10 +38,10 @@ from typing import Any
 import orjson
 import trio
 
-from frontend.plane.memory import MemoryWorkerClient
-from frontend.plane.tcp import connect_worker
+from headwater.cluster.recipes import ChildProcess, start_frontend, start_worker, wait_healthy
 from headwater.plane.base import WorkerInstance
-from headwater.processes import ChildProcess, start_frontend, start_worker, wait_healthy
+from headwater.plane.client import connect_worker
+from headwater.plane.memory import MemoryWorkerClient
 from headwater.wire import GenerateRequest, Role, SamplingParams
 from scripts.bench import prompts
 from scripts.bench.loadgen import run_load_trio
@@ -84,7 +84,8 @@ async def plane_overhead(
 
         worker = await start_worker(
             nursery, "agg", log_dir=workdir, name="overhead-agg", model=MODEL,
-            speedup_ratio=ENGINE_FREE, extra_args=["--log-level", "warning"],
+            engine_args=["--speedup-ratio", f"{ENGINE_FREE:g}"],
+            extra_args=["--log-level", "warning"],
         )  # fmt: skip
         instance = WorkerInstance(worker.worker_id, Role.AGG, MODEL, worker.address)
         tcp = await connect_worker(instance, nursery, secret=None)
@@ -171,7 +172,8 @@ async def _start_topology(
     if topology == "processes":
         workers = [
             await start_worker(
-                nursery, role, log_dir=workdir, model=MODEL, speedup_ratio=THROUGHPUT_SPEEDUP,
+                nursery, role, log_dir=workdir, model=MODEL,
+                engine_args=["--speedup-ratio", f"{THROUGHPUT_SPEEDUP:g}"],
                 extra_args=quiet,
             )
             for role in ("prefill", "decode")

@@ -323,16 +323,17 @@ async def measure(
     threads_before = _threads(server)
     started = time.time()
     raw: list[timeline.RawSample] = []
+    loaded = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
             timeline.sample, server.member_metrics_urls, server.metrics_prefix,
-            server.frontend_group, trio.current_time(), raw,
+            server.frontend_group, trio.current_time(), raw, loaded,
         )  # fmt: skip
         result = await run_load_trio(
             url, bodies, spec.concurrency, spec.requests, time_limit_s, spec.stream,
             progress=progress, description=f"{server.label}: {spec.key}",
         )  # fmt: skip
-        nursery.cancel_scope.cancel()
+        loaded.set()  # the sampler takes its closing sample and returns
     ended = time.time()
     procs_after = _procs(server.pids)
     threads_after = _threads(server)

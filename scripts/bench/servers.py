@@ -37,7 +37,7 @@ from pathlib import Path
 import orjson
 import trio
 
-from headwater import processes
+from headwater.cluster import recipes as processes
 from scripts.bench.scrape import DYNAMO_PREFIX, HEADWATER_PREFIX
 
 READY_TIMEOUT = 120.0  # s for a server to print its URL and report healthy
@@ -237,7 +237,7 @@ async def headwater_server(
     ``--processes N``: N frontend members on one port under a supervisor, each with its
     own in-process workers (or its own connections to the worker processes); the
     :class:`ServerInfo` then names the members (``frontend_pids``, ``member_urls``). The
-    processes are started and supervised by :mod:`headwater.processes`, as ``headwater
+    processes are started and supervised by :mod:`headwater.cluster.recipes`, as ``headwater
     launch`` does. Raises :class:`ServerError` if anything does not come up within
     :data:`READY_TIMEOUT` (every member must report healthy), ValueError for an unknown
     *topology*, a count below 1, or a profile of several processes (pyinstrument would
@@ -265,7 +265,8 @@ async def headwater_server(
             for role in ("prefill", "decode") if topology == "processes" else ():
                 worker = await processes.start_worker(
                     nursery, role, log_dir=log_dir, name=f"{tag}-{role}",
-                    speedup_ratio=speedup_ratio, extra_args=["--log-level", "warning"],
+                    engine_args=["--speedup-ratio", f"{speedup_ratio:g}"],
+                    extra_args=["--log-level", "warning"],
                     env=env, ready_within=READY_TIMEOUT,
                 )  # fmt: skip
                 children.append(worker)

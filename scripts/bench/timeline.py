@@ -17,7 +17,7 @@ member's canary together and its maximum the worst member's; RSS and CPU are the
 over the supervisor and the members. A poll in which any member did not answer counts
 as failed, so that no interval compares different sets of members.
 
-:func:`sample` is the trio shell (run it beside the load; cancel it when the load ends);
+:func:`sample` is the trio shell (run it beside the load; set its event when the load ends);
 :func:`timeline_points` and the merges are pure, so they are tested on synthetic
 snapshots.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
 
 import trio
 
@@ -214,10 +213,12 @@ async def sample(
     pids: Sequence[int],
     t0: float,
     out: list[RawSample],
+    done: trio.Event,
     *,
     interval_s: float = DEFAULT_INTERVAL_S,
-) -> NoReturn:
-    """Append a :class:`RawSample` to *out* every *interval_s* until cancelled.
+) -> None:
+    """Append a :class:`RawSample` to *out* every *interval_s* until *done* is set, then
+    one last one, so that a run shorter than one interval still has one.
 
     *metrics_urls* are the frontend's processes' ``/metrics`` (one each) and *pids* the
     processes whose CPU and RSS are summed (see the module docstring). *t0* is the
@@ -228,31 +229,33 @@ async def sample(
     """
     scrapers = [LoopScraper(url, prefix, timeout=2.0) for url in metrics_urls]
     try:
-        await _poll(scrapers, pids, t0, out, interval_s)
+        tick = trio.current_time()
+        while True:
+            await _take(scrapers, pids, t0, out)
+            if done.is_set():
+                return
+            tick += interval_s
+            with trio.move_on_at(max(tick, trio.current_time())):
+                await done.wait()
     finally:
         for scraper in scrapers:
             scraper.close()
 
 
-async def _poll(
-    scrapers: Sequence[LoopScraper], pids: Sequence[int], t0: float, out: list[RawSample],
-    interval_s: float,
-) -> NoReturn:  # fmt: skip
-    tick = trio.current_time()
-    while True:
-        loops: list[LoopSnapshot | None] = [None] * len(scrapers)
-        async with trio.open_nursery() as nursery:
-            for i, scraper in enumerate(scrapers):
-                nursery.start_soon(_scrape_into, loops, i, scraper)
-        procs: list[ProcSample | None] = []
-        for pid in pids:
-            try:
-                procs.append(read_proc(pid))
-            except ProcessLookupError:
-                procs.append(None)
-        out.append(RawSample(trio.current_time() - t0, merge_snapshots(loops), sum_samples(procs)))
-        tick += interval_s
-        await trio.sleep_until(max(tick, trio.current_time()))
+async def _take(
+    scrapers: Sequence[LoopScraper], pids: Sequence[int], t0: float, out: list[RawSample]
+) -> None:
+    loops: list[LoopSnapshot | None] = [None] * len(scrapers)
+    async with trio.open_nursery() as nursery:
+        for i, scraper in enumerate(scrapers):
+            nursery.start_soon(_scrape_into, loops, i, scraper)
+    procs: list[ProcSample | None] = []
+    for pid in pids:
+        try:
+            procs.append(read_proc(pid))
+        except ProcessLookupError:
+            procs.append(None)
+    out.append(RawSample(trio.current_time() - t0, merge_snapshots(loops), sum_samples(procs)))
 
 
 async def _scrape_into(out: list[LoopSnapshot | None], index: int, scraper: LoopScraper) -> None:

@@ -2,12 +2,20 @@
 
 An engine turns a :class:`~headwater.wire.GenerateRequest` into a stream of
 :class:`~headwater.wire.Chunk`. It knows nothing of transports: the runtime
-(:mod:`workers.runtime`) ACKs, frames and cancels around it.
+(:mod:`workers.runtime`) ACKs, frames and cancels around it. Engines are built by
+name through the registry (:mod:`workers.engines.registry`), each from its own config
+and an :class:`EngineContext`.
 
 Cancellation contract: ``generate`` is an async generator consumed inside the
 caller's cancel scope. When that scope is cancelled (client gone, ``Cancel``
 frame), the generator is closed and the engine must release everything the
 request held (KV blocks, batch slot) in its ``finally`` before returning.
+
+KV handover: a prefill engine also implements
+:class:`~headwater.plane.kv.KvSource` (``release_transfer``), which the plane calls
+when a decode worker pulls; a decode engine pulls through the
+:class:`~headwater.plane.kv.KvTransfer` in its context. Engines that never hold KV
+for others implement neither.
 """
 
 from __future__ import annotations
@@ -16,19 +24,22 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from headwater.wire import Chunk, GenerateRequest, KvHandle, Role
+import trio
+
+from headwater.plane.base import WorkerError
+from headwater.plane.kv import KvTransfer
+from headwater.wire import Chunk, ErrorCode, GenerateRequest, Role
 
 
-class EngineError(Exception):
+class EngineError(WorkerError):
     """The engine cannot serve this request (bad input, KV transfer failed, ...).
 
-    ``code`` is one of :class:`headwater.wire.ErrorCode`'s values.
+    A :class:`~headwater.plane.base.WorkerError` raised on the worker's side: the
+    runtime sends it to the caller as an Error message with the same ``code``.
     """
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(ErrorCode(code), message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +53,17 @@ class EngineStats:
     kv_transfers_held: int = 0
 
 
-class KvTransfer(abc.ABC):
-    """How a decode engine fetches the KV a prefill worker holds for it.
+@dataclass(frozen=True, slots=True)
+class EngineContext:
+    """What the worker hosting an engine tells it when it is built."""
 
-    In-process this is a method call on the prefill engine; across processes it is a
-    worker-to-worker stream. Both return the number of bytes moved.
-    """
-
-    @abc.abstractmethod
-    async def pull(self, handle: KvHandle) -> int:
-        """Fetch and release the KV behind *handle*; raise EngineError on failure."""
+    role: Role
+    worker_id: str
+    #: How a decode (or agg) engine pulls a prefill's KV; None when it cannot.
+    kv_transfer: KvTransfer | None = None
+    #: Where decode workers reach this worker's held KV (put in its KV handles);
+    #: "" means ``memory://<worker_id>``.
+    transfer_address: str = ""
 
 
 class Engine(abc.ABC):
@@ -60,7 +72,7 @@ class Engine(abc.ABC):
     role: Role
 
     @abc.abstractmethod
-    async def run(self, *, task_status: object = ...) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the engine's background work until cancelled.
 
         Start it with ``await nursery.start(engine.run)``; it reports readiness with
@@ -74,13 +86,6 @@ class Engine(abc.ABC):
         A prefill-role engine yields one chunk carrying a :class:`KvHandle` and no
         tokens; a decode-role engine pulls ``request.kv_handle`` before generating.
         Raises :class:`EngineError` for requests it cannot serve.
-        """
-
-    @abc.abstractmethod
-    async def release_transfer(self, transfer_id: str) -> int:
-        """Prefill role: hand over and free the KV held under *transfer_id*.
-
-        Returns the payload size in bytes; raises EngineError if unknown/expired.
         """
 
     @abc.abstractmethod

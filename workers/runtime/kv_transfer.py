@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import trio
 
+from headwater.plane.kv import KvSource, KvTransfer
 from headwater.wire import ErrorCode, KvHandle
-from workers.engines.base import Engine, EngineError, KvTransfer
+from workers.engines.base import EngineError
 
 
 class InProcessKvTransfer(KvTransfer):
@@ -24,9 +25,9 @@ class InProcessKvTransfer(KvTransfer):
         if not bandwidth > 0:
             raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
         self.bandwidth = bandwidth
-        self._engines: dict[str, Engine] = {}
+        self._engines: dict[str, KvSource] = {}
 
-    def register(self, worker_id: str, engine: Engine) -> None:
+    def register(self, worker_id: str, engine: KvSource) -> None:
         """Make *engine*'s held transfers pullable as *worker_id* (replaces any previous)."""
         self._engines[worker_id] = engine
 

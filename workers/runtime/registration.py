@@ -258,7 +258,7 @@ class EtcdRegistration:
 
 
 class RegistrationHooks:
-    """A worker's etcd registration tied to :func:`workers.cli.serve_worker`'s lifecycle.
+    """A worker's etcd registration tied to :func:`workers.lifecycle.serve_worker`'s lifecycle.
 
     The order matters to frontends: a worker must be gone from routing before it
     stops taking requests, and must stay known until what it accepted is done.

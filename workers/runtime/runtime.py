@@ -2,9 +2,16 @@
 
 A transport (memory channels in-process, a TCP server across processes) hands each
 decoded request to :meth:`WorkerRuntime.submit` together with a channel for the
-replies. The runtime owns the request's task in its own nursery, so a request's
-lifetime is the worker's business once it is ACKed; the caller ends it early with
+replies: the runtime is the plane's :class:`~headwater.plane.base.RequestHandler`.
+It owns the request's task in its own nursery, so a request's lifetime is the
+worker's business once it is ACKed; the caller ends it early with
 :meth:`WorkerRuntime.cancel`, which is what a ``Cancel`` message does.
+
+:func:`open_runtime` runs the engine and hosts the request tasks for as long as its
+block lasts::
+
+    async with open_runtime(engine, "decode-0") as runtime:
+        server = PlaneServer(runtime, ...)
 
 Per request, in order: ``Ack`` (sent before any engine work, so a busy engine
 never looks dead to the frontend), ``Chunk``\\* and exactly one ``End`` or ``Error``.
@@ -13,7 +20,8 @@ never looks dead to the frontend), ``Chunk``\\* and exactly one ``End`` or ``Err
 from __future__ import annotations
 
 import logging
-from contextlib import aclosing, suppress
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 
 import trio
@@ -35,13 +43,30 @@ class RuntimeStats:
     engine: EngineStats
 
 
-class WorkerRuntime:
-    """Serves requests on one engine; see the module docstring for the contract."""
+@asynccontextmanager
+async def open_runtime(engine: Engine, worker_id: str) -> AsyncIterator[WorkerRuntime]:
+    """Run *engine* and serve requests on it until the block ends.
 
-    def __init__(self, engine: Engine, worker_id: str) -> None:
+    On exit every request still running is cancelled (its KV freed) and the engine
+    stops. Raises whatever the engine's start-up raises.
+    """
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        yield WorkerRuntime(engine, worker_id, nursery)
+        nursery.cancel_scope.cancel()
+
+
+class WorkerRuntime:
+    """Serves requests on one engine; see the module docstring for the contract.
+
+    Made by :func:`open_runtime`, whose nursery runs the engine and hosts the
+    requests' tasks.
+    """
+
+    def __init__(self, engine: Engine, worker_id: str, nursery: trio.Nursery) -> None:
         self.engine = engine
         self.worker_id = worker_id
-        self._nursery: trio.Nursery | None = None
+        self._nursery = nursery
         self._scopes: dict[str, trio.CancelScope] = {}
         self._idle = trio.Event()
         self._idle.set()
@@ -52,25 +77,15 @@ class WorkerRuntime:
         #: Requests in flight, for the process's loop monitor (it rests while none are).
         self.activity = Activity()
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the engine and host request tasks until cancelled."""
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.engine.run)
-            self._nursery = nursery
-            task_status.started()
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
-
     def submit(self, request: GenerateRequest, replies: trio.abc.SendChannel[Reply]) -> None:
         """Start serving *request*; replies go to *replies*, which the runtime closes.
 
         Never blocks and never raises for a bad request: refusals travel as an Error
-        message on *replies* like any other outcome.
+        message on *replies* like any other outcome. Raises RuntimeError once the
+        runtime's block has ended.
         """
-        if self._nursery is None:
-            raise RuntimeError("WorkerRuntime.submit() before run() started")
+        if self._nursery.cancel_scope.cancel_called:
+            raise RuntimeError(f"worker {self.worker_id} has stopped")
         if self.draining or request.request_id in self._scopes:
             # Answer at once (retryable while draining) instead of letting the
             # frontend wait out its ACK timeout.
@@ -131,8 +146,7 @@ class WorkerRuntime:
                             await replies.send(chunk)
                 except EngineError as exc:
                     outcome = "failed"
-                    code = _error_code(exc.code)
-                    await replies.send(Error(rid, code, exc.message))
+                    await replies.send(Error(rid, exc.code, exc.message))
                     return
                 await replies.send(End(rid))
                 outcome = "served"
@@ -167,11 +181,3 @@ async def _refuse(
         with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await replies.send(Error(request.request_id, code, msg))
     await replies.aclose()
-
-
-def _error_code(code: str) -> ErrorCode:
-    try:
-        return ErrorCode(code)
-    except ValueError:
-        return ErrorCode.INTERNAL
-

@@ -21,12 +21,11 @@ import functools
 import time
 from collections import deque
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from prometheus_client.metrics import MetricWrapperBase
 
-if TYPE_CHECKING:
-    from frontend.server import Frontend
+from frontend.http.observed import Observed
 
 #: Asset file name → content type; the only files the dashboard routes serve.
 ASSETS: Final[dict[str, str]] = {
@@ -79,7 +78,7 @@ def load_asset(name: str) -> bytes:
 
 
 def snapshot(
-    frontend: Frontend, history: LoadHistory, *, stalls_after: float | None = None
+    frontend: Observed, history: LoadHistory, *, stalls_after: float | None = None
 ) -> dict[str, Any]:
     """Everything the page shows, as one JSON-ready dict; also samples *history*.
 
@@ -110,7 +109,7 @@ def snapshot(
     )
     return {
         "now": now,
-        "model": frontend.config.model_name,
+        "model": frontend.model_name,
         "loop": {
             "threshold_s": monitor.threshold_s,
             "window_s": monitor.series.window_s,

@@ -8,33 +8,39 @@ range the mocker samples from is ``[3, 128000)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class MockerConfig:
     """How fast the simulated engine runs, how big its KV cache is, what it emits.
 
-    Raises ``ValueError`` on construction if a field is out of range.
+    Fields with a ``help`` are command-line options of every command that runs a
+    mocker (``--speedup-ratio``, ``--block-size``, ...). Raises ``ValueError`` on
+    construction if a field is out of range.
     """
 
     #: Every simulated duration (prefill and decode steps) is divided by this. 1.0 is
     #: real-GPU speed; 1000 makes the engine nearly free, to measure the frontend alone.
-    speedup_ratio: float = 1.0
+    speedup_ratio: float = field(default=1.0, metadata={"help": "divide every step time by this"})
     #: Tokens per KV block (the unit of allocation and of prefix reuse).
-    block_size: int = 64
+    block_size: int = field(default=64, metadata={"help": "tokens per KV block"})
     #: KV blocks in the cache; the cache holds ``num_gpu_blocks * block_size`` tokens.
-    num_gpu_blocks: int = 16384
+    num_gpu_blocks: int = field(default=16384, metadata={"help": "KV cache blocks"})
     #: Most sequences in the running batch at once; more wait in a FIFO queue.
-    max_num_seqs: int = 256
+    max_num_seqs: int = field(default=256, metadata={"help": "max running sequences"})
     #: Token budget of one scheduler step (decode tokens plus prefill chunks).
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = field(
+        default=8192, metadata={"help": "token budget per step"}
+    )
     #: Lowest output token id emitted (inclusive). 0, 1, 2 are DeepSeek-V4 specials.
     output_token_low: int = 3
     #: Output token ids stay below this (exclusive). Ids >= 128,000 are specials.
     output_token_high: int = 128000
     #: Bytes of KV payload per prompt token, as reported by a transfer (bytes/token).
-    kv_bytes_per_token: int = 16
+    kv_bytes_per_token: int = field(
+        default=16, metadata={"help": "KV payload bytes per prompt token moved on a transfer"}
+    )
     #: KV transfer bandwidth (bytes/s). Transports built for this engine
     #: (``InProcessKvTransfer(bandwidth=...)``) delay a pull by payload / bandwidth.
     kv_transfer_bandwidth: float = 10e9

@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 
 import trio
 
+from headwater.plane.base import WorkerError
+from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, FinishReason, GenerateRequest, KvHandle, Role
 from headwater.wire.tokens import copy_tokens
-from workers.engines.base import Engine, EngineError, EngineStats, KvTransfer
+from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
 from workers.engines.mocker.timing import step_seconds
@@ -239,7 +241,8 @@ class MockerEngine(Engine):
             self._discard(seq, delivered=finished)
 
     async def release_transfer(self, transfer_id: str) -> int:
-        """Free the KV held under *transfer_id*; return its payload size in bytes.
+        """Free the KV held under *transfer_id*; return its payload size in bytes
+        (:class:`~headwater.plane.kv.KvSource`, used by a prefill engine's worker).
 
         Raises ``EngineError("kv_transfer_failed")`` if the id is unknown, already
         pulled or expired. Cancellation before the release leaves the KV held.
@@ -339,6 +342,8 @@ class MockerEngine(Engine):
             await self.kv_transfer.pull(handle)
         except EngineError:
             raise
+        except WorkerError as exc:  # the transfer's own report (TCP: kv_transfer_failed)
+            raise EngineError(exc.code, exc.message) from exc
         except Exception as exc:
             raise EngineError(
                 ErrorCode.KV_TRANSFER_FAILED,
@@ -617,3 +622,11 @@ class MockerEngine(Engine):
         for held in self._held.values():
             self._cache.free(held.table)
         self._held.clear()
+
+
+def build_engine(config: MockerConfig, context: EngineContext) -> MockerEngine:
+    """The registry's factory (:mod:`workers.engines.registry`)."""
+    return MockerEngine(
+        config, context.role, context.worker_id, kv_transfer=context.kv_transfer,
+        transfer_address=context.transfer_address,
+    )  # fmt: skip

@@ -11,12 +11,21 @@ import argparse
 import logging
 import os
 import signal
+import sys
 from dataclasses import fields
 
 import trio
 
-from frontend.config import FrontendConfig, usable_cpus
-from headwater.cli import positive_float, positive_int
+from frontend.config import FrontendConfig
+from headwater.cli.options import (
+    add_config_options,
+    config_from_args,
+    positive_float,
+    positive_int,
+)
+from headwater.cli.worker import quiet_third_party_logs
+from headwater.machine import usable_cpus
+from workers.engines import registry
 
 _D = FrontendConfig()
 
@@ -66,13 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a thread hop (default: 8192 with fastokens, 256 with hf)")
 
     w = p.add_argument_group("workers and routing")
-    w.add_argument("--engine", choices=["mocker"], default=_D.engine,
+    w.add_argument("--engine", choices=registry.names(), default=_D.engine,
                    help="engine of the in-process workers (mocker: simulated, Dynamo's "
                         "timing model)")
     w.add_argument("--mode", choices=["disagg", "agg"], default=_D.mode,
                    help="in-process workers: a prefill + decode pair, or one aggregated")
-    w.add_argument("--speedup-ratio", type=positive_float, default=_D.speedup_ratio,
-                   help="the mocker's timing model is divided by this")
     w.add_argument("--workers", default=None,
                    help="remote workers instead of in-process ones: "
                         "tcp://host:port?role=prefill,tcp://host:port?role=decode")
@@ -101,20 +108,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--log-level", default=_D.log_level,
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
 
+    for name in registry.names():
+        group = p.add_argument_group(f"engine {name} (in-process workers)",
+                                     registry.spec(name).summary)
+        add_config_options(group, registry.config_type(name))
 
-def config_from_args(args: argparse.Namespace) -> FrontendConfig:
-    names = {f.name for f in fields(FrontendConfig)}
-    return FrontendConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    """Raises ValueError for a value the engine's config rejects."""
+    names = {f.name for f in fields(FrontendConfig)} - {"engine_config"}
+    engine_config = config_from_args(registry.config_type(args.engine), args)
+    return FrontendConfig(
+        **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    """Exit status: 0 after a signal; 1 if a frontend process failed; 2 on bad options."""
+    try:
+        config = frontend_config_from_args(args)
+    except ValueError as exc:
+        print(f"headwater serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    quiet_third_party_logs(config.log_level)
     if config.processes > 1:
-        from frontend.multiprocess import supervise
+        from headwater.cluster.frontend_group import supervise
 
         return trio.run(supervise, config, args.argv)
     trio.run(serve_until_signalled, config)
@@ -131,7 +153,7 @@ async def serve_until_signalled(config: FrontendConfig) -> None:
             urls = await nursery.start(frontend.run)
             print(f"headwater: serving {config.model_name} on {' '.join(urls)}", flush=True)
             if config.listen_fd is not None:  # one of several processes (--processes N)
-                from frontend.multiprocess import terminate_when_orphaned
+                from headwater.cluster.frontend_group import terminate_when_orphaned
 
                 nursery.start_soon(terminate_when_orphaned, supervisor, frontend.shutdown)
             async for _ in signals:

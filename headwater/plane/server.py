@@ -1,15 +1,16 @@
-"""Serves a :class:`WorkerRuntime` on the TCP request plane.
+"""The worker's side of the TCP request plane, in front of one :class:`RequestHandler`.
 
 One task per connection reads and decodes frames; one writer task per connection
 frames the replies of all its requests back. A request is handed to
-``runtime.submit`` as soon as it is decoded, with a send channel that queues its
-replies for the writer; the runtime sends the ACK first, before any engine work.
+``handler.submit`` (the worker runtime) as soon as it is decoded, with a send channel
+that queues its replies for the writer; the runtime sends the ACK first, before any
+engine work.
 
 Per connection::
 
-    reader ── request ─▶ runtime.submit(request, _ReplyChannel) ─┐
-           ── cancel  ─▶ runtime.cancel(request_id)              ├─▶ queue ─▶ writer ─▶ socket
-           ── kv_pull ─▶ engine.release_transfer + kv_data ───────┘
+    reader ── request ─▶ handler.submit(request, _ReplyChannel) ─┐
+           ── cancel  ─▶ handler.cancel(request_id)              ├─▶ queue ─▶ writer ─▶ socket
+           ── kv_pull ─▶ serve_pull(kv_source, ...) ─────────────┘   (headwater.plane.kv)
            ── ping / get_stats ─▶ pong / stats (control frames skip the reply budget)
 
 Isolation: a connection that sends garbage, an oversize or unknown frame gets an
@@ -31,6 +32,8 @@ from dataclasses import asdict, dataclass
 
 import trio
 
+from headwater.plane.base import RequestHandler
+from headwater.plane.kv import KvSource, serve_pull
 from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role
 from headwater.wire.framing import (
     DEFAULT_MAX_FRAME,
@@ -52,8 +55,6 @@ from headwater.wire.framing import (
     encode,
     is_loopback,
 )
-from workers.engines.base import EngineError
-from workers.runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -110,34 +111,38 @@ class ServerStats:
     kv_bytes_served_total: int
 
 
-#: Extra counters merged into the stats frame (must be cheap and never block).
+#: The worker's own counters for the stats frame (must be cheap and never block).
 StatsProvider = Callable[[], dict[str, int | float | str | bool]]
 
 
 class PlaneServer:
-    """The TCP request plane in front of one :class:`WorkerRuntime`.
+    """The TCP request plane in front of one :class:`RequestHandler`.
 
     :meth:`serve` accepts on listeners the caller opened (so it can learn the port,
     and give the engine its transfer address, before serving); :meth:`handle_stream`
     serves one already-accepted stream of any kind. Cancelling :meth:`serve` closes
-    every connection and cancels their requests.
+    every connection and cancels their requests. *kv_source* answers KV pulls (a
+    prefill engine); without one every pull is refused. *stats* adds the worker's
+    counters (runtime, engine) to the ``stats`` frame.
     """
 
     def __init__(
         self,
-        runtime: WorkerRuntime,
+        runtime: RequestHandler,
         *,
         role: Role,
         model: str,
         secret: bytes | None = None,
         config: ServerConfig | None = None,
-        extra_stats: StatsProvider | None = None,
+        kv_source: KvSource | None = None,
+        stats: StatsProvider | None = None,
     ) -> None:
         self.runtime = runtime
         self.config = config or ServerConfig()
         self.identity = HelloOk(PROTOCOL_VERSION, str(role), runtime.worker_id, model)
         self.secret = secret
-        self.extra_stats = extra_stats
+        self.kv_source = kv_source
+        self.stats = stats
         self.draining = False
         self._connections: set[_Connection] = set()
         self._connections_total = 0
@@ -206,26 +211,19 @@ class PlaneServer:
         )
 
     def stats_values(self) -> dict[str, int | float | str | bool]:
-        """Runtime, engine and plane counters, flat, for the ``stats`` frame."""
-        rt = self.runtime.statistics()
+        """Identity, the worker's counters and the plane's, flat, for the ``stats`` frame."""
         values: dict[str, int | float | str | bool] = {
             "worker_id": self.identity.worker_id,
             "role": self.identity.role,
             "model": self.identity.model,
-            "inflight": rt.inflight,
-            "served_total": rt.served_total,
-            "cancelled_total": rt.cancelled_total,
-            "failed_total": rt.failed_total,
-            "draining": rt.draining,
         }
-        values.update({f"engine_{k}": v for k, v in asdict(rt.engine).items()})
-        values.update({f"plane_{k}": v for k, v in asdict(self.statistics()).items()})
-        if self.extra_stats is not None:
+        if self.stats is not None:
             try:
-                values.update(self.extra_stats())
+                values.update(self.stats())
             except Exception:
-                log.exception("extra stats provider failed; disabled")
-                self.extra_stats = None
+                log.exception("stats provider failed; disabled")
+                self.stats = None
+        values.update({f"plane_{k}": v for k, v in asdict(self.statistics()).items()})
         return values
 
 
@@ -400,7 +398,7 @@ class _Connection:
             self.server.runtime.cancel(rid)
             return encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))
 
-    async def queue_reply(self, frame: Reply | KvData) -> None:
+    async def queue_reply(self, frame: Frame) -> None:
         """Queue a reply, waiting only when the budget is spent.
 
         Not a schedule point while there is budget (cancellation is still checked):
@@ -485,24 +483,14 @@ class _Connection:
         scope = self._pulls[transfer_id] = trio.CancelScope()
         try:
             with scope:
-                try:
-                    size = await server.runtime.engine.release_transfer(transfer_id)
-                except EngineError as exc:
+                size = await serve_pull(
+                    server.kv_source, transfer_id, self.queue_reply, piece=server._zeros
+                )
+                if size:
+                    server._pulls_served += 1
+                    server._kv_bytes += size
+                else:
                     server._pulls_failed += 1
-                    await self.queue_reply(
-                        Error(transfer_id, ErrorCode.KV_TRANSFER_FAILED, exc.message)
-                    )
-                    return
-                piece = server.config.kv_piece_bytes
-                sent = 0
-                while True:
-                    n = min(piece, size - sent)
-                    sent += n
-                    await self.queue_reply(KvData(transfer_id, server._zeros[:n], sent >= size))
-                    if sent >= size:
-                        break
-                server._pulls_served += 1
-                server._kv_bytes += size
         except trio.ClosedResourceError:
             pass  # the connection is closing; the peer sees its pull fail
         finally:

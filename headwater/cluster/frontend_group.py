@@ -6,13 +6,13 @@ beside it). Past that, Python uses more cores with more processes; this module r
 N whole frontends behind one listening socket.
 
 How: this process, the supervisor, binds the port and starts N children
-(``python -m frontend <the same options> --processes 1 --listen-fd FD``) that inherit
+(``python -m headwater serve <the same options> --processes 1 --listen-fd FD``) that inherit
 the socket. The kernel hands each new connection to whichever child accepts first, so
 a busy child takes fewer. Each child is a complete frontend: its own tokenizer pool,
 router, stall detector and in-process workers (or its own connections to remote
 ones). On the shared port ``/metrics`` and ``/dashboard`` answer from whichever child
 took the connection, so each child also listens on a private port of its own; the
-supervisor prints one line per child (:func:`headwater.processes.member_line`) and
+supervisor prints one line per child (:func:`headwater.cluster.recipes.member_line`) and
 then the usual ``headwater: serving <model> on <url>`` line.
 
 Lifetime: all children or none. SIGINT or SIGTERM is passed on as SIGTERM, and each
@@ -35,13 +35,8 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 
 from frontend.config import FrontendConfig
-from headwater.processes import (
-    ExitHook,
-    FrontendProcess,
-    LaunchError,
-    member_line,
-    spawn_frontend,
-)
+from headwater.cluster.children import ExitHook, LaunchError
+from headwater.cluster.recipes import FrontendProcess, member_line, spawn_frontend
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +59,8 @@ def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
 def child_argv(argv: Sequence[str], fd: int) -> list[str]:
     """A child's command line: the supervisor's own options, then what makes it a child
     (later flags win in argparse)."""
-    return [sys.executable, "-m", "frontend", *argv, "--processes", "1", "--listen-fd", str(fd)]
+    return [sys.executable, "-m", "headwater", "serve", *argv, "--processes", "1",
+            "--listen-fd", str(fd)]  # fmt: skip
 
 
 async def supervise(config: FrontendConfig, argv: Sequence[str]) -> int:

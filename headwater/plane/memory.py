@@ -1,8 +1,10 @@
-"""The in-process request plane: trio memory channels to a WorkerRuntime.
+"""The in-process request plane: trio memory channels to a worker's runtime.
 
 This is the twin of the TCP transport (same :class:`WorkerClient` contract), used
-when the workers live in the frontend's own process and in tests. The ACK timeout
-applies here too, so a wedged in-process worker is handled exactly like a remote one.
+when the workers live in the frontend's own process and in tests. It talks to any
+:class:`~headwater.plane.base.RequestHandler` (the worker runtime is one). The ACK
+timeout applies here too, so a wedged in-process worker is handled exactly like a
+remote one.
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from frontend.plane.base import WorkerClient
 from headwater.plane.base import (
     CannotConnect,
     Disconnected,
+    RequestHandler,
     ResponseStream,
+    WorkerClient,
     WorkerError,
     WorkerInstance,
 )
 from headwater.wire import Ack, Error, GenerateRequest, Reply
-from workers.runtime import WorkerRuntime
 
 #: Replies buffered per request: enough to decouple engine steps from the HTTP
 #: writer, small enough that a slow client applies backpressure to the engine.
@@ -90,10 +92,10 @@ class _MemoryResponseStream(ResponseStream):
 
 
 class MemoryWorkerClient(WorkerClient):
-    """A client for a :class:`WorkerRuntime` running in this process."""
+    """A client for a worker runtime (a :class:`RequestHandler`) in this process."""
 
     def __init__(
-        self, instance: WorkerInstance, runtime: WorkerRuntime, *, ack_timeout: float = 5.0
+        self, instance: WorkerInstance, runtime: RequestHandler, *, ack_timeout: float = 5.0
     ) -> None:
         self.instance = instance
         self.runtime = runtime

@@ -1,6 +1,6 @@
-"""The frontend's TCP client for one worker: reconnects, backoff, routing state.
+"""The TCP client for one worker: reconnects, backoff, routing state.
 
-:class:`TcpWorkerClient` is the TCP twin of :class:`~frontend.plane.memory.MemoryWorkerClient`:
+:class:`TcpWorkerClient` is the TCP twin of :class:`~headwater.plane.memory.MemoryWorkerClient`:
 same contract, same errors. It keeps one persistent connection to its worker (a
 :class:`~headwater.plane.connection.PlaneConnection`, the layer it shares with the
 workers' KV transfer) and multiplexes every concurrent request over it. Its tasks
@@ -36,8 +36,7 @@ from dataclasses import dataclass
 
 import trio
 
-from frontend.plane.base import WorkerClient
-from headwater.plane.base import CannotConnect, ResponseStream, WorkerInstance
+from headwater.plane.base import CannotConnect, ResponseStream, WorkerClient, WorkerInstance
 from headwater.plane.connection import (
     Connector,
     PlaneConfig,

@@ -4,8 +4,9 @@
 ``headwater_worker_``: the same loop metrics as the frontend (``event_loop_delay_seconds``,
 ``event_loop_stall_total``, ...), from a :class:`~headwater.instrumentation.LoopMonitor`
 watching the worker's event loop, plus the worker's load read from
-``worker.runtime.statistics()`` at each scrape. ``GET /debug/stalls`` lists the stall
-records as JSON, like the frontend's.
+``worker.runtime.statistics()`` at each scrape (what it reads of a worker is
+:class:`MetricsSource`; a :class:`~workers.lifecycle.RunningWorker` is one).
+``GET /debug/stalls`` lists the stall records as JSON, like the frontend's.
 
 Why a hand-written responder: a worker process carries no web framework, and this
 endpoint answers one kind of request from one kind of client. One request per
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 from urllib.parse import parse_qs
 
 import orjson
@@ -30,9 +31,8 @@ from prometheus_client.registry import Collector
 
 from headwater.instrumentation import WORKER_PREFIX, LoopMonitor
 from headwater.instrumentation.exposition import TextExposition
-
-if TYPE_CHECKING:
-    from workers.cli import RunningWorker
+from headwater.wire import Role
+from workers.runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,25 @@ READ_TIMEOUT_S: Final = 5.0
 WRITE_TIMEOUT_S: Final = 5.0
 
 
+class MetricsSource(Protocol):
+    """What the endpoint reads of a worker: who it is, and its runtime's statistics."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def runtime(self) -> WorkerRuntime: ...
+
+
 class WorkerCollector(Collector):
     """Mirrors one worker's ``runtime.statistics()`` at scrape time.
 
@@ -49,7 +68,7 @@ class WorkerCollector(Collector):
     the scrape, and the totals stay true counters.
     """
 
-    def __init__(self, worker: RunningWorker, prefix: str = WORKER_PREFIX) -> None:
+    def __init__(self, worker: MetricsSource, prefix: str = WORKER_PREFIX) -> None:
         self._worker = worker
         self._prefix = prefix
 
@@ -91,7 +110,7 @@ class WorkerCollector(Collector):
 
 async def serve_worker_metrics(
     port: int,
-    worker: RunningWorker,
+    worker: MetricsSource,
     *,
     host: str = "127.0.0.1",
     monitor: LoopMonitor | None = None,
@@ -103,8 +122,8 @@ async def serve_worker_metrics(
       port: TCP port; 0 picks a free one (reported).
       worker: the running worker whose load is exported.
       host: address to bind; loopback by default.
-      monitor: the worker's loop monitor, if it runs one (also read from
-        ``worker.monitor``); without one, a :class:`LoopMonitor` with the prefix
+      monitor: the worker's loop monitor, if it runs one; without one, a
+        :class:`LoopMonitor` with the prefix
         ``headwater_worker_`` is started here, in this task's nursery; it rests while
         the worker has no request in flight (``worker.runtime.activity``).
 
@@ -113,7 +132,6 @@ async def serve_worker_metrics(
     """
     registry = CollectorRegistry()
     registry.register(WorkerCollector(worker))
-    monitor = monitor or getattr(worker, "monitor", None)
     listeners = await trio.open_tcp_listeners(port, host=host)  # OSError before any task
     bound = listeners[0].socket.getsockname()[1]
     try:

@@ -1,4 +1,4 @@
-"""Run the benchmark suite (``headwater bench``; ``make bench``).
+"""Run the benchmark suite: ``make bench`` (``python -m scripts.bench.run``).
 
 Starts every server itself on loopback (headwater on free ports; NVIDIA Dynamo's
 frontend + mocker, when its peer scripts are present, on the port they fix), drives
@@ -7,7 +7,8 @@ runs.jsonl (a record per run, as it finishes), results.json, report.md and img/*
 --docs also puts the tables and charts into docs/performance.md and docs/img/.
 
 Every run is bounded in requests and time; Ctrl-C stops the servers and keeps what
-was measured. Runs from a source checkout (it imports scripts/bench).
+was measured. It runs from a source checkout: the suite is part of the repository,
+not of the installed package.
 """
 
 from __future__ import annotations
@@ -21,26 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from headwater.cli import positive_float
+from headwater.cli.options import positive_float
 from headwater.machine import usable_cpus
+from scripts.bench import suite
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_PAGE = Path("docs") / "performance.md"
 DOCS_IMG = Path("docs") / "img"
-
-
-def _import_suite() -> Any:
-    """Import scripts.bench from the checkout this package lives in (it is not installed)."""
-    if not (REPO_ROOT / "scripts" / "bench" / "suite.py").is_file():
-        raise SystemExit(
-            "headwater bench needs a source checkout: scripts/bench/ is not installed with "
-            f"the package (looked in {REPO_ROOT}). Run it as `make bench` from the checkout."
-        )
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from scripts.bench import suite
-
-    return suite
 
 
 def _scenarios(text: str) -> tuple[str, ...]:
@@ -141,8 +129,17 @@ def wait_for_quiet(limit_s: float, threshold: float) -> float:
     return load
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m scripts.bench.run [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench.run", description=(__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
 def main(args: argparse.Namespace) -> int:
-    suite = _import_suite()
     import orjson
 
     if args.render is not None:
@@ -153,8 +150,8 @@ def main(args: argparse.Namespace) -> int:
             wait_for_quiet(args.wait_quiet, args.quiet_load)
         stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
         run_dir = args.out / stamp
-        cfg = _config(suite, args, run_dir)
-        results = _measure(suite, cfg)
+        cfg = _config(args, run_dir)
+        results = _measure(cfg)
         if results is None:
             print(f"interrupted; what was measured is in {run_dir}/runs.jsonl", file=sys.stderr)
             return 130
@@ -162,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(suite: Any, args: argparse.Namespace, run_dir: Path) -> Any:
+def _config(args: argparse.Namespace, run_dir: Path) -> suite.SuiteConfig:
     from scripts.bench.servers import default_dynamo_install_dir
 
     install = args.dynamo_install_dir or default_dynamo_install_dir()
@@ -200,7 +197,7 @@ def _frontend_processes(args: argparse.Namespace) -> int:
     return default_frontend_processes() if n is None else n
 
 
-def _measure(suite: Any, cfg: Any) -> dict[str, Any] | None:
+def _measure(cfg: suite.SuiteConfig) -> dict[str, Any] | None:
     """Run the suite; ``None`` if SIGINT or SIGTERM stopped it (servers stopped first)."""
     import signal
 
@@ -279,3 +276,7 @@ Dynamo's, and how to reproduce the figures: `make bench ARGS='--docs'`.
 <!-- bench:begin -->
 <!-- bench:end -->
 """
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

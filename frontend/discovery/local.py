@@ -1,0 +1,88 @@
+"""The in-process cluster: workers in the frontend's own process, as a discovery source.
+
+``headwater serve`` without ``--workers`` or ``--discovery`` runs a disaggregated pair
+(one prefill, one decode worker) or one aggregated worker here, each a
+:class:`~workers.runtime.WorkerRuntime` around an engine built through the engine
+registry. :class:`LocalCluster` reports them to the membership like the static and
+etcd sources report remote ones, and its :meth:`~LocalCluster.connect` opens a
+:class:`~headwater.plane.memory.MemoryWorkerClient` to each: the same interfaces the
+TCP plane uses, so nothing downstream knows the difference.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+
+from frontend.discovery.base import Discovery, DiscoverySink
+from headwater.plane.base import WorkerClient, WorkerInstance
+from headwater.plane.kv import KvSource
+from headwater.plane.memory import MemoryWorkerClient
+from headwater.wire import Role
+from workers.engines import registry
+from workers.engines.base import EngineContext
+from workers.runtime import WorkerRuntime, open_runtime
+from workers.runtime.kv_transfer import InProcessKvTransfer
+
+
+class LocalCluster(Discovery):
+    """Runs the in-process workers for as long as :meth:`run` runs.
+
+    *mode* is ``disagg`` (a prefill + decode pair) or ``agg`` (one worker); *engine*
+    and *engine_config* name the engine and its config (None: its defaults).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        mode: str = "disagg",
+        engine: str = registry.DEFAULT_ENGINE,
+        engine_config: Any = None,
+        ack_timeout: float = 5.0,
+    ) -> None:
+        if mode not in ("disagg", "agg"):
+            raise ValueError(f"mode must be disagg or agg, got {mode!r}")
+        self.model = model
+        self.roles = [Role.PREFILL, Role.DECODE] if mode == "disagg" else [Role.AGG]
+        self.engine = engine
+        self.engine_config = engine_config
+        self.ack_timeout = ack_timeout
+        #: The running workers by id, once :meth:`run` reported them.
+        self.runtimes: dict[str, WorkerRuntime] = {}
+
+    async def run(
+        self,
+        sink: DiscoverySink,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        kv = InProcessKvTransfer()
+        async with AsyncExitStack() as stack:
+            for i, role in enumerate(self.roles):
+                worker_id = f"local-{role.value}-{i}"
+                address = f"memory://{worker_id}"
+                context = EngineContext(role, worker_id, kv, address)
+                engine = registry.build(self.engine, self.engine_config, context)
+                if isinstance(engine, KvSource):
+                    kv.register(worker_id, engine)
+                runtime = await stack.enter_async_context(open_runtime(engine, worker_id))
+                self.runtimes[worker_id] = runtime
+                sink.worker_added(WorkerInstance(worker_id, role, self.model, address))
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                for worker_id in self.runtimes:
+                    sink.worker_removed(worker_id)
+                self.runtimes.clear()
+
+    async def connect(self, instance: WorkerInstance) -> WorkerClient:
+        """The membership's connect for these workers: an in-process client."""
+        await trio.lowlevel.checkpoint()
+        runtime = self.runtimes.get(instance.worker_id)
+        if runtime is None:
+            raise LookupError(f"no in-process worker {instance.worker_id!r}")
+        return MemoryWorkerClient(instance, runtime, ack_timeout=self.ack_timeout)

@@ -1,0 +1,166 @@
+"""Run a local cluster: etcd, prefill / decode / aggregated workers and a frontend.
+
+    headwater launch --prefill 2 --decode 2                  # what `make cluster` runs
+    headwater launch --agg 1 --port 0 -- --router p2c        # options after -- go to serve
+
+Starts, on free loopback ports and in a temporary directory: etcd (with
+``--discovery etcd``, the default when the etcd binary is found), the workers
+(``headwater worker``, registering in that etcd; with ``--discovery static`` they
+start first and the frontend gets their addresses as ``--workers``), then the
+frontend (``headwater serve``). Prints the URL once ``/health`` answers 200,
+then a line ``HEADWATER_CLUSTER_READY <url>``. Everything binds 127.0.0.1.
+
+Options after ``--`` are passed to ``headwater serve`` as they are (``--router``,
+``--tokenizer-threads``, ...), except the ones the launcher sets itself: ``--host``,
+``--port``, ``--model-name``, ``--workers``, ``--discovery``. The engine's options
+(``--speedup-ratio``, ...) go to every worker; other worker options go in
+``--worker-args "..."``.
+
+Ctrl-C or SIGTERM stops the frontend first (its in-flight requests finish), then the
+workers (SIGTERM: they drain), then etcd; a second signal kills whatever is left.
+If any process dies unexpectedly the whole cluster is torn down the same way and
+the exit status is 1. Logs (one file per process) are in the run directory, which
+is removed after a clean stop unless ``--workdir`` was given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import trio
+
+from headwater.cli.options import add_config_options, config_argv, config_from_args
+from headwater.cli.worker import quiet_third_party_logs
+from headwater.cluster.launch import (
+    CLUSTER_READY_PREFIX,
+    ETCD_BIN_ENV,
+    ClusterPlan,
+    find_etcd,
+    run_cluster,
+)
+from headwater.cluster.recipes import DEFAULT_MODEL
+from workers.engines import registry
+
+#: serve options the launcher sets itself; refused after ``--``.
+OWNED_SERVE_OPTIONS = ("--host", "--port", "--model-name", "--workers", "--discovery")
+
+__all__ = ["CLUSTER_READY_PREFIX", "ClusterPlan", "add_arguments", "main", "plan_from_args"]
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _discovery(text: str) -> str:
+    if text in ("etcd", "static") or text.startswith(("etcd://", "etcds://")):
+        return text
+    raise argparse.ArgumentTypeError(f"expected etcd, static or etcd://HOST:PORT, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--prefill", type=_count, default=None,
+      help="prefill workers (with no worker count given: 1 prefill + 1 decode)")
+    a("--decode", type=_count, default=None, help="decode workers")
+    a("--agg", type=_count, default=None, help="aggregated workers")
+    a("--engine", choices=registry.names(), default=registry.DEFAULT_ENGINE,
+      help="workers' engine")
+    a("--discovery", type=_discovery, default=None,
+      help="etcd: start an etcd and register the workers there (default when the etcd "
+      "binary is found); static: no etcd, the frontend gets --workers; etcd://HOST:PORT: "
+      "use that etcd")
+    a("--etcd-binary", default="",
+      help=f"etcd executable (default: ${ETCD_BIN_ENV}, else etcd on PATH)")
+    a("--port", type=int, default=8000, help="frontend port (0: any free port)")
+    a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
+    a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
+    a("--drain-timeout", type=float, default=10.0,
+      help="seconds each worker gets to finish its requests at shutdown")
+    a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
+    a("--workdir", default=None,
+      help="directory for logs and etcd data (default: a temporary one, removed after a "
+      "clean stop)")
+    a("--start-timeout", type=float, default=60.0,
+      help="seconds each process gets to start, and the frontend to become healthy")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+      help="the launcher's log level")
+    a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
+      help="options passed to headwater serve, after a -- separator")
+    for name in registry.names():
+        group = parser.add_argument_group(f"engine {name} (every worker)",
+                                          registry.spec(name).summary)
+        add_config_options(group, registry.config_type(name))
+
+
+def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
+    """Raises ValueError for a cluster that could not serve or a bad option."""
+    serve_args = list(args.serve_args)
+    if serve_args and serve_args[0] == "--":
+        serve_args = serve_args[1:]
+    for arg in serve_args:
+        if arg.split("=", 1)[0] in OWNED_SERVE_OPTIONS:
+            raise ValueError(
+                f"{arg.split('=', 1)[0]} after -- : the launcher sets it (use launch's own "
+                "--port / --model-name / --discovery)"
+            )
+    counts = (args.prefill, args.decode, args.agg)
+    prefill, decode, agg = (1, 1, 0) if counts == (None, None, None) else (n or 0 for n in counts)
+    if not agg and not (prefill and decode):
+        raise ValueError("need --agg N, or both --prefill N and --decode N (N >= 1)")
+    discovery = args.discovery
+    binary = ""
+    if discovery in (None, "etcd"):
+        binary = find_etcd(args.etcd_binary) or ""
+        if not binary:
+            if discovery == "etcd":
+                raise ValueError(
+                    "etcd binary not found (install etcd-server, pass --etcd-binary or set "
+                    f"{ETCD_BIN_ENV}), or use --discovery static"
+                )
+            discovery = "static"
+        else:
+            discovery = "etcd"
+    if args.port < 0 or args.port > 65535:
+        raise ValueError(f"--port must be 0-65535, got {args.port}")
+    return ClusterPlan(
+        prefill=prefill,
+        decode=decode,
+        agg=agg,
+        engine=args.engine,
+        engine_args=tuple(config_argv(config_from_args(registry.config_type(args.engine), args))),
+        discovery=discovery,
+        etcd_binary=binary,
+        port=args.port,
+        model=args.model_name,
+        lease_ttl=args.lease_ttl,
+        drain_timeout=args.drain_timeout,
+        worker_args=tuple(shlex.split(args.worker_args)),
+        serve_args=tuple(serve_args),
+        workdir=Path(args.workdir) if args.workdir else None,
+        start_within=args.start_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    quiet_third_party_logs(args.log_level)
+    try:
+        plan = plan_from_args(args)
+    except ValueError as exc:
+        print(f"headwater launch: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(run_cluster, plan)
+
+

@@ -1,0 +1,194 @@
+"""Run one prefill / decode / aggregated worker process on the TCP request plane.
+
+``headwater worker --role agg`` binds the listener, builds the engine, serves, and
+prints one line to stdout once it accepts connections::
+
+    HEADWATER_WORKER_READY tcp://127.0.0.1:PORT <worker_id> <role>
+
+With ``--discovery etcd://HOST:PORT`` it registers in etcd before printing that line
+(on a lease of ``--lease-ttl`` seconds, kept alive while it runs), so frontends
+watching etcd find it.
+
+SIGTERM or SIGINT drains it: the etcd record turns ``draining`` (frontends stop
+routing here), every connected frontend gets a goaway, in-flight requests finish
+(and, on a prefill worker, held KV gets pulled) for up to ``--drain-timeout``
+seconds, then the lease is revoked and the process exits 0. A second signal stops at
+once (exit 1). The lifecycle itself is :func:`workers.lifecycle.serve_worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+
+import trio
+
+from headwater.cli.options import add_config_options, config_from_args
+from headwater.etcd.client import EtcdError, etcd_endpoints
+from headwater.gc_tuning import tune_gc
+from headwater.plane.server import check_bind
+from headwater.wire import Role
+from headwater.wire.framing import load_secret
+from workers.engines import registry
+from workers.lifecycle import (
+    READY_PREFIX,
+    RunningWorker,
+    WorkerConfig,
+    serve_worker,
+    split_host_port,
+)
+from workers.runtime.registration import RegistrationHooks
+
+log = logging.getLogger("workers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = WorkerConfig(worker_id="-")
+    a = parser.add_argument
+    a("--role", choices=[r.value for r in Role], default=d.role.value, help="what this worker does")
+    a("--engine", choices=registry.names(), default=d.engine, help="engine implementation")
+    a("--listen", default=d.listen, help="host:port to listen on (port 0: any free port)")
+    a("--advertise-host", default="", help="host in the advertised address (default: listen host)")
+    a("--model-name", default=d.model_name, help="model name this worker serves")
+    a("--worker-id", default="", help="unique worker id (default: <role>-<random>)")
+    a("--drain-timeout", type=float, default=d.drain_timeout,
+      help="seconds in-flight requests get to finish after SIGTERM")
+    a("--plane-secret-file", default=None,
+      help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
+      "to listen beyond loopback")
+    a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
+    a("--discovery", default="",
+      help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
+      "no registration; frontends then need --workers)")
+    a("--lease-ttl", type=int, default=d.lease_ttl,
+      help="seconds a crashed worker stays registered in etcd (lease TTL)")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+      help="log level (debug also shows every etcd call)")
+    for name in registry.names():
+        spec = registry.spec(name)
+        group = parser.add_argument_group(f"engine {name}", spec.summary)
+        add_config_options(group, registry.config_type(name))
+
+
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """Raises ValueError (bad values), OSError (unreadable secret file)."""
+    return WorkerConfig(
+        role=Role(args.role),
+        engine=args.engine,
+        engine_config=config_from_args(registry.config_type(args.engine), args),
+        listen=args.listen,
+        advertise_host=args.advertise_host,
+        model_name=args.model_name,
+        worker_id=args.worker_id,
+        drain_timeout=args.drain_timeout,
+        secret=load_secret(args.plane_secret_file),
+        metrics_port=args.metrics_port,
+        discovery=args.discovery,
+        lease_ttl=args.lease_ttl,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit status: 0 after a drain; 1 on a forced stop, a bind failure or no etcd;
+    2 on bad options."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    quiet_third_party_logs(args.log_level)
+    try:
+        config = worker_config_from_args(args)
+        check_bind(split_host_port(config.listen)[0], config.secret)
+    except (ValueError, OSError) as exc:
+        print(f"headwater worker: {exc}", file=sys.stderr)
+        return 2
+    tune_gc()  # its requests carry the same long token lists as the frontend's
+    try:
+        return trio.run(_run, config)
+    except (OSError, EtcdError, BaseExceptionGroup) as exc:
+        leaves = list(_leaves(exc))
+        if not all(isinstance(e, OSError | EtcdError) for e in leaves):
+            raise
+        for e in leaves:
+            print(f"headwater worker: {e}", file=sys.stderr)
+        return 1
+
+
+def quiet_third_party_logs(level: str) -> None:
+    """httpx logs every request at INFO (each etcd call, each health poll): keep that
+    out of a process's INFO output unless debug was asked for."""
+    if level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+async def _run(config: WorkerConfig) -> int:
+    stop = trio.Event()
+    forced = trio.Event()
+    async with trio.open_nursery() as nursery:
+        hooks: RegistrationHooks | None = None
+        if config.discovery:
+            hooks = RegistrationHooks(
+                etcd_endpoints(config.discovery),
+                nursery,
+                worker_id=config.worker_id,
+                role=str(config.role),
+                model=config.model_name,
+                capacity=config.capacity,
+                ttl=config.lease_ttl,
+            )
+        nursery.start_soon(_watch_signals, stop, forced, nursery.cancel_scope)
+        worker: RunningWorker = await nursery.start(
+            _serve, config, stop, nursery.cancel_scope, hooks
+        )
+        print(f"{READY_PREFIX} {worker.address} {worker.worker_id} {worker.role}", flush=True)
+    return 1 if forced.is_set() else 0
+
+
+async def _serve(
+    config: WorkerConfig,
+    stop: trio.Event,
+    done: trio.CancelScope,
+    hooks: RegistrationHooks | None,
+    *,
+    task_status: trio.TaskStatus[RunningWorker],
+) -> None:
+    # Registration order: registered before READY; draining published before the
+    # goaway; the lease revoked only once the drain is over (in-flight requests done).
+    await serve_worker(
+        config,
+        shutdown_trigger=stop.wait,
+        on_ready=[hooks.on_ready] if hooks else (),
+        on_stop=[hooks.on_stop] if hooks else (),
+        task_status=task_status,
+    )
+    if hooks is not None:
+        await hooks.deregister()
+    done.cancel()  # drained: stop watching for signals too
+
+
+async def _watch_signals(
+    stop: trio.Event, forced: trio.Event, everything: trio.CancelScope
+) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if not stop.is_set():
+                log.info("%s: draining", name)
+                stop.set()
+            else:
+                log.warning("%s again: stopping now", name)
+                forced.set()
+                everything.cancel()
+                return

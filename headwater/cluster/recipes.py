@@ -1,0 +1,375 @@
+"""The programs of a local cluster, one recipe each: etcd, a worker, a frontend.
+
+Each ``start_*`` function spawns one process (:mod:`headwater.cluster.children`),
+waits until it announced that it is ready, and returns its :class:`ChildProcess`
+(address and pid)::
+
+    async with trio.open_nursery() as nursery:
+        etcd = await start_etcd(nursery, binary="etcd", workdir=tmp)
+        worker = await start_worker(nursery, "decode", log_dir=tmp, discovery=etcd.discovery)
+        frontend = await start_frontend(nursery, log_dir=tmp, discovery=etcd.discovery)
+        await wait_healthy(frontend.address)
+        ...
+        await frontend.stop()          # SIGTERM, then SIGKILL after the timeout
+
+How each one announces itself: a worker prints ``HEADWATER_WORKER_READY <address>
+<worker_id> <role>`` (after registering in etcd, with ``--discovery``), a frontend
+prints ``headwater: serving <model> on <url>`` once listening (so ``--port 0`` works),
+etcd is ready when its JSON gateway answers. Workers and frontends run as
+``python -m headwater worker ...`` and ``python -m headwater serve ...``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import trio
+
+from headwater.cluster.children import (
+    KILL_TIMEOUT,
+    ChildProcess,
+    ExitHook,
+    LaunchError,
+    child_env,
+    free_port,
+    read_announcement,
+    spawn,
+)
+from workers.lifecycle import READY_PREFIX as WORKER_READY_PREFIX
+
+#: Start of the line a frontend prints once it listens (``headwater serve``).
+FRONTEND_READY_PREFIX = "headwater: serving "
+#: Start of the line a supervisor of frontend processes prints about each one.
+FRONTEND_MEMBER_PREFIX = "headwater: process "
+DEFAULT_MODEL = "deepseek-v4"
+
+__all__ = [
+    "DEFAULT_MODEL", "FRONTEND_MEMBER_PREFIX", "FRONTEND_READY_PREFIX", "WORKER_READY_PREFIX",
+    "ChildProcess", "EtcdProcess", "FrontendMember", "FrontendProcess", "LaunchError",
+    "WorkerProcess", "frontend_argv", "frontend_urls", "member_line", "parse_member_line",
+    "parse_worker_ready", "spawn_frontend", "start_etcd", "start_frontend", "start_worker",
+    "wait_healthy", "worker_argv",
+]  # fmt: skip
+
+
+class WorkerProcess(ChildProcess):
+    """A ``headwater worker`` child; ``address`` is its ``tcp://`` plane address."""
+
+    worker_id: str = ""
+    role: str = ""
+
+    def static_url(self, model: str = DEFAULT_MODEL) -> str:
+        """Its entry for a frontend's ``--workers`` list (the id must match the worker's)."""
+        return f"{self.address}?role={self.role}&id={self.worker_id}&model={model}"
+
+
+class EtcdProcess(ChildProcess):
+    """An etcd child; ``address`` is its client URL (``http://127.0.0.1:PORT``)."""
+
+    @property
+    def discovery(self) -> str:
+        """The ``--discovery`` value that points frontends and workers here."""
+        return "etcd://" + self.address.removeprefix("http://")
+
+
+# ---- etcd ---------------------------------------------------------------------------
+
+
+async def start_etcd(
+    nursery: trio.Nursery,
+    *,
+    binary: str,
+    workdir: Path,
+    name: str = "etcd",
+    ready_within: float = 15.0,
+    on_exit: ExitHook | None = None,
+    attempts: int = 3,
+) -> EtcdProcess:
+    """A single-member etcd on free loopback ports, its data in *workdir*.
+
+    Ready once the JSON gateway answers. Ports are probed, then bound by etcd; if
+    another process wins that race etcd exits, and it is retried on new ports, up
+    to *attempts* times. Raises LaunchError.
+    """
+    error: LaunchError | None = None
+    for attempt in range(attempts):
+        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        argv = [
+            binary,
+            f"--name={name}",
+            f"--data-dir={workdir / f'{name}-data-{attempt}'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={name}={peer}",
+            "--logger=zap",
+            "--log-level=warn",
+        ]
+        child = await spawn(
+            EtcdProcess, nursery, name, argv, workdir / f"{name}.log",
+            env=child_env(), stdout=False,
+        )  # fmt: skip
+        child.address = client
+        try:
+            await _wait_etcd(child, ready_within)
+        except LaunchError as exc:
+            error = exc
+            await child.stop(grace=KILL_TIMEOUT)
+            continue
+        child.mark_ready(on_exit)
+        assert isinstance(child, EtcdProcess)
+        return child
+    assert error is not None
+    raise error
+
+
+async def _wait_etcd(child: ChildProcess, within: float) -> None:
+    async with httpx.AsyncClient(timeout=1.0) as http:
+        with trio.move_on_after(within):
+            while child.returncode is None:
+                try:
+                    r = await http.post(child.address + "/v3/kv/range", json={"key": "AA=="})
+                    if r.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                with trio.move_on_after(0.05):
+                    await child.exited.wait()
+            raise LaunchError(
+                f"{child.name} exited with status {child.returncode} at start-up:\n"
+                f"{child.log_tail()}"
+            )
+    raise LaunchError(f"{child.name} did not answer within {within:g} s:\n{child.log_tail()}")
+
+
+# ---- workers --------------------------------------------------------------------------
+
+
+def worker_argv(
+    role: str,
+    *,
+    discovery: str = "",
+    model: str = DEFAULT_MODEL,
+    engine: str = "mocker",
+    engine_args: Sequence[str] = (),
+    lease_ttl: int | None = None,
+    drain_timeout: float | None = None,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line of one worker on a free loopback port; *engine_args* are the
+    engine's own options (``--speedup-ratio 100``)."""
+    argv = [
+        python, "-m", "headwater", "worker", "--role", role, "--listen", "127.0.0.1:0",
+        "--engine", engine, "--model-name", model, *engine_args,
+    ]  # fmt: skip
+    if discovery:
+        argv += ["--discovery", discovery]
+    if lease_ttl is not None:
+        argv += ["--lease-ttl", str(lease_ttl)]
+    if drain_timeout is not None:
+        argv += ["--drain-timeout", f"{drain_timeout:g}"]
+    return [*argv, *extra_args]
+
+
+def parse_worker_ready(line: str) -> tuple[str, str, str] | None:
+    """``HEADWATER_WORKER_READY <address> <worker_id> <role>`` → the three fields."""
+    parts = line.split()
+    if len(parts) == 4 and parts[0] == WORKER_READY_PREFIX:
+        return parts[1], parts[2], parts[3]
+    return None
+
+
+async def start_worker(
+    nursery: trio.Nursery,
+    role: str,
+    *,
+    log_dir: Path,
+    name: str = "",
+    discovery: str = "",
+    model: str = DEFAULT_MODEL,
+    engine: str = "mocker",
+    engine_args: Sequence[str] = (),
+    lease_ttl: int | None = None,
+    drain_timeout: float | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    ready_within: float = 30.0,
+    on_exit: ExitHook | None = None,
+) -> WorkerProcess:
+    """Start ``headwater worker`` for *role*; return once it printed its READY line.
+
+    With *discovery* (``etcd://...``) that line comes after it registered in etcd.
+    The log is ``log_dir/<name>.log`` (*name* defaults to the role). Raises LaunchError.
+    """
+    name = name or role
+    argv = worker_argv(
+        role, discovery=discovery, model=model, engine=engine, engine_args=engine_args,
+        lease_ttl=lease_ttl, drain_timeout=drain_timeout, extra_args=extra_args,
+    )  # fmt: skip
+    child = await spawn(WorkerProcess, nursery, name, argv, log_dir / f"{name}.log", env=env)
+    assert isinstance(child, WorkerProcess)
+    child.address, child.worker_id, child.role = await read_announcement(
+        child, nursery, parse_worker_ready, ready_within
+    )
+    child.mark_ready(on_exit)
+    return child
+
+
+# ---- frontends -------------------------------------------------------------------------
+
+
+def frontend_argv(
+    *,
+    port: int = 0,
+    discovery: str = "",
+    workers: str = "",
+    model: str = DEFAULT_MODEL,
+    extra_args: Sequence[str] = (),
+    interpreter: Sequence[str] = (sys.executable,),
+) -> list[str]:
+    """The command line of one frontend on loopback (``python -m headwater serve``).
+
+    *interpreter* is what runs ``-m frontend``: the benchmark's profiler passes
+    ``(python, "-m", "pyinstrument", ...)``.
+    """
+    argv = [*interpreter, "-m", "headwater", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--model-name", model]  # fmt: skip
+    if discovery:
+        argv += ["--discovery", discovery]
+    if workers:
+        argv += ["--workers", workers]
+    return [*argv, *extra_args]
+
+
+def frontend_urls(line: str) -> list[str]:
+    """Every http URL of a ``headwater: serving ...`` line; [] for any other line."""
+    if not line.startswith(FRONTEND_READY_PREFIX):
+        return []
+    return [w.rstrip("/") for w in line.split() if w.startswith("http://")]
+
+
+def member_line(index: int, pid: int, url: str) -> str:
+    """What a supervisor of several frontend processes prints about each, before the
+    serving line (``headwater serve --processes N``; see headwater.cluster.frontend_group)."""
+    return f"{FRONTEND_MEMBER_PREFIX}{index} pid {pid} at {url}"
+
+
+def parse_member_line(line: str) -> FrontendMember | None:
+    """``headwater: process <index> pid <pid> at <url>`` → its fields."""
+    parts = line.removeprefix(FRONTEND_MEMBER_PREFIX).split()
+    if not line.startswith(FRONTEND_MEMBER_PREFIX) or len(parts) != 5:
+        return None
+    try:
+        return FrontendMember(int(parts[0]), int(parts[2]), parts[4].rstrip("/"))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendMember:
+    """One process of a frontend: its index, pid and a URL that reaches it alone."""
+
+    index: int
+    pid: int
+    url: str
+
+
+class FrontendProcess(ChildProcess):
+    """A ``headwater serve`` child. ``address`` is where clients go; ``urls`` is
+    every URL it announced; ``members`` are the processes that serve, each with a URL
+    of its own (with ``--processes N``: the N children; otherwise the one process)."""
+
+    urls: tuple[str, ...] = ()
+    members: tuple[FrontendMember, ...] = ()
+
+
+async def spawn_frontend(
+    nursery: trio.Nursery,
+    argv: Sequence[str],
+    *,
+    name: str,
+    log_path: Path | None,
+    env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    ready_within: float = 60.0,
+    on_exit: ExitHook | None = None,
+) -> FrontendProcess:
+    """Run *argv* (a frontend command line); return once it announced that it listens.
+
+    Raises LaunchError if it exits or stays silent for *ready_within* seconds.
+    """
+    members: list[FrontendMember] = []
+
+    def parse(line: str) -> list[str] | None:
+        if (member := parse_member_line(line)) is not None:
+            members.append(member)
+        return frontend_urls(line) or None
+
+    child = await spawn(
+        FrontendProcess, nursery, name, argv, log_path, env=env, pass_fds=pass_fds
+    )
+    assert isinstance(child, FrontendProcess)
+    urls = await read_announcement(child, nursery, parse, ready_within)
+    child.address, child.urls = urls[0], tuple(urls)
+    child.members = tuple(members) or (FrontendMember(0, child.pid, urls[-1]),)
+    child.mark_ready(on_exit)
+    return child
+
+
+async def start_frontend(
+    nursery: trio.Nursery,
+    *,
+    log_dir: Path,
+    name: str = "frontend",
+    port: int = 0,
+    discovery: str = "",
+    workers: str = "",
+    model: str = DEFAULT_MODEL,
+    extra_args: Sequence[str] = (),
+    interpreter: Sequence[str] = (sys.executable,),
+    env: Mapping[str, str] | None = None,
+    ready_within: float = 60.0,
+    on_exit: ExitHook | None = None,
+) -> FrontendProcess:
+    """Start a frontend; return once it listens (``address`` is its URL, real port).
+
+    It may not be able to serve yet: :func:`wait_healthy` waits for routable
+    workers. Raises LaunchError.
+    """
+    argv = frontend_argv(
+        port=port, discovery=discovery, workers=workers, model=model, extra_args=extra_args,
+        interpreter=interpreter,
+    )  # fmt: skip
+    return await spawn_frontend(
+        nursery, argv, name=name, log_path=log_dir / f"{name}.log", env=env,
+        ready_within=ready_within, on_exit=on_exit,
+    )  # fmt: skip
+
+
+async def wait_healthy(
+    url: str, *, within: float = 60.0, child: ChildProcess | None = None
+) -> None:
+    """Poll ``url/health`` until it answers 200 (a request can be served now).
+
+    Raises LaunchError after *within* seconds, or at once if *child* exits.
+    """
+    last = "no answer"
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        with trio.move_on_after(within):
+            while child is None or child.returncode is None:
+                try:
+                    r = await http.get(url + "/health")
+                    if r.status_code == 200:
+                        return
+                    last = f"HTTP {r.status_code}: {r.text[:300]}"
+                except httpx.HTTPError as exc:
+                    last = repr(exc)
+                await trio.sleep(0.1)
+            raise LaunchError(f"{child.name} exited with status {child.returncode}")
+    raise LaunchError(f"{url}/health not 200 within {within:g} s (last: {last})")

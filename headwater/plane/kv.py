@@ -1,0 +1,250 @@
+"""KV transfer on the request plane: both halves of a pull, and the decode side's pool.
+
+A prefill worker holds the KV it computed under a transfer id and hands a
+:class:`~headwater.wire.KvHandle` to the frontend; the decode worker named on the
+next leg pulls the KV straight from the prefill worker::
+
+    decode worker                                   prefill worker
+    TcpKvTransfer.pull(handle)                      PlaneServer
+      pull_kv(conn, transfer_id) ── kv_pull ──▶       serve_pull(source, transfer_id, send)
+                                 ◀── kv_data* ──        source.release_transfer(transfer_id)
+                                 ◀── error ─────        (unknown or expired transfer)
+
+* :class:`KvSource` is what a prefill engine offers the plane (``release_transfer``);
+  :class:`KvTransfer` what a decode engine pulls through (``pull``). In-process the
+  pull is a method call on the source (``workers.runtime.kv_transfer``).
+* :func:`pull_kv` and :func:`serve_pull` are the two halves of one pull on a
+  connection; :class:`TcpKvTransfer` keeps one connection per prefill worker, opened
+  on first use, shared by concurrent pulls, heartbeated like the frontend's, and
+  dropped when it breaks (the next pull opens a new one). Its tasks live in the
+  nursery of :func:`open_kv_transfer`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import trio
+
+from headwater.plane.base import Disconnected, PlaneError, WorkerError
+from headwater.plane.connection import (
+    Connector,
+    PlaneConfig,
+    PlaneConnection,
+    dial,
+    tcp_connector,
+)
+from headwater.wire import ErrorCode, KvHandle
+from headwater.wire.framing import Error, Frame, KvData, KvPull
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class KvSource(Protocol):
+    """What a prefill engine offers: the KV it holds, handed over once per transfer."""
+
+    async def release_transfer(self, transfer_id: str) -> int:
+        """Hand over and free the KV held under *transfer_id*; return its payload bytes.
+
+        Raises :class:`~headwater.plane.base.WorkerError` (``kv_transfer_failed``) when
+        the id is unknown, already pulled or expired.
+        """
+        ...
+
+
+class KvTransfer(abc.ABC):
+    """How a decode engine fetches the KV a prefill worker holds for it.
+
+    In-process this is a method call on the prefill engine; across processes it is a
+    worker-to-worker stream. Both return the number of bytes moved.
+    """
+
+    @abc.abstractmethod
+    async def pull(self, handle: KvHandle) -> int:
+        """Fetch and release the KV behind *handle*; raise WorkerError on failure."""
+
+
+# ---- one pull on a connection: the two halves --------------------------------------------
+
+
+async def pull_kv(conn: PlaneConnection, transfer_id: str) -> int:
+    """The client half: fetch the KV held under *transfer_id*; return the bytes received.
+
+    Raises WorkerError (unknown or expired transfer), Disconnected. Cancellation
+    sends a cancel, so the worker stops sending the payload.
+    """
+    async with conn.route(transfer_id, KvPull(transfer_id)) as route:
+        received = 0
+        while True:
+            msg = await route.next()
+            if isinstance(msg, KvData):
+                received += len(msg.data)
+                if msg.last:
+                    route.done = True
+                    return received
+            elif isinstance(msg, Error):
+                route.done = True
+                raise WorkerError(msg.code, msg.message)
+            else:
+                raise Disconnected(f"unexpected {type(msg).__name__} in a KV transfer")
+
+
+#: Queues one frame of a pull's answer on the server's connection (waits for budget).
+SendFrame = Callable[[Frame], Awaitable[None]]
+
+
+async def serve_pull(
+    source: KvSource | None, transfer_id: str, send: SendFrame, *, piece: memoryview
+) -> int:
+    """The server half: release the KV and send it as ``kv_data`` pieces of at most
+    ``len(piece)`` bytes (*piece* is a buffer of zeros: the simulated payload), or an
+    error frame if *source* does not hold it. Returns the bytes sent (0 on a refusal).
+
+    Raises ClosedResourceError when the connection closes meanwhile.
+    """
+    try:
+        if source is None:
+            raise WorkerError(ErrorCode.KV_TRANSFER_FAILED, "this worker holds no KV")
+        size = await source.release_transfer(transfer_id)
+    except WorkerError as exc:
+        await send(Error(transfer_id, ErrorCode.KV_TRANSFER_FAILED, exc.message))
+        return 0
+    sent = 0
+    while True:
+        n = min(len(piece), size - sent)
+        sent += n
+        await send(KvData(transfer_id, piece[:n], sent >= size))
+        if sent >= size:
+            return size
+
+
+# ---- the decode worker's connections to prefill workers ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransferStats:
+    pulls_total: int
+    pull_failures_total: int
+    bytes_total: int
+    connections: int
+
+
+class TcpKvTransfer(KvTransfer):
+    """Pulls KV from prefill workers over TCP; made by :func:`open_kv_transfer`.
+
+    *peer_id* and *role* identify this worker in the handshake; *secret* must match
+    the prefill workers'. *pull_timeout* bounds one pull, connect included.
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        *,
+        peer_id: str,
+        role: str = "decode",
+        secret: bytes | None = None,
+        config: PlaneConfig | None = None,
+        pull_timeout: float = 30.0,
+    ) -> None:
+        self.peer_id = peer_id
+        self.role = role
+        self.pull_timeout = pull_timeout
+        self.config = config or PlaneConfig()
+        self._secret = secret
+        self._nursery = nursery
+        self._connections: dict[str, PlaneConnection] = {}
+        self._dialing: dict[str, trio.Lock] = {}
+        self._pulls = 0
+        self._failures = 0
+        self._bytes = 0
+
+    async def pull(self, handle: KvHandle) -> int:
+        """Fetch and release the KV behind *handle*; return the payload bytes.
+
+        Raises ``WorkerError("kv_transfer_failed")`` if the prefill worker cannot be
+        reached, refuses the transfer, breaks off, or takes over ``pull_timeout``.
+        """
+        try:
+            with trio.fail_after(self.pull_timeout):
+                conn = await self._connection(handle)
+                received = await pull_kv(conn, handle.transfer_id)
+        except (PlaneError, trio.TooSlowError, ValueError) as exc:
+            self._failures += 1
+            reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+            raise WorkerError(
+                ErrorCode.KV_TRANSFER_FAILED,
+                f"pulling KV {handle.transfer_id} from {handle.worker_id} at "
+                f"{handle.address}: {reason}",
+            ) from exc
+        self._pulls += 1
+        self._bytes += received
+        return received
+
+    async def _connection(self, handle: KvHandle) -> PlaneConnection:
+        address = handle.address
+        lock = self._dialing.setdefault(address, trio.Lock())
+        async with lock:  # one dial per prefill worker, however many pulls wait
+            conn = self._connections.get(address)
+            if conn is not None and (
+                conn.unusable.is_set() or conn.peer.worker_id != handle.worker_id
+            ):
+                conn.close("replaced")
+                conn = None
+            if conn is None:
+                conn = await self._dial(address, handle.worker_id, tcp_connector(address))
+            return conn
+
+    async def _dial(self, address: str, worker_id: str, connector: Connector) -> PlaneConnection:
+        conn = await dial(
+            connector,
+            role=self.role,
+            peer_id=self.peer_id,
+            secret=self._secret,
+            expect_worker_id=worker_id,
+            config=self.config,
+        )
+        self._connections[address] = conn
+        await self._nursery.start(self._run_connection, address, conn)
+        return conn
+
+    async def _run_connection(
+        self, address: str, conn: PlaneConnection, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        try:
+            await conn.run(task_status=task_status)
+        finally:
+            if self._connections.get(address) is conn:
+                del self._connections[address]
+            log.debug("KV connection to %s ended: %s", address, conn.reason)
+
+    def statistics(self) -> KvTransferStats:
+        return KvTransferStats(
+            pulls_total=self._pulls,
+            pull_failures_total=self._failures,
+            bytes_total=self._bytes,
+            connections=len(self._connections),
+        )
+
+
+@asynccontextmanager
+async def open_kv_transfer(
+    *,
+    peer_id: str,
+    role: str = "decode",
+    secret: bytes | None = None,
+    config: PlaneConfig | None = None,
+    pull_timeout: float = 30.0,
+) -> AsyncIterator[TcpKvTransfer]:
+    """A :class:`TcpKvTransfer` whose connections live until the block ends."""
+    async with trio.open_nursery() as nursery:
+        yield TcpKvTransfer(
+            nursery, peer_id=peer_id, role=role, secret=secret, config=config,
+            pull_timeout=pull_timeout,
+        )  # fmt: skip
+        nursery.cancel_scope.cancel()
