@@ -1,9 +1,13 @@
 """One request's way through the frontend, as named stages.
 
-``preprocess`` (chat template, tokenizer pool) → ``route`` (router picks workers) →
-``plane`` (request plane: prefill leg then decode leg, or one aggregated leg) →
-``postprocess`` (incremental detokenizer, stop strings). The same stage names appear
-in metrics (``*_seconds``), logs and this code.
+``preprocess`` (chat template, tokenizer pool) → ``route`` and ``plane`` (the
+dispatcher, :mod:`frontend.router.dispatch`: workers picked per leg, retried,
+migrated) → ``postprocess`` (incremental detokenizer, stop strings). The same stage
+names appear in metrics (``*_seconds``), logs and this code.
+
+Nothing here knows HTTP: the pipeline takes a :class:`~frontend.request.ParsedRequest`
+and raises the frontend's own errors (:mod:`frontend.errors`), which the HTTP layer
+maps to statuses and OpenAI bodies.
 
 Structured concurrency: :meth:`Pipeline.generate` is consumed by the HTTP handler in
 the request's own task. When the client disconnects, that task is cancelled, the
@@ -19,19 +23,18 @@ import uuid
 from array import array
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import trio
 
-from frontend.http.errors import ApiError, bad_request
-from frontend.http.schema import ParsedRequest
+from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate, TemplateError, completion_prompt
-from frontend.router import NoWorkers, Router
-from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
-from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role, SamplingParams
+from frontend.request import ParsedRequest
+from frontend.router import DispatchConfig, Dispatcher, Router
+from headwater.wire import GenerateRequest, SamplingParams
 from headwater.wire.tokens import token_array
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,8 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """Text produced by one step of postprocess; ``finish_reason`` on the last one."""
+    """What the pipeline yields: new text of the response, tokens so far, and
+    ``finish_reason`` on the last one."""
 
     text: str
     completion_tokens: int
@@ -85,8 +89,12 @@ class Pipeline:
         self.template = template
         self.router = router
         self.metrics = metrics
-        self.migration_limit = migration_limit
-        self.route_attempts = route_attempts
+        self.dispatcher = Dispatcher(
+            router,
+            model_name,
+            config=DispatchConfig(migration_limit=migration_limit, route_attempts=route_attempts),
+            metrics=metrics,
+        )
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = (eos,) if eos is not None else ()
 
@@ -94,14 +102,12 @@ class Pipeline:
 
     def ready(self) -> bool:
         """A request could be served now: prefill + decode, or an aggregated worker."""
-        r, m = self.router, self.model_name
-        disagg = r.routable(Role.PREFILL, m) > 0 and r.routable(Role.DECODE, m) > 0
-        return disagg or r.routable(Role.AGG, m) > 0
+        return self.dispatcher.ready()
 
     # -- preprocess ------------------------------------------------------------------
 
     async def preprocess(self, parsed: ParsedRequest) -> Prepared:
-        """Template and tokenize; validate lengths. Raises ApiError (400)."""
+        """Template and tokenize; validate lengths. Raises InvalidRequest."""
         started = trio.current_time()
         t0 = time.perf_counter()
         try:
@@ -111,7 +117,7 @@ class Pipeline:
                 text_or_ids = completion_prompt(parsed.prompt)
         except TemplateError as exc:
             param = "messages" if parsed.endpoint == "chat" else "prompt"
-            raise bad_request(str(exc), param) from exc
+            raise InvalidRequest(str(exc), param=param) from exc
         t1 = time.perf_counter()
         self.metrics.template_seconds.observe(t1 - t0)
         if isinstance(text_or_ids, str):
@@ -119,7 +125,9 @@ class Pipeline:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             if any(t >= self.tokenizer.vocab_size for t in text_or_ids):  # >= 0: schema
-                raise bad_request("prompt token ids must be below the vocabulary size", "prompt")
+                raise InvalidRequest(
+                    "prompt token ids must be below the vocabulary size", param="prompt"
+                )
             prompt_ids = token_array(text_or_ids)
         return Prepared(
             request_id=uuid.uuid4().hex,
@@ -145,13 +153,12 @@ class Pipeline:
         room = self.context_length - prompt_len
         if room < 1 or (parsed.max_tokens is not None and parsed.max_tokens > room):
             asked = parsed.max_tokens if parsed.max_tokens is not None else 1
-            raise bad_request(
+            raise ContextTooLong(
                 f"This model's maximum context length is {self.context_length} tokens. "
                 f"However, you requested {prompt_len + asked} tokens ({prompt_len} in the "
                 f"prompt, {asked} for the completion). Please reduce the length of the "
                 "prompt or the completion.",
-                "messages" if parsed.endpoint == "chat" else "prompt",
-                code="context_length_exceeded",
+                param="messages" if parsed.endpoint == "chat" else "prompt",
             )
         return SamplingParams(
             max_tokens=parsed.max_tokens if parsed.max_tokens is not None else room,
@@ -168,7 +175,8 @@ class Pipeline:
     async def generate(self, prep: Prepared) -> AsyncIterator[Delta]:
         """Stream text deltas; the last one carries ``finish_reason``.
 
-        Raises ApiError 503 when no worker can take the request before any output.
+        Raises NoCapacity when no worker can take the request before any output,
+        InvalidRequest when a worker refuses it as invalid, WorkerFailed otherwise.
         """
         post = TextPostprocessor(
             self.tokenizer.decode, stops=prep.parsed.stop,
@@ -177,7 +185,14 @@ class Pipeline:
         first = True
         last_token_at = 0.0
         cached = 0
-        async with aclosing(self._token_stream(prep)) as chunks:
+        request = GenerateRequest(
+            request_id=prep.request_id,
+            model=self.model_name,
+            token_ids=prep.prompt_ids,
+            sampling=prep.sampling,
+            eos_token_ids=self.eos_token_ids,
+        )
+        async with aclosing(self.dispatcher.stream(request)) as chunks:
             async for chunk in chunks:
                 now = trio.current_time()
                 if n := len(chunk.token_ids):
@@ -206,103 +221,7 @@ class Pipeline:
                     return
                 if delta.text:
                     yield Delta(delta.text, post.completion_tokens, None, cached)
-        raise ApiError(502, "the worker ended the stream without a finish reason")
-
-    async def _token_stream(self, prep: Prepared) -> AsyncIterator[Chunk]:
-        """Chunks for the request, migrating to another worker if a stream breaks."""
-        generated = token_array()
-        migrations = 0
-        while True:
-            request = GenerateRequest(
-                request_id=prep.request_id if migrations == 0
-                else f"{prep.request_id}.m{migrations}",
-                model=self.model_name,
-                # The prompt's array itself until a migration has output to carry over:
-                # nothing downstream writes to it.
-                token_ids=prep.prompt_ids + generated if generated else prep.prompt_ids,
-                sampling=replace(
-                    prep.sampling,
-                    max_tokens=prep.sampling.max_tokens - len(generated),
-                    min_tokens=max(0, prep.sampling.min_tokens - len(generated)),
-                ),
-                eos_token_ids=self.eos_token_ids,
-            )
-            try:
-                role, request = await self._route(request)
-                async with aclosing(self._stream_on(role, request)) as chunks:
-                    async for chunk in chunks:
-                        generated.extend(chunk.token_ids)
-                        yield chunk
-                return
-            except Disconnected as exc:
-                if migrations >= self.migration_limit:
-                    raise ApiError(502, "the worker's stream broke") from exc
-                migrations += 1
-                self.metrics.model_migration_total.inc()
-                log.warning("request %s: stream broke (%s); migrating with %d tokens",
-                            prep.request_id, exc, len(generated))
-
-    async def _route(self, request: GenerateRequest) -> tuple[Role, GenerateRequest]:
-        """Where the output of one attempt comes from: disaggregated when possible (the
-        prefill leg runs here, and the request gains its KV handle), else aggregated."""
-        r, m = self.router, self.model_name
-        if r.routable(Role.PREFILL, m) and r.routable(Role.DECODE, m):
-            handle = await self._prefill(request)
-            return Role.DECODE, replace(request, kv_handle=handle)
-        if r.routable(Role.AGG, m):
-            return Role.AGG, request
-        return Role.DECODE, request  # a decode worker can prefill locally when alone
-
-    async def _prefill(self, request: GenerateRequest) -> KvHandle | None:
-        handle = None
-        async with aclosing(self._stream_on(Role.PREFILL, request)) as chunks:
-            async for chunk in chunks:
-                handle = chunk.kv_handle or handle
-        if handle is None:
-            raise ApiError(502, "the prefill worker returned no KV handle")
-        return handle
-
-    async def _stream_on(self, role: Role, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        """Route to a worker of *role* and relay its chunks.
-
-        Workers that cannot be reached (no ACK) or refuse retryably are skipped, up to
-        ``route_attempts``; the unreachable ones are inhibited by the router.
-        """
-        tried: set[str] = set()
-        while True:
-            client = self._pick(role, frozenset(tried))
-            tried.add(client.instance.worker_id)
-            # The consumer closes this generator at the yield of the final chunk, so
-            # success is booked in `finally`, from what was seen, not after the loop.
-            finished = False
-            try:
-                with self.router.track(client):
-                    async with client.stream(request) as replies:
-                        async for chunk in replies:
-                            finished = chunk.finish_reason is not None
-                            yield chunk
-                finished = True  # End received (a prefill leg has no finish reason)
-                return
-            except CannotConnect as exc:
-                self.router.report_unreachable(client, exc)
-                log.warning("worker %s unreachable: %s", client.instance.worker_id, exc)
-                if len(tried) >= self.route_attempts:
-                    raise ApiError(503, "no worker could take the request") from exc
-            except WorkerError as exc:
-                if exc.code is ErrorCode.INVALID_REQUEST:
-                    raise bad_request(exc.message) from exc
-                if not exc.retryable or len(tried) >= self.route_attempts:
-                    why = f"the worker failed the request ({exc.code.value})"
-                    raise ApiError(502, why) from exc
-            finally:
-                if finished:
-                    self.router.report_success(client)
-
-    def _pick(self, role: Role, exclude: frozenset[str]) -> WorkerClient:
-        try:
-            return self.router.pick(role, self.model_name, exclude)
-        except NoWorkers as exc:
-            raise ApiError(503, str(exc), code="no_workers") from exc
+        raise WorkerFailed("the worker ended the stream without a finish reason")
 
 
 def _approx_chars(messages: list | None) -> int:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from frontend.postprocess import Delta, IncrementalDetokenizer, StopMatcher, TextPostprocessor
+from frontend.postprocess import IncrementalDetokenizer, StopMatcher, TextPostprocessor, TextStep
 
 REPLACEMENT = "\ufffd"
 BOS_ID, EOS_ID = 0, 1
@@ -238,7 +238,7 @@ def test_property_stop_matches_char_by_char_scan(
 # --- TextPostprocessor -------------------------------------------------------------
 
 
-def run(post: TextPostprocessor, ids: Sequence[int]) -> tuple[list[Delta], str]:
+def run(post: TextPostprocessor, ids: Sequence[int]) -> tuple[list[TextStep], str]:
     deltas = []
     for i in ids:
         deltas.append(post.step([i]))
@@ -258,7 +258,7 @@ def test_postprocessor_stop_string_across_tokens() -> None:
     assert deltas[-1].stopped
     assert post.stopped
     assert post.completion_tokens == len(deltas) < len(ids)
-    assert post.step(ids) == Delta("", True)
+    assert post.step(ids) == TextStep("", True)
     assert post.completion_tokens == len(deltas)
 
 
@@ -270,7 +270,7 @@ def test_postprocessor_counts_a_merged_chunk_up_to_the_stop_token() -> None:
     deltas, tail = run(one_by_one, ids)
     merged = TextPostprocessor(decode, stops=["lo wor"])
     delta = merged.step(ids)
-    assert delta == Delta("".join(d.text for d in deltas), True)
+    assert delta == TextStep("".join(d.text for d in deltas), True)
     assert merged.finish() == tail == ""
     assert merged.completion_tokens == one_by_one.completion_tokens < len(ids)
     # Without stop strings a merged chunk is one step, counted whole.

@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 from frontend.discovery.static import parse_worker_url
-from frontend.router import NoWorkers, Router, WorkerState
+from frontend.errors import NoWorkers
+from frontend.router import Router, WorkerState
 from headwater.plane.base import WorkerInstance
 from headwater.wire import Role
 

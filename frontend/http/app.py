@@ -24,11 +24,13 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from frontend.http.errors import ApiError, bad_request
+from frontend.errors import FrontendError, NoWorkers, UnknownModel
+from frontend.http.errors import ApiError, api_error, bad_request
 from frontend.http.responses import ChunkWriter, unary_body
-from frontend.http.schema import ParsedRequest, parse_request, unknown_model
+from frontend.http.schema import parse_request
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Delta, Pipeline, Prepared
+from frontend.request import ParsedRequest
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,10 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
         return error_response(err)
+
+    @app.errorhandler(FrontendError)
+    async def _frontend_error(err: FrontendError) -> Response:
+        return error_response(api_error(err))
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
@@ -96,7 +102,7 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
     @app.get("/v1/models/<path:model_id>")
     async def model_card(model_id: str) -> Response:
         if model_id != model:
-            raise unknown_model(model_id)
+            raise UnknownModel(model_id)
         return json_response(_model_card(model, created))
 
     @app.post("/v1/chat/completions")
@@ -110,7 +116,7 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
     async def _serve(endpoint: str) -> Response:
         parsed = await _parse(endpoint)
         if parsed.model != model:
-            raise unknown_model(parsed.model)
+            raise UnknownModel(parsed.model)
         kind = "stream" if parsed.stream else "unary"
         metrics.inflight_requests.inc()
         status = "error"
@@ -118,7 +124,7 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             prep = await pipeline.preprocess(parsed)
             metrics.input_sequence_tokens.observe(len(prep.prompt_ids))
             if not pipeline.ready():
-                raise ApiError(503, "no routable worker for this model", code="no_workers")
+                raise NoWorkers("no routable worker for this model")
             if parsed.stream:
                 status = "streaming"  # the body generator books the final status
                 return Response(
@@ -127,8 +133,9 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             response = await _unary(prep)
             status = "success"
             return response
-        except ApiError as err:
-            status = "error" if err.status >= 500 else "rejected"
+        except (ApiError, FrontendError) as err:
+            as_http = err if isinstance(err, ApiError) else api_error(err)
+            status = "error" if as_http.status >= 500 else "rejected"
             raise
         except trio.Cancelled:
             status = "cancelled"  # the client went away: quart-trio cancelled us
@@ -194,10 +201,10 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             if last is not None and prep.parsed.include_usage:
                 pending += writer.usage(last)
             status = "success"
-        except ApiError as err:
+        except FrontendError as err:
             # Headers are gone already: report in-stream, as OpenAI does.
             status = "error"
-            pending += ChunkWriter.error(err.body())
+            pending += ChunkWriter.error(api_error(err).body())
         except Exception:
             status = "error"
             log.exception("stream %s failed", prep.request_id)

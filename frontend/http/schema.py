@@ -1,42 +1,20 @@
-"""Parsing and validating OpenAI request bodies into one typed record.
+"""Parsing and validating OpenAI request bodies into the frontend's request model.
 
 Validation is strict about types (``true`` is not an integer, ``"5"`` is not a
 number) and lenient about unknown fields, because OpenAI clients send many optional
-ones. Every failure is an :class:`ApiError` 400 naming the offending ``param``.
+ones. Every failure is an :class:`ApiError` 400 naming the offending ``param``. The
+result is a :class:`~frontend.request.ParsedRequest`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.http.errors import ApiError, bad_request
+from frontend.http.errors import bad_request
+from frontend.request import ParsedRequest
 
 MAX_STOP_STRINGS = 16
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedRequest:
-    """What the pipeline needs from a chat or completions request body."""
-
-    endpoint: str  # "chat" | "completions"
-    model: str
-    messages: list[Any] | None = None  # chat
-    prompt: Any = None  # completions: str or list of token ids
-    stream: bool = False
-    include_usage: bool = False
-    max_tokens: int | None = None
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    user: str | None = None
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    tools: list[Any] | None = None
 
 
 def _int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
@@ -178,10 +156,4 @@ def parse_request(body: Any, endpoint: str) -> ParsedRequest:
         user=user,
         chat_template_kwargs=kwargs,
         tools=tools,
-    )
-
-
-def unknown_model(model: str) -> ApiError:
-    return ApiError(
-        404, f"The model '{model}' does not exist", param="model", code="model_not_found"
     )

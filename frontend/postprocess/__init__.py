@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from frontend.postprocess.detokenizer import IncrementalDetokenizer
 from frontend.postprocess.stop import StopMatcher
 
-__all__ = ["Delta", "IncrementalDetokenizer", "StopMatcher", "TextPostprocessor"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "TextPostprocessor", "TextStep"]
 
 
 @dataclass(frozen=True, slots=True)
-class Delta:
+class TextStep:
     """What one chunk of tokens adds to the response: ``text`` to send (may be empty) and
     whether a stop string ended the response (finish_reason "stop"; send nothing more)."""
 
@@ -32,7 +32,7 @@ class TextPostprocessor:
 
     Feed each chunk's ids to :meth:`step`; at the engine's end of stream call
     :meth:`finish` for the held-back tail. Once a stop string is hit, later steps return
-    ``Delta("", True)`` and are not counted: the caller should cancel the generation.
+    ``TextStep("", True)`` and are not counted: the caller should cancel the generation.
     """
 
     def __init__(
@@ -63,19 +63,19 @@ class TextPostprocessor:
         """A stop string ended the response (in a :meth:`step` or in :meth:`finish`)."""
         return self._stop.stopped
 
-    def step(self, token_ids: Sequence[int]) -> Delta:
+    def step(self, token_ids: Sequence[int]) -> TextStep:
         if self._stop.stopped or self._finished:
-            return Delta("", self._stop.stopped)
+            return TextStep("", self._stop.stopped)
         if self._has_stops and len(token_ids) > 1:
             return self._step_each(token_ids)
         self._completion_tokens += len(token_ids)
         text = self._detok.add(token_ids)
         if not text:
-            return Delta("", False)
+            return TextStep("", False)
         out, stopped = self._stop.feed(text)
-        return Delta(out, stopped)
+        return TextStep(out, stopped)
 
-    def _step_each(self, token_ids: Sequence[int]) -> Delta:
+    def _step_each(self, token_ids: Sequence[int]) -> TextStep:
         # A chunk of several tokens (the plane merges waiting ones) is taken one token
         # at a time, so that usage counts up to the token that completed a stop string.
         pieces = []
@@ -83,8 +83,8 @@ class TextPostprocessor:
             delta = self.step((token,))
             pieces.append(delta.text)
             if delta.stopped:
-                return Delta("".join(pieces), True)
-        return Delta("".join(pieces), False)
+                return TextStep("".join(pieces), True)
+        return TextStep("".join(pieces), False)
 
     def finish(self) -> str:
         """Release the text still held back (an unfinished character, a partial stop

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import trio
 
+from frontend.errors import NoWorkers
 from headwater.plane.base import WorkerClient
 from headwater.wire import Role
 
@@ -42,10 +43,6 @@ class WorkerState(enum.StrEnum):
     HEALTHY = "healthy"
     INHIBITED = "inhibited"
     DRAINING = "draining"
-
-
-class NoWorkers(Exception):
-    """No routable worker for this role and model right now (HTTP 503)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +138,10 @@ class Router:
 
     # -- routing (the pipeline's side) --------------------------------------------
 
-    def routable(self, role: Role, model: str) -> int:
+    def routable(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> int:
+        """How many workers of *role* serving *model*, not in *exclude*, may be picked now."""
         now = trio.current_time()
-        return sum(1 for e in self._candidates(role, model, now, ()))
+        return sum(1 for e in self._candidates(role, model, now, exclude))
 
     def pick(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> WorkerClient:
         """Choose a worker for *role* serving *model*, skipping ids in *exclude*.
@@ -173,7 +171,7 @@ class Router:
         return next(self._turns.setdefault((role, model), itertools.count()))
 
     def _candidates(
-        self, role: Role, model: str, now: float, exclude: frozenset[str] | tuple[()]
+        self, role: Role, model: str, now: float, exclude: frozenset[str]
     ) -> Iterator[_Entry]:
         for wid, e in self._entries.items():
             inst = e.client.instance

@@ -1,0 +1,226 @@
+"""Dispatch: one request's token stream, from whichever workers can produce it.
+
+The pipeline hands :meth:`Dispatcher.stream` a :class:`~headwater.wire.GenerateRequest`
+and consumes :class:`~headwater.wire.Chunk`\\ s; where they come from is decided here,
+in three nested loops:
+
+* **route** — per attempt, the layout: a prefill leg (which answers with a
+  :class:`~headwater.wire.KvHandle`) then a decode leg carrying the handle, when both
+  roles are routable; else one aggregated leg; else a decode worker alone (it
+  prefills locally).
+* **retry** — per leg, another worker of the role when one cannot take the request
+  (no connection or no ACK: :class:`~headwater.plane.CannotConnect`, which the router
+  also counts against that worker's health; or a retryable refusal: overloaded,
+  draining), up to ``route_attempts`` workers per leg.
+* **migrate** — when a stream breaks after its ACK (:class:`~headwater.plane.Disconnected`),
+  or a decode worker could not pull the prefill's KV, the request starts again on
+  other workers with the tokens generated so far appended to the prompt and
+  ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
+  (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
+  token twice, none missing.
+
+A worker that failed a request (unreachable, refused it retryably, broke its stream)
+is not picked again for that request. Errors come out as the frontend's own
+(:mod:`frontend.errors`): a worker's ``invalid_request`` refusal is the client's
+:class:`~frontend.errors.InvalidRequest` and never counts against the worker; no
+worker to try is :class:`~frontend.errors.NoCapacity`; anything else the workers do
+wrong, once retries are spent, is :class:`~frontend.errors.WorkerFailed`.
+
+Structured concurrency: :meth:`Dispatcher.stream` is an async generator consumed in
+the request's own task and closed with ``aclosing``; it holds no cancel scope across
+a ``yield``. Closing it (the client left, a stop string matched) leaves the current
+``client.stream(...)`` block, which cancels the request on its worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from frontend.errors import InvalidRequest, NoCapacity, WorkerFailed
+from frontend.router.router import Router
+from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
+from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
+from headwater.wire.tokens import token_array
+
+if TYPE_CHECKING:
+    from frontend.metrics import FrontendMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    """How hard dispatch tries before it gives up on a request."""
+
+    #: Times a broken stream (or a failed KV pull) may move to other workers.
+    migration_limit: int = 3
+    #: Workers tried per leg when one cannot take the request.
+    route_attempts: int = 3
+
+
+class _Migrate(Exception):
+    """This attempt's output cannot continue where it is; start over elsewhere."""
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """One request's dispatch state across its attempts."""
+
+    #: Workers that failed this request: not picked for it again.
+    failed: set[str] = field(default_factory=set)
+    migrations: int = 0
+
+
+class Dispatcher:
+    """Routes, retries and migrates requests for one model; see the module docstring."""
+
+    def __init__(
+        self,
+        router: Router,
+        model: str,
+        *,
+        config: DispatchConfig | None = None,
+        metrics: FrontendMetrics | None = None,
+    ) -> None:
+        self.router = router
+        self.model = model
+        self.config = config or DispatchConfig()
+        self.metrics = metrics
+
+    def ready(self) -> bool:
+        """A request could be served now: prefill + decode, or an aggregated worker."""
+        r, m = self.router, self.model
+        disagg = r.routable(Role.PREFILL, m) > 0 and r.routable(Role.DECODE, m) > 0
+        return disagg or r.routable(Role.AGG, m) > 0
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        """The request's chunks, from one or more workers; the last carries
+        ``finish_reason`` (unless the caller stops reading first).
+
+        Raises InvalidRequest, NoCapacity or WorkerFailed (see the module docstring).
+        """
+        generated = token_array()
+        state = _Attempts()
+        while True:
+            attempt = self._continuation(request, generated, state.migrations)
+            try:
+                async with aclosing(self._attempt(attempt, state)) as chunks:
+                    async for chunk in chunks:
+                        generated.extend(chunk.token_ids)
+                        yield chunk
+                return
+            except _Migrate as exc:
+                if state.migrations >= self.config.migration_limit:
+                    raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
+                state.migrations += 1
+                if self.metrics is not None:
+                    self.metrics.model_migration_total.inc()
+                log.warning("request %s: %s; migrating with %d tokens",
+                            request.request_id, exc, len(generated))  # fmt: skip
+
+    @staticmethod
+    def _continuation(
+        request: GenerateRequest, generated: array[int], migrations: int
+    ) -> GenerateRequest:
+        """*request* as it continues after *migrations* migrations with *generated*
+        tokens already delivered: the request itself until then (its token array as
+        it is: nothing downstream writes to it)."""
+        if migrations == 0:
+            return request
+        sampling = request.sampling
+        return replace(
+            request,
+            request_id=f"{request.request_id}.m{migrations}",
+            token_ids=token_array(request.token_ids) + generated,
+            sampling=replace(
+                sampling,
+                max_tokens=sampling.max_tokens - len(generated),
+                min_tokens=max(0, sampling.min_tokens - len(generated)),
+            ),
+            kv_handle=None,
+        )
+
+    async def _attempt(self, request: GenerateRequest, state: _Attempts) -> AsyncIterator[Chunk]:
+        """One attempt: disaggregated when both roles are routable (the prefill leg
+        runs here and the request gains its KV handle), else aggregated."""
+        r, m, failed = self.router, self.model, frozenset(state.failed)
+        role = Role.DECODE  # a decode worker can prefill locally when alone
+        if r.routable(Role.PREFILL, m, failed) and r.routable(Role.DECODE, m, failed):
+            handle = await self._prefill(request, state)
+            request = replace(request, kv_handle=handle)
+        elif r.routable(Role.AGG, m, failed):
+            role = Role.AGG
+        async with aclosing(self._leg(role, request, state)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _prefill(self, request: GenerateRequest, state: _Attempts) -> KvHandle:
+        handle = None
+        async with aclosing(self._leg(Role.PREFILL, request, state)) as chunks:
+            async for chunk in chunks:
+                handle = chunk.kv_handle or handle
+        if handle is None:
+            raise WorkerFailed("the prefill worker returned no KV handle")
+        return handle
+
+    async def _leg(
+        self, role: Role, request: GenerateRequest, state: _Attempts
+    ) -> AsyncIterator[Chunk]:
+        """Route to a worker of *role* and relay its chunks, trying another worker
+        (up to ``route_attempts``) when one cannot take the request."""
+        tried = 0
+        while True:
+            client = self._pick(role, state)
+            tried += 1
+            wid = client.instance.worker_id
+            # The consumer closes this generator at the yield of the final chunk, so
+            # success is booked in `finally`, from what was seen, not after the loop.
+            finished = False
+            try:
+                with self.router.track(client):
+                    async with client.stream(request) as replies:
+                        async for chunk in replies:
+                            finished = chunk.finish_reason is not None
+                            yield chunk
+                finished = True  # End received (a prefill leg has no finish reason)
+                return
+            except CannotConnect as exc:
+                state.failed.add(wid)
+                self.router.report_unreachable(client, exc)
+                log.warning("worker %s unreachable: %s", wid, exc)
+                if tried >= self.config.route_attempts:
+                    raise NoCapacity("no worker could take the request") from exc
+            except Disconnected as exc:
+                state.failed.add(wid)
+                raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
+            except WorkerError as exc:
+                self._refused(role, client, exc, state, tried)
+            finally:
+                if finished:
+                    self.router.report_success(client)
+
+    def _refused(
+        self, role: Role, client: WorkerClient, exc: WorkerError, state: _Attempts, tried: int
+    ) -> None:
+        """A worker answered with an Error: decide what that means for the request.
+
+        Returns to try another worker of the role; raises otherwise.
+        """
+        wid = client.instance.worker_id
+        if exc.code is ErrorCode.INVALID_REQUEST:
+            raise InvalidRequest(exc.message) from exc
+        if exc.code is ErrorCode.KV_TRANSFER_FAILED and role is Role.DECODE:
+            # The prefill's KV is gone (expired, its worker died): prefill again.
+            raise _Migrate(f"decode worker {wid} could not pull the KV: {exc.message}") from exc
+        if not exc.retryable or tried >= self.config.route_attempts:
+            raise WorkerFailed(f"the worker failed the request ({exc.code.value})") from exc
+        state.failed.add(wid)
+
+    def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
+        """A worker of *role* that has not failed this request; raises NoWorkers."""
+        return self.router.pick(role, self.model, frozenset(state.failed))

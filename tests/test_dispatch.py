@@ -1,0 +1,354 @@
+"""Dispatch: route, retry and migration of one request's stream, on virtual time.
+
+Fake workers (:class:`FakeWorker`) play a script per request: refuse to connect,
+answer with an error, stream tokens and finish, break after some tokens, or answer a
+prefill with a KV handle. Their tokens are a function of the absolute position in
+the sequence (:func:`token_at`), as a real engine's greedy output would be, so a
+migrated stream can be checked token for token against the one that never broke.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+
+from frontend.errors import InvalidRequest, NoCapacity, WorkerFailed
+from frontend.metrics import FrontendMetrics
+from frontend.router import DispatchConfig, Dispatcher, Router, WorkerState
+from headwater.plane.base import (
+    CannotConnect,
+    Disconnected,
+    ResponseStream,
+    WorkerClient,
+    WorkerError,
+    WorkerInstance,
+)
+from headwater.wire import (
+    Chunk,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    Role,
+    SamplingParams,
+)
+
+MODEL = "m"
+PROMPT = list(range(10, 30))  # 20 tokens
+
+
+def token_at(position: int) -> int:
+    """The token a deterministic engine produces at *position* of the sequence."""
+    return 1000 + position
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """No connection / no ACK."""
+
+
+@dataclass(frozen=True)
+class Reject:
+    """An Error message instead of an ACK."""
+
+    code: ErrorCode
+
+
+@dataclass(frozen=True)
+class Stream:
+    """ACK, then tokens; ``break_after`` tokens then a broken stream, if set."""
+
+    break_after: int | None = None
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """ACK, then one chunk carrying a KV handle."""
+
+    break_first: bool = False
+
+
+Behaviour = Refuse | Reject | Stream | Prefill
+
+
+@dataclass
+class FakeWorker(WorkerClient):
+    worker_id: str
+    role: Role
+    script: list[Behaviour]
+    received: list[GenerateRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.instance = WorkerInstance(self.worker_id, self.role, MODEL, f"fake://{self.worker_id}")
+
+    @asynccontextmanager
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[ResponseStream]:
+        await trio.sleep(0.001)
+        self.received.append(request)
+        behaviour = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        if isinstance(behaviour, Refuse):
+            raise CannotConnect(f"{self.worker_id} refused")
+        if isinstance(behaviour, Reject):
+            raise WorkerError(behaviour.code, f"{self.worker_id} says no")
+        replies = _Replies(self._chunks(request, behaviour))
+        try:
+            yield replies
+        finally:
+            if not replies.finished:
+                self.cancelled.append(request.request_id)
+
+    async def _chunks(self, request: GenerateRequest, behaviour: Behaviour) -> AsyncIterator[Chunk]:
+        rid = request.request_id
+        if isinstance(behaviour, Prefill):
+            await trio.sleep(0.01)
+            if behaviour.break_first:
+                raise Disconnected(f"{self.worker_id} died while prefilling")
+            yield Chunk(rid, [], kv_handle=KvHandle(self.worker_id, self.instance.address,
+                                                    f"kv-{rid}", len(request.token_ids)))
+            return
+        assert isinstance(behaviour, Stream)
+        start, n = len(request.token_ids), request.sampling.max_tokens
+        for i in range(n):
+            if behaviour.break_after is not None and i == behaviour.break_after:
+                raise Disconnected(f"{self.worker_id} died after {i} tokens")
+            await trio.sleep(0.01)
+            last = i == n - 1
+            yield Chunk(rid, [token_at(start + i)], FinishReason.LENGTH if last else None)
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class _Replies(ResponseStream):
+    def __init__(self, chunks: AsyncIterator[Chunk]) -> None:
+        self._chunks = chunks
+
+    async def _receive(self) -> Chunk:  # type: ignore[override]
+        raise NotImplementedError
+
+    async def __anext__(self) -> Chunk:
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+            raise
+        except Disconnected:
+            self.finished = True
+            raise
+
+
+def cluster(*workers: FakeWorker) -> Router:
+    router = Router("round-robin", rng=random.Random(1))
+    for worker in workers:
+        router.add(worker)
+    return router
+
+
+def request(max_tokens: int = 8, min_tokens: int = 0) -> GenerateRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=True)
+    return GenerateRequest("r", MODEL, PROMPT, sampling)
+
+
+async def run(
+    router: Router, req: GenerateRequest, *, stop_after: int | None = None, **config: int
+) -> tuple[list[Chunk], FrontendMetrics]:
+    metrics = FrontendMetrics()
+    dispatcher = Dispatcher(router, MODEL, config=DispatchConfig(**config), metrics=metrics)
+    chunks: list[Chunk] = []
+    async with aclosing(dispatcher.stream(req)) as stream:
+        async for chunk in stream:
+            chunks.append(chunk)
+            if stop_after is not None and len(chunks) == stop_after:
+                break
+    return chunks, metrics
+
+
+def tokens(chunks: list[Chunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def expected(n: int) -> list[int]:
+    return [token_at(len(PROMPT) + i) for i in range(n)]
+
+
+def migrations(metrics: FrontendMetrics) -> float:
+    return metrics.model_migration_total._value.get()
+
+
+def used(*workers: FakeWorker) -> list[str]:
+    return [w.worker_id for w in workers if w.received]
+
+
+async def test_an_aggregated_stream_passes_through(autojump_clock: object) -> None:
+    a = FakeWorker("a", Role.AGG, [Stream()])
+    router = cluster(a)
+    chunks, metrics = await run(router, request(5))
+    assert tokens(chunks) == expected(5)
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert [r.request_id for r in a.received] == ["r"]
+    assert router.views()[0].served == 1
+    assert migrations(metrics) == 0
+
+
+async def test_migration_carries_the_generated_tokens_over_exactly(
+    autojump_clock: object,
+) -> None:
+    a = FakeWorker("a", Role.AGG, [Stream(break_after=3)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    chunks, metrics = await run(cluster(a, b), request(max_tokens=8, min_tokens=5))
+    assert tokens(chunks) == expected(8)  # no token twice, none missing
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    (moved,) = b.received
+    assert moved.request_id == "r.m1"
+    assert list(moved.token_ids) == PROMPT + expected(3)
+    assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (5, 2)
+    assert migrations(metrics) == 1
+    assert a.received[0].sampling.max_tokens == 8  # the first leg asked for everything
+
+
+async def test_a_worker_that_failed_the_request_is_not_picked_again(
+    autojump_clock: object,
+) -> None:
+    # Round-robin's turns over all three would go a, b, c; among the workers that have
+    # not failed this request they go a, then c (second of b, c), then b.
+    a = FakeWorker("a", Role.AGG, [Stream(break_after=2)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    c = FakeWorker("c", Role.AGG, [Stream(break_after=1)])
+    chunks, metrics = await run(cluster(a, b, c), request(6))
+    assert tokens(chunks) == expected(6)
+    assert [len(w.received) for w in (a, b, c)] == [1, 1, 1]
+    assert [r.request_id for r in c.received] == ["r.m1"]
+    assert [r.request_id for r in b.received] == ["r.m2"]
+    assert list(b.received[0].token_ids) == PROMPT + expected(3)
+    assert migrations(metrics) == 2
+
+
+async def test_an_unreachable_worker_is_skipped_and_inhibited(autojump_clock: object) -> None:
+    a = FakeWorker("a", Role.AGG, [Refuse()])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    router = cluster(a, b)
+    chunks, metrics = await run(router, request(4))
+    assert tokens(chunks) == expected(4)
+    assert [r.request_id for r in b.received] == ["r"]  # a retry, not a migration
+    assert migrations(metrics) == 0
+    states = {v.worker_id: v.state for v in router.views()}
+    assert states == {"a": WorkerState.INHIBITED, "b": WorkerState.HEALTHY}
+
+
+async def test_route_attempts_bound_the_workers_tried(autojump_clock: object) -> None:
+    workers = [FakeWorker(w, Role.AGG, [Refuse()]) for w in "abc"]
+    with pytest.raises(NoCapacity, match="no worker could take"):
+        await run(cluster(*workers), request(), route_attempts=2)
+    assert sum(len(w.received) for w in workers) == 2
+
+
+async def test_the_migration_limit_bounds_the_attempts(autojump_clock: object) -> None:
+    workers = [FakeWorker(w, Role.AGG, [Stream(break_after=1)]) for w in "abcd"]
+    with pytest.raises(WorkerFailed, match="broke"):
+        await run(cluster(*workers), request(), migration_limit=2)
+    assert sum(len(w.received) for w in workers) == 3  # the first attempt and two more
+
+
+async def test_overloaded_moves_on_and_internal_errors_stop(autojump_clock: object) -> None:
+    busy = FakeWorker("a", Role.AGG, [Reject(ErrorCode.OVERLOADED)])
+    fine = FakeWorker("b", Role.AGG, [Stream()])
+    chunks, _ = await run(cluster(busy, fine), request(3))
+    assert tokens(chunks) == expected(3)
+    broken = FakeWorker("a", Role.AGG, [Reject(ErrorCode.INTERNAL)])
+    spare = FakeWorker("b", Role.AGG, [Stream()])
+    with pytest.raises(WorkerFailed, match="internal"):
+        await run(cluster(broken, spare), request(3))
+    assert spare.received == []
+
+
+async def test_an_invalid_request_is_the_clients_error_not_the_workers(
+    autojump_clock: object,
+) -> None:
+    a = FakeWorker("a", Role.AGG, [Reject(ErrorCode.INVALID_REQUEST)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    router = cluster(a, b)
+    with pytest.raises(InvalidRequest, match="says no"):
+        await run(router, request())
+    assert b.received == []  # not tried elsewhere: it would be refused there too
+    view = next(v for v in router.views() if v.worker_id == "a")
+    assert (view.state, view.failures) == (WorkerState.HEALTHY, 0)
+
+
+async def test_a_failed_prefill_leg_is_retried_on_another_prefill_worker(
+    autojump_clock: object,
+) -> None:
+    p1 = FakeWorker("p1", Role.PREFILL, [Refuse()])
+    p2 = FakeWorker("p2", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    chunks, metrics = await run(cluster(p1, p2, d), request(4))
+    assert tokens(chunks) == expected(4)
+    (leg,) = d.received
+    assert leg.kv_handle is not None
+    assert leg.kv_handle.worker_id == "p2"
+    assert migrations(metrics) == 0
+
+
+async def test_a_prefill_that_breaks_moves_to_another_prefill_worker(
+    autojump_clock: object,
+) -> None:
+    p1 = FakeWorker("p1", Role.PREFILL, [Prefill(break_first=True)])
+    p2 = FakeWorker("p2", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    chunks, metrics = await run(cluster(p1, p2, d), request(4))
+    assert tokens(chunks) == expected(4)
+    assert [r.request_id for r in p2.received] == ["r.m1"]
+    (leg,) = d.received
+    assert leg.kv_handle is not None
+    assert leg.kv_handle.worker_id == "p2"
+    assert migrations(metrics) == 1
+
+
+async def test_a_broken_decode_continues_on_another_decode_worker(
+    autojump_clock: object,
+) -> None:
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d1 = FakeWorker("d1", Role.DECODE, [Stream(break_after=2)])
+    d2 = FakeWorker("d2", Role.DECODE, [Stream()])
+    chunks, _ = await run(cluster(p, d1, d2), request(6))
+    assert tokens(chunks) == expected(6)
+    # The continuation is prefilled again (prompt + the two tokens), then decoded on d2.
+    assert [len(r.token_ids) for r in p.received] == [20, 22]
+    (moved,) = d2.received
+    assert moved.kv_handle is not None
+    assert moved.kv_handle.transfer_id == "kv-r.m1"
+    assert moved.sampling.max_tokens == 4
+
+
+async def test_a_kv_pull_that_fails_prefills_again(autojump_clock: object) -> None:
+    p1 = FakeWorker("p1", Role.PREFILL, [Prefill()])
+    p2 = FakeWorker("p2", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Reject(ErrorCode.KV_TRANSFER_FAILED), Stream()])
+    chunks, metrics = await run(cluster(p1, p2, d), request(3))
+    assert tokens(chunks) == expected(3)
+    first, second = d.received
+    assert first.kv_handle is not None
+    assert second.kv_handle is not None
+    assert second.kv_handle.transfer_id == "kv-r.m1"  # a new prefill's KV
+    assert migrations(metrics) == 1
+
+
+async def test_leaving_early_cancels_the_request_on_its_worker(autojump_clock: object) -> None:
+    a = FakeWorker("a", Role.AGG, [Stream()])
+    router = cluster(a)
+    chunks, _ = await run(router, request(50), stop_after=2)
+    assert tokens(chunks) == expected(2)
+    assert a.cancelled == ["r"]
+    assert router.views()[0].inflight == 0
+    assert router.views()[0].served == 0
+
+
+async def test_no_worker_of_the_role_is_no_capacity() -> None:
+    with pytest.raises(NoCapacity):
+        await run(cluster(), request())
+
