@@ -17,8 +17,6 @@ Fixtures:
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,16 +27,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-ETCD_BIN_ENV = "HEADWATER_ETCD_BIN"
+from headwater.cluster.children import free_port
+from headwater.cluster.launch import ETCD_BIN_ENV, find_etcd
+
 START_TIMEOUT = 15.0  # seconds for the gateway to answer
-
-
-def find_etcd() -> str | None:
-    """Path of the etcd binary, or None."""
-    explicit = os.environ.get(ETCD_BIN_ENV)
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    return shutil.which("etcd")
 
 
 def require_etcd() -> str:
@@ -55,20 +47,14 @@ def require_etcd() -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class EtcdServer:
     """One single-member etcd, started and stopped from tests (blocking calls)."""
 
     def __init__(self, binary: str, workdir: Path) -> None:
         self.binary = binary
         self.workdir = workdir
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.url = f"http://127.0.0.1:{self.client_port}"
         self.log_path = workdir / "etcd.log"
         self._process: subprocess.Popen[bytes] | None = None

@@ -26,6 +26,7 @@ from hypercorn.trio import serve
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from tokenizers import Tokenizer
 
+from headwater.cluster.children import free_port
 from scripts.bench import prompts
 from scripts.bench.loadgen import (
     LoadResult,
@@ -371,9 +372,7 @@ async def test_loop_scraper_asks_for_the_loop_series_over_one_connection() -> No
 
 
 async def test_loop_scraper_reports_a_server_that_is_gone() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens there once closed
+    port = free_port()  # nothing listens there once it is closed
     scraper = LoopScraper(f"http://127.0.0.1:{port}/metrics", timeout=2.0)
     with pytest.raises(OSError):
         await trio.to_thread.run_sync(scraper.scrape)

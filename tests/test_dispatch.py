@@ -96,12 +96,13 @@ class FakeWorker(WorkerClient):
             raise CannotConnect(f"{self.worker_id} refused")
         if isinstance(behaviour, Reject):
             raise WorkerError(behaviour.code, f"{self.worker_id} says no")
-        replies = _Replies(self._chunks(request, behaviour))
-        try:
-            yield replies
-        finally:
-            if not replies.finished:
-                self.cancelled.append(request.request_id)
+        async with aclosing(self._chunks(request, behaviour)) as chunks:
+            replies = _Replies(chunks)
+            try:
+                yield replies
+            finally:
+                if not replies.finished:
+                    self.cancelled.append(request.request_id)
 
     async def _chunks(self, request: GenerateRequest, behaviour: Behaviour) -> AsyncIterator[Chunk]:
         rid = request.request_id

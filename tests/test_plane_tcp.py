@@ -204,10 +204,12 @@ async def test_no_secret_off_loopback_is_refused_at_start() -> None:
 
 
 async def read_until_eof(stream: trio.abc.Stream) -> list[Frame]:
+    """Every frame until the worker closes the connection; then ours is closed too."""
     decoder, frames = FrameDecoder(), []
-    with trio.fail_after(5):
-        while data := await stream.receive_some(65536):
-            frames.extend(decoder.feed(data))
+    async with stream:
+        with trio.fail_after(5):
+            while data := await stream.receive_some(65536):
+                frames.extend(decoder.feed(data))
     return frames
 
 
