@@ -96,9 +96,18 @@ async def test_unreachable_worker_is_inhibited_with_backoff(
 
 async def test_membership_changes_notify_and_replace() -> None:
     router = _router("round-robin")
-    changed = router.changed
-    router.add(_Stub("d2", Role.DECODE))  # type: ignore[arg-type]
-    assert changed.is_set()
+    woken = []
+
+    async def waiter() -> None:
+        await router.changed.wait()
+        woken.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == []
+        router.add(_Stub("d2", Role.DECODE))  # type: ignore[arg-type]
+    assert woken == [True]
     assert router.routable(Role.DECODE, "m") == 3
     removed = router.remove("d2")
     assert removed is not None

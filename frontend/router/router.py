@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import trio
+from trio_util import RepeatedEvent
 
 from frontend.errors import NoWorkers
 from headwater.plane.base import WorkerClient
@@ -108,7 +109,9 @@ class Router:
         # One turn counter per (role, model): a shared one would lock the prefill and
         # decode legs of serial requests into the same phase on every pick.
         self._turns: dict[tuple[Role, str], itertools.count[int]] = {}
-        self.changed = trio.Event()  # set (and replaced) whenever the worker set changes
+        #: Set whenever the set of workers or their routability changes; ``await
+        #: router.changed.wait()`` returns at the next change.
+        self.changed = RepeatedEvent()
 
     # -- membership (discovery's side) ------------------------------------------
 
@@ -134,7 +137,6 @@ class Router:
 
     def _notify(self) -> None:
         self.changed.set()
-        self.changed = trio.Event()
 
     # -- routing (the pipeline's side) --------------------------------------------
 

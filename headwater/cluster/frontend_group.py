@@ -31,8 +31,10 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 
 import trio
+from trio_util import wait_any
 
 from frontend.config import FrontendConfig
 from headwater.cluster.children import ExitHook, LaunchError
@@ -89,9 +91,7 @@ async def supervise(config: FrontendConfig, argv: Sequence[str]) -> int:
             for i, child in enumerate(children):
                 print(member_line(i, child.pid, child.urls[-1]), flush=True)
             print(f"headwater: serving {config.model_name} on {url}", flush=True)
-            async with trio.open_nursery() as waiting:  # the first of: a signal, a lost child
-                waiting.start_soon(_first_signal, signals, waiting.cancel_scope)
-                waiting.start_soon(_lost_child, lost, waiting.cancel_scope)
+            await wait_any(partial(_first_signal, signals), lost.wait)
             if lost.is_set():
                 log.error("a frontend process exited; stopping the others")
                 status = 1
@@ -132,15 +132,9 @@ async def _start_children(
     return sorted(children, key=lambda c: c.name)
 
 
-async def _first_signal(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:
+async def _first_signal(signals: AsyncIterator[int]) -> None:
     async for _ in signals:
-        break
-    scope.cancel()
-
-
-async def _lost_child(lost: trio.Event, scope: trio.CancelScope) -> None:
-    await lost.wait()
-    scope.cancel()
+        return
 
 
 async def terminate_when_orphaned(

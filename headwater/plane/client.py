@@ -35,6 +35,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
+from trio_util import AsyncValue
 
 from headwater.plane.base import CannotConnect, ResponseStream, WorkerClient, WorkerInstance
 from headwater.plane.connection import (
@@ -97,8 +98,7 @@ class TcpWorkerClient(WorkerClient):
         self._connector = connector or tcp_connector(instance.address)
         self._rng = rng or random.Random()
         self._scope = trio.CancelScope()
-        self._state = ClientState.IDLE
-        self._changed = trio.Event()
+        self._state = AsyncValue(ClientState.IDLE)
         self._conn: PlaneConnection | None = None
         self._retry_at = 0.0
         self._last_error: str | None = None
@@ -109,12 +109,10 @@ class TcpWorkerClient(WorkerClient):
 
     @property
     def state(self) -> ClientState:
-        return self._state
+        return self._state.value
 
     def _set_state(self, state: ClientState) -> None:
-        self._state = state
-        self._changed.set()
-        self._changed = trio.Event()
+        self._state.value = state
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep a connection to the worker open until :meth:`aclose` (or cancellation).
@@ -122,8 +120,8 @@ class TcpWorkerClient(WorkerClient):
         Reports started at once; the first connect happens in the background and
         ``stream()`` calls meanwhile wait for it. May be called once.
         """
-        if self._state is not ClientState.IDLE:
-            raise RuntimeError(f"TcpWorkerClient.run() called in state {self._state}")
+        if self.state is not ClientState.IDLE:
+            raise RuntimeError(f"TcpWorkerClient.run() called in state {self.state}")
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
@@ -186,7 +184,7 @@ class TcpWorkerClient(WorkerClient):
 
     async def _connection(self) -> PlaneConnection:
         while True:
-            state, conn = self._state, self._conn
+            state, conn = self.state, self._conn
             if state is ClientState.CONNECTED and conn is not None and not conn.unusable.is_set():
                 return conn
             if state is ClientState.BACKOFF:
@@ -199,7 +197,7 @@ class TcpWorkerClient(WorkerClient):
                 raise CannotConnect(f"{self.instance.worker_id} is shutting down (goaway)")
             if state in (ClientState.IDLE, ClientState.CLOSED):
                 raise CannotConnect(f"client for {self.instance.worker_id} is {state}")
-            await self._changed.wait()  # CONNECTING: bounded by connect_timeout
+            await self._state.wait_transition()  # CONNECTING: bounded by connect_timeout
 
     async def wait_connected(self) -> None:
         """Wait for the current connection attempt; raises CannotConnect if it failed,
@@ -220,7 +218,7 @@ class TcpWorkerClient(WorkerClient):
 
     async def aclose(self) -> None:
         """Stop :meth:`run`; in-flight streams fail with Disconnected."""
-        if self._state is ClientState.IDLE:
+        if self.state is ClientState.IDLE:
             self._set_state(ClientState.CLOSED)
         self._scope.cancel()
         await trio.lowlevel.checkpoint()
@@ -228,7 +226,7 @@ class TcpWorkerClient(WorkerClient):
     def statistics(self) -> TcpClientStats:
         conn = self._conn
         return TcpClientStats(
-            state=self._state,
+            state=self.state,
             inflight=conn.inflight if conn is not None else 0,
             connects_total=self._connects,
             connect_failures_total=self._connect_failures,
