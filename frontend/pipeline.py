@@ -27,8 +27,9 @@ from frontend.http.errors import ApiError, bad_request
 from frontend.http.schema import ParsedRequest
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
+from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
-from frontend.preprocess.template import ChatTemplate, TemplateError, completion_prompt
+from frontend.preprocess.template import ChatTemplate
 from frontend.router import NoWorkers, Router
 from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role, SamplingParams
