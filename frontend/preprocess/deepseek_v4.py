@@ -226,6 +226,7 @@ def _merge_tool_messages(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """User and tool messages become user turns with ``blocks`` (rendered text pieces);
     a run of them merges into one turn, as the reference encoder does."""
     merged: list[dict[str, Any]] = []
+    entry: tuple[str, str | None]  # (block, tool_call_id: "" if absent, None for a user's)
     for m in msgs:
         role = m["role"]
         if role == "tool":

@@ -18,6 +18,7 @@ from typing import Any
 import jinja2.exceptions
 import jinja2.ext
 import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from frontend.preprocess.messages import TemplateError, validate_messages
@@ -51,9 +52,10 @@ class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` renders its body, so templates written for
     HF's assistant-mask tracking compile here too (we never need the mask)."""
 
-    tags = frozenset({"generation"})
+    # Immutable on purpose; jinja declares a set but only iterates it.
+    tags = frozenset({"generation"})  # type: ignore[assignment]
 
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
