@@ -30,8 +30,9 @@ import trio
 from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
+from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
-from frontend.preprocess.template import ChatTemplate, TemplateError, completion_prompt
+from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
 from headwater.wire import GenerateRequest, SamplingParams

