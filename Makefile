@@ -17,12 +17,12 @@ venv: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/headwater serve $(ARGS)
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check frontend workers headwater tests scripts
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check frontend workers headwater tests scripts
+	$(VENV)/bin/mypy
 
 cluster: $(STAMP)
 	$(VENV)/bin/headwater launch --prefill 2 --decode 2 $(ARGS)

@@ -21,9 +21,10 @@ import logging
 import time
 import uuid
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -111,6 +112,7 @@ class Pipeline:
         """Template and tokenize; validate lengths. Raises InvalidRequest."""
         started = trio.current_time()
         t0 = time.perf_counter()
+        text_or_ids: str | list[int]
         try:
             if parsed.endpoint == "chat":
                 text_or_ids = await self._render(parsed)
@@ -173,7 +175,7 @@ class Pipeline:
 
     # -- route → plane → postprocess --------------------------------------------------
 
-    async def generate(self, prep: Prepared) -> AsyncIterator[Delta]:
+    async def generate(self, prep: Prepared) -> AsyncGenerator[Delta, None]:
         """Stream text deltas; the last one carries ``finish_reason``.
 
         Raises NoCapacity when no worker can take the request before any output,
@@ -225,7 +227,7 @@ class Pipeline:
         raise WorkerFailed("the worker ended the stream without a finish reason")
 
 
-def _approx_chars(messages: list | None) -> int:
+def _approx_chars(messages: list[Any] | None) -> int:
     total = 0
     for m in messages or ():
         content = m.get("content") if isinstance(m, dict) else None

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -98,7 +98,7 @@ class Dispatcher:
         disagg = r.routable(Role.PREFILL, m) > 0 and r.routable(Role.DECODE, m) > 0
         return disagg or r.routable(Role.AGG, m) > 0
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         """The request's chunks, from one or more workers; the last carries
         ``finish_reason`` (unless the caller stops reading first).
 
@@ -145,7 +145,7 @@ class Dispatcher:
             kv_handle=None,
         )
 
-    async def _attempt(self, request: GenerateRequest, state: _Attempts) -> AsyncIterator[Chunk]:
+    async def _attempt(self, request: GenerateRequest, state: _Attempts) -> AsyncGenerator[Chunk, None]:
         """One attempt: disaggregated when both roles are routable (the prefill leg
         runs here and the request gains its KV handle), else aggregated."""
         r, m, failed = self.router, self.model, frozenset(state.failed)
@@ -170,7 +170,7 @@ class Dispatcher:
 
     async def _leg(
         self, role: Role, request: GenerateRequest, state: _Attempts
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Route to a worker of *role* and relay its chunks, trying another worker
         (up to ``route_attempts``) when one cannot take the request."""
         tried = 0

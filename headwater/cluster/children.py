@@ -172,7 +172,8 @@ def free_port() -> int:
     """A loopback TCP port that was free a moment ago (the caller must bind it soon)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 async def spawn(

@@ -416,6 +416,8 @@ class WatchStream:
                     raise EtcdCompacted(compacted)
                 reason = result.get("cancel_reason") or "no reason given"
                 raise EtcdError(f"etcd canceled the watch: {reason}")
+            if not isinstance(result, dict):
+                raise EtcdError(f"etcd sent a watch result that is not an object: {result!r}")
             return result
 
 

@@ -118,7 +118,7 @@ class InstanceRecord:
                     raise ValueError(f"{name} must be a non-empty string")
             return cls(
                 worker_id=d["worker_id"],
-                role=Role(d.get("role")),
+                role=Role(str(d.get("role"))),
                 model=d["model"],
                 address=d["address"],
                 capacity=int(d.get("capacity", 256)),

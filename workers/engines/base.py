@@ -21,7 +21,7 @@ for others implement neither.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import trio
@@ -80,7 +80,7 @@ class Engine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         """Serve one request. The last chunk carries ``finish_reason``.
 
         A prefill-role engine yields one chunk carrying a :class:`KvHandle` and no
