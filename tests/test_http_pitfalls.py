@@ -1,4 +1,4 @@
-"""The hypercorn / quart-trio pitfalls of FIELD_NOTES §2 stay fixed.
+"""The hypercorn / quart-trio pitfalls of docs/architecture.md stay fixed.
 
 Policy: real loopback sockets for the keep-alive behaviour; the write deadline is
 checked on hypercorn's own TCPServer method over a lockstep memory stream with

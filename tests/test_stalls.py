@@ -291,7 +291,7 @@ async def test_watchdog_on_a_busy_healthy_loop_wakes_once_per_threshold() -> Non
 
     async with detecting(threshold_s=0.05, poll_s=0.005) as (detector, _):
         ticks: list[float] = []
-        detector._sample_loop_busy = lambda: ticks.append(time.perf_counter())  # type: ignore[method-assign]
+        detector.watchdog._sample_loop_busy = lambda: ticks.append(time.perf_counter())  # type: ignore[method-assign]
         async with trio.open_nursery() as nursery:
             for i in range(4):
                 nursery.start_soon(chatty, name=f"chatty-{i}")
@@ -486,9 +486,9 @@ def test_a_stall_is_blamed_where_most_samples_landed_not_on_the_deepest_stack() 
     sleeping = ((handler.__code__, 1),)
     writing = ((handler.__code__, 2), (write.__code__, 3), (write.__code__, 4))
     for frames in (sleeping, writing, sleeping):
-        detector._keep(frames)
-    assert detector._best == sleeping
+        detector.watchdog._keep(frames)
+    assert detector.watchdog._best == sleeping
     # Among samples at the same place, the deepest (most context) is kept.
     from_deeper = ((write.__code__, 9), (handler.__code__, 1))
-    detector._keep(from_deeper)
-    assert detector._best == from_deeper
+    detector.watchdog._keep(from_deeper)
+    assert detector.watchdog._best == from_deeper

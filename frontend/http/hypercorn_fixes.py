@@ -1,5 +1,5 @@
-"""Five fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2
-and docs/performance.md.
+"""Five fixes for hypercorn-trio + quart-trio behaviour, described in docs/architecture.md
+("Hypercorn and quart-trio pitfalls handled") and measured in docs/performance.md.
 
 1. hypercorn finishes a response inside its final body send (closes the stream,
    closes the connection after ``Connection: close``, restarts the keep-alive idle

@@ -15,12 +15,9 @@ from headwater.instrumentation.loop_metrics import (
     StallCause,
 )
 from headwater.instrumentation.monitor import LoopMonitor
-from headwater.instrumentation.stalls import (
-    StallDetector,
-    StallRecord,
-    StallStatistics,
-    TaskTracker,
-)
+from headwater.instrumentation.record import StallRecord
+from headwater.instrumentation.stalls import StallDetector, StallStatistics
+from headwater.instrumentation.tracker import TaskTracker
 
 __all__ = [
     "DELAY_BUCKETS",

@@ -2,11 +2,11 @@
 
 Why a child process: an in-process client shares the GIL and the core with whatever runs
 the benchmark, and an httpx+trio client saturates its own core at ~150-240 req/s
-(FIELD_NOTES §2), below what a frontend can serve. The child (:mod:`scripts.bench._client`,
-aiohttp) runs a fixed number of workers that replay the bodies and writes one JSON line
-per finished request; this module parses those lines (:class:`_Collector`, no I/O) behind
-one trio shell, :func:`run_load_trio` (cancelling it kills the child), and :func:`run_load`,
-the same run in a new trio loop for blocking callers.
+(docs/performance.md, "Method", "Client"), below what a frontend can serve. The child
+(:mod:`scripts.bench._client`, aiohttp) runs a fixed number of workers that replay the
+bodies and writes one JSON line per finished request; this module parses those lines
+(:class:`_Collector`, no I/O) behind one trio shell, :func:`run_load_trio` (cancelling it
+kills the child), and :func:`run_load`, the same run in a new trio loop for blocking callers.
 
 Only loopback URLs are accepted (:func:`check_loopback`): a benchmark must never load a
 machine it does not own.

@@ -1,10 +1,11 @@
 """Dynamo's default mocker timing model, as pure functions.
 
-The polynomials are Dynamo's fit of a real GPU (FIELD_NOTES §3): a step that prefills
-``T`` new prompt tokens costs ``prefill_ms(T)``; a pure decode step costs
-``decode_ms(u)`` where ``u`` is the share of the KV cache the running batch occupies
-(attention reads grow with it). Keeping the model identical to the peer makes
-side-by-side benchmarks measure the frontends, not two different simulators.
+The polynomials are Dynamo's fit of a real GPU (docs/architecture.md, "The interfaces":
+the figures and Dynamo's defaults): a step that prefills ``T`` new prompt tokens costs
+``prefill_ms(T)``; a pure decode step costs ``decode_ms(u)`` where ``u`` is the share of
+the KV cache the running batch occupies (attention reads grow with it). Keeping the model
+identical to the peer makes side-by-side benchmarks measure the frontends, not two
+different simulators.
 """
 
 from __future__ import annotations
