@@ -145,7 +145,9 @@ class Dispatcher:
             kv_handle=None,
         )
 
-    async def _attempt(self, request: GenerateRequest, state: _Attempts) -> AsyncGenerator[Chunk, None]:
+    async def _attempt(
+        self, request: GenerateRequest, state: _Attempts
+    ) -> AsyncGenerator[Chunk, None]:
         """One attempt: disaggregated when both roles are routable (the prefill leg
         runs here and the request gains its KV handle), else aggregated."""
         r, m, failed = self.router, self.model, frozenset(state.failed)
