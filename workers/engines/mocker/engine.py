@@ -15,9 +15,8 @@ samples a token, which leaves exactly one token to compute next step. Preemption
 (a decoding sequence needs a block and none is free) drops the newest sequence's KV
 and puts it back at the head of the queue to recompute prompt plus output.
 
-Output tokens are a pure function of (seed, absolute position), so a request rerun
-with the same seed — or preempted, or migrated with its output appended to the
-prompt — produces the same id at each position. Requests talk to the scheduler
+Output tokens are a pure function of (seed, absolute position) (:mod:`.sampling`).
+Requests talk to the scheduler
 through their :class:`_Sequence`: the scheduler appends tokens and sets an event;
 the request's generator yields them.
 """
@@ -25,7 +24,6 @@ the request's generator yields them.
 from __future__ import annotations
 
 import enum
-import hashlib
 import uuid
 from array import array
 from collections import deque
@@ -41,30 +39,12 @@ from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
+from workers.engines.mocker.sampling import natural_length, seed_key, token_at
 from workers.engines.mocker.timing import step_seconds
 
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
 MIN_SLEEP = 0.5e-3
-
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15  # splitmix64 increment
-_LENGTH_SALT = 0x5851F42D4C957F2D  # separates the natural-length draw from token draws
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finalizer: a cheap, well-spread 64-bit hash of a 64-bit int."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _seed_key(seed: int | None, request_id: str) -> int:
-    """The request's stream key: from its seed, else a stable hash of its id."""
-    if seed is None:
-        # str hash() is salted per process; blake2b is stable across workers.
-        return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest())
-    return _mix64((seed + _GAMMA) & _MASK64)
 
 
 @dataclass(slots=True)
@@ -309,7 +289,7 @@ class MockerEngine(Engine):
                 tokens = copy_tokens(prompt)  # a memcpy for a token array
             except ValueError as exc:
                 raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
-        key = _seed_key(sampling.seed, request.request_id)
+        key = seed_key(sampling.seed, request.request_id)
         stop_ids = set(sampling.stop_token_ids)
         eos_token = eos_index = None
         if not sampling.ignore_eos:
@@ -317,8 +297,7 @@ class MockerEngine(Engine):
             mean = cfg.mean_output_tokens
             if mean is not None and request.eos_token_ids:
                 eos_token = request.eos_token_ids[0]
-                natural = 1 + _mix64(key ^ _LENGTH_SALT) % (2 * mean - 1)
-                eos_index = max(natural, sampling.min_tokens)
+                eos_index = max(natural_length(key, mean), sampling.min_tokens)
         return _Sequence(
             request_id=request.request_id,
             tokens=tokens,
@@ -537,9 +516,9 @@ class MockerEngine(Engine):
         if index == seq.eos_index and seq.eos_token is not None:
             token = seq.eos_token
         else:
-            span = self.config.output_token_high - self.config.output_token_low
-            draw = _mix64((seq.seed_key + (len(seq.tokens) + 1) * _GAMMA) & _MASK64)
-            token = self.config.output_token_low + draw % span
+            low = self.config.output_token_low
+            span = self.config.output_token_high - low
+            token = token_at(seq.seed_key, len(seq.tokens) + 1, low, span)
         seq.tokens.append(token)
         seq.pending.append(token)
         seq.num_output += 1
