@@ -24,7 +24,6 @@ the request's generator yields them.
 from __future__ import annotations
 
 import enum
-import uuid
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
 from workers.engines.mocker.sampling import natural_length, seed_key, token_at
 from workers.engines.mocker.timing import step_seconds
+from workers.engines.mocker.transfers import HeldTransfers
 
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
@@ -97,13 +97,6 @@ class _Sequence:
     ready: trio.Event = field(default_factory=trio.Event)
 
 
-@dataclass(slots=True)
-class _Held:
-    table: BlockTable
-    num_tokens: int
-    expires_at: float  # trio time
-
-
 class MockerEngine(Engine):
     """A simulated model engine in one :class:`~headwater.wire.Role`.
 
@@ -131,8 +124,9 @@ class MockerEngine(Engine):
         self._cache = KvCache(config.num_gpu_blocks, config.block_size)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        # In expiry order: every hold gets the same timeout, so insertion order is it.
-        self._held: dict[str, _Held] = {}
+        self._transfers = HeldTransfers(
+            self._cache, config.kv_transfer_timeout, worker_id, self.transfer_address
+        )
         self._held_added = trio.Event()
         self._pulling = 0
         self._work = trio.Event()
@@ -228,16 +222,16 @@ class MockerEngine(Engine):
         pulled or expired. Cancellation before the release leaves the KV held.
         """
         await trio.lowlevel.checkpoint()
-        held = self._held.pop(transfer_id, None)
-        if held is None:
+        num_tokens = self._transfers.release(transfer_id)
+        if num_tokens is None:
             raise EngineError(
                 ErrorCode.KV_TRANSFER_FAILED,
                 f"{self.worker_id}: no KV held under transfer {transfer_id!r} "
                 "(unknown, already pulled or expired)",
             )
-        self._free_held(held)
+        self._notify()
         self.counters.transfers_released += 1
-        return held.num_tokens * self.config.kv_bytes_per_token
+        return num_tokens * self.config.kv_bytes_per_token
 
     def statistics(self) -> EngineStats:
         """Running/queued requests (a pulling decode leg counts as queued) and KV use."""
@@ -247,7 +241,7 @@ class MockerEngine(Engine):
             waiting_requests=len(self._waiting) + self._pulling,
             kv_blocks_used=kv.used_blocks,
             kv_blocks_total=kv.total_blocks,
-            kv_transfers_held=len(self._held),
+            kv_transfers_held=len(self._transfers),
         )
 
     def kv_statistics(self) -> KvCacheStats:
@@ -364,9 +358,7 @@ class MockerEngine(Engine):
             seq.table = None
         if seq.handle is not None and not delivered:
             # Nobody will learn the transfer id: free now rather than at expiry.
-            held = self._held.pop(seq.handle.transfer_id, None)
-            if held is not None:
-                self._free_held(held)
+            self._transfers.release(seq.handle.transfer_id)
         self._notify()
 
     # ---- scheduler --------------------------------------------------------------
@@ -543,21 +535,8 @@ class MockerEngine(Engine):
 
     def _hold(self, seq: _Sequence) -> None:
         assert seq.table is not None
-        transfer_id = uuid.uuid4().hex
-        n = len(seq.tokens)
-        expires_at = trio.current_time() + self.config.kv_transfer_timeout
-        self._held[transfer_id] = _Held(seq.table, n, expires_at)
+        seq.handle = self._transfers.hold(seq.table, len(seq.tokens), trio.current_time())
         self._held_added.set()
-        # The prompt's block hashes known here go along: the decode engine need not
-        # recompute them.
-        seq.handle = KvHandle(
-            self.worker_id,
-            self.transfer_address,
-            transfer_id,
-            n,
-            block_hashes=self._cache.prefix_hashes(seq.table, n),
-            block_size=self.config.block_size,
-        )
         seq.table = None
         self._running.remove(seq)
         seq.state = _State.DONE
@@ -567,25 +546,21 @@ class MockerEngine(Engine):
     async def _expire_held(self) -> None:
         """Free the KV of transfers nobody pulled within ``kv_transfer_timeout``.
 
-        One task for all holds, sleeping until the oldest one's deadline: a timer task
-        per hold cost a spawn and a cancellation per disaggregated request.
+        One task for all holds, sleeping until the oldest one's deadline.
         """
+        transfers = self._transfers
         while True:
-            if not self._held:
+            deadline = transfers.next_expiry()
+            if deadline is None:
                 self._held_added = trio.Event()
                 await self._held_added.wait()
                 continue
-            transfer_id, held = next(iter(self._held.items()))
-            if trio.current_time() < held.expires_at:
-                await trio.sleep_until(held.expires_at)
+            now = trio.current_time()
+            if now < deadline:
+                await trio.sleep_until(deadline)
                 continue
-            del self._held[transfer_id]
-            self._free_held(held)
-            self.counters.transfers_expired += 1
-
-    def _free_held(self, held: _Held) -> None:
-        self._cache.free(held.table)
-        self._notify()
+            self.counters.transfers_expired += transfers.expire(now)
+            self._notify()
 
     def _shutdown(self) -> None:
         self._closed = True
@@ -598,9 +573,7 @@ class MockerEngine(Engine):
             seq.ready.set()
         self._waiting.clear()
         self._running.clear()
-        for held in self._held.values():
-            self._cache.free(held.table)
-        self._held.clear()
+        self._transfers.clear()
 
 
 def build_engine(config: MockerConfig, context: EngineContext) -> MockerEngine:
