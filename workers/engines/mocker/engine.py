@@ -1,34 +1,20 @@
-"""The simulated engine: a continuous-batching scheduler over a paged KV cache.
+"""The simulated engine's trio shell: requests in, chunks out, steps on virtual time.
 
-One scheduler task (:meth:`MockerEngine.run`) owns the batch. Each step it admits
-waiting sequences (FIFO) while ``max_num_seqs`` and the KV cache allow, then spends up
-to ``max_num_batched_tokens``: one token per decoding sequence, the rest on prompt
-chunks (chunked prefill). The step lasts ``prefill_ms(T)`` if it prefilled ``T > 0``
-prompt tokens, else ``decode_ms(u)`` (:mod:`.timing`), on the device's own timeline
+:class:`MockerEngine` is what a worker hosts. Its batching rules live in
+:mod:`.scheduler` (plain Python); this module gives them time and waiting. One
+scheduler task (:meth:`MockerEngine.run`) owns the batch: it plans a step, waits out
+the step's duration on the simulated device's own timeline
 (:meth:`MockerEngine._schedule_forever`) and trio's clock, so tests run on virtual
-time. When a sequence's last prompt token is computed, that step also samples its
-first output token (as real engines do); each later step adds one token.
-
-A sequence computes KV for its tokens in order; ``num_computed`` counts them. While
-some of its KV is missing it is scheduled for the remainder, and when all is there it
-samples a token, which leaves exactly one token to compute next step. Preemption
-(a decoding sequence needs a block and none is free) drops the newest sequence's KV
-and puts it back at the head of the queue to recompute prompt plus output.
-
-Output tokens are a pure function of (seed, absolute position), so a request rerun
-with the same seed — or preempted, or migrated with its output appended to the
-prompt — produces the same id at each position. Requests talk to the scheduler
-through their :class:`_Sequence`: the scheduler appends tokens and sets an event;
-the request's generator yields them.
+time, then finishes it. Each request is an async generator that validates it, pulls
+its KV first if it carries a handle, queues its sequence and yields the tokens the
+scheduler appends; the scheduler reports which sequences have news and this shell
+sets their events. A prefill engine's held KV (:mod:`.transfers`) expires in a child
+task of :meth:`MockerEngine.run`.
 """
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import uuid
 from array import array
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -36,92 +22,26 @@ import trio
 
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
-from headwater.wire import Chunk, ErrorCode, FinishReason, GenerateRequest, KvHandle, Role
+from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
 from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
-from workers.engines.mocker.kv_cache import BlockTable, KvCache, KvCacheStats
-from workers.engines.mocker.timing import step_seconds
+from workers.engines.mocker.kv_cache import KvCache, KvCacheStats
+from workers.engines.mocker.sampling import natural_length, seed_key
+from workers.engines.mocker.scheduler import MockerCounters, Scheduler, Sequence
+from workers.engines.mocker.transfers import HeldTransfers
 
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
 MIN_SLEEP = 0.5e-3
 
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15  # splitmix64 increment
-_LENGTH_SALT = 0x5851F42D4C957F2D  # separates the natural-length draw from token draws
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finalizer: a cheap, well-spread 64-bit hash of a 64-bit int."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _seed_key(seed: int | None, request_id: str) -> int:
-    """The request's stream key: from its seed, else a stable hash of its id."""
-    if seed is None:
-        # str hash() is salted per process; blake2b is stable across workers.
-        return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest())
-    return _mix64((seed + _GAMMA) & _MASK64)
-
-
-@dataclass(slots=True)
-class MockerCounters:
-    """Monotonic counters for tests and metrics (read them, never write)."""
-
-    requests_started: int = 0
-    requests_finished: int = 0  # the final chunk was handed to the consumer
-    requests_cancelled: int = 0  # the consumer left before the final chunk
-    requests_failed: int = 0  # ended by an EngineError (transfer failed, shutdown)
-    prefill_tokens_computed: int = 0
-    prefill_tokens_cached: int = 0  # prompt tokens served by the prefix cache
-    preemptions: int = 0
-    transfers_released: int = 0
-    transfers_expired: int = 0
-
-
-class _State(enum.Enum):
-    PULLING = enum.auto()  # decode leg fetching KV; not queued yet
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    DONE = enum.auto()
-
 
 @dataclass(eq=False, slots=True)
-class _Sequence:
-    request_id: str
-    tokens: array[int]  # prompt + output so far: the KV content
-    prompt_len: int
-    max_tokens: int
-    min_tokens: int
-    stop_ids: frozenset[int]
-    eos_token: int | None
-    eos_index: int | None  # output index at which eos_token is emitted
-    seed_key: int
-    prefill_only: bool
-    state: _State = _State.PULLING
-    transferred: int = 0  # leading tokens whose KV arrived by transfer
-    # Prefix-cache hashes of leading full prompt blocks, computed by the prefill worker.
-    block_hashes: tuple[int, ...] = ()
-    table: BlockTable | None = None
-    num_computed: int = 0
-    prefill_end: int = 0  # tokens below this index count as prefill work
-    cached_tokens: int | None = None  # set at first admission
-    num_output: int = 0
-    pending: deque[int] = field(default_factory=deque)
-    finish: FinishReason | None = None
+class _Request(Sequence):
+    """A sequence with its consumer's side: the event it waits on, the error it gets."""
+
     error: EngineError | None = None
-    handle: KvHandle | None = None
     ready: trio.Event = field(default_factory=trio.Event)
-
-
-@dataclass(slots=True)
-class _Held:
-    table: BlockTable
-    num_tokens: int
-    expires_at: float  # trio time
 
 
 class MockerEngine(Engine):
@@ -149,10 +69,12 @@ class MockerEngine(Engine):
         self.transfer_address = transfer_address or f"memory://{worker_id}"
         self.counters = MockerCounters()
         self._cache = KvCache(config.num_gpu_blocks, config.block_size)
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
-        # In expiry order: every hold gets the same timeout, so insertion order is it.
-        self._held: dict[str, _Held] = {}
+        self._transfers = HeldTransfers(
+            self._cache, config.kv_transfer_timeout, worker_id, self.transfer_address
+        )
+        self._scheduler: Scheduler[_Request] = Scheduler(
+            config, self._cache, self.counters, self._transfers
+        )
         self._held_added = trio.Event()
         self._pulling = 0
         self._work = trio.Event()
@@ -248,26 +170,26 @@ class MockerEngine(Engine):
         pulled or expired. Cancellation before the release leaves the KV held.
         """
         await trio.lowlevel.checkpoint()
-        held = self._held.pop(transfer_id, None)
-        if held is None:
+        num_tokens = self._transfers.release(transfer_id)
+        if num_tokens is None:
             raise EngineError(
                 ErrorCode.KV_TRANSFER_FAILED,
                 f"{self.worker_id}: no KV held under transfer {transfer_id!r} "
                 "(unknown, already pulled or expired)",
             )
-        self._free_held(held)
+        self._notify()
         self.counters.transfers_released += 1
-        return held.num_tokens * self.config.kv_bytes_per_token
+        return num_tokens * self.config.kv_bytes_per_token
 
     def statistics(self) -> EngineStats:
         """Running/queued requests (a pulling decode leg counts as queued) and KV use."""
         kv = self._cache.statistics()
         return EngineStats(
-            active_requests=len(self._running),
-            waiting_requests=len(self._waiting) + self._pulling,
+            active_requests=len(self._scheduler.running),
+            waiting_requests=len(self._scheduler.waiting) + self._pulling,
             kv_blocks_used=kv.used_blocks,
             kv_blocks_total=kv.total_blocks,
-            kv_transfers_held=len(self._held),
+            kv_transfers_held=len(self._transfers),
         )
 
     def kv_statistics(self) -> KvCacheStats:
@@ -276,7 +198,7 @@ class MockerEngine(Engine):
 
     # ---- request side -----------------------------------------------------------
 
-    def _new_sequence(self, request: GenerateRequest) -> _Sequence:
+    def _new_sequence(self, request: GenerateRequest) -> _Request:
         cfg = self.config
         prompt = request.token_ids
         sampling = request.sampling
@@ -309,7 +231,7 @@ class MockerEngine(Engine):
                 tokens = copy_tokens(prompt)  # a memcpy for a token array
             except ValueError as exc:
                 raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
-        key = _seed_key(sampling.seed, request.request_id)
+        key = seed_key(sampling.seed, request.request_id)
         stop_ids = set(sampling.stop_token_ids)
         eos_token = eos_index = None
         if not sampling.ignore_eos:
@@ -317,12 +239,10 @@ class MockerEngine(Engine):
             mean = cfg.mean_output_tokens
             if mean is not None and request.eos_token_ids:
                 eos_token = request.eos_token_ids[0]
-                natural = 1 + _mix64(key ^ _LENGTH_SALT) % (2 * mean - 1)
-                eos_index = max(natural, sampling.min_tokens)
-        return _Sequence(
+                eos_index = max(natural_length(key, mean), sampling.min_tokens)
+        return _Request(
             request_id=request.request_id,
             tokens=tokens,
-            prompt_len=len(prompt),
             max_tokens=sampling.max_tokens,
             min_tokens=sampling.min_tokens,
             stop_ids=frozenset(stop_ids),
@@ -366,34 +286,30 @@ class MockerEngine(Engine):
             return ()  # none sent (an older peer), or another block size: hash here
         return handle.block_hashes[: handle.num_tokens // handle.block_size]
 
-    def _enqueue(self, seq: _Sequence) -> None:
+    def _enqueue(self, seq: _Request) -> None:
         if self._closed:
             raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id} is shut down")
-        seq.state = _State.WAITING
-        self._waiting.append(seq)
+        self._scheduler.add(seq)
         self._notify()
 
-    def _discard(self, seq: _Sequence, *, delivered: bool) -> None:
+    def _discard(self, seq: _Request, *, delivered: bool) -> None:
         """Take *seq* out of the engine and free what it holds (the consumer is gone)."""
-        if seq.state is _State.WAITING:
-            self._waiting.remove(seq)
-        elif seq.state is _State.RUNNING:
-            self._running.remove(seq)
-        seq.state = _State.DONE
-        if seq.table is not None:
-            self._cache.free(seq.table)
-            seq.table = None
+        self._scheduler.remove(seq)
         if seq.handle is not None and not delivered:
             # Nobody will learn the transfer id: free now rather than at expiry.
-            held = self._held.pop(seq.handle.transfer_id, None)
-            if held is not None:
-                self._free_held(held)
+            self._transfers.release(seq.handle.transfer_id)
         self._notify()
 
     # ---- scheduler --------------------------------------------------------------
 
     def _notify(self) -> None:
         self._work.set()
+
+    def _wake(self) -> None:
+        woken = self._scheduler.woken
+        for seq in woken:
+            seq.ready.set()
+        woken.clear()
 
     async def _schedule_forever(self) -> None:
         """Run steps while there is work, on the simulated device's own timeline.
@@ -407,221 +323,58 @@ class MockerEngine(Engine):
         ahead of their timeline by less than ``MIN_SLEEP``, and the sleep that follows
         brings the device back onto it.
         """
-        capacity = self.config.kv_capacity_tokens
-        speedup = self.config.speedup_ratio
+        scheduler = self._scheduler
+        holds = self.role is Role.PREFILL
         step_end: float | None = None  # the last step's end, while steps run back to back
         while True:
             self._work = trio.Event()
-            self._admit()
-            batch, prefill_tokens = self._plan_step()
+            batch, seconds = scheduler.plan()
+            if scheduler.woken:  # finished while planning: outgrew the cache
+                self._wake()
             if not batch:
                 step_end = None
-                if self._work.is_set():  # the plan itself freed or preempted something
+                if scheduler.replan:  # the plan itself freed or preempted something
                     await trio.lowlevel.checkpoint()
                 else:
                     await self._work.wait()
                 continue
-            active = sum(s.table.num_tokens for s in self._running if s.table is not None)
             now = trio.current_time()
-            step_end = (now if step_end is None else step_end) + step_seconds(
-                prefill_tokens, active / capacity, speedup
-            )
+            step_end = (now if step_end is None else step_end) + seconds
             if step_end - now >= MIN_SLEEP:
                 await trio.sleep_until(step_end)
             else:
                 await trio.lowlevel.checkpoint()
-            self._finish_step(batch)
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
-            seq = self._waiting[0]
-            table = self._cache.allocate(seq.tokens, seq.block_hashes)
-            if table is None:
-                return  # FIFO: later sequences wait behind the head too
-            self._waiting.popleft()
-            n = len(seq.tokens)
-            covered = min(max(seq.transferred, table.cached_tokens), n - 1)
-            seq.table = table
-            seq.num_computed = covered
-            # A fully transferred prompt goes straight to decoding: its first step
-            # computes the last prompt token and samples, like any decode step.
-            seq.prefill_end = n - 1 if seq.transferred >= n else n
-            self._cache.commit(table, seq.tokens, covered)
-            reused = max(0, covered - seq.transferred)
-            if seq.cached_tokens is None:
-                seq.cached_tokens = reused
-            self.counters.prefill_tokens_cached += reused
-            seq.state = _State.RUNNING
-            self._running.append(seq)
-
-    def _plan_step(self) -> tuple[list[tuple[_Sequence, int]], int]:
-        """Choose (sequence, tokens to compute) for this step; return them and the
-        prefill token count.
-
-        Decoding sequences go first, one token each, so a long prompt never stalls
-        streams already running; prompt chunks share what is left of the budget in
-        admission order. Only decoding sequences need a new block, so only the first
-        pass may preempt (the newest sequence, which that pass has not reached yet)
-        or finish a sequence that cannot get one.
-        """
-        budget = self.config.max_num_batched_tokens
-        batch: list[tuple[_Sequence, int]] = []
-        decoding = [s for s in self._running if s.num_computed >= s.prefill_end]
-        prefilling = [s for s in self._running if s.num_computed < s.prefill_end]
-        for seq in decoding:
-            if budget == 0:
-                break
-            if seq.state is _State.RUNNING and self._grow(seq, seq.num_computed + 1):
-                batch.append((seq, 1))
-                budget -= 1
-        prefill = 0
-        for seq in prefilling:
-            if budget == 0:
-                break
-            if seq.state is _State.RUNNING:
-                n = min(len(seq.tokens) - seq.num_computed, budget)
-                batch.append((seq, n))
-                budget -= n
-                prefill += min(seq.num_computed + n, seq.prefill_end) - seq.num_computed
-        return batch, prefill
-
-    def _grow(self, seq: _Sequence, target: int) -> bool:
-        """Make room for *target* tokens of *seq*, preempting the newest sequences.
-
-        False if *seq* itself was preempted, or finished because it outgrew the cache.
-        """
-        table = seq.table
-        assert table is not None
-        while table.num_tokens < target:
-            if self._cache.append_slot(table):
-                continue
-            if len(self._running) == 1:
-                self._finish(seq, FinishReason.LENGTH)  # alone and still no room
-                return False
-            victim = self._running[-1]
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        return True
-
-    def _preempt(self, seq: _Sequence) -> None:
-        self._running.remove(seq)
-        if seq.table is not None:
-            self._cache.free(seq.table)  # computed full blocks stay cached for the redo
-            seq.table = None
-        seq.num_computed = 0
-        seq.transferred = 0
-        seq.state = _State.WAITING
-        self._waiting.appendleft(seq)
-        self.counters.preemptions += 1
-        self._notify()
-
-    def _finish_step(self, batch: list[tuple[_Sequence, int]]) -> None:
-        for seq, n in batch:
-            if seq.state is not _State.RUNNING or seq.table is None:
-                continue  # cancelled while the step ran
-            start = seq.num_computed
-            if start < seq.prefill_end:
-                self.counters.prefill_tokens_computed += min(start + n, seq.prefill_end) - start
-            seq.num_computed = start + n
-            self._cache.commit(seq.table, seq.tokens, seq.num_computed)
-            if seq.num_computed < len(seq.tokens):
-                continue  # more prompt chunks to go
-            if seq.prefill_only:
-                self._hold(seq)
-            else:
-                self._sample(seq)
-
-    def _sample(self, seq: _Sequence) -> None:
-        index = seq.num_output
-        if index == seq.eos_index and seq.eos_token is not None:
-            token = seq.eos_token
-        else:
-            span = self.config.output_token_high - self.config.output_token_low
-            draw = _mix64((seq.seed_key + (len(seq.tokens) + 1) * _GAMMA) & _MASK64)
-            token = self.config.output_token_low + draw % span
-        seq.tokens.append(token)
-        seq.pending.append(token)
-        seq.num_output += 1
-        if index == seq.eos_index or (index >= seq.min_tokens and token in seq.stop_ids):
-            self._finish(seq, FinishReason.STOP)
-        elif seq.num_output >= seq.max_tokens:
-            self._finish(seq, FinishReason.LENGTH)
-        else:
-            seq.ready.set()
-
-    def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
-        self._running.remove(seq)
-        if seq.table is not None:
-            self._cache.free(seq.table)
-            seq.table = None
-        seq.finish = reason
-        seq.state = _State.DONE
-        seq.ready.set()
-        self._notify()
-
-    # ---- held transfers (prefill role) -------------------------------------------
-
-    def _hold(self, seq: _Sequence) -> None:
-        assert seq.table is not None
-        transfer_id = uuid.uuid4().hex
-        n = len(seq.tokens)
-        expires_at = trio.current_time() + self.config.kv_transfer_timeout
-        self._held[transfer_id] = _Held(seq.table, n, expires_at)
-        self._held_added.set()
-        # The prompt's block hashes known here go along: the decode engine need not
-        # recompute them.
-        seq.handle = KvHandle(
-            self.worker_id,
-            self.transfer_address,
-            transfer_id,
-            n,
-            block_hashes=self._cache.prefix_hashes(seq.table, n),
-            block_size=self.config.block_size,
-        )
-        seq.table = None
-        self._running.remove(seq)
-        seq.state = _State.DONE
-        seq.ready.set()
-        self._notify()
+            scheduler.finish(batch, trio.current_time())
+            if scheduler.woken:
+                self._wake()
+            if holds and self._transfers:
+                self._held_added.set()  # the expiry task may wait for a first hold
 
     async def _expire_held(self) -> None:
         """Free the KV of transfers nobody pulled within ``kv_transfer_timeout``.
 
-        One task for all holds, sleeping until the oldest one's deadline: a timer task
-        per hold cost a spawn and a cancellation per disaggregated request.
+        One task for all holds, sleeping until the oldest one's deadline.
         """
+        transfers = self._transfers
         while True:
-            if not self._held:
+            deadline = transfers.next_expiry()
+            if deadline is None:
                 self._held_added = trio.Event()
                 await self._held_added.wait()
                 continue
-            transfer_id, held = next(iter(self._held.items()))
-            if trio.current_time() < held.expires_at:
-                await trio.sleep_until(held.expires_at)
+            now = trio.current_time()
+            if now < deadline:
+                await trio.sleep_until(deadline)
                 continue
-            del self._held[transfer_id]
-            self._free_held(held)
-            self.counters.transfers_expired += 1
-
-    def _free_held(self, held: _Held) -> None:
-        self._cache.free(held.table)
-        self._notify()
+            self.counters.transfers_expired += transfers.expire(now)
+            self._notify()
 
     def _shutdown(self) -> None:
         self._closed = True
-        for seq in [*self._waiting, *self._running]:
-            if seq.table is not None:
-                self._cache.free(seq.table)
-                seq.table = None
-            seq.state = _State.DONE
+        for seq in self._scheduler.drain():
             seq.error = EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id} stopped")
             seq.ready.set()
-        self._waiting.clear()
-        self._running.clear()
-        for held in self._held.values():
-            self._cache.free(held.table)
-        self._held.clear()
+        self._transfers.clear()
 
 
 def build_engine(config: MockerConfig, context: EngineContext) -> MockerEngine:
