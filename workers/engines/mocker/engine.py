@@ -15,7 +15,7 @@ task of :meth:`MockerEngine.run`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import trio
@@ -100,7 +100,7 @@ class MockerEngine(Engine):
         finally:
             self._shutdown()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         """Serve *request*; see :meth:`Engine.generate`.
 
         Yields one chunk per output token (``cached_tokens`` on each), the last with
