@@ -22,17 +22,24 @@ from headwater.wire import (
     KvHandle,
     SamplingParams,
 )
-from headwater.wire.framing import (
+from headwater.wire.addresses import format_tcp_address, is_loopback, parse_tcp_address
+from headwater.wire.codec import (
     KINDS,
+    FrameDecoder,
+    decode_body,
+    encode,
+    pack_block_hashes,
+    pack_token_ids,
+    unpack_block_hashes,
+    unpack_token_ids,
+)
+from headwater.wire.errors import AuthError, FrameTooLarge, ProtocolError
+from headwater.wire.frames import (
     PROTOCOL_VERSION,
     Auth,
-    AuthError,
     Challenge,
-    ClientHandshake,
     Fault,
     Frame,
-    FrameDecoder,
-    FrameTooLarge,
     GetStats,
     GoAway,
     Hello,
@@ -41,20 +48,9 @@ from headwater.wire.framing import (
     KvPull,
     Ping,
     Pong,
-    ProtocolError,
-    ServerHandshake,
     Stats,
-    decode_body,
-    encode,
-    format_tcp_address,
-    is_loopback,
-    load_secret,
-    pack_block_hashes,
-    pack_token_ids,
-    parse_tcp_address,
-    unpack_block_hashes,
-    unpack_token_ids,
 )
+from headwater.wire.handshake import ClientHandshake, ServerHandshake, load_secret
 from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)

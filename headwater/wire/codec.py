@@ -1,10 +1,9 @@
-"""The request plane's frames on a byte stream, and its handshake, without any I/O.
+"""The request plane's frames as bytes and back, without any I/O.
 
 A frame is a 4-byte big-endian body length followed by a msgpack map whose ``"k"``
-names the kind. Everything here turns bytes into typed frames and back
-(:class:`FrameDecoder`, :func:`encode`) or decides what to answer during the
-handshake (:class:`ClientHandshake`, :class:`ServerHandshake`); the trio shells
-(``headwater.plane.connection``, ``headwater.plane.server``) only move bytes.
+names the kind. :func:`encode` and :class:`FrameDecoder` turn the frames of
+``headwater.wire.frames`` into such bytes and back; the trio shells
+(``headwater.plane.connection``, ``headwater.plane.server``) only move the bytes.
 
 Kinds and their frame types::
 
@@ -36,18 +35,30 @@ A handle without them, as an older peer sends, is still valid.
 from __future__ import annotations
 
 import array
-import hashlib
-import hmac
-import ipaddress
-import os
-import secrets
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from headwater.wire.errors import FrameTooLarge, ProtocolError
+from headwater.wire.frames import (
+    DEFAULT_MAX_FRAME,
+    NONCE_BYTES,
+    Auth,
+    Challenge,
+    Fault,
+    Frame,
+    GetStats,
+    GoAway,
+    Hello,
+    HelloOk,
+    KvData,
+    KvPull,
+    Ping,
+    Pong,
+    Stats,
+)
 from headwater.wire.messages import (
     Ack,
     Cancel,
@@ -60,128 +71,8 @@ from headwater.wire.messages import (
 )
 from headwater.wire.tokens import from_uint32_le, to_uint32_le
 
-PROTOCOL_VERSION = 1
-#: Largest frame body either side accepts (bytes). A bigger length header is an error
-#: before any of the body is buffered.
-DEFAULT_MAX_FRAME = 64 * 1024 * 1024
-NONCE_BYTES = 32
-#: Environment variable holding the shared plane secret itself.
-SECRET_ENV = "HEADWATER_PLANE_SECRET"
-
 _HEADER = struct.Struct(">I")
 _MAX_MAP_LEN = 256  # the widest frame (stats) has a few dozen keys
-
-
-class ProtocolError(Exception):
-    """The peer broke the protocol; the connection must be closed.
-
-    ``code`` is what an error frame to the peer says: ``protocol_error``,
-    ``frame_too_large``, ``unsupported_version`` or ``unauthorized``.
-    """
-
-    def __init__(self, message: str, code: str = "protocol_error") -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class FrameTooLarge(ProtocolError):
-    """A frame exceeds the size limit (raised by the decoder and by :func:`encode`)."""
-
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"frame of {size} bytes exceeds the {limit}-byte limit", "frame_too_large")
-
-
-class AuthError(ProtocolError):
-    """The handshake failed: missing, unexpected or wrong proof of the shared secret."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "unauthorized")
-
-
-# ---- control frames ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    version: int
-    role: str  # "frontend", or the role of a worker pulling KV
-    peer_id: str
-    model: str  # what the client expects the worker to serve ("" = anything)
-    nonce: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Challenge:
-    nonce: bytes
-    proof: bytes  # the server's proof over both nonces
-
-
-@dataclass(frozen=True, slots=True)
-class Auth:
-    proof: bytes  # the client's proof over both nonces
-
-
-@dataclass(frozen=True, slots=True)
-class HelloOk:
-    version: int
-    role: str
-    worker_id: str
-    model: str
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """A connection-level error; the sender closes the connection after it."""
-
-    code: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class Pong:
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class KvPull:
-    transfer_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class KvData:
-    """One piece of a transfer's payload; ``last`` marks the final piece."""
-
-    transfer_id: str
-    data: bytes | memoryview
-    last: bool
-
-
-@dataclass(frozen=True, slots=True)
-class GetStats:
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    seq: int
-    values: dict[str, int | float | str | bool] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class GoAway:
-    reason: str
-
-
-Frame = (
-    Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
-    | Cancel | Ping | Pong | KvPull | KvData | GetStats | Stats | GoAway
-)
 
 # ---- encoding -----------------------------------------------------------------------
 
@@ -518,160 +409,3 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Frame]] = {
 
 #: Every frame kind on the wire.
 KINDS: frozenset[str] = frozenset(_PARSERS)
-
-# ---- handshake ----------------------------------------------------------------------
-#
-#   client                         server
-#   hello(version, nonce_c) ──────▶
-#                           ◀────── challenge(nonce_s, proof_s)   only with a secret
-#   auth(proof_c)          ──────▶                                only with a secret
-#                           ◀────── hello_ok(worker identity)  or  error(code) + close
-#
-# proof_x = HMAC-SHA256(secret, "headwater-plane/1|x|" + nonce_c + nonce_s), x being
-# "server" or "client": each side proves the secret over a nonce the other chose, so a
-# recorded exchange never replays, and the labels stop one side's proof from being
-# reflected back as the other's.
-
-
-def proof(secret: bytes, side: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """The HMAC-SHA256 proof of *side* (``"client"`` or ``"server"``)."""
-    label = f"headwater-plane/{PROTOCOL_VERSION}|{side}|".encode()
-    return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
-
-
-class ClientHandshake:
-    """The client's side: :meth:`start`, then :meth:`receive` each frame until done.
-
-    ``receive`` returns the frame to send next (or None) and sets :attr:`peer` when the
-    handshake completes. Raises :class:`AuthError`, :class:`ProtocolError` (with the
-    server's code when it sent an error frame).
-    """
-
-    def __init__(self, *, role: str, peer_id: str, model: str, secret: bytes | None) -> None:
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        self._hello = Hello(PROTOCOL_VERSION, role, peer_id, model, nonce)
-        self._secret = secret
-        self._server_proved = False
-        self.peer: HelloOk | None = None
-
-    def start(self) -> Hello:
-        return self._hello
-
-    def receive(self, frame: Frame) -> Frame | None:
-        if self.peer is not None:
-            raise ProtocolError("handshake already complete")
-        match frame:
-            case Challenge():
-                if self._secret is None:
-                    raise AuthError("the worker requires a plane secret and none is configured")
-                if self._server_proved:
-                    raise ProtocolError("second challenge")
-                expected = proof(self._secret, "server", self._hello.nonce, frame.nonce)
-                if not hmac.compare_digest(expected, frame.proof):
-                    raise AuthError("the worker does not know the plane secret")
-                self._server_proved = True
-                return Auth(proof(self._secret, "client", self._hello.nonce, frame.nonce))
-            case HelloOk():
-                if self._secret is not None and not self._server_proved:
-                    raise AuthError("the worker skipped authentication but a secret is configured")
-                if frame.version != PROTOCOL_VERSION:
-                    raise ProtocolError(
-                        f"worker speaks protocol {frame.version}", "unsupported_version"
-                    )
-                self.peer = frame
-                return None
-            case Fault():
-                if frame.code == "unauthorized":
-                    raise AuthError(f"refused by the worker: {frame.message}")
-                raise ProtocolError(f"refused by the worker: {frame.message}", frame.code)
-        raise ProtocolError(f"unexpected {type(frame).__name__} during the handshake")
-
-
-class ServerHandshake:
-    """The server's side: :meth:`receive` each client frame until :attr:`peer` is set.
-
-    Returns the frame to send back. Raises :class:`AuthError` or
-    :class:`ProtocolError`; the caller sends ``Fault(exc.code, exc.message)`` and closes.
-    """
-
-    def __init__(self, identity: HelloOk, *, secret: bytes | None) -> None:
-        self._identity = identity
-        self._secret = secret
-        self._hello: Hello | None = None
-        self._nonce = b""
-        self.peer: Hello | None = None
-
-    def receive(self, frame: Frame) -> Frame:
-        if self.peer is not None:
-            raise ProtocolError("handshake already complete")
-        if self._hello is None:
-            if not isinstance(frame, Hello):
-                raise ProtocolError(f"expected hello, got {type(frame).__name__}")
-            if frame.version != PROTOCOL_VERSION:
-                raise ProtocolError(
-                    f"protocol {frame.version} not supported (this worker speaks "
-                    f"{PROTOCOL_VERSION})",
-                    "unsupported_version",
-                )
-            self._hello = frame
-            if self._secret is None:
-                self.peer = frame
-                return self._identity
-            self._nonce = secrets.token_bytes(NONCE_BYTES)
-            return Challenge(self._nonce, proof(self._secret, "server", frame.nonce, self._nonce))
-        if not isinstance(frame, Auth) or self._secret is None:
-            raise ProtocolError(f"expected auth, got {type(frame).__name__}")
-        expected = proof(self._secret, "client", self._hello.nonce, self._nonce)
-        if not hmac.compare_digest(expected, frame.proof):
-            raise AuthError("wrong plane secret")
-        self.peer = self._hello
-        return self._identity
-
-
-# ---- addresses and secrets ------------------------------------------------------------
-
-
-def parse_tcp_address(address: str) -> tuple[str, int]:
-    """``tcp://host:port`` (``[v6]:port`` too) → (host, port). Raises ValueError."""
-    scheme, sep, rest = address.partition("://")
-    if not sep or scheme != "tcp":
-        raise ValueError(f"not a tcp:// address: {address!r}")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad tcp address {address!r}: expected tcp://host:port")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def format_tcp_address(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    """True only for loopback IPs and ``localhost``; wildcards and names are not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def load_secret(secret_file: str | None = None) -> bytes | None:
-    """The shared plane secret: *secret_file*'s content, else ``$HEADWATER_PLANE_SECRET``.
-
-    Surrounding whitespace is stripped. Returns None when neither is set; raises
-    ValueError for an empty secret and OSError for an unreadable file. Called once
-    at startup, never on the event loop's hot path.
-    """
-    if secret_file:
-        with open(secret_file, "rb") as f:
-            secret = f.read().strip()
-        source = secret_file
-    else:
-        raw = os.environ.get(SECRET_ENV)
-        if raw is None:
-            return None
-        secret, source = raw.strip().encode(), SECRET_ENV
-    if not secret:
-        raise ValueError(f"the plane secret from {source} is empty")
-    return secret
