@@ -145,7 +145,9 @@ def test_block_hashes_travel_packed_in_requests_and_chunks() -> None:
 def test_handle_without_hashes_keeps_the_old_wire_form() -> None:
     # What an older peer sends and expects: exactly these keys, nothing new.
     old = {"worker_id": "w", "address": "tcp://h:1", "transfer_id": "t", "num_tokens": 9}
-    assert KvHandle("w", "tcp://h:1", "t", 9).to_wire() == old
+    encoded = encode(Chunk("r", [1], None, KvHandle("w", "tcp://h:1", "t", 9)))
+    assert msgpack.unpackb(encoded[4:])["kv_handle"] == old
+    assert msgpack.packb(old, use_bin_type=True) in encoded  # the very bytes, in order
     (chunk,) = FrameDecoder().feed(_body({**GOOD_CHUNK, "kv_handle": old}))
     assert chunk.kv_handle == KvHandle("w", "tcp://h:1", "t", 9)
     assert (chunk.kv_handle.block_hashes, chunk.kv_handle.block_size) == ((), 0)

@@ -18,18 +18,32 @@ Kinds and their frame types::
     get_stats  GetStats     stats: Stats (the worker's counters, flat)
     goaway     GoAway       server → client: no new requests on this connection
 
-The decoder trusts nothing: msgpack is unpacked with ``strict_map_key`` and size
-limits, every field is type-checked, and anything wrong raises
-:class:`ProtocolError` (nothing else), after which the connection is unusable.
+**One serializer.** This module is the only place that knows how any frame looks on
+the wire: :func:`_body` builds each frame's map and ``_PARSERS`` check each map and
+build the frame back, field by field, for the request messages and the control frames
+alike; the frames themselves are plain dataclasses. The other way round (every frame
+serializing itself, a generic codec) would not save the codec its work: a decoder must
+still check each field of hostile input with the helpers below, and the fields that
+travel packed (token ids, block hashes) must still be packed here, so each
+field would be handled in two places, as it once was. The in-process transport passes
+the objects themselves and never comes here.
 
-Prompt token ids travel as packed little-endian uint32 bytes, which is what a token
-array (``headwater.wire.tokens``) holds: a 40k-token prompt packs and unpacks as one
-memcpy each (~10 µs), where a msgpack int list took 2.1 and 3.2 + 1.7 ms and needed a
-type check per element.
-Chunks carry one or a few tokens, so they keep plain int lists. A KV handle's block
-hashes (one per 64 prompt tokens) travel likewise as packed little-endian int64
-bytes; ``struct`` packs and unpacks 625 of them in ~25 and ~15 µs (array: ~40, ~20).
-A handle without them, as an older peer sends, is still valid.
+The decoder trusts nothing: msgpack is unpacked with ``strict_map_key`` and size
+limits, every field is type-checked, and anything wrong raises :class:`ProtocolError`
+(nothing else), after which the connection is unusable. A field that cannot be encoded
+raises ValueError; a frame over the size limit, :class:`FrameTooLarge`.
+
+What keeps it fast:
+
+* Prompt token ids travel as packed little-endian uint32 bytes, which is what a token
+  array (``headwater.wire.tokens``) holds: a 40k-token prompt packs and unpacks as one
+  memcpy each (~10 µs), where a msgpack int list took 2.1 and 3.2 + 1.7 ms and needed a
+  type check per element. Chunks carry one or a few tokens, so they keep plain int lists.
+* A KV handle's block hashes (one per 64 prompt tokens) travel likewise as packed
+  little-endian int64 bytes; ``struct`` packs and unpacks 625 of them in ~25 and ~15 µs
+  (array: ~40, ~20). A handle without them, as an older peer sends, is still valid.
+* Every map is built explicitly, never with ``dataclasses.asdict``, whose deep copy
+  costs ~20 µs per request leg.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ from __future__ import annotations
 import array
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Final, TypeVar, overload
 
 import msgpack
 
@@ -65,16 +79,22 @@ from headwater.wire.messages import (
     Chunk,
     End,
     Error,
+    ErrorCode,
     FinishReason,
     GenerateRequest,
     KvHandle,
+    SamplingParams,
 )
 from headwater.wire.tokens import from_uint32_le, to_uint32_le
 
 _HEADER = struct.Struct(">I")
 _MAX_MAP_LEN = 256  # the widest frame (stats) has a few dozen keys
 
-# ---- encoding -----------------------------------------------------------------------
+#: A decoded msgpack map. ``strict_map_key`` also lets bytes keys through, but every
+#: lookup here is by str, so a bytes key is never read.
+_Map = dict[str, object]
+
+# ---- packed fields ------------------------------------------------------------------
 
 
 def pack_token_ids(ids: Sequence[int]) -> bytes:
@@ -106,29 +126,53 @@ def unpack_block_hashes(data: bytes) -> tuple[int, ...]:
     return struct.unpack(f"<{len(data) // 8}q", data)
 
 
-def _pack_handle(d: dict[str, Any], handle: KvHandle | None) -> None:
-    """Swap the hash tuple in ``d["kv_handle"]`` (from ``to_wire``) for packed bytes."""
-    if handle is not None and handle.block_hashes:
-        d["kv_handle"]["block_hashes"] = pack_block_hashes(handle.block_hashes)
+# ---- encoding -----------------------------------------------------------------------
 
 
-def _body(frame: Frame) -> dict[str, Any]:
+def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """*frame* as length-prefixed bytes.
+
+    Raises :class:`FrameTooLarge` if the body exceeds *max_frame* (the peer would
+    refuse it and drop the whole connection), ValueError on unencodable fields.
+    """
+    body: bytes = msgpack.packb(_body(frame), use_bin_type=True)
+    if len(body) > max_frame:
+        raise FrameTooLarge(len(body), max_frame)
+    return _HEADER.pack(len(body)) + body
+
+
+def _body(frame: Frame) -> _Map:
+    # The request messages put "k" last and the control frames first: the order their
+    # bytes have always had, so an unchanged frame stays byte-identical on the wire.
     match frame:
         case GenerateRequest():
-            d = frame.to_wire()
-            d["token_ids"] = pack_token_ids(frame.token_ids)
-            _pack_handle(d, frame.kv_handle)
-            d["k"] = "request"
-            return d
+            return {
+                "request_id": frame.request_id,
+                "model": frame.model,
+                "token_ids": pack_token_ids(frame.token_ids),
+                "sampling": _sampling_body(frame.sampling),
+                "kv_handle": _handle_body(frame.kv_handle),
+                "eos_token_ids": list(frame.eos_token_ids),
+                "k": "request",
+            }
         case Chunk():
-            d = frame.to_wire()
-            _pack_handle(d, frame.kv_handle)
-            d["k"] = "chunk"
-            return d
-        case Ack() | End() | Error() | Cancel():
-            d = frame.to_wire()
-            d["k"] = _WIRE_KINDS[type(frame)]
-            return d
+            return {
+                "request_id": frame.request_id,
+                "token_ids": frame.token_ids,
+                "finish_reason": frame.finish_reason.value if frame.finish_reason else None,
+                "kv_handle": _handle_body(frame.kv_handle),
+                "cached_tokens": frame.cached_tokens,
+                "k": "chunk",
+            }
+        case Ack():
+            return {"request_id": frame.request_id, "k": "ack"}
+        case End():
+            return {"request_id": frame.request_id, "k": "end"}
+        case Error():
+            return {"request_id": frame.request_id, "code": frame.code.value,
+                    "message": frame.message, "k": "error"}
+        case Cancel():
+            return {"request_id": frame.request_id, "k": "cancel"}
         case Fault():
             return {"k": "error", "code": frame.code, "message": frame.message}
         case Hello():
@@ -141,8 +185,12 @@ def _body(frame: Frame) -> dict[str, Any]:
         case HelloOk():
             return {"k": "hello_ok", "version": frame.version, "role": frame.role,
                     "worker_id": frame.worker_id, "model": frame.model}
-        case Ping() | Pong() | GetStats():
-            return {"k": _WIRE_KINDS[type(frame)], "seq": frame.seq}
+        case Ping():
+            return {"k": "ping", "seq": frame.seq}
+        case Pong():
+            return {"k": "pong", "seq": frame.seq}
+        case GetStats():
+            return {"k": "get_stats", "seq": frame.seq}
         case Stats():
             return {"k": "stats", "seq": frame.seq, "values": frame.values}
         case KvPull():
@@ -155,22 +203,32 @@ def _body(frame: Frame) -> dict[str, Any]:
     raise TypeError(f"not a frame: {type(frame).__name__}")
 
 
-_WIRE_KINDS: dict[type, str] = {
-    Ack: "ack", Chunk: "chunk", End: "end", Error: "error", Cancel: "cancel",
-    Ping: "ping", Pong: "pong", GetStats: "get_stats",
-}
+def _sampling_body(sampling: SamplingParams) -> _Map:
+    return {
+        "max_tokens": sampling.max_tokens,
+        "min_tokens": sampling.min_tokens,
+        "ignore_eos": sampling.ignore_eos,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "stop_token_ids": list(sampling.stop_token_ids),
+    }
 
 
-def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    """*frame* as length-prefixed bytes.
-
-    Raises :class:`FrameTooLarge` if the body exceeds *max_frame* (the peer would
-    refuse it and drop the whole connection), ValueError on unencodable fields.
-    """
-    body = msgpack.packb(_body(frame), use_bin_type=True)
-    if len(body) > max_frame:
-        raise FrameTooLarge(len(body), max_frame)
-    return _HEADER.pack(len(body)) + body
+def _handle_body(handle: KvHandle | None) -> _Map | None:
+    if handle is None:
+        return None
+    body: _Map = {
+        "worker_id": handle.worker_id,
+        "address": handle.address,
+        "transfer_id": handle.transfer_id,
+        "num_tokens": handle.num_tokens,
+    }
+    # Optional fields are left out when empty: what an older peer sends and expects.
+    if handle.block_hashes:
+        body["block_hashes"] = pack_block_hashes(handle.block_hashes)
+        body["block_size"] = handle.block_size
+    return body
 
 
 # ---- decoding -----------------------------------------------------------------------
@@ -254,132 +312,141 @@ def decode_body(body: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) ->
         return parse(obj)
     except ProtocolError:
         raise
-    except (KeyError, TypeError, ValueError) as exc:  # from_wire on a checked dict: belt and braces
+    except (KeyError, TypeError, ValueError) as exc:  # a constructor refusing a checked value
         raise ProtocolError(f"bad {kind} frame: {exc!r}") from exc
 
 
-_MISSING: Any = object()
-_FINISH_REASONS = frozenset(r.value for r in FinishReason)
+_T = TypeVar("_T")
+_D = TypeVar("_D")
+_MISSING: Final = object()
+_FINISH_REASONS: Final = {r.value: r for r in FinishReason}
+_ERROR_CODES: Final = {c.value: c for c in ErrorCode}
 
 
-def _field(
-    d: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = _MISSING
-) -> Any:
-    """``d[key]`` if its exact type is *kind* (bool is not an int; int passes as float)."""
+@overload
+def _field(d: _Map, key: str, kind: type[_T]) -> _T: ...
+@overload
+def _field(d: _Map, key: str, kind: type[_T], default: _D) -> _T | _D: ...
+def _field(d: _Map, key: str, kind: type[object], default: object = _MISSING) -> object:
+    """``d[key]`` if its exact type is *kind* (bool is not an int; int passes as float).
+
+    A missing key gives *default*, or a ProtocolError without one; a None value passes
+    only when *default* is None.
+    """
     value = d.get(key, _MISSING)
     if value is _MISSING:
         if default is _MISSING:
             raise ProtocolError(f"{d.get('k')}: missing field {key!r}")
         return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if type(value) in kinds or (float in kinds and type(value) is int):
+    if type(value) is kind or (kind is float and type(value) is int):
         return value
     if value is None and default is None:
         return None
     raise ProtocolError(f"{d.get('k')}: field {key!r} has type {type(value).__name__}")
 
 
-def _nonneg(d: dict[str, Any], key: str, default: Any = _MISSING) -> int:
-    value = _field(d, key, int, default)
-    if value is not None and value < 0:
+def _nonneg(d: _Map, key: str, default: int | None = None) -> int:
+    """A non-negative int; required unless *default* is given."""
+    value = _field(d, key, int) if default is None else _field(d, key, int, default)
+    if value < 0:
         raise ProtocolError(f"{d.get('k')}: field {key!r} is negative")
     return value
 
 
-def _int_list(d: dict[str, Any], key: str) -> list[int]:
-    values = _field(d, key, list, [])
-    if not all(type(v) is int and v >= 0 for v in values):
+def _int_list(d: _Map, key: str) -> list[int]:
+    values: list[object] = _field(d, key, list, [])
+    ints = [v for v in values if type(v) is int and v >= 0]
+    if len(ints) != len(values):
         raise ProtocolError(f"{d.get('k')}: field {key!r} must hold non-negative ints")
-    return values
+    return ints
 
 
-def _request_id(d: dict[str, Any], key: str = "request_id") -> str:
+def _request_id(d: _Map, key: str = "request_id") -> str:
     value = _field(d, key, str)
     if not value:
         raise ProtocolError(f"{d.get('k')}: empty {key}")
     return value
 
 
-def _kv_handle(d: dict[str, Any]) -> dict[str, Any] | None:
-    handle = _field(d, "kv_handle", dict, None)
-    if handle is None:
-        return None
-    checked = {
-        "worker_id": _field(handle, "worker_id", str),
-        "address": _field(handle, "address", str),
-        "transfer_id": _field(handle, "transfer_id", str),
-        "num_tokens": _nonneg(handle, "num_tokens"),
-    }
-    hashes = unpack_block_hashes(_field(handle, "block_hashes", bytes, b""))
-    if hashes:
-        block_size = _nonneg(handle, "block_size")
-        if block_size < 1 or len(hashes) > checked["num_tokens"] // block_size:
-            raise ProtocolError(
-                f"{d.get('k')}: kv_handle has {len(hashes)} block hashes for "
-                f"{checked['num_tokens']} tokens in blocks of {block_size}"
-            )
-        checked["block_hashes"] = hashes
-        checked["block_size"] = block_size
-    return checked
-
-
-def _parse_request(d: dict[str, Any]) -> GenerateRequest:
-    sampling = _field(d, "sampling", dict)
-    checked = {
-        "max_tokens": _nonneg(sampling, "max_tokens"),
-        "min_tokens": _nonneg(sampling, "min_tokens", 0),
-        "ignore_eos": _field(sampling, "ignore_eos", bool, False),
-        "temperature": float(_field(sampling, "temperature", float, 1.0)),
-        "top_p": float(_field(sampling, "top_p", float, 1.0)),
-        "seed": _field(sampling, "seed", int, None),
-        "stop_token_ids": _int_list(sampling, "stop_token_ids"),
-    }
-    return GenerateRequest.from_wire({
-        "request_id": _request_id(d),
-        "model": _field(d, "model", str),
-        "token_ids": unpack_token_ids(_field(d, "token_ids", bytes)),
-        "sampling": checked,
-        "kv_handle": _kv_handle(d),
-        "eos_token_ids": _int_list(d, "eos_token_ids"),
-    })
-
-
-def _parse_chunk(d: dict[str, Any]) -> Chunk:
-    reason = _field(d, "finish_reason", str, None)
-    if reason is not None and reason not in _FINISH_REASONS:
-        raise ProtocolError(f"chunk: unknown finish_reason {reason!r}")
-    return Chunk.from_wire({
-        "request_id": _request_id(d),
-        "token_ids": _int_list(d, "token_ids"),
-        "finish_reason": reason,
-        "kv_handle": _kv_handle(d),
-        "cached_tokens": _nonneg(d, "cached_tokens", 0),
-    })
-
-
-def _parse_error(d: dict[str, Any]) -> Error | Fault:
-    code = _field(d, "code", str)
-    message = _field(d, "message", str, "")
-    if "request_id" not in d:
-        return Fault(code, message)
-    return Error.from_wire({"request_id": _request_id(d), "code": code, "message": message})
-
-
-def _parse_stats(d: dict[str, Any]) -> Stats:
-    values = _field(d, "values", dict)
-    if not all(type(k) is str and type(v) in (int, float, str, bool) for k, v in values.items()):
-        raise ProtocolError("stats: values must map names to scalars")
-    return Stats(_nonneg(d, "seq"), values)
-
-
-def _nonce(d: dict[str, Any]) -> bytes:
+def _nonce(d: _Map) -> bytes:
     nonce = _field(d, "nonce", bytes)
     if len(nonce) != NONCE_BYTES:
         raise ProtocolError(f"{d.get('k')}: nonce must be {NONCE_BYTES} bytes")
     return nonce
 
 
-_PARSERS: dict[str, Callable[[dict[str, Any]], Frame]] = {
+def _kv_handle(d: _Map) -> KvHandle | None:
+    handle: _Map | None = _field(d, "kv_handle", dict, None)
+    if handle is None:
+        return None
+    worker_id = _field(handle, "worker_id", str)
+    address = _field(handle, "address", str)
+    transfer_id = _field(handle, "transfer_id", str)
+    num_tokens = _nonneg(handle, "num_tokens")
+    hashes = unpack_block_hashes(_field(handle, "block_hashes", bytes, b""))
+    block_size = 0
+    if hashes:
+        block_size = _nonneg(handle, "block_size")
+        if block_size < 1 or len(hashes) > num_tokens // block_size:
+            raise ProtocolError(
+                f"{d.get('k')}: kv_handle has {len(hashes)} block hashes for "
+                f"{num_tokens} tokens in blocks of {block_size}"
+            )
+    return KvHandle(worker_id, address, transfer_id, num_tokens, hashes, block_size)
+
+
+def _parse_request(d: _Map) -> GenerateRequest:
+    sampling: _Map = _field(d, "sampling", dict)
+    checked = SamplingParams(
+        max_tokens=_nonneg(sampling, "max_tokens"),
+        min_tokens=_nonneg(sampling, "min_tokens", 0),
+        ignore_eos=_field(sampling, "ignore_eos", bool, False),
+        temperature=float(_field(sampling, "temperature", float, 1.0)),
+        top_p=float(_field(sampling, "top_p", float, 1.0)),
+        seed=_field(sampling, "seed", int, None),
+        stop_token_ids=tuple(_int_list(sampling, "stop_token_ids")),
+    )
+    return GenerateRequest(
+        request_id=_request_id(d),
+        model=_field(d, "model", str),
+        token_ids=unpack_token_ids(_field(d, "token_ids", bytes)),
+        sampling=checked,
+        kv_handle=_kv_handle(d),
+        eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
+    )
+
+
+def _parse_chunk(d: _Map) -> Chunk:
+    reason = _field(d, "finish_reason", str, None)
+    finish = None if reason is None else _FINISH_REASONS.get(reason)
+    if reason is not None and finish is None:
+        raise ProtocolError(f"chunk: unknown finish_reason {reason!r}")
+    return Chunk(
+        request_id=_request_id(d),
+        token_ids=_int_list(d, "token_ids"),
+        finish_reason=finish,
+        kv_handle=_kv_handle(d),
+        cached_tokens=_nonneg(d, "cached_tokens", 0),
+    )
+
+
+def _parse_error(d: _Map) -> Error | Fault:
+    code = _field(d, "code", str)
+    message = _field(d, "message", str, "")
+    if "request_id" not in d:
+        return Fault(code, message)
+    # A code this side does not know (from a newer peer) reads as internal.
+    return Error(_request_id(d), _ERROR_CODES.get(code, ErrorCode.INTERNAL), message)
+
+
+def _parse_stats(d: _Map) -> Stats:
+    values: dict[str, int | float | str | bool] = _field(d, "values", dict)
+    if not all(type(k) is str and type(v) in (int, float, str, bool) for k, v in values.items()):
+        raise ProtocolError("stats: values must map names to scalars")
+    return Stats(_nonneg(d, "seq"), values)
+
+
+_PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "hello": lambda d: Hello(
         _nonneg(d, "version"), _field(d, "role", str), _field(d, "peer_id", str),
         _field(d, "model", str), _nonce(d),
@@ -407,5 +474,6 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], Frame]] = {
     "goaway": lambda d: GoAway(_field(d, "reason", str, "")),
 }
 
-#: Every frame kind on the wire.
+#: Every frame kind on the wire; kept here, beside the parsers it is read from, since
+#: the kind names are a wire detail (the frame types do not know them).
 KINDS: frozenset[str] = frozenset(_PARSERS)

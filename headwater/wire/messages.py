@@ -5,10 +5,9 @@ with an :class:`Ack` as soon as it has decoded the request (before any engine wo
 then zero or more :class:`Chunk` messages, then exactly one :class:`End` or
 :class:`Error`. The caller may send :class:`Cancel` at any time.
 
-Every message converts to and from a plain dict of msgpack-safe values
-(``to_wire`` / ``from_wire``), so the in-process transport can pass the objects
-themselves while the TCP transport frames the dicts; the one exception, a request's
-token array, the framing packs into bytes. Nothing here does I/O.
+These are plain frozen dataclasses and enums: no I/O and no serialization. The
+in-process transport passes the objects themselves; the TCP transport's codec
+(``headwater.wire.codec``) is the one place that turns them into bytes and back.
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from headwater.wire.tokens import token_array
 
 
 class Role(enum.StrEnum):
@@ -51,23 +47,6 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
 
-    def to_wire(self) -> dict[str, Any]:
-        # Explicit rather than dataclasses.asdict: this runs once per request leg and
-        # asdict's deep copy costs ~20 µs.
-        return {
-            "max_tokens": self.max_tokens,
-            "min_tokens": self.min_tokens,
-            "ignore_eos": self.ignore_eos,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop_token_ids": list(self.stop_token_ids),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
-
 
 @dataclass(frozen=True, slots=True)
 class KvHandle:
@@ -91,30 +70,6 @@ class KvHandle:
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
     block_size: int = 0
 
-    def to_wire(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "worker_id": self.worker_id,
-            "address": self.address,
-            "transfer_id": self.transfer_id,
-            "num_tokens": self.num_tokens,
-        }
-        if self.block_hashes:
-            # The tuple itself (msgpack-safe); the TCP framing packs it into bytes.
-            d["block_hashes"] = self.block_hashes
-            d["block_size"] = self.block_size
-        return d
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> KvHandle:
-        return cls(
-            worker_id=d["worker_id"],
-            address=d["address"],
-            transfer_id=d["transfer_id"],
-            num_tokens=d["num_tokens"],
-            block_hashes=tuple(d.get("block_hashes", ())),
-            block_size=d.get("block_size", 0),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
@@ -131,41 +86,12 @@ class GenerateRequest:
     kv_handle: KvHandle | None = None  # set on the decode leg of a disaggregated request
     eos_token_ids: tuple[int, ...] = ()
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "model": self.model,
-            "token_ids": self.token_ids,
-            "sampling": self.sampling.to_wire(),
-            "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
-            "eos_token_ids": list(self.eos_token_ids),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> GenerateRequest:
-        kv = d.get("kv_handle")
-        return cls(
-            request_id=str(d["request_id"]),
-            model=str(d["model"]),
-            token_ids=token_array(d["token_ids"]),
-            sampling=SamplingParams.from_wire(d["sampling"]),
-            kv_handle=KvHandle.from_wire(kv) if kv else None,
-            eos_token_ids=tuple(d.get("eos_token_ids", ())),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class Ack:
     """The worker decoded the request; engine work has not necessarily started."""
 
     request_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Ack:
-        return cls(request_id=str(d["request_id"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,40 +108,12 @@ class Chunk:
     kv_handle: KvHandle | None = None
     cached_tokens: int = 0
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason.value if self.finish_reason else None,
-            "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
-            "cached_tokens": self.cached_tokens,
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Chunk:
-        kv = d.get("kv_handle")
-        fr = d.get("finish_reason")
-        return cls(
-            request_id=str(d["request_id"]),
-            token_ids=list(d.get("token_ids", ())),
-            finish_reason=FinishReason(fr) if fr else None,
-            kv_handle=KvHandle.from_wire(kv) if kv else None,
-            cached_tokens=int(d.get("cached_tokens", 0)),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class End:
     """The stream finished normally; no more messages for this request."""
 
     request_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> End:
-        return cls(request_id=str(d["request_id"]))
 
 
 class ErrorCode(enum.StrEnum):
@@ -238,30 +136,12 @@ class Error:
     def retryable(self) -> bool:
         return self.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "code": self.code.value, "message": self.message}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Error:
-        try:
-            code = ErrorCode(d.get("code"))
-        except ValueError:
-            code = ErrorCode.INTERNAL
-        return cls(request_id=str(d["request_id"]), code=code, message=str(d.get("message", "")))
-
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
     """The caller no longer wants this request; the worker stops and frees its KV."""
 
     request_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Cancel:
-        return cls(request_id=str(d["request_id"]))
 
 
 #: What a worker sends back for one request, in order: Ack, Chunk*, (End | Error).
