@@ -24,7 +24,7 @@ build the frame back, field by field, for the request messages and the control f
 alike; the frames themselves are plain dataclasses. The other way round (every frame
 serializing itself, a generic codec) would not save the codec its work: a decoder must
 still check each field of hostile input with the helpers below, and the fields that
-travel packed (token ids, block hashes) must still be packed here, so each
+travel packed (token ids, block hashes, KV params) must still be packed here, so each
 field would be handled in two places, as it once was. The in-process transport passes
 the objects themselves and never comes here.
 
@@ -42,6 +42,9 @@ What keeps it fast:
 * A KV handle's block hashes (one per 64 prompt tokens) travel likewise as packed
   little-endian int64 bytes; ``struct`` packs and unpacks 625 of them in ~25 and ~15 µs
   (array: ~40, ~20). A handle without them, as an older peer sends, is still valid.
+* A KV handle's ``params`` travel as their own msgpack bytes, so the decoder refuses an
+  oversized one from its length alone, before unpacking any of it. A handle without
+  params encodes exactly as before they existed.
 * Every map is built explicitly, never with ``dataclasses.asdict``, whose deep copy
   costs ~20 µs per request leg.
 """
@@ -50,8 +53,8 @@ from __future__ import annotations
 
 import array
 import struct
-from collections.abc import Callable, Sequence
-from typing import Final, TypeVar, overload
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Final, TypeVar, overload
 
 import msgpack
 
@@ -86,6 +89,14 @@ from headwater.wire.messages import (
     SamplingParams,
 )
 from headwater.wire.tokens import from_uint32_le, to_uint32_le
+
+#: Largest encoded ``KvHandle.params`` (bytes). What engines put there (vLLM's
+#: ``kv_transfer_params``, SGLang's bootstrap host, port and room) is a few hundred
+#: bytes; the bound stops a buggy engine from making every decode request carry
+#: megabytes.
+MAX_KV_PARAMS_BYTES = 64 * 1024
+#: Deepest nesting in ``KvHandle.params``, the mapping itself being level 1.
+MAX_KV_PARAMS_DEPTH = 8
 
 _HEADER = struct.Struct(">I")
 _MAX_MAP_LEN = 256  # the widest frame (stats) has a few dozen keys
@@ -124,6 +135,69 @@ def unpack_block_hashes(data: bytes) -> tuple[int, ...]:
     if len(data) % 8:
         raise ProtocolError(f"block_hashes: {len(data)} bytes is not a whole number of int64")
     return struct.unpack(f"<{len(data) // 8}q", data)
+
+
+def pack_kv_params(params: Mapping[str, Any]) -> bytes:
+    """A KV handle's params → msgpack bytes.
+
+    Raises ValueError for a key that is not a str, a value that is not JSON-like (None,
+    bool, int, float, str, bytes, lists and str-keyed dicts of those: a tuple would come
+    back a list), nesting deeper than :data:`MAX_KV_PARAMS_DEPTH`, or more than
+    :data:`MAX_KV_PARAMS_BYTES` once packed.
+    """
+    plain = params if type(params) is dict else dict(params)
+    try:
+        _check_json_like(plain, 1)
+        data: bytes = msgpack.packb(plain, use_bin_type=True)
+    except (OverflowError, ValueError) as exc:  # msgpack: OverflowError for an int > 64 bits
+        raise ValueError(f"kv_handle params: {exc}") from exc
+    if len(data) > MAX_KV_PARAMS_BYTES:
+        raise ValueError(
+            f"kv_handle params: {len(data)} bytes exceeds the {MAX_KV_PARAMS_BYTES}-byte limit"
+        )
+    return data
+
+
+def unpack_kv_params(data: bytes) -> dict[str, Any]:
+    """The inverse of :func:`pack_kv_params`; raises ProtocolError for whatever that
+    refuses to pack."""
+    if len(data) > MAX_KV_PARAMS_BYTES:
+        raise ProtocolError(
+            f"kv_handle params: {len(data)} bytes exceeds the {MAX_KV_PARAMS_BYTES}-byte limit"
+        )
+    try:
+        params = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+        if type(params) is not dict:
+            raise ValueError(f"a {type(params).__name__}, not a map")
+        _check_json_like(params, 1)
+    except (ValueError, TypeError) as exc:  # every msgpack unpack error is a ValueError
+        raise ProtocolError(f"kv_handle params: {exc}") from exc
+    return params
+
+
+_JSON_SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _check_json_like(container: dict[Any, Any] | list[Any], depth: int) -> None:
+    """Raise ValueError unless *container* holds only JSON-like values, str-keyed.
+
+    Exact types, as everywhere in this codec: a subclass (an enum, an OrderedDict)
+    would not come back as itself. Recursion stops at the depth limit.
+    """
+    if depth > MAX_KV_PARAMS_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_KV_PARAMS_DEPTH} levels")
+    if type(container) is dict:
+        for key in container:
+            if type(key) is not str:
+                raise ValueError(f"key {key!r} is not a str")
+        values: Iterable[object] = container.values()
+    else:
+        values = container
+    for value in values:
+        if type(value) is dict or type(value) is list:
+            _check_json_like(value, depth + 1)
+        elif type(value) not in _JSON_SCALARS:
+            raise ValueError(f"unsupported type {type(value).__name__}")
 
 
 # ---- encoding -----------------------------------------------------------------------
@@ -228,6 +302,8 @@ def _handle_body(handle: KvHandle | None) -> _Map | None:
     if handle.block_hashes:
         body["block_hashes"] = pack_block_hashes(handle.block_hashes)
         body["block_size"] = handle.block_size
+    if handle.params:
+        body["params"] = pack_kv_params(handle.params)
     return body
 
 
@@ -392,7 +468,9 @@ def _kv_handle(d: _Map) -> KvHandle | None:
                 f"{d.get('k')}: kv_handle has {len(hashes)} block hashes for "
                 f"{num_tokens} tokens in blocks of {block_size}"
             )
-    return KvHandle(worker_id, address, transfer_id, num_tokens, hashes, block_size)
+    packed_params = _field(handle, "params", bytes, None)
+    params = {} if packed_params is None else unpack_kv_params(packed_params)
+    return KvHandle(worker_id, address, transfer_id, num_tokens, hashes, block_size, params)
 
 
 def _parse_request(d: _Map) -> GenerateRequest:

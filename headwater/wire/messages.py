@@ -13,8 +13,9 @@ in-process transport passes the objects themselves; the TCP transport's codec
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Role(enum.StrEnum):
@@ -61,6 +62,15 @@ class KvHandle:
     need not hash the same prompt again; empty (and ``block_size`` 0) when the sender
     does not provide them (an older peer), in which case the decode side hashes.
     In-process the tuple is shared, not copied; it stays out of ``repr``.
+
+    ``params`` is engine-specific and opaque to headwater: it travels from the prefill
+    reply to the decode worker untouched (vLLM's ``kv_transfer_params``, SGLang's
+    bootstrap host, port and room). Values are JSON-like: None, bool, int, float, str,
+    bytes, and lists and str-keyed dicts of those; the TCP codec enforces that, a
+    nesting depth and a size bound. In-process the mapping is shared, not copied, so
+    nobody may mutate it: it is typed read-only, but a dict underneath. It stays out of
+    ``repr`` (it may be large) and out of the hash (a dict has none); equality compares
+    it. Empty when the sender has none (an older peer).
     """
 
     worker_id: str
@@ -69,6 +79,11 @@ class KvHandle:
     num_tokens: int
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
     block_size: int = 0
+    # Any, not a recursive JSON type: the contents belong to the engine that reads them,
+    # which knows their shape; the codec checks the shape at the process boundary. A
+    # plain dict, not a MappingProxyType: a proxy guards only the top level (nested
+    # lists and dicts stay mutable), costs a wrapper per handle and needs a copy to pack.
+    params: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
