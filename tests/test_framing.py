@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+from typing import Any
 
 import msgpack
 import pytest
@@ -22,17 +23,26 @@ from headwater.wire import (
     KvHandle,
     SamplingParams,
 )
-from headwater.wire.framing import (
+from headwater.wire.addresses import format_tcp_address, is_loopback, parse_tcp_address
+from headwater.wire.codec import (
     KINDS,
+    MAX_KV_PARAMS_BYTES,
+    MAX_KV_PARAMS_DEPTH,
+    FrameDecoder,
+    decode_body,
+    encode,
+    pack_block_hashes,
+    pack_token_ids,
+    unpack_block_hashes,
+    unpack_token_ids,
+)
+from headwater.wire.errors import AuthError, FrameTooLarge, ProtocolError
+from headwater.wire.frames import (
     PROTOCOL_VERSION,
     Auth,
-    AuthError,
     Challenge,
-    ClientHandshake,
     Fault,
     Frame,
-    FrameDecoder,
-    FrameTooLarge,
     GetStats,
     GoAway,
     Hello,
@@ -41,20 +51,9 @@ from headwater.wire.framing import (
     KvPull,
     Ping,
     Pong,
-    ProtocolError,
-    ServerHandshake,
     Stats,
-    decode_body,
-    encode,
-    format_tcp_address,
-    is_loopback,
-    load_secret,
-    pack_block_hashes,
-    pack_token_ids,
-    parse_tcp_address,
-    unpack_block_hashes,
-    unpack_token_ids,
 )
+from headwater.wire.handshake import ClientHandshake, ServerHandshake, load_secret
 from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
@@ -75,6 +74,16 @@ REQUEST = GenerateRequest(
     eos_token_ids=(1,),
 )
 
+#: A handle carrying engine params (an SGLang-style bootstrap, nested and of every type).
+PARAMS = {
+    "bootstrap_host": "10.0.0.5",
+    "bootstrap_port": 8998,
+    "bootstrap_room": 2**63 - 1,
+    "extra": {"ratio": 0.5, "flags": [True, False, None], "blob": b"\x00\xff", "empty": {}},
+    "layers": [[1, 2], {"a": -1}, []],
+}
+PARAMS_HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "p" * 32, 1234, params=PARAMS)
+
 HASHED_REQUEST = GenerateRequest(
     "r3", "m", token_array([5] * 1234), SamplingParams(max_tokens=1), HASHED_HANDLE
 )
@@ -92,6 +101,7 @@ EXAMPLES: list[Frame] = [
     Chunk("req-1", [17, 18], FinishReason.LENGTH, HANDLE, cached_tokens=64),
     Chunk("req-1"),
     Chunk("req-1", [], FinishReason.LENGTH, HASHED_HANDLE),
+    Chunk("req-1", [], FinishReason.LENGTH, PARAMS_HANDLE),
     End("req-1"),
     Error("req-1", ErrorCode.OVERLOADED, "busy"),
     Fault("frame_too_large", "too big"),
@@ -149,7 +159,9 @@ def test_block_hashes_travel_packed_in_requests_and_chunks() -> None:
 def test_handle_without_hashes_keeps_the_old_wire_form() -> None:
     # What an older peer sends and expects: exactly these keys, nothing new.
     old = {"worker_id": "w", "address": "tcp://h:1", "transfer_id": "t", "num_tokens": 9}
-    assert KvHandle("w", "tcp://h:1", "t", 9).to_wire() == old
+    encoded = encode(Chunk("r", [1], None, KvHandle("w", "tcp://h:1", "t", 9)))
+    assert msgpack.unpackb(encoded[4:])["kv_handle"] == old
+    assert msgpack.packb(old, use_bin_type=True) in encoded  # the very bytes, in order
     (chunk,) = FrameDecoder().feed(_body({**GOOD_CHUNK, "kv_handle": old}))
     assert chunk.kv_handle == KvHandle("w", "tcp://h:1", "t", 9)
     assert (chunk.kv_handle.block_hashes, chunk.kv_handle.block_size) == ((), 0)
@@ -280,6 +292,105 @@ def test_undecodable_bodies(raw: bytes) -> None:
 def test_empty_frame_is_an_error() -> None:
     with pytest.raises(ProtocolError, match="empty"):
         FrameDecoder().feed(b"\x00\x00\x00\x00")
+
+
+# ---- KV handle params -------------------------------------------------------------------
+
+
+def _deep(levels: int) -> dict[str, object]:
+    """Params nested *levels* deep (the map itself is level 1), alternating lists and maps."""
+    value: object = 0
+    for i in range(levels - 1):
+        value = [value] if i % 2 == 0 else {"v": value}
+    return {"v": value}
+
+
+def test_params_round_trip_nested_in_requests_and_chunks() -> None:
+    deepest = _deep(MAX_KV_PARAMS_DEPTH)
+    for params in (PARAMS, deepest):
+        handle = KvHandle("w", "tcp://h:1", "t", 9, params=params)
+        request = GenerateRequest("r", "m", token_array([1]), SamplingParams(max_tokens=1), handle)
+        for frame in (request, Chunk("r", [], None, handle)):
+            (decoded,) = FrameDecoder().feed(encode(frame))
+            assert decoded == frame
+            assert decoded.kv_handle.params == params
+    # Travelling as their own msgpack bytes, beside the handle's other fields.
+    body = msgpack.unpackb(encode(Chunk("r", [], None, PARAMS_HANDLE))[4:])
+    assert msgpack.unpackb(body["kv_handle"]["params"]) == PARAMS
+
+
+def test_params_stay_out_of_repr_and_hash() -> None:
+    assert "bootstrap" not in repr(PARAMS_HANDLE)
+    plain = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "p" * 32, 1234)
+    assert hash(PARAMS_HANDLE) == hash(plain)
+    assert plain != PARAMS_HANDLE  # but equality compares them
+
+
+def test_absent_params_are_empty_and_encode_as_before() -> None:
+    old = {"worker_id": "w", "address": "tcp://h:1", "transfer_id": "t", "num_tokens": 9}
+    (chunk,) = FrameDecoder().feed(_body({**GOOD_CHUNK, "kv_handle": old}))
+    assert chunk.kv_handle.params == {}
+    assert KvHandle("w", "tcp://h:1", "t", 9).params == {}
+    # Empty params add nothing to the wire: an older peer sees the handle it knows.
+    encoded = encode(Chunk("r", [], None, KvHandle("w", "tcp://h:1", "t", 9, params={})))
+    assert msgpack.unpackb(encoded[4:])["kv_handle"] == old
+
+
+def test_params_at_the_size_limit_travel() -> None:
+    # 1 byte of map header, 5 of key, 3 of bin header: packed, exactly the limit.
+    params = {"blob": b"x" * (MAX_KV_PARAMS_BYTES - 9)}
+    assert len(msgpack.packb(params, use_bin_type=True)) == MAX_KV_PARAMS_BYTES
+    handle = KvHandle("w", "a", "t", 1, params=params)
+    (decoded,) = FrameDecoder().feed(encode(Chunk("r", [], None, handle)))
+    assert decoded.kv_handle.params == params
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({1: "x"}, "key 1 is not a str"),
+        ({"a": {b"k": 1}}, "is not a str"),
+        ({"a": (1, 2)}, "unsupported type tuple"),
+        ({"a": [{1, 2}]}, "unsupported type set"),
+        ({"a": _Opaque()}, "unsupported type _Opaque"),
+        ({"a": ErrorCode.INTERNAL}, "unsupported type ErrorCode"),
+        ({"a": 2**64}, "kv_handle params"),
+        (_deep(MAX_KV_PARAMS_DEPTH + 1), "deeper than"),
+        ({"blob": b"x" * (MAX_KV_PARAMS_BYTES - 8)}, "exceeds"),  # one byte over
+    ],
+)
+def test_bad_params_refuse_to_encode(params: dict[Any, object], match: str) -> None:
+    handle = KvHandle("w", "a", "t", 1, params=params)
+    with pytest.raises(ValueError, match=match):
+        encode(Chunk("r", [], None, handle))
+
+
+def _packed(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (_packed({b"k": 1}), "is not a str"),
+        (_packed({"a": {"b": {b"k": 1}}}), "is not a str"),
+        (b"\x81\x01\x02", "params"),  # an int key (strict_map_key)
+        (_packed({"a": msgpack.ExtType(1, b"x")}), "params"),  # no ext types
+        (_packed([1, 2]), "not a map"),
+        (_packed(_deep(MAX_KV_PARAMS_DEPTH + 1)), "deeper than"),
+        (_packed({"blob": b"x" * (MAX_KV_PARAMS_BYTES - 8)}), "exceeds"),  # one byte over
+        (b"\x81\xa1a", "params"),  # truncated
+        (_packed({}) + b"\x00", "params"),  # trailing data
+        ({"a": 1}, "params"),  # a map, not its packed bytes
+    ],
+)
+def test_bad_params_are_protocol_errors(params: object, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        FrameDecoder().feed(_body(_hashed_chunk(params=params)))
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])

@@ -134,7 +134,7 @@ def test_no_forbidden_imports_in_source() -> None:
 
 def test_the_rules() -> None:
     assert forbidden("headwater.plane.server", "workers.runtime")
-    assert forbidden("headwater.wire.framing", "frontend.pipeline")
+    assert forbidden("headwater.wire.codec", "frontend.pipeline")
     assert forbidden("headwater.plane.kv", "headwater.cli")  # core below the top too
     assert not forbidden("headwater.cli.serve", "frontend.server")
     assert not forbidden("headwater.cluster.recipes", "workers.lifecycle")

@@ -36,22 +36,20 @@ from headwater.wire import (
     Role,
     SamplingParams,
 )
-from headwater.wire.framing import (
+from headwater.wire.addresses import parse_tcp_address
+from headwater.wire.codec import FrameDecoder, encode
+from headwater.wire.frames import (
     PROTOCOL_VERSION,
     Auth,
-    ClientHandshake,
     Fault,
     Frame,
-    FrameDecoder,
     GoAway,
     Hello,
     HelloOk,
     Ping,
     Pong,
-    ServerHandshake,
-    encode,
-    parse_tcp_address,
 )
+from headwater.wire.handshake import ClientHandshake, ServerHandshake
 from workers.engines.mocker import MockerConfig, MockerEngine
 from workers.lifecycle import RunningWorker, WorkerConfig, serve_worker
 

@@ -30,7 +30,7 @@ from headwater.plane.connection import PlaneConfig
 from headwater.plane.kv import KvSource, TcpKvTransfer, open_kv_transfer
 from headwater.plane.server import PlaneServer, ServerConfig, check_bind
 from headwater.wire import Role
-from headwater.wire.framing import format_tcp_address
+from headwater.wire.addresses import format_tcp_address
 from workers.engines import registry
 from workers.engines.base import Engine, EngineContext
 from workers.runtime.runtime import WorkerRuntime, open_runtime

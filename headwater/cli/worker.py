@@ -31,7 +31,7 @@ from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
 from headwater.plane.server import check_bind
 from headwater.wire import Role
-from headwater.wire.framing import load_secret
+from headwater.wire.handshake import load_secret
 from workers.engines import registry
 from workers.lifecycle import (
     READY_PREFIX,

@@ -46,7 +46,7 @@ from headwater.plane.connection import (
     tcp_connector,
 )
 from headwater.wire import GenerateRequest
-from headwater.wire.framing import load_secret
+from headwater.wire.handshake import load_secret
 
 log = logging.getLogger(__name__)
 

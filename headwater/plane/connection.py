@@ -53,25 +53,22 @@ from headwater.plane.base import (
     WorkerError,
 )
 from headwater.wire import Ack, Cancel, Chunk, End, Error, ErrorCode, GenerateRequest
-from headwater.wire.framing import (
+from headwater.wire.addresses import parse_tcp_address
+from headwater.wire.codec import FrameDecoder, encode
+from headwater.wire.errors import AuthError, FrameTooLarge, ProtocolError
+from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
-    AuthError,
-    ClientHandshake,
     Fault,
     Frame,
-    FrameDecoder,
-    FrameTooLarge,
     GetStats,
     GoAway,
     HelloOk,
     KvData,
     Ping,
     Pong,
-    ProtocolError,
     Stats,
-    encode,
-    parse_tcp_address,
 )
+from headwater.wire.handshake import ClientHandshake
 
 log = logging.getLogger(__name__)
 

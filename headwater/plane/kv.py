@@ -39,8 +39,8 @@ from headwater.plane.connection import (
     dial,
     tcp_connector,
 )
-from headwater.wire import ErrorCode, KvHandle
-from headwater.wire.framing import Error, Frame, KvData, KvPull
+from headwater.wire import Error, ErrorCode, KvHandle
+from headwater.wire.frames import Frame, KvData, KvPull
 
 log = logging.getLogger(__name__)
 

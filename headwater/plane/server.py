@@ -35,12 +35,14 @@ import trio
 from headwater.plane.base import RequestHandler
 from headwater.plane.kv import KvSource, serve_pull
 from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role
-from headwater.wire.framing import (
+from headwater.wire.addresses import is_loopback
+from headwater.wire.codec import FrameDecoder, encode
+from headwater.wire.errors import ProtocolError
+from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
     Fault,
     Frame,
-    FrameDecoder,
     GetStats,
     GoAway,
     Hello,
@@ -49,12 +51,9 @@ from headwater.wire.framing import (
     KvPull,
     Ping,
     Pong,
-    ProtocolError,
-    ServerHandshake,
     Stats,
-    encode,
-    is_loopback,
 )
+from headwater.wire.handshake import ServerHandshake
 
 log = logging.getLogger(__name__)
 

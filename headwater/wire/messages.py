@@ -5,20 +5,17 @@ with an :class:`Ack` as soon as it has decoded the request (before any engine wo
 then zero or more :class:`Chunk` messages, then exactly one :class:`End` or
 :class:`Error`. The caller may send :class:`Cancel` at any time.
 
-Every message converts to and from a plain dict of msgpack-safe values
-(``to_wire`` / ``from_wire``), so the in-process transport can pass the objects
-themselves while the TCP transport frames the dicts; the one exception, a request's
-token array, the framing packs into bytes. Nothing here does I/O.
+These are plain frozen dataclasses and enums: no I/O and no serialization. The
+in-process transport passes the objects themselves; the TCP transport's codec
+(``headwater.wire.codec``) is the one place that turns them into bytes and back.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from headwater.wire.tokens import token_array
 
 
 class Role(enum.StrEnum):
@@ -51,23 +48,6 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
 
-    def to_wire(self) -> dict[str, Any]:
-        # Explicit rather than dataclasses.asdict: this runs once per request leg and
-        # asdict's deep copy costs ~20 µs.
-        return {
-            "max_tokens": self.max_tokens,
-            "min_tokens": self.min_tokens,
-            "ignore_eos": self.ignore_eos,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop_token_ids": list(self.stop_token_ids),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
-
 
 @dataclass(frozen=True, slots=True)
 class KvHandle:
@@ -82,6 +62,15 @@ class KvHandle:
     need not hash the same prompt again; empty (and ``block_size`` 0) when the sender
     does not provide them (an older peer), in which case the decode side hashes.
     In-process the tuple is shared, not copied; it stays out of ``repr``.
+
+    ``params`` is engine-specific and opaque to headwater: it travels from the prefill
+    reply to the decode worker untouched (vLLM's ``kv_transfer_params``, SGLang's
+    bootstrap host, port and room). Values are JSON-like: None, bool, int, float, str,
+    bytes, and lists and str-keyed dicts of those; the TCP codec enforces that, a
+    nesting depth and a size bound. In-process the mapping is shared, not copied, so
+    nobody may mutate it: it is typed read-only, but a dict underneath. It stays out of
+    ``repr`` (it may be large) and out of the hash (a dict has none); equality compares
+    it. Empty when the sender has none (an older peer).
     """
 
     worker_id: str
@@ -90,30 +79,11 @@ class KvHandle:
     num_tokens: int
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
     block_size: int = 0
-
-    def to_wire(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "worker_id": self.worker_id,
-            "address": self.address,
-            "transfer_id": self.transfer_id,
-            "num_tokens": self.num_tokens,
-        }
-        if self.block_hashes:
-            # The tuple itself (msgpack-safe); the TCP framing packs it into bytes.
-            d["block_hashes"] = self.block_hashes
-            d["block_size"] = self.block_size
-        return d
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> KvHandle:
-        return cls(
-            worker_id=d["worker_id"],
-            address=d["address"],
-            transfer_id=d["transfer_id"],
-            num_tokens=d["num_tokens"],
-            block_hashes=tuple(d.get("block_hashes", ())),
-            block_size=d.get("block_size", 0),
-        )
+    # Any, not a recursive JSON type: the contents belong to the engine that reads them,
+    # which knows their shape; the codec checks the shape at the process boundary. A
+    # plain dict, not a MappingProxyType: a proxy guards only the top level (nested
+    # lists and dicts stay mutable), costs a wrapper per handle and needs a copy to pack.
+    params: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,41 +101,12 @@ class GenerateRequest:
     kv_handle: KvHandle | None = None  # set on the decode leg of a disaggregated request
     eos_token_ids: tuple[int, ...] = ()
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "model": self.model,
-            "token_ids": self.token_ids,
-            "sampling": self.sampling.to_wire(),
-            "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
-            "eos_token_ids": list(self.eos_token_ids),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> GenerateRequest:
-        kv = d.get("kv_handle")
-        return cls(
-            request_id=str(d["request_id"]),
-            model=str(d["model"]),
-            token_ids=token_array(d["token_ids"]),
-            sampling=SamplingParams.from_wire(d["sampling"]),
-            kv_handle=KvHandle.from_wire(kv) if kv else None,
-            eos_token_ids=tuple(d.get("eos_token_ids", ())),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class Ack:
     """The worker decoded the request; engine work has not necessarily started."""
 
     request_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Ack:
-        return cls(request_id=str(d["request_id"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,40 +123,12 @@ class Chunk:
     kv_handle: KvHandle | None = None
     cached_tokens: int = 0
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason.value if self.finish_reason else None,
-            "kv_handle": self.kv_handle.to_wire() if self.kv_handle else None,
-            "cached_tokens": self.cached_tokens,
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Chunk:
-        kv = d.get("kv_handle")
-        fr = d.get("finish_reason")
-        return cls(
-            request_id=str(d["request_id"]),
-            token_ids=list(d.get("token_ids", ())),
-            finish_reason=FinishReason(fr) if fr else None,
-            kv_handle=KvHandle.from_wire(kv) if kv else None,
-            cached_tokens=int(d.get("cached_tokens", 0)),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class End:
     """The stream finished normally; no more messages for this request."""
 
     request_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> End:
-        return cls(request_id=str(d["request_id"]))
 
 
 class ErrorCode(enum.StrEnum):
@@ -238,30 +151,12 @@ class Error:
     def retryable(self) -> bool:
         return self.code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "code": self.code.value, "message": self.message}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Error:
-        try:
-            code = ErrorCode(d.get("code"))
-        except ValueError:
-            code = ErrorCode.INTERNAL
-        return cls(request_id=str(d["request_id"]), code=code, message=str(d.get("message", "")))
-
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
     """The caller no longer wants this request; the worker stops and frees its KV."""
 
     request_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Cancel:
-        return cls(request_id=str(d["request_id"]))
 
 
 #: What a worker sends back for one request, in order: Ack, Chunk*, (End | Error).

@@ -1,0 +1,557 @@
+"""The request plane's frames as bytes and back, without any I/O.
+
+A frame is a 4-byte big-endian body length followed by a msgpack map whose ``"k"``
+names the kind. :func:`encode` and :class:`FrameDecoder` turn the frames of
+``headwater.wire.frames`` into such bytes and back; the trio shells
+(``headwater.plane.connection``, ``headwater.plane.server``) only move the bytes.
+
+Kinds and their frame types::
+
+    hello      Hello        client → server, first frame: version, role, id, model, nonce
+    challenge  Challenge    server → client, only with a secret: server nonce + proof
+    auth       Auth         client → server: the client's proof
+    hello_ok   HelloOk      server → client: handshake done, who the worker is
+    request    GenerateRequest          ack / chunk / end: Ack, Chunk, End
+    error      Error (has request_id) or Fault (connection-level, then close)
+    cancel     Cancel       ping / pong: Ping, Pong (heartbeat, echo ``seq``)
+    kv_pull    KvPull       kv_data: KvData (a transfer's payload, in pieces)
+    get_stats  GetStats     stats: Stats (the worker's counters, flat)
+    goaway     GoAway       server → client: no new requests on this connection
+
+**One serializer.** This module is the only place that knows how any frame looks on
+the wire: :func:`_body` builds each frame's map and ``_PARSERS`` check each map and
+build the frame back, field by field, for the request messages and the control frames
+alike; the frames themselves are plain dataclasses. The other way round (every frame
+serializing itself, a generic codec) would not save the codec its work: a decoder must
+still check each field of hostile input with the helpers below, and the fields that
+travel packed (token ids, block hashes, KV params) must still be packed here, so each
+field would be handled in two places, as it once was. The in-process transport passes
+the objects themselves and never comes here.
+
+The decoder trusts nothing: msgpack is unpacked with ``strict_map_key`` and size
+limits, every field is type-checked, and anything wrong raises :class:`ProtocolError`
+(nothing else), after which the connection is unusable. A field that cannot be encoded
+raises ValueError; a frame over the size limit, :class:`FrameTooLarge`.
+
+What keeps it fast:
+
+* Prompt token ids travel as packed little-endian uint32 bytes, which is what a token
+  array (``headwater.wire.tokens``) holds: a 40k-token prompt packs and unpacks as one
+  memcpy each (~10 µs), where a msgpack int list took 2.1 and 3.2 + 1.7 ms and needed a
+  type check per element. Chunks carry one or a few tokens, so they keep plain int lists.
+* A KV handle's block hashes (one per 64 prompt tokens) travel likewise as packed
+  little-endian int64 bytes; ``struct`` packs and unpacks 625 of them in ~25 and ~15 µs
+  (array: ~40, ~20). A handle without them, as an older peer sends, is still valid.
+* A KV handle's ``params`` travel as their own msgpack bytes, so the decoder refuses an
+  oversized one from its length alone, before unpacking any of it. A handle without
+  params encodes exactly as before they existed.
+* Every map is built explicitly, never with ``dataclasses.asdict``, whose deep copy
+  costs ~20 µs per request leg.
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Final, TypeVar, overload
+
+import msgpack
+
+from headwater.wire.errors import FrameTooLarge, ProtocolError
+from headwater.wire.frames import (
+    DEFAULT_MAX_FRAME,
+    NONCE_BYTES,
+    Auth,
+    Challenge,
+    Fault,
+    Frame,
+    GetStats,
+    GoAway,
+    Hello,
+    HelloOk,
+    KvData,
+    KvPull,
+    Ping,
+    Pong,
+    Stats,
+)
+from headwater.wire.messages import (
+    Ack,
+    Cancel,
+    Chunk,
+    End,
+    Error,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    SamplingParams,
+)
+from headwater.wire.tokens import from_uint32_le, to_uint32_le
+
+#: Largest encoded ``KvHandle.params`` (bytes). What engines put there (vLLM's
+#: ``kv_transfer_params``, SGLang's bootstrap host, port and room) is a few hundred
+#: bytes; the bound stops a buggy engine from making every decode request carry
+#: megabytes.
+MAX_KV_PARAMS_BYTES = 64 * 1024
+#: Deepest nesting in ``KvHandle.params``, the mapping itself being level 1.
+MAX_KV_PARAMS_DEPTH = 8
+
+_HEADER = struct.Struct(">I")
+_MAX_MAP_LEN = 256  # the widest frame (stats) has a few dozen keys
+
+#: A decoded msgpack map. ``strict_map_key`` also lets bytes keys through, but every
+#: lookup here is by str, so a bytes key is never read.
+_Map = dict[str, object]
+
+# ---- packed fields ------------------------------------------------------------------
+
+
+def pack_token_ids(ids: Sequence[int]) -> bytes:
+    """Token ids → little-endian uint32 bytes. Raises ValueError outside [0, 2**32)."""
+    return to_uint32_le(ids)
+
+
+def unpack_token_ids(data: bytes) -> array.array[int]:
+    """The inverse of :func:`pack_token_ids`, as a token array (no int objects made);
+    raises ProtocolError on a ragged length."""
+    try:
+        return from_uint32_le(data)
+    except ValueError as exc:
+        raise ProtocolError(f"token_ids: {exc}") from exc
+
+
+def pack_block_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes → little-endian int64 bytes. Raises ValueError outside int64."""
+    try:
+        return struct.pack(f"<{len(hashes)}q", *hashes)
+    except struct.error as exc:
+        raise ValueError(f"block hashes must be ints in int64 range: {exc}") from exc
+
+
+def unpack_block_hashes(data: bytes) -> tuple[int, ...]:
+    """The inverse of :func:`pack_block_hashes`; raises ProtocolError on a ragged length."""
+    if len(data) % 8:
+        raise ProtocolError(f"block_hashes: {len(data)} bytes is not a whole number of int64")
+    return struct.unpack(f"<{len(data) // 8}q", data)
+
+
+def pack_kv_params(params: Mapping[str, Any]) -> bytes:
+    """A KV handle's params → msgpack bytes.
+
+    Raises ValueError for a key that is not a str, a value that is not JSON-like (None,
+    bool, int, float, str, bytes, lists and str-keyed dicts of those: a tuple would come
+    back a list), nesting deeper than :data:`MAX_KV_PARAMS_DEPTH`, or more than
+    :data:`MAX_KV_PARAMS_BYTES` once packed.
+    """
+    plain = params if type(params) is dict else dict(params)
+    try:
+        _check_json_like(plain, 1)
+        data: bytes = msgpack.packb(plain, use_bin_type=True)
+    except (OverflowError, ValueError) as exc:  # msgpack: OverflowError for an int > 64 bits
+        raise ValueError(f"kv_handle params: {exc}") from exc
+    if len(data) > MAX_KV_PARAMS_BYTES:
+        raise ValueError(
+            f"kv_handle params: {len(data)} bytes exceeds the {MAX_KV_PARAMS_BYTES}-byte limit"
+        )
+    return data
+
+
+def unpack_kv_params(data: bytes) -> dict[str, Any]:
+    """The inverse of :func:`pack_kv_params`; raises ProtocolError for whatever that
+    refuses to pack."""
+    if len(data) > MAX_KV_PARAMS_BYTES:
+        raise ProtocolError(
+            f"kv_handle params: {len(data)} bytes exceeds the {MAX_KV_PARAMS_BYTES}-byte limit"
+        )
+    try:
+        params = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+        if type(params) is not dict:
+            raise ValueError(f"a {type(params).__name__}, not a map")
+        _check_json_like(params, 1)
+    except (ValueError, TypeError) as exc:  # every msgpack unpack error is a ValueError
+        raise ProtocolError(f"kv_handle params: {exc}") from exc
+    return params
+
+
+_JSON_SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _check_json_like(container: dict[Any, Any] | list[Any], depth: int) -> None:
+    """Raise ValueError unless *container* holds only JSON-like values, str-keyed.
+
+    Exact types, as everywhere in this codec: a subclass (an enum, an OrderedDict)
+    would not come back as itself. Recursion stops at the depth limit.
+    """
+    if depth > MAX_KV_PARAMS_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_KV_PARAMS_DEPTH} levels")
+    if type(container) is dict:
+        for key in container:
+            if type(key) is not str:
+                raise ValueError(f"key {key!r} is not a str")
+        values: Iterable[object] = container.values()
+    else:
+        values = container
+    for value in values:
+        if type(value) is dict or type(value) is list:
+            _check_json_like(value, depth + 1)
+        elif type(value) not in _JSON_SCALARS:
+            raise ValueError(f"unsupported type {type(value).__name__}")
+
+
+# ---- encoding -----------------------------------------------------------------------
+
+
+def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """*frame* as length-prefixed bytes.
+
+    Raises :class:`FrameTooLarge` if the body exceeds *max_frame* (the peer would
+    refuse it and drop the whole connection), ValueError on unencodable fields.
+    """
+    body: bytes = msgpack.packb(_body(frame), use_bin_type=True)
+    if len(body) > max_frame:
+        raise FrameTooLarge(len(body), max_frame)
+    return _HEADER.pack(len(body)) + body
+
+
+def _body(frame: Frame) -> _Map:
+    # The request messages put "k" last and the control frames first: the order their
+    # bytes have always had, so an unchanged frame stays byte-identical on the wire.
+    match frame:
+        case GenerateRequest():
+            return {
+                "request_id": frame.request_id,
+                "model": frame.model,
+                "token_ids": pack_token_ids(frame.token_ids),
+                "sampling": _sampling_body(frame.sampling),
+                "kv_handle": _handle_body(frame.kv_handle),
+                "eos_token_ids": list(frame.eos_token_ids),
+                "k": "request",
+            }
+        case Chunk():
+            return {
+                "request_id": frame.request_id,
+                "token_ids": frame.token_ids,
+                "finish_reason": frame.finish_reason.value if frame.finish_reason else None,
+                "kv_handle": _handle_body(frame.kv_handle),
+                "cached_tokens": frame.cached_tokens,
+                "k": "chunk",
+            }
+        case Ack():
+            return {"request_id": frame.request_id, "k": "ack"}
+        case End():
+            return {"request_id": frame.request_id, "k": "end"}
+        case Error():
+            return {"request_id": frame.request_id, "code": frame.code.value,
+                    "message": frame.message, "k": "error"}
+        case Cancel():
+            return {"request_id": frame.request_id, "k": "cancel"}
+        case Fault():
+            return {"k": "error", "code": frame.code, "message": frame.message}
+        case Hello():
+            return {"k": "hello", "version": frame.version, "role": frame.role,
+                    "peer_id": frame.peer_id, "model": frame.model, "nonce": frame.nonce}
+        case Challenge():
+            return {"k": "challenge", "nonce": frame.nonce, "proof": frame.proof}
+        case Auth():
+            return {"k": "auth", "proof": frame.proof}
+        case HelloOk():
+            return {"k": "hello_ok", "version": frame.version, "role": frame.role,
+                    "worker_id": frame.worker_id, "model": frame.model}
+        case Ping():
+            return {"k": "ping", "seq": frame.seq}
+        case Pong():
+            return {"k": "pong", "seq": frame.seq}
+        case GetStats():
+            return {"k": "get_stats", "seq": frame.seq}
+        case Stats():
+            return {"k": "stats", "seq": frame.seq, "values": frame.values}
+        case KvPull():
+            return {"k": "kv_pull", "transfer_id": frame.transfer_id}
+        case KvData():
+            return {"k": "kv_data", "transfer_id": frame.transfer_id, "data": frame.data,
+                    "last": frame.last}
+        case GoAway():
+            return {"k": "goaway", "reason": frame.reason}
+    raise TypeError(f"not a frame: {type(frame).__name__}")
+
+
+def _sampling_body(sampling: SamplingParams) -> _Map:
+    return {
+        "max_tokens": sampling.max_tokens,
+        "min_tokens": sampling.min_tokens,
+        "ignore_eos": sampling.ignore_eos,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "stop_token_ids": list(sampling.stop_token_ids),
+    }
+
+
+def _handle_body(handle: KvHandle | None) -> _Map | None:
+    if handle is None:
+        return None
+    body: _Map = {
+        "worker_id": handle.worker_id,
+        "address": handle.address,
+        "transfer_id": handle.transfer_id,
+        "num_tokens": handle.num_tokens,
+    }
+    # Optional fields are left out when empty: what an older peer sends and expects.
+    if handle.block_hashes:
+        body["block_hashes"] = pack_block_hashes(handle.block_hashes)
+        body["block_size"] = handle.block_size
+    if handle.params:
+        body["params"] = pack_kv_params(handle.params)
+    return body
+
+
+# ---- decoding -----------------------------------------------------------------------
+
+
+class FrameDecoder:
+    """Incremental frame decoder: feed it whatever the socket returned.
+
+    Frames may be split across feeds at any byte. After a :class:`ProtocolError`
+    the decoder stays failed (every later feed raises again): resynchronising a
+    length-prefixed stream is not possible.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+        self._failure: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a complete frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Add *data*; return the frames it completed, in order.
+
+        Raises ProtocolError (frames completed earlier in the same call are lost,
+        as the connection is closed anyway).
+        """
+        if self._failure is not None:
+            raise self._failure
+        buf = self._buffer
+        buf += data
+        frames: list[Frame] = []
+        pos = 0
+        try:
+            while len(buf) - pos >= 4:
+                (size,) = _HEADER.unpack_from(buf, pos)
+                if size > self.max_frame:
+                    raise FrameTooLarge(size, self.max_frame)
+                if size == 0:
+                    raise ProtocolError("empty frame")
+                end = pos + 4 + size
+                if len(buf) < end:
+                    break
+                # Both views are released on exit, even when a traceback holds them,
+                # so the buffer can be resized afterwards. unpackb copies what it keeps.
+                with memoryview(buf) as view, view[pos + 4 : end] as body:
+                    frames.append(decode_body(body, self.max_frame))
+                pos = end
+        except ProtocolError as exc:
+            self._failure = exc
+            buf.clear()
+            raise
+        del buf[:pos]
+        return frames
+
+
+def decode_body(body: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
+    """One frame body (without its length prefix) → a frame. Raises ProtocolError."""
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_map_len=_MAX_MAP_LEN,
+            max_ext_len=0,
+            max_bin_len=max_frame,
+            max_str_len=max_frame,
+            max_array_len=max_frame,
+        )
+    except (ValueError, TypeError) as exc:  # every msgpack unpack error is a ValueError
+        raise ProtocolError(f"undecodable frame body: {exc!r}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"frame body is a {type(obj).__name__}, not a map")
+    kind = obj.get("k")
+    parse = _PARSERS.get(kind) if isinstance(kind, str) else None
+    if parse is None:
+        raise ProtocolError(f"unknown frame kind {kind!r}")
+    try:
+        return parse(obj)
+    except ProtocolError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # a constructor refusing a checked value
+        raise ProtocolError(f"bad {kind} frame: {exc!r}") from exc
+
+
+_T = TypeVar("_T")
+_D = TypeVar("_D")
+_MISSING: Final = object()
+_FINISH_REASONS: Final = {r.value: r for r in FinishReason}
+_ERROR_CODES: Final = {c.value: c for c in ErrorCode}
+
+
+@overload
+def _field(d: _Map, key: str, kind: type[_T]) -> _T: ...
+@overload
+def _field(d: _Map, key: str, kind: type[_T], default: _D) -> _T | _D: ...
+def _field(d: _Map, key: str, kind: type[object], default: object = _MISSING) -> object:
+    """``d[key]`` if its exact type is *kind* (bool is not an int; int passes as float).
+
+    A missing key gives *default*, or a ProtocolError without one; a None value passes
+    only when *default* is None.
+    """
+    value = d.get(key, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise ProtocolError(f"{d.get('k')}: missing field {key!r}")
+        return default
+    if type(value) is kind or (kind is float and type(value) is int):
+        return value
+    if value is None and default is None:
+        return None
+    raise ProtocolError(f"{d.get('k')}: field {key!r} has type {type(value).__name__}")
+
+
+def _nonneg(d: _Map, key: str, default: int | None = None) -> int:
+    """A non-negative int; required unless *default* is given."""
+    value = _field(d, key, int) if default is None else _field(d, key, int, default)
+    if value < 0:
+        raise ProtocolError(f"{d.get('k')}: field {key!r} is negative")
+    return value
+
+
+def _int_list(d: _Map, key: str) -> list[int]:
+    values: list[object] = _field(d, key, list, [])
+    ints = [v for v in values if type(v) is int and v >= 0]
+    if len(ints) != len(values):
+        raise ProtocolError(f"{d.get('k')}: field {key!r} must hold non-negative ints")
+    return ints
+
+
+def _request_id(d: _Map, key: str = "request_id") -> str:
+    value = _field(d, key, str)
+    if not value:
+        raise ProtocolError(f"{d.get('k')}: empty {key}")
+    return value
+
+
+def _nonce(d: _Map) -> bytes:
+    nonce = _field(d, "nonce", bytes)
+    if len(nonce) != NONCE_BYTES:
+        raise ProtocolError(f"{d.get('k')}: nonce must be {NONCE_BYTES} bytes")
+    return nonce
+
+
+def _kv_handle(d: _Map) -> KvHandle | None:
+    handle: _Map | None = _field(d, "kv_handle", dict, None)
+    if handle is None:
+        return None
+    worker_id = _field(handle, "worker_id", str)
+    address = _field(handle, "address", str)
+    transfer_id = _field(handle, "transfer_id", str)
+    num_tokens = _nonneg(handle, "num_tokens")
+    hashes = unpack_block_hashes(_field(handle, "block_hashes", bytes, b""))
+    block_size = 0
+    if hashes:
+        block_size = _nonneg(handle, "block_size")
+        if block_size < 1 or len(hashes) > num_tokens // block_size:
+            raise ProtocolError(
+                f"{d.get('k')}: kv_handle has {len(hashes)} block hashes for "
+                f"{num_tokens} tokens in blocks of {block_size}"
+            )
+    packed_params = _field(handle, "params", bytes, None)
+    params = {} if packed_params is None else unpack_kv_params(packed_params)
+    return KvHandle(worker_id, address, transfer_id, num_tokens, hashes, block_size, params)
+
+
+def _parse_request(d: _Map) -> GenerateRequest:
+    sampling: _Map = _field(d, "sampling", dict)
+    checked = SamplingParams(
+        max_tokens=_nonneg(sampling, "max_tokens"),
+        min_tokens=_nonneg(sampling, "min_tokens", 0),
+        ignore_eos=_field(sampling, "ignore_eos", bool, False),
+        temperature=float(_field(sampling, "temperature", float, 1.0)),
+        top_p=float(_field(sampling, "top_p", float, 1.0)),
+        seed=_field(sampling, "seed", int, None),
+        stop_token_ids=tuple(_int_list(sampling, "stop_token_ids")),
+    )
+    return GenerateRequest(
+        request_id=_request_id(d),
+        model=_field(d, "model", str),
+        token_ids=unpack_token_ids(_field(d, "token_ids", bytes)),
+        sampling=checked,
+        kv_handle=_kv_handle(d),
+        eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
+    )
+
+
+def _parse_chunk(d: _Map) -> Chunk:
+    reason = _field(d, "finish_reason", str, None)
+    finish = None if reason is None else _FINISH_REASONS.get(reason)
+    if reason is not None and finish is None:
+        raise ProtocolError(f"chunk: unknown finish_reason {reason!r}")
+    return Chunk(
+        request_id=_request_id(d),
+        token_ids=_int_list(d, "token_ids"),
+        finish_reason=finish,
+        kv_handle=_kv_handle(d),
+        cached_tokens=_nonneg(d, "cached_tokens", 0),
+    )
+
+
+def _parse_error(d: _Map) -> Error | Fault:
+    code = _field(d, "code", str)
+    message = _field(d, "message", str, "")
+    if "request_id" not in d:
+        return Fault(code, message)
+    # A code this side does not know (from a newer peer) reads as internal.
+    return Error(_request_id(d), _ERROR_CODES.get(code, ErrorCode.INTERNAL), message)
+
+
+def _parse_stats(d: _Map) -> Stats:
+    values: dict[str, int | float | str | bool] = _field(d, "values", dict)
+    if not all(type(k) is str and type(v) in (int, float, str, bool) for k, v in values.items()):
+        raise ProtocolError("stats: values must map names to scalars")
+    return Stats(_nonneg(d, "seq"), values)
+
+
+_PARSERS: dict[str, Callable[[_Map], Frame]] = {
+    "hello": lambda d: Hello(
+        _nonneg(d, "version"), _field(d, "role", str), _field(d, "peer_id", str),
+        _field(d, "model", str), _nonce(d),
+    ),
+    "challenge": lambda d: Challenge(_nonce(d), _field(d, "proof", bytes)),
+    "auth": lambda d: Auth(_field(d, "proof", bytes)),
+    "hello_ok": lambda d: HelloOk(
+        _nonneg(d, "version"), _field(d, "role", str), _field(d, "worker_id", str),
+        _field(d, "model", str),
+    ),
+    "request": _parse_request,
+    "ack": lambda d: Ack(_request_id(d)),
+    "chunk": _parse_chunk,
+    "end": lambda d: End(_request_id(d)),
+    "error": _parse_error,
+    "cancel": lambda d: Cancel(_request_id(d)),
+    "ping": lambda d: Ping(_nonneg(d, "seq")),
+    "pong": lambda d: Pong(_nonneg(d, "seq")),
+    "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id")),
+    "kv_data": lambda d: KvData(
+        _request_id(d, "transfer_id"), _field(d, "data", bytes), _field(d, "last", bool)
+    ),
+    "get_stats": lambda d: GetStats(_nonneg(d, "seq")),
+    "stats": _parse_stats,
+    "goaway": lambda d: GoAway(_field(d, "reason", str, "")),
+}
+
+#: Every frame kind on the wire; kept here, beside the parsers it is read from, since
+#: the kind names are a wire detail (the frame types do not know them).
+KINDS: frozenset[str] = frozenset(_PARSERS)

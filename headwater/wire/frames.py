@@ -1,0 +1,128 @@
+"""Every frame a plane connection carries, as plain frozen dataclasses.
+
+A connection carries two sorts of frame. The request messages
+(``headwater.wire.messages``: GenerateRequest, Ack, Chunk, End, Error, Cancel) are what
+the in-process transport passes as they are; the control frames here exist only on a
+byte stream: the handshake (Hello, Challenge, Auth, HelloOk), heartbeats (Ping, Pong),
+KV pulls (KvPull, KvData), stats (GetStats, Stats) and connection-level endings (Fault,
+GoAway). :data:`Frame` is their union: what ``headwater.wire.codec`` turns into bytes
+and back, and what the handshake and the trio shells in ``headwater.plane`` match on.
+
+Nothing here does I/O or knows the wire format; the kind names and field encodings are
+the codec's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headwater.wire.messages import Ack, Cancel, Chunk, End, Error, GenerateRequest
+
+PROTOCOL_VERSION = 1
+#: Length of each side's handshake nonce (bytes).
+NONCE_BYTES = 32
+#: Largest frame body either side accepts (bytes). A bigger length header is an error
+#: before any of the body is buffered.
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The client's first frame: who it is, and what it expects the worker to serve."""
+
+    version: int
+    role: str  # "frontend", or the role of a worker pulling KV
+    peer_id: str
+    model: str  # what the client expects the worker to serve ("" = anything)
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """The server's answer to a hello when a secret is configured."""
+
+    nonce: bytes
+    proof: bytes  # the server's proof over both nonces
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """The client's answer to a challenge."""
+
+    proof: bytes  # the client's proof over both nonces
+
+
+@dataclass(frozen=True, slots=True)
+class HelloOk:
+    """The handshake is done; this is who the worker is."""
+
+    version: int
+    role: str
+    worker_id: str
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A connection-level error; the sender closes the connection after it."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """A heartbeat; the peer answers with a :class:`Pong` echoing ``seq``."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """The answer to the :class:`Ping` with the same ``seq``."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvPull:
+    """A decode worker asks a prefill worker for the KV it holds under ``transfer_id``."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KvData:
+    """One piece of a transfer's payload; ``last`` marks the final piece."""
+
+    transfer_id: str
+    data: bytes | memoryview
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats:
+    """Asks the worker for its counters; answered by :class:`Stats` with the same ``seq``."""
+
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """The worker's counters, flat: names to scalars."""
+
+    seq: int
+    values: dict[str, int | float | str | bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GoAway:
+    """The server takes no new requests on this connection (it is draining)."""
+
+    reason: str
+
+
+Frame = (
+    Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
+    | Cancel | Ping | Pong | KvPull | KvData | GetStats | Stats | GoAway
+)

@@ -1,0 +1,155 @@
+"""The plane's handshake, without any I/O, and where the shared secret comes from.
+
+The trio shells feed each frame the peer sent to :class:`ClientHandshake` or
+:class:`ServerHandshake` and send whatever it returns; the handshake works on frame
+objects (``headwater.wire.frames``), never on bytes, so it is tested without a socket::
+
+    client                         server
+    hello(version, nonce_c) ──────▶
+                            ◀────── challenge(nonce_s, proof_s)   only with a secret
+    auth(proof_c)          ──────▶                                only with a secret
+                            ◀────── hello_ok(worker identity)  or  error(code) + close
+
+``proof_x = HMAC-SHA256(secret, "headwater-plane/1|x|" + nonce_c + nonce_s)``, x being
+``server`` or ``client``: each side proves the secret over a nonce the other chose, so a
+recorded exchange never replays, and the labels stop one side's proof from being
+reflected back as the other's. The server proves first; the secret is never sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+
+from headwater.wire.errors import AuthError, ProtocolError
+from headwater.wire.frames import (
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Fault,
+    Frame,
+    Hello,
+    HelloOk,
+)
+
+#: Environment variable holding the shared plane secret itself.
+SECRET_ENV = "HEADWATER_PLANE_SECRET"
+
+
+def proof(secret: bytes, side: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The HMAC-SHA256 proof of *side* (``"client"`` or ``"server"``)."""
+    label = f"headwater-plane/{PROTOCOL_VERSION}|{side}|".encode()
+    return hmac.new(secret, label + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+class ClientHandshake:
+    """The client's side: :meth:`start`, then :meth:`receive` each frame until done.
+
+    ``receive`` returns the frame to send next (or None) and sets :attr:`peer` when the
+    handshake completes. Raises :class:`AuthError`, :class:`ProtocolError` (with the
+    server's code when it sent an error frame).
+    """
+
+    def __init__(self, *, role: str, peer_id: str, model: str, secret: bytes | None) -> None:
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        self._hello = Hello(PROTOCOL_VERSION, role, peer_id, model, nonce)
+        self._secret = secret
+        self._server_proved = False
+        self.peer: HelloOk | None = None
+
+    def start(self) -> Hello:
+        return self._hello
+
+    def receive(self, frame: Frame) -> Frame | None:
+        if self.peer is not None:
+            raise ProtocolError("handshake already complete")
+        match frame:
+            case Challenge():
+                if self._secret is None:
+                    raise AuthError("the worker requires a plane secret and none is configured")
+                if self._server_proved:
+                    raise ProtocolError("second challenge")
+                expected = proof(self._secret, "server", self._hello.nonce, frame.nonce)
+                if not hmac.compare_digest(expected, frame.proof):
+                    raise AuthError("the worker does not know the plane secret")
+                self._server_proved = True
+                return Auth(proof(self._secret, "client", self._hello.nonce, frame.nonce))
+            case HelloOk():
+                if self._secret is not None and not self._server_proved:
+                    raise AuthError("the worker skipped authentication but a secret is configured")
+                if frame.version != PROTOCOL_VERSION:
+                    raise ProtocolError(
+                        f"worker speaks protocol {frame.version}", "unsupported_version"
+                    )
+                self.peer = frame
+                return None
+            case Fault():
+                if frame.code == "unauthorized":
+                    raise AuthError(f"refused by the worker: {frame.message}")
+                raise ProtocolError(f"refused by the worker: {frame.message}", frame.code)
+        raise ProtocolError(f"unexpected {type(frame).__name__} during the handshake")
+
+
+class ServerHandshake:
+    """The server's side: :meth:`receive` each client frame until :attr:`peer` is set.
+
+    Returns the frame to send back. Raises :class:`AuthError` or
+    :class:`ProtocolError`; the caller sends ``Fault(exc.code, exc.message)`` and closes.
+    """
+
+    def __init__(self, identity: HelloOk, *, secret: bytes | None) -> None:
+        self._identity = identity
+        self._secret = secret
+        self._hello: Hello | None = None
+        self._nonce = b""
+        self.peer: Hello | None = None
+
+    def receive(self, frame: Frame) -> Frame:
+        if self.peer is not None:
+            raise ProtocolError("handshake already complete")
+        if self._hello is None:
+            if not isinstance(frame, Hello):
+                raise ProtocolError(f"expected hello, got {type(frame).__name__}")
+            if frame.version != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    f"protocol {frame.version} not supported (this worker speaks "
+                    f"{PROTOCOL_VERSION})",
+                    "unsupported_version",
+                )
+            self._hello = frame
+            if self._secret is None:
+                self.peer = frame
+                return self._identity
+            self._nonce = secrets.token_bytes(NONCE_BYTES)
+            return Challenge(self._nonce, proof(self._secret, "server", frame.nonce, self._nonce))
+        if not isinstance(frame, Auth) or self._secret is None:
+            raise ProtocolError(f"expected auth, got {type(frame).__name__}")
+        expected = proof(self._secret, "client", self._hello.nonce, self._nonce)
+        if not hmac.compare_digest(expected, frame.proof):
+            raise AuthError("wrong plane secret")
+        self.peer = self._hello
+        return self._identity
+
+
+def load_secret(secret_file: str | None = None) -> bytes | None:
+    """The shared plane secret: *secret_file*'s content, else ``$HEADWATER_PLANE_SECRET``.
+
+    Surrounding whitespace is stripped. Returns None when neither is set; raises
+    ValueError for an empty secret and OSError for an unreadable file. Called once
+    at startup, never on the event loop's hot path.
+    """
+    if secret_file:
+        with open(secret_file, "rb") as f:
+            secret = f.read().strip()
+        source = secret_file
+    else:
+        raw = os.environ.get(SECRET_ENV)
+        if raw is None:
+            return None
+        secret, source = raw.strip().encode(), SECRET_ENV
+    if not secret:
+        raise ValueError(f"the plane secret from {source} is empty")
+    return secret
