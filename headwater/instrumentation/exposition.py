@@ -110,7 +110,7 @@ class TextExposition:
         v = float(sample.value)
         # floatToGoString is repr() below 1e6 (Go switches to exponents above 6 integer
         # digits) and for negative numbers; NaN and infinities fail the test.
-        value = repr(v) if -_INF < v < 1e6 else floatToGoString(v)
+        value = repr(v) if -_INF < v < 1e6 else str(floatToGoString(v))  # type: ignore[no-untyped-call]
         if sample.timestamp is None:
             return f"{prefix}{value}\n"
         return f"{prefix}{value} {int(float(sample.timestamp) * 1000):d}\n"
@@ -119,8 +119,8 @@ class TextExposition:
 def _series_prefix(name: str, labels: Iterable[tuple[str, str]]) -> str:
     """``name{k="v",...} `` with generate_latest's escaping and label order."""
     def pair(key: str, value: str) -> str:
-        # Label values are always UTF-8 (generate_latest escapes only \\, \n and ").
-        escaped_value = openmetrics._escape(value, openmetrics.ALLOWUTF8, False)
+        # Label values are always UTF-8: generate_latest escapes only \\, \n and ".
+        escaped_value = value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
         return f'{openmetrics.escape_label_name(key, _ESCAPING)}="{escaped_value}"'
 
     labelstr = ",".join(pair(k, v) for k, v in sorted(labels))

@@ -109,7 +109,8 @@ class TcpWorkerClient(WorkerClient):
 
     @property
     def state(self) -> ClientState:
-        return self._state.value
+        state: ClientState = self._state.value
+        return state
 
     def _set_state(self, state: ClientState) -> None:
         self._state.value = state
@@ -179,7 +180,7 @@ class TcpWorkerClient(WorkerClient):
 
     def _backoff(self, failures: int) -> float:
         cfg = self.config
-        delay = min(cfg.backoff_max, cfg.backoff_initial * 2 ** (failures - 1))
+        delay = min(cfg.backoff_max, cfg.backoff_initial * 2.0 ** (failures - 1))
         return delay * (1 - cfg.backoff_jitter * self._rng.random())
 
     async def _connection(self) -> PlaneConnection:

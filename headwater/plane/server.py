@@ -392,7 +392,7 @@ class _Connection:
             return encode(frame, self.server.config.max_frame)
         except (ValueError, ProtocolError) as exc:
             # The engine produced something unsendable: fail that request alone.
-            rid = getattr(frame, "request_id", None) or getattr(frame, "transfer_id", "?")
+            rid = str(getattr(frame, "request_id", None) or getattr(frame, "transfer_id", "?"))
             log.error("cannot encode %s for %s: %s", type(frame).__name__, rid, exc)
             self.server.runtime.cancel(rid)
             return encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))
