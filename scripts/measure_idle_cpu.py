@@ -1,6 +1,6 @@
 """What an idle frontend costs the machine: CPU per second with no request in flight.
 
-Starts ``headwater serve`` (``python -m frontend --port 0`` plus any arguments after
+Starts ``headwater serve`` (``python -m headwater serve --port 0`` plus any arguments after
 ``--``) on loopback, waits ``--settle`` seconds for start-up and the monitor's rest to
 begin, then reads ``utime + stime`` of the process and every descendant (the members of
 ``--processes N``, worker processes) from ``/proc`` over ``--window`` seconds. Prints a

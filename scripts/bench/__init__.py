@@ -12,7 +12,7 @@ Modules, one job each:
 - :mod:`scripts.bench.cli`: ``python -m scripts.bench.loadgen ...`` (also ``python -m
   scripts.bench``).
 
-The suite behind ``headwater bench`` (:mod:`headwater.bench`) builds on them:
+The suite behind ``make bench`` (:mod:`scripts.bench.run`) builds on them:
 
 - :mod:`scripts.bench.suite`: the phases (calibration, main with Dynamo alternating,
   backend × mode matrix, profile) and the results they add up to.

@@ -12,7 +12,7 @@ usage, event-loop and per-process figures) and one markdown table row (``--heade
 adds the header). Exit status 0 even if requests failed: the record says how many.
 
 Follows the ``headwater`` subcommand convention (``add_arguments(parser)`` and
-``main(args) -> int``) so that ``headwater bench`` can reuse it.
+``main(args) -> int``), like the suite's :mod:`scripts.bench.run`.
 """
 
 from __future__ import annotations

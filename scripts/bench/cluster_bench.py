@@ -5,7 +5,7 @@ Two measurements, both on loopback, both with real processes:
 1. :func:`plane_overhead` — how long a request spends in the plane. The same mocker
    (sped up so far that its step times vanish) is reached two ways from this
    process: in-process through the memory plane, and in a worker process
-   (``python -m workers``) through the frontend's TCP client. Each request has one
+   (``headwater worker``) through the frontend's TCP client. Each request has one
    output token, so ``stream()`` to first chunk is plane + engine; the engine's part
    is the same on both paths, so **TCP minus memory is the plane's cost**: encode,
    loopback send, the worker's decode, ACK, runtime hand-off, and back. Serial

@@ -11,7 +11,7 @@ Two sources, combined by :func:`stage_costs`:
   to a stage (:func:`stage_of`): ``frontend/http/*`` → receive+parse or stream out,
   ``frontend/preprocess/{template,messages,jinja,deepseek_v4}`` → template,
   ``frontend/preprocess/{pool,tokenizer}`` → tokenize, ``frontend/router`` +
-  ``frontend/plane`` → route, ``frontend/postprocess`` → stream out (detokenize),
+  ``headwater/plane`` → route, ``frontend/postprocess`` → stream out (detokenize),
   ``workers/*`` → the in-process mocker. Samples of the loop
   idling in ``epoll`` are dropped; hypercorn/h11/Quart frames with no stage frame inside
   them are split by function name (reads → receive+parse, writes → stream out).
@@ -53,7 +53,7 @@ _STAGE_FILES: tuple[tuple[str, str], ...] = (
     ("/frontend/preprocess/pool", "tokenize"),
     ("/frontend/preprocess/tokenizer", "tokenize"),
     ("/frontend/router/", "route"),
-    ("/frontend/plane/", "route"),
+    ("/headwater/plane/", "route"),
     ("/frontend/postprocess/", "stream out"),
     ("/frontend/http/responses", "stream out"),
     ("/frontend/http/schema", "receive+parse"),

@@ -1,7 +1,7 @@
 """Markdown from a suite's results: tables, ratios against Dynamo, targets met or missed.
 
 Pure functions of the ``results.json`` dict (:class:`scripts.bench.suite.SuiteResults`),
-so a report can be re-rendered from an earlier run (``headwater bench --render``).
+so a report can be re-rendered from an earlier run (``make bench ARGS='--render ...'``).
 :func:`update_docs` rewrites only the part of ``docs/performance.md`` between the
 ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` markers; prose outside them is kept.
 

@@ -203,7 +203,7 @@ def _measure(cfg: suite.SuiteConfig) -> dict[str, Any] | None:
 
     import trio
 
-    print(f"headwater bench: results in {cfg.out_dir}", file=sys.stderr, flush=True)
+    print(f"make bench: results in {cfg.out_dir}", file=sys.stderr, flush=True)
     outcome: dict[str, Any] = {}
 
     async def run() -> None:

@@ -2,9 +2,9 @@
 
 Two kinds, each an async context manager that yields a :class:`ServerInfo`:
 
-- :func:`headwater_server`: ``python -m frontend`` (``headwater serve``) on a free port
+- :func:`headwater_server`: ``python -m headwater serve`` on a free port
   (``--port 0``; the bound URL is read from its start-up line), its mocker workers
-  in-process or as two ``headwater worker`` processes (``python -m workers``, also on
+  in-process or as two ``headwater worker`` processes (``python -m headwater worker``, also on
   free ports), optionally under pyinstrument, optionally as several frontend processes
   on one port (``--processes N``: a supervisor that does not serve and N members, each
   also on a private port of its own). Stopped with SIGINT (the frontend shuts down

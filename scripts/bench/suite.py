@@ -1,4 +1,4 @@
-"""The benchmark suite behind ``headwater bench``: what is run, in which order, and the records.
+"""The benchmark suite behind ``make bench``: what is run, in which order, and the records.
 
 Phases (each optional but the first), every one bounded in requests and time:
 
@@ -98,7 +98,7 @@ DYNAMO_TOKENIZERS: tuple[str, ...] = ("default", "fastokens")
 
 @dataclass(frozen=True, slots=True)
 class SuiteConfig:
-    """What one ``headwater bench`` invocation runs; see ``headwater bench --help``."""
+    """What one ``make bench`` run measures; see ``python -m scripts.bench.run --help``."""
 
     out_dir: Path
     repo_root: Path
