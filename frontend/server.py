@@ -21,14 +21,13 @@ from hypercorn.trio import serve
 
 from frontend.config import FrontendConfig
 from frontend.discovery import start_discovery
-from frontend.http.activity import MarkActivity
 from frontend.http.app import create_app
 from frontend.http.hypercorn_fixes import (
-    ShieldFinalSend,
     install_head_with_body,
     install_idle_deadline,
     install_write_deadline,
 )
+from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
 from frontend.metrics import FrontendMetrics

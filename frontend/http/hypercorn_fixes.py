@@ -1,11 +1,8 @@
 """Five fixes for hypercorn-trio + quart-trio behaviour, measured in FIELD_NOTES §2
 and docs/performance.md.
 
-1. hypercorn finishes a response inside its final body send (closes the stream,
-   closes the connection after ``Connection: close``, restarts the keep-alive idle
-   timer), and quart-trio cancels the request task right there: that work was lost,
-   and the idle timeout never fired. :class:`ShieldFinalSend` shields that one send
-   (with a deadline).
+1. hypercorn finishes a response inside its final body send, where quart-trio cancels
+   the request task: :class:`frontend.http.middleware.ShieldFinalSend` shields it.
 2. The idle timer itself is a task hypercorn cancels and spawns afresh, behind a
    lock, each time a connection goes idle (and cancels when its next request
    arrives): a task spawn and about five scheduler passes per request.
@@ -39,31 +36,6 @@ from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
-
-ASGIApp = Any
-
-
-class ShieldFinalSend:
-    """ASGI middleware: the last ``http.response.body`` send completes even if cancelled."""
-
-    def __init__(self, app: ASGIApp, *, deadline: float) -> None:
-        self.app = app
-        self.deadline = deadline
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def guarded_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.move_on_after(self.deadline, shield=True):
-                    await send(message)
-                return
-            await send(message)
-
-        await self.app(scope, receive, guarded_send)
-
 
 _original_protocol_send = TCPServer.protocol_send
 _write_timeout = 30.0
