@@ -11,7 +11,7 @@
   timeout never fired (FIELD_NOTES §2). The shield has a deadline.
 
 Both are plain ASGI and know nothing of the server underneath
-(:mod:`frontend.http.hypercorn_fixes` holds what is specific to hypercorn).
+(:mod:`frontend.http.serving` holds what is specific to hypercorn).
 """
 
 from __future__ import annotations
