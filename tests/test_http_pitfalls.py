@@ -332,3 +332,21 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
         assert b"data: " in writes[1]  # the events follow in writes of their own
         await stream.aclose()
 
+
+async def test_a_stream_in_flight_at_shutdown_runs_to_its_end() -> None:
+    # Graceful shutdown closes idle connections at once but lets a request in flight
+    # finish (within graceful_timeout): the idle timer must not close a busy connection.
+    async with serve_frontend(speedup_ratio=1.0, graceful_timeout=10.0) as (fe, url):
+        body = {"model": fe.pipeline.model_name, "prompt": "hello", "max_tokens": 30,
+                "stream": True}  # fmt: skip
+        events: list[str] = []
+        async with (
+            httpx.AsyncClient(base_url=url) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    fe.shutdown.set()
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert len(events) > 2

@@ -184,16 +184,19 @@ class IdleDeadline:
     passes per request. It keeps the same two calls: ``restart`` (the connection went
     idle) sets the deadline to ``keep_alive_timeout`` from now, ``stop`` (a request
     arrived) lifts it. Neither yields to the scheduler. When the deadline passes, or the
-    server terminates, the connection is closed, as by hypercorn's own
-    ``TCPServer._idle_timeout``. When the connection stops reading (the client went
-    away, or the server closed it), :meth:`end` ends the task: hypercorn cancelled its
-    timer at ``stop``, but this one lives on with no deadline and would hold the
-    connection open.
+    server terminates while the connection is idle, the connection is closed, as by
+    hypercorn's own ``TCPServer._idle_timeout``. A connection busy with a request when
+    the server terminates is left to finish it: hypercorn closes it after the response
+    (it does not recycle a connection once terminated), and the graceful timeout bounds
+    the wait. When the connection stops reading (the client went away, or the server
+    closed it), :meth:`end` ends the task: hypercorn cancelled its timer at ``stop``,
+    but this one lives on with no deadline and would hold the connection open.
     """
 
     def __init__(self, server: TCPServer) -> None:
         self._server = server
         self._scope: trio.CancelScope | None = None
+        self._idle = False
         self._ended = False
 
     async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
@@ -204,6 +207,7 @@ class IdleDeadline:
         """
         if self._ended:
             return
+        self._idle = True
         deadline = trio.current_time() + self._server.config.keep_alive_timeout
         if self._scope is None:
             self._scope = trio.CancelScope(deadline=deadline)
@@ -215,6 +219,7 @@ class IdleDeadline:
 
     async def stop(self) -> None:
         """Lift the deadline: a request arrived."""
+        self._idle = False
         if self._scope is not None:
             self._scope.deadline = math.inf
 
@@ -228,6 +233,8 @@ class IdleDeadline:
         server = self._server
         with scope:
             await server.context.terminated.wait()
-        if not self._ended:
+        # Terminated while busy: the request runs on, and hypercorn closes the
+        # connection after the response instead of recycling it.
+        if not self._ended and (self._idle or scope.cancelled_caught):
             with trio.CancelScope(shield=True):
                 await server._initiate_server_close()
