@@ -98,7 +98,7 @@ UPSTREAM: dict[str, Fingerprint] = {
         "fd34b021d1a86c9859514de9472306ea47f4a6763732b26b7a5945278ded0e08",
         "builds self.protocol (a ProtocolWrapper) and calls only its initiate() and "
         "idle_task.restart(self._task_group, self._idle_timeout) before _read_data(), "
-        "where the H11Protocol's class is swapped: nothing is sent before that",
+        "where the H11Protocol is replaced: nothing is sent before that",
     ),
     "hypercorn.trio.tcp_server.TCPServer.protocol_send": Fingerprint(
         "225856426bff7be02990c0badb90f51f801db14ac5db0f3d0c210cafbeb528ab",
@@ -131,22 +131,23 @@ UPSTREAM: dict[str, Fingerprint] = {
     # -- HeadWithBodyH11Protocol -----------------------------------------------------------
     "hypercorn.protocol.ProtocolWrapper.__init__": Fingerprint(
         "df25e181b9e2e64d6d5dbfee9e9a33108c1f04b966dd344899365f429806acbc",
-        "for any ALPN protocol but h2 it builds an H11Protocol as .protocol, which "
-        "HeadwaterTCPServer turns into a HeadWithBodyH11Protocol",
+        "for any ALPN protocol but h2 it builds .protocol = H11Protocol(app, config, "
+        "context, task_group, state, ssl, client, server, send) from its own attributes "
+        "of those names; HeadwaterTCPServer builds a HeadWithBodyH11Protocol from the same",
     ),
     "hypercorn.protocol.ProtocolWrapper.handle": Fingerprint(
         "b03e2962872c85e879a5a62968a507c4cceb8df21e8eecd467b0934206a26821",
         "replaces .protocol only by an H2Protocol (h2c, prior knowledge), never by a new "
-        "H11Protocol that would miss the class swap",
+        "H11Protocol that would miss the replacement",
     ),
     "hypercorn.protocol.h11.H11Protocol.__init__": Fingerprint(
         "c7c989fd6a352626afee9d339296d51b2db1dfa05ad75ccdc7080799d6d6a5a3",
-        "a plain object (no __slots__) whose class can be assigned; the subclass adds no "
-        "instance state but _held_head",
+        "building one has no effect beyond the object, so the one the wrapper built and "
+        "HeadwaterTCPServer discards leaves nothing behind",
     ),
     "hypercorn.protocol.h11.H11Protocol.initiate": Fingerprint(
         "26647521eaf1bc259a6592167ffedd82cf8a742cb070985e0dfc1c20ad6344e0",
-        "sends nothing, so no response starts before the class swap",
+        "sends nothing, so no response starts before the protocol is replaced",
     ),
     "hypercorn.protocol.h11.H11Protocol._send_h11_event": Fingerprint(
         "5e40283daa303ec7f910e95145a9edd2b835fb54675ba1b1a560fbd58f136e19",

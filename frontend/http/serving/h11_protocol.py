@@ -18,10 +18,9 @@ from hypercorn.typing import H11SendableEvent
 class HeadWithBodyH11Protocol(H11Protocol):
     """hypercorn's HTTP/1.1 protocol, holding a known-length head for its body.
 
-    Never constructed: :class:`~frontend.http.serving.tcp_server.HeadwaterTCPServer`
-    turns the H11Protocol hypercorn made for a connection into one by assigning its
-    class, before the connection's first byte is read. Hence no ``__init__`` and no
-    state beyond :attr:`_held_head`'s class-level default.
+    :class:`~frontend.http.serving.tcp_server.HeadwaterTCPServer` puts one in place of
+    the H11Protocol hypercorn made for a connection, before the connection's first
+    byte is read; built with the same arguments, it adds only :attr:`_held_head`.
     """
 
     #: The head of a known-length response, until the body's first bytes (or its end).

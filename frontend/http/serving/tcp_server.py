@@ -143,23 +143,29 @@ class HeadwaterTCPServer(TCPServer):
             self.idle_task.end()
 
     def _adopt_protocol(self) -> None:
-        """Turn the H11Protocol that hypercorn's ``ProtocolWrapper`` made for this
-        connection into a :class:`HeadWithBodyH11Protocol`, by assigning its class.
+        """Replace the H11Protocol that hypercorn's ``ProtocolWrapper`` made for this
+        connection by a :class:`HeadWithBodyH11Protocol` built from the same arguments.
 
         Why this way: hypercorn's ``run`` builds the wrapper, and the wrapper its
         protocol, from names bound in their own modules; taking either over would mean
         a copy of ``run`` (TLS handshake, ALPN, addresses) or of the wrapper's
-        protocol switching, both to drift from upstream. The class assignment changes
-        one object that belongs to this connection alone, once, before its first byte
-        is read: ``run`` has only called the protocol's ``initiate`` (a no-op for
-        HTTP/1.1), so no response can have started. The subclass adds no state of its
-        own beyond a class-level default, so the object is whole either way. A
-        connection that upgrades to HTTP/2 (h2c, prior knowledge) gets hypercorn's
-        H2Protocol, as before.
+        protocol switching, both to drift from upstream. The wrapper keeps every
+        argument it gave the protocol as an attribute of the same name, so the
+        replacement is built as the wrapper built the original, once per connection,
+        before its first byte is read: ``run`` has only called the protocol's
+        ``initiate`` (a no-op for HTTP/1.1), so no response can have started, and the
+        discarded protocol was never used. (Assigning the object's ``__class__``
+        would spare that construction, but CPython then keeps the object's attributes
+        in a plain dict, and each of the protocol's many attribute reads per request
+        takes twice as long.) A connection that upgrades to HTTP/2 (h2c, prior
+        knowledge) gets hypercorn's H2Protocol, as before.
         """
-        wrapper = self.protocol
-        if type(wrapper.protocol) is H11Protocol:
-            wrapper.protocol.__class__ = HeadWithBodyH11Protocol
+        w = self.protocol
+        if type(w.protocol) is H11Protocol:
+            w.protocol = HeadWithBodyH11Protocol(
+                w.app, w.config, w.context, w.task_group, w.state, w.ssl, w.client, w.server,
+                w.send,
+            )  # fmt: skip
 
 
 def _write_now(stream: trio.abc.Stream, data: bytes) -> int | None:
