@@ -16,21 +16,14 @@ import logging
 from functools import partial
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
 from frontend.config import FrontendConfig
 from frontend.discovery import start_discovery
-from frontend.http.activity import MarkActivity
 from frontend.http.app import create_app
-from frontend.http.hypercorn_fixes import (
-    ShieldFinalSend,
-    install_head_with_body,
-    install_idle_deadline,
-    install_write_deadline,
-)
+from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
+from frontend.http.serving import ServerConfig, serve
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline
 from frontend.preprocess.pool import TokenizerPool
@@ -102,14 +95,17 @@ class Frontend:
                 self.metrics.worker_state.labels(v.worker_id, v.role.value, state.value).set(value)
             self.metrics.worker_inflight.labels(v.worker_id, v.role.value).set(v.inflight)
 
-    def hypercorn_config(self) -> HypercornConfig:
-        hc = HypercornConfig()
+    def hypercorn_config(self) -> ServerConfig:
+        """The HTTP server's config: hypercorn's fields and the fixes' (read sizes at
+        their defaults), from this frontend's."""
+        hc = ServerConfig()
         if self.config.listen_fd is None:
             hc.bind = [f"{self.config.host}:{self.config.port}"]
         else:  # one of several processes: the shared socket, then a port of its own
             hc.bind = [f"fd://{self.config.listen_fd}", f"{self.config.host}:0"]
         hc.keep_alive_timeout = self.config.keep_alive_timeout
         hc.graceful_timeout = self.config.graceful_timeout
+        hc.write_timeout = self.config.write_timeout
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         return hc
@@ -118,9 +114,6 @@ class Frontend:
                   ) -> None:
         """Serve until :attr:`shutdown` is set; reports the listening URLs."""
         cfg = self.config
-        install_write_deadline(cfg.write_timeout)
-        install_idle_deadline()
-        install_head_with_body()
         async with trio.open_nursery() as nursery:
             # Warm-up first: its one-off initialisation costs (thread creation, the
             # encoder's lazy set-up) are not stalls of the serving loop.

@@ -1,13 +1,12 @@
 """The hypercorn / quart-trio pitfalls of docs/architecture.md stay fixed.
 
 Policy: real loopback sockets for the keep-alive behaviour; the write deadline is
-checked on hypercorn's own TCPServer method over a lockstep memory stream with
-virtual time, since filling a real socket's send buffer would take megabytes.
+checked on headwater's TCPServer (frontend.http.serving) over a lockstep memory stream
+with virtual time, since filling a real socket's send buffer would take megabytes.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -15,9 +14,9 @@ import orjson
 import trio
 import trio.testing
 from hypercorn.events import Closed, RawData
-from hypercorn.trio.tcp_server import TCPServer
 
-from frontend.http import hypercorn_fixes
+from frontend.http.serving import ServerConfig, tcp_server
+from frontend.http.serving.tcp_server import HeadwaterTCPServer
 
 from frontend_fixture import serve_frontend
 
@@ -108,6 +107,8 @@ async def test_sse_responses_are_not_cut_by_quart_timeouts() -> None:
 
 
 class _FakeProtocol:
+    protocol = None  # hypercorn's ProtocolWrapper holds the HTTP/1.1 protocol here
+
     def __init__(self) -> None:
         self.events: list[Any] = []
 
@@ -119,14 +120,10 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     server_side, client_side = trio.testing.lockstep_stream_pair()
-    fake = TCPServer.__new__(TCPServer)  # only the attributes protocol_send touches
-    fake.stream = server_side  # type: ignore[assignment]
-    fake.send_lock = trio.Lock()
-    fake.protocol = _FakeProtocol()  # type: ignore[assignment]
-    hypercorn_fixes.install_write_deadline(7.0)
+    fake = _server_on(server_side, write_timeout=7.0)
     start = trio.current_time()
     # Nobody reads client_side: without a deadline this send would block forever.
-    await TCPServer.protocol_send(fake, RawData(b"x" * 1024))
+    await fake.protocol_send(RawData(b"x" * 1024))
     assert trio.current_time() - start == 7.0
     assert any(isinstance(e, Closed) for e in fake.protocol.events)  # type: ignore[attr-defined]
     await client_side.aclose()
@@ -134,11 +131,7 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(
 
 async def test_a_reading_client_gets_its_bytes(autojump_clock: trio.testing.MockClock) -> None:
     server_side, client_side = trio.testing.lockstep_stream_pair()
-    fake = TCPServer.__new__(TCPServer)
-    fake.stream = server_side  # type: ignore[assignment]
-    fake.send_lock = trio.Lock()
-    fake.protocol = _FakeProtocol()  # type: ignore[assignment]
-    hypercorn_fixes.install_write_deadline(7.0)
+    fake = _server_on(server_side, write_timeout=7.0)
     received = bytearray()
 
     async def reader() -> None:
@@ -147,7 +140,7 @@ async def test_a_reading_client_gets_its_bytes(autojump_clock: trio.testing.Mock
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
-        await TCPServer.protocol_send(fake, RawData(b"abc"))
+        await fake.protocol_send(RawData(b"abc"))
     assert bytes(received) == b"abc"
     assert fake.protocol.events == []  # type: ignore[attr-defined]
 
@@ -178,21 +171,20 @@ class _IdleTimer:
         self.ended = True
 
 
-async def _read_all(pieces: list[bytes]) -> tuple[_ScriptedStream, TCPServer]:
-    fake = TCPServer.__new__(TCPServer)  # only the attributes _read_data touches
+async def _read_all(pieces: list[bytes]) -> tuple[_ScriptedStream, HeadwaterTCPServer]:
+    fake = HeadwaterTCPServer.__new__(HeadwaterTCPServer)  # what _read_data touches
     fake.stream = stream = _ScriptedStream(pieces)  # type: ignore[assignment]
-    fake.config = SimpleNamespace(read_timeout=None)  # type: ignore[assignment]
+    fake.config = ServerConfig()
     fake.protocol = _FakeProtocol()  # type: ignore[assignment]
     fake.idle_task = _IdleTimer()  # type: ignore[assignment]
-    hypercorn_fixes.install_idle_deadline()
-    await TCPServer._read_data(fake)
+    await fake._read_data()
     return stream, fake
 
 
 async def test_a_connection_that_carries_a_large_body_reads_in_larger_pieces() -> None:
     body = bytes(range(256)) * 2400  # 614,400 bytes: a long prompt's body, arrived whole
     stream, fake = await _read_all([body])
-    small, large = hypercorn_fixes.READ_SIZE, hypercorn_fixes.READ_SIZE_LARGE
+    small, large = ServerConfig.read_size, ServerConfig.read_size_large
     # The first read fills 64 KiB; from then on the connection reads 256 KiB at a time:
     # 5 reads instead of hypercorn's 11 (EOF included).
     assert stream.asked == [small, large, large, large, large]
@@ -203,14 +195,16 @@ async def test_a_connection_that_carries_a_large_body_reads_in_larger_pieces() -
 
 
 async def test_a_connection_of_short_requests_keeps_small_reads() -> None:
-    stream, fake = await _read_all([b"x" * 1500] * 4 + [b"y" * (hypercorn_fixes.READ_SIZE - 1)])
-    assert set(stream.asked) == {hypercorn_fixes.READ_SIZE}
+    stream, fake = await _read_all([b"x" * 1500] * 4 + [b"y" * (ServerConfig.read_size - 1)])
+    assert set(stream.asked) == {ServerConfig.read_size}
     assert fake.idle_task.ended  # type: ignore[attr-defined]
 
 
-def _server_on(stream: trio.abc.Stream) -> TCPServer:
-    fake = TCPServer.__new__(TCPServer)  # only the attributes protocol_send touches
+def _server_on(stream: trio.abc.Stream, *, write_timeout: float) -> HeadwaterTCPServer:
+    fake = HeadwaterTCPServer.__new__(HeadwaterTCPServer)  # what protocol_send touches
     fake.stream = stream  # type: ignore[assignment]
+    fake.config = ServerConfig()
+    fake.config.write_timeout = write_timeout
     fake.send_lock = trio.Lock()
     fake.protocol = _FakeProtocol()  # type: ignore[assignment]
     return fake
@@ -225,8 +219,7 @@ async def test_writes_to_a_real_socket_arrive_whole_and_in_order() -> None:
     """The fast path (one non-blocking write) and its fallback for what did not fit:
     8 MiB is more than a socket buffer takes at once."""
     server_side, client_side = await _socket_stream_pair()
-    fake = _server_on(server_side)
-    hypercorn_fixes.install_write_deadline(7.0)
+    fake = _server_on(server_side, write_timeout=7.0)
     big = bytes(range(256)) * (32 * 1024)
     received = bytearray()
 
@@ -238,7 +231,7 @@ async def test_writes_to_a_real_socket_arrive_whole_and_in_order() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
             for data in (b"abc", big, b"xyz"):
-                await TCPServer.protocol_send(fake, RawData(data))
+                await fake.protocol_send(RawData(data))
     assert bytes(received) == b"abc" + big + b"xyz"
     assert fake.protocol.events == []  # type: ignore[attr-defined]
     await server_side.aclose()
@@ -249,10 +242,9 @@ async def test_a_real_socket_whose_reader_stops_is_dropped_after_the_write_timeo
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     server_side, client_side = await _socket_stream_pair()
-    fake = _server_on(server_side)
-    hypercorn_fixes.install_write_deadline(7.0)
+    fake = _server_on(server_side, write_timeout=7.0)
     start = trio.current_time()
-    await TCPServer.protocol_send(fake, RawData(b"x" * (16 << 20)))  # never read
+    await fake.protocol_send(RawData(b"x" * (16 << 20)))  # never read
     assert trio.current_time() - start == 7.0
     assert any(isinstance(e, Closed) for e in fake.protocol.events)  # type: ignore[attr-defined]
     await client_side.aclose()
@@ -260,11 +252,10 @@ async def test_a_real_socket_whose_reader_stops_is_dropped_after_the_write_timeo
 
 async def test_a_write_to_a_socket_closed_by_the_peer_reports_the_connection_closed() -> None:
     server_side, client_side = await _socket_stream_pair()
-    fake = _server_on(server_side)
-    hypercorn_fixes.install_write_deadline(7.0)
+    fake = _server_on(server_side, write_timeout=7.0)
     await client_side.aclose()
     with trio.fail_after(5):
-        await TCPServer.protocol_send(fake, RawData(b"late"))
+        await fake.protocol_send(RawData(b"late"))
     assert any(isinstance(e, Closed) for e in fake.protocol.events)  # type: ignore[attr-defined]
 
 
@@ -302,13 +293,13 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
     # Head and body of a JSON answer go out in one write(2); a streamed answer (no
     # Content-Length) still sends its head alone, at once, before its first event.
     writes: list[bytes] = []
-    write_now = hypercorn_fixes._write_now
+    write_now = tcp_server._write_now
 
     def recording(stream: Any, data: bytes) -> int | None:
         writes.append(bytes(data))
         return write_now(stream, data)
 
-    monkeypatch.setattr(hypercorn_fixes, "_write_now", recording)
+    monkeypatch.setattr(tcp_server, "_write_now", recording)
     async with serve_frontend() as (fe, url):
         stream = await _open(url)
         chat = orjson.dumps({"model": fe.pipeline.model_name, "max_tokens": 3,
@@ -340,3 +331,22 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
         assert writes[0].endswith(b"\r\n\r\n")
         assert b"data: " in writes[1]  # the events follow in writes of their own
         await stream.aclose()
+
+
+async def test_a_stream_in_flight_at_shutdown_runs_to_its_end() -> None:
+    # Graceful shutdown closes idle connections at once but lets a request in flight
+    # finish (within graceful_timeout): the idle timer must not close a busy connection.
+    async with serve_frontend(speedup_ratio=1.0, graceful_timeout=10.0) as (fe, url):
+        body = {"model": fe.pipeline.model_name, "prompt": "hello", "max_tokens": 30,
+                "stream": True}  # fmt: skip
+        events: list[str] = []
+        async with (
+            httpx.AsyncClient(base_url=url) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    fe.shutdown.set()
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert len(events) > 2

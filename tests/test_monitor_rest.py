@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from frontend.http.activity import MarkActivity
+from frontend.http.middleware import MarkActivity
 from headwater.instrumentation import FRONTEND_PREFIX, Activity, LoopMonitor, StallRecord
 from headwater.wire import Ack, End, GenerateRequest, Reply, Role, SamplingParams
 from tests.frontend_fixture import serve_frontend

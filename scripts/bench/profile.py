@@ -76,9 +76,9 @@ _STAGE_FUNCTIONS: Mapping[str, Mapping[str, str]] = {
         "json_response": "stream out",
         "error_response": "stream out",
     },
-    "/frontend/http/hypercorn_fixes": {
+    "/frontend/http/serving/tcp_server": {
         "_read_data": "receive+parse",
-        "_protocol_send_with_deadline": "stream out",
+        "protocol_send": "stream out",
     },
     "/frontend/pipeline": {
         "preprocess": "template",

@@ -1,0 +1,74 @@
+"""ASGI middleware around the HTTP app: what every request gets, whichever route.
+
+- :class:`MarkActivity`: each request counts as work in flight for the loop monitor.
+  With nothing in flight the monitor rests (:mod:`headwater.instrumentation.activity`);
+  a request wakes it for as long as the request lasts (an SSE stream included) and a
+  second after. Lifespan events are not requests.
+- :class:`ShieldFinalSend`: a response's last body send completes even if the request
+  task is cancelled. hypercorn finishes a response inside that send (closes the stream,
+  closes the connection after ``Connection: close``, restarts the keep-alive idle timer),
+  and quart-trio cancels the request task right there: that work was lost, and the idle
+  timeout never fired (FIELD_NOTES §2). The shield has a deadline.
+
+Both are plain ASGI and know nothing of the server underneath
+(:mod:`frontend.http.serving` holds what is specific to hypercorn).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio
+
+from headwater.instrumentation import Activity
+
+if TYPE_CHECKING:
+    from hypercorn.typing import (
+        ASGIFramework,
+        ASGIReceiveCallable,
+        ASGISendCallable,
+        ASGISendEvent,
+        Scope,
+    )
+
+
+class MarkActivity:
+    """Wraps an ASGI app so that each ``http`` call runs inside ``with activity:``."""
+
+    def __init__(self, app: ASGIFramework, activity: Activity) -> None:
+        self.app = app
+        self.activity = activity
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with self.activity:
+            await self.app(scope, receive, send)
+
+
+class ShieldFinalSend:
+    """Wraps an ASGI app so that its last ``http.response.body`` send is shielded from
+    cancellation for up to *deadline* seconds (then it is cancelled after all)."""
+
+    def __init__(self, app: ASGIFramework, *, deadline: float) -> None:
+        self.app = app
+        self.deadline = deadline
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def guarded_send(message: ASGISendEvent) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.move_on_after(self.deadline, shield=True):
+                    await send(message)
+                return
+            await send(message)
+
+        await self.app(scope, receive, guarded_send)
