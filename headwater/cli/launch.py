@@ -26,15 +26,19 @@ is removed after a clean stop unless ``--workdir`` was given.
 from __future__ import annotations
 
 import argparse
-import logging
 import shlex
 import sys
 from pathlib import Path
 
 import trio
 
-from headwater.cli.options import add_config_options, config_argv, config_from_args
-from headwater.cli.worker import quiet_third_party_logs
+from headwater.cli.options import (
+    LOG_LEVELS,
+    add_config_options,
+    config_argv,
+    config_from_args,
+    configure_logging,
+)
 from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
     ETCD_BIN_ENV,
@@ -89,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "clean stop)")
     a("--start-timeout", type=float, default=60.0,
       help="seconds each process gets to start, and the frontend to become healthy")
-    a("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+    a("--log-level", default="info", choices=LOG_LEVELS,
       help="the launcher's log level")
     a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
       help="options passed to headwater serve, after a -- separator")
@@ -150,12 +154,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
 
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    quiet_third_party_logs(args.log_level)
+    configure_logging(args.log_level)
     try:
         plan = plan_from_args(args)
     except ValueError as exc:

@@ -18,12 +18,13 @@ import trio
 
 from frontend.config import FrontendConfig
 from headwater.cli.options import (
+    LOG_LEVELS,
     add_config_options,
     config_from_args,
+    configure_logging,
     positive_float,
     positive_int,
 )
-from headwater.cli.worker import quiet_third_party_logs
 from headwater.machine import usable_cpus
 from workers.engines import registry
 
@@ -106,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve POST /debug/stall?ms=N, which blocks the event loop on "
                         "purpose (testing only: never on a production frontend)")
     o.add_argument("--log-level", default=_D.log_level,
-                   choices=["debug", "info", "warning", "error"], help="log verbosity")
+                   choices=LOG_LEVELS, help="log verbosity")
 
     for name in registry.names():
         group = p.add_argument_group(f"engine {name} (in-process workers)",
@@ -130,11 +131,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    quiet_third_party_logs(config.log_level)
+    configure_logging(config.log_level)
     if config.processes > 1:
         from headwater.cluster.frontend_group import supervise
 

@@ -26,7 +26,12 @@ from collections.abc import Iterator
 
 import trio
 
-from headwater.cli.options import add_config_options, config_from_args
+from headwater.cli.options import (
+    LOG_LEVELS,
+    add_config_options,
+    config_from_args,
+    configure_logging,
+)
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
 from headwater.plane.server import check_bind
@@ -65,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "no registration; frontends then need --workers)")
     a("--lease-ttl", type=int, default=d.lease_ttl,
       help="seconds a crashed worker stays registered in etcd (lease TTL)")
-    a("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+    a("--log-level", default="info", choices=LOG_LEVELS,
       help="log level (debug also shows every etcd call)")
     for name in registry.names():
         spec = registry.spec(name)
@@ -94,12 +99,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a drain; 1 on a forced stop, a bind failure or no etcd;
     2 on bad options."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    quiet_third_party_logs(args.log_level)
+    configure_logging(args.log_level)
     try:
         config = worker_config_from_args(args)
         check_bind(split_host_port(config.listen)[0], config.secret)
@@ -116,13 +116,6 @@ def main(args: argparse.Namespace) -> int:
         for e in leaves:
             print(f"headwater worker: {e}", file=sys.stderr)
         return 1
-
-
-def quiet_third_party_logs(level: str) -> None:
-    """httpx logs every request at INFO (each etcd call, each health poll): keep that
-    out of a process's INFO output unless debug was asked for."""
-    if level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _leaves(exc: BaseException) -> Iterator[BaseException]:
