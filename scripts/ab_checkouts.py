@@ -1,0 +1,128 @@
+"""A/B of two checkouts of headwater on the same load, alternated, medians over rounds.
+
+    python scripts/ab_checkouts.py --a /path/to/old-checkout --b . --rounds 3 \\
+        --run "long 16 unary 320" --run "short 16 stream 2000"
+
+Each round starts A's server, runs every ``--run`` against it with the repository's
+load client (``scripts.bench.loadgen``, out of process), stops it, then does the same
+for B, then the next round starts with the other side first (ABBA), so that a drift of
+the machine over the session falls on both. Servers are ``headwater serve`` on a free
+loopback port with the in-process mocker at ``--speedup-ratio 1000`` (the frontend
+alone), started from their checkout directory so that each imports its own code.
+Prints one line per run and a table of medians (req/s, and the server's CPU per
+request from /proc). Loopback only; every run is bounded in requests and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from headwater.cluster.children import free_port
+
+SERVE_ARGS = ("--speedup-ratio", "1000", "--log-level", "warning")
+
+
+def serve_command(checkout: Path, port: int) -> list[str]:
+    """How *checkout* starts its frontend (older ones had ``python -m frontend``)."""
+    entry = ["-m", "headwater", "serve"]
+    if not (checkout / "headwater" / "__main__.py").exists():
+        entry = ["-m", "frontend"]
+    return [sys.executable, *entry, "--port", str(port), *SERVE_ARGS]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_ready(port: int, proc: subprocess.Popen[bytes], within: float = 90.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("server not healthy in time")
+
+
+def one_side(checkout: Path, runs: list[tuple[str, int, bool, int]]) -> list[dict[str, float]]:
+    port = free_port()
+    proc = subprocess.Popen(serve_command(checkout, port), cwd=checkout,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_ready(port, proc)
+        out = []
+        for scenario, concurrency, stream, requests in runs:
+            argv = [sys.executable, "-m", "scripts.bench.loadgen",
+                    "--url", f"http://127.0.0.1:{port}", "--scenario", scenario,
+                    "--concurrency", str(concurrency), "--requests", str(requests),
+                    "--time-limit", "120", "--no-progress"]  # fmt: skip
+            if stream:
+                argv.append("--stream")
+            before = cpu_seconds(proc.pid)
+            done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300)
+            cpu = cpu_seconds(proc.pid) - before
+            record = json.loads(done.stdout.splitlines()[0])
+            out.append({"req_per_s": record["req_per_s"], "ok": record["ok"],
+                        "cpu_ms_per_req": 1000 * cpu / max(1, record["ok"])})  # fmt: skip
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def parse_run(text: str) -> tuple[str, int, bool, int]:
+    scenario, concurrency, kind, requests = text.split()
+    return scenario, int(concurrency), kind == "stream", int(requests)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", type=Path, required=True, help="checkout A (the baseline)")
+    p.add_argument("--b", type=Path, required=True, help="checkout B")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--run", action="append", type=parse_run, required=True,
+                   metavar="'SCENARIO CONCURRENCY unary|stream REQUESTS'")
+    args = p.parse_args()
+    sides = {"A": args.a.resolve(), "B": args.b.resolve()}
+    results: dict[str, list[list[dict[str, float]]]] = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            got = one_side(sides[side], args.run)
+            results[side].append(got)
+            for (scenario, c, stream, _), rec in zip(args.run, got, strict=True):
+                kind = "stream" if stream else "unary"
+                print(f"round {r + 1} {side} {scenario} {kind} c{c}: {rec['req_per_s']:.1f} "
+                      f"req/s, {rec['cpu_ms_per_req']:.2f} ms CPU/req, ok {rec['ok']:.0f}",
+                      flush=True)  # fmt: skip
+    print("\n| run | A req/s (median) | B req/s (median) | B/A | A CPU ms/req | B CPU ms/req |")
+    print("|---|---|---|---|---|---|")
+    for i, (scenario, c, stream, _) in enumerate(args.run):
+        med = {s: statistics.median(rnd[i]["req_per_s"] for rnd in results[s]) for s in sides}
+        cpu = {s: statistics.median(rnd[i]["cpu_ms_per_req"] for rnd in results[s]) for s in sides}
+        kind = "stream" if stream else "unary"
+        print(f"| {scenario} {kind} c{c} | {med['A']:.1f} | {med['B']:.1f} | "
+              f"{med['B'] / med['A']:.3f} | {cpu['A']:.2f} | {cpu['B']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
