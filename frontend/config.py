@@ -55,6 +55,21 @@ class FrontendConfig:
     migration_limit: int = 3  # times a broken stream may move to another worker
     route_attempts: int = 3  # workers tried when one cannot be reached
 
+    # -- worker health (frontend/router/health.py; docs/fault-tolerance.md) ---------------
+    inhibit_after: int = 2  # consecutive faults that take a worker out of routing
+    probe_backoff: float = 1.0  # seconds before the first probe; doubles per failed probe
+    probe_backoff_max: float = 30.0  # upper bound of that delay
+    recover_after: int = 2  # probes in a row answered before the worker is healthy again
+    # A missed ACK or heartbeat while this frontend's own loop was stalled is not blamed
+    # on the worker (headwater/instrumentation/attribution.py); off only to reproduce.
+    stall_attribution: bool = True
+    busy_kv_usage: float = 0.95  # a worker with this share of its KV cache in use is busy
+    busy_waiting: int = 64  # a worker with this many requests waiting is busy
+    # Seconds a request waits for a worker that is not busy when all are, then 503
+    # "all workers are busy"; and how many may wait so at once.
+    queue_timeout: float = 10.0
+    queue_size: int = 1024
+
     # -- observability -----------------------------------------------------------------
     instrument: bool = True  # stall detector (trio instrument + watchdog thread)
     # Allocations between two young-generation collections of the cyclic GC (Python's

@@ -156,7 +156,19 @@ class FrontendMetrics:
             registry=r,
         )
         self.model_migration_total = Counter(
-            f"{p}model_migration", "Streams moved to another worker after a break", registry=r
+            f"{p}model_migration",
+            "Requests moved to other workers after a worker failed them, before any token "
+            "reached the client (new_request) or during the stream (ongoing_request)",
+            ["migration_type"], registry=r,
+        )
+        self.excused_timeouts_total = Counter(
+            f"{p}excused_timeouts",
+            "Missed ACKs and heartbeats not blamed on the worker: this frontend's loop "
+            "was stalled while it waited", registry=r,
+        )
+        self.worker_state_transitions_total = Counter(
+            f"{p}worker_state_transitions", "Changes of a worker's routing state",
+            ["from", "to"], registry=r,
         )
         self.model_cancellation_total = Counter(
             f"{p}model_cancellation", "Requests cancelled on the worker", registry=r

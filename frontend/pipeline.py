@@ -81,8 +81,7 @@ class Pipeline:
         template: ChatTemplate,
         router: Router,
         metrics: FrontendMetrics,
-        migration_limit: int = 3,
-        route_attempts: int = 3,
+        dispatch: DispatchConfig | None = None,
     ) -> None:
         self.model_name = model_name
         self.context_length = context_length
@@ -94,7 +93,7 @@ class Pipeline:
         self.dispatcher = Dispatcher(
             router,
             model_name,
-            config=DispatchConfig(migration_limit=migration_limit, route_attempts=route_attempts),
+            config=dispatch,
             metrics=metrics,
         )
         eos = self.tokenizer.eos_token_id

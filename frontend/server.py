@@ -29,9 +29,10 @@ from frontend.pipeline import Pipeline
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
-from frontend.router import Router, WorkerState
+from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router, WorkerState
+from frontend.router.health import Transition
 from headwater.gc_tuning import tune_gc
-from headwater.instrumentation import Activity, LoopMonitor
+from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,17 @@ class Frontend:
         )
         self.template = ChatTemplate.from_tokenizer_config(files.config)
         self.metrics = FrontendMetrics()
-        self.router = Router(config.router, inhibit_s=config.ack_timeout)
+        self.router = Router(
+            config.router,
+            health=HealthConfig(
+                inhibit_after=config.inhibit_after,
+                probe_backoff=config.probe_backoff,
+                probe_backoff_max=config.probe_backoff_max,
+                recover_after=config.recover_after,
+            ),
+            busy=BusyThresholds(kv_usage=config.busy_kv_usage, waiting=config.busy_waiting),
+            on_transition=self._count_transition,
+        )
         self.pipeline = Pipeline(
             model_name=config.model_name,
             context_length=config.context_length,
@@ -60,8 +71,12 @@ class Frontend:
             template=self.template,
             router=self.router,
             metrics=self.metrics,
-            migration_limit=config.migration_limit,
-            route_attempts=config.route_attempts,
+            dispatch=DispatchConfig(
+                migration_limit=config.migration_limit,
+                route_attempts=config.route_attempts,
+                queue_timeout=config.queue_timeout,
+                queue_size=config.queue_size,
+            ),
         )
         # HTTP requests in flight: the loop monitor rests while there are none.
         self.activity = Activity()
@@ -72,6 +87,12 @@ class Frontend:
             enabled=config.instrument,
             activity=self.activity,
         )
+        #: Excuses the workers for deadlines missed while this loop was stalled.
+        self.attribution = StallAttribution(
+            self.monitor.stall_log,
+            enabled=config.stall_attribution,
+            on_excuse=self.metrics.excused_timeouts_total.inc,
+        )
         self.app = create_app(self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes)
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
@@ -81,6 +102,11 @@ class Frontend:
         )
         self.metrics.on_collect(self._refresh_gauges)
         self.shutdown = trio.Event()
+
+    def _count_transition(self, worker_id: str, change: Transition) -> None:
+        self.metrics.worker_state_transitions_total.labels(
+            change.old.value, change.new.value
+        ).inc()
 
     def _refresh_gauges(self) -> None:
         stats = self.pool.statistics()
@@ -142,4 +168,5 @@ class Frontend:
     async def _start_workers(self, nursery: trio.Nursery) -> None:
         """The workers this frontend routes to, from whichever source the config names
         (in-process by default, ``--workers``, or etcd), all through one membership."""
-        await start_discovery(nursery, self.config, self.router)
+        await nursery.start(self.router.run)  # the probes of inhibited workers
+        await start_discovery(nursery, self.config, self.router, attribution=self.attribution)

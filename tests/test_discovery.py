@@ -103,6 +103,9 @@ class FakeClient(WorkerClient):
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:
         raise NotImplementedError
 
+    async def probe(self) -> None:
+        await trio.lowlevel.checkpoint()
+
     async def aclose(self) -> None:
         self.closed = True
         self.closed_event.set()

@@ -87,8 +87,8 @@ WORKER_SAMPLES = [
     "headwater_worker_requests_cancelled_total",
 ]
 WORKER_VIEW_KEYS = {
-    "worker_id", "role", "model", "address", "state", "inflight", "served", "failures",
-    "last_error", "inhibited_for_s",
+    "worker_id", "role", "model", "address", "state", "reason", "since", "inflight", "busy",
+    "served", "failures", "last_error", "probe_in_s",
 }
 
 

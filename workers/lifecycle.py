@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -33,7 +34,7 @@ from headwater.wire import Role
 from headwater.wire.addresses import format_tcp_address
 from workers.engines import registry
 from workers.engines.base import Engine, EngineContext
-from workers.runtime.runtime import WorkerRuntime, open_runtime
+from workers.runtime.runtime import WorkerRuntime, load_of, open_runtime
 
 log = logging.getLogger("workers")
 
@@ -195,6 +196,7 @@ async def _serve(
         config=config.server,
         kv_source=engine if isinstance(engine, KvSource) else None,
         stats=lambda: worker_stats(runtime, kv_transfer),
+        load=partial(load_of, runtime),
     )
     worker = RunningWorker(
         address, config.worker_id, config.role, config.model_name, runtime, server, kv_transfer

@@ -12,18 +12,20 @@ TCP plane uses, so nothing downstream knows the difference.
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import trio
 
 from frontend.discovery.base import Discovery, DiscoverySink
+from headwater.instrumentation.attribution import StallAttribution
 from headwater.plane.base import WorkerClient, WorkerInstance
 from headwater.plane.kv import KvSource
 from headwater.plane.memory import MemoryWorkerClient
 from headwater.wire import Role
 from workers.engines import registry
 from workers.engines.base import EngineContext
-from workers.runtime import WorkerRuntime, open_runtime
+from workers.runtime import WorkerRuntime, load_of, open_runtime
 from workers.runtime.kv_transfer import InProcessKvTransfer
 
 
@@ -52,6 +54,8 @@ class LocalCluster(Discovery):
         self.ack_timeout = ack_timeout
         #: The running workers by id, once :meth:`run` reported them.
         self.runtimes: dict[str, WorkerRuntime] = {}
+        #: Given to the clients: excuses a missed ACK while this loop stalled.
+        self.attribution: StallAttribution | None = None
 
     async def run(
         self,
@@ -85,4 +89,7 @@ class LocalCluster(Discovery):
         runtime = self.runtimes.get(instance.worker_id)
         if runtime is None:
             raise LookupError(f"no in-process worker {instance.worker_id!r}")
-        return MemoryWorkerClient(instance, runtime, ack_timeout=self.ack_timeout)
+        return MemoryWorkerClient(
+            instance, runtime, ack_timeout=self.ack_timeout, load=partial(load_of, runtime),
+            attribution=self.attribution,
+        )  # fmt: skip

@@ -22,6 +22,7 @@ from frontend.discovery.membership import Connect, Membership, open_membership
 from frontend.discovery.static import StaticDiscovery
 from frontend.router.router import Router
 from headwater.etcd.client import etcd_endpoints
+from headwater.instrumentation.attribution import StallAttribution
 
 if TYPE_CHECKING:
     from frontend.config import FrontendConfig
@@ -43,15 +44,22 @@ def discovery_from_config(config: FrontendConfig) -> Discovery:
     )  # fmt: skip
 
 
-def connect_for(discovery: Discovery, config: FrontendConfig) -> Connect:
+def connect_for(
+    discovery: Discovery, config: FrontendConfig, attribution: StallAttribution | None = None
+) -> Connect:
     """How to reach what *discovery* reports: in-process clients for the local cluster,
-    the TCP request plane (with the configured ACK timeout) for everything else."""
+    the TCP request plane (with the configured ACK timeout) for everything else; both
+    excuse deadlines missed while this loop stalled when given *attribution*."""
     if isinstance(discovery, LocalCluster):
+        discovery.attribution = attribution
         return discovery.connect
     from headwater.plane.client import connect_worker
     from headwater.plane.connection import PlaneConfig
 
-    return partial(connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout))
+    return partial(
+        connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout),
+        attribution=attribution,
+    )  # fmt: skip
 
 
 async def start_discovery(
@@ -60,6 +68,7 @@ async def start_discovery(
     router: Router,
     *,
     connect: Connect | None = None,
+    attribution: StallAttribution | None = None,
     initial_wait: float = 10.0,  # seconds to wait for the first report
 ) -> Membership:
     """Start membership and discovery in *nursery*; returns the running Membership.
@@ -71,7 +80,7 @@ async def start_discovery(
     ValueError for a bad configuration before starting anything.
     """
     discovery = discovery_from_config(config)
-    connect = connect or connect_for(discovery, config)
+    connect = connect or connect_for(discovery, config, attribution)
     membership: Membership = await nursery.start(
         _follow, discovery, router, connect, initial_wait, name="discovery"
     )

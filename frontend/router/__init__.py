@@ -1,7 +1,18 @@
-"""The route stage: which worker gets a request (``router``), and how a request's stream
-survives a worker that cannot take it or breaks (``dispatch``)."""
+"""The route stage: which worker gets a request (``router``), whether a worker is fit to
+take one (``health``), and how a request's stream survives a worker that cannot take it
+or breaks (``dispatch``)."""
 
 from frontend.router.dispatch import DispatchConfig, Dispatcher
-from frontend.router.router import Policy, Router, WorkerState, WorkerView
+from frontend.router.health import HealthConfig, WorkerState
+from frontend.router.router import BusyThresholds, Policy, Router, WorkerView
 
-__all__ = ["DispatchConfig", "Dispatcher", "Policy", "Router", "WorkerState", "WorkerView"]
+__all__ = [
+    "BusyThresholds",
+    "DispatchConfig",
+    "Dispatcher",
+    "HealthConfig",
+    "Policy",
+    "Router",
+    "WorkerState",
+    "WorkerView",
+]

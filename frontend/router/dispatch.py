@@ -41,6 +41,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import trio
+
 from frontend.errors import InvalidRequest, NoCapacity, WorkerFailed
 from frontend.router.router import Router
 from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_BUSY_RECHECK_S = 0.1  # how often a queued request looks at the workers' reported load
+
 
 @dataclass(frozen=True, slots=True)
 class DispatchConfig:
@@ -61,6 +65,11 @@ class DispatchConfig:
     migration_limit: int = 3
     #: Workers tried per leg when one cannot take the request.
     route_attempts: int = 3
+    #: Seconds a request waits for a worker that is not busy when all are, before it
+    #: gets 503 "all workers are busy"; 0 sends it to a busy one at once.
+    queue_timeout: float = 10.0
+    #: Requests that may wait so at once; beyond, 503 at once.
+    queue_size: int = 1024
 
 
 class _Migrate(Exception):
@@ -74,6 +83,8 @@ class _Attempts:
     #: Workers that failed this request: not picked for it again.
     failed: set[str] = field(default_factory=set)
     migrations: int = 0
+    #: Tokens delivered to the caller so far.
+    delivered: int = 0
 
 
 class Dispatcher:
@@ -91,6 +102,7 @@ class Dispatcher:
         self.model = model
         self.config = config or DispatchConfig()
         self.metrics = metrics
+        self._queued = 0  # requests waiting for a worker that is not busy
 
     def ready(self) -> bool:
         """A request could be served now: prefill + decode, or an aggregated worker."""
@@ -112,6 +124,7 @@ class Dispatcher:
                 async with aclosing(self._attempt(attempt, state)) as chunks:
                     async for chunk in chunks:
                         generated.extend(chunk.token_ids)
+                        state.delivered = len(generated)
                         yield chunk
                 return
             except _Migrate as exc:
@@ -119,7 +132,9 @@ class Dispatcher:
                     raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
                 state.migrations += 1
                 if self.metrics is not None:
-                    self.metrics.model_migration_total.inc()
+                    # As Dynamo counts them: before any token reached the caller, or after.
+                    kind = "ongoing_request" if generated else "new_request"
+                    self.metrics.model_migration_total.labels(kind).inc()
                 log.warning("request %s: %s; migrating with %d tokens",
                             request.request_id, exc, len(generated))  # fmt: skip
 
@@ -177,6 +192,7 @@ class Dispatcher:
         (up to ``route_attempts``) when one cannot take the request."""
         tried = 0
         while True:
+            await self._wait_not_busy(role, state)
             client = self._pick(role, state)
             tried += 1
             wid = client.instance.worker_id
@@ -192,13 +208,20 @@ class Dispatcher:
                 finished = True  # End received (a prefill leg has no finish reason)
                 return
             except CannotConnect as exc:
-                state.failed.add(wid)
-                self.router.report_unreachable(client, exc)
-                log.warning("worker %s unreachable: %s", wid, exc)
+                if exc.excused:
+                    # Our own loop stalled through the ACK window: not the worker's
+                    # fault (headwater.instrumentation.attribution). Try again.
+                    log.warning("worker %s: ACK missed while this loop was stalled; "
+                                "not counted against it", wid)  # fmt: skip
+                else:
+                    state.failed.add(wid)
+                    self.router.report_failure(client, exc)
+                    log.warning("worker %s unreachable: %s", wid, exc)
                 if tried >= self.config.route_attempts:
                     raise NoCapacity("no worker could take the request") from exc
             except Disconnected as exc:
                 state.failed.add(wid)
+                self.router.report_failure(client, exc)
                 raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
             except WorkerError as exc:
                 self._refused(role, client, exc, state, tried)
@@ -222,6 +245,27 @@ class Dispatcher:
         if not exc.retryable or tried >= self.config.route_attempts:
             raise WorkerFailed(f"the worker failed the request ({exc.code.value})") from exc
         state.failed.add(wid)
+
+    async def _wait_not_busy(self, role: Role, state: _Attempts) -> None:
+        """While every healthy worker of *role* is busy, wait (in a bounded queue, up to
+        ``queue_timeout``) for one that is not; raises NoCapacity "all workers are busy"."""
+        cfg, router, exclude = self.config, self.router, frozenset(state.failed)
+        if cfg.queue_timeout <= 0 or not router.all_busy(role, self.model, exclude):
+            return
+        if self._queued >= cfg.queue_size:
+            raise NoCapacity("All workers are busy, please retry later", code="all_busy")
+        self._queued += 1
+        try:
+            with trio.move_on_after(cfg.queue_timeout):
+                while router.all_busy(role, self.model, exclude):
+                    # A worker's load comes with its heartbeats too, which do not notify
+                    # the router: look again now and then as well.
+                    with trio.move_on_after(_BUSY_RECHECK_S):
+                        await router.changed.wait()
+                return
+            raise NoCapacity("All workers are busy, please retry later", code="all_busy")
+        finally:
+            self._queued -= 1
 
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
         """A worker of *role* that has not failed this request; raises NoWorkers."""

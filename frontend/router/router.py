@@ -1,27 +1,36 @@
 """The route stage: which worker gets the next request.
 
-The router holds every known :class:`WorkerClient` (added and removed by discovery
-or by the in-process cluster), tracks each one's in-flight requests and health, and
-picks per role with one of four policies:
+The router holds every known :class:`WorkerClient` (added and removed by discovery,
+:mod:`frontend.discovery`), tracks each one's in-flight requests and health, and picks
+per role with one of four policies:
 
 * ``round-robin`` — in turn;
 * ``random`` — uniformly;
 * ``least-loaded`` — fewest in-flight requests (ties in turn);
 * ``p2c`` — power of two choices: the less loaded of two random picks.
 
-Health: a worker that fails to ACK (:class:`CannotConnect`) is *inhibited* — skipped
-by routing — for ``inhibit_s``, doubling on each consecutive failure up to
-``max_inhibit_s`` and reset by a success. (Dynamo brings a worker back after a fixed
-5 s; the backoff keeps a genuinely dead worker from eating a request every 5 s.)
-A draining worker (announced by discovery) gets no new requests.
+Health is a circuit per worker (:mod:`frontend.router.health`): a worker that fails
+``inhibit_after`` requests in a row is inhibited, probed after a backoff, and let back
+once it answers probes; :meth:`Router.run` runs the probes. A draining worker (announced
+by discovery) gets no new requests. A busy worker (as many requests in flight from
+here as it advertises, or a load it reported over the ``busy`` thresholds) is skipped
+while another can take the request.
+
+Every state change is logged once, with its reason, and passed to ``on_transition``
+(the frontend counts them in ``headwater_frontend_worker_state_transitions_total``);
+:meth:`Router.views` shows each worker's state, reason and load on ``/debug/workers``
+and the dashboard.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import logging
+import math
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,8 +38,14 @@ import trio
 from trio_util import RepeatedEvent
 
 from frontend.errors import NoWorkers
-from headwater.plane.base import WorkerClient
+from frontend.router.health import Circuit, HealthConfig, Transition, WorkerState
+from headwater.plane.base import PlaneError, WorkerClient
 from headwater.wire import Role
+
+log = logging.getLogger(__name__)
+
+#: Called with (worker id, transition) on every state change.
+TransitionHook = Callable[[str, Transition], None]
 
 
 class Policy(enum.StrEnum):
@@ -40,10 +55,14 @@ class Policy(enum.StrEnum):
     P2C = "p2c"
 
 
-class WorkerState(enum.StrEnum):
-    HEALTHY = "healthy"
-    INHIBITED = "inhibited"
-    DRAINING = "draining"
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    """When a worker counts as busy: it is skipped while another can take the request."""
+
+    #: Share of its KV cache in use at or above which a worker is busy (``--busy-kv``).
+    kv_usage: float = 0.95
+    #: Requests waiting in its engine at or above which it is busy (``--busy-waiting``).
+    waiting: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,39 +74,45 @@ class WorkerView:
     model: str
     address: str
     state: WorkerState
+    #: Why it is in that state (the last transition's reason); None if it never changed.
+    reason: str | None
+    #: Unix time at which it entered that state (or joined the router).
+    since: float
     inflight: int
+    busy: bool
     served: int
+    #: Consecutive faults (while healthy).
     failures: int
     last_error: str | None
-    inhibited_for_s: float
+    #: Seconds until the next probe, while inhibited or probing; else 0.
+    probe_in_s: float
 
 
 class _Entry:
     __slots__ = (
+        "circuit",
         "client",
         "draining",
-        "failures",
         "inflight",
-        "inhibited_until",
         "last_error",
+        "probing",
         "served",
+        "since",
     )
 
-    def __init__(self, client: WorkerClient) -> None:
+    def __init__(self, client: WorkerClient, circuit: Circuit) -> None:
         self.client = client
+        self.circuit = circuit
         self.inflight = 0
         self.served = 0
-        self.failures = 0  # consecutive
-        self.inhibited_until = 0.0
         self.last_error: str | None = None
         self.draining = False
+        self.probing = False  # a probe task is running for it
+        self.since = time.time()  # wall clock of its last state change, for the views
 
-    def state(self, now: float) -> WorkerState:
-        if self.draining:
-            return WorkerState.DRAINING
-        if now < self.inhibited_until:
-            return WorkerState.INHIBITED
-        return WorkerState.HEALTHY
+    @property
+    def state(self) -> WorkerState:
+        return WorkerState.DRAINING if self.draining else self.circuit.state
 
 
 class Router:
@@ -97,39 +122,47 @@ class Router:
         self,
         policy: Policy | str = Policy.ROUND_ROBIN,
         *,
-        inhibit_s: float = 5.0,
-        max_inhibit_s: float = 60.0,
+        health: HealthConfig | None = None,
+        busy: BusyThresholds | None = None,
+        on_transition: TransitionHook | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.policy = Policy(policy)
-        self.inhibit_s = inhibit_s
-        self.max_inhibit_s = max_inhibit_s
+        self.health = health or HealthConfig()
+        self.busy = busy or BusyThresholds()
+        self.on_transition = on_transition
         self._rng = rng or random.Random()
         self._entries: dict[str, _Entry] = {}
         # One turn counter per (role, model): a shared one would lock the prefill and
         # decode legs of serial requests into the same phase on every pick.
         self._turns: dict[tuple[Role, str], itertools.count[int]] = {}
-        #: Set whenever the set of workers or their routability changes; ``await
-        #: router.changed.wait()`` returns at the next change.
+        #: Set whenever the set of workers, their routability or their load changes;
+        #: ``await router.changed.wait()`` returns at the next change.
         self.changed = RepeatedEvent()
 
     # -- membership (discovery's side) ------------------------------------------
 
     def add(self, client: WorkerClient) -> None:
         """Start routing to *client*; replaces a previous client with the same id."""
-        self._entries[client.instance.worker_id] = _Entry(client)
+        circuit = Circuit(self.health, self._rng)
+        self._entries[client.instance.worker_id] = _Entry(client, circuit)
         self._notify()
 
     def remove(self, worker_id: str) -> WorkerClient | None:
         """Stop routing to *worker_id*; returns its client for the caller to close."""
         entry = self._entries.pop(worker_id, None)
+        if entry is not None:
+            self._transition(worker_id, Transition(entry.state, WorkerState.REMOVED, "removed"))
         self._notify()
         return entry.client if entry else None
 
     def set_draining(self, worker_id: str, draining: bool = True) -> None:
         entry = self._entries.get(worker_id)
-        if entry is not None:
+        if entry is not None and entry.draining != draining:
+            old = entry.state
             entry.draining = draining
+            why = "draining (announced by the worker)" if draining else "ready again"
+            self._transition(worker_id, Transition(old, entry.state, why), entry)
             self._notify()
 
     def clients(self) -> list[WorkerClient]:
@@ -141,19 +174,21 @@ class Router:
     # -- routing (the pipeline's side) --------------------------------------------
 
     def routable(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> int:
-        """How many workers of *role* serving *model*, not in *exclude*, may be picked now."""
-        now = trio.current_time()
-        return sum(1 for e in self._candidates(role, model, now, exclude))
+        """How many workers of *role* serving *model*, not in *exclude*, are healthy
+        (busy or not)."""
+        return sum(1 for _ in self._candidates(role, model, exclude))
 
     def pick(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> WorkerClient:
-        """Choose a worker for *role* serving *model*, skipping ids in *exclude*.
+        """Choose a worker for *role* serving *model*, skipping ids in *exclude*; a busy
+        one only if every candidate is busy (:meth:`all_busy` tells the caller).
 
         Raises :class:`NoWorkers` when none is routable.
         """
-        now = trio.current_time()
-        candidates = list(self._candidates(role, model, now, exclude))
+        candidates = list(self._candidates(role, model, exclude))
         if not candidates:
             raise NoWorkers(f"no routable {role.value} worker for model {model!r}")
+        free = [e for e in candidates if not self._busy(e)]
+        candidates = free or candidates
         if self.policy is Policy.RANDOM:
             entry = self._rng.choice(candidates)
         elif self.policy is Policy.LEAST_LOADED:
@@ -169,19 +204,31 @@ class Router:
             entry = candidates[self._next_turn(role, model) % len(candidates)]
         return entry.client
 
+    def all_busy(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> bool:
+        """There are healthy workers of *role*, and every one of them is busy."""
+        candidates = list(self._candidates(role, model, exclude))
+        return bool(candidates) and all(self._busy(e) for e in candidates)
+
+    def _busy(self, entry: _Entry) -> bool:
+        if entry.inflight >= entry.client.instance.capacity:
+            return True
+        load = entry.client.load
+        return load is not None and (
+            load.kv_usage >= self.busy.kv_usage or load.waiting >= self.busy.waiting
+        )
+
     def _next_turn(self, role: Role, model: str) -> int:
         return next(self._turns.setdefault((role, model), itertools.count()))
 
-    def _candidates(
-        self, role: Role, model: str, now: float, exclude: frozenset[str]
-    ) -> Iterator[_Entry]:
+    def _candidates(self, role: Role, model: str, exclude: frozenset[str]) -> Iterator[_Entry]:
         for wid, e in self._entries.items():
             inst = e.client.instance
             if (
                 inst.role is role
                 and inst.model == model
                 and wid not in exclude
-                and e.state(now) is WorkerState.HEALTHY
+                and not e.draining
+                and e.circuit.state is WorkerState.HEALTHY
             ):
                 yield e
 
@@ -197,23 +244,83 @@ class Router:
             yield
         finally:
             entry.inflight -= 1
+            if entry.inflight + 1 >= client.instance.capacity:
+                self._notify()  # it may no longer be busy: a waiting request can go
+
+    # -- health (dispatch's reports, and the probes) ---------------------------------
 
     def report_success(self, client: WorkerClient) -> None:
-        entry = self._entries.get(client.instance.worker_id)
-        if entry is not None and entry.client is client:
+        """*client* served a request to the end."""
+        entry = self._entry_of(client)
+        if entry is not None:
             entry.served += 1
-            entry.failures = 0
+            entry.circuit.success()
 
-    def report_unreachable(self, client: WorkerClient, error: BaseException) -> None:
-        """The worker did not ACK or could not be reached: inhibit it, with backoff."""
-        entry = self._entries.get(client.instance.worker_id)
-        if entry is None or entry.client is not client:
+    def report_failure(self, client: WorkerClient, error: BaseException) -> None:
+        """*client*'s worker failed a request by its own fault (see frontend.router.health)."""
+        entry = self._entry_of(client)
+        if entry is None:
             return
-        entry.failures += 1
         entry.last_error = str(error)
-        backoff = min(self.max_inhibit_s, self.inhibit_s * 2 ** (entry.failures - 1))
-        entry.inhibited_until = trio.current_time() + backoff
-        self._notify()
+        change = entry.circuit.failure(trio.current_time(), str(error))
+        if change is not None:
+            self._transition(client.instance.worker_id, change, entry)
+            self._notify()
+
+    def _entry_of(self, client: WorkerClient) -> _Entry | None:
+        entry = self._entries.get(client.instance.worker_id)
+        return entry if entry is not None and entry.client is client else None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Probe inhibited workers when their backoff is over, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                now = trio.current_time()
+                for entry in list(self._entries.values()):
+                    if not entry.probing and entry.circuit.due(now):
+                        entry.probing = True
+                        nursery.start_soon(self._probe, entry)
+                next_probe = min(
+                    (e.circuit.probe_at for e in self._entries.values()
+                     if not e.probing and e.circuit.state is not WorkerState.HEALTHY),
+                    default=math.inf,
+                )  # fmt: skip
+                with trio.move_on_at(next_probe):
+                    await self.changed.wait()
+
+    async def _probe(self, entry: _Entry) -> None:
+        wid = entry.client.instance.worker_id
+        try:
+            if (change := entry.circuit.probing(trio.current_time())) is not None:
+                self._transition(wid, change, entry)
+            try:
+                with trio.fail_after(self.health.probe_timeout):
+                    await entry.client.probe()
+            except (PlaneError, trio.TooSlowError) as exc:
+                why = "no answer in time" if isinstance(exc, trio.TooSlowError) else str(exc)
+                entry.last_error = why
+                change = entry.circuit.probe_failed(trio.current_time(), why)
+            else:
+                change = entry.circuit.probe_answered(trio.current_time())
+            if change is not None and self._entries.get(wid) is entry:
+                self._transition(wid, change, entry)
+        finally:
+            entry.probing = False
+            self._notify()
+
+    def _transition(
+        self, worker_id: str, change: Transition, entry: _Entry | None = None
+    ) -> None:
+        if change.old is change.new:
+            return
+        if entry is not None:
+            entry.since = time.time()
+        level = logging.WARNING if change.new is WorkerState.INHIBITED else logging.INFO
+        log.log(level, "worker %s: %s -> %s (%s)", worker_id, change.old.value,
+                change.new.value, change.reason)  # fmt: skip
+        if self.on_transition is not None:
+            self.on_transition(worker_id, change)
 
     def views(self) -> list[WorkerView]:
         now = trio.current_time()
@@ -223,12 +330,19 @@ class Router:
                 role=e.client.instance.role,
                 model=e.client.instance.model,
                 address=e.client.instance.address,
-                state=e.state(now),
+                state=e.state,
+                reason=e.circuit.reason if not e.draining else "draining",
+                since=e.since,
                 inflight=e.inflight,
+                busy=self._busy(e),
                 served=e.served,
-                failures=e.failures,
+                failures=e.circuit.failures,
                 last_error=e.last_error,
-                inhibited_for_s=max(0.0, e.inhibited_until - now),
+                probe_in_s=(
+                    max(0.0, e.circuit.probe_at - now)
+                    if e.circuit.state is not WorkerState.HEALTHY else 0.0
+                ),
             )
             for wid, e in sorted(self._entries.items())
         ]
+

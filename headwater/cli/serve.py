@@ -95,6 +95,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--route-attempts", type=positive_int, default=_D.route_attempts,
                    help="workers tried when one cannot be reached")
 
+    f = p.add_argument_group("worker health and overload (docs/fault-tolerance.md)")
+    f.add_argument("--inhibit-after", type=positive_int, default=_D.inhibit_after,
+                   help="consecutive faults (no ACK, a broken stream) that take a worker "
+                        "out of routing")
+    f.add_argument("--probe-backoff", type=positive_float, default=_D.probe_backoff,
+                   help="seconds before an inhibited worker is first probed; doubles each "
+                        "time a probe goes unanswered")
+    f.add_argument("--probe-backoff-max", type=positive_float, default=_D.probe_backoff_max,
+                   help="upper bound of the probe backoff, seconds")
+    f.add_argument("--recover-after", type=positive_int, default=_D.recover_after,
+                   help="probes in a row a worker must answer to take requests again")
+    f.add_argument("--no-stall-attribution", dest="stall_attribution", action="store_false",
+                   help="blame a missed ACK or heartbeat on the worker even when this "
+                        "frontend's own loop was stalled (only to reproduce that failure)")
+    f.add_argument("--busy-kv-usage", type=positive_float, default=_D.busy_kv_usage,
+                   help="a worker with this share of its KV cache in use is busy: skipped "
+                        "while another can take the request")
+    f.add_argument("--busy-waiting", type=positive_int, default=_D.busy_waiting,
+                   help="a worker with this many requests waiting in its engine is busy")
+    f.add_argument("--queue-timeout", type=float, default=_D.queue_timeout,
+                   help="seconds a request waits when every worker is busy, then 503 (0: "
+                        "send it to a busy worker at once)")
+    f.add_argument("--queue-size", type=positive_int, default=_D.queue_size,
+                   help="requests that may wait so at once; more get 503 at once")
+
     o = p.add_argument_group("observability")
     o.add_argument("--no-instrument", dest="instrument", action="store_false",
                    help="turn off the stall detector (the loop-delay canary stays)")

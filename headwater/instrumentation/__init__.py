@@ -5,6 +5,7 @@ top-level nursery; its metrics live in their own prometheus registry.
 """
 
 from headwater.instrumentation.activity import Activity
+from headwater.instrumentation.attribution import StallAttribution, StallLog
 from headwater.instrumentation.canary import DelaySeries, run_canary
 from headwater.instrumentation.loop_metrics import (
     DELAY_BUCKETS,
@@ -28,8 +29,10 @@ __all__ = [
     "DelaySeries",
     "LoopMetrics",
     "LoopMonitor",
+    "StallAttribution",
     "StallCause",
     "StallDetector",
+    "StallLog",
     "StallRecord",
     "StallStatistics",
     "TaskTracker",

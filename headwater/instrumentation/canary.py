@@ -25,6 +25,7 @@ import trio
 
 if TYPE_CHECKING:
     from headwater.instrumentation.activity import Activity
+    from headwater.instrumentation.attribution import StallLog
     from headwater.instrumentation.loop_metrics import LoopMetrics
 
 
@@ -79,6 +80,7 @@ async def run_canary(
     threshold: float = 0.020,
     series: DelaySeries | None = None,
     activity: Activity | None = None,
+    stall_log: StallLog | None = None,
     task_status: trio.TaskStatus[DelaySeries] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Sleep ``interval`` seconds in a loop and record each overshoot until cancelled.
@@ -89,7 +91,9 @@ async def run_canary(
     what ``nursery.start(run_canary, metrics)`` returns.
 
     With ``activity``, while :meth:`Activity.idle` it sleeps ``activity.rest_interval_s``
-    instead; a rest that work cut short is not a sample (nothing was late).
+    instead; a rest that work cut short is not a sample (nothing was late). Each stall
+    also goes into ``stall_log`` (in trio time), the witness that stall-aware
+    attribution asks (:mod:`headwater.instrumentation.attribution`).
 
     Cancellation: stops at the sleep; nothing to clean up.
     """
@@ -109,5 +113,8 @@ async def run_canary(
         else:
             await trio.sleep(interval)
             delay = max(0.0, clock() - asked - interval)
-        metrics.observe_delay(delay, stalled=delay > threshold)
+        stalled = delay > threshold
+        metrics.observe_delay(delay, stalled=stalled)
+        if stalled and stall_log is not None:
+            stall_log.add(trio.current_time(), delay)
         series.add(wall(), delay)

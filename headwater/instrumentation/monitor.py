@@ -17,6 +17,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from headwater.instrumentation.activity import Activity
+from headwater.instrumentation.attribution import StallLog
 from headwater.instrumentation.canary import DelaySeries, run_canary
 from headwater.instrumentation.loop_metrics import LoopMetrics
 from headwater.instrumentation.stalls import StallDetector, StallRecord, StallStatistics
@@ -53,6 +54,8 @@ class LoopMonitor:
     ) -> None:
         self.metrics = LoopMetrics(registry, prefix)
         self.series = DelaySeries()
+        #: The stalls the canary saw, for stall-aware attribution.
+        self.stall_log = StallLog()
         self.threshold_s = threshold_s
         self.enabled = enabled
         self._canary_interval_s = canary_interval_s
@@ -88,6 +91,7 @@ class LoopMonitor:
                     threshold=self.threshold_s,
                     series=self.series,
                     activity=self.activity,
+                    stall_log=self.stall_log,
                 )
             )
             task_status.started()

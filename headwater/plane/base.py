@@ -34,7 +34,7 @@ from typing import Protocol
 
 import trio
 
-from headwater.wire import Chunk, End, Error, ErrorCode, GenerateRequest, Reply, Role
+from headwater.wire import Chunk, End, Error, ErrorCode, GenerateRequest, Reply, Role, WorkerLoad
 
 
 class PlaneError(Exception):
@@ -42,7 +42,15 @@ class PlaneError(Exception):
 
 
 class CannotConnect(PlaneError):
-    """The worker could not be reached or did not ACK in time. Nothing was generated."""
+    """The worker could not be reached or did not ACK in time. Nothing was generated.
+
+    ``excused`` is True when the deadline passed while the caller's own event loop was
+    stalled (:mod:`headwater.instrumentation.attribution`): not the worker's fault.
+    """
+
+    def __init__(self, message: str, *, excused: bool = False) -> None:
+        super().__init__(message)
+        self.excused = excused
 
 
 class Disconnected(PlaneError):
@@ -155,11 +163,24 @@ class WorkerClient(abc.ABC):
 
     instance: WorkerInstance
 
+    @property
+    def load(self) -> WorkerLoad | None:
+        """The worker's load as it last reported it; None when it has not (yet)."""
+        return None
+
     @abc.abstractmethod
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:
         """Send *request*; enter once ACKed (raises CannotConnect otherwise).
 
         Exiting the context before the stream ended sends a cancel to the worker.
+        """
+
+    @abc.abstractmethod
+    async def probe(self) -> None:
+        """Ask the worker for an answer over this transport (a health check).
+
+        Returns once it answered; raises CannotConnect or Disconnected when it cannot.
+        The caller bounds the wait.
         """
 
     @abc.abstractmethod

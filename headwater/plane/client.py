@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import trio
 from trio_util import AsyncValue
 
+from headwater.instrumentation.attribution import StallAttribution
 from headwater.plane.base import CannotConnect, ResponseStream, WorkerClient, WorkerInstance
 from headwater.plane.connection import (
     Connector,
@@ -45,7 +46,7 @@ from headwater.plane.connection import (
     dial,
     tcp_connector,
 )
-from headwater.wire import GenerateRequest
+from headwater.wire import GenerateRequest, WorkerLoad
 from headwater.wire.handshake import load_secret
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,11 @@ class TcpWorkerClient(WorkerClient):
         connector: Connector | None = None,
         client_id: str = "",
         rng: random.Random | None = None,
+        attribution: StallAttribution | None = None,
     ) -> None:
+        """*attribution* excuses a missed ACK or heartbeat when this loop stalled."""
         self.instance = instance
+        self.attribution = attribution
         self.config = config or PlaneConfig()
         self.client_id = client_id or f"frontend-{uuid.uuid4().hex[:8]}"
         self._secret = secret
@@ -166,6 +170,7 @@ class TcpWorkerClient(WorkerClient):
                 continue
             failures = 0
             self._connects += 1
+            conn.attribution = self.attribution
             await nursery.start(conn.run)
             self._conn = conn
             self._set_state(ClientState.CONNECTED)
@@ -211,6 +216,17 @@ class TcpWorkerClient(WorkerClient):
         async with conn.stream(request) as replies:
             yield replies
 
+    @property
+    def load(self) -> WorkerLoad | None:
+        """The load the worker sent with its last heartbeat answer on this connection."""
+        conn = self._conn
+        return conn.load if conn is not None else None
+
+    async def probe(self) -> None:
+        """A stats round trip over the live connection (it goes through the worker's
+        reader and back, as a request would). Raises CannotConnect, Disconnected."""
+        await self.fetch_stats()
+
     async def fetch_stats(self) -> dict[str, int | float | str | bool]:
         """The worker's counters over the live connection. Raises CannotConnect,
         Disconnected."""
@@ -244,6 +260,7 @@ async def connect_worker(
     secret: bytes | None = None,
     config: PlaneConfig | None = None,
     client_id: str = "",
+    attribution: StallAttribution | None = None,
 ) -> TcpWorkerClient:
     """A connected :class:`TcpWorkerClient` for *instance* (``tcp://host:port``).
 
@@ -253,8 +270,9 @@ async def connect_worker(
     defaults to ``$HEADWATER_PLANE_SECRET`` (None when unset).
 
     Returns once the first connection is up. Raises CannotConnect whose ``__cause__``
-    is the attempt's error (then nothing is left running), ValueError for an address that is not ``tcp://host:port``.
-    Close the client with ``await client.aclose()`` when the worker goes away.
+    is the attempt's error (then nothing is left running), ValueError for an address
+    that is not ``tcp://host:port``. Close the client with ``await client.aclose()``
+    when the worker goes away.
     """
     if nursery is None:
         task = trio.lowlevel.current_task()
@@ -263,7 +281,9 @@ async def connect_worker(
             raise RuntimeError("connect_worker() needs a nursery here")
     if secret is None:
         secret = load_secret()
-    client = TcpWorkerClient(instance, secret=secret, config=config, client_id=client_id)
+    client = TcpWorkerClient(
+        instance, secret=secret, config=config, client_id=client_id, attribution=attribution
+    )
     await nursery.start(client.run)
     try:
         await client.wait_connected()

@@ -46,13 +46,23 @@ from functools import partial
 
 import trio
 
+from headwater.instrumentation.attribution import StallAttribution
 from headwater.plane.base import (
     CannotConnect,
     Disconnected,
     ResponseStream,
     WorkerError,
 )
-from headwater.wire import Ack, Cancel, Chunk, End, Error, ErrorCode, GenerateRequest
+from headwater.wire import (
+    Ack,
+    Cancel,
+    Chunk,
+    End,
+    Error,
+    ErrorCode,
+    GenerateRequest,
+    WorkerLoad,
+)
 from headwater.wire.addresses import parse_tcp_address
 from headwater.wire.codec import FrameDecoder, encode
 from headwater.wire.errors import AuthError, FrameTooLarge, ProtocolError
@@ -109,6 +119,11 @@ class PlaneConfig:
     heartbeat_interval: float = 5.0
     #: Seconds a ping may go unanswered before the connection counts as broken.
     heartbeat_timeout: float = 10.0
+    #: Seconds a stream may go without a reply, on a connection that is otherwise
+    #: alive, before it fails with Disconnected (a worker whose engine is stuck): so no
+    #: stream waits forever. Checked with the heartbeat, so it fires up to
+    #: ``heartbeat_interval`` late.
+    stream_timeout: float = 300.0
     #: Seconds before the first retry after a failed connect; doubles per failure.
     backoff_initial: float = 0.1
     #: Upper bound of the retry delay (s).
@@ -130,11 +145,13 @@ class PlaneConfig:
 class _Route:
     """The frames for one request (or KV pull, or stats query) on a connection."""
 
-    __slots__ = ("done", "failure", "receive", "send")
+    __slots__ = ("done", "failure", "last", "receive", "send")
 
     def __init__(self, size: int) -> None:
         self.send, self.receive = trio.open_memory_channel[Frame](size)
         self.failure: Disconnected | None = None
+        #: When a frame last arrived for it (or it opened), on trio's clock.
+        self.last = trio.current_time()
         #: The exchange ended as the protocol says (End, Error, last KV piece): no cancel.
         self.done = False
 
@@ -203,12 +220,17 @@ class PlaneConnection:
         self._pong_seq = 0
         self._pong = trio.Event()
         self._stats_seq = 0
+        self._read_at = trio.current_time()  # when the reader's current batch arrived
+        #: Excuses a missed ACK or heartbeat when our own loop stalled (None: never).
+        self.attribution: StallAttribution | None = None
         #: Set on goaway or when the connection ends: take no new streams.
         self.unusable = trio.Event()
         #: Set when :meth:`run` has finished and every stream on it has failed.
         self.closed = trio.Event()
         self.draining = False  # the worker sent goaway
         self.rtt: float | None = None  # seconds, last heartbeat round trip
+        #: The worker's load from its last heartbeat answer (None until one carried it).
+        self.load: WorkerLoad | None = None
 
     @property
     def inflight(self) -> int:
@@ -291,10 +313,27 @@ class PlaneConnection:
                 # After a stall of our own loop the pong may be sitting in the socket
                 # with the reader scheduled in this same batch: let it run first.
                 await trio.lowlevel.checkpoint()
+            self._fail_idle_streams()
             if self._pong_seq < seq:
+                if self._excused(sent):
+                    log.warning("%s: heartbeat reply late while this loop was stalled; "
+                                "not the worker's fault", self.peer.worker_id)  # fmt: skip
+                    continue
                 self._break(f"no heartbeat reply within {cfg.heartbeat_timeout:g} s")
                 return
             self.rtt = trio.current_time() - sent
+
+    def _fail_idle_streams(self) -> None:
+        """Fail the streams that had no reply for ``stream_timeout``, and cancel them."""
+        limit = trio.current_time() - self.config.stream_timeout
+        for key, route in list(self._routes.items()):
+            if route.last < limit and isinstance(key, str):
+                del self._routes[key]
+                route.failure = Disconnected(
+                    f"no reply for {self.config.stream_timeout:g} s on an open connection"
+                )
+                route.send.close()
+                self._cancel_quietly(key)
 
     # -- receiving --
 
@@ -316,6 +355,7 @@ class PlaneConnection:
             except ProtocolError as exc:
                 self._break(f"protocol error from the worker: {exc.message}")
                 return
+            self._read_at = trio.current_time()  # one clock read per batch of frames
             for frame in frames:
                 self._dispatch(frame)
 
@@ -326,6 +366,8 @@ class PlaneConnection:
             case KvData():
                 self._deliver(frame.transfer_id, frame)
             case Pong():
+                if frame.load is not None:
+                    self.load = frame.load
                 if frame.seq == self._ping_seq:
                     self._pong_seq = frame.seq
                     self._pong.set()
@@ -346,6 +388,7 @@ class PlaneConnection:
         route = self._routes.get(key)
         if route is None:
             return  # its stream already left; late replies are expected after a cancel
+        route.last = self._read_at
         try:
             route.send.send_nowait(frame)
         except trio.WouldBlock:
@@ -407,6 +450,7 @@ class PlaneConnection:
         async with self.route(request.request_id, request) as route:
             stream = _TcpResponseStream(route)
             try:
+                sent = trio.current_time()
                 with trio.move_on_after(self.config.ack_timeout) as ack_scope:
                     try:
                         first = await route.next()
@@ -414,9 +458,16 @@ class PlaneConnection:
                         route.done = True
                         raise CannotConnect(f"no ACK, connection lost: {exc}") from exc
                 if ack_scope.cancelled_caught:
-                    raise AckTimeout(
-                        f"no ACK from {self.peer.worker_id} within {self.config.ack_timeout:g} s"
-                    )
+                    # After a stall of our own loop the ACK may be in the socket, with the
+                    # reader (and the canary that saw the stall) due in this same batch.
+                    await trio.lowlevel.checkpoint()
+                    ready = route.ready()
+                    if ready is None:
+                        raise AckTimeout(
+                            f"no ACK from {self.peer.worker_id} within "
+                            f"{self.config.ack_timeout:g} s", excused=self._excused(sent),
+                        )  # fmt: skip
+                    first = ready
                 if isinstance(first, Error):
                     route.done = True
                     raise WorkerError(first.code, first.message)
@@ -425,6 +476,11 @@ class PlaneConnection:
                 yield stream
             finally:
                 route.done = route.done or stream.finished
+
+    def _excused(self, since: float) -> bool:
+        """A deadline that started at *since* passed while this loop was stalled."""
+        attribution = self.attribution
+        return attribution is not None and attribution.excuses(since, trio.current_time())
 
     def _cancel_quietly(self, key: str) -> None:
         with suppress(Disconnected):  # a closed connection has cancelled everything

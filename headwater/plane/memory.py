@@ -9,11 +9,12 @@ remote one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
 
+from headwater.instrumentation.attribution import StallAttribution
 from headwater.plane.base import (
     CannotConnect,
     Disconnected,
@@ -23,7 +24,7 @@ from headwater.plane.base import (
     WorkerError,
     WorkerInstance,
 )
-from headwater.wire import Ack, Error, GenerateRequest, Reply
+from headwater.wire import Ack, Error, GenerateRequest, Reply, WorkerLoad
 
 #: Replies buffered per request: enough to decouple engine steps from the HTTP
 #: writer, small enough that a slow client applies backpressure to the engine.
@@ -95,12 +96,32 @@ class MemoryWorkerClient(WorkerClient):
     """A client for a worker runtime (a :class:`RequestHandler`) in this process."""
 
     def __init__(
-        self, instance: WorkerInstance, runtime: RequestHandler, *, ack_timeout: float = 5.0
+        self,
+        instance: WorkerInstance,
+        runtime: RequestHandler,
+        *,
+        ack_timeout: float = 5.0,
+        load: Callable[[], WorkerLoad] | None = None,
+        attribution: StallAttribution | None = None,
     ) -> None:
+        """*load* reads the worker's load (in-process it is always current);
+        *attribution* excuses a missed ACK when this loop stalled."""
         self.instance = instance
         self.runtime = runtime
         self.ack_timeout = ack_timeout
+        self.attribution = attribution
+        self._load = load
         self._closed = False
+
+    @property
+    def load(self) -> WorkerLoad | None:
+        return self._load() if self._load is not None else None
+
+    async def probe(self) -> None:
+        """In-process a worker answers while its client is open."""
+        await trio.lowlevel.checkpoint()
+        if self._closed:
+            raise CannotConnect(f"client for {self.instance.worker_id} is closed")
 
     @asynccontextmanager
     async def stream(self, request: GenerateRequest) -> AsyncIterator[ResponseStream]:
@@ -113,6 +134,7 @@ class MemoryWorkerClient(WorkerClient):
             except RuntimeError as exc:
                 raise CannotConnect(str(exc)) from exc
             stream = _MemoryResponseStream(receive)
+            sent = trio.current_time()
             with trio.move_on_after(self.ack_timeout) as ack_scope:
                 try:
                     first = await receive.receive()
@@ -120,8 +142,14 @@ class MemoryWorkerClient(WorkerClient):
                     raise CannotConnect("worker closed the stream before ACK") from None
             if ack_scope.cancelled_caught:
                 self.runtime.cancel(request.request_id)
+                await trio.lowlevel.checkpoint()  # the canary records a stall that just ended
+                attribution = self.attribution
+                excused = attribution is not None and attribution.excuses(
+                    sent, trio.current_time()
+                )
                 raise CannotConnect(
-                    f"no ACK from {self.instance.worker_id} within {self.ack_timeout:g} s"
+                    f"no ACK from {self.instance.worker_id} within {self.ack_timeout:g} s",
+                    excused=excused,
                 )
             if isinstance(first, Error):
                 raise WorkerError(first.code, first.message)

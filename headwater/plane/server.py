@@ -34,7 +34,7 @@ import trio
 
 from headwater.plane.base import RequestHandler
 from headwater.plane.kv import KvSource, serve_pull
-from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role
+from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role, WorkerLoad
 from headwater.wire.addresses import is_loopback
 from headwater.wire.codec import FrameDecoder, encode
 from headwater.wire.errors import ProtocolError
@@ -112,6 +112,8 @@ class ServerStats:
 
 #: The worker's own counters for the stats frame (must be cheap and never block).
 StatsProvider = Callable[[], dict[str, int | float | str | bool]]
+#: The worker's load for its heartbeat answers (must be cheap and never block).
+LoadProvider = Callable[[], WorkerLoad]
 
 
 class PlaneServer:
@@ -122,7 +124,8 @@ class PlaneServer:
     serves one already-accepted stream of any kind. Cancelling :meth:`serve` closes
     every connection and cancels their requests. *kv_source* answers KV pulls (a
     prefill engine); without one every pull is refused. *stats* adds the worker's
-    counters (runtime, engine) to the ``stats`` frame.
+    counters (runtime, engine) to the ``stats`` frame; *load* goes with every heartbeat
+    answer, so that frontends see how busy the worker is.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class PlaneServer:
         config: ServerConfig | None = None,
         kv_source: KvSource | None = None,
         stats: StatsProvider | None = None,
+        load: LoadProvider | None = None,
     ) -> None:
         self.runtime = runtime
         self.config = config or ServerConfig()
@@ -142,6 +146,7 @@ class PlaneServer:
         self.secret = secret
         self.kv_source = kv_source
         self.stats = stats
+        self.load = load
         self.draining = False
         self._connections: set[_Connection] = set()
         self._connections_total = 0
@@ -208,6 +213,17 @@ class PlaneServer:
             kv_pulls_failed_total=self._pulls_failed,
             kv_bytes_served_total=self._kv_bytes,
         )
+
+    def load_report(self) -> WorkerLoad | None:
+        """The load to put in a heartbeat answer; None without a provider."""
+        if self.load is None:
+            return None
+        try:
+            return self.load()
+        except Exception:
+            log.exception("load provider failed; disabled")
+            self.load = None
+            return None
 
     def stats_values(self) -> dict[str, int | float | str | bool]:
         """Identity, the worker's counters and the plane's, flat, for the ``stats`` frame."""
@@ -446,7 +462,7 @@ class _Connection:
                 if scope is not None:
                     scope.cancel()
             case Ping():
-                self.send_control(Pong(frame.seq))
+                self.send_control(Pong(frame.seq, self.server.load_report()))
             case Pong():
                 pass
             case KvPull():

@@ -13,6 +13,7 @@ from headwater.wire.messages import (
     Reply,
     Role,
     SamplingParams,
+    WorkerLoad,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "Reply",
     "Role",
     "SamplingParams",
+    "WorkerLoad",
 ]

@@ -87,6 +87,7 @@ from headwater.wire.messages import (
     GenerateRequest,
     KvHandle,
     SamplingParams,
+    WorkerLoad,
 )
 from headwater.wire.tokens import from_uint32_le, to_uint32_le
 
@@ -262,7 +263,11 @@ def _body(frame: Frame) -> _Map:
         case Ping():
             return {"k": "ping", "seq": frame.seq}
         case Pong():
-            return {"k": "pong", "seq": frame.seq}
+            if frame.load is None:
+                return {"k": "pong", "seq": frame.seq}
+            load = frame.load
+            return {"k": "pong", "seq": frame.seq,
+                    "load": [load.active, load.waiting, load.kv_usage]}
         case GetStats():
             return {"k": "get_stats", "seq": frame.seq}
         case Stats():
@@ -517,6 +522,22 @@ def _parse_error(d: _Map) -> Error | Fault:
     return Error(_request_id(d), _ERROR_CODES.get(code, ErrorCode.INTERNAL), message)
 
 
+def _load(d: _Map) -> WorkerLoad | None:
+    """A pong's optional ``load``: [active, waiting, kv_usage], counts and a share."""
+    raw: list[object] | None = _field(d, "load", list, None)
+    if raw is None:
+        return None
+    if (
+        len(raw) != 3
+        or not all(type(n) is int and n >= 0 for n in raw[:2])
+        or type(raw[2]) not in (int, float)
+        or not 0.0 <= raw[2] <= 1.0  # type: ignore[operator]
+    ):
+        raise ProtocolError("pong: load must be [active, waiting, kv_usage in [0, 1]]")
+    active, waiting, usage = raw
+    return WorkerLoad(active, waiting, float(usage))  # type: ignore[arg-type]
+
+
 def _parse_stats(d: _Map) -> Stats:
     values: dict[str, int | float | str | bool] = _field(d, "values", dict)
     if not all(type(k) is str and type(v) in (int, float, str, bool) for k, v in values.items()):
@@ -542,7 +563,7 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "error": _parse_error,
     "cancel": lambda d: Cancel(_request_id(d)),
     "ping": lambda d: Ping(_nonneg(d, "seq")),
-    "pong": lambda d: Pong(_nonneg(d, "seq")),
+    "pong": lambda d: Pong(_nonneg(d, "seq"), _load(d)),
     "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id")),
     "kv_data": lambda d: KvData(
         _request_id(d, "transfer_id"), _field(d, "data", bytes), _field(d, "last", bool)

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headwater.wire.messages import Ack, Cancel, Chunk, End, Error, GenerateRequest
+from headwater.wire.messages import (
+    Ack,
+    Cancel,
+    Chunk,
+    End,
+    Error,
+    GenerateRequest,
+    WorkerLoad,
+)
 
 PROTOCOL_VERSION = 1
 #: Length of each side's handshake nonce (bytes).
@@ -79,9 +87,11 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class Pong:
-    """The answer to the :class:`Ping` with the same ``seq``."""
+    """The answer to the :class:`Ping` with the same ``seq``; a worker adds its load
+    (an older worker, or a client answering a worker's ping, sends none)."""
 
     seq: int
+    load: WorkerLoad | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,16 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load as it reports it (with its heartbeat answers): requests its engine
+    runs and has waiting, and the share of its KV cache in use (0 to 1)."""
+
+    active: int
+    waiting: int
+    kv_usage: float
+
+
+@dataclass(frozen=True, slots=True)
 class Ack:
     """The worker decoded the request; engine work has not necessarily started."""
 

@@ -1,5 +1,5 @@
 """Worker-side runtime: serves an engine to whichever transport delivers requests."""
 
-from workers.runtime.runtime import RuntimeStats, WorkerRuntime, open_runtime
+from workers.runtime.runtime import RuntimeStats, WorkerRuntime, load_of, open_runtime
 
-__all__ = ["RuntimeStats", "WorkerRuntime", "open_runtime"]
+__all__ = ["RuntimeStats", "WorkerRuntime", "load_of", "open_runtime"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import trio
 
 from headwater.instrumentation import Activity
-from headwater.wire import Ack, End, Error, ErrorCode, GenerateRequest, Reply
+from headwater.wire import Ack, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
 from workers.engines.base import Engine, EngineError, EngineStats
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,17 @@ class RuntimeStats:
     failed_total: int
     draining: bool
     engine: EngineStats
+
+
+def load_of(runtime: WorkerRuntime) -> WorkerLoad:
+    """What a worker reports of its load: its engine's requests and KV cache use."""
+    engine = runtime.engine.statistics()
+    total = engine.kv_blocks_total
+    return WorkerLoad(
+        engine.active_requests,
+        engine.waiting_requests,
+        engine.kv_blocks_used / total if total else 0.0,
+    )
 
 
 @asynccontextmanager

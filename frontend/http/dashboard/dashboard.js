@@ -249,7 +249,10 @@
     const rows = data.workers.map((w) => {
       const state = el("span", { class: "badge state-" + w.state }, w.state);
       const stateCell = el("td", { "data-label": "state" }, state);
-      if (w.state === "inhibited") stateCell.append(" ", fmtSeconds(w.inhibited_for_s));
+      if (w.state === "inhibited" || w.state === "probing") stateCell.append(" ", fmtSeconds(w.probe_in_s));
+      if (w.reason && w.state !== "healthy") {
+        stateCell.append(el("div", { class: "reason" }, w.reason));
+      }
       return el("tr", {},
         el("td", { class: "mono", title: w.address, "data-label": "worker" }, w.worker_id),
         el("td", { "data-label": "role" }, w.role),
