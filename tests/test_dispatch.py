@@ -36,6 +36,7 @@ from headwater.wire import (
     KvHandle,
     Role,
     SamplingParams,
+    WorkerLoad,
 )
 
 MODEL = "m"
@@ -49,7 +50,9 @@ def token_at(position: int) -> int:
 
 @dataclass(frozen=True)
 class Refuse:
-    """No connection / no ACK."""
+    """No connection / no ACK; ``excused``: while the caller's own loop was stalled."""
+
+    excused: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,11 @@ class FakeWorker(WorkerClient):
 
     def __post_init__(self) -> None:
         self.instance = WorkerInstance(self.worker_id, self.role, MODEL, f"fake://{self.worker_id}")
+        self.reported: WorkerLoad | None = None
+
+    @property
+    def load(self) -> WorkerLoad | None:
+        return self.reported
 
     @asynccontextmanager
     async def stream(self, request: GenerateRequest) -> AsyncIterator[ResponseStream]:
@@ -93,7 +101,7 @@ class FakeWorker(WorkerClient):
         self.received.append(request)
         behaviour = self.script.pop(0) if len(self.script) > 1 else self.script[0]
         if isinstance(behaviour, Refuse):
-            raise CannotConnect(f"{self.worker_id} refused")
+            raise CannotConnect(f"{self.worker_id} refused", excused=behaviour.excused)
         if isinstance(behaviour, Reject):
             raise WorkerError(behaviour.code, f"{self.worker_id} says no")
         async with aclosing(self._chunks(request, behaviour)) as chunks:
@@ -363,3 +371,71 @@ async def test_no_worker_of_the_role_is_no_capacity() -> None:
     with pytest.raises(NoCapacity):
         await run(cluster(), request())
 
+
+
+def migration_kinds(metrics: FrontendMetrics) -> dict[str, float]:
+    return {kind: metrics.model_migration_total.labels(kind)._value.get()
+            for kind in ("new_request", "ongoing_request")}  # fmt: skip
+
+
+async def test_migrations_are_counted_by_whether_tokens_had_reached_the_client(
+    autojump_clock: object,
+) -> None:
+    p1 = FakeWorker("p1", Role.PREFILL, [Prefill(break_first=True)])
+    p2 = FakeWorker("p2", Role.PREFILL, [Prefill()])
+    d1 = FakeWorker("d1", Role.DECODE, [Stream(break_after=2)])
+    d2 = FakeWorker("d2", Role.DECODE, [Stream()])
+    chunks, metrics = await run(cluster(p1, p2, d1, d2), request(5))
+    assert tokens(chunks) == expected(5)
+    # The prefill broke before any token (new), d1 after two of them (ongoing).
+    assert migration_kinds(metrics) == {"new_request": 1, "ongoing_request": 1}
+
+
+async def test_an_excused_miss_is_retried_and_not_held_against_the_worker(
+    autojump_clock: object,
+) -> None:
+    a = FakeWorker("a", Role.AGG, [Refuse(excused=True), Stream()])
+    router = cluster(a)
+    chunks, metrics = await run(router, request(3), route_attempts=2)
+    assert tokens(chunks) == expected(3)
+    assert [r.request_id for r in a.received] == ["r", "r"]  # the same worker, again
+    view = router.views()[0]
+    assert (view.state, view.failures) == (WorkerState.HEALTHY, 0)
+    assert migrations(metrics) == 0
+
+
+async def test_when_every_worker_is_busy_a_request_waits_for_one(
+    autojump_clock: object,
+) -> None:
+    a = FakeWorker("a", Role.AGG, [Stream()])
+    a.reported = WorkerLoad(active=10, waiting=500, kv_usage=0.5)  # busy: waiting >= 64
+    router = cluster(a)
+
+    async def relieve() -> None:
+        await trio.sleep(2.0)
+        a.reported = WorkerLoad(active=10, waiting=0, kv_usage=0.5)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relieve)
+        start = trio.current_time()
+        chunks, _ = await run(router, request(2), queue_timeout=5.0)
+    assert tokens(chunks) == expected(2)
+    assert len(a.received) == 1
+    waited = trio.current_time() - start
+    assert 2.0 <= waited < 2.5  # it went as soon as the worker reported room
+
+
+async def test_a_request_that_finds_every_worker_busy_too_long_gets_no_capacity(
+    autojump_clock: object,
+) -> None:
+    a = FakeWorker("a", Role.AGG, [Stream()])
+    a.reported = WorkerLoad(active=10, waiting=0, kv_usage=0.99)  # busy: KV nearly full
+    start = trio.current_time()
+    with pytest.raises(NoCapacity, match="All workers are busy") as info:
+        await run(cluster(a), request(), queue_timeout=3.0)
+    assert info.value.code == "all_busy"
+    assert trio.current_time() - start == pytest.approx(3.0, abs=0.2)
+    assert a.received == []
+    # Without a queue the request goes to the busy worker at once.
+    chunks, _ = await run(cluster(a), request(2), queue_timeout=0.0)
+    assert tokens(chunks) == expected(2)

@@ -19,6 +19,7 @@ import pytest
 import trio
 import trio.testing
 
+from headwater.instrumentation.attribution import StallAttribution, StallLog
 from headwater.plane.base import CannotConnect, Disconnected, WorkerError, WorkerInstance
 from headwater.plane.client import ClientState, TcpWorkerClient, connect_worker
 from headwater.plane.connection import AckTimeout, ConnectTimeout, HandshakeFailed, PlaneConfig
@@ -35,6 +36,7 @@ from headwater.wire import (
     KvHandle,
     Role,
     SamplingParams,
+    WorkerLoad,
 )
 from headwater.wire.addresses import parse_tcp_address
 from headwater.wire.codec import FrameDecoder, encode
@@ -643,3 +645,103 @@ async def test_worker_drops_a_peer_that_stops_reading(
     assert trio.current_time() - sent == 3
     assert runtime.statistics().cancelled_total == 1
     assert engine.statistics().kv_blocks_used == 0
+
+
+# ---- stall-aware attribution, idle streams, reported load -----------------------------------
+
+
+async def attributed_client(
+    nursery: trio.Nursery, worker: ScriptedWorker, attribution: StallAttribution, **config: float
+) -> TcpWorkerClient:
+    client = TcpWorkerClient(
+        INSTANCE,
+        config=PlaneConfig(backoff_jitter=0.0, **config),  # type: ignore[arg-type]
+        connector=worker.connector(nursery),
+        attribution=attribution,
+    )
+    await nursery.start(client.run)
+    await client.wait_connected()
+    return client
+
+
+@pytest.mark.parametrize("stalled", [True, False])
+async def test_an_ack_missed_while_our_loop_stalled_is_excused(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, stalled: bool
+) -> None:
+    log = StallLog()
+    attribution = StallAttribution(log)
+    worker = ScriptedWorker(ack=False)
+    client = await attributed_client(nursery, worker, attribution, ack_timeout=5.0)
+    start = trio.current_time()
+    if stalled:
+        log.add(start + 4.0, 2.0)  # our loop stood still for 2 of the 5 s
+    else:
+        log.add(start + 4.0, 0.5)  # under a quarter of the window: the worker's fault
+    with pytest.raises(AckTimeout) as info:
+        async with client.stream(request("late")):
+            pytest.fail("entered without an ACK")
+    assert info.value.excused is stalled
+    assert attribution.excused_total == int(stalled)
+
+
+@pytest.mark.parametrize("attributed", [True, False])
+async def test_a_heartbeat_missed_while_our_loop_stalled_keeps_the_connection(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, attributed: bool
+) -> None:
+    log = StallLog()
+    attribution = StallAttribution(log, enabled=attributed)
+    worker = ScriptedWorker(answer_pings=False)
+    client = await attributed_client(
+        nursery, worker, attribution, heartbeat_interval=1.0, heartbeat_timeout=2.0
+    )
+    start = trio.current_time()
+    log.add(start + 10.0, 10.0)  # a loop that stood still through every heartbeat window
+    await trio.sleep(9.5)
+    if attributed:
+        assert client.state is ClientState.CONNECTED
+        assert len(worker.connects) == 1
+        assert attribution.excused_total == 3  # pings at 1, 4 and 7 s, each given up on
+    else:
+        assert client.statistics().disconnects_total >= 1
+        assert attribution.excused_total == 0
+
+
+async def test_a_stream_without_replies_on_a_live_connection_fails(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    worker = ScriptedWorker(chunks=1)  # ACKs, sends one chunk, then nothing; pings answered
+    client = await fake_client(nursery, worker, heartbeat_interval=1.0, stream_timeout=10.0)
+    start = trio.current_time()
+    async with client.stream(request("stuck")) as chunks:
+        assert (await chunks.__anext__()).token_ids == [0]
+        with pytest.raises(Disconnected, match="no reply for 10 s"):
+            await chunks.__anext__()
+    assert 10.0 <= trio.current_time() - start <= 11.0  # checked with each heartbeat
+    await trio.testing.wait_all_tasks_blocked()
+    assert Cancel("stuck") in worker.received
+    assert client.state is ClientState.CONNECTED  # the connection itself is fine
+
+
+async def test_the_load_a_worker_reports_reaches_its_client(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    class Loaded(ScriptedWorker):
+        async def answer(self, stream: trio.abc.Stream, frame: Frame) -> None:
+            if isinstance(frame, Ping):
+                await stream.send_all(encode(Pong(frame.seq, WorkerLoad(3, 1, 0.25))))
+            else:
+                await super().answer(stream, frame)
+
+    client = await fake_client(nursery, Loaded(), heartbeat_interval=1.0)
+    assert client.load is None
+    await trio.sleep(1.5)
+    assert client.load == WorkerLoad(3, 1, 0.25)
+
+
+async def test_a_served_worker_reports_its_load(nursery: trio.Nursery) -> None:
+    worker = await start_worker(nursery)
+    server = worker.server
+    report = server.load_report()
+    assert report is not None
+    assert report.kv_usage == 0.0
+    assert (report.active, report.waiting) == (0, 0)
