@@ -264,6 +264,13 @@ def _snapshot() -> dict[str, dict[str, Any]]:
     }
 
 
+def _local_port(server: Any) -> int | None:
+    try:
+        return int(server.stream.socket.getsockname()[1])
+    except (AttributeError, OSError):
+        return None
+
+
 def _instances(cls: type) -> Iterator[Any]:
     """The live instances of exactly *cls* (connections of earlier tests collected)."""
     gc.collect()
@@ -278,8 +285,10 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         body = {"model": fe.pipeline.model_name, "max_tokens": 3,
                 "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
         assert (await client.post(url + "/v1/chat/completions", json=body)).status_code == 200
-        # The connection being served is the seam's, its protocol the subclass.
-        (server,) = _instances(HeadwaterTCPServer)
+        # The connection being served is the seam's, its protocol the subclass. (Only
+        # this frontend's: a connection of an earlier test may not be collected yet.)
+        port = int(url.rsplit(":", 1)[1])
+        (server,) = [s for s in _instances(HeadwaterTCPServer) if _local_port(s) == port]
         assert type(server.protocol.protocol) is HeadWithBodyH11Protocol
         assert type(server.idle_task) is IdleDeadline
         async with client.stream("POST", url + "/v1/completions",
