@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 
-from frontend.errors import InvalidRequest, NoCapacity, WorkerFailed
+from frontend.errors import InvalidRequest, NoCapacity, NoWorkers, WorkerFailed
 from frontend.metrics import FrontendMetrics
 from frontend.router import DispatchConfig, Dispatcher, Router, WorkerState
 from headwater.plane.base import (
@@ -367,9 +367,32 @@ async def test_leaving_early_cancels_the_request_on_its_worker(autojump_clock: o
     assert router.views()[0].served == 0
 
 
-async def test_no_worker_of_the_role_is_no_capacity() -> None:
-    with pytest.raises(NoCapacity):
-        await run(cluster(), request())
+async def test_no_worker_of_the_role_is_no_capacity_after_the_queue_timeout(
+    autojump_clock: object,
+) -> None:
+    start = trio.current_time()
+    with pytest.raises(NoWorkers):
+        await run(cluster(), request(), queue_timeout=2.0)
+    assert trio.current_time() - start == pytest.approx(2.0, abs=0.2)
+
+
+async def test_a_migration_waits_for_a_worker_that_is_about_to_join(
+    autojump_clock: object,
+) -> None:
+    a = FakeWorker("a", Role.AGG, [Stream(break_after=2)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    router = cluster(a)
+
+    async def join_later() -> None:
+        await trio.sleep(1.0)
+        router.add(b)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(join_later)
+        chunks, metrics = await run(router, request(5), queue_timeout=5.0)
+    assert tokens(chunks) == expected(5)  # a broke; nobody else yet; b joined; b finished
+    assert [r.request_id for r in b.received] == ["r.m1"]
+    assert migrations(metrics) == 1
 
 
 

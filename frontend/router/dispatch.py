@@ -11,7 +11,8 @@ in three nested loops:
 * **retry** — per leg, another worker of the role when one cannot take the request
   (no connection or no ACK: :class:`~headwater.plane.CannotConnect`, which the router
   also counts against that worker's health; or a retryable refusal: overloaded,
-  draining), up to ``route_attempts`` workers per leg.
+  draining), up to ``route_attempts`` workers per leg. While no worker of the role can
+  take it (none routable, or all busy) the request waits, up to ``queue_timeout``.
 * **migrate** — when a stream breaks after its ACK (:class:`~headwater.plane.Disconnected`),
   or a decode worker could not pull the prefill's KV, the request starts again on
   other workers with the tokens generated so far appended to the prompt and
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from frontend.errors import InvalidRequest, NoCapacity, WorkerFailed
+from frontend.errors import InvalidRequest, NoCapacity, NoWorkers, WorkerFailed
 from frontend.router.router import Router
 from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
@@ -166,6 +167,14 @@ class Dispatcher:
         """One attempt: disaggregated when both roles are routable (the prefill leg
         runs here and the request gains its KV handle), else aggregated."""
         r, m, failed = self.router, self.model, frozenset(state.failed)
+        if not any(r.routable(role, m, failed) for role in Role):
+            # Nobody left for this request (its last worker just failed): wait a while
+            # for one to join or come back before giving up.
+            with trio.move_on_after(self.config.queue_timeout):
+                while not any(r.routable(role, m, failed) for role in Role):
+                    await r.changed.wait()
+            if not any(r.routable(role, m, failed) for role in Role):
+                raise NoWorkers(f"no routable worker for model {m!r}")
         role = Role.DECODE  # a decode worker can prefill locally when alone
         if r.routable(Role.PREFILL, m, failed) and r.routable(Role.DECODE, m, failed):
             handle = await self._prefill(request, state)
@@ -192,7 +201,7 @@ class Dispatcher:
         (up to ``route_attempts``) when one cannot take the request."""
         tried = 0
         while True:
-            await self._wait_not_busy(role, state)
+            await self._wait_for_worker(role, state)
             client = self._pick(role, state)
             tried += 1
             wid = client.instance.worker_id
@@ -246,26 +255,39 @@ class Dispatcher:
             raise WorkerFailed(f"the worker failed the request ({exc.code.value})") from exc
         state.failed.add(wid)
 
-    async def _wait_not_busy(self, role: Role, state: _Attempts) -> None:
-        """While every healthy worker of *role* is busy, wait (in a bounded queue, up to
-        ``queue_timeout``) for one that is not; raises NoCapacity "all workers are busy"."""
-        cfg, router, exclude = self.config, self.router, frozenset(state.failed)
-        if cfg.queue_timeout <= 0 or not router.all_busy(role, self.model, exclude):
+    async def _wait_for_worker(self, role: Role, state: _Attempts) -> None:
+        """Wait, in a bounded queue and up to ``queue_timeout``, while no worker of *role*
+        can take the request: none is routable (the last one just failed, the next has
+        not joined yet) or every routable one is busy. Raises NoWorkers or NoCapacity
+        ("all workers are busy") when the wait is over and nothing changed."""
+        cfg, router, model = self.config, self.router, self.model
+        exclude = frozenset(state.failed)
+
+        def blocked() -> bool:
+            return (not router.routable(role, model, exclude)
+                    or router.all_busy(role, model, exclude))  # fmt: skip
+
+        if cfg.queue_timeout <= 0 or not blocked():
             return
         if self._queued >= cfg.queue_size:
-            raise NoCapacity("All workers are busy, please retry later", code="all_busy")
+            raise self._none_free(role, exclude)
         self._queued += 1
         try:
             with trio.move_on_after(cfg.queue_timeout):
-                while router.all_busy(role, self.model, exclude):
+                while blocked():
                     # A worker's load comes with its heartbeats too, which do not notify
                     # the router: look again now and then as well.
                     with trio.move_on_after(_BUSY_RECHECK_S):
                         await router.changed.wait()
                 return
-            raise NoCapacity("All workers are busy, please retry later", code="all_busy")
+            raise self._none_free(role, exclude)
         finally:
             self._queued -= 1
+
+    def _none_free(self, role: Role, exclude: frozenset[str]) -> NoCapacity:
+        if self.router.routable(role, self.model, exclude):
+            return NoCapacity("All workers are busy, please retry later", code="all_busy")
+        return NoWorkers(f"no routable {role.value} worker for model {self.model!r}")
 
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
         """A worker of *role* that has not failed this request; raises NoWorkers."""
