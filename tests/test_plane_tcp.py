@@ -649,6 +649,7 @@ async def test_worker_drops_a_peer_that_stops_reading(
     assert await runtime.drain(60)
     assert trio.current_time() - sent == 3
     assert runtime.statistics().cancelled_total == 1
+    assert server.statistics().write_timeouts_total == 1
     assert engine.statistics().kv_blocks_used == 0
 
 
@@ -700,7 +701,7 @@ async def test_worker_drops_a_silent_peer_after_exactly_the_heartbeat_timeout(
     assert engine.statistics().kv_blocks_used == 0
     await trio.testing.wait_all_tasks_blocked()
     stats = server.statistics()
-    assert (stats.peer_timeouts_total, stats.connections) == (1, 0)
+    assert (stats.peer_timeouts_total, stats.write_timeouts_total, stats.connections) == (1, 0, 0)
     assert server.stats_values()["plane_peer_timeouts_total"] == 1
 
 

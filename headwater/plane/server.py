@@ -124,6 +124,8 @@ class ServerStats:
     auth_failures_total: int
     #: Connections dropped because nothing arrived for ``heartbeat_timeout``.
     peer_timeouts_total: int
+    #: Connections dropped because a write blocked for ``write_timeout``.
+    write_timeouts_total: int
     kv_pulls_served_total: int
     kv_pulls_failed_total: int
     kv_bytes_served_total: int
@@ -167,6 +169,7 @@ class PlaneServer:
         self._protocol_errors = 0
         self._auth_failures = 0
         self._peer_timeouts = 0
+        self._write_timeouts = 0
         self._pulls_served = 0
         self._pulls_failed = 0
         self._kv_bytes = 0
@@ -225,6 +228,7 @@ class PlaneServer:
             protocol_errors_total=self._protocol_errors,
             auth_failures_total=self._auth_failures,
             peer_timeouts_total=self._peer_timeouts,
+            write_timeouts_total=self._write_timeouts,
             kv_pulls_served_total=self._pulls_served,
             kv_pulls_failed_total=self._pulls_failed,
             kv_bytes_served_total=self._kv_bytes,
@@ -403,6 +407,7 @@ class _Connection:
                 with trio.fail_after(timeout):
                     await self.stream.send_all(batch[0] if len(batch) == 1 else b"".join(batch))
         except trio.TooSlowError:
+            self.server._write_timeouts += 1
             log.warning("%s stopped reading for %g s; closing", self.peer_name, timeout)
             self._scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
