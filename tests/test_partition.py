@@ -217,7 +217,7 @@ async def test_streams_leave_a_partitioned_worker_and_it_comes_back(
                 while not all(len(a) > 10 for a in arrivals):  # every one is streaming
                     await trio.sleep(0.05)
             before = await routing(url)
-            partitioned_at = trio.current_time()
+            partitioned_at, partitioned_wall = trio.current_time(), datetime.now()
             await ns.partition()
             during.start_soon(traffic)
         # Stay partitioned a while longer: the frontend's reconnects time out, the
@@ -275,7 +275,10 @@ async def test_streams_leave_a_partitioned_worker_and_it_comes_back(
     }  # fmt: skip
     dropped = counters(stats, "plane_peer_timeouts_total", "plane_write_timeouts_total")
     assert sum(dropped.values()) == 1, dropped
-    log.info("partition: the far worker dropped the frontend's connection by %s", dropped)
+    assert far.log_path is not None
+    let_go = logged_at(far.log_path, "stopped reading for|nothing from")
+    log.info("partition: the far worker dropped the frontend's connection %.2f s after it (%s)",
+             (let_go - partitioned_wall).total_seconds(), dropped)  # fmt: skip
     await stop_all([frontend, far, near])
 
 
