@@ -99,12 +99,13 @@ class ServerConfig:
     write_timeout: float = 10.0
     #: Seconds a connection may stay silent (not a byte: no frame, no ping) before
     #: the peer counts as gone: the connection is dropped and its requests and KV
-    #: pulls cancelled. Clients ping every ``PlaneConfig.heartbeat_interval`` (5 s),
-    #: so 15 s is three ping intervals: a client whose own loop stalls for up to
-    #: ~10 s is kept, and it is the longest a client takes to give up on a silent
-    #: worker (one interval plus its 10 s ``heartbeat_timeout``), so both ends of a
-    #: dead connection let go within the same bound. Must exceed every client's
-    #: ping interval, with room for its stalls.
+    #: pulls cancelled. A client pings ``PlaneConfig.heartbeat_interval`` (5 s) after
+    #: the previous pong, which it waits for up to its ``heartbeat_timeout`` (10 s):
+    #: 15 s is the longest gap between the pings of a client that still counts the
+    #: connection as alive, three normal intervals (a client loop may stall ~10 s),
+    #: and the longest a client takes to give up on a silent worker, so both ends of
+    #: a dead connection let go within the same bound. Keep it at least a client's
+    #: interval plus its timeout.
     heartbeat_timeout: float = 15.0
     #: Reply frames queued per connection before request tasks wait for the writer.
     send_queue: int = 512
