@@ -1,11 +1,12 @@
 """Network namespaces for partition tests: a host on the other end of a cable we can cut.
 
 Each :class:`Netns` is a namespace of its own with one veth pair to the root namespace,
-addressed from a /30 that nothing else uses (inside ``10.213.0.0/16``, a private range
-this machine does not route; the /30 is picked free at creation). ``outer`` is the
-root end's address, ``inner`` the namespace end's. Nothing routes beyond the pair: the
-namespace has no default route, and only its loopback and its veth are up. A command
-runs inside with ``ns.prefix`` (``ip netns exec NAME``) before its argv.
+addressed from a /30 that nothing else on this machine uses (picked at random inside
+the private ``10.213.0.0/16``, skipping any /30 an interface address or a route
+already covers). ``outer`` is the root end's address, ``inner`` the namespace end's.
+Nothing routes beyond the pair: the namespace has no default route, and only its
+loopback and its veth are up. A command runs inside with ``ns.prefix`` (``ip netns
+exec NAME``) before its argv.
 
 :meth:`Netns.partition` drops every packet on the namespace's veth, both ways, with
 iptables inside the namespace (the root namespace's tables are never touched);
@@ -25,6 +26,7 @@ that no longer exists (a run killed with SIGKILL) is removed the next time.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import random
 import re
@@ -129,18 +131,30 @@ def _sweep_stale() -> None:
             _run("ip", "link", "delete", dev)
 
 
-def _free_slot(rng: random.Random) -> ipaddress.IPv4Network:
-    """A /30 of :data:`NETWORK` that no interface on this machine uses."""
-    used = [
-        ipaddress.IPv4Interface(word)
+def _taken() -> list[ipaddress.IPv4Network]:
+    """Every network an IPv4 address or route of this machine covers."""
+    taken = [
+        ipaddress.IPv4Interface(word).network
         for line in _run("ip", "-o", "-4", "addr", "show").stdout.splitlines()
-        for prev, word in zip(line.split(), line.split()[1:], strict=False)
+        for prev, word in itertools.pairwise(line.split())
         if prev == "inet"
     ]
+    for line in _run("ip", "-4", "route", "show", "table", "all").stdout.splitlines():
+        words = [w for w in line.split() if w not in ("local", "broadcast", "unicast")]
+        try:
+            taken.append(ipaddress.IPv4Network(words[0] if words else "", strict=False))
+        except ValueError:  # "default", a multicast or blackhole entry
+            continue
+    return taken
+
+
+def _free_slot(rng: random.Random) -> ipaddress.IPv4Network:
+    """A /30 of :data:`NETWORK` that no address or route on this machine covers."""
+    taken = _taken()
     subnets = list(NETWORK.subnets(new_prefix=30))
     for _ in range(100):
         net = rng.choice(subnets)
-        if not any(iface.network.overlaps(net) for iface in used):
+        if not any(other.overlaps(net) for other in taken):
             return net
     raise RuntimeError(f"no free /30 in {NETWORK}")
 
