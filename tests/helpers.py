@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
+from pathlib import Path
+
 import trio
 
 from workers.engines.base import Engine
@@ -18,3 +22,11 @@ async def start_runtime(nursery: trio.Nursery, engine: Engine, worker_id: str) -
 
     runtime: WorkerRuntime = await nursery.start(host)
     return runtime
+
+
+def logged_at(log: Path, pattern: str) -> datetime:
+    """Time of the first log line matching *pattern* (the logging module's asctime)."""
+    for line in log.read_text().splitlines():
+        if re.search(pattern, line):
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    raise AssertionError(f"{pattern!r} not in {log}")

@@ -24,7 +24,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from headwater.wire import GenerateRequest, Role, SamplingParams
 from workers.lifecycle import READY_PREFIX
 
 from etcd_fixture import require_etcd
+from helpers import logged_at
 
 FAST = 100.0  # mocker speedup
 FRONTEND_ARGS = ("--tokenizer-backend", "hf", "--log-level", "warning")
@@ -381,14 +381,6 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def _logged_at(log: Path, pattern: str) -> datetime:
-    """Time of the first log line matching *pattern* (the logging module's asctime)."""
-    for line in log.read_text().splitlines():
-        if re.search(pattern, line):
-            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-    raise AssertionError(f"{pattern!r} not in {log}")
-
-
 @dataclass
 class Launched:
     process: trio.Process
@@ -445,9 +437,9 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
         with trio.fail_after(30):
             assert await cluster.process.wait() == 0
     assert not [pid for pid in cluster.children.values() if _alive(pid)]
-    stopped = _logged_at(cluster.workdir / "frontend.log", "signal received: shutting down")
+    stopped = logged_at(cluster.workdir / "frontend.log", "signal received: shutting down")
     for worker in ("prefill-0", "decode-0"):
-        assert _logged_at(cluster.workdir / f"{worker}.log", "SIGTERM: draining") >= stopped
+        assert logged_at(cluster.workdir / f"{worker}.log", "SIGTERM: draining") >= stopped
 
 
 @pytest.mark.slow

@@ -22,7 +22,13 @@ import trio.testing
 from headwater.instrumentation.attribution import StallAttribution, StallLog
 from headwater.plane.base import CannotConnect, Disconnected, WorkerError, WorkerInstance
 from headwater.plane.client import ClientState, TcpWorkerClient, connect_worker
-from headwater.plane.connection import AckTimeout, ConnectTimeout, HandshakeFailed, PlaneConfig
+from headwater.plane.connection import (
+    AckTimeout,
+    ConnectTimeout,
+    HandshakeFailed,
+    PlaneConfig,
+    open_connection,
+)
 from headwater.plane.memory import MemoryWorkerClient
 from headwater.plane.server import InsecureBind, PlaneServer, ServerConfig
 from headwater.wire import (
@@ -48,6 +54,7 @@ from headwater.wire.frames import (
     GoAway,
     Hello,
     HelloOk,
+    KvPull,
     Ping,
     Pong,
 )
@@ -644,6 +651,7 @@ async def test_worker_drops_a_peer_that_stops_reading(
     assert await runtime.drain(60)
     assert trio.current_time() - sent == 3
     assert runtime.statistics().cancelled_total == 1
+    assert server.statistics().write_timeouts_total == 1
     assert engine.statistics().kv_blocks_used == 0
 
 
@@ -745,3 +753,134 @@ async def test_a_served_worker_reports_its_load(nursery: trio.Nursery) -> None:
     assert report is not None
     assert report.kv_usage == 0.0
     assert (report.active, report.waiting) == (0, 0)
+
+
+# ---- the worker's heartbeat timeout (a peer that vanished without closing) ------------------
+
+SLOW = 0.01  # mocker at 1/100 of GPU speed: a step takes ~0.6 s of virtual time
+
+
+async def handshaken_peer(
+    nursery: trio.Nursery, server: PlaneServer, *, lockstep: bool = False
+) -> trio.abc.Stream:
+    """Our end of a memory stream that *server* serves, past the handshake."""
+    ours, theirs = (
+        trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
+    )
+    nursery.start_soon(server.handle_stream, theirs)
+    handshake = ClientHandshake(role="frontend", peer_id="gone", model="", secret=None)
+    await ours.send_all(encode(handshake.start()))
+    (hello_ok,) = FrameDecoder().feed(await ours.receive_some(65536))
+    assert handshake.receive(hello_ok) is None
+    return ours
+
+
+async def receive_frames(stream: trio.abc.Stream, decoder: FrameDecoder, n: int) -> list[Frame]:
+    frames: list[Frame] = []
+    while len(frames) < n:
+        frames += decoder.feed(await stream.receive_some(65536))
+    return frames
+
+
+def test_the_worker_waits_for_a_live_clients_longest_gap_between_pings() -> None:
+    """A client pings an interval after the last pong, which may take its timeout."""
+    client = PlaneConfig()
+    assert ServerConfig().heartbeat_timeout >= client.heartbeat_interval + client.heartbeat_timeout
+
+
+async def test_worker_drops_a_silent_peer_after_exactly_the_heartbeat_timeout(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = MockerEngine(MockerConfig(speedup_ratio=SLOW), Role.AGG, "w1")
+    runtime = await start_runtime(nursery, engine, "w1")
+    server = PlaneServer(runtime, role=Role.AGG, model=MODEL)
+    timeout = server.config.heartbeat_timeout
+    assert timeout == 15.0
+    ours = await handshaken_peer(nursery, server)
+    await ours.send_all(encode(request("orphan", max_tokens=100_000)))
+    silent_since = trio.current_time()
+    ack, first = await receive_frames(ours, FrameDecoder(), 2)
+    assert (ack, type(first)) == (Ack("orphan"), Chunk)
+    assert engine.statistics().kv_blocks_used > 0
+    # The memory stream never blocks a write, so only the silence can give us away.
+    assert await runtime.drain(60)
+    assert trio.current_time() - silent_since == timeout
+    assert runtime.statistics().cancelled_total == 1
+    assert engine.statistics().kv_blocks_used == 0
+    await trio.testing.wait_all_tasks_blocked()
+    stats = server.statistics()
+    assert (stats.peer_timeouts_total, stats.write_timeouts_total, stats.connections) == (1, 0, 0)
+    assert server.stats_values()["plane_peer_timeouts_total"] == 1
+
+
+async def test_worker_keeps_a_peer_that_only_pings(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = MockerEngine(MockerConfig(speedup_ratio=SLOW), Role.AGG, "w1")
+    runtime = await start_runtime(nursery, engine, "w1")
+    server = PlaneServer(runtime, role=Role.AGG, model=MODEL)
+    ours = await handshaken_peer(nursery, server)
+    await ours.send_all(encode(request("long", max_tokens=100_000)))
+    for seq in range(1, 25):  # two minutes of pings, nothing else
+        await trio.sleep(5.0)
+        await ours.send_all(encode(Ping(seq)))
+    last_ping = trio.current_time()
+    assert server.statistics().connections == 1
+    assert runtime.statistics().inflight == 1
+    assert server.statistics().peer_timeouts_total == 0
+    # Then it falls silent: the timeout counts from its last ping.
+    assert await runtime.drain(60)
+    assert trio.current_time() - last_ping == server.config.heartbeat_timeout
+    assert engine.statistics().kv_blocks_used == 0
+
+
+async def test_an_idle_plane_connection_keeps_itself_alive(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The real client at its default ping interval against the default timeout."""
+    engine = MockerEngine(MockerConfig(speedup_ratio=FAST), Role.AGG, "w1")
+    runtime = await start_runtime(nursery, engine, "w1")
+    server = PlaneServer(runtime, role=Role.AGG, model=MODEL)
+    ours, theirs = trio.testing.memory_stream_pair()
+    nursery.start_soon(server.handle_stream, theirs)
+    conn = await open_connection(
+        ours, role="frontend", peer_id="idle", secret=None, config=PlaneConfig()
+    )
+    await nursery.start(conn.run)
+    await trio.sleep(300)
+    assert not conn.unusable.is_set()
+    assert server.statistics().connections == 1
+    assert server.statistics().peer_timeouts_total == 0
+    async with conn.stream(request("still-there", max_tokens=3)) as chunks:
+        assert len([t async for c in chunks for t in c.token_ids]) == 3
+
+
+async def test_worker_cancels_the_kv_pull_of_a_silent_peer(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    engine = MockerEngine(
+        MockerConfig(speedup_ratio=FAST, kv_bytes_per_token=100_000), Role.PREFILL, "p1"
+    )
+    runtime = await start_runtime(nursery, engine, "p1")
+    server = PlaneServer(
+        runtime, role=Role.PREFILL, model=MODEL, kv_source=engine,
+        config=ServerConfig(write_timeout=3600),  # only the silence may end it
+    )  # fmt: skip
+    ours = await handshaken_peer(nursery, server, lockstep=True)  # a write waits for us
+    await ours.send_all(encode(request("p", max_tokens=1, prompt=500)))
+    decoder: FrameDecoder = FrameDecoder()
+    frames = await receive_frames(ours, decoder, 3)  # ack, the handle, end
+    handle = frames[1].kv_handle  # type: ignore[attr-defined]
+    assert handle is not None
+    await ours.send_all(encode(KvPull(handle.transfer_id)))  # 50 MB: far more than fits
+    silent_since = trio.current_time()
+    await trio.testing.wait_all_tasks_blocked()
+    assert engine.statistics().kv_transfers_held == 0  # released to the pull
+    assert server.statistics().connections == 1  # the pull waits for us to read
+    await trio.sleep(server.config.heartbeat_timeout - 0.001)
+    assert server.statistics().connections == 1
+    await trio.sleep(0.001)
+    await trio.testing.wait_all_tasks_blocked()
+    assert server.statistics().connections == 0  # the pull task is gone with it
+    assert server.statistics().peer_timeouts_total == 1
+    assert trio.current_time() - silent_since == server.config.heartbeat_timeout

@@ -160,12 +160,14 @@ def worker_argv(
     lease_ttl: int | None = None,
     drain_timeout: float | None = None,
     extra_args: Sequence[str] = (),
+    listen: str = "127.0.0.1:0",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command line of one worker on a free loopback port; *engine_args* are the
-    engine's own options (``--speedup-ratio 100``)."""
+    """The command line of one worker, by default on a free loopback port; *engine_args*
+    are the engine's own options (``--speedup-ratio 100``). Off loopback the worker
+    needs a plane secret (``HEADWATER_PLANE_SECRET`` in its environment)."""
     argv = [
-        python, "-m", "headwater", "worker", "--role", role, "--listen", "127.0.0.1:0",
+        python, "-m", "headwater", "worker", "--role", role, "--listen", listen,
         "--engine", engine, "--model-name", model, *engine_args,
     ]  # fmt: skip
     if discovery:
@@ -198,6 +200,8 @@ async def start_worker(
     lease_ttl: int | None = None,
     drain_timeout: float | None = None,
     extra_args: Sequence[str] = (),
+    listen: str = "127.0.0.1:0",
+    prefix_argv: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     ready_within: float = 30.0,
     on_exit: ExitHook | None = None,
@@ -205,14 +209,19 @@ async def start_worker(
     """Start ``headwater worker`` for *role*; return once it printed its READY line.
 
     With *discovery* (``etcd://...``) that line comes after it registered in etcd.
-    The log is ``log_dir/<name>.log`` (*name* defaults to the role). Raises LaunchError.
+    The log is ``log_dir/<name>.log`` (*name* defaults to the role). *prefix_argv*
+    runs the command under a wrapper that execs it, such as ``ip netns exec NAME``
+    (so the child's pid is still the worker's). Raises LaunchError.
     """
     name = name or role
     argv = worker_argv(
         role, discovery=discovery, model=model, engine=engine, engine_args=engine_args,
         lease_ttl=lease_ttl, drain_timeout=drain_timeout, extra_args=extra_args,
+        listen=listen,
     )  # fmt: skip
-    child = await spawn(WorkerProcess, nursery, name, argv, log_dir / f"{name}.log", env=env)
+    child = await spawn(
+        WorkerProcess, nursery, name, [*prefix_argv, *argv], log_dir / f"{name}.log", env=env
+    )
     assert isinstance(child, WorkerProcess)
     child.address, child.worker_id, child.role = await read_announcement(
         child, nursery, parse_worker_ready, ready_within
@@ -226,6 +235,7 @@ async def start_worker(
 
 def frontend_argv(
     *,
+    host: str = "127.0.0.1",
     port: int = 0,
     discovery: str = "",
     workers: str = "",
@@ -233,12 +243,12 @@ def frontend_argv(
     extra_args: Sequence[str] = (),
     interpreter: Sequence[str] = (sys.executable,),
 ) -> list[str]:
-    """The command line of one frontend on loopback (``python -m headwater serve``).
+    """The command line of one frontend, by default on loopback (``python -m headwater serve``).
 
     *interpreter* is what runs ``-m frontend``: the benchmark's profiler passes
     ``(python, "-m", "pyinstrument", ...)``.
     """
-    argv = [*interpreter, "-m", "headwater", "serve", "--host", "127.0.0.1", "--port", str(port),
+    argv = [*interpreter, "-m", "headwater", "serve", "--host", host, "--port", str(port),
             "--model-name", model]  # fmt: skip
     if discovery:
         argv += ["--discovery", discovery]
@@ -327,12 +337,14 @@ async def start_frontend(
     *,
     log_dir: Path,
     name: str = "frontend",
+    host: str = "127.0.0.1",
     port: int = 0,
     discovery: str = "",
     workers: str = "",
     model: str = DEFAULT_MODEL,
     extra_args: Sequence[str] = (),
     interpreter: Sequence[str] = (sys.executable,),
+    prefix_argv: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     ready_within: float = 60.0,
     on_exit: ExitHook | None = None,
@@ -340,14 +352,15 @@ async def start_frontend(
     """Start a frontend; return once it listens (``address`` is its URL, real port).
 
     It may not be able to serve yet: :func:`wait_healthy` waits for routable
-    workers. Raises LaunchError.
+    workers. *prefix_argv* runs it under a wrapper that execs it (``ip netns exec
+    NAME``), as for :func:`start_worker`. Raises LaunchError.
     """
     argv = frontend_argv(
-        port=port, discovery=discovery, workers=workers, model=model, extra_args=extra_args,
-        interpreter=interpreter,
+        host=host, port=port, discovery=discovery, workers=workers, model=model,
+        extra_args=extra_args, interpreter=interpreter,
     )  # fmt: skip
     return await spawn_frontend(
-        nursery, argv, name=name, log_path=log_dir / f"{name}.log", env=env,
+        nursery, [*prefix_argv, *argv], name=name, log_path=log_dir / f"{name}.log", env=env,
         ready_within=ready_within, on_exit=on_exit,
     )  # fmt: skip
 

@@ -168,6 +168,9 @@ class TcpWorkerClient(WorkerClient):
                 )
                 await trio.sleep(delay)
                 continue
+            if self._connects:  # the first connect is the caller's to report
+                log.info("reconnected to %s at %s after %d failed attempts",
+                         self.instance.worker_id, self.instance.address, failures)  # fmt: skip
             failures = 0
             self._connects += 1
             conn.attribution = self.attribution

@@ -15,8 +15,16 @@ Per connection::
 
 Isolation: a connection that sends garbage, an oversize or unknown frame gets an
 error frame and is closed; its requests are cancelled and every other connection
-carries on. A peer that vanishes (EOF, reset, stops reading for ``write_timeout``)
-has its requests cancelled the same way, which frees their KV.
+carries on. A peer that vanishes (EOF, reset, stops reading for ``write_timeout``,
+or sends nothing at all for ``heartbeat_timeout``) has its requests and KV pulls
+cancelled the same way, which frees their KV.
+
+Liveness: every client of the plane (:class:`~headwater.plane.connection.PlaneConnection`:
+frontends and KV-pulling workers alike) pings every ``heartbeat_interval`` (5 s),
+so a live peer is never silent for long. A peer that vanished without closing (its
+host died, a partition) leaves no EOF and, while its requests' replies still fit
+the socket buffers, no blocked write either; a watchdog task per connection drops a
+connection once nothing arrived on it for ``heartbeat_timeout``.
 
 Backpressure: replies of all requests on a connection share a budget of
 ``send_queue`` queued frames, KV payload pieces a budget of ``kv_queue``; a
@@ -89,6 +97,16 @@ class ServerConfig:
     #: Seconds one write may block (the peer stopped reading) before the connection
     #: is dropped and its requests cancelled.
     write_timeout: float = 10.0
+    #: Seconds a connection may stay silent (not a byte: no frame, no ping) before
+    #: the peer counts as gone: the connection is dropped and its requests and KV
+    #: pulls cancelled. A client pings ``PlaneConfig.heartbeat_interval`` (5 s) after
+    #: the previous pong, which it waits for up to its ``heartbeat_timeout`` (10 s):
+    #: 15 s is the longest gap between the pings of a client that still counts the
+    #: connection as alive, three normal intervals (a client loop may stall ~10 s),
+    #: and the longest a client takes to give up on a silent worker, so both ends of
+    #: a dead connection let go within the same bound. Keep it at least a client's
+    #: interval plus its timeout.
+    heartbeat_timeout: float = 15.0
     #: Reply frames queued per connection before request tasks wait for the writer.
     send_queue: int = 512
     #: KV payload pieces queued per connection (``kv_queue * kv_piece_bytes`` bytes).
@@ -105,6 +123,10 @@ class ServerStats:
     connections_total: int
     protocol_errors_total: int
     auth_failures_total: int
+    #: Connections dropped because nothing arrived for ``heartbeat_timeout``.
+    peer_timeouts_total: int
+    #: Connections dropped because a write blocked for ``write_timeout``.
+    write_timeouts_total: int
     kv_pulls_served_total: int
     kv_pulls_failed_total: int
     kv_bytes_served_total: int
@@ -152,6 +174,8 @@ class PlaneServer:
         self._connections_total = 0
         self._protocol_errors = 0
         self._auth_failures = 0
+        self._peer_timeouts = 0
+        self._write_timeouts = 0
         self._pulls_served = 0
         self._pulls_failed = 0
         self._kv_bytes = 0
@@ -209,6 +233,8 @@ class PlaneServer:
             connections_total=self._connections_total,
             protocol_errors_total=self._protocol_errors,
             auth_failures_total=self._auth_failures,
+            peer_timeouts_total=self._peer_timeouts,
+            write_timeouts_total=self._write_timeouts,
             kv_pulls_served_total=self._pulls_served,
             kv_pulls_failed_total=self._pulls_failed,
             kv_bytes_served_total=self._kv_bytes,
@@ -282,6 +308,8 @@ class _Connection:
         self._nursery: trio.Nursery | None = None
         self._writer_done = trio.Event()
         self._goaway_sent = False
+        #: trio.current_time() when bytes last arrived (the watchdog's clock).
+        self._heard_at = trio.current_time()
         self.peer: Hello | None = None
 
     # -- lifetime --
@@ -295,7 +323,9 @@ class _Connection:
                     return
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    self._heard_at = trio.current_time()
                     nursery.start_soon(self._writer)
+                    nursery.start_soon(self._watchdog)
                     if self.server.draining:
                         self.goaway("shutting down")
                     try:
@@ -394,6 +424,7 @@ class _Connection:
                 with trio.fail_after(timeout):
                     await self.stream.send_all(batch[0] if len(batch) == 1 else b"".join(batch))
         except trio.TooSlowError:
+            self.server._write_timeouts += 1
             log.warning("%s stopped reading for %g s; closing", self.peer_name, timeout)
             self._scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -439,6 +470,28 @@ class _Connection:
 
     # -- reading --
 
+    async def _watchdog(self) -> None:
+        """Close the connection once nothing arrived for ``heartbeat_timeout``.
+
+        Sleeps until the deadline the last arrival set, and again if bytes came
+        meanwhile: one wake-up per timeout period on a busy connection, none per read.
+        """
+        timeout = self.server.config.heartbeat_timeout
+        while True:
+            await trio.sleep_until(self._heard_at + timeout)
+            if trio.current_time() < self._heard_at + timeout:
+                continue
+            # After a stall of our own loop the peer's ping may be sitting in the
+            # socket with the reader scheduled in this same batch: let it run first.
+            await trio.lowlevel.checkpoint()
+            if trio.current_time() >= self._heard_at + timeout:
+                break
+        self.server._peer_timeouts += 1
+        who = self.peer.peer_id if self.peer is not None else "?"
+        log.warning("nothing from %s (%s) for %g s; closing its connection and cancelling "
+                    "its %d requests", who, self.peer_name, timeout, len(self._requests))
+        self._scope.cancel()
+
     async def _read_loop(self) -> None:
         size = self.server.config.receive_size
         while True:
@@ -448,6 +501,7 @@ class _Connection:
                 return
             if not data:
                 return
+            self._heard_at = trio.current_time()
             for frame in self.decoder.feed(data):
                 self._dispatch(frame)
 
