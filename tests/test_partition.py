@@ -30,7 +30,7 @@ import orjson
 import pytest
 import trio
 
-from frontend.router.router import Router
+from frontend.router.health import HealthConfig
 from headwater.cluster.children import child_env
 from headwater.cluster.recipes import (
     DEFAULT_MODEL,
@@ -59,7 +59,10 @@ CLIENT_DETECTS = PLANE.heartbeat_interval + PLANE.heartbeat_timeout
 #: Longest a worker takes to notice a silent frontend.
 WORKER_DETECTS = SERVER.heartbeat_timeout
 SLACK = 5.0  # s: process scheduling on a shared 2-core machine
-FRONTEND_ARGS = ("--tokenizer-backend", "hf", "--log-level", "info")
+#: The frontend probes an inhibited worker at most this far apart (its default is 30 s).
+PROBE_BACKOFF_MAX = 4.0
+FRONTEND_ARGS = ("--tokenizer-backend", "hf", "--log-level", "info",
+                 "--probe-backoff-max", f"{PROBE_BACKOFF_MAX:g}")  # fmt: skip
 #: A request still streaming when the partition comes: ~170 tokens/s at GPU speed,
 #: so about 20 s on the worker it starts on, longer than any detection here.
 LONG = 3000
@@ -68,8 +71,11 @@ SHORT = 4
 #: reconnect attempts (each bounded by connect_timeout) time out meanwhile.
 HOLD = 10.0
 #: From the heal until the partitioned worker serves again: its client's next connect
-#: attempt (after at most one backoff period), and the router's inhibition of it.
-HEAL_BOUND = PLANE.connect_timeout + PLANE.backoff_max + Router().max_inhibit_s + SLACK
+#: attempt (after at most one backoff period), the router's next probe of it (at most
+#: PROBE_BACKOFF_MAX after the last one) and the probes in a row that let it back.
+_HEALTH = HealthConfig(probe_backoff_max=PROBE_BACKOFF_MAX)
+HEAL_BOUND = (PLANE.connect_timeout + PLANE.backoff_max + _HEALTH.probe_backoff_max
+              + _HEALTH.recover_after * _HEALTH.probe_interval + SLACK)  # fmt: skip
 
 
 def plane_env(secret: str) -> dict[str, str]:
@@ -246,9 +252,8 @@ async def test_streams_leave_a_partitioned_worker_and_it_comes_back(
     healed_at, healed_wall = trio.current_time(), datetime.now()
     await ns.heal()
     # Requests until the far worker serves one. Its client reconnects within one
-    # connect attempt and one backoff period; the router routes to it once the
-    # inhibition runs out that each request which found it unreachable doubled (up to
-    # max_inhibit_s). Probes that find it still unreachable can double it once more.
+    # connect attempt and one backoff period; the router routes to it again once its
+    # probes are answered (the next one at most PROBE_BACKOFF_MAX away).
     served, probes = at_heal[fid]["served"], 0
     with trio.fail_after(HEAL_BOUND):
         while (await routing(url))[fid]["served"] == served:
