@@ -22,6 +22,12 @@ class FrontendConfig:
     max_body_bytes: int = 64 * 1024 * 1024  # 413 above this
     keep_alive_timeout: float = 5.0  # seconds an idle HTTP/1.1 connection stays open
     write_timeout: float = 30.0  # seconds a client may stall reading before we drop it
+    # Generation requests (chat, completions) in flight at once, each from its head's
+    # arrival to its response's last byte; one more gets 429 with Retry-After before its
+    # body is read (frontend.http.admission). 0: no limit. 1024 is 16x the benchmarks'
+    # highest concurrency (64), so they never meet it, and it caps what a flood of
+    # clients can make one process hold (docs/architecture.md, "Admission and drain").
+    max_inflight: int = 1024
     graceful_timeout: float = 10.0  # seconds in-flight requests get on shutdown
     # Frontend processes sharing the port, each a whole frontend with its own event loop
     # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template, routing
@@ -69,6 +75,8 @@ class FrontendConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0 (0: no limit), got {self.max_inflight}")
         cls = registry.config_type(self.engine)  # ValueError for an unknown engine
         if self.engine_config is None:
             object.__setattr__(self, "engine_config", cls())

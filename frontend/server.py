@@ -19,7 +19,8 @@ import trio
 
 from frontend.config import FrontendConfig
 from frontend.discovery import start_discovery
-from frontend.http.app import create_app
+from frontend.http.admission import Admission, AdmissionControl
+from frontend.http.app import GENERATION_PATHS, create_app
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
@@ -72,7 +73,12 @@ class Frontend:
             enabled=config.instrument,
             activity=self.activity,
         )
-        self.app = create_app(self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes)
+        # Generation requests in flight, and whether to take another (--max-inflight, drain).
+        self.admission = Admission(config.max_inflight)
+        self.app = create_app(
+            self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
+            admission=self.admission,
+        )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
         )
@@ -83,6 +89,10 @@ class Frontend:
         self.shutdown = trio.Event()
 
     def _refresh_gauges(self) -> None:
+        admitted = self.admission.statistics()
+        self.metrics.admitted_requests.set(admitted.inflight)
+        self.metrics.max_inflight_requests.set(admitted.max_inflight)
+        self.metrics.draining.set(int(admitted.draining))
         stats = self.pool.statistics()
         self.metrics.tokenizer_threads.set(stats.threads)
         self.metrics.tokenizer_threads_busy.set(stats.busy)
@@ -125,9 +135,11 @@ class Frontend:
                 tune_gc(cfg.gc_gen0_threshold)
             await nursery.start(self.monitor.run)
             await self._start_workers(nursery)
-            app = MarkActivity(
-                ShieldFinalSend(self.app, deadline=cfg.write_timeout), self.activity
-            )
+            admitted = AdmissionControl(
+                self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,
+                max_body_bytes=cfg.max_body_bytes,
+            )  # fmt: skip
+            app = MarkActivity(ShieldFinalSend(admitted, deadline=cfg.write_timeout), self.activity)
             async with trio.open_nursery() as http:
                 urls: list[str] = await http.start(
                     partial(serve, app, self.hypercorn_config(),

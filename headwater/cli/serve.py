@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open")
     h.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
                    help="seconds a client may stall reading before it is dropped")
+    h.add_argument("--max-inflight", type=_non_negative_int, default=_D.max_inflight,
+                   help="generation requests (chat, completions) in flight at once, per "
+                        "process; one more gets 429 with Retry-After before its body is read "
+                        "(0: no limit)")
     h.add_argument("--graceful-timeout", type=positive_float, default=_D.graceful_timeout,
                    help="seconds in-flight requests get on shutdown")
     h.add_argument("--processes", type=positive_int, default=_D.processes,
@@ -113,6 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         group = p.add_argument_group(f"engine {name} (in-process workers)",
                                      registry.spec(name).summary)
         add_config_options(group, registry.config_type(name))
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
