@@ -8,7 +8,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary and SSE),
 ``GET /v1/models``, ``GET /v1/models/<id>``, ``GET /health``, ``GET /live``.
 Observability routes (``/metrics``, ``/debug/*``, ``/dashboard``) come from
 :mod:`frontend.http.observability`. The two generation routes (:data:`GENERATION_PATHS`)
-are admitted by :mod:`frontend.http.admission` before their handler runs.
+are admitted by :mod:`frontend.http.admission` before their handler runs; ``/health``
+says 503 ``draining`` once a drain has begun, ``/live`` stays 200 until the process ends.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def create_app(
     pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: int, admission: Admission
 ) -> QuartTrio:
     """Build the app. The caller owns *pipeline* and serves the app with hypercorn,
-    behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*."""
+    behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*
+    (which this app reads for ``/health``)."""
     app = QuartTrio("headwater")
     # Quart cuts responses at RESPONSE_TIMEOUT (60 s by default): that silently
     # truncates long SSE streams. Request lifetimes are ours to manage.
@@ -98,13 +100,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ok = pipeline.ready()
+        # Draining: a load balancer should send new requests elsewhere, at once.
+        draining = admission.draining
+        ok = pipeline.ready() and not draining
         views = [
             {"worker_id": v.worker_id, "role": v.role.value, "state": v.state.value}
             for v in pipeline.router.views()
         ]
-        body = {"status": "healthy" if ok else "unhealthy", "workers": views}
-        return json_response(body, 200 if ok else 503)
+        status = "draining" if draining else "healthy" if ok else "unhealthy"
+        return json_response({"status": status, "workers": views}, 200 if ok else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:
