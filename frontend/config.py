@@ -22,7 +22,19 @@ class FrontendConfig:
     max_body_bytes: int = 64 * 1024 * 1024  # 413 above this
     keep_alive_timeout: float = 5.0  # seconds an idle HTTP/1.1 connection stays open
     write_timeout: float = 30.0  # seconds a client may stall reading before we drop it
-    graceful_timeout: float = 10.0  # seconds in-flight requests get on shutdown
+    # Generation requests (chat, completions) in flight at once, each from its head's
+    # arrival to its response's last byte; one more gets 429 with Retry-After before its
+    # body is read (frontend.http.admission). 0: no limit. 1024 is 16x the benchmarks'
+    # highest concurrency (64), so they never meet it, and it caps what a flood of
+    # clients can make one process hold (docs/architecture.md, "Admission and drain").
+    max_inflight: int = 1024
+    # On SIGTERM or SIGINT: seconds in-flight requests get to finish while /health says
+    # 503 "draining", new generation requests get 503 and the listener stays open (a load
+    # balancer sees the 503s, not refused connections). 30 s, as a worker's drain. 0: none.
+    drain_timeout: float = 30.0
+    # Seconds what is still in flight after the drain gets once the listener has closed;
+    # then it is cancelled. A stop takes at most drain_timeout + graceful_timeout.
+    graceful_timeout: float = 10.0
     # Frontend processes sharing the port, each a whole frontend with its own event loop
     # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template, routing
     # and streaming. 1: this process serves; N > 1: it supervises N children.
@@ -83,7 +95,18 @@ class FrontendConfig:
     debug_endpoints: bool = False
     log_level: str = "info"
 
+    @property
+    def stop_timeout(self) -> float:
+        """The longest a graceful stop of this frontend takes (seconds): the drain, then
+        the graceful timeout for what is left. A supervisor waits this long, and a margin,
+        before it kills the process."""
+        return self.drain_timeout + self.graceful_timeout
+
     def __post_init__(self) -> None:
+        if self.max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0 (0: no limit), got {self.max_inflight}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         cls = registry.config_type(self.engine)  # ValueError for an unknown engine
         if self.engine_config is None:
             object.__setattr__(self, "engine_config", cls())

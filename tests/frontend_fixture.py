@@ -25,9 +25,11 @@ def shared_tokenizer(backend: str = "fastokens") -> Tokenizer:
     return Tokenizer.load(None, backend)
 
 
-@asynccontextmanager
-async def serve_frontend(**overrides: Any) -> AsyncIterator[tuple[Frontend, str]]:
-    """Run a frontend until the block ends; yields it and its base URL.
+async def start_frontend(
+    nursery: trio.Nursery, **overrides: Any
+) -> tuple[Frontend, str, trio.Event]:
+    """Start a frontend in *nursery*; returns it, its base URL, and an event set when its
+    ``run`` returns on its own (after :meth:`Frontend.stop`: the drain, then the shutdown).
 
     *overrides* are FrontendConfig fields, plus ``speedup_ratio`` for the in-process
     mocker workers (1000 unless given).
@@ -39,7 +41,23 @@ async def serve_frontend(**overrides: Any) -> AsyncIterator[tuple[Frontend, str]
     }
     config = FrontendConfig(**settings)
     frontend = Frontend(config, tokenizer=shared_tokenizer(config.tokenizer_backend))
+    stopped = trio.Event()
+
+    async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
+        await frontend.run(task_status=task_status)
+        stopped.set()
+
+    urls = await nursery.start(run)
+    return frontend, urls[0], stopped
+
+
+@asynccontextmanager
+async def serve_frontend(**overrides: Any) -> AsyncIterator[tuple[Frontend, str]]:
+    """Run a frontend until the block ends; yields it and its base URL.
+
+    *overrides* as for :func:`start_frontend`.
+    """
     async with trio.open_nursery() as nursery:
-        urls = await nursery.start(frontend.run)
-        yield frontend, urls[0]
+        frontend, url, _ = await start_frontend(nursery, **overrides)
+        yield frontend, url
         nursery.cancel_scope.cancel()

@@ -15,7 +15,8 @@ SERVE_OPTIONS = [
     "--host", "--port", "--model-name", "--tokenizer", "--context-length", "--tokenizer-backend",
     "--tokenize-mode", "--tokenizer-threads", "--engine", "--mode", "--speedup-ratio",
     "--log-level", "--max-body-bytes", "--workers", "--discovery", "--router", "--ack-timeout",
-    "--no-instrument", "--stall-threshold-ms",
+    "--no-instrument", "--stall-threshold-ms", "--max-inflight", "--drain-timeout",
+    "--graceful-timeout",
 ]
 
 
@@ -49,6 +50,10 @@ def test_environment_variables_mirror_options(monkeypatch: pytest.MonkeyPatch) -
     assert config.tokenize_mode == "inline"
     assert config.instrument is False
     assert config.engine_config.speedup_ratio == 250.0
+    monkeypatch.setenv("HEADWATER_MAX_INFLIGHT", "0")
+    monkeypatch.setenv("HEADWATER_DRAIN_TIMEOUT", "2.5")
+    config = config_from_args(build_parser("serve").parse_args([]))
+    assert (config.max_inflight, config.drain_timeout) == (0, 2.5)
     # The command line wins over the environment.
     args = build_parser("serve").parse_args(["--tokenizer-threads", "5"])
     assert config_from_args(args).tokenizer_threads == 5
@@ -57,7 +62,8 @@ def test_environment_variables_mirror_options(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     ("var", "value"),
     [("HEADWATER_TOKENIZER_THREADS", "zero"), ("HEADWATER_TOKENIZE_MODE", "sideways"),
-     ("HEADWATER_TOKENIZER_THREADS", "0")],
+     ("HEADWATER_TOKENIZER_THREADS", "0"), ("HEADWATER_MAX_INFLIGHT", "-1"),
+     ("HEADWATER_DRAIN_TIMEOUT", "-1"), ("HEADWATER_DRAIN_TIMEOUT", "nan")],
 )
 def test_bad_environment_values_are_clear_errors(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], var: str, value: str

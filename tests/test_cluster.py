@@ -437,7 +437,7 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
         with trio.fail_after(30):
             assert await cluster.process.wait() == 0
     assert not [pid for pid in cluster.children.values() if _alive(pid)]
-    stopped = logged_at(cluster.workdir / "frontend.log", "signal received: shutting down")
+    stopped = logged_at(cluster.workdir / "frontend.log", r"SIGTERM received: draining")
     for worker in ("prefill-0", "decode-0"):
         assert logged_at(cluster.workdir / f"{worker}.log", "SIGTERM: draining") >= stopped
 

@@ -281,7 +281,8 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
     before = _snapshot()
     originals = (TCPServer.__init__, TCPServer.protocol_send, TCPServer._read_data,
                  H11Protocol._send_h11_event, hypercorn.trio.tcp_server.TrioSingleTask)
-    async with serve_frontend(keep_alive_timeout=0.3) as (fe, url), httpx.AsyncClient() as client:
+    # The keep-alive outlasts _instances()'s gc.collect() (0.3-0.4 s on a busy machine).
+    async with serve_frontend(keep_alive_timeout=1.5) as (fe, url), httpx.AsyncClient() as client:
         body = {"model": fe.pipeline.model_name, "max_tokens": 3,
                 "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
         assert (await client.post(url + "/v1/chat/completions", json=body)).status_code == 200
@@ -294,7 +295,7 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         async with client.stream("POST", url + "/v1/completions",
                                  json={**body, "prompt": "hi", "stream": True}) as r:
             assert [line async for line in r.aiter_lines()][-2] == "data: [DONE]"
-        await trio.sleep(0.5)  # the connection idles out
+        await trio.sleep(2.0)  # the connection idles out
     assert (TCPServer.__init__, TCPServer.protocol_send, TCPServer._read_data,
             H11Protocol._send_h11_event, hypercorn.trio.tcp_server.TrioSingleTask) == originals
     after = _snapshot()

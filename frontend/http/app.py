@@ -7,7 +7,9 @@ SSE body), which unwinds the pipeline and cancels the work on the worker.
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary and SSE),
 ``GET /v1/models``, ``GET /v1/models/<id>``, ``GET /health``, ``GET /live``.
 Observability routes (``/metrics``, ``/debug/*``, ``/dashboard``) come from
-:mod:`frontend.http.observability`.
+:mod:`frontend.http.observability`. The two generation routes (:data:`GENERATION_PATHS`)
+are admitted by :mod:`frontend.http.admission` before their handler runs; ``/health``
+says 503 ``draining`` once a drain has begun, ``/live`` stays 200 until the process ends.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from frontend.errors import FrontendError, NoWorkers, UnknownModel
+from frontend.http.admission import Admission
 from frontend.http.errors import ApiError, api_error, bad_request
 from frontend.http.responses import ChunkWriter, unary_body
 from frontend.http.schema import parse_request
@@ -36,6 +39,10 @@ log = logging.getLogger(__name__)
 
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+#: The routes that generate, and so the ones admission control guards.
+GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 
 
 def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
@@ -44,11 +51,17 @@ def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
 
 
 def error_response(err: ApiError) -> Response:
-    return json_response(err.json(), err.status)
+    response = json_response(err.json(), err.status)
+    response.headers.update(err.headers)
+    return response
 
 
-def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: int) -> QuartTrio:
-    """Build the app. The caller owns *pipeline* and serves the app with hypercorn."""
+def create_app(
+    pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: int, admission: Admission
+) -> QuartTrio:
+    """Build the app. The caller owns *pipeline* and serves the app with hypercorn,
+    behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*
+    (which this app reads for ``/health``)."""
     app = QuartTrio("headwater")
     # Quart cuts responses at RESPONSE_TIMEOUT (60 s by default): that silently
     # truncates long SSE streams. Request lifetimes are ours to manage.
@@ -87,13 +100,15 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
 
     @app.get("/health")
     async def health() -> Response:
-        ok = pipeline.ready()
+        # Draining: a load balancer should send new requests elsewhere, at once.
+        draining = admission.draining
+        ok = pipeline.ready() and not draining
         views = [
             {"worker_id": v.worker_id, "role": v.role.value, "state": v.state.value}
             for v in pipeline.router.views()
         ]
-        body = {"status": "healthy" if ok else "unhealthy", "workers": views}
-        return json_response(body, 200 if ok else 503)
+        status = "draining" if draining else "healthy" if ok else "unhealthy"
+        return json_response({"status": status, "workers": views}, 200 if ok else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -105,11 +120,11 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             raise UnknownModel(model_id)
         return json_response(_model_card(model, created))
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat() -> Response:
         return await _serve("chat")
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions() -> Response:
         return await _serve("completions")
 

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import fields
 
 import trio
@@ -41,8 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open")
     h.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
                    help="seconds a client may stall reading before it is dropped")
+    h.add_argument("--max-inflight", type=_non_negative_int, default=_D.max_inflight,
+                   help="generation requests (chat, completions) in flight at once, per "
+                        "process; one more gets 429 with Retry-After before its body is read "
+                        "(0: no limit)")
+    h.add_argument("--drain-timeout", type=_non_negative_float, default=_D.drain_timeout,
+                   help="on SIGTERM or SIGINT, seconds in-flight requests get to finish while "
+                        "/health is 503, new requests get 503 and the port stays open; a "
+                        "second signal stops at once (0: no drain)")
     h.add_argument("--graceful-timeout", type=positive_float, default=_D.graceful_timeout,
-                   help="seconds in-flight requests get on shutdown")
+                   help="seconds what is still in flight after the drain gets once the port "
+                        "has closed, before it is cancelled")
     h.add_argument("--processes", type=positive_int, default=_D.processes,
                    help="frontend processes sharing the port, each with its own event loop "
                         "and in-process workers; each also serves its own /metrics and "
@@ -140,6 +150,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_config_options(group, registry.config_type(name))
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     """Raises ValueError for a value the engine's config rejects."""
     names = {f.name for f in fields(FrontendConfig)} - {"engine_config"}
@@ -150,7 +174,8 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 after a signal; 1 if a frontend process failed; 2 on bad options."""
+    """Exit status: 0 after a signal (once drained); 1 if a frontend process failed, or a
+    second signal cut the drain short; 2 on bad options."""
     try:
         config = frontend_config_from_args(args)
     except ValueError as exc:
@@ -161,24 +186,44 @@ def main(args: argparse.Namespace) -> int:
         from headwater.cluster.frontend_group import supervise
 
         return trio.run(supervise, config, args.argv)
-    trio.run(serve_until_signalled, config)
-    return 0
+    return trio.run(serve_until_signalled, config)
 
 
-async def serve_until_signalled(config: FrontendConfig) -> None:
+async def serve_until_signalled(config: FrontendConfig) -> int:
+    """Serve until a signal: the first drains and stops (``Frontend.stop``), a second
+    one stops at once. Returns the exit status: 0, or 1 after a second signal."""
     supervisor = os.getppid()  # before the slow start-up: it matters with --listen-fd
     from frontend.server import Frontend  # heavy imports only when serving
 
+    log = logging.getLogger(__name__)
     frontend = Frontend(config)
+    forced = False
+
+    async def stop_on_signals(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:
+        nonlocal forced
+        async for signum in signals:
+            if not frontend.shutdown.is_set():
+                log.info("%s received: draining for up to %g s (a second signal stops at once)",
+                         signal.Signals(signum).name, config.drain_timeout)  # fmt: skip
+                frontend.stop()
+            else:
+                log.warning("second signal: stopping now, requests in flight are cut off")
+                forced = True
+                scope.cancel()
+                return
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(frontend.run)
+            nursery.start_soon(stop_on_signals, signals, nursery.cancel_scope)
+
+            async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
+                await frontend.run(task_status=task_status)
+                nursery.cancel_scope.cancel()  # stopped: the signal watcher ends too
+
+            urls = await nursery.start(run)
             print(f"headwater: serving {config.model_name} on {' '.join(urls)}", flush=True)
             if config.listen_fd is not None:  # one of several processes (--processes N)
                 from headwater.cluster.frontend_group import terminate_when_orphaned
 
                 nursery.start_soon(terminate_when_orphaned, supervisor, frontend.shutdown)
-            async for _ in signals:
-                logging.getLogger(__name__).info("signal received: shutting down")
-                frontend.shutdown.set()
-                break
+    return 1 if forced else 0

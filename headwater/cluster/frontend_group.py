@@ -43,7 +43,7 @@ from headwater.cluster.recipes import FrontendProcess, member_line, spawn_fronte
 log = logging.getLogger(__name__)
 
 READY_WITHIN = 120.0  # s for a child to load its tokenizer and listen
-STOP_MARGIN = 5.0  # s beyond the graceful timeout before a child is killed
+STOP_MARGIN = 5.0  # s beyond a child's stop timeout (drain + graceful) before it is killed
 
 
 def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -99,7 +99,7 @@ async def supervise(config: FrontendConfig, argv: Sequence[str]) -> int:
                 log.info("signal received: stopping %d frontend processes", len(children))
             async with trio.open_nursery() as stopping:
                 for child in children:
-                    stopping.start_soon(child.stop, config.graceful_timeout + STOP_MARGIN)
+                    stopping.start_soon(child.stop, config.stop_timeout + STOP_MARGIN)
             nursery.cancel_scope.cancel()
     return status
 

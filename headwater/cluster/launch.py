@@ -42,7 +42,7 @@ log = logging.getLogger("headwater.launch")  # the name users see in its log lin
 
 CLUSTER_READY_PREFIX = "HEADWATER_CLUSTER_READY"
 ETCD_BIN_ENV = "HEADWATER_ETCD_BIN"  # also read by the tests' etcd fixture
-_FRONTEND_GRACE = 20.0  # s after SIGTERM (serve's graceful timeout is 10 s) before SIGKILL
+_FRONTEND_GRACE = 45.0  # s after SIGTERM (serve drains 30 s, then 10 s graceful) before SIGKILL
 _ETCD_GRACE = 5.0  # s
 
 
