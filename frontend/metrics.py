@@ -118,7 +118,9 @@ class FrontendMetrics:
             ["endpoint", "request_type", "status"], registry=r,
         )
         self.inflight_requests = Gauge(
-            f"{p}inflight_requests", "Requests being served now", registry=r
+            f"{p}inflight_requests",
+            "Generation requests admitted and not yet answered (what --max-inflight limits)",
+            registry=r,
         )
         self.queued_requests = Gauge(
             f"{p}queued_requests", "Requests waiting for a tokenizer thread", registry=r
@@ -192,11 +194,6 @@ class FrontendMetrics:
         self.rejected_requests_total = Counter(
             f"{p}rejected_requests", "Requests turned away before any work, by reason",
             ["reason"], registry=r,
-        )
-        self.admitted_requests = Gauge(
-            f"{p}admitted_requests",
-            "Generation requests admitted and not yet answered (what --max-inflight limits)",
-            registry=r,
         )
         self.max_inflight_requests = Gauge(
             f"{p}max_inflight_requests", "The limit on admitted requests (0: none)", registry=r

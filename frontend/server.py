@@ -97,7 +97,7 @@ class Frontend:
             on_excuse=self.metrics.excused_timeouts_total.inc,
         )
         # Generation requests in flight, and whether to take another (--max-inflight, drain).
-        self.admission = Admission(config.max_inflight)
+        self.admission = Admission(config.max_inflight, gauge=self.metrics.inflight_requests)
         self.app = create_app(
             self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
             admission=self.admission,
@@ -125,7 +125,6 @@ class Frontend:
 
     def _refresh_gauges(self) -> None:
         admitted = self.admission.statistics()
-        self.metrics.admitted_requests.set(admitted.inflight)
         self.metrics.max_inflight_requests.set(admitted.max_inflight)
         self.metrics.draining.set(int(admitted.draining))
         stats = self.pool.statistics()

@@ -172,7 +172,7 @@ async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() ->
             rejected = "headwater_frontend_rejected_requests_total"
             assert rejected + '{reason="max_inflight"} 4.0' in metrics
             assert rejected + '{reason="shutting_down"} 0.0' in metrics
-            assert "headwater_frontend_admitted_requests 2.0" in metrics
+            assert "headwater_frontend_inflight_requests 2.0" in metrics
             assert "headwater_frontend_max_inflight_requests 2.0" in metrics
 
             # The first stream runs to its end; its slot is free once its last byte left.
@@ -186,7 +186,7 @@ async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() ->
         # The second stream's client left: its slot is back too.
         await _poll(lambda: fe.admission.statistics().inflight == 0)
         await _poll(lambda: fe.metrics.inflight_requests._value.get() == 0)
-        assert "headwater_frontend_admitted_requests 0.0" in (await c.get("/metrics")).text
+        assert "headwater_frontend_inflight_requests 0.0" in (await c.get("/metrics")).text
 
 
 async def test_max_inflight_zero_is_no_limit() -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
+from prometheus_client import Gauge
 
 from frontend.http.errors import ApiError, shutting_down, too_many_requests
 from frontend.metrics import FrontendMetrics
@@ -62,13 +63,16 @@ class Admission:
     """The admission policy of one frontend's generation requests, and their count.
 
     On the event loop only (not thread-safe). *max_inflight* 0 admits any number;
-    a negative one is a ValueError.
+    a negative one is a ValueError. *gauge* (``inflight_requests``) follows the count:
+    it is kept here, where every admitted request is released exactly once, however it
+    ends (a stream whose client left before its body started included).
     """
 
-    def __init__(self, max_inflight: int = 0) -> None:
+    def __init__(self, max_inflight: int = 0, *, gauge: Gauge | None = None) -> None:
         if max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
         self.max_inflight = max_inflight
+        self._gauge = gauge
         self._inflight = 0
         self._admitted = 0
         self._rejected = 0
@@ -89,6 +93,8 @@ class Admission:
         else:
             self._inflight += 1
             self._admitted += 1
+            if self._gauge is not None:
+                self._gauge.inc()
             return None
         self._rejected += 1
         return reason
@@ -98,6 +104,8 @@ class Admission:
         if self._inflight <= 0:
             raise RuntimeError("release() without a matching admit()")
         self._inflight -= 1
+        if self._gauge is not None:
+            self._gauge.dec()
         if self._inflight == 0 and self._idle is not None:
             self._idle.set()
 

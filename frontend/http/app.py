@@ -133,7 +133,6 @@ def create_app(
         if parsed.model != model:
             raise UnknownModel(parsed.model)
         kind = "stream" if parsed.stream else "unary"
-        metrics.inflight_requests.inc()
         status = "error"
         try:
             prep = await pipeline.preprocess(parsed)
@@ -161,7 +160,6 @@ def create_app(
             raise
         finally:
             if status != "streaming":
-                metrics.inflight_requests.dec()
                 metrics.requests_total.labels(endpoint, kind, status).inc()
 
     def _client_gone() -> None:
@@ -230,7 +228,6 @@ def create_app(
             elif last is not None:
                 metrics.output_sequence_tokens.observe(last.completion_tokens)
             metrics.request_duration_seconds.observe(trio.current_time() - prep.started)
-            metrics.inflight_requests.dec()
             metrics.requests_total.labels(endpoint, "stream", status).inc()
         yield pending + ChunkWriter.DONE
 
