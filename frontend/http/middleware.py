@@ -8,7 +8,8 @@
   task is cancelled. hypercorn finishes a response inside that send (closes the stream,
   closes the connection after ``Connection: close``, restarts the keep-alive idle timer),
   and quart-trio cancels the request task right there: that work was lost, and the idle
-  timeout never fired (FIELD_NOTES §2). The shield has a deadline.
+  timeout never fired (docs/architecture.md, "Hypercorn and quart-trio pitfalls handled").
+  The shield has a deadline.
 
 Both are plain ASGI and know nothing of the server underneath
 (:mod:`frontend.http.serving` holds what is specific to hypercorn).

@@ -1,7 +1,7 @@
 """headwater's HTTP server: hypercorn-trio, with the fixes it needs, owned in one place.
 
 hypercorn-trio serves the Quart app, but four of its behaviours were measured to cost
-(FIELD_NOTES §2, docs/performance.md), and fixed here. Nothing in hypercorn is assigned
+(docs/architecture.md, docs/performance.md), and fixed here. Nothing in hypercorn is assigned
 to: the fixes are overrides in :class:`~frontend.http.serving.tcp_server.HeadwaterTCPServer`
 (a ``TCPServer`` subclass) and its HTTP/1.1 protocol, and :func:`serve` (hypercorn's
 trio ``worker_serve``, trimmed) is the one place that names that class. Their settings
