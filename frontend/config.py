@@ -35,6 +35,10 @@ class FrontendConfig:
     # Seconds what is still in flight after the drain gets once the listener has closed;
     # then it is cancelled. A stop takes at most drain_timeout + graceful_timeout.
     graceful_timeout: float = 10.0
+    # API keys (frontend/http/auth.py): empty serves anyone who reaches the port, which
+    # is why the host defaults to loopback. /live and /health never need one.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    metrics_auth: bool = False  # /metrics needs a key too (else it stays open)
     # Frontend processes sharing the port, each a whole frontend with its own event loop
     # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template, routing
     # and streaming. 1: this process serves; N > 1: it supervises N children.

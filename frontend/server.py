@@ -23,6 +23,7 @@ from frontend.config import FrontendConfig
 from frontend.discovery import start_discovery
 from frontend.http.admission import Admission, AdmissionControl
 from frontend.http.app import GENERATION_PATHS, create_app
+from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
@@ -173,7 +174,13 @@ class Frontend:
                 self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,
                 max_body_bytes=cfg.max_body_bytes,
             )  # fmt: skip
-            app = MarkActivity(ShieldFinalSend(admitted, deadline=cfg.write_timeout), self.activity)
+            keyed = RequireApiKey(
+                admitted, ApiKeys(cfg.api_keys), metrics=self.metrics,
+                metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
+            )  # fmt: skip
+            app = MarkActivity(ShieldFinalSend(keyed, deadline=cfg.write_timeout), self.activity)
+            if (warning := exposure_warning(cfg.host, cfg.api_keys)) is not None:
+                log.warning("%s", warning)
             async with trio.open_nursery() as http:
                 urls: list[str] = await http.start(
                     partial(serve, app, self.hypercorn_config(), shutdown_trigger=self._drain)

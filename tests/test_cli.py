@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,17 @@ def test_python_dash_m_headwater_is_the_headwater_command() -> None:
         timeout=60, check=True,
     ).stdout
     assert out.startswith("usage: headwater serve")
+
+
+def test_api_keys_come_from_flags_and_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HEADWATER_API_KEYS", "env-1,env-2")
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("file-1\n")
+    args = build_parser("serve").parse_args(
+        ["--api-key", "flag-1", "--api-key", "flag-2", "--api-keys-file", str(keys_file)]
+    )
+    config = config_from_args(args)
+    assert config.api_keys == ("flag-1", "flag-2", "env-1", "env-2", "file-1")
+    assert "flag-1" not in repr(config)  # keys stay out of logs

@@ -14,10 +14,8 @@ for exactly the app's call, from the request head to the response's last byte (a
 stream included), so it is given back however the request ends: success, error,
 cancellation, a client that left before the body started.
 
-A refused request's body is read and dropped before the answer goes out: hypercorn
-closes a connection whose request body has not all arrived when its response ends, and
-a client still writing that body (httpx writes it all before it reads) gets a reset
-instead of the 429.
+A refused request's body is read and dropped before the answer goes out
+(:func:`frontend.http.middleware.discard_body`).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import trio
 from prometheus_client import Gauge
 
 from frontend.http.errors import ApiError, shutting_down, too_many_requests
+from frontend.http.middleware import discard_body, send_error
 from frontend.metrics import FrontendMetrics
 
 if TYPE_CHECKING:
@@ -170,32 +169,5 @@ class AdmissionControl:
                 self.admission.release()
             return
         self.metrics.rejected_requests_total.labels(reason.value).inc()
-        if await _discard_body(receive, self.max_body_bytes):
-            await _send_error(send, self.admission.refusal(reason))
-
-
-async def _discard_body(receive: ASGIReceiveCallable, limit: int) -> bool:
-    """Read the request's body to its end (or past *limit* bytes) and drop it. False if
-    the client went away meanwhile: nobody is left to answer."""
-    seen = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return False
-        if message["type"] != "http.request":
-            continue
-        seen += len(message.get("body", b""))
-        if not message.get("more_body", False) or seen > limit:
-            return True
-
-
-async def _send_error(send: ASGISendCallable, err: ApiError) -> None:
-    body = err.json()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(body)),
-        *((name.lower().encode("latin-1"), value.encode("latin-1"))
-          for name, value in err.headers.items()),
-    ]  # fmt: skip
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+        if await discard_body(receive, self.max_body_bytes):
+            await send_error(send, self.admission.refusal(reason))

@@ -66,8 +66,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
     """
     for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--")]
-        if not longs or action.dest in ("help",):
-            continue
+        if not longs or action.dest in ("help",) or isinstance(action, argparse._AppendAction):
+            continue  # a repeatable option has its own variable, if any (HEADWATER_API_KEYS)
         var = env_name(longs[0])
         if action.help and action.help is not argparse.SUPPRESS:
             action.help = f"{action.help} [env {var}]"

@@ -18,6 +18,7 @@ from dataclasses import fields
 import trio
 
 from frontend.config import FrontendConfig
+from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
@@ -53,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--graceful-timeout", type=positive_float, default=_D.graceful_timeout,
                    help="seconds what is still in flight after the drain gets once the port "
                         "has closed, before it is cancelled")
+    h.add_argument("--api-key", dest="api_key", action="append", default=None,
+                   metavar="KEY", help="accept this API key (repeatable); with keys, every "
+                   "route but /live and /health needs 'Authorization: Bearer KEY' "
+                   "(also HEADWATER_API_KEYS, comma-separated)")
+    h.add_argument("--api-keys-file", default=None,
+                   help="a file of API keys, one per line (# comments); read at start")
+    h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
+                   help="/metrics needs a key too (by default it stays open to scrapers)")
     h.add_argument("--processes", type=positive_int, default=_D.processes,
                    help="frontend processes sharing the port, each with its own event loop "
                         "and in-process workers; each also serves its own /metrics and "
@@ -165,12 +174,17 @@ def _non_negative_float(text: str) -> float:
 
 
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
-    """Raises ValueError for a value the engine's config rejects."""
-    names = {f.name for f in fields(FrontendConfig)} - {"engine_config"}
+    """Raises ValueError for a value the engine's config rejects or a bad API key,
+    OSError for an unreadable keys file."""
+    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys"}
     engine_config = config_from_args(registry.config_type(args.engine), args)
-    return FrontendConfig(
-        **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config
+    api_keys = load_api_keys(
+        args.api_key or (), env=os.environ.get(API_KEYS_ENV), file=args.api_keys_file
     )
+    return FrontendConfig(
+        **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config,
+        api_keys=api_keys,
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -178,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
     second signal cut the drain short; 2 on bad options."""
     try:
         config = frontend_config_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
