@@ -18,6 +18,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -43,6 +44,7 @@ from headwater.cluster.recipes import (
     start_frontend,
     start_worker,
 )
+from headwater.cluster.supervisor import RestartPolicy
 from headwater.etcd import EtcdClient, EventType, InstanceRecord, InstanceState, model_prefix
 from headwater.plane.base import WorkerInstance
 from headwater.plane.client import connect_worker
@@ -117,7 +119,18 @@ def all_healthy(workers: Sequence[WorkerProcess]) -> Callable[[dict[str, str]], 
     return lambda view: ids <= {wid for wid, state in view.items() if state == "healthy"}
 
 
-async def worker_stats(workers: Sequence[WorkerProcess], model: str) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class Worker:
+    """What a test knows of a worker it did not start itself (a launched one)."""
+
+    worker_id: str
+    role: str
+    address: str
+
+
+async def worker_stats(
+    workers: Sequence[WorkerProcess | Worker], model: str
+) -> dict[str, dict[str, Any]]:
     """Each worker's own counters, over a plane connection of the test's."""
     out: dict[str, dict[str, Any]] = {}
     async with trio.open_nursery() as nursery:
@@ -394,7 +407,15 @@ class Launched:
     process: trio.Process
     url: str
     children: dict[str, int]  # name → pid, as the launcher lists them
+    addresses: dict[str, str]  # name → address, as the launcher lists them
     workdir: Path
+    log: Path  # the launcher's stderr
+
+    def restarted(self, name: str) -> int | None:
+        """The pid of *name*'s latest restart, from the launcher's log; None if none yet."""
+        found = re.findall(rf"supervisor: {re.escape(name)} is back \(pid (\d+)\)",
+                           self.log.read_text())  # fmt: skip
+        return int(found[-1]) if found else None
 
 
 @asynccontextmanager
@@ -418,8 +439,10 @@ async def launch(tmp_path: Path, *args: str) -> AsyncIterator[Launched]:
                 output += data
         text = output.decode()
         url = text.splitlines()[-1].split()[1]
-        children = {m[0]: int(m[1]) for m in re.findall(r"^  (\S+) +pid (\d+) ", text, re.M)}
-        yield Launched(launcher, url, children, workdir)
+        listed = re.findall(r"^  (\S+) +pid (\d+) +(\S+)$", text, re.M)
+        children = {name: int(pid) for name, pid, _ in listed}
+        addresses = {name: address for name, _, address in listed}
+        yield Launched(launcher, url, children, addresses, workdir, tmp_path / "launch.log")
     finally:
         if launcher.returncode is None:
             launcher.kill()
@@ -450,17 +473,101 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
         assert _logged_at(cluster.workdir / f"{worker}.log", "SIGTERM: draining") >= stopped
 
 
+async def wait_dead(pid: int, within: float = 10.0) -> None:
+    with trio.fail_after(within):
+        while _alive(pid):
+            await trio.sleep(0.005)
+
+
+async def debug_workers(url: str) -> dict[str, dict[str, Any]]:
+    """address → the frontend's view of the worker there (/debug/workers)."""
+    async with httpx.AsyncClient() as http:
+        r = await http.get(url + "/debug/workers")
+    r.raise_for_status()
+    return {w["address"]: w for w in r.json()}
+
+
 @pytest.mark.slow
-async def test_launch_tears_everything_down_when_a_worker_dies(tmp_path: Path) -> None:
+async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Path) -> None:
+    """Static discovery: the frontend's --workers list names the worker by id and port,
+    so the restart must keep both; nothing else tells the frontend about it. Restart
+    delays of 1.5-3 s keep the restarted worker out of the first requests after the kill."""
     async with launch(
-        tmp_path, "--agg", "1", "--discovery", "static", "--", "--tokenizer-backend", "hf"
-    ) as cluster:
-        assert set(cluster.children) == {"agg-0", "frontend"}
-        os.kill(cluster.children["agg-0"], signal.SIGKILL)
+        tmp_path, "--prefill", "1", "--decode", "2", "--discovery", "static",
+        "--restart-backoff", "3", "--restart-backoff-max", "3", "--", *FRONTEND_ARGS,
+    ) as cluster:  # fmt: skip
+        model = "deepseek-v4"
+        view = await debug_workers(cluster.url)
+        survivor, victim = (
+            Worker(view[cluster.addresses[name]]["worker_id"], "decode", cluster.addresses[name])
+            for name in ("decode-0", "decode-1")
+        )  # fmt: skip
+        before = await worker_stats([survivor], model)
+
+        os.kill(cluster.children["decode-1"], signal.SIGKILL)
+        await wait_dead(cluster.children["decode-1"])
+        await send(cluster.url, model, 8, concurrency=4)  # right after the kill: all succeed
+        after = await worker_stats([survivor], model)
+        assert total(after, "served_total") - total(before, "served_total") == 8
+
         with trio.fail_after(30):
-            assert await cluster.process.wait() == 1
+            while (pid := cluster.restarted("decode-1")) is None:
+                await trio.sleep(0.05)
+        assert pid != cluster.children["decode-1"]
+        assert pid in _children(cluster.process.pid)
+        # Same port and id: the plane's handshake at the old address checks the id.
+        assert (await worker_stats([victim], model))[victim.worker_id]["served_total"] == 0
+        with trio.fail_after(30):  # the router retries it once its inhibition is over
+            while not (await worker_stats([victim], model))[victim.worker_id]["served_total"]:
+                await send(cluster.url, model, 4, concurrency=2)
+        view = await debug_workers(cluster.url)
+        assert view[victim.address]["worker_id"] == victim.worker_id
+        assert view[victim.address]["state"] == "healthy"
+        log = (cluster.workdir / "decode-1.log").read_text()
+        assert re.search(r"^----- .* decode-1 exited \(killed by SIGKILL\): restart 1 in ", log,
+                         re.M)  # fmt: skip
+        assert log.count(f"{READY_PREFIX} {victim.address} {victim.worker_id}") == 2
+
+        cluster.process.send_signal(signal.SIGINT)
+        with trio.fail_after(30):
+            assert await cluster.process.wait() == 0
+    assert not [p for p in [*cluster.children.values(), pid] if _alive(p)]
+
+
+@pytest.mark.slow
+async def test_launch_gives_up_on_a_process_that_keeps_failing(tmp_path: Path) -> None:
+    """A killed worker whose port another process takes meanwhile: each restart exits
+    at start-up (address in use) until the budget of 2 is spent; then the launcher
+    names it, stops the rest and exits 1. Restart delays of 1-2 s leave the test time
+    to take the port first."""
+    async with launch(
+        tmp_path, "--agg", "1", "--discovery", "static", "--restart-budget", "2",
+        "--restart-window", "60", "--restart-backoff", "2", "--restart-backoff-max", "2",
+        "--", *FRONTEND_ARGS,
+    ) as cluster:  # fmt: skip
+        assert set(cluster.children) == {"agg-0", "frontend"}
+        port = int(cluster.addresses["agg-0"].rsplit(":", 1)[1])
+        os.kill(cluster.children["agg-0"], signal.SIGKILL)
+        await wait_dead(cluster.children["agg-0"])
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            with trio.fail_after(40):
+                assert await cluster.process.wait() == 1
     assert not [pid for pid in cluster.children.values() if _alive(pid)]
     assert (cluster.workdir / "frontend.log").exists()  # kept after a failure
+    err = cluster.log.read_text()
+    why = (
+        "agg-0 did not come back: agg-0 exited before it was ready (exit status 1); "
+        f"127.0.0.1:{port} is taken by another process"
+    )
+    assert len(re.findall(rf"WARNING \S+: {re.escape(why)}; restarting it in ", err)) == 1
+    (failure,) = re.findall(rf"ERROR headwater.launch: {re.escape(why)}; giving up on it: (.*)",
+                            err)  # fmt: skip
+    assert failure.startswith("restarted 2 times in the last 60 s, its whole budget")
+    assert "Address already in use" in err.split("giving up on it")[1]  # its log's last lines
+    assert "stopping: frontend, then workers, then etcd" in err
 
 
 def plan(*argv: str, etcd: str = "") -> ClusterPlan:
@@ -488,6 +595,15 @@ def test_launch_plan_discovery() -> None:
     assert plan("--discovery", "etcd://10.0.0.1:2379").discovery == "etcd://10.0.0.1:2379"
     with pytest.raises(ValueError, match="etcd binary not found"):
         plan("--discovery", "etcd")
+
+
+def test_launch_plan_restart_policy() -> None:
+    assert plan().restart == RestartPolicy()  # the options' defaults are the policy's
+    given = plan("--restart-backoff", "1", "--restart-backoff-max", "2", "--restart-budget", "0",
+                 "--restart-window", "5").restart  # fmt: skip
+    assert given == RestartPolicy(backoff=1, backoff_max=2, budget=0, window=5)
+    with pytest.raises(ValueError, match="--restart-backoff-max"):
+        plan("--restart-backoff", "3", "--restart-backoff-max", "1")
 
 
 def test_ready_lines_parse() -> None:
