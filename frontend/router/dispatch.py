@@ -19,8 +19,13 @@ in three nested loops:
   (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
   token twice, none missing.
 
-A worker that failed a request (unreachable, refused it retryably, broke its stream)
-is not picked again for that request. Errors come out as the frontend's own
+A worker that could not take a request (unreachable, or refused it retryably) is not
+picked again for that request. One whose stream of it broke is not picked again
+while another worker of the role is routable: its id may well be a new process by
+then (``headwater launch`` restarts a worker under its id and port), and when every
+worker of the role has broken the request once, such as when all of them were
+restarted in turn during a long stream, going back to one beats failing a request
+the cluster could serve. Errors come out as the frontend's own
 (:mod:`frontend.errors`): a worker's ``invalid_request`` refusal is the client's
 :class:`~frontend.errors.InvalidRequest` and never counts against the worker; no
 worker to try is :class:`~frontend.errors.NoCapacity`; anything else the workers do
@@ -71,9 +76,20 @@ class _Migrate(Exception):
 class _Attempts:
     """One request's dispatch state across its attempts."""
 
-    #: Workers that failed this request: not picked for it again.
-    failed: set[str] = field(default_factory=set)
+    #: Workers that could not take this request (unreachable, refused it retryably):
+    #: not picked for it again.
+    refused: set[str] = field(default_factory=set)
+    #: Workers whose stream of this request broke: not picked again while another
+    #: worker of the role is routable.
+    broke: set[str] = field(default_factory=set)
     migrations: int = 0
+
+    def excluded(self, router: Router, role: Role, model: str) -> frozenset[str]:
+        """The workers of *role* not to pick for this request now."""
+        both = frozenset(self.refused | self.broke)
+        if self.broke and not router.routable(role, model, both):
+            return frozenset(self.refused)  # every other one is gone: back to those
+        return both
 
 
 class Dispatcher:
@@ -150,12 +166,14 @@ class Dispatcher:
     ) -> AsyncGenerator[Chunk, None]:
         """One attempt: disaggregated when both roles are routable (the prefill leg
         runs here and the request gains its KV handle), else aggregated."""
-        r, m, failed = self.router, self.model, frozenset(state.failed)
+        r, m = self.router, self.model
+        prefill = r.routable(Role.PREFILL, m, state.excluded(r, Role.PREFILL, m))
+        decode = r.routable(Role.DECODE, m, state.excluded(r, Role.DECODE, m))
         role = Role.DECODE  # a decode worker can prefill locally when alone
-        if r.routable(Role.PREFILL, m, failed) and r.routable(Role.DECODE, m, failed):
+        if prefill and decode:
             handle = await self._prefill(request, state)
             request = replace(request, kv_handle=handle)
-        elif r.routable(Role.AGG, m, failed):
+        elif r.routable(Role.AGG, m, state.excluded(r, Role.AGG, m)):
             role = Role.AGG
         async with aclosing(self._leg(role, request, state)) as chunks:
             async for chunk in chunks:
@@ -192,13 +210,13 @@ class Dispatcher:
                 finished = True  # End received (a prefill leg has no finish reason)
                 return
             except CannotConnect as exc:
-                state.failed.add(wid)
+                state.refused.add(wid)
                 self.router.report_unreachable(client, exc)
                 log.warning("worker %s unreachable: %s", wid, exc)
                 if tried >= self.config.route_attempts:
                     raise NoCapacity("no worker could take the request") from exc
             except Disconnected as exc:
-                state.failed.add(wid)
+                state.broke.add(wid)
                 raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
             except WorkerError as exc:
                 self._refused(role, client, exc, state, tried)
@@ -221,8 +239,9 @@ class Dispatcher:
             raise _Migrate(f"decode worker {wid} could not pull the KV: {exc.message}") from exc
         if not exc.retryable or tried >= self.config.route_attempts:
             raise WorkerFailed(f"the worker failed the request ({exc.code.value})") from exc
-        state.failed.add(wid)
+        state.refused.add(wid)
 
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
-        """A worker of *role* that has not failed this request; raises NoWorkers."""
-        return self.router.pick(role, self.model, frozenset(state.failed))
+        """A worker of *role* for this request (see :meth:`_Attempts.excluded`); raises
+        NoWorkers."""
+        return self.router.pick(role, self.model, state.excluded(self.router, role, self.model))
