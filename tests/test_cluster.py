@@ -8,8 +8,11 @@ up; frontends load the HF tokenizer backend (1 s instead of 4-5 s). Processes ar
 started with :mod:`headwater.cluster.recipes` in the test's nursery, which kills whatever
 is left when a test ends or fails. What a test verifies comes from the workers
 themselves (their ``stats`` frame over the request plane), not from the frontend.
-Waits poll live state with a bound (``trio.fail_after``); no fixed sleeps. The slow
-tests start ~25 processes in all; the file takes 40-60 s on a shared 2-core machine.
+Waits poll live state with a bound (``trio.fail_after``); no fixed sleeps. The
+``headwater launch`` tests run the launcher itself (cluster_fixture.py) and kill its
+children from outside, as a crash would: it restarts them (same id, same ports), or
+gives up on one and stops. The slow tests start ~40 processes in all; the file takes
+35-60 s on a shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -19,12 +22,9 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ import orjson
 import pytest
 import trio
 
-from headwater.cli.launch import CLUSTER_READY_PREFIX, ClusterPlan, add_arguments, plan_from_args
+from headwater.cli.launch import ClusterPlan, add_arguments, plan_from_args
 from headwater.cluster.recipes import (
     WORKER_READY_PREFIX,
     ChildProcess,
@@ -51,10 +51,19 @@ from headwater.plane.client import connect_worker
 from headwater.wire import GenerateRequest, Role, SamplingParams
 from workers.lifecycle import READY_PREFIX
 
+from cluster_fixture import (
+    FAST,
+    FRONTEND_ARGS,
+    Worker,
+    alive,
+    children_of,
+    debug_workers,
+    launch,
+    wait_dead,
+    worker_stats,
+)
 from etcd_fixture import require_etcd
 
-FAST = 100.0  # mocker speedup
-FRONTEND_ARGS = ("--tokenizer-backend", "hf", "--log-level", "warning")
 # Where a test checks that a worker gets *some* traffic it must not depend on the order
 # of round-robin turns: random routing, and enough requests that a worker of two
 # missing all of them (2**-16) does not happen.
@@ -117,29 +126,6 @@ async def wait_routing(
 def all_healthy(workers: Sequence[WorkerProcess]) -> Callable[[dict[str, str]], bool]:
     ids = {w.worker_id for w in workers}
     return lambda view: ids <= {wid for wid, state in view.items() if state == "healthy"}
-
-
-@dataclass(frozen=True)
-class Worker:
-    """What a test knows of a worker it did not start itself (a launched one)."""
-
-    worker_id: str
-    role: str
-    address: str
-
-
-async def worker_stats(
-    workers: Sequence[WorkerProcess | Worker], model: str
-) -> dict[str, dict[str, Any]]:
-    """Each worker's own counters, over a plane connection of the test's."""
-    out: dict[str, dict[str, Any]] = {}
-    async with trio.open_nursery() as nursery:
-        for w in workers:
-            instance = WorkerInstance(w.worker_id, Role(w.role), model, w.address)
-            client = await connect_worker(instance, nursery, secret=None)
-            out[w.worker_id] = await client.fetch_stats()
-            await client.aclose()
-    return out
 
 
 def total(stats: Mapping[str, Mapping[str, Any]], key: str, ids: Sequence[str] = ()) -> int:
@@ -374,80 +360,12 @@ def test_launcher_reads_the_line_workers_print() -> None:
     assert WORKER_READY_PREFIX == READY_PREFIX
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
-
-
 def _logged_at(log: Path, pattern: str) -> datetime:
     """Time of the first log line matching *pattern* (the logging module's asctime)."""
     for line in log.read_text().splitlines():
         if re.search(pattern, line):
             return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
     raise AssertionError(f"{pattern!r} not in {log}")
-
-
-@dataclass
-class Launched:
-    process: trio.Process
-    url: str
-    children: dict[str, int]  # name → pid, as the launcher lists them
-    addresses: dict[str, str]  # name → address, as the launcher lists them
-    workdir: Path
-    log: Path  # the launcher's stderr
-
-    def restarted(self, name: str) -> int | None:
-        """The pid of *name*'s latest restart, from the launcher's log; None if none yet."""
-        found = re.findall(rf"supervisor: {re.escape(name)} is back \(pid (\d+)\)",
-                           self.log.read_text())  # fmt: skip
-        return int(found[-1]) if found else None
-
-
-@asynccontextmanager
-async def launch(tmp_path: Path, *args: str) -> AsyncIterator[Launched]:
-    """``headwater launch ARGS --port 0`` until the block ends (then killed if still up)."""
-    workdir = tmp_path / "cluster"
-    with (tmp_path / "launch.log").open("wb") as log:
-        launcher = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "headwater", "launch", "--port", "0",
-             "--speedup-ratio", str(FAST), "--workdir", str(workdir), *args],
-            stdout=subprocess.PIPE, stderr=log,
-            env={k: v for k, v in os.environ.items() if not k.startswith("HEADWATER_")},
-        )  # fmt: skip
-    try:
-        assert launcher.stdout is not None
-        output = b""
-        with trio.fail_after(60):
-            while CLUSTER_READY_PREFIX.encode() not in output:
-                data = await launcher.stdout.receive_some(4096)
-                assert data, f"launcher exited; see {tmp_path / 'launch.log'}"
-                output += data
-        text = output.decode()
-        url = text.splitlines()[-1].split()[1]
-        listed = re.findall(r"^  (\S+) +pid (\d+) +(\S+)$", text, re.M)
-        children = {name: int(pid) for name, pid, _ in listed}
-        addresses = {name: address for name, _, address in listed}
-        yield Launched(launcher, url, children, addresses, workdir, tmp_path / "launch.log")
-    finally:
-        if launcher.returncode is None:
-            launcher.kill()
-            await launcher.wait()
-        await trio.aclose_forcefully(launcher.stdout)
 
 
 @pytest.mark.slow
@@ -459,7 +377,7 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
     ) as cluster:  # fmt: skip
         assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*", cluster.url)  # the real port
         assert set(cluster.children) == {"etcd", "prefill-0", "decode-0", "frontend"}
-        assert set(cluster.children.values()) == _children(cluster.process.pid)
+        assert set(cluster.children.values()) == children_of(cluster.process.pid)
 
         assert await chat(cluster.url, "deepseek-v4", stream=True)
         assert await chat(cluster.url, "deepseek-v4", stream=False)
@@ -467,24 +385,10 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
         cluster.process.send_signal(signal.SIGINT)
         with trio.fail_after(30):
             assert await cluster.process.wait() == 0
-    assert not [pid for pid in cluster.children.values() if _alive(pid)]
+    assert not [pid for pid in cluster.children.values() if alive(pid)]
     stopped = _logged_at(cluster.workdir / "frontend.log", "signal received: shutting down")
     for worker in ("prefill-0", "decode-0"):
         assert _logged_at(cluster.workdir / f"{worker}.log", "SIGTERM: draining") >= stopped
-
-
-async def wait_dead(pid: int, within: float = 10.0) -> None:
-    with trio.fail_after(within):
-        while _alive(pid):
-            await trio.sleep(0.005)
-
-
-async def debug_workers(url: str) -> dict[str, dict[str, Any]]:
-    """address → the frontend's view of the worker there (/debug/workers)."""
-    async with httpx.AsyncClient() as http:
-        r = await http.get(url + "/debug/workers")
-    r.raise_for_status()
-    return {w["address"]: w for w in r.json()}
 
 
 @pytest.mark.slow
@@ -514,7 +418,7 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
             while (pid := cluster.restarted("decode-1")) is None:
                 await trio.sleep(0.05)
         assert pid != cluster.children["decode-1"]
-        assert pid in _children(cluster.process.pid)
+        assert pid in children_of(cluster.process.pid)
         # Same port and id: the plane's handshake at the old address checks the id.
         assert (await worker_stats([victim], model))[victim.worker_id]["served_total"] == 0
         with trio.fail_after(30):  # the router retries it once its inhibition is over
@@ -531,7 +435,42 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
         cluster.process.send_signal(signal.SIGINT)
         with trio.fail_after(30):
             assert await cluster.process.wait() == 0
-    assert not [p for p in [*cluster.children.values(), pid] if _alive(p)]
+    assert not [p for p in [*cluster.children.values(), pid] if alive(p)]
+
+
+@pytest.mark.slow
+async def test_launch_restarts_etcd_and_the_frontend_on_their_ports(tmp_path: Path) -> None:
+    """Both killed at once. etcd comes back on its ports with its data: the worker's key
+    and lease survive (the worker never registered again); the frontend comes back on
+    its port, finds the worker in etcd and serves at the URL it had."""
+    async with launch(
+        tmp_path, "--agg", "1", "--etcd-binary", require_etcd(), "--", *FRONTEND_ARGS
+    ) as cluster:
+        etcd_url, model = cluster.addresses["etcd"], "deepseek-v4"
+        async with EtcdClient(etcd_url) as etcd:
+            (before,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
+        for name in ("etcd", "frontend"):
+            os.kill(cluster.children[name], signal.SIGKILL)
+        with trio.fail_after(30):
+            while None in (cluster.restarted("etcd"), cluster.restarted("frontend")):
+                await trio.sleep(0.05)
+            while True:  # the new frontend's discovery ranges etcd, then connects
+                async with httpx.AsyncClient() as http:
+                    if (await http.get(cluster.url + "/health")).status_code == 200:
+                        break
+                await trio.sleep(0.05)
+        assert await chat(cluster.url, model, stream=True)
+        async with EtcdClient(etcd_url) as etcd:
+            (after,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
+        assert (after.key, after.lease, after.create_revision) == (
+            before.key, before.lease, before.create_revision
+        )
+        assert "registered" not in (cluster.workdir / "agg-0.log").read_text().split(
+            "HEADWATER_WORKER_READY"
+        )[1]  # once, before its READY line; never again
+        cluster.process.send_signal(signal.SIGINT)
+        with trio.fail_after(30):
+            assert await cluster.process.wait() == 0
 
 
 @pytest.mark.slow
@@ -555,7 +494,7 @@ async def test_launch_gives_up_on_a_process_that_keeps_failing(tmp_path: Path) -
             squatter.listen()
             with trio.fail_after(40):
                 assert await cluster.process.wait() == 1
-    assert not [pid for pid in cluster.children.values() if _alive(pid)]
+    assert not [pid for pid in cluster.children.values() if alive(pid)]
     assert (cluster.workdir / "frontend.log").exists()  # kept after a failure
     err = cluster.log.read_text()
     why = (
