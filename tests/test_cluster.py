@@ -34,6 +34,7 @@ import orjson
 import pytest
 import trio
 
+from headwater.cli import build_parser
 from headwater.cli.launch import ClusterPlan, add_arguments, plan_from_args
 from headwater.cluster.recipes import (
     WORKER_READY_PREFIX,
@@ -543,6 +544,11 @@ def test_launch_plan_restart_policy() -> None:
     assert given == RestartPolicy(backoff=1, backoff_max=2, budget=0, window=5)
     with pytest.raises(ValueError, match="--restart-backoff-max"):
         plan("--restart-backoff", "3", "--restart-backoff-max", "1")
+    text = " ".join(build_parser("launch").format_help().split())
+    for option, default in (("backoff", "0.5"), ("backoff-max", "10.0"), ("budget", "5"),
+                            ("window", "60.0")):  # fmt: skip
+        assert re.search(rf"--restart-{option} \S+ [^[]+\[env HEADWATER_RESTART_"
+                         rf"{option.upper().replace('-', '_')}\] \(default: {default}\)", text)
 
 
 def test_ready_lines_parse() -> None:

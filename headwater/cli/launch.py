@@ -112,10 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "become healthy")
     r = RestartPolicy()
     a("--restart-backoff", type=positive_float, default=r.backoff,
-      help="seconds before a process that exited is restarted (at most: jittered down to "
-      "half of it); doubles with each restart in a row")
+      help="seconds before a process that exited is restarted: a random delay between "
+      "half of this and this, whose upper bound doubles with each restart in a row")
     a("--restart-backoff-max", type=positive_float, default=r.backoff_max,
-      help="longest restart delay (s)")
+      help="the highest that upper bound goes (s)")
     a("--restart-budget", type=_count, default=r.budget,
       help="restarts allowed per process within --restart-window; its next exit stops "
       "the cluster (0: never restart)")
