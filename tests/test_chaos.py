@@ -178,7 +178,7 @@ async def busy(url: str, address: str, streams: int) -> int:
     """Until the router counts *streams* in flight on the worker at *address*; returns
     how many it counted then."""
     while (inflight := (await debug_workers(url))[address]["inflight"]) < streams:
-        await trio.sleep(0.005)
+        await trio.sleep(0.01)
     return int(inflight)
 
 

@@ -421,7 +421,6 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
         assert pid != cluster.children["decode-1"]
         assert pid in children_of(cluster.process.pid)
         # Same port and id: the plane's handshake at the old address checks the id.
-        assert (await worker_stats([victim], model))[victim.worker_id]["served_total"] == 0
         with trio.fail_after(30):  # the router retries it once its inhibition is over
             while not (await worker_stats([victim], model))[victim.worker_id]["served_total"]:
                 await send(cluster.url, model, 4, concurrency=2)
