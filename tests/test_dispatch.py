@@ -244,6 +244,32 @@ async def test_a_worker_that_failed_the_request_is_not_picked_again(
     assert migrations(metrics) == 2
 
 
+async def test_when_every_worker_broke_the_stream_it_goes_back_to_one(
+    autojump_clock: object,
+) -> None:
+    # d1 breaks, then d2; by then d1 is a new process under the same id (restarted by
+    # its supervisor) and takes the rest, instead of the request failing with nothing
+    # left to pick.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d1 = FakeWorker("d1", Role.DECODE, [Stream(break_after=2), Stream()])
+    d2 = FakeWorker("d2", Role.DECODE, [Stream(break_after=1)])
+    chunks, metrics = await run(cluster(p, d1, d2), request(6))
+    assert tokens(chunks) == expected(6)
+    assert [r.request_id for r in d1.received] == ["r", "r.m2"]
+    assert [r.request_id for r in d2.received] == ["r.m1"]
+    assert list(d1.received[1].token_ids) == PROMPT + expected(3)
+    assert migrations(metrics) == 2
+
+
+async def test_a_worker_that_refused_is_not_asked_again_even_when_alone(
+    autojump_clock: object,
+) -> None:
+    busy = FakeWorker("a", Role.AGG, [Reject(ErrorCode.OVERLOADED), Stream()])
+    with pytest.raises(NoCapacity):  # retry later (503), not the same worker at once
+        await run(cluster(busy), request(3))
+    assert len(busy.received) == 1
+
+
 async def test_an_unreachable_worker_is_skipped_then_inhibited(autojump_clock: object) -> None:
     a = FakeWorker("a", Role.AGG, [Refuse()])
     b = FakeWorker("b", Role.AGG, [Stream()])
@@ -379,7 +405,7 @@ async def test_no_worker_of_the_role_is_no_capacity_after_the_queue_timeout(
 async def test_a_migration_waits_for_a_worker_that_is_about_to_join(
     autojump_clock: object,
 ) -> None:
-    a = FakeWorker("a", Role.AGG, [Stream(break_after=2)])
+    a = FakeWorker("a", Role.AGG, [Stream(break_after=2), Refuse()])  # it died
     b = FakeWorker("b", Role.AGG, [Stream()])
     router = cluster(a)
 
@@ -390,7 +416,8 @@ async def test_a_migration_waits_for_a_worker_that_is_about_to_join(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(join_later)
         chunks, metrics = await run(router, request(5), queue_timeout=5.0)
-    assert tokens(chunks) == expected(5)  # a broke; nobody else yet; b joined; b finished
+    # a broke; asked again (nobody else yet), it refused; b joined and finished.
+    assert tokens(chunks) == expected(5)
     assert [r.request_id for r in b.received] == ["r.m1"]
     assert migrations(metrics) == 1
 

@@ -20,8 +20,13 @@ in three nested loops:
   (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
   token twice, none missing.
 
-A worker that failed a request (unreachable, refused it retryably, broke its stream)
-is not picked again for that request. Errors come out as the frontend's own
+A worker that could not take a request (unreachable, or refused it retryably) is not
+picked again for that request. One whose stream of it broke is not picked again
+while another worker of the role is routable: its id may well be a new process by
+then (``headwater launch`` restarts a worker under its id and port), and when every
+worker of the role has broken the request once, such as when all of them were
+restarted in turn during a long stream, going back to one beats failing a request
+the cluster could serve. Errors come out as the frontend's own
 (:mod:`frontend.errors`): a worker's ``invalid_request`` refusal is the client's
 :class:`~frontend.errors.InvalidRequest` and never counts against the worker; no
 worker to try is :class:`~frontend.errors.NoCapacity`; anything else the workers do
@@ -81,11 +86,22 @@ class _Migrate(Exception):
 class _Attempts:
     """One request's dispatch state across its attempts."""
 
-    #: Workers that failed this request: not picked for it again.
-    failed: set[str] = field(default_factory=set)
+    #: Workers that could not take this request (unreachable, refused it retryably):
+    #: not picked for it again.
+    refused: set[str] = field(default_factory=set)
+    #: Workers whose stream of this request broke: not picked again while another
+    #: worker of the role is routable.
+    broke: set[str] = field(default_factory=set)
     migrations: int = 0
     #: Tokens delivered to the caller so far.
     delivered: int = 0
+
+    def excluded(self, router: Router, role: Role, model: str) -> frozenset[str]:
+        """The workers of *role* not to pick for this request now."""
+        both = frozenset(self.refused | self.broke)
+        if self.broke and not router.routable(role, model, both):
+            return frozenset(self.refused)  # every other one is gone: back to those
+        return both
 
 
 class Dispatcher:
@@ -166,20 +182,25 @@ class Dispatcher:
     ) -> AsyncGenerator[Chunk, None]:
         """One attempt: disaggregated when both roles are routable (the prefill leg
         runs here and the request gains its KV handle), else aggregated."""
-        r, m, failed = self.router, self.model, frozenset(state.failed)
-        if not any(r.routable(role, m, failed) for role in Role):
+        r, m = self.router, self.model
+
+        def routable(role: Role) -> int:
+            return r.routable(role, m, state.excluded(r, role, m))
+
+        if not any(routable(role) for role in Role):
             # Nobody left for this request (its last worker just failed): wait a while
             # for one to join or come back before giving up.
             with trio.move_on_after(self.config.queue_timeout):
-                while not any(r.routable(role, m, failed) for role in Role):
+                while not any(routable(role) for role in Role):
                     await r.changed.wait()
-            if not any(r.routable(role, m, failed) for role in Role):
+            if not any(routable(role) for role in Role):
                 raise NoWorkers(f"no routable worker for model {m!r}")
+        prefill, decode = routable(Role.PREFILL), routable(Role.DECODE)
         role = Role.DECODE  # a decode worker can prefill locally when alone
-        if r.routable(Role.PREFILL, m, failed) and r.routable(Role.DECODE, m, failed):
+        if prefill and decode:
             handle = await self._prefill(request, state)
             request = replace(request, kv_handle=handle)
-        elif r.routable(Role.AGG, m, failed):
+        elif r.routable(Role.AGG, m, state.excluded(r, Role.AGG, m)):
             role = Role.AGG
         async with aclosing(self._leg(role, request, state)) as chunks:
             async for chunk in chunks:
@@ -223,13 +244,13 @@ class Dispatcher:
                     log.warning("worker %s: ACK missed while this loop was stalled; "
                                 "not counted against it", wid)  # fmt: skip
                 else:
-                    state.failed.add(wid)
+                    state.refused.add(wid)
                     self.router.report_failure(client, exc)
                     log.warning("worker %s unreachable: %s", wid, exc)
                 if tried >= self.config.route_attempts:
                     raise NoCapacity("no worker could take the request") from exc
             except Disconnected as exc:
-                state.failed.add(wid)
+                state.broke.add(wid)
                 self.router.report_failure(client, exc)
                 raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
             except WorkerError as exc:
@@ -253,7 +274,7 @@ class Dispatcher:
             raise _Migrate(f"decode worker {wid} could not pull the KV: {exc.message}") from exc
         if not exc.retryable or tried >= self.config.route_attempts:
             raise WorkerFailed(f"the worker failed the request ({exc.code.value})") from exc
-        state.failed.add(wid)
+        state.refused.add(wid)
 
     async def _wait_for_worker(self, role: Role, state: _Attempts) -> None:
         """Wait, in a bounded queue and up to ``queue_timeout``, while no worker of *role*
@@ -261,16 +282,16 @@ class Dispatcher:
         not joined yet) or every routable one is busy. Raises NoWorkers or NoCapacity
         ("all workers are busy") when the wait is over and nothing changed."""
         cfg, router, model = self.config, self.router, self.model
-        exclude = frozenset(state.failed)
 
         def blocked() -> bool:
+            exclude = state.excluded(router, role, model)
             return (not router.routable(role, model, exclude)
                     or router.all_busy(role, model, exclude))  # fmt: skip
 
         if cfg.queue_timeout <= 0 or not blocked():
             return
         if self._queued >= cfg.queue_size:
-            raise self._none_free(role, exclude)
+            raise self._none_free(role, state.excluded(router, role, model))
         self._queued += 1
         try:
             with trio.move_on_after(cfg.queue_timeout):
@@ -280,7 +301,7 @@ class Dispatcher:
                     with trio.move_on_after(_BUSY_RECHECK_S):
                         await router.changed.wait()
                 return
-            raise self._none_free(role, exclude)
+            raise self._none_free(role, state.excluded(router, role, model))
         finally:
             self._queued -= 1
 
@@ -290,5 +311,6 @@ class Dispatcher:
         return NoWorkers(f"no routable {role.value} worker for model {self.model!r}")
 
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
-        """A worker of *role* that has not failed this request; raises NoWorkers."""
-        return self.router.pick(role, self.model, frozenset(state.failed))
+        """A worker of *role* for this request (see :meth:`_Attempts.excluded`); raises
+        NoWorkers."""
+        return self.router.pick(role, self.model, state.excluded(self.router, role, self.model))

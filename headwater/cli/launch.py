@@ -16,11 +16,25 @@ Options after ``--`` are passed to ``headwater serve`` as they are (``--router``
 (``--speedup-ratio``, ...) go to every worker; other worker options go in
 ``--worker-args "..."``.
 
+A process that exits on its own once the cluster is up (a crash, a kill -9) is
+logged and restarted while the rest keeps serving: a worker with the same worker
+id and port (static --workers lists and etcd keys still name it; with etcd it
+registers again under the same key), the frontend on the same port, etcd on the
+same ports with the same data. The n-th restart in a row waits a random time up to
+--restart-backoff * 2**(n-1) s (at least half the first delay; at most
+--restart-backoff-max); a process that stayed up for --restart-window s starts over
+at the first delay. A restart that does not come up (it exits before it is ready,
+its old port is taken) counts too. After --restart-budget restarts of one process
+within --restart-window s, its next exit stops the cluster: the launcher says which
+process, how it ended, the restarts used and the end of its log, stops the rest in
+order and exits 1. --restart-budget 0: no restarts, the first exit stops the
+cluster. A process that cannot start at launch fails the launch (exit 1).
+
 Ctrl-C or SIGTERM stops the frontend first (its in-flight requests finish), then the
 workers (SIGTERM: they drain), then etcd; a second signal kills whatever is left.
-If any process dies unexpectedly the whole cluster is torn down the same way and
-the exit status is 1. Logs (one file per process) are in the run directory, which
-is removed after a clean stop unless ``--workdir`` was given.
+Logs (one file per process; a restarted process appends to its file after a
+separator line) are in the run directory, which is removed after a clean stop
+unless ``--workdir`` was given.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from headwater.cli.options import (
     config_argv,
     config_from_args,
     configure_logging,
+    positive_float,
 )
 from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
@@ -47,6 +62,7 @@ from headwater.cluster.launch import (
     run_cluster,
 )
 from headwater.cluster.recipes import DEFAULT_MODEL
+from headwater.cluster.supervisor import RestartPolicy
 from workers.engines import registry
 
 #: serve options the launcher sets itself; refused after ``--``.
@@ -92,7 +108,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="directory for logs and etcd data (default: a temporary one, removed after a "
       "clean stop)")
     a("--start-timeout", type=float, default=60.0,
-      help="seconds each process gets to start, and the frontend to become healthy")
+      help="seconds each process gets to start (a restart too), and the frontend to "
+      "become healthy")
+    r = RestartPolicy()
+    a("--restart-backoff", type=positive_float, default=r.backoff,
+      help="seconds before a process that exited is restarted: a random delay between "
+      "half of this and this, whose upper bound doubles with each restart in a row")
+    a("--restart-backoff-max", type=positive_float, default=r.backoff_max,
+      help="the highest that upper bound goes (s)")
+    a("--restart-budget", type=_count, default=r.budget,
+      help="restarts allowed per process within --restart-window; its next exit stops "
+      "the cluster (0: never restart)")
+    a("--restart-window", type=positive_float, default=r.window,
+      help="seconds over which restarts are counted; a process up this long starts "
+      "over at the first delay")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="the launcher's log level")
     a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
@@ -149,6 +178,12 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         serve_args=tuple(serve_args),
         workdir=Path(args.workdir) if args.workdir else None,
         start_within=args.start_timeout,
+        restart=RestartPolicy(
+            backoff=args.restart_backoff,
+            backoff_max=args.restart_backoff_max,
+            budget=args.restart_budget,
+            window=args.restart_window,
+        ),
     )
 
 
