@@ -164,8 +164,9 @@ class Load:
 async def migrations(url: str) -> float:
     async with httpx.AsyncClient() as http:
         text = (await http.get(url + "/metrics")).text
-    found = re.search(r"^headwater_frontend_model_migration_total (\S+)$", text, re.M)
-    return float(found[1]) if found else 0.0
+    # Both kinds (new_request, ongoing_request) together.
+    found = re.findall(r"^headwater_frontend_model_migration_total\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
 
 
 async def registered(etcd_url: str) -> dict[str, tuple[InstanceRecord, int]]:
