@@ -86,6 +86,7 @@ class FakeWorker(WorkerClient):
     script: list[Behaviour]
     received: list[GenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # transfer ids
 
     def __post_init__(self) -> None:
         self.instance = WorkerInstance(self.worker_id, self.role, MODEL, f"fake://{self.worker_id}")
@@ -129,6 +130,9 @@ class FakeWorker(WorkerClient):
             await trio.sleep(0.01)
             last = i == n - 1
             yield Chunk(rid, [token_at(start + i)], FinishReason.LENGTH if last else None)
+
+    def release_kv(self, handle: KvHandle) -> None:
+        self.released.append(handle.transfer_id)
 
     async def probe(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -276,7 +280,7 @@ async def test_an_unreachable_worker_is_skipped_then_inhibited(autojump_clock: o
     router = cluster(a, b)
     chunks, metrics = await run(router, request(4))
     assert tokens(chunks) == expected(4)
-    assert [r.request_id for r in b.received] == ["r"]  # a retry, not a migration
+    assert [r.request_id for r in b.received] == ["r.r1"]  # a retry, not a migration
     assert migrations(metrics) == 0
     view = {v.worker_id: v for v in router.views()}["a"]
     assert (view.state, view.failures) == (WorkerState.HEALTHY, 1)  # one fault: still in
@@ -383,6 +387,42 @@ async def test_a_kv_pull_that_fails_prefills_again(autojump_clock: object) -> No
     assert migrations(metrics) == 1
 
 
+async def test_kv_nobody_will_pull_is_released_on_its_prefill_worker(
+    autojump_clock: object,
+) -> None:
+    # Served: the decode worker pulled it, nothing to release.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    await run(cluster(p, d), request(3))
+    assert p.released == []
+    # The decode worker broke before its first token: this KV is released, the
+    # continuation's is pulled by the next one.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d1 = FakeWorker("d1", Role.DECODE, [Stream(break_after=0)])
+    d2 = FakeWorker("d2", Role.DECODE, [Stream()])
+    chunks, _ = await run(cluster(p, d1, d2), request(3))
+    assert tokens(chunks) == expected(3)
+    assert p.released == ["kv-r"]
+    # No decode worker could take it: released before the error reaches the caller.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Refuse()])
+    with pytest.raises(NoCapacity):
+        await run(cluster(p, d), request(3), route_attempts=1)
+    assert p.released == ["kv-r"]
+
+
+async def test_kv_is_released_when_the_caller_leaves_before_the_decode_starts(
+    autojump_clock: object,
+) -> None:
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    with trio.move_on_after(0.015):  # prefilled at 0.011, first token at 0.022
+        await run(cluster(p, d), request(3))
+    assert len(d.received) == 1
+    assert d.cancelled == ["r"]
+    assert p.released == ["kv-r"]
+
+
 async def test_leaving_early_cancels_the_request_on_its_worker(autojump_clock: object) -> None:
     a = FakeWorker("a", Role.AGG, [Stream()])
     router = cluster(a)
@@ -418,7 +458,7 @@ async def test_a_migration_waits_for_a_worker_that_is_about_to_join(
         chunks, metrics = await run(router, request(5), queue_timeout=5.0)
     # a broke; asked again (nobody else yet), it refused; b joined and finished.
     assert tokens(chunks) == expected(5)
-    assert [r.request_id for r in b.received] == ["r.m1"]
+    assert [r.request_id for r in b.received] == ["r.m1.r1"]  # its second try
     assert migrations(metrics) == 1
 
 
@@ -448,7 +488,8 @@ async def test_an_excused_miss_is_retried_and_not_held_against_the_worker(
     router = cluster(a)
     chunks, metrics = await run(router, request(3), route_attempts=2)
     assert tokens(chunks) == expected(3)
-    assert [r.request_id for r in a.received] == ["r", "r"]  # the same worker, again
+    # The same worker again, under a new id: a late ACK of the first try is not the second's.
+    assert [r.request_id for r in a.received] == ["r", "r.r1"]
     view = router.views()[0]
     assert (view.state, view.failures) == (WorkerState.HEALTHY, 0)
     assert migrations(metrics) == 0

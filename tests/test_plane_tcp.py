@@ -322,6 +322,33 @@ async def test_disaggregated_kv_pull_between_workers(nursery: trio.Nursery) -> N
     assert (await to_decode.fetch_stats())["kv_connections"] == 1  # reused, not redialled
 
 
+async def test_kv_nobody_will_pull_is_released_over_either_transport(
+    nursery: trio.Nursery,
+) -> None:
+    prefill = await start_worker(nursery, role=Role.PREFILL)
+    engine = MockerEngine(MockerConfig(speedup_ratio=FAST), Role.PREFILL, "twin")
+    runtime = await start_runtime(nursery, engine, "twin")
+    clients: list[TcpWorkerClient | MemoryWorkerClient] = [
+        await connect_worker(instance_of(prefill), nursery),
+        MemoryWorkerClient(instance_of(prefill), runtime),
+    ]
+    for client, worker_runtime in zip(clients, (prefill.runtime, runtime), strict=True):
+        held = [(await collect(client, request(f"r{i}", prompt=300)))[0].kv_handle
+                for i in range(2)]  # fmt: skip
+        assert worker_runtime.statistics().engine.kv_transfers_held == 2
+        assert held[0] is not None
+        client.release_kv(held[0])
+        with trio.fail_after(5):
+            while worker_runtime.statistics().engine.kv_transfers_held != 1:
+                await trio.sleep(0.01)
+        assert worker_runtime.statistics().kv_released_total == 1
+        client.release_kv(held[0])  # again, or an unknown id: nothing happens
+        client.release_kv(KvHandle("x", "tcp://127.0.0.1:1", "no-such-transfer", 1))
+        await trio.sleep(0.1)
+        assert worker_runtime.statistics().kv_released_total == 1
+        assert worker_runtime.statistics().engine.kv_transfers_held == 1  # the other one
+
+
 async def test_kv_pull_from_a_vanished_prefill_worker_fails(nursery: trio.Nursery) -> None:
     decode = await start_worker(nursery, role=Role.DECODE)
     to_decode = await connect_worker(instance_of(decode), nursery)

@@ -11,7 +11,8 @@ in three nested loops:
 * **retry** — per leg, another worker of the role when one cannot take the request
   (no connection or no ACK: :class:`~headwater.plane.CannotConnect`, which the router
   also counts against that worker's health; or a retryable refusal: overloaded,
-  draining), up to ``route_attempts`` workers per leg. While no worker of the role can
+  draining), up to ``route_attempts`` workers per leg, each try under its own request
+  id (``<id>.r<n>``). While no worker of the role can
   take it (none routable, or all busy) the request waits, up to ``queue_timeout``.
 * **migrate** — when a stream breaks after its ACK (:class:`~headwater.plane.Disconnected`),
   or a decode worker could not pull the prefill's KV, the request starts again on
@@ -78,6 +79,14 @@ class DispatchConfig:
     queue_size: int = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class _HeldKv:
+    """KV a prefill worker holds for this request, and that worker's client."""
+
+    holder: WorkerClient
+    handle: KvHandle
+
+
 class _Migrate(Exception):
     """This attempt's output cannot continue where it is; start over elsewhere."""
 
@@ -95,6 +104,8 @@ class _Attempts:
     migrations: int = 0
     #: Tokens delivered to the caller so far.
     delivered: int = 0
+    #: The worker whose stream the current leg relays.
+    serving: WorkerClient | None = None
 
     def excluded(self, router: Router, role: Role, model: str) -> frozenset[str]:
         """The workers of *role* not to pick for this request now."""
@@ -197,23 +208,38 @@ class Dispatcher:
                 raise NoWorkers(f"no routable worker for model {m!r}")
         prefill, decode = routable(Role.PREFILL), routable(Role.DECODE)
         role = Role.DECODE  # a decode worker can prefill locally when alone
-        if prefill and decode:
-            handle = await self._prefill(request, state)
-            request = replace(request, kv_handle=handle)
-        elif r.routable(Role.AGG, m, state.excluded(r, Role.AGG, m)):
-            role = Role.AGG
-        async with aclosing(self._leg(role, request, state)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        held: _HeldKv | None = None  # the prefill's KV, until a decode worker has it
+        try:
+            if prefill and decode:
+                held = await self._prefill(request, state)
+                request = replace(request, kv_handle=held.handle)
+            elif r.routable(Role.AGG, m, state.excluded(r, Role.AGG, m)):
+                role = Role.AGG
+            async with aclosing(self._leg(role, request, state)) as chunks:
+                async for chunk in chunks:
+                    held = None  # a decode worker's first chunk comes after its pull
+                    yield chunk
+        finally:
+            if held is not None:
+                # No decode worker got as far as a token (the request ended, or this
+                # attempt failed and the next one prefills again): nobody will pull
+                # this KV, so free it now rather than at the prefill's timeout.
+                held.holder.release_kv(held.handle)
 
-    async def _prefill(self, request: GenerateRequest, state: _Attempts) -> KvHandle:
-        handle = None
-        async with aclosing(self._leg(Role.PREFILL, request, state)) as chunks:
-            async for chunk in chunks:
-                handle = chunk.kv_handle or handle
-        if handle is None:
+    async def _prefill(self, request: GenerateRequest, state: _Attempts) -> _HeldKv:
+        held = None
+        try:
+            async with aclosing(self._leg(Role.PREFILL, request, state)) as chunks:
+                async for chunk in chunks:
+                    if chunk.kv_handle is not None and state.serving is not None:
+                        held = _HeldKv(state.serving, chunk.kv_handle)
+        except BaseException:
+            if held is not None:  # the leg broke (or was cancelled) after the handle
+                held.holder.release_kv(held.handle)
+            raise
+        if held is None:
             raise WorkerFailed("the prefill worker returned no KV handle")
-        return handle
+        return held
 
     async def _leg(
         self, role: Role, request: GenerateRequest, state: _Attempts
@@ -226,12 +252,17 @@ class Dispatcher:
             client = self._pick(role, state)
             tried += 1
             wid = client.instance.worker_id
+            # Each try has its own id: a late ACK or reply of an earlier try (the same
+            # worker may be picked again) can never be taken for this one's.
+            leg = request if tried == 1 else replace(
+                request, request_id=f"{request.request_id}.r{tried - 1}")  # fmt: skip
             # The consumer closes this generator at the yield of the final chunk, so
             # success is booked in `finally`, from what was seen, not after the loop.
             finished = False
             try:
                 with self.router.track(client):
-                    async with client.stream(request) as replies:
+                    state.serving = client
+                    async with client.stream(leg) as replies:
                         async for chunk in replies:
                             finished = chunk.finish_reason is not None
                             yield chunk
