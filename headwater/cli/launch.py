@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
     a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
     a("--drain-timeout", type=float, default=10.0,
-      help="seconds each worker gets to finish its requests at shutdown")
+      help="seconds the frontend and each worker get to finish their requests at shutdown")
     a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
     a("--workdir", default=None,
       help="directory for logs and etcd data (default: a temporary one, removed after a "
