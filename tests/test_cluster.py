@@ -376,7 +376,8 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
         assert set(cluster.children.values()) == children_of(cluster.process.pid)
         # The frontend drains as long as the workers do.
         for name in ("frontend", "decode-0"):
-            argv = Path(f"/proc/{cluster.children[name]}/cmdline").read_bytes().split(b"\0")
+            cmdline = trio.Path(f"/proc/{cluster.children[name]}/cmdline")
+            argv = (await cmdline.read_bytes()).split(b"\0")
             assert argv[argv.index(b"--drain-timeout") + 1] == b"7", name
 
         assert await chat(cluster.url, "deepseek-v4", stream=True)
