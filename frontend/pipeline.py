@@ -42,6 +42,7 @@ from typing import Any, Generic, TypeVar
 import trio
 
 from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
+from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
 from frontend.preprocess.messages import TemplateError, completion_prompt
@@ -118,8 +119,12 @@ class Pipeline:
         router: Router,
         metrics: FrontendMetrics,
         dispatch: DispatchConfig | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.model_name = model_name
+        #: The request limits; the pipeline applies the cap on max_tokens to a request
+        #: that asked none (the HTTP layer checks those that did, before any work).
+        self.limits = limits or RequestLimits()
         self.context_length = context_length
         self.pool = pool
         self.tokenizer = pool.tokenizer
@@ -230,7 +235,8 @@ class Pipeline:
                 param=param,
             )
         return SamplingParams(
-            max_tokens=options.max_tokens if options.max_tokens is not None else room,
+            max_tokens=(options.max_tokens if options.max_tokens is not None
+                        else self.limits.default_max_tokens(room)),
             min_tokens=options.min_tokens,
             ignore_eos=options.ignore_eos,
             temperature=options.temperature,
