@@ -147,11 +147,16 @@ async def test_the_served_document_is_the_generated_one_and_keyed_like_the_api()
     async with serve_frontend(api_keys=("k1",), limits=RequestLimits(request_timeout=9)) \
             as (fe, url), httpx.AsyncClient(base_url=url) as c:
         assert_error(await c.get("/openapi.json"), 401)
+        # A 405 names the methods the path takes (RFC 9110), as schemathesis checks.
+        r = await c.request("TRACE", "/health")
+        assert_error(r, 405)
+        assert "GET" in r.headers["allow"]
         r = await c.get("/openapi.json", headers={"Authorization": "Bearer k1"})
         assert r.status_code == 200
         assert r.headers["content-type"] == "application/json"
         assert r.json() == orjson.loads(orjson.dumps(_doc(
-            api_keys=True, limits=fe.config.limits, context_length=fe.config.context_length)))
+            api_keys=True, limits=fe.config.limits, context_length=fe.config.context_length,
+            model_name=MODEL)))
 
 
 async def test_live_responses_match_the_response_schemas() -> None:
@@ -186,3 +191,13 @@ async def test_live_responses_match_the_response_schemas() -> None:
             validator = _validator(doc, event)
             for e in events[:-1]:
                 assert not [x.message for x in validator.iter_errors(e)], (event, e)
+        # The event stream's schema: one event, its data JSON of that schema or [DONE].
+        stream = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"][
+            "text/event-stream"]["schema"]  # fmt: skip
+        data = stream["properties"]["data"]["anyOf"]
+        assert data[0] == {"const": "[DONE]"}
+        assert {"$ref": "#/components/schemas/ChatCompletionChunk"} in data[1][
+            "contentSchema"]["anyOf"]  # fmt: skip
+        # The served model is the one value of `model`.
+        model = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]
+        assert model["enum"] == [MODEL]

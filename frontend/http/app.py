@@ -88,7 +88,8 @@ def create_app(
     # The models the routes validate with, read once: the document describes these.
     bodies = dict(REQUEST_MODELS)
     document = openapi_json(
-        bodies, limits=lim, context_length=pipeline.context_length, api_keys=api_keys
+        bodies, limits=lim, context_length=pipeline.context_length, api_keys=api_keys,
+        model_name=pipeline.model_name,
     )
     for name in LIMITS:  # every series from the start, at 0: rate() sees the first
         metrics.rejected_requests_total.labels(name)
@@ -120,7 +121,12 @@ def create_app(
             405: f"Method {request.method} is not allowed on {request.path}",
             413: f"Request body is larger than the limit of {max_body_bytes} bytes",
         }
-        return error_response(ApiError(status, messages.get(status, exc.description or "")))
+        # A 405 says which methods the path takes (RFC 9110 requires Allow).
+        allowed = getattr(exc, "valid_methods", None) if status == 405 else None
+        headers = {"Allow": ", ".join(allowed)} if allowed else None
+        return error_response(
+            ApiError(status, messages.get(status, exc.description or ""), headers=headers)
+        )
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:

@@ -168,7 +168,7 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     """The body of ``POST /v1/completions``. Fields not listed are ignored."""
 
-    prompt: Annotated[str | list[str | int | list[int]], Meta(description=(
+    prompt: Annotated[NonEmptyStr | list[str | int | list[int]], Meta(description=(
         "a string, or token ids; a list holding one of either is that one (one prompt "
         "per request)"))]  # fmt: skip
     max_completion_tokens: MaxTokens | None = None

@@ -88,17 +88,22 @@ def openapi_document(
     limits: RequestLimits,
     context_length: int,
     api_keys: bool,
+    model_name: str | None = None,
     operations: tuple[Operation, ...] = OPERATIONS,
 ) -> dict[str, Any]:
     """The document, for a server whose routes validate with *request_models* (by
-    endpoint), enforce *limits* and *context_length*, and need a key if *api_keys*."""
+    endpoint), enforce *limits* and *context_length*, need a key if *api_keys*, and
+    serve *model_name* (if given, the one value ``model`` may take: another is a 404)."""
     bodies = {op.endpoint: request_models[op.endpoint] for op in operations if op.endpoint}
     types: list[Any] = [*bodies.values(), m.ErrorResponse]
     types += [op.response for op in operations]
     types += [op.stream_event for op in operations if op.stream_event]
     _, schemas = msgspec.json.schema_components(types, ref_template=_REF)
     for model in bodies.values():
-        _write_limits(schemas, schemas[model.__name__], limits, context_length)
+        schema = schemas[model.__name__]
+        _write_limits(schemas, schema, limits, context_length)
+        if model_name is not None and "model" in schema.get("properties", {}):
+            _bound(schema["properties"]["model"], string={"enum": [model_name]})
 
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
@@ -137,16 +142,19 @@ def _operation(
 ) -> dict[str, Any]:
     ok: dict[str, Any] = {"application/json": {"schema": _ref(op.response)}}
     if op.stream_event is not None:
-        ok["text/event-stream"] = {
-            "schema": {
-                "type": "string",
-                "description": f"With \"stream\": true: server-sent events, each "
-                               f"`data: <{op.stream_event.__name__}>`, then `data: [DONE]`; "
-                               "an error after the stream started is an event whose data "
-                               "is an ErrorResponse, then `data: [DONE]`.",
-            },
-            "x-event-schema": _ref(op.stream_event),
-        }  # fmt: skip
+        # OpenAPI 3.1 has a server-sent event stream's schema describe one event (3.2's
+        # itemSchema), its fields strings; `data` holds JSON, or the last event's [DONE].
+        json_data = {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [_ref(op.stream_event), _ref(m.ErrorResponse)]}}
+        ok["text/event-stream"] = {"schema": {
+            "type": "object",
+            "description": f"With \"stream\": true: server-sent events, each "
+                           f"`data: <{op.stream_event.__name__}>`, then `data: [DONE]`; an "
+                           "error after the stream started is an event whose data is an "
+                           "ErrorResponse, then `data: [DONE]`.",
+            "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+        }}  # fmt: skip
     responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
     errors = set(op.errors)
     if op.endpoint and limits.request_timeout:
