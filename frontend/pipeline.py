@@ -234,9 +234,17 @@ class Pipeline:
                 "prompt or the completion.",
                 param=param,
             )
+        max_tokens = (options.max_tokens if options.max_tokens is not None
+                      else self.limits.default_max_tokens(room))  # fmt: skip
+        if options.min_tokens > max_tokens:
+            # Only when max_tokens was not asked (the schema checks it against one that
+            # was): refused here, before any worker would refuse it mid-stream.
+            raise InvalidRequest(
+                f"'min_tokens' ({options.min_tokens}) exceeds the {max_tokens} tokens this "
+                "request may generate", param="min_tokens",
+            )  # fmt: skip
         return SamplingParams(
-            max_tokens=(options.max_tokens if options.max_tokens is not None
-                        else self.limits.default_max_tokens(room)),
+            max_tokens=max_tokens,
             min_tokens=options.min_tokens,
             ignore_eos=options.ignore_eos,
             temperature=options.temperature,

@@ -188,3 +188,17 @@ async def test_the_deadline_covers_preprocess_on_every_api(
                 assert assert_error(r, 504)["code"] == "request_timeout"
         assert _rejected(fe, "request_timeout") == 4
         await eventually(idle(fe))
+
+
+async def test_min_tokens_above_what_the_request_may_generate_is_a_400_before_any_stream(
+) -> None:
+    """With no max_tokens asked, the request gets the cap (or what the context leaves);
+    a min_tokens above that is the client's 400 up front, not a worker's refusal in the
+    stream (the API fuzz found that one)."""
+    async with serve_frontend(limits=RequestLimits(max_tokens_cap=32)) as (fe, url), \
+            httpx.AsyncClient(base_url=url) as c:
+        for stream in (False, True):
+            body = {"model": MODEL, "messages": CHAT, "min_tokens": 33, "stream": stream}
+            err = assert_error(await c.post(POST, json=body), 400, "min_tokens")
+            assert "32" in err["message"]
+        assert all(e.counters.requests_started == 0 for e in engines(fe))
