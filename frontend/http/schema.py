@@ -36,7 +36,6 @@ from frontend.http.models import (
     CompletionRequest,
     GenerateRequest,
     SamplingParams,
-    _OpenAIRequest,
     _Sampling,
 )
 from frontend.limits import RequestLimits
@@ -100,13 +99,16 @@ def _sampling(s: _Sampling, max_tokens: int | None, prefix: str = "") -> Samplin
     )
 
 
-def _max_tokens(req: _OpenAIRequest, limits: RequestLimits) -> int | None:
+def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits
+                ) -> int | None:  # fmt: skip
     """OpenAI's two fields for it: the smaller one given wins; each within the cap."""
-    given = [(name, value) for name in ("max_tokens", "max_completion_tokens")
-             if (value := getattr(req, name, None)) is not None]  # fmt: skip
-    for name, value in given:
-        limits.check_max_tokens(value, name)
-    return min((value for _, value in given), default=None)
+    max_tokens, mct = req.max_tokens, req.max_completion_tokens
+    if max_tokens is not None:
+        limits.check_max_tokens(max_tokens, "max_tokens")
+    if mct is not None:
+        limits.check_max_tokens(mct, "max_completion_tokens")
+        max_tokens = mct if max_tokens is None else min(max_tokens, mct)
+    return max_tokens
 
 
 def _message_chars(messages: list[ChatMessage]) -> int:
@@ -137,7 +139,8 @@ def parse_request(
     (default: that endpoint's in :data:`~frontend.http.models.REQUEST_MODELS`) and
     *limits*. Raises :class:`ApiError` (400) or
     :class:`~frontend.errors.LimitExceeded`."""
-    req = cast(_OpenAIRequest, _convert(body, model or REQUEST_MODELS[endpoint]))
+    req = cast(ChatCompletionRequest | CompletionRequest,
+               _convert(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
     messages = prompt = tools = None
     kwargs: dict[str, Any] = {}
     if isinstance(req, ChatCompletionRequest):
@@ -162,7 +165,8 @@ def parse_request(
     if req.top_logprobs is not None:
         raise bad_request("logprobs are not supported by this server", "logprobs")
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else req.stop
-    limits.check_stop(stop)
+    if stop:
+        limits.check_stop(stop)
 
     return ParsedRequest(
         endpoint=endpoint,
