@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend.limits import RequestLimits
 from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
 from workers.engines import registry
@@ -46,6 +47,10 @@ class FrontendConfig:
     # Serve on this inherited listening socket instead of binding host:port, plus a
     # private host:0 listener for this process's own /metrics. Set by the supervisor.
     listen_fd: int | None = None
+    # What one request may ask: max_tokens, messages, prompt characters, stop strings,
+    # and its deadline (--request-timeout); each default and its reason in
+    # frontend/limits.py, all of them in docs/security.md ("Request limits").
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     # -- model and preprocessing ----------------------------------------------------
     model_name: str = "deepseek-v4"

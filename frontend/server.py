@@ -81,6 +81,7 @@ class Frontend:
                 queue_timeout=config.queue_timeout,
                 queue_size=config.queue_size,
             ),
+            limits=config.limits,
         )
         # HTTP requests in flight: the loop monitor rests while there are none.
         self.activity = Activity()
@@ -101,7 +102,7 @@ class Frontend:
         self.admission = Admission(config.max_inflight, gauge=self.metrics.inflight_requests)
         self.app = create_app(
             self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
-            admission=self.admission,
+            admission=self.admission, limits=config.limits, api_keys=bool(config.api_keys),
         )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router

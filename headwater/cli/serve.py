@@ -19,6 +19,7 @@ import trio
 
 from frontend.config import FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
+from frontend.limits import RequestLimits
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
@@ -143,6 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--queue-size", type=positive_int, default=_D.queue_size,
                    help="requests that may wait so at once; more get 503 at once")
 
+    lim = p.add_argument_group("request limits (docs/security.md; 0 turns one off)")
+    add_config_options(lim, RequestLimits)
+
     o = p.add_argument_group("observability")
     o.add_argument("--no-instrument", dest="instrument", action="store_false",
                    help="turn off the stall detector (the loop-delay canary stays)")
@@ -180,14 +184,15 @@ def _non_negative_float(text: str) -> float:
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     """Raises ValueError for a value the engine's config rejects or a bad API key,
     OSError for an unreadable keys file."""
-    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys"}
+    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
     engine_config = config_from_args(registry.config_type(args.engine), args)
+    limits = config_from_args(RequestLimits, args)
     api_keys = load_api_keys(
         args.api_key or (), env=os.environ.get(API_KEYS_ENV), file=args.api_keys_file
     )
     return FrontendConfig(
         **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config,
-        api_keys=api_keys,
+        api_keys=api_keys, limits=limits,
     )  # fmt: skip
 
 
