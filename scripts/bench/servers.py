@@ -11,8 +11,9 @@ Two kinds, each an async context manager that yields a :class:`ServerInfo`:
   gracefully and pyinstrument writes its session), SIGKILL after a deadline.
 - :func:`dynamo_server`: NVIDIA Dynamo's frontend + mocker through the peer scripts
   (``scripts/peers/dynamo/``: ``install.sh`` puts Dynamo's wheels from PyPI into a scratch
-  directory, ``start_disagg.sh`` / ``stop.sh`` run and stop it). Those scripts bind port 8000, so the port is checked first and the
-  server is refused rather than started on top of something else. Raises
+  directory, ``start_disagg.sh`` / ``stop.sh`` run and stop it). Those scripts bind port
+  8000, so the port is checked first and the server is refused rather than started on top
+  of something else. Raises
   :class:`DynamoUnavailable` when the scripts or the installation are missing.
 
 Every child runs in its own session, so a Ctrl-C at the terminal reaches only the suite,
