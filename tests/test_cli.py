@@ -17,7 +17,8 @@ SERVE_OPTIONS = [
     "--tokenize-mode", "--tokenizer-threads", "--engine", "--mode", "--speedup-ratio",
     "--log-level", "--max-body-bytes", "--workers", "--discovery", "--router", "--ack-timeout",
     "--no-instrument", "--stall-threshold-ms", "--max-inflight", "--drain-timeout",
-    "--graceful-timeout",
+    "--graceful-timeout", "--write-timeout", "--ssl-certfile", "--ssl-keyfile",
+    "--max-header-bytes", "--header-timeout", "--read-timeout", "--max-connections-per-client",
 ]
 
 

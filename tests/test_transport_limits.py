@@ -7,13 +7,16 @@ a second; clients are raw trio sockets, so that a test sends exactly the bytes i
 to, when it means to. Times are real, and the asserts on them are bounds with room for a
 loaded machine, never exact. The write deadline is checked over a lockstep memory stream
 on virtual time, as in tests/test_http_pitfalls.py. Certificates are made in the test
-(tls_fixture).
+(tls_fixture). The last tests go through a whole frontend (frontend_fixture) for its
+counters and HTTPS, and one through ``python -m headwater serve`` (port 0, HF tokenizer).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import ssl
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,7 +32,9 @@ from hypercorn.events import Closed, RawData
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.limits import ClientConnections, head_piece
 from frontend.http.serving.tcp_server import HeadwaterTCPServer, _write_now
+from headwater.cluster.recipes import spawn_frontend, wait_healthy
 
+from frontend_fixture import serve_frontend
 from tls_fixture import client_context, issue
 
 LIMIT = 4096  # bytes of a request head, in these tests
@@ -431,3 +436,91 @@ async def test_tls_handshakes_and_heads_have_the_header_timeout(
 def test_every_reason_is_named() -> None:
     assert REFUSAL_REASONS == ("header_too_large", "header_timeout", "tls_handshake_timeout",
                                "read_timeout", "write_timeout", "too_many_connections")
+
+
+# ---- through the frontend -----------------------------------------------------------------
+
+
+async def _metric_lines(url: str, verify: ssl.SSLContext | bool = True) -> dict[str, float]:
+    async with httpx.AsyncClient(verify=verify) as client:
+        text = (await client.get(url + "/metrics")).text
+    rejected = "headwater_frontend_rejected_requests_total{reason="
+    return {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines() if line.startswith(rejected)
+    }  # fmt: skip
+
+
+async def test_the_frontend_counts_each_refusal_by_reason() -> None:
+    settings = {"max_header_bytes": 2048, "header_timeout": 0.5, "max_connections_per_client": 3,
+                "keep_alive_timeout": 10}  # fmt: skip
+    async with serve_frontend(**settings) as (fe, url):
+        counts = await _metric_lines(url)
+        assert {r: counts[r] for r in REFUSAL_REASONS} == dict.fromkeys(REFUSAL_REASONS, 0.0)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        big = await trio.open_tcp_stream(host, int(port))
+        await big.send_all(_head(3000))
+        assert (await _until_closed(big)).startswith(b"HTTP/1.1 431 ")
+        slow = await trio.open_tcp_stream(host, int(port))
+        await slow.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n")
+        assert (await _until_closed(slow)).startswith(b"HTTP/1.1 408 ")
+        held = [await trio.open_tcp_stream(host, int(port)) for _ in range(3)]
+        await trio.sleep(0.1)
+        extra = await trio.open_tcp_stream(host, int(port))
+        assert await _until_closed(extra) == b""
+        for stream in (big, slow, extra, *held):
+            await stream.aclose()
+        await trio.sleep(0.1)
+        counts = await _metric_lines(url)
+        assert counts["header_too_large"] == 1
+        assert counts["header_timeout"] == 1
+        assert counts["too_many_connections"] == 1
+        assert counts["read_timeout"] == counts["write_timeout"] == 0
+        assert counts["max_inflight"] == 0
+        # Normal requests were never touched.
+        body = {"model": fe.pipeline.model_name, "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+
+
+async def test_the_frontend_over_https(ca: trustme.CA, tmp_path: Path) -> None:
+    pem = issue(ca, tmp_path, "frontend", "127.0.0.1", "localhost")
+    async with serve_frontend(ssl_certfile=pem.certfile, ssl_keyfile=pem.keyfile) as (fe, url):
+        assert url.startswith("https://127.0.0.1:")
+        body = {"model": fe.pipeline.model_name, "max_tokens": 40, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        async with httpx.AsyncClient(base_url=url, verify=client_context(ca)) as client:
+            unary = await client.post("/v1/chat/completions", json=body)
+            assert unary.json()["usage"]["completion_tokens"] == 40
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json={**body, "stream": True}) as r:  # fmt: skip
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert len(events) > 2
+            assert (await client.get("/health")).status_code == 200
+        assert (await _metric_lines(url, client_context(ca)))["header_timeout"] == 0
+
+
+@pytest.mark.slow
+async def test_headwater_serve_announces_https(
+    ca: trustme.CA, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # --processes 2: the supervisor's line, each process's own URL and the shared port
+    # are all https, and each serves over TLS.
+    pem = issue(ca, tmp_path, "frontend", "127.0.0.1")
+    argv = [sys.executable, "-m", "headwater", "serve", "--port", "0", "--tokenizer-backend",
+            "hf", "--processes", "2", "--ssl-certfile", pem.certfile, "--ssl-keyfile",
+            pem.keyfile]  # fmt: skip
+    frontend = await spawn_frontend(
+        nursery, argv, name="frontend", log_path=tmp_path / "frontend.log", ready_within=120
+    )
+    assert frontend.address.startswith("https://127.0.0.1:")
+    assert [m.url.split(":")[0] for m in frontend.members] == ["https", "https"]
+    await wait_healthy(frontend.address, within=60, child=frontend, verify=client_context(ca))
+    async with httpx.AsyncClient(verify=client_context(ca)) as client:
+        for member in frontend.members:
+            assert (await client.get(member.url + "/live")).status_code == 200
+    frontend.send_signal(signal.SIGTERM)
+    with trio.fail_after(60):
+        assert await frontend.wait() == 0

@@ -41,8 +41,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413")
     h.add_argument("--keep-alive-timeout", type=positive_float, default=_D.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open")
-    h.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
-                   help="seconds a client may stall reading before it is dropped")
+    h.add_argument("--ssl-certfile", default=_D.ssl_certfile, metavar="PEM",
+                   help="serve HTTPS with this certificate chain (with --ssl-keyfile); the "
+                        "URLs printed and announced are then https://")
+    h.add_argument("--ssl-keyfile", default=_D.ssl_keyfile, metavar="PEM",
+                   help="the private key of --ssl-certfile")
+
+    t = p.add_argument_group("slow and greedy clients (docs/security.md; each refusal counts "
+                             "in headwater_frontend_rejected_requests_total{reason})")
+    t.add_argument("--max-header-bytes", type=_header_bytes, default=_D.max_header_bytes,
+                   help="largest request head (request line and header fields); a larger "
+                        "one gets 431 (reason header_too_large)")
+    t.add_argument("--header-timeout", type=positive_float, default=_D.header_timeout,
+                   help="seconds a request head may take from its first byte, and a TLS "
+                        "handshake from the connection's accept; then 408 and the "
+                        "connection closes (header_timeout, tls_handshake_timeout)")
+    t.add_argument("--read-timeout", type=positive_float, default=_D.read_timeout,
+                   help="seconds a request body may go without a byte; then the connection "
+                        "closes (read_timeout). Not while a response streams")
+    t.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
+                   help="seconds a client may stall reading before it is dropped "
+                        "(write_timeout)")
+    t.add_argument("--max-connections-per-client", type=_non_negative_int,
+                   default=_D.max_connections_per_client,
+                   help="connections open at once per client IP address (loopback too); one "
+                        "more is closed at once (too_many_connections). Behind a proxy all "
+                        "are the proxy's: raise it, or 0 for no limit")
     h.add_argument("--max-inflight", type=_non_negative_int, default=_D.max_inflight,
                    help="generation requests (chat, completions) in flight at once, per "
                         "process; one more gets 429 with Retry-After before its body is read "
@@ -157,6 +181,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         group = p.add_argument_group(f"engine {name} (in-process workers)",
                                      registry.spec(name).summary)
         add_config_options(group, registry.config_type(name))
+
+
+def _header_bytes(text: str) -> int:
+    value = int(text)
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1024, got {value}")
+    return value
 
 
 def _non_negative_int(text: str) -> int:

@@ -72,7 +72,7 @@ async def supervise(config: FrontendConfig, argv: Sequence[str]) -> int:
     """
     sock = listen(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    url = f"{config.scheme}://{host}:{port}"
     lost = trio.Event()
     status = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
