@@ -11,6 +11,7 @@ from typing import Any
 
 from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
+from headwater.plane.tls import TlsConfig, tls_config
 from workers.engines import registry
 
 
@@ -87,6 +88,12 @@ class FrontendConfig:
     discovery: str | None = None  # "etcd://127.0.0.1:2379": find workers there
     router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c"
     ack_timeout: float = 5.0  # seconds a worker has to ACK a request (as Dynamo)
+    # Mutual TLS to remote workers (headwater/plane/tls.py): this frontend's certificate
+    # and key, and the CA the workers' certificates must chain to (their advertised
+    # hosts are checked). All three or none; none: plain TCP. In-process workers: unused.
+    plane_tls_certfile: str | None = None
+    plane_tls_keyfile: str | None = None
+    plane_tls_ca_file: str | None = None
     migration_limit: int = 3  # times a broken stream may move to another worker
     route_attempts: int = 3  # workers tried when one cannot be reached
 
@@ -119,6 +126,11 @@ class FrontendConfig:
     log_level: str = "info"
 
     @property
+    def plane_tls(self) -> TlsConfig | None:
+        """The request plane's TLS to remote workers, or None."""
+        return tls_config(self.plane_tls_certfile, self.plane_tls_keyfile, self.plane_tls_ca_file)
+
+    @property
     def scheme(self) -> str:
         """``https`` with TLS on the listener, else ``http``."""
         return "https" if self.ssl_certfile else "http"
@@ -141,6 +153,7 @@ class FrontendConfig:
             raise ValueError(f"max_header_bytes must be at least 1024, got {self.max_header_bytes}")
         if not (self.header_timeout > 0 and self.read_timeout > 0):
             raise ValueError("header_timeout and read_timeout must be positive")
+        tls_config(self.plane_tls_certfile, self.plane_tls_keyfile, self.plane_tls_ca_file)
         if self.max_connections_per_client < 0:
             raise ValueError("max_connections_per_client must be >= 0 (0: no limit), got "
                              f"{self.max_connections_per_client}")

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import fields
@@ -137,6 +138,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="times a broken stream may move to another worker")
     w.add_argument("--route-attempts", type=positive_int, default=_D.route_attempts,
                    help="workers tried when one cannot be reached")
+    w.add_argument("--plane-tls-certfile", default=None, metavar="PEM",
+                   help="mutual TLS to remote workers (with --plane-tls-keyfile and "
+                        "--plane-tls-ca-file): this frontend's certificate chain")
+    w.add_argument("--plane-tls-keyfile", default=None, metavar="PEM",
+                   help="the private key of --plane-tls-certfile")
+    w.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
+                   help="the CA the workers' certificates must chain to; each must name "
+                        "the host the worker is reached at (its advertised host)")
 
     f = p.add_argument_group("worker health and overload (docs/fault-tolerance.md)")
     f.add_argument("--inhibit-after", type=positive_int, default=_D.inhibit_after,
@@ -206,16 +215,24 @@ def _non_negative_float(text: str) -> float:
 
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     """Raises ValueError for a value the engine's config rejects or a bad API key,
-    OSError for an unreadable keys file."""
+    OSError for an unreadable keys file or TLS file (``ssl.SSLError`` for one that is
+    not a certificate or key, or a key that does not match)."""
     names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys"}
     engine_config = config_from_args(registry.config_type(args.engine), args)
     api_keys = load_api_keys(
         args.api_key or (), env=os.environ.get(API_KEYS_ENV), file=args.api_keys_file
     )
-    return FrontendConfig(
+    config = FrontendConfig(
         **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config,
         api_keys=api_keys,
     )  # fmt: skip
+    # The files are read now, not at the first connection: a bad one is a bad option.
+    if config.ssl_certfile and config.ssl_keyfile:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    if (plane_tls := config.plane_tls) is not None:
+        plane_tls.client_context()
+    return config
 
 
 def main(args: argparse.Namespace) -> int:
