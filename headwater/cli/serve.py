@@ -229,7 +229,12 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     # The files are read now, not at the first connection: a bad one is a bad option.
     if config.ssl_certfile and config.ssl_keyfile:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        try:
+            context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        except OSError as exc:  # ssl's own errors name no file
+            reason = exc.strerror or getattr(exc, "reason", None) or exc
+            raise OSError(exc.errno, f"--ssl-certfile {config.ssl_certfile}, --ssl-keyfile "
+                                     f"{config.ssl_keyfile}: {reason}") from exc
     if (plane_tls := config.plane_tls) is not None:
         plane_tls.client_context()
     return config
