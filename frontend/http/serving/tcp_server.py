@@ -163,15 +163,19 @@ class HeadwaterTCPServer(TCPServer):
         head_bytes = 0  # of that head so far
         try:
             while True:
-                with trio.move_on_at(deadline) as late:
+                # One cancel scope per read, as hypercorn's: the earlier of the two deadlines.
+                at = deadline if every_read == math.inf else min(
+                    deadline, trio.current_time() + every_read
+                )  # fmt: skip
+                with trio.move_on_at(at) as late:
                     try:
-                        with trio.fail_after(every_read):
-                            data = await self.stream.receive_some(size)
-                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        data = await self.stream.receive_some(size)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError):
                         break
                 if late.cancelled_caught:
-                    await self._refuse_slow(reason)
-                    break
+                    if trio.current_time() >= deadline:
+                        await self._refuse_slow(reason)
+                    break  # else hypercorn's read_timeout: closed, as hypercorn closes it
                 if len(data) >= small:
                     size = large
                 http11 = self._http11()
