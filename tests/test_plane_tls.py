@@ -104,6 +104,23 @@ async def test_a_frontend_client_and_a_worker_over_mutual_tls(
     assert (stats["plane_tls_failures_total"], stats["plane_auth_failures_total"]) == (0, 0)
 
 
+async def test_a_worker_that_closes_a_tls_connection_is_seen_to_close_it(
+    ca: trustme.CA, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # trio closes a TLS stream without close_notify on the worker's side (it aborts):
+    # the client reads that as the worker closing, not as a broken read.
+    worker = await start_worker(nursery, issue(ca, tmp_path, "worker", "127.0.0.1"))
+    frontend = issue(ca, tmp_path, "frontend", "frontend.headwater")
+    client = await connect_worker(instance_of(worker), nursery, secret=SECRET,
+                                  config=plane(frontend))  # fmt: skip
+    conn = client._conn
+    assert conn is not None
+    await worker.server.close_connections(1.0)
+    with trio.fail_after(5):
+        await conn.closed.wait()
+    assert conn.reason == "the worker closed the connection"
+
+
 async def test_a_client_without_a_certificate_is_refused(
     ca: trustme.CA, tmp_path: Path, nursery: trio.Nursery
 ) -> None:

@@ -353,7 +353,11 @@ class PlaneConnection:
             try:
                 data = await self._stream.receive_some(self.config.receive_size)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._break(f"read failed: {exc!r}")
+                reason = tls_reason(exc)
+                if reason is not None and "EOF" in reason:  # TLS, closed without close_notify
+                    self._break("the worker closed the connection")
+                else:
+                    self._break(f"read failed: {reason or repr(exc)}")
                 return
             if not data:
                 self._break("the worker closed the connection")

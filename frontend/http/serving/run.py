@@ -158,12 +158,13 @@ def _listen(config: ServerConfig) -> tuple[list[Listener], list[str]]:
     ones for ``insecure_bind``), plain ones for ``bind`` otherwise."""
     sockets = config.create_sockets()
     ssl_context = config.create_ssl_context()
+    if ssl_context is not None:
+        # The seam's fixes and limits are HTTP/1.1's: h2 over TLS would go around them.
+        ssl_context.set_alpn_protocols(["http/1.1"])
     listeners: list[Listener] = []
     urls: list[str] = []
     for sock in sockets.secure_sockets:
         assert ssl_context is not None  # secure sockets only when TLS is configured
-        # The seam's fixes are HTTP/1.1's: h2 over TLS would go around them.
-        ssl_context.set_alpn_protocols(["http/1.1"])
         sock.listen(config.backlog)
         plain = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         listeners.append(trio.SSLListener(plain, ssl_context, https_compatible=True))
