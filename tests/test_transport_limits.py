@@ -13,6 +13,7 @@ counters and HTTPS, and one through ``python -m headwater serve`` (port 0, HF to
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import ssl
@@ -431,6 +432,20 @@ async def test_tls_handshakes_and_heads_have_the_header_timeout(
         await tls.send_all(b"GET / HTTP/1.1\r\nHo")
         assert (await _until_closed(tls)).startswith(b"HTTP/1.1 408 ")
         assert server.refusals == ["tls_handshake_timeout", "header_timeout"]
+
+
+async def test_a_tls_handshake_under_way_at_shutdown_is_closed(
+    ca: trustme.CA, tmp_path: Path
+) -> None:
+    pem = issue(ca, tmp_path, "server", "127.0.0.1")
+    async with serving(certfile=pem.certfile, keyfile=pem.keyfile) as server:
+        host, port = server.url.removeprefix("https://").rsplit(":", 1)
+        silent = await trio.open_tcp_stream(host, int(port))  # outlives the server
+        await trio.sleep(0.1)  # accepted; its handshake waits for the client
+    gc.collect()  # an unclosed socket would warn here, and warnings are errors
+    assert await _until_closed(silent) == b""
+    assert server.refusals == []
+    await silent.aclose()
 
 
 def test_every_reason_is_named() -> None:

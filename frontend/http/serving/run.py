@@ -128,18 +128,23 @@ async def _serve_connection(
 
 
 async def _tls_handshake(stream: trio.SSLStream[trio.SocketStream], config: ServerConfig) -> bool:
-    """Whether the handshake completed within ``header_timeout``; else *stream* is closed."""
-    with trio.move_on_after(config.header_timeout) as scope:
-        try:
-            await stream.do_handshake()
-            return True
-        except trio.BrokenResourceError as exc:
-            # Not TLS, a client that does not trust the certificate, a scanner.
-            log.debug("TLS handshake failed: %r", exc.__cause__ or exc)
-    if scope.cancelled_caught:
-        config.refused(TLS_HANDSHAKE_TIMEOUT)
-    await trio.aclose_forcefully(stream)
-    return False
+    """Whether the handshake completed within ``header_timeout``; else *stream* is closed
+    (also when the server shuts down meanwhile)."""
+    done = False
+    try:
+        with trio.move_on_after(config.header_timeout) as scope:
+            try:
+                await stream.do_handshake()
+                done = True
+            except trio.BrokenResourceError as exc:
+                # Not TLS, a client that does not trust the certificate, a scanner.
+                log.debug("TLS handshake failed: %r", exc.__cause__ or exc)
+        if scope.cancelled_caught:
+            config.refused(TLS_HANDSHAKE_TIMEOUT)
+    finally:
+        if not done:  # it will not be served: nobody else closes it
+            await trio.aclose_forcefully(stream)
+    return done
 
 
 def _client_address(stream: trio.SocketStream) -> str | None:
