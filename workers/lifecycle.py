@@ -248,6 +248,7 @@ def worker_stats(
         "served_total": rt.served_total,
         "cancelled_total": rt.cancelled_total,
         "failed_total": rt.failed_total,
+        "kv_released_total": rt.kv_released_total,
         "draining": rt.draining,
     }
     values.update({f"engine_{k}": v for k, v in asdict(rt.engine).items()})

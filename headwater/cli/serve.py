@@ -23,10 +23,12 @@ from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_restart_options,
     config_from_args,
     configure_logging,
     positive_float,
     positive_int,
+    restart_policy_from_args,
 )
 from headwater.machine import usable_cpus
 from workers.engines import registry
@@ -90,10 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--processes", type=positive_int, default=_D.processes,
                    help="frontend processes sharing the port, each with its own event loop "
                         "and in-process workers; each also serves its own /metrics and "
-                        "/dashboard on a private port it prints")
+                        "/dashboard on a private port it prints. One that exits on its own "
+                        "is restarted (--restart-*) while the others serve")
     h.add_argument("--listen-fd", type=int, default=_D.listen_fd,
                    help="serve on this inherited listening socket (set by --processes "
                         "for its children)")
+    add_restart_options(h, "all of them (with --processes N)")
 
     m = p.add_argument_group("model and tokenization")
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
@@ -245,6 +249,7 @@ def main(args: argparse.Namespace) -> int:
     second signal cut the drain short; 2 on bad options."""
     try:
         config = frontend_config_from_args(args)
+        restart = restart_policy_from_args(args)
     except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
@@ -252,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
     if config.processes > 1:
         from headwater.cluster.frontend_group import supervise
 
-        return trio.run(supervise, config, args.argv)
+        return trio.run(supervise, config, args.argv, restart)
     return trio.run(serve_until_signalled, config)
 
 

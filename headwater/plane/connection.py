@@ -77,6 +77,7 @@ from headwater.wire.frames import (
     GoAway,
     HelloOk,
     KvData,
+    KvRelease,
     Ping,
     Pong,
     Stats,
@@ -399,7 +400,13 @@ class PlaneConnection:
     def _deliver(self, key: str | tuple[str, int], frame: Frame) -> None:
         route = self._routes.get(key)
         if route is None:
-            return  # its stream already left; late replies are expected after a cancel
+            # Its stream already left; late replies are expected after a cancel. A
+            # prefill's KV handle among them is one nobody will pull: say so, or the
+            # worker holds that KV until its transfer timeout.
+            if isinstance(frame, Chunk) and frame.kv_handle is not None:
+                with suppress(Disconnected):
+                    self.send_frame(KvRelease(frame.kv_handle.transfer_id))
+            return
         route.last = self._read_at
         try:
             route.send.send_nowait(frame)

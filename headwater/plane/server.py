@@ -63,6 +63,7 @@ from headwater.wire.frames import (
     HelloOk,
     KvData,
     KvPull,
+    KvRelease,
     Ping,
     Pong,
     Stats,
@@ -554,6 +555,8 @@ class _Connection:
             case KvPull():
                 assert self._nursery is not None
                 self._nursery.start_soon(self._serve_pull, frame.transfer_id)
+            case KvRelease():
+                self.server.runtime.release_kv(frame.transfer_id)
             case GetStats():
                 self.send_control(Stats(frame.seq, self.server.stats_values()))
             case _:

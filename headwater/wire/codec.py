@@ -15,6 +15,7 @@ Kinds and their frame types::
     error      Error (has request_id) or Fault (connection-level, then close)
     cancel     Cancel       ping / pong: Ping, Pong (heartbeat, echo ``seq``)
     kv_pull    KvPull       kv_data: KvData (a transfer's payload, in pieces)
+    kv_release KvRelease    client → prefill worker: free a transfer never pulled (no answer)
     get_stats  GetStats     stats: Stats (the worker's counters, flat)
     goaway     GoAway       server → client: no new requests on this connection
 
@@ -72,6 +73,7 @@ from headwater.wire.frames import (
     HelloOk,
     KvData,
     KvPull,
+    KvRelease,
     Ping,
     Pong,
     Stats,
@@ -274,6 +276,8 @@ def _body(frame: Frame) -> _Map:
             return {"k": "stats", "seq": frame.seq, "values": frame.values}
         case KvPull():
             return {"k": "kv_pull", "transfer_id": frame.transfer_id}
+        case KvRelease():
+            return {"k": "kv_release", "transfer_id": frame.transfer_id}
         case KvData():
             return {"k": "kv_data", "transfer_id": frame.transfer_id, "data": frame.data,
                     "last": frame.last}
@@ -565,6 +569,7 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "ping": lambda d: Ping(_nonneg(d, "seq")),
     "pong": lambda d: Pong(_nonneg(d, "seq"), _load(d)),
     "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id")),
+    "kv_release": lambda d: KvRelease(_request_id(d, "transfer_id")),
     "kv_data": lambda d: KvData(
         _request_id(d, "transfer_id"), _field(d, "data", bytes), _field(d, "last", bool)
     ),
