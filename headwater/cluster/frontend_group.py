@@ -83,7 +83,7 @@ async def supervise(
     """
     sock = listen(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    url = f"{config.scheme}://{host}:{port}"
     given_up = trio.Event()
     fd = sock.fileno()
     children = [
