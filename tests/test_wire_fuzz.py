@@ -3,8 +3,9 @@
 Test policy: property tests (hypothesis), no I/O. Whatever bytes or frames a peer
 sends, the decoder yields frames or raises ProtocolError (FrameTooLarge, AuthError)
 and nothing else: no KeyError, TypeError, MemoryError, RecursionError, no hang; what
-it yields re-encodes; and what it allocates stays within a bound of the bytes it was
-fed. The handshakes are checked against a model of who
+it yields re-encodes; what it allocates stays within a bound of the bytes it was fed;
+and what it says (an error message, which goes back to the peer in a Fault and into
+the worker's log) stays short. The handshakes are checked against a model of who
 may be let in. Example counts are set per test (a few hundred each, ~10 s for the
 file); under CI hypothesis derandomizes by itself (its ``ci`` profile).
 """
@@ -22,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headwater.wire.codec import KINDS, FrameDecoder, decode_body, encode
-from headwater.wire.errors import AuthError, ProtocolError
+from headwater.wire.errors import MAX_MESSAGE, AuthError, ProtocolError
 from headwater.wire.frames import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -71,6 +72,7 @@ def decodes_or_refuses(data: bytes, cuts: list[int] = [], max_frame: int = MAX_F
         again = encode(frame, max_frame)  # what a peer decodes, it can send on
         assert encode(FrameDecoder(max_frame).feed(again)[0], max_frame) == again
     if refusal is not None:
+        assert len(refusal.message) <= MAX_MESSAGE, refusal.message[:200]
         assert decoder.buffered == 0
         with pytest.raises(ProtocolError):
             decoder.feed(b"")
@@ -280,6 +282,32 @@ def test_legit_big_frames_still_decode() -> None:
     for frame in frames:
         (decoded,) = FrameDecoder().feed(encode(frame))
         assert encode(decoded) == encode(frame)
+
+
+# ---- what errors say --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"k": "x" * 1_000_000},
+        {"k": "chunk", "request_id": "r", "finish_reason": "y" * 1_000_000},
+        {"k": "error", "code": "c" * 1_000_000, "message": "m" * 1_000_000},
+    ],
+    ids=["kind", "finish-reason", "fault"],
+)
+def test_error_messages_stay_short_whatever_the_peer_sent(body: dict[str, str]) -> None:
+    """An error message goes back to the peer in a Fault and into the log: a peer's
+    megabyte-long kind must not come back a megabyte long (it did, repr'd whole)."""
+    def decode_and_hear() -> None:
+        client = ClientHandshake(role="frontend", peer_id="fe", model="", secret=None)
+        for frame in FrameDecoder(4 << 20).feed(framed(packed(body))):
+            client.receive(frame)  # the fault: what the worker said, quoted
+
+    with pytest.raises(ProtocolError) as info:
+        decode_and_hear()
+    assert len(info.value.message) <= MAX_MESSAGE
+    assert len(str(info.value)) <= MAX_MESSAGE
 
 
 # ---- the handshakes against a model ----------------------------------------------------
