@@ -17,16 +17,18 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 
+import msgpack
 import trio
 import trio.testing
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from headwater.plane.base import WorkerInstance
+from headwater.plane.base import WorkerError, WorkerInstance
 from headwater.plane.client import connect_worker
 from headwater.plane.connection import PlaneConfig
 from headwater.plane.server import ServerConfig
@@ -38,6 +40,7 @@ from headwater.wire import (
     Error,
     ErrorCode,
     GenerateRequest,
+    KvHandle,
     Role,
     SamplingParams,
 )
@@ -63,7 +66,7 @@ from headwater.wire.frames import (
     Pong,
     Stats,
 )
-from headwater.wire.handshake import proof
+from headwater.wire.handshake import ServerHandshake, proof
 from workers.engines.mocker import MockerConfig
 from workers.lifecycle import RunningWorker, WorkerConfig, serve_worker
 
@@ -111,6 +114,7 @@ async def test_an_oversize_frame_before_the_handshake_is_refused_from_its_header
 HANDSHAKE_TIMEOUT = 0.4  # s: a stalled handshake is dropped after this (the worker's)
 HEARTBEAT_TIMEOUT = 1.5  # s: a silent peer is dropped after this (the worker's)
 CASE_BOUND = 5.0  # s: every fuzzed connection must have ended by then
+EXAMPLE_BOUND = 30.0  # s: a whole example (a hang fails it, with its traceback)
 NONCE = b"f" * 32  # the fuzzer's own hello nonce: its hello bytes are always the same
 MODEL = "deepseek-v4"
 
@@ -416,14 +420,21 @@ SCRIPTS = st.builds(
 )
 
 
-def task_count() -> int:
-    """Tasks alive in this trio run, the worker's and the test's."""
-    count, stack = 0, [trio.lowlevel.current_root_task()]
+def _subtree(task: trio.lowlevel.Task) -> list[trio.lowlevel.Task]:
+    tasks, stack = [], [task]
     while stack:
         task = stack.pop()
-        count += 1
+        tasks.append(task)
         stack.extend(t for n in task.child_nurseries for t in n.child_tasks)
-    return count
+    return tasks
+
+
+def task_count() -> int:
+    """Tasks alive in the worker's task tree (``serve_worker`` and all it runs)."""
+    (worker,) = [
+        t for t in _subtree(trio.lowlevel.current_root_task()) if t.name.endswith("serve_worker")
+    ]
+    return len(_subtree(worker))
 
 
 def open_fds() -> int:
@@ -471,9 +482,10 @@ async def test_a_live_worker_under_fuzz(
     errors = _Errors()
     logging.getLogger().addHandler(errors)
     try:
-        async with trio.open_nursery() as nursery:
-            await _fuzz_one_worker(nursery, scripts, expected, secret, role)
-            nursery.cancel_scope.cancel()
+        with trio.fail_after(EXAMPLE_BOUND):
+            async with trio.open_nursery() as nursery:
+                await _fuzz_one_worker(nursery, scripts, expected, secret, role)
+                nursery.cancel_scope.cancel()
     finally:
         logging.getLogger().removeHandler(errors)
     assert [r.getMessage() for r in errors.records] == []
@@ -595,5 +607,279 @@ async def _fuzz_one_worker(
     )
     assert within(after.peer_timeouts_total - before.peer_timeouts_total, bounds("silent"))
     assert after.write_timeouts_total == before.write_timeouts_total
+    assert task_count() == tasks
+    assert open_fds() == fds
+
+
+# ---- a decode worker pulling KV from a fuzzed prefill worker --------------------------------
+
+PULL_TIMEOUTS = PlaneConfig(connect_timeout=0.5, heartbeat_interval=0.2, heartbeat_timeout=0.5)
+PROMPT = 200  # tokens of each decode leg's prompt (the handle covers all of them)
+
+#: What the fake prefill worker answers a kv_pull with, move by move.
+Move = tuple[str, int]
+MOVES: st.SearchStrategy[Move] = st.one_of(
+    st.tuples(st.just("data"), st.integers(min_value=0, max_value=1 << 20)),
+    st.tuples(st.just("data_other_id"), st.integers(min_value=0, max_value=4096)),
+    st.tuples(st.just("stall"), st.integers(min_value=1, max_value=25)),  # hundredths of a s
+    st.tuples(st.sampled_from(["bad_type", "garbage", "oversize", "partial"]), st.just(0)),
+)
+ENDS: st.SearchStrategy[Move] = st.one_of(
+    st.tuples(st.sampled_from(["last", "last_other_id"]), st.integers(0, 1 << 21)),
+    st.tuples(st.sampled_from(["error", "fault", "close", "chunk", "ack"]), st.just(0)),
+)
+#: How the fake greets a decode worker that dials it for a pull.
+GREETINGS = st.sampled_from(
+    ["ok", "ok", "ok", "ok", "silent", "garbage", "fault", "wrong_worker", "wrong_proof"]
+)
+
+
+def pull_outcome(moves: list[Move]) -> bool:
+    """Whether a pull answered with *moves* succeeds: the first move that decides it.
+    A transfer that never got its last piece fails: the fake closes after its moves."""
+    for move, _ in moves:
+        if move == "last":
+            return True
+        if move not in ("data", "data_other_id", "stall", "last_other_id"):
+            return False
+    return False
+
+
+def _bad_kv_data(transfer_id: str) -> bytes:
+    return _framed({"k": "kv_data", "transfer_id": transfer_id, "data": "not bytes", "last": 1})
+
+
+def _framed(body: object) -> bytes:
+    raw = msgpack.packb(body, use_bin_type=True)
+    return struct.pack(">I", len(raw)) + raw
+
+
+class FakePrefill:
+    """A test server speaking the plane's handshake, answering each ``kv_pull`` with the
+    moves the test gave for its transfer id, and each ping with a pong."""
+
+    def __init__(self, secret: bytes | None, greeting: str = "ok") -> None:
+        self.secret = secret
+        self.greeting = greeting
+        self.identity = HelloOk(PROTOCOL_VERSION, "prefill", "fake-prefill", MODEL)
+        self.answers: dict[str, list[Move]] = {}
+        self.connections = 0
+        self.address = ""
+
+    async def serve(self, *, task_status: trio.TaskStatus[None]) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        await trio.serve_listeners(self._handle, listeners, task_status=task_status)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        async with stream, trio.open_nursery() as nursery:
+            decoder = FrameDecoder()
+            handshake = ServerHandshake(self.identity, secret=self.secret)
+            send_lock = trio.Lock()
+
+            async def send(data: bytes) -> None:
+                async with send_lock:
+                    await stream.send_all(data)
+
+            with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while data := await stream.receive_some(65536):
+                    for frame in decoder.feed(data):
+                        if handshake.peer is None:
+                            if not await self._greet(send, handshake, frame):
+                                return
+                        elif isinstance(frame, Ping):
+                            await send(encode(Pong(frame.seq)))
+                        elif isinstance(frame, KvPull):
+                            moves = self.answers.pop(frame.transfer_id, [("error", 0)])
+                            nursery.start_soon(self._answer, send, stream, frame.transfer_id,
+                                               moves)  # fmt: skip
+            nursery.cancel_scope.cancel()
+
+    async def _greet(
+        self, send: Callable[[bytes], Awaitable[None]], handshake: ServerHandshake, frame: Frame
+    ) -> bool:
+        if self.greeting == "silent":
+            await trio.sleep_forever()
+        if self.greeting == "garbage":
+            await send(b"\x00\x00\x00\x03\xc1\xc1\xc1")
+            return False
+        if self.greeting == "fault":
+            await send(encode(Fault("shutting_down", "go away")))
+            return False
+        reply = handshake.receive(frame)
+        if self.greeting == "wrong_worker" and isinstance(reply, HelloOk):
+            reply = HelloOk(PROTOCOL_VERSION, "prefill", "someone-else", MODEL)
+        if self.greeting == "wrong_proof" and isinstance(reply, Challenge):
+            reply = Challenge(reply.nonce, b"\x00" * 32)
+        if self.greeting == "wrong_proof" and self.secret is None:
+            reply = Challenge(NONCE, b"\x00" * 32)  # a challenge the client cannot answer
+        await send(encode(reply))
+        return True
+
+    async def _answer(
+        self,
+        send: Callable[[bytes], Awaitable[None]],
+        stream: trio.SocketStream,
+        tid: str,
+        moves: list[Move],
+    ) -> None:
+        with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._play(send, tid, moves)
+        await trio.aclose_forcefully(stream)
+
+    async def _play(
+        self, send: Callable[[bytes], Awaitable[None]], tid: str, moves: list[Move]
+    ) -> None:
+        """Send *moves*; return to keep the connection, raise Closed to close it."""
+        for move, n in moves:
+            if move in ("data", "last"):
+                await send(encode(KvData(tid, b"\0" * n, move == "last")))
+            elif move in ("data_other_id", "last_other_id"):
+                await send(encode(KvData(tid + "-x", b"\0" * n, move == "last_other_id")))
+            elif move == "stall":
+                await trio.sleep(n / 100)
+            elif move == "bad_type":
+                await send(_bad_kv_data(tid))
+            elif move == "garbage":
+                await send(b"\x00\x00\x00\x04\xc1junk")
+            elif move == "oversize":
+                await send(struct.pack(">I", DEFAULT_MAX_FRAME + 1))
+            elif move == "partial":
+                await send(struct.pack(">I", 100) + b"\x80" * 10)  # and never the rest
+            elif move == "error":
+                await send(encode(Error(tid, ErrorCode.KV_TRANSFER_FAILED, "not here")))
+            elif move == "fault":
+                await send(encode(Fault("protocol_error", "you again")))
+            elif move == "chunk":
+                await send(encode(Chunk(tid, [1])))
+            elif move == "ack":
+                await send(encode(Ack(tid)))
+            elif move == "close":
+                break
+            if move in ("last", "error", "chunk", "ack"):
+                await trio.sleep_forever()  # answered: the connection goes on
+        raise trio.ClosedResourceError
+
+
+@settings(
+    max_examples=LIVE_EXAMPLES, deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)  # fmt: skip
+@given(
+    pulls=st.lists(
+        st.tuples(st.lists(MOVES, max_size=4), ENDS, GREETINGS), min_size=1, max_size=6
+    ),
+    secret=st.sampled_from([None, SECRET]),
+)
+async def test_a_decode_worker_pulling_from_a_fuzzed_prefill_worker(
+    pulls: list[tuple[list[Move], Move, str]], secret: bytes | None
+) -> None:
+    errors = _Errors()
+    logging.getLogger().addHandler(errors)
+    try:
+        with trio.fail_after(EXAMPLE_BOUND):
+            async with trio.open_nursery() as nursery:
+                await _fuzz_pulls(nursery, pulls, secret)
+                nursery.cancel_scope.cancel()
+    finally:
+        logging.getLogger().removeHandler(errors)
+    assert [r.getMessage() for r in errors.records] == []
+
+
+async def _fuzz_pulls(
+    nursery: trio.Nursery, pulls: list[tuple[list[Move], Move, str]], secret: bytes | None
+) -> None:
+    config = WorkerConfig(
+        role=Role.DECODE, engine_config=MockerConfig(speedup_ratio=FAST), secret=secret,
+        plane=PULL_TIMEOUTS,
+    )  # fmt: skip
+    decode: RunningWorker = await nursery.start(partial(serve_worker, config))
+    assert decode.kv_transfer is not None
+    fake = FakePrefill(secret)
+    await nursery.start(fake.serve)
+    instance = WorkerInstance(decode.worker_id, decode.role, decode.model, decode.address)
+    client = await connect_worker(instance, nursery, secret=secret)
+
+    def leg(rid: str, handle: KvHandle | None) -> GenerateRequest:
+        return GenerateRequest(
+            rid, MODEL, list(range(7, 7 + PROMPT)),
+            SamplingParams(max_tokens=4, ignore_eos=True, seed=3), handle,
+        )  # fmt: skip
+
+    async def pull_through(rid: str, prefill: FakePrefill, moves: list[Move]) -> bool:
+        """A decode leg whose KV the fake answers with *moves*: True if it ran."""
+        prefill.answers[rid] = moves
+        handle = KvHandle("fake-prefill", prefill.address, rid, PROMPT)
+        try:
+            async with client.stream(leg(rid, handle)) as chunks:
+                tokens = [t async for c in chunks for t in c.token_ids]
+        except WorkerError as exc:
+            failure: WorkerError | None = exc
+        else:
+            failure = None
+        if failure is not None:  # failed cleanly, as one the frontend migrates
+            assert failure.code is ErrorCode.KV_TRANSFER_FAILED, failure
+            assert rid in failure.message
+            return False
+        assert len(tokens) == 4
+        return True
+
+    def quiet() -> bool:
+        stats = decode.runtime.statistics()
+        return (
+            stats.inflight == 0 and stats.engine.kv_blocks_used == 0
+            and stats.engine.waiting_requests == 0
+        )  # fmt: skip
+
+    assert await pull_through("warm-up", fake, [("last", 4096)])
+    await wait_until(quiet)
+    before, tasks, fds = decode.kv_transfer.statistics(), task_count(), open_fds()
+    assert before.connections == 1
+
+    plain_runs = 0
+    pulls_done = trio.Event()
+
+    async def plain_loop() -> None:  # the decode worker keeps serving other requests
+        nonlocal plain_runs
+        while not pulls_done.is_set() or plain_runs == 0:
+            async with client.stream(leg(f"plain-{plain_runs}", None)) as chunks:
+                assert len([t async for c in chunks for t in c.token_ids]) == 4
+            plain_runs += 1
+
+    outcomes: list[tuple[bool, bool]] = []  # (expected, got)
+    async with trio.open_nursery() as inner:
+        inner.start_soon(plain_loop)
+        for i, (moves, end, greeting) in enumerate(pulls):
+            script = [*moves, end]
+            if greeting == "ok":
+                with trio.fail_after(CASE_BOUND):
+                    got = await pull_through(f"t{i}", fake, script)
+                outcomes.append((pull_outcome(script), got))
+                continue
+            # Another prefill worker, one that never completes the handshake.
+            async with trio.open_nursery() as elsewhere:
+                unfriendly = FakePrefill(secret, greeting)
+                await elsewhere.start(unfriendly.serve)
+                with trio.fail_after(CASE_BOUND):
+                    got = await pull_through(f"t{i}", unfriendly, script)
+                outcomes.append((False, got))
+                elsewhere.cancel_scope.cancel()
+        # The pool recovered: whatever broke, the next pull works (dialling if it must).
+        with trio.fail_after(CASE_BOUND):
+            assert await pull_through("after", fake, [("last", 4096)])
+        pulls_done.set()
+
+    assert [got for _, got in outcomes] == [expected for expected, _ in outcomes]
+    assert plain_runs >= 1
+    assert client.statistics().disconnects_total == 0
+    await wait_until(quiet)
+    after = decode.kv_transfer.statistics()
+    successes = sum(got for _, got in outcomes)
+    assert after.pulls_total - before.pulls_total == successes + 1
+    assert after.pull_failures_total - before.pull_failures_total == len(outcomes) - successes
+    # What broke was dropped; at most the one connection to the fake is left, as before.
+    await wait_until(lambda: decode.kv_transfer.statistics().connections == 1)  # type: ignore[union-attr]
     assert task_count() == tasks
     assert open_fds() == fds
