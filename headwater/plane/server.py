@@ -54,6 +54,7 @@ from headwater.wire.codec import FrameDecoder, encode
 from headwater.wire.errors import ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
     PROTOCOL_VERSION,
     Fault,
     Frame,
@@ -312,7 +313,7 @@ class _Connection:
         self.stream = stream
         self.peer_name = _peer_name(stream)
         cfg = server.config
-        self.decoder = FrameDecoder(cfg.max_frame)
+        self.decoder = FrameDecoder(min(cfg.max_frame, HANDSHAKE_MAX_FRAME))  # until hello_ok
         # Unbounded queue of (frame, budget it holds a token of): reply and KV frames
         # take a token first, so only tiny control frames (pong, stats, goaway,
         # refusals) bypass the bound; the writer returns tokens as it takes frames.
@@ -421,6 +422,7 @@ class _Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return None
             self.peer = handshake.peer
+            self.decoder.max_frame = server.config.max_frame
             log.debug("%s connected from %s as %s", self.peer.peer_id, self.peer_name,
                       self.peer.role)
             return frames
