@@ -59,6 +59,9 @@ class FrontendConfig:
     # API keys (frontend/http/auth.py): empty serves anyone who reaches the port, which
     # is why the host defaults to loopback. /live and /health never need one.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # A file of more keys, one per line, re-read when it changes (rotation without a
+    # restart; frontend/http/auth.py). Its keys join api_keys.
+    api_keys_file: str | None = None
     metrics_auth: bool = False  # /metrics needs a key too (else it stays open)
     # Frontend processes sharing the port, each a whole frontend with its own event loop
     # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template, routing

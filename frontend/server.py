@@ -23,7 +23,7 @@ from frontend.config import FrontendConfig
 from frontend.discovery import start_discovery
 from frontend.http.admission import Admission, AdmissionControl
 from frontend.http.app import GENERATION_PATHS, create_app
-from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning
+from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning, watch_keys_file
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
@@ -104,7 +104,8 @@ class Frontend:
         self.admission = Admission(config.max_inflight, gauge=self.metrics.inflight_requests)
         self.app = create_app(
             self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
-            admission=self.admission, limits=config.limits, api_keys=bool(config.api_keys),
+            admission=self.admission, limits=config.limits,
+            api_keys=bool(config.api_keys or config.api_keys_file),
         )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
@@ -188,12 +189,17 @@ class Frontend:
                 self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,
                 max_body_bytes=cfg.max_body_bytes,
             )  # fmt: skip
+            keys = ApiKeys(cfg.api_keys)
+            if cfg.api_keys_file is not None:  # kept in step with the file (rotation)
+                await nursery.start(
+                    partial(watch_keys_file, keys, cfg.api_keys, cfg.api_keys_file)
+                )
             keyed = RequireApiKey(
-                admitted, ApiKeys(cfg.api_keys), metrics=self.metrics,
+                admitted, keys, metrics=self.metrics,
                 metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
             )  # fmt: skip
             app = MarkActivity(ShieldFinalSend(keyed, deadline=cfg.write_timeout), self.activity)
-            if (warning := exposure_warning(cfg.host, cfg.api_keys)) is not None:
+            if (warning := exposure_warning(cfg.host, keys)) is not None:
                 log.warning("%s", warning)
             async with trio.open_nursery() as http:
                 urls: list[str] = await http.start(

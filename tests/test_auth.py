@@ -6,12 +6,15 @@ httpx on loopback.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
-from frontend.http.auth import ApiKeys, exposure_warning, load_api_keys
+from frontend.http.auth import ApiKeys, exposure_warning, load_api_keys, watch_keys_file
 
 from frontend_fixture import serve_frontend
 
@@ -102,3 +105,68 @@ async def test_without_keys_nothing_needs_one() -> None:
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
         assert (await c.get("/debug/workers")).status_code == 200
+
+
+async def test_a_keys_file_is_followed_and_a_bad_one_keeps_the_keys_in_force(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    f = tmp_path / "keys"
+    f.write_text("k-old\n")
+    keys = ApiKeys([])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(watch_keys_file, keys, ("k-fixed",), str(f), period=0.01))
+        assert keys.allows(b"Bearer k-old")
+        assert keys.allows(b"Bearer k-fixed")
+
+        async def until(condition: Callable[[], bool]) -> None:
+            with trio.fail_after(5):
+                while not condition():
+                    await trio.sleep(0.01)
+
+        # A rotation by atomic rename: the new key works, then the old one stops.
+        (tmp_path / "next").write_text("k-old\nk-new\n")
+        (tmp_path / "next").replace(f)
+        await until(lambda: keys.allows(b"Bearer k-new"))
+        assert keys.allows(b"Bearer k-old")
+        f.write_text("k-new\n")  # an edit in place
+        await until(lambda: not keys.allows(b"Bearer k-old"))
+        assert keys.allows(b"Bearer k-new")
+        assert keys.allows(b"Bearer k-fixed")
+        # A bad line, a missing file: the keys in force stay.
+        for damage in ("k-new\nbad key\n", None):
+            caplog.clear()
+            if damage is None:
+                f.unlink()
+            else:
+                f.write_text(damage)
+            await until(lambda: "not reloaded" in caplog.text)
+            assert keys.allows(b"Bearer k-new")
+            assert len(keys) == 2
+        # An emptied file revokes its keys; the fixed ones stay.
+        f.write_text("# all revoked\n")
+        await until(lambda: len(keys) == 1)
+        assert keys.allows(b"Bearer k-fixed")
+        assert not keys.allows(b"Bearer k-new")
+        # Without fixed keys, emptying the file would serve anyone: refused.
+        alone = ApiKeys([])
+        f.write_text("k-alone\n")
+        await nursery.start(partial(watch_keys_file, alone, (), str(f), period=0.01))
+        caplog.clear()
+        f.write_text("\n")
+        await until(lambda: "holds no key" in caplog.text)
+        assert alone.allows(b"Bearer k-alone")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_served_frontend_takes_a_rotated_key_without_a_restart(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("k-1\n")
+    async with serve_frontend(api_keys_file=str(f)) as (_, url), \
+            httpx.AsyncClient(base_url=url) as c:
+        assert (await c.get("/v1/models", headers=bearer("k-1"))).status_code == 200
+        assert (await c.get("/v1/models", headers=bearer("k-2"))).status_code == 401
+        f.write_text("k-2\n")
+        with trio.fail_after(10):  # KEYS_FILE_POLL is 2 s
+            while (await c.get("/v1/models", headers=bearer("k-2"))).status_code != 200:
+                await trio.sleep(0.1)
+        assert (await c.get("/v1/models", headers=bearer("k-1"))).status_code == 401

@@ -101,7 +101,12 @@ def test_api_keys_come_from_flags_and_the_environment(
         ["--api-key", "flag-1", "--api-key", "flag-2", "--api-keys-file", str(keys_file)]
     )
     config = config_from_args(args)
-    assert config.api_keys == ("flag-1", "flag-2", "env-1", "env-2", "file-1")
+    # The file's keys are read by the frontend, which follows the file (rotation).
+    assert config.api_keys == ("flag-1", "flag-2", "env-1", "env-2")
+    assert config.api_keys_file == str(keys_file)
+    keys_file.write_text("bad key\n")  # but a bad file is a bad option at start
+    with pytest.raises(ValueError, match="API key"):
+        config_from_args(args)
     assert "flag-1" not in repr(config)  # keys stay out of logs
 
 

@@ -54,7 +54,13 @@ from headwater.wire.frames import (
     Pong,
     Stats,
 )
-from headwater.wire.handshake import ClientHandshake, ServerHandshake, load_secret
+from headwater.wire.handshake import (
+    ClientHandshake,
+    PlaneSecret,
+    ServerHandshake,
+    load_secret,
+    proof,
+)
 from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
@@ -497,6 +503,46 @@ def test_client_with_secret_refuses_an_unauthenticated_worker() -> None:
         _run_handshake(b"s", None)
 
 
+def test_a_rotation_keeps_every_pair_of_ends_talking() -> None:
+    """The three steps of docs/security.md's rotation, in every order ends restart in:
+    each pair of ends that share a secret completes the handshake, whichever of them
+    holds it as current; ends that share none are refused."""
+    old, new = b"old-secret", b"new-secret"
+    steps = [
+        PlaneSecret(old),  # before
+        PlaneSecret(old, [new]),  # 1: the new secret accepted everywhere, old still proves
+        PlaneSecret(new, [old]),  # 2: the new secret proves, the old one still accepted
+        PlaneSecret(new),  # 3: the old one gone
+    ]
+    for i, client in enumerate(steps):
+        for j, server in enumerate(steps):
+            if abs(i - j) <= 1:  # a rolling restart: neighbouring steps meet
+                assert _run_handshake(client, server) == IDENTITY
+    for client, server in [(steps[0], steps[3]), (steps[3], steps[0])]:
+        with pytest.raises(AuthError):
+            _run_handshake(client, server)
+
+
+def test_a_rotation_accepts_no_secret_it_was_not_given() -> None:
+    for client, server in [(b"other", PlaneSecret(b"new", [b"old"])),
+                           (PlaneSecret(b"new", [b"old"]), b"other")]:  # fmt: skip
+        with pytest.raises(AuthError, match="does not know"):
+            _run_handshake(client, server)
+    # The worker's own check, of a client that answers without having checked it.
+    for answer, accepted in [(b"old", True), (b"new", True), (b"other", False)]:
+        server = ServerHandshake(IDENTITY, secret=PlaneSecret(b"new", [b"old"]))
+        hello = Hello(PROTOCOL_VERSION, "frontend", "fe", "", b"c" * 32)
+        challenge = server.receive(hello)
+        assert isinstance(challenge, Challenge)
+        assert challenge.proof == proof(b"new", "server", hello.nonce, challenge.nonce)
+        auth = Auth(proof(answer, "client", hello.nonce, challenge.nonce))
+        if accepted:
+            assert server.receive(auth) == IDENTITY
+        else:
+            with pytest.raises(AuthError, match="wrong plane secret"):
+                server.receive(auth)
+
+
 def test_server_refuses_other_versions_and_frames_before_hello() -> None:
     server = ServerHandshake(IDENTITY, secret=None)
     with pytest.raises(ProtocolError, match="expected hello"):
@@ -544,3 +590,11 @@ def test_load_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     path.write_bytes(b"  \n")
     with pytest.raises(ValueError, match="empty"):
         load_secret(str(path))
+    # A rotation: the first line proves, every line is accepted.
+    path.write_bytes(b"new-one\n\n  old-one \n")
+    secret = load_secret(str(path))
+    assert secret == b"new-one"
+    assert secret is not None
+    assert secret.accepted == (b"new-one", b"old-one")
+    monkeypatch.setenv("HEADWATER_PLANE_SECRET", "new-one\nold-one")
+    assert load_secret(None).accepted == (b"new-one", b"old-one")  # type: ignore[union-attr]

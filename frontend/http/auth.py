@@ -9,6 +9,12 @@ them; anything else gets OpenAI's answer to a bad key: 401, ``{"error": {"messag
 ``WWW-Authenticate: Bearer`` header (RFC 6750). That covers ``/v1/*``, the token-in API,
 ``/dashboard`` and ``/debug/*``.
 
+Keys rotate without a restart: ``--api-keys-file`` is watched (:func:`watch_keys_file`,
+its status checked every ``KEYS_FILE_POLL`` seconds in a thread) and re-read when it
+changes; a file that cannot be read or holds a bad key keeps the keys in force, and so
+does an emptied one when no other key is set, so that no edit of the file opens the API.
+Keys from ``--api-key`` and ``HEADWATER_API_KEYS`` are fixed for the process's life.
+
 The comparison takes the same time whichever key matched, or whether one did: the
 presented key is compared with every configured key with :func:`hmac.compare_digest`
 (constant time for equal lengths) and the results are combined without stopping early,
@@ -23,9 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+import logging
+import os
+from collections.abc import Iterable, Sized
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import trio
 
 from frontend.http.errors import ApiError
 from frontend.http.middleware import discard_body, send_error
@@ -40,6 +51,11 @@ API_KEYS_ENV = "HEADWATER_API_KEYS"
 #: Paths that never need a key: an orchestrator's liveness and readiness probes.
 OPEN_PATHS = frozenset({"/live", "/health"})
 METRICS_PATH = "/metrics"
+#: Seconds between two looks at ``--api-keys-file``'s status: a new key works, and a
+#: removed one stops working, within this long of the file's change.
+KEYS_FILE_POLL = 2.0
+
+log = logging.getLogger(__name__)
 
 
 def load_api_keys(keys: Iterable[str] = (), *, env: str | None = None,
@@ -72,8 +88,12 @@ class ApiKeys:
     def __init__(self, keys: Iterable[str]) -> None:
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
-    def __bool__(self) -> bool:
-        return bool(self._digests)
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def replace(self, keys: Iterable[str]) -> None:
+        """Accept *keys* from now on, and only them (a reloaded keys file)."""
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     def allows(self, authorization: bytes | None) -> bool:
         """Whether *authorization* (the header's value) is ``Bearer <an accepted key>``."""
@@ -89,9 +109,48 @@ class ApiKeys:
         return matched
 
 
-def exposure_warning(host: str, keys: Iterable[str]) -> str | None:
+async def watch_keys_file(
+    keys: ApiKeys, fixed: Iterable[str], path: str, *, period: float = KEYS_FILE_POLL,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:  # fmt: skip
+    """Load *path*'s keys (with the *fixed* ones) into *keys*, then keep them in step
+    with the file: re-read whenever its status (inode, size, mtime) changes, which an
+    edit in place and an atomic rename both change. Started with ``nursery.start``: a
+    file unreadable at start raises then; later, a bad file keeps the keys in force."""
+    fixed = tuple(fixed)
+    seen = await _status(path)  # before the read: a change during it is seen next time
+    keys.replace(await trio.to_thread.run_sync(partial(load_api_keys, fixed, file=path)))
+    task_status.started()
+    while True:
+        await trio.sleep(period)
+        status = await _status(path)
+        if status == seen:
+            continue
+        seen = status
+        try:
+            loaded = await trio.to_thread.run_sync(partial(load_api_keys, fixed, file=path))
+        except (OSError, ValueError) as exc:
+            log.error("API keys file %s not reloaded (%s); the keys in force stay", path, exc)
+            continue
+        if not loaded:
+            log.error("API keys file %s holds no key, and no other key is set; the keys in "
+                      "force stay (no key at all would serve anyone)", path)  # fmt: skip
+            continue
+        keys.replace(loaded)
+        log.info("API keys reloaded from %s: %d keys", path, len(loaded))
+
+
+async def _status(path: str) -> tuple[int, int, int] | None:
+    try:
+        st: os.stat_result = await trio.Path(path).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def exposure_warning(host: str, keys: Sized) -> str | None:
     """The loud warning for a frontend bound beyond loopback with no API key, else None."""
-    if tuple(keys) or is_loopback(host):
+    if len(keys) or is_loopback(host):
         return None
     bar = "!" * 78
     return (

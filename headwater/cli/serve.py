@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "route but /live and /health needs 'Authorization: Bearer KEY' "
                    "(also HEADWATER_API_KEYS, comma-separated)")
     h.add_argument("--api-keys-file", default=None,
-                   help="a file of API keys, one per line (# comments); read at start")
+                   help="a file of API keys, one per line (# comments); re-read when it changes, "
+                        "so keys rotate without a restart")
     h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
                    help="/metrics needs a key too (by default it stays open to scrapers)")
     h.add_argument("--processes", type=positive_int, default=_D.processes,
@@ -228,9 +229,9 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
     engine_config = config_from_args(registry.config_type(args.engine), args)
     limits = config_from_args(RequestLimits, args)
-    api_keys = load_api_keys(
-        args.api_key or (), env=os.environ.get(API_KEYS_ENV), file=args.api_keys_file
-    )
+    api_keys = load_api_keys(args.api_key or (), env=os.environ.get(API_KEYS_ENV))
+    if args.api_keys_file is not None:  # read now too: a bad file is a bad option
+        load_api_keys(file=args.api_keys_file)
     config = FrontendConfig(
         **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config,
         api_keys=api_keys, limits=limits,

@@ -14,6 +14,13 @@ objects (``headwater.wire.frames``), never on bytes, so it is tested without a s
 ``server`` or ``client``: each side proves the secret over a nonce the other chose, so a
 recorded exchange never replays, and the labels stop one side's proof from being
 reflected back as the other's. The server proves first; the secret is never sent.
+
+Rotation: a secret may carry earlier ones it still accepts (:class:`PlaneSecret`, from a
+secret file of several lines). The server proves with its current secret; the client
+accepts a proof made with any of its secrets and answers with the one that matched; the
+server accepts an answer made with any of its own. So a cluster moves to a new secret
+in rolling restarts, every pair of ends sharing at least one secret throughout
+(docs/security.md, "Rotating keys and plane secrets").
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Iterable
 
 from headwater.wire.errors import AuthError, ProtocolError
 from headwater.wire.frames import (
@@ -37,6 +45,40 @@ from headwater.wire.frames import (
 
 #: Environment variable holding the shared plane secret itself.
 SECRET_ENV = "HEADWATER_PLANE_SECRET"
+
+
+class PlaneSecret(bytes):
+    """The secret this end proves itself with (its bytes), and the earlier ones it still
+    accepts from a peer while a rotation is under way (:attr:`accepted`, current first).
+
+    A ``bytes`` so that every config and call that carries the secret carries this
+    unchanged; only the handshake looks at :attr:`accepted`.
+    """
+
+    accepted: tuple[bytes, ...]
+
+    def __new__(cls, current: bytes, previous: Iterable[bytes] = ()) -> PlaneSecret:
+        self = super().__new__(cls, current)
+        self.accepted = (bytes(current), *(bytes(p) for p in previous if p != current))
+        return self
+
+
+def accepted_secrets(secret: bytes) -> tuple[bytes, ...]:
+    """Every secret *secret* accepts from a peer: itself, and a rotation's earlier ones."""
+    return secret.accepted if isinstance(secret, PlaneSecret) else (secret,)
+
+
+def _matching(
+    secret: bytes, side: str, client_nonce: bytes, server_nonce: bytes, presented: bytes
+) -> bytes | None:
+    """The accepted secret whose proof is *presented*, else None. Every candidate is
+    compared, without stopping early, so timing says nothing of which one matched."""
+    found: bytes | None = None
+    for candidate in accepted_secrets(secret):
+        expected = proof(candidate, side, client_nonce, server_nonce)
+        if hmac.compare_digest(expected, presented) and found is None:
+            found = candidate
+    return found
 
 
 def proof(secret: bytes, side: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
@@ -72,11 +114,14 @@ class ClientHandshake:
                     raise AuthError("the worker requires a plane secret and none is configured")
                 if self._server_proved:
                     raise ProtocolError("second challenge")
-                expected = proof(self._secret, "server", self._hello.nonce, frame.nonce)
-                if not hmac.compare_digest(expected, frame.proof):
+                shared = _matching(
+                    self._secret, "server", self._hello.nonce, frame.nonce, frame.proof
+                )
+                if shared is None:
                     raise AuthError("the worker does not know the plane secret")
                 self._server_proved = True
-                return Auth(proof(self._secret, "client", self._hello.nonce, frame.nonce))
+                # Answer with the secret the worker proved: it is one the worker holds.
+                return Auth(proof(shared, "client", self._hello.nonce, frame.nonce))
             case HelloOk():
                 if self._secret is not None and not self._server_proved:
                     raise AuthError("the worker skipped authentication but a secret is configured")
@@ -124,32 +169,35 @@ class ServerHandshake:
                 self.peer = frame
                 return self._identity
             self._nonce = secrets.token_bytes(NONCE_BYTES)
-            return Challenge(self._nonce, proof(self._secret, "server", frame.nonce, self._nonce))
+            current = accepted_secrets(self._secret)[0]
+            return Challenge(self._nonce, proof(current, "server", frame.nonce, self._nonce))
         if not isinstance(frame, Auth) or self._secret is None:
             raise ProtocolError(f"expected auth, got {type(frame).__name__}")
-        expected = proof(self._secret, "client", self._hello.nonce, self._nonce)
-        if not hmac.compare_digest(expected, frame.proof):
+        if _matching(self._secret, "client", self._hello.nonce, self._nonce, frame.proof) is None:
             raise AuthError("wrong plane secret")
         self.peer = self._hello
         return self._identity
 
 
-def load_secret(secret_file: str | None = None) -> bytes | None:
+def load_secret(secret_file: str | None = None) -> PlaneSecret | None:
     """The shared plane secret: *secret_file*'s content, else ``$HEADWATER_PLANE_SECRET``.
 
-    Surrounding whitespace is stripped. Returns None when neither is set; raises
-    ValueError for an empty secret and OSError for an unreadable file. Called once
-    at startup, never on the event loop's hot path.
+    One secret per line (blank lines skipped, each line's surrounding whitespace
+    stripped): the first is the one this end proves itself with, the others are earlier
+    secrets still accepted from peers while a rotation is under way. Returns None when
+    neither is set; raises ValueError for an empty secret and OSError for an unreadable
+    file. Called once at startup, never on the event loop's hot path.
     """
     if secret_file:
         with open(secret_file, "rb") as f:
-            secret = f.read().strip()
+            raw = f.read()
         source = secret_file
     else:
-        raw = os.environ.get(SECRET_ENV)
-        if raw is None:
+        env = os.environ.get(SECRET_ENV)
+        if env is None:
             return None
-        secret, source = raw.strip().encode(), SECRET_ENV
-    if not secret:
+        raw, source = env.encode(), SECRET_ENV
+    lines = [line.strip() for line in raw.splitlines() if line.strip()]
+    if not lines:
         raise ValueError(f"the plane secret from {source} is empty")
-    return secret
+    return PlaneSecret(lines[0], lines[1:])
