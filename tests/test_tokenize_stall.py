@@ -83,7 +83,11 @@ async def test_thread_mode_keeps_the_loop_free_with_hf(hf_tokenizer: Tokenizer) 
     inline = await _max_lag_while_tokenizing(hf_tokenizer, "inline", seed=1)
     gil = await _max_lag_while_tokenizing(hf_tokenizer, "thread-gil", seed=2)
     thread = await _least_lag(hf_tokenizer, "thread", seed=3)
-    assert thread < 0.050, f"thread mode lagged {thread * 1000:.1f} ms"
+    # The proof is relative (the same machine, the same moment): the bug, an encode on
+    # the loop, lags it by the encode (~100 ms per prompt, several prompts per pass). The
+    # absolute bound is only a backstop, generous for a machine under load (60 ms seen
+    # at a load average of 10 on 2 cores).
+    assert thread < 0.150, f"thread mode lagged {thread * 1000:.1f} ms"
     assert thread * 3 <= inline, (thread, inline)
     assert thread * 3 <= gil, (thread, gil)
 
