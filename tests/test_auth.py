@@ -67,7 +67,7 @@ async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
             ("POST", "/v1/completions", {"model": "deepseek-v4", "prompt": "hi"}),
             ("GET", "/dashboard", None), ("GET", "/dashboard/data", None),
             ("GET", "/debug/workers", None), ("GET", "/debug/stalls", None),
-            ("GET", "/no/such/path", None),
+            ("GET", "/debug/runtime", None), ("GET", "/no/such/path", None),
         ):
             r = await c.request(method, path, json=body)
             assert r.status_code == 401, (path, r.text)
@@ -86,7 +86,7 @@ async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
         assert (await c.get("/v1/models", headers=bearer("secret-1"))).status_code == 200
         assert (await c.get("/dashboard", headers=bearer("secret-1"))).status_code == 200
         refused = fe.metrics.rejected_requests_total.labels("unauthorized")._value.get()
-        assert refused == 9
+        assert refused == 10
 
 
 async def test_metrics_can_need_a_key_too() -> None:
