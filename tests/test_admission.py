@@ -24,7 +24,7 @@ import trio.testing
 from frontend.http.admission import Admission, Reason
 from frontend.server import Frontend
 
-from frontend_fixture import serve_frontend
+from frontend_fixture import eventually, idle, serve_frontend
 
 MODEL = "deepseek-v4"
 CHAT = [{"role": "user", "content": "Write a haiku about rivers."}]
@@ -120,12 +120,6 @@ async def _rest(lines: AsyncIterator[str]) -> list[str]:
     return [line async for line in lines if line.startswith("data: ")]
 
 
-async def _poll(predicate: Any, within: float = 10.0) -> None:
-    with trio.fail_after(within):
-        while not predicate():
-            await trio.sleep(0.01)
-
-
 def _assert_429(r: httpx.Response, limit: int) -> None:
     assert r.status_code == 429, r.text
     assert r.headers["retry-after"] == "1"
@@ -155,6 +149,7 @@ async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() ->
             unary = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
             _assert_429(await c.post("/v1/chat/completions", json=unary), 2)
             _assert_429(await c.post("/v1/completions", json={**unary, "prompt": "hi"}), 2)
+            _assert_429(await c.post("/inference/v1/generate", json={"token_ids": [5, 6]}), 2)
             # Refused before its body is read: not even parsed (no 400 for bad JSON) ...
             junk = await c.post("/v1/chat/completions", content=b"{not json",
                                 headers={"content-type": "application/json"})  # fmt: skip
@@ -164,13 +159,13 @@ async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() ->
             big = {"model": MODEL, "messages": [{"role": "user", "content": "river " * 40_000}]}
             _assert_429(await c.post("/v1/chat/completions", json=big), 2)
             assert _encoded(fe) == encoded
-            assert _rejected(fe, "max_inflight") == 4
+            assert _rejected(fe, "max_inflight") == 5
             # What is never refused.
             for path in ("/health", "/live", "/metrics", "/v1/models", f"/v1/models/{MODEL}"):
                 assert (await c.get(path)).status_code == 200, path
             metrics = (await c.get("/metrics")).text
             rejected = "headwater_frontend_rejected_requests_total"
-            assert rejected + '{reason="max_inflight"} 4.0' in metrics
+            assert rejected + '{reason="max_inflight"} 5.0' in metrics
             assert rejected + '{reason="shutting_down"} 0.0' in metrics
             assert "headwater_frontend_inflight_requests 2.0" in metrics
             assert "headwater_frontend_max_inflight_requests 2.0" in metrics
@@ -179,13 +174,13 @@ async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() ->
             events = await _rest(first_lines)
             assert events[-1] == "data: [DONE]"
             assert orjson.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
-            await _poll(lambda: fe.admission.statistics().inflight == 1)
+            await eventually(lambda: fe.admission.statistics().inflight == 1)
             ok = await c.post("/v1/chat/completions", json=unary)
             assert ok.status_code == 200, ok.text
             assert _encoded(fe) == encoded + 1
         # The second stream's client left: its slot is back too.
-        await _poll(lambda: fe.admission.statistics().inflight == 0)
-        await _poll(lambda: fe.metrics.inflight_requests._value.get() == 0)
+        await eventually(lambda: fe.admission.statistics().inflight == 0)
+        await eventually(idle(fe))
         assert "headwater_frontend_inflight_requests 0.0" in (await c.get("/metrics")).text
 
 
@@ -240,7 +235,7 @@ async def test_ten_times_overload_answers_every_request_cleanly(
         assert len(complete) == statuses[200]
         assert all(complete)
         assert _rejected(fe, "max_inflight") == statuses[429]
-        await _poll(lambda: fe.admission.statistics().inflight == 0)
-        await _poll(lambda: fe.metrics.inflight_requests._value.get() == 0)
+        await eventually(lambda: fe.admission.statistics().inflight == 0)
+        await eventually(idle(fe))
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]

@@ -65,6 +65,7 @@ async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
         for method, path, body in (
             ("GET", "/v1/models", None), ("POST", "/v1/chat/completions", CHAT),
             ("POST", "/v1/completions", {"model": "deepseek-v4", "prompt": "hi"}),
+            ("POST", "/inference/v1/generate", {"token_ids": [5, 6]}),
             ("GET", "/dashboard", None), ("GET", "/dashboard/data", None),
             ("GET", "/debug/workers", None), ("GET", "/debug/stalls", None),
             ("GET", "/debug/runtime", None), ("GET", "/no/such/path", None),

@@ -376,11 +376,17 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
     etcd = require_etcd()
     async with launch(
         tmp_path, "--prefill", "1", "--decode", "1", "--etcd-binary", etcd,
+        "--drain-timeout", "7",
         "--", "--tokenizer-backend", "hf",  # passed through to headwater serve
     ) as cluster:  # fmt: skip
         assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*", cluster.url)  # the real port
         assert set(cluster.children) == {"etcd", "prefill-0", "decode-0", "frontend"}
         assert set(cluster.children.values()) == children_of(cluster.process.pid)
+        # The frontend drains as long as the workers do.
+        for name in ("frontend", "decode-0"):
+            cmdline = trio.Path(f"/proc/{cluster.children[name]}/cmdline")
+            argv = (await cmdline.read_bytes()).split(b"\0")
+            assert argv[argv.index(b"--drain-timeout") + 1] == b"7", name
 
         assert await chat(cluster.url, "deepseek-v4", stream=True)
         assert await chat(cluster.url, "deepseek-v4", stream=False)

@@ -50,10 +50,12 @@ import trio
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_restart_options,
     config_argv,
     config_from_args,
     configure_logging,
-    positive_float,
+    count,
+    restart_policy_from_args,
 )
 from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
@@ -63,20 +65,12 @@ from headwater.cluster.launch import (
     run_cluster,
 )
 from headwater.cluster.recipes import DEFAULT_MODEL
-from headwater.cluster.supervisor import RestartPolicy
 from workers.engines import registry
 
 #: serve options the launcher sets itself; refused after ``--``.
 OWNED_SERVE_OPTIONS = ("--host", "--port", "--model-name", "--workers", "--discovery")
 
 __all__ = ["CLUSTER_READY_PREFIX", "ClusterPlan", "add_arguments", "main", "plan_from_args"]
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _discovery(text: str) -> str:
@@ -87,10 +81,10 @@ def _discovery(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--prefill", type=_count, default=None,
+    a("--prefill", type=count, default=None,
       help="prefill workers (with no worker count given: 1 prefill + 1 decode)")
-    a("--decode", type=_count, default=None, help="decode workers")
-    a("--agg", type=_count, default=None, help="aggregated workers")
+    a("--decode", type=count, default=None, help="decode workers")
+    a("--agg", type=count, default=None, help="aggregated workers")
     a("--engine", choices=registry.names(), default=registry.DEFAULT_ENGINE,
       help="workers' engine")
     a("--discovery", type=_discovery, default=None,
@@ -103,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
     a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
     a("--drain-timeout", type=float, default=10.0,
-      help="seconds each worker gets to finish its requests at shutdown")
+      help="seconds the frontend and each worker get to finish their requests at shutdown")
     a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
     a("--worker-metrics", action="store_true",
       help="each worker serves /metrics (and /debug/*) on a free loopback port of its own, "
@@ -114,18 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--start-timeout", type=float, default=60.0,
       help="seconds each process gets to start (a restart too), and the frontend to "
       "become healthy")
-    r = RestartPolicy()
-    a("--restart-backoff", type=positive_float, default=r.backoff,
-      help="seconds before a process that exited is restarted: a random delay between "
-      "half of this and this, whose upper bound doubles with each restart in a row")
-    a("--restart-backoff-max", type=positive_float, default=r.backoff_max,
-      help="the highest that upper bound goes (s)")
-    a("--restart-budget", type=_count, default=r.budget,
-      help="restarts allowed per process within --restart-window; its next exit stops "
-      "the cluster (0: never restart)")
-    a("--restart-window", type=positive_float, default=r.window,
-      help="seconds over which restarts are counted; a process up this long starts "
-      "over at the first delay")
+    add_restart_options(parser, "the cluster")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="the launcher's log level")
     a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
@@ -183,12 +166,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         serve_args=tuple(serve_args),
         workdir=Path(args.workdir) if args.workdir else None,
         start_within=args.start_timeout,
-        restart=RestartPolicy(
-            backoff=args.restart_backoff,
-            backoff_max=args.restart_backoff_max,
-            budget=args.restart_budget,
-            window=args.restart_window,
-        ),
+        restart=restart_policy_from_args(args),
     )
 
 

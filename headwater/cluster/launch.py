@@ -53,7 +53,9 @@ log = logging.getLogger("headwater.launch")  # the name users see in its log lin
 
 CLUSTER_READY_PREFIX = "HEADWATER_CLUSTER_READY"
 ETCD_BIN_ENV = "HEADWATER_ETCD_BIN"  # also read by the tests' etcd fixture
-_FRONTEND_GRACE = 45.0  # s after SIGTERM (serve drains 30 s, then 10 s graceful) before SIGKILL
+#: s after SIGTERM, beyond the frontend's drain, before SIGKILL (serve's --graceful-timeout
+#: 10 s for what is left after the drain, plus a margin for its own shutdown).
+_FRONTEND_GRACE = 15.0
 _ETCD_GRACE = 5.0  # s
 
 C = TypeVar("C", bound=ChildProcess)
@@ -75,7 +77,7 @@ class ClusterPlan:
     port: int = 8000
     model: str = DEFAULT_MODEL
     lease_ttl: int = 10  # s
-    drain_timeout: float = 10.0  # s each worker gets to finish at shutdown
+    drain_timeout: float = 10.0  # s each worker, and the frontend, get to finish at shutdown
     worker_args: tuple[str, ...] = ()
     #: Each worker serves its own ``/metrics`` on a free loopback port (kept across
     #: restarts), listed when the cluster is up.
@@ -200,7 +202,8 @@ class Cluster:
         return await start_frontend(
             nursery, log_dir=self.workdir, port=previous.port if previous else plan.port,
             discovery=self.discovery_url, workers=static, model=plan.model,
-            extra_args=plan.serve_args, ready_within=plan.start_within,
+            extra_args=("--drain-timeout", f"{plan.drain_timeout:g}", *plan.serve_args),
+            ready_within=plan.start_within,
         )  # fmt: skip
 
     async def _start_workers(self, nursery: trio.Nursery) -> None:
@@ -233,7 +236,7 @@ class Cluster:
         for process in self.supervised():
             process.stop_restarting()
         if self.frontend is not None:
-            await self.frontend.stop(grace=_FRONTEND_GRACE)
+            await self.frontend.stop(grace=self.plan.drain_timeout + _FRONTEND_GRACE)
         async with trio.open_nursery() as nursery:
             for worker in self.workers:
                 nursery.start_soon(worker.stop, self.plan.drain_timeout + 10.0)

@@ -29,7 +29,7 @@ import trio
 from headwater.instrumentation import Activity
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvSource
-from headwater.wire import Ack, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
+from headwater.wire import Ack, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
 from workers.engines.base import Engine, EngineError, EngineStats
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class WorkerRuntime:
                 try:
                     async with aclosing(self.engine.generate(request)) as chunks:
                         async for chunk in chunks:
-                            await replies.send(chunk)
+                            await self._send(replies, chunk)
                 except EngineError as exc:
                     outcome = "failed"
                     await replies.send(Error(rid, exc.code, exc.message))
@@ -202,6 +202,18 @@ class WorkerRuntime:
                 self._idle.set()
             with trio.move_on_after(1, shield=True):
                 await replies.aclose()
+
+
+    async def _send(self, replies: trio.abc.SendChannel[Reply], chunk: Chunk) -> None:
+        """Send *chunk*; if it carries a KV handle and cannot go (the caller left, or
+        cancelled the request meanwhile), nobody will learn the handle: release it."""
+        sent = False
+        try:
+            await replies.send(chunk)
+            sent = True
+        finally:
+            if not sent and chunk.kv_handle is not None:
+                self.release_kv(chunk.kv_handle.transfer_id)
 
 
 async def _refuse(
