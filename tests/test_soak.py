@@ -38,6 +38,7 @@ from scripts.soak.judge import (
 )
 from scripts.soak.mix import DEFAULT_WEIGHTS, Mix, MixSettings, PromptPool, kind_family
 from scripts.soak.procs import parse_smaps_rollup, parse_status
+from scripts.soak.report import floor_table, rss_floors
 from scripts.soak.targets import parse_listing
 
 MIB = 2**20
@@ -93,6 +94,26 @@ def test_loaded_trend_is_the_fitted_rise_over_the_load() -> None:
     rising = [Sample(t, "load", "p", rss_bytes=int((100 + t) * MIB)) for t in range(0, 101, 10)]
     assert loaded_trend(rising) == pytest.approx(1.0)
     assert loaded_trend([Sample(0, "load", "p", rss_bytes=MIB)]) is None
+
+
+def test_rss_floor_is_the_lowest_read_of_each_window_of_the_load() -> None:
+    # Reads every 10 s from t=100: a saw (in flight at the read) on a floor that rises
+    # 1 MiB per window; reads outside the load and unread figures are left out.
+    reads = [{"t_s": 100 + 10 * i, "rss_bytes": (200 + i // 6 + 50 * (i % 2)) * MIB}
+             for i in range(18)]
+    reads += [{"t_s": 50, "rss_bytes": MIB}, {"t_s": 290, "rss_bytes": MIB},
+              {"t_s": 150, "rss_bytes": None}]
+    assert rss_floors(reads, 100, 280, 60) == [200 * MIB, 201 * MIB, 202 * MIB]
+    assert rss_floors(reads, 100, 285, 60) == [200 * MIB, 201 * MIB, 202 * MIB]  # folded
+    assert rss_floors(reads, 100, 400, 60)[-2:] == [MIB, None]
+    results = {"targets": [{
+        "target": "serve", "phases": [{"name": "load", "start_s": 100, "end_s": 280}],
+        "processes": [{"name": "frontend", "judged": True, "idle_start": {"rss_bytes": 190 * MIB},
+                       "idle_end": {"rss_bytes": 203 * MIB}}],
+        "samples": [{**r, "process": "frontend"} for r in reads],
+    }]}  # fmt: skip
+    row = "| serve | frontend | 190 | 200 | 201 | 202 | 203 |"
+    assert floor_table(results).splitlines()[-1] == row
 
 
 def test_requests_and_end_state() -> None:

@@ -132,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.process_table(results))
     print()
     print(report.request_table(results))
+    print()
+    print("RSS floor (MiB) per minute of load:")
+    print(report.floor_table(results))
     png = report.plot(results, out_dir / "soak.png")
     _say(f"results: {out_dir / 'results.json'}; plot: {png}")
     if args.docs:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,51 @@ def request_table(results: Mapping[str, Any]) -> str:
             cells = " | ".join(f"{counts.get(o, 0):,}" for o in OUTCOMES)
             label = f"**{kind}**" if kind == "all" else kind
             lines.append(f"| {t['target']} | {label} | {cells} |")
+    return "\n".join(lines)
+
+
+def rss_floors(samples: Sequence[Mapping[str, Any]], start_s: float, end_s: float,
+               window_s: float = 60.0) -> list[int | None]:
+    """The lowest RSS read in each *window_s* window of ``[start_s, end_s)``: under load RSS
+    swings with what is in flight at the instant of the read, its floor does not; a floor
+    that keeps rising window after window is memory kept, a flat one is a working size
+    reached (reported beside the verdict, not judged). A last window shorter than half
+    of *window_s* (the load's run-out) is folded into the one before. None: no read in
+    that window."""
+    n = max(1, int((end_s - start_s) / window_s + 0.5))
+    floors: list[int | None] = [None] * n
+    for s in samples:
+        t, rss = s["t_s"], s.get("rss_bytes")
+        if rss is None or not start_s <= t < end_s:
+            continue
+        i = min(n - 1, int((t - start_s) // window_s))
+        low = floors[i]
+        floors[i] = rss if low is None else min(low, rss)
+    return floors
+
+
+def floor_table(results: Mapping[str, Any], window_s: float = 60.0) -> str:
+    """Per judged process: idle RSS at the start, the RSS floor of each minute of the
+    load, idle RSS at the end (MiB)."""
+    rows, width = [], 0
+    for t in results["targets"]:
+        load = next((p for p in t["phases"] if p["name"] == "load"), None)
+        if load is None:
+            continue
+        for p in t["processes"]:
+            if not p["judged"]:
+                continue
+            own = [s for s in t["samples"] if s["process"] == p["name"]]
+            floors = rss_floors(own, load["start_s"], load["end_s"], window_s)
+            width = max(width, len(floors))
+            rows.append((t["target"], p["name"], p["idle_start"]["rss_bytes"], floors,
+                         p["idle_end"]["rss_bytes"]))  # fmt: skip
+    minutes = " | ".join(f"{i + 1}" for i in range(width))
+    lines = [f"| target | process | idle start | {minutes} | idle end |",
+             "|---|---|---|" + "---|" * width + "---|"]  # fmt: skip
+    for target, name, start, floors, end in rows:
+        cells = " | ".join(_mib(f) for f in [*floors, *[None] * (width - len(floors))])
+        lines.append(f"| {target} | {name} | {_mib(start)} | {cells} | {_mib(end)} |")
     return "\n".join(lines)
 
 
