@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint cluster bench clean
+.PHONY: serve test lint cluster bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ cluster: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m scripts.bench.run $(ARGS)
+
+# The soak: 10 min of mixed load per target (serve, launch); fails on a leak or a lost
+# request (docs/reliability.md). Shorter: make soak ARGS="--duration 120".
+soak: $(STAMP)
+	$(PY) -m scripts.soak $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

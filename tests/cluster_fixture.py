@@ -60,6 +60,7 @@ class Launched:
     addresses: dict[str, str]  # name → address, as the launcher lists them
     workdir: Path
     log: Path  # the launcher's stderr
+    metrics: dict[str, str]  # worker name → its /metrics URL (with --worker-metrics)
 
     def restarted(self, name: str) -> int | None:
         """The pid of *name*'s latest restart, from the launcher's log; None if none yet."""
@@ -93,7 +94,10 @@ async def launch(tmp_path: Path, *args: str, speedup: float = FAST) -> AsyncIter
         listed = re.findall(r"^  (\S+) +pid (\d+) +(\S+)$", text, re.M)
         children = {name: int(pid) for name, pid, _ in listed}
         addresses = {name: address for name, _, address in listed}
-        yield Launched(launcher, url, children, addresses, workdir, tmp_path / "launch.log")
+        metrics = dict(re.findall(r"^  (\S+) +metrics (\S+)$", text, re.M))
+        yield Launched(
+            launcher, url, children, addresses, workdir, tmp_path / "launch.log", metrics
+        )
     finally:
         if launcher.returncode is None:
             launcher.kill()

@@ -71,7 +71,7 @@ async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
             ("POST", "/inference/v1/generate", {"token_ids": [5, 6]}),
             ("GET", "/dashboard", None), ("GET", "/dashboard/data", None),
             ("GET", "/debug/workers", None), ("GET", "/debug/stalls", None),
-            ("GET", "/no/such/path", None),
+            ("GET", "/debug/runtime", None), ("GET", "/no/such/path", None),
         ):
             r = await c.request(method, path, json=body)
             assert r.status_code == 401, (path, r.text)
@@ -90,7 +90,7 @@ async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
         assert (await c.get("/v1/models", headers=bearer("secret-1"))).status_code == 200
         assert (await c.get("/dashboard", headers=bearer("secret-1"))).status_code == 200
         refused = fe.metrics.rejected_requests_total.labels("unauthorized")._value.get()
-        assert refused == 10
+        assert refused == 11  # the ten routes above and the wrong key
 
 
 async def test_metrics_can_need_a_key_too() -> None:

@@ -357,6 +357,14 @@ async def test_worker_is_draining_in_etcd_before_it_stops_and_gone_after(
     assert events[1][1] < finished_at < events[2][1]
 
 
+async def runtime_pid(metrics_url: str) -> int:
+    """The pid a worker's metrics endpoint reports from inside its process."""
+    async with httpx.AsyncClient() as http:
+        r = await http.get(metrics_url.removesuffix("/metrics") + "/debug/runtime")
+    r.raise_for_status()
+    return int(r.json()["pid"])
+
+
 def test_launcher_reads_the_line_workers_print() -> None:
     assert WORKER_READY_PREFIX == READY_PREFIX
 
@@ -396,12 +404,18 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
 async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Path) -> None:
     """Static discovery: the frontend's --workers list names the worker by id and port,
     so the restart must keep both; nothing else tells the frontend about it. Restart
-    delays of 1.5-3 s keep the restarted worker out of the first requests after the kill."""
+    delays of 1.5-3 s keep the restarted worker out of the first requests after the kill.
+    With --worker-metrics each worker's metrics port is its own and survives the restart."""
     async with launch(
         tmp_path, "--prefill", "1", "--decode", "2", "--discovery", "static",
-        "--restart-backoff", "3", "--restart-backoff-max", "3", "--", *FRONTEND_ARGS,
+        "--restart-backoff", "3", "--restart-backoff-max", "3", "--worker-metrics",
+        "--", *FRONTEND_ARGS,
     ) as cluster:  # fmt: skip
         model = "deepseek-v4"
+        assert set(cluster.metrics) == {"prefill-0", "decode-0", "decode-1"}
+        assert len(set(cluster.metrics.values())) == 3
+        for name, url in cluster.metrics.items():
+            assert await runtime_pid(url) == cluster.children[name]
         view = await debug_workers(cluster.url)
         survivor, victim = (
             Worker(view[cluster.addresses[name]]["worker_id"], "decode", cluster.addresses[name])
@@ -431,6 +445,7 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
         assert re.search(r"^----- .* decode-1 exited \(killed by SIGKILL\): restart 1 in ", log,
                          re.M)  # fmt: skip
         assert log.count(f"{READY_PREFIX} {victim.address} {victim.worker_id}") == 2
+        assert await runtime_pid(cluster.metrics["decode-1"]) == pid
 
         cluster.process.send_signal(signal.SIGINT)
         with trio.fail_after(30):
@@ -520,6 +535,8 @@ def test_launch_plan_counts_and_pass_through() -> None:
     assert plan("--agg", "2").roles == ("agg", "agg")
     assert plan("--prefill", "2", "--decode", "3").roles == ("prefill",) * 2 + ("decode",) * 3
     assert plan("--", "--router", "p2c").serve_args == ("--router", "p2c")
+    assert plan().worker_metrics is False
+    assert plan("--worker-metrics").worker_metrics is True
     with pytest.raises(ValueError, match="both --prefill N and --decode N"):
         plan("--prefill", "2")
     for owned in ("--port", "--discovery=etcd://x:1", "--model-name"):

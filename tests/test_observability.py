@@ -10,7 +10,9 @@ under a deadline. Real time throughout (the loop monitor measures the real clock
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import socket
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -273,6 +275,24 @@ async def test_debug_workers_lists_state_load_and_last_error() -> None:
     assert all(w["inflight"] == 0 for w in after.values())
 
 
+async def test_debug_runtime_counts_the_tasks_and_descriptors_of_the_process() -> None:
+    async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
+        await chat(c)
+        r = await c.get("/debug/runtime")
+        with socket.socket():  # one more descriptor in this (the frontend's) process
+            held = (await c.get("/debug/runtime")).json()
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/json"
+    snap = r.json()
+    assert set(snap) == {"pid", "trio_tasks", "tasks_by_name", "open_fds", "threads", "rss_bytes"}
+    assert snap["pid"] == os.getpid()  # the frontend runs in the test's process
+    assert snap["trio_tasks"] == sum(snap["tasks_by_name"].values())
+    # The request being answered is one of the tasks it counts.
+    assert any("handle_request" in name for name in snap["tasks_by_name"])
+    assert held["open_fds"] == snap["open_fds"] + 1
+    assert snap["rss_bytes"] > 0
+
+
 async def test_injected_stall_is_recorded_with_its_function() -> None:
     async with (
         serve_frontend(debug_endpoints=True) as (_, url),
@@ -513,6 +533,11 @@ async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.N
     assert value(found, "headwater_worker_event_loop_delay_seconds_count") > 0
     assert stalls.status_code == 200
     assert isinstance(stalls.json(), list)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+        runtime = (await c.get("/debug/runtime")).json()
+    assert runtime["pid"] == worker.pid  # the worker process's own, read from inside it
+    assert runtime["trio_tasks"] == sum(runtime["tasks_by_name"].values()) > 0
+    assert runtime["open_fds"] > 0
 
 
 async def test_worker_metrics_endpoint_answers_only_metrics(nursery: trio.Nursery) -> None:
@@ -538,6 +563,11 @@ async def test_worker_metrics_endpoint_answers_only_metrics(nursery: trio.Nurser
     assert int(head.headers["content-length"]) > 0
     assert missing.status_code == 404
     assert post.status_code == 405
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+        runtime = await c.get("/debug/runtime")
+    assert runtime.status_code == 200
+    assert runtime.json()["pid"] == os.getpid()
+    assert runtime.json()["trio_tasks"] == sum(runtime.json()["tasks_by_name"].values())
     # A client that sends garbage, or nothing, costs only its own connection.
     for junk in (b"\x00\x01 nonsense\r\n\r\n", b""):
         stream = await trio.open_tcp_stream("127.0.0.1", port)

@@ -6,7 +6,9 @@
 watching the worker's event loop, plus the worker's load read from
 ``worker.runtime.statistics()`` at each scrape (what it reads of a worker is
 :class:`MetricsSource`; a :class:`~workers.lifecycle.RunningWorker` is one).
-``GET /debug/stalls`` lists the stall records as JSON, like the frontend's.
+``GET /debug/stalls`` lists the stall records as JSON, like the frontend's, and
+``GET /debug/runtime`` what the process holds now (trio tasks by name, open file
+descriptors, threads, RSS: :mod:`headwater.instrumentation.runtime`), as the frontend's.
 
 Why a hand-written responder: a worker process carries no web framework, and this
 endpoint answers one kind of request from one kind of client. One request per
@@ -31,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from headwater.instrumentation import WORKER_PREFIX, LoopMonitor
 from headwater.instrumentation.exposition import TextExposition
+from headwater.instrumentation.runtime import runtime_snapshot
 from headwater.wire import Role
 from workers.runtime.runtime import WorkerRuntime
 
@@ -193,12 +196,14 @@ def _respond(
         return "400 Bad Request", "text/plain", b"bad request\n"
     method, target, _ = parts
     path = target.split("?", 1)[0]
-    if path not in ("/metrics", "/debug/stalls"):
+    if path not in ("/metrics", "/debug/stalls", "/debug/runtime"):
         return "404 Not Found", "text/plain", b"not found: try /metrics\n"
     if method not in ("GET", "HEAD"):
         return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
     if path == "/metrics":
         query = parse_qs(target.partition("?")[2])
         return "200 OK", PROMETHEUS_TEXT, exposition.render(query.get("name[]"))
+    if path == "/debug/runtime":
+        return "200 OK", "application/json", orjson.dumps(runtime_snapshot().to_dict())
     records = [r.to_dict() for r in monitor.records()]
     return "200 OK", "application/json", orjson.dumps(records)

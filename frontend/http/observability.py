@@ -5,6 +5,8 @@ Read-only views of the frontend's live state:
 * ``GET /metrics``: Prometheus text format (``headwater_frontend_*``).
 * ``GET /debug/stalls``: the stall records, oldest first (JSON list).
 * ``GET /debug/workers``: every known worker, its state, load and last error.
+* ``GET /debug/runtime``: what the process holds now: trio tasks (by name), open file
+  descriptors, threads, RSS (:mod:`headwater.instrumentation.runtime`), for leak hunts.
 * ``GET /dashboard``: a self-contained page (:mod:`frontend.http.dashboard`) that polls
   ``GET /dashboard/data``, a JSON snapshot of all of the above.
 
@@ -28,6 +30,7 @@ from quart_trio import QuartTrio
 from frontend.http.dashboard import ASSETS, LoadHistory, load_asset, snapshot
 from frontend.http.errors import ApiError, bad_request
 from frontend.http.observed import Observed
+from headwater.instrumentation.runtime import runtime_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,11 @@ def add_observability_routes(
     @app.get("/debug/workers")
     async def workers() -> Response:
         return Response(orjson.dumps(workers_snapshot(frontend)), content_type=JSON)
+
+    @app.get("/debug/runtime")
+    async def runtime() -> Response:
+        body = orjson.dumps(runtime_snapshot().to_dict())
+        return Response(body, content_type=JSON, headers={"Cache-Control": "no-store"})
 
     @app.get("/dashboard")
     async def dashboard() -> Response:

@@ -14,7 +14,8 @@ Options after ``--`` are passed to ``headwater serve`` as they are (``--router``
 ``--tokenizer-threads``, ...), except the ones the launcher sets itself: ``--host``,
 ``--port``, ``--model-name``, ``--workers``, ``--discovery``. The engine's options
 (``--speedup-ratio``, ...) go to every worker; other worker options go in
-``--worker-args "..."``.
+``--worker-args "..."``. ``--worker-metrics`` gives each worker a ``/metrics`` (and
+``/debug/*``) port of its own, listed with the processes once the cluster is up.
 
 A process that exits on its own once the cluster is up (a crash, a kill -9) is
 logged and restarted while the rest keeps serving: a worker with the same worker
@@ -98,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--drain-timeout", type=float, default=10.0,
       help="seconds the frontend and each worker get to finish their requests at shutdown")
     a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
+    a("--worker-metrics", action="store_true",
+      help="each worker serves /metrics (and /debug/*) on a free loopback port of its own, "
+      "listed once the cluster is up (a restart keeps the port)")
     a("--workdir", default=None,
       help="directory for logs and etcd data (default: a temporary one, removed after a "
       "clean stop)")
@@ -158,6 +162,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         lease_ttl=args.lease_ttl,
         drain_timeout=args.drain_timeout,
         worker_args=tuple(shlex.split(args.worker_args)),
+        worker_metrics=args.worker_metrics,
         serve_args=tuple(serve_args),
         workdir=Path(args.workdir) if args.workdir else None,
         start_within=args.start_timeout,

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from headwater.cluster.children import ChildProcess, LaunchError
+from headwater.cluster.children import ChildProcess, LaunchError, free_port
 from headwater.cluster.recipes import (
     DEFAULT_MODEL,
     EtcdProcess,
@@ -79,6 +79,9 @@ class ClusterPlan:
     lease_ttl: int = 10  # s
     drain_timeout: float = 10.0  # s each worker, and the frontend, get to finish at shutdown
     worker_args: tuple[str, ...] = ()
+    #: Each worker serves its own ``/metrics`` on a free loopback port (kept across
+    #: restarts), listed when the cluster is up.
+    worker_metrics: bool = False
     serve_args: tuple[str, ...] = ()
     workdir: Path | None = None  # None: a temporary directory, removed after a clean stop
     start_within: float = 60.0  # s for each process to come up, and for /health
@@ -173,10 +176,14 @@ class Cluster:
         plan = self.plan
 
         async def start(nursery: trio.Nursery, previous: WorkerProcess | None) -> WorkerProcess:
+            metrics_port = 0
+            if plan.worker_metrics:
+                metrics_port = previous.metrics_port if previous else free_port()
             return await start_worker(
                 nursery, role, log_dir=self.workdir, name=name,
                 worker_id=previous.worker_id if previous else "",
                 listen=f"127.0.0.1:{previous.port if previous else 0}",
+                metrics_port=metrics_port,
                 discovery=self.discovery_url, model=plan.model, engine=plan.engine,
                 engine_args=plan.engine_args, lease_ttl=plan.lease_ttl,
                 drain_timeout=plan.drain_timeout, extra_args=plan.worker_args,
@@ -302,6 +309,9 @@ def _announce(cluster: Cluster, url: str) -> None:
     lines = [f"headwater launch: {plan.model} on {url} ({counts}; discovery: {where})"]
     for child in cluster.children():
         lines.append(f"  {child.name:<12} pid {child.pid:<8} {child.address}")
+    for child in cluster.children():
+        if isinstance(child, WorkerProcess) and child.metrics_url:
+            lines.append(f"  {child.name:<12} metrics {child.metrics_url}/metrics")
     kept = "" if plan.workdir else " (removed after a clean stop)"
     lines.append(f"  logs in {cluster.workdir}{kept}; Ctrl-C stops the cluster")
     lines.append(f"{CLUSTER_READY_PREFIX} {url}")

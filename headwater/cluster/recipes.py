@@ -72,6 +72,13 @@ class WorkerProcess(ChildProcess):
 
     worker_id: str = ""
     role: str = ""
+    #: Port of its own ``/metrics`` (``--metrics-port``); 0: it serves none.
+    metrics_port: int = 0
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://127.0.0.1:PORT`` of its metrics endpoint; "" when it serves none."""
+        return f"http://127.0.0.1:{self.metrics_port}" if self.metrics_port else ""
 
     def static_url(self, model: str = DEFAULT_MODEL) -> str:
         """Its entry for a frontend's ``--workers`` list (the id must match the worker's)."""
@@ -245,6 +252,7 @@ async def start_worker(
     drain_timeout: float | None = None,
     extra_args: Sequence[str] = (),
     listen: str = "127.0.0.1:0",
+    metrics_port: int = 0,
     prefix_argv: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     ready_within: float = 30.0,
@@ -255,6 +263,7 @@ async def start_worker(
     With *discovery* (``etcd://...``) that line comes after it registered in etcd.
     The log is ``log_dir/<name>.log`` (*name* defaults to the role). *worker_id* and
     *listen* pin what a restart must keep (default: generated, any free loopback port).
+    *metrics_port* (0: none) is its ``--metrics-port``, on 127.0.0.1.
     *prefix_argv* runs the command under a wrapper that execs it, such as ``ip netns exec
     NAME`` (so the child's pid is still the worker's). Raises LaunchError.
     """
@@ -262,7 +271,9 @@ async def start_worker(
     argv = worker_argv(
         role, worker_id=worker_id, discovery=discovery, model=model, engine=engine,
         engine_args=engine_args,
-        lease_ttl=lease_ttl, drain_timeout=drain_timeout, extra_args=extra_args,
+        lease_ttl=lease_ttl, drain_timeout=drain_timeout,
+        extra_args=[*(["--metrics-port", str(metrics_port)] if metrics_port else []),
+                    *extra_args],
         listen=listen,
     )  # fmt: skip
     child = await spawn(
@@ -272,6 +283,7 @@ async def start_worker(
     child.address, child.worker_id, child.role = await read_announcement(
         child, nursery, parse_worker_ready, ready_within
     )
+    child.metrics_port = metrics_port
     child.mark_ready(on_exit)
     return child
 
