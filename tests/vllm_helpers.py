@@ -41,22 +41,32 @@ async def vllm_generate(
     return Reference(choice["token_ids"], choice["finish_reason"], details.get("cached_tokens"))
 
 
-async def vllm_metrics(url: str) -> dict[str, float]:
-    """vLLM's /metrics as {series with labels: value} (labels in their text form)."""
+Metrics = list[tuple[str, dict[str, str], float]]
+
+
+async def vllm_metrics(url: str) -> Metrics:
+    """vLLM's /metrics as (series name, labels, value) entries."""
     async with httpx.AsyncClient(timeout=10) as http:
         r = await http.get(url + "/metrics")
     r.raise_for_status()
-    values: dict[str, float] = {}
+    entries: Metrics = []
     for line in r.text.splitlines():
         if line.startswith("vllm:"):
-            name, _, value = line.rpartition(" ")
-            values[re.sub(r',?model_name="[^"]*"|,?engine="[^"]*"', "", name)] = float(value)
-    return values
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            entries.append((name, dict(_LABEL.findall(labels)), float(value)))
+    return entries
 
 
-def metric(values: dict[str, float], name: str) -> float:
-    """The sum of every series of *name* whose labels contain *labels* text."""
-    return sum(v for k, v in values.items() if k == name or k.startswith(name + "{"))
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def metric(values: Metrics, name: str, **labels: str) -> float:
+    """The sum of the series *name* whose labels include *labels*."""
+    return sum(
+        v for n, have, v in values
+        if n == name and all(have.get(k) == want for k, want in labels.items())
+    )  # fmt: skip
 
 
 def request(

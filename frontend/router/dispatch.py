@@ -14,7 +14,9 @@ in three nested loops:
   draining), up to ``route_attempts`` workers per leg. While no worker of the role can
   take it (none routable, or all busy) the request waits, up to ``queue_timeout``.
 * **migrate** — when a stream breaks after its ACK (:class:`~headwater.plane.Disconnected`),
-  or a decode worker could not pull the prefill's KV, the request starts again on
+  a worker fails it retryably after some of its tokens were relayed (its engine went
+  down mid-stream), or a decode worker could not pull the prefill's KV, the request
+  starts again on
   other workers with the tokens generated so far appended to the prompt and
   ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
   (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
@@ -208,11 +210,13 @@ class Dispatcher:
             # The consumer closes this generator at the yield of the final chunk, so
             # success is booked in `finally`, from what was seen, not after the loop.
             finished = False
+            relayed = False  # a chunk of this leg reached the caller
             try:
                 with self.router.track(client):
                     async with client.stream(request) as replies:
                         async for chunk in replies:
                             finished = chunk.finish_reason is not None
+                            relayed = True
                             yield chunk
                 finished = True  # End received (a prefill leg has no finish reason)
                 return
@@ -233,6 +237,11 @@ class Dispatcher:
                 self.router.report_failure(client, exc)
                 raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
             except WorkerError as exc:
+                if relayed and exc.retryable:
+                    # Failed mid-stream (its engine went down): the tokens so far
+                    # stand, the rest comes from elsewhere, as after a broken stream.
+                    state.failed.add(wid)
+                    raise _Migrate(f"{role.value} worker {wid}: {exc.message}") from exc
                 self._refused(role, client, exc, state, tried)
             finally:
                 if finished:

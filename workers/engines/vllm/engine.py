@@ -381,23 +381,28 @@ class VllmEngine(Engine):
             self.max_model_len = model["max_model_len"]
 
     async def _supervise(self, http: httpx.AsyncClient) -> None:
-        """Restart a started server that died, up to ``restart_limit`` times; an
-        attached one is watched by the metrics poller alone."""
+        """Restart a started server that died, up to ``restart_limit`` times (a start
+        that fails counts as one); an attached one is watched by the metrics poller."""
         restarts = 0
         while True:
             status = await self.server.wait()
             self.counters.vllm_deaths += 1
             self._set_down(f"vLLM exited with status {status}")
             await self.server.stop()  # what is left of its process group
-            if restarts >= self.config.restart_limit:
-                raise EngineFailed(
-                    f"{self.worker_id}: vLLM died {restarts + 1} times "
-                    f"(--restart-limit {self.config.restart_limit})"
-                )
-            restarts += 1
-            log.warning("%s: restarting vLLM (%d of %d)", self.worker_id, restarts,
-                        self.config.restart_limit)  # fmt: skip
-            await self._start(http)
+            while True:
+                if restarts >= self.config.restart_limit:
+                    raise EngineFailed(
+                        f"{self.worker_id}: vLLM died and {restarts} restarts failed or "
+                        f"died too (--restart-limit {self.config.restart_limit})"
+                    )
+                restarts += 1
+                log.warning("%s: restarting vLLM (%d of %d)", self.worker_id, restarts,
+                            self.config.restart_limit)  # fmt: skip
+                try:
+                    await self._start(http)
+                    break
+                except EngineFailed as exc:
+                    log.error("%s", exc)
 
     async def _poll_metrics(self, http: httpx.AsyncClient) -> None:
         """Read vLLM's ``/metrics`` every ``metrics_interval`` s into :attr:`metrics`.

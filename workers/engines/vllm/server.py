@@ -29,7 +29,6 @@ import httpx
 import trio
 
 from headwater.wire import Role
-from workers.engines.vllm import launcher
 from workers.engines.vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
@@ -38,8 +37,9 @@ log = logging.getLogger(__name__)
 STOP_GRACE = 15.0
 _HEALTH_POLL = 0.25  # seconds between two /health attempts while starting
 #: Set in a started server's environment: the launcher stops the server when its
-#: parent (the worker) is gone.
-PARENT_ENV = launcher.PARENT_ENV
+#: parent (the worker) is gone (launcher.PARENT_ENV; not imported from there, since
+#: the launcher must stay importable without the engine's dependencies and vice versa).
+PARENT_ENV = "HEADWATER_VLLM_PARENT"
 
 
 class VllmStartError(Exception):
