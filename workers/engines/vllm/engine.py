@@ -100,7 +100,8 @@ class VllmEngine(Engine):
     """A worker's engine backed by a vLLM server; see the module docstring.
 
     Start it with ``await nursery.start(engine.run)``; requests before that, or while
-    vLLM is down, fail with ``shutting_down``.
+    vLLM is down, fail with ``shutting_down``. *vocab_size* overrides the config's;
+    *transport* replaces httpx's (tests play vLLM with an ``httpx.MockTransport``).
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class VllmEngine(Engine):
         *,
         transfer_address: str = "",
         vocab_size: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not config.model and not config.vllm_url:
             raise ValueError("the vllm engine needs --model PATH or --vllm-url URL")
@@ -133,6 +135,7 @@ class VllmEngine(Engine):
         self.server = VllmServer(config, self.role, worker_id)
         self.metrics = VllmMetrics()
         self._http: httpx.AsyncClient | None = None
+        self._transport = transport  # tests: a fake vLLM (httpx.MockTransport)
         self._up = False
         self._up_event = trio.Event()
         self._watch = _Watch()
@@ -151,7 +154,9 @@ class VllmEngine(Engine):
         self._started = True
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(None, connect=5.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        async with httpx.AsyncClient(
+            limits=limits, timeout=timeout, transport=self._transport
+        ) as http:
             self._http = http
             try:
                 await self._start(http)
