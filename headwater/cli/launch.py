@@ -137,7 +137,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     engine_config = config_from_args(registry.config_type(args.engine), args)
     serve_args += _frontend_defaults(engine_config, serve_args)
     # A worker is up once its engine is: a model server's start-up counts.
-    start_within = max(args.start_timeout, getattr(engine_config, "start_timeout", 0.0) + 30)
+    start_within = max(args.start_timeout, getattr(engine_config, "vllm_start_timeout", 0.0) + 30)
     return ClusterPlan(
         prefill=prefill,
         decode=decode,

@@ -57,7 +57,7 @@ class VllmConfig:
     )
     #: Seconds a started server gets to answer ``/health`` (compiled cold starts take
     #: ~90 s on CPU).
-    start_timeout: float = field(
+    vllm_start_timeout: float = field(
         default=300.0, metadata={"help": "seconds vLLM gets to become healthy"}
     )
     #: Seconds between two polls of vLLM's ``/metrics`` (load and health).
@@ -94,7 +94,8 @@ class VllmConfig:
         for name in ("max_model_len", "cpu_kv_cache_gib", "down_after_polls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("start_timeout", "metrics_interval", "kv_pull_timeout", "kv_hold_timeout"):
+        positive = ("vllm_start_timeout", "metrics_interval", "kv_pull_timeout", "kv_hold_timeout")
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.restart_limit < 0 or self.vocab_size < 0:

@@ -43,7 +43,7 @@ PARENT_ENV = "HEADWATER_VLLM_PARENT"
 
 
 class VllmStartError(Exception):
-    """vLLM did not become healthy: it exited, or ``start_timeout`` passed."""
+    """vLLM did not become healthy: it exited, or ``vllm_start_timeout`` passed."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -196,7 +196,7 @@ class VllmServer:
             _signal_group(self.process.pid, signal.SIGKILL)
 
     async def _wait_healthy(self, http: httpx.AsyncClient, process: trio.Process | None) -> None:
-        deadline = trio.current_time() + self.config.start_timeout
+        deadline = trio.current_time() + self.config.vllm_start_timeout
         last = "no answer yet"
         while trio.current_time() < deadline:
             if process is not None and process.returncode is not None:
@@ -213,7 +213,7 @@ class VllmServer:
                 last = f"{type(exc).__name__}"
             await trio.sleep(_HEALTH_POLL)
         raise VllmStartError(
-            f"vLLM at {self.url} not healthy within {self.config.start_timeout:g} s "
+            f"vLLM at {self.url} not healthy within {self.config.vllm_start_timeout:g} s "
             f"({last}){self._log_hint()}"
         )
 
