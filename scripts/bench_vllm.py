@@ -125,9 +125,15 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     time.sleep(3)
 
 
+#: How vLLM's CLI is run (``--vllm-command``): this Python with headwater's launcher.
+VLLM_COMMAND = [sys.executable, "-m", "workers.engines.vllm.launcher"]
+#: Extra options of headwater's vLLM workers (``--kv-buffer-device`` on GPUs).
+WORKER_EXTRA: list[str] = []
+
+
 def vllm_server(model: Path, port: int, log: Path, eager: bool, max_len: int) -> Any:
     argv = [
-        sys.executable, "-m", "workers.engines.vllm.launcher", "serve", str(model),
+        *VLLM_COMMAND, "serve", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
         "--max-model-len", str(max_len),
     ]  # fmt: skip
@@ -143,6 +149,7 @@ def headwater_server(
         sys.executable, "-m", "headwater", "serve", "--engine", "vllm", "--model", str(model),
         "--mode", mode, "--port", str(port), "--model-name", MODEL_NAME,
         "--max-model-len", str(max_len), "--cpu-kv-cache-gib", VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
+        *WORKER_EXTRA,
     ]  # fmt: skip
     if eager:
         argv.append("--enforce-eager")
@@ -293,7 +300,17 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32, help="per load cell (at least 2c)")
     parser.add_argument("--long-requests", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--probe-tokens", type=int, default=40000,
+                        help="size of each long prompt of the probe run")
+    parser.add_argument("--vllm-command", default="",
+                        help="vLLM's CLI (default: this Python with headwater's launcher; "
+                             "`vllm` for upstream)")
+    parser.add_argument("--kv-buffer-device", default="cpu", help="NIXL's (cuda on GPUs)")
     args = parser.parse_args()
+    if args.vllm_command:
+        VLLM_COMMAND[:] = args.vllm_command.split()
+        WORKER_EXTRA.extend(["--vllm-command", args.vllm_command])
+    WORKER_EXTRA.extend(["--kv-buffer-device", args.kv_buffer_device])
     eager = not args.compiled
     only = set(args.only.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -317,7 +334,8 @@ def main() -> int:
         results["load"] = rows
 
     if "probe" in only:
-        long_set = bench_prompts.make_prompts("long", args.long_requests, tokens=40000)
+        long_set = bench_prompts.make_prompts("long", args.long_requests, tokens=args.probe_tokens)
+        max_len = args.probe_tokens + 10000
         rows = []
         for kind in ("vllm", "headwater"):
             bodies = bench_prompts.build_bodies(
@@ -327,10 +345,12 @@ def main() -> int:
             port = free_port()
             log = workdir / f"probe-{kind}.log"
             start = vllm_server if kind == "vllm" else headwater_server
-            with start(args.model, port, log, eager, 50000) as srv:
+            with start(args.model, port, log, eager, max_len) as srv:
                 rows.append(run_probe(srv, bodies, workdir))
             # A fresh nonce per server: no prefix-cache hit from the first one's run.
-            long_set = bench_prompts.make_prompts("long", args.long_requests, tokens=40000)
+            long_set = bench_prompts.make_prompts(
+                "long", args.long_requests, tokens=args.probe_tokens
+            )
         results["probe"] = rows
 
     if "disagg" in only:

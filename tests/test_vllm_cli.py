@@ -64,7 +64,7 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused_at_start(tmp_path: 
 def test_worker_options_build_a_vllm_config(tmp_path: Path) -> None:
     args = build_parser("worker").parse_args([
         "--engine", "vllm", "--role", "prefill", "--model", str(tmp_path),
-        "--vllm-args=--max-num-seqs 8", "--enforce-eager", "--kv-hold-timeout", "30",
+        "--vllm-args=--max-num-seqs 8", "--enforce-eager", "--kv-lease-duration", "45",
     ])  # fmt: skip
     config = worker_config_from_args(args)
     engine = config.engine_config
@@ -72,7 +72,7 @@ def test_worker_options_build_a_vllm_config(tmp_path: Path) -> None:
     assert (engine.model, engine.vllm_args, engine.enforce_eager) == (
         str(tmp_path), "--max-num-seqs 8", True,
     )  # fmt: skip
-    assert engine.kv_hold_timeout == 30
+    assert engine.kv_lease_duration == 45
 
 
 def test_launch_passes_the_engine_options_and_the_models_tokenizer(tmp_path: Path) -> None:

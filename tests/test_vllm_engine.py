@@ -149,7 +149,7 @@ def test_the_config_reads_the_model_directory(tmp_path: Path) -> None:
 
 def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Path) -> None:
     config = VllmConfig(model=str(tmp_path), enforce_eager=True, vllm_args="--max-num-seqs 8",
-                        kv_hold_timeout=30)  # fmt: skip
+                        kv_lease_duration=45)  # fmt: skip
     argv = serve_argv(config, Role.PREFILL, 1234)
     assert argv[1:4] == ["-m", "workers.engines.vllm.launcher", "serve"]
     assert argv[-2:] == ["--max-num-seqs", "8"]
@@ -158,7 +158,8 @@ def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Pa
     assert "--enable-scale-out" in argv
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
-                  "kv_buffer_device": "cpu"}  # fmt: skip
+                  "kv_buffer_device": "cpu",
+                  "kv_connector_extra_config": {"kv_lease_duration": 45}}  # fmt: skip
     assert "--kv-transfer-config" not in serve_argv(config, Role.AGG, 1234)
     assert json.loads(
         serve_argv(config, Role.DECODE, 1)[serve_argv(config, Role.DECODE, 1).index(
@@ -166,14 +167,14 @@ def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Pa
     env = serve_env(config, Role.PREFILL, {"UCX_TLS": "tcp"})
     assert env["VLLM_HOST_IP"] == env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] == "30"
     assert env["UCX_TLS"] == "tcp"  # the user's choice stays
     assert env["UCX_NET_DEVICES"] == "lo"
     assert env[PARENT_ENV].isdigit()
     assert PARENT_ENV == launcher.PARENT_ENV
     agg = serve_env(config, Role.AGG, {})
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in agg
-    assert "VLLM_NIXL_ABORT_REQUEST_TIMEOUT" not in agg
+    gpu = serve_env(VllmConfig(kv_buffer_device="cuda"), Role.DECODE, {})
+    assert "UCX_TLS" not in gpu  # UCX picks its CUDA transports
 
 
 def test_the_launcher_answers_vllms_version_lookup_for_vllm_cpu(

@@ -73,10 +73,11 @@ class VllmConfig:
     kv_pull_timeout: float = field(
         default=60.0, metadata={"help": "seconds a decode leg waits for its first token"}
     )
-    #: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` of a started prefill server: seconds it
-    #: holds KV no decode pulled (vLLM's default: 480).
-    kv_hold_timeout: float = field(
-        default=120.0, metadata={"help": "seconds a prefill vLLM holds unpulled KV"}
+    #: NIXL's ``kv_lease_duration`` of a started prefill server (seconds): KV no
+    #: decode pulled is freed after it; a decode waiting to pull extends it with
+    #: heartbeats. vLLM's default.
+    kv_lease_duration: int = field(
+        default=30, metadata={"help": "seconds a prefill vLLM holds KV nobody pulled"}
     )
     #: Token ids must stay below this; 0: the model's (its config.json).
     vocab_size: int = field(
@@ -91,11 +92,10 @@ class VllmConfig:
     def __post_init__(self) -> None:
         if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
             raise ValueError(f"--vllm-url wants http://host:port, got {self.vllm_url!r}")
-        for name in ("max_model_len", "cpu_kv_cache_gib", "down_after_polls"):
+        for name in ("max_model_len", "cpu_kv_cache_gib", "down_after_polls", "kv_lease_duration"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        positive = ("vllm_start_timeout", "metrics_interval", "kv_pull_timeout", "kv_hold_timeout")
-        for name in positive:
+        for name in ("vllm_start_timeout", "metrics_interval", "kv_pull_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.restart_limit < 0 or self.vocab_size < 0:

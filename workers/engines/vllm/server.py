@@ -54,15 +54,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def kv_transfer_config(role: Role, config: VllmConfig) -> str | None:
-    """``--kv-transfer-config`` for *role*: NIXL producer (prefill), consumer (decode)."""
+    """``--kv-transfer-config`` for *role*: NIXL producer (prefill, with its KV lease),
+    consumer (decode); None for an aggregated server."""
     kv_role = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}.get(role)
     if kv_role is None:
         return None
-    return json.dumps({
+    kv: dict[str, object] = {
         "kv_connector": "NixlConnector",
         "kv_role": kv_role,
         "kv_buffer_device": config.kv_buffer_device,
-    })  # fmt: skip
+    }
+    if role is Role.PREFILL:
+        kv["kv_connector_extra_config"] = {"kv_lease_duration": config.kv_lease_duration}
+    return json.dumps(kv)
 
 
 def serve_argv(config: VllmConfig, role: Role, port: int) -> list[str]:
@@ -101,13 +105,13 @@ def serve_env(config: VllmConfig, role: Role, base: dict[str, str] | None = None
         PARENT_ENV: str(os.getpid()),
     })  # fmt: skip
     if role is not Role.AGG:
-        # NIXL's UCX backend, loopback only; a GPU node may choose its own transports.
-        env.setdefault("UCX_NET_DEVICES", "lo")
-        env.setdefault("UCX_TLS", "sm,self,tcp")
+        if config.kv_buffer_device == "cpu":
+            # NIXL's UCX backend without a GPU: shared memory and TCP on loopback. With
+            # KV in GPU memory UCX picks its CUDA transports itself.
+            env.setdefault("UCX_NET_DEVICES", "lo")
+            env.setdefault("UCX_TLS", "sm,self,tcp")
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-    if role is Role.PREFILL:
-        env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] = f"{config.kv_hold_timeout:g}"
     return env
 
 
