@@ -175,3 +175,23 @@ async def test_a_worker_attached_to_a_running_vllm(vllm_cluster: VllmCluster) ->
         client = await connect_worker(worker_instance(worker), nursery)
         assert tokens(await generate(client, request("attached", ids, 6))) == want.token_ids
         nursery.cancel_scope.cancel()
+
+
+async def test_in_process_workers_of_headwater_serve(vllm_cluster: VllmCluster) -> None:
+    # `headwater serve --engine vllm --mode agg` with its in-process worker, attached to
+    # the session's vLLM (starting another would make four instances).
+    agg = vllm_cluster.workers[Role.AGG]
+    ids = prompt(33, 60)
+    want = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 7})
+    engine = VllmConfig(vllm_url=agg.vllm_url, model=str(TINY_MODEL))
+    async with (
+        serve_frontend(engine="vllm", engine_config=engine, mode="agg",
+                       context_length=8192) as (_, url),  # fmt: skip
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        await wait_healthy(http)
+        r = await http.post("/v1/completions", json={
+            "model": "deepseek-v4", "prompt": ids, "max_tokens": 7, "temperature": 0,
+        })  # fmt: skip
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == shared_tokenizer().decode(want.token_ids)

@@ -10,7 +10,8 @@ vLLM (``--enforce-eager``) on free loopback ports: one aggregated, and a prefill
 decode pair with NIXL (the decode without prefix caching, so its prompt tokens can
 only come from the transfer). They start in the background as soon as collection
 sees a test marked ``vllm`` (``conftest.py``), while the other tests run; those tests
-run last and wait for them. At most these three vLLM instances (~3.5 GB each) are
+run last and wait for them, and they run niced, so the tests running meanwhile keep
+the cores they need. At most these three vLLM instances (~3.5 GB each) are
 alive at once; every process is stopped at the end of the session (its process
 group, and the vLLM group its log names).
 """
@@ -41,6 +42,7 @@ MODEL_NAME = "deepseek-v4"
 #: Seconds the three workers get to report ready (their vLLMs start side by side on
 #: two cores, beside other tests).
 READY_WITHIN = 420.0
+NICENESS = 10  # of the vLLM workers and their servers
 _READY = re.compile(r"HEADWATER_WORKER_READY (\S+) (\S+) (\S+)")
 _VLLM_URL = re.compile(r"starting vLLM on (http://\S+):")
 _VLLM_PID = re.compile(r"vLLM pid (\d+)")
@@ -142,6 +144,9 @@ class VllmCluster:
         stdout = self.workdir / f"worker-{role}.out"
         stderr = self.workdir / f"worker-{role}.err"
         argv = [
+            # Niced: they start while the rest of the suite runs, and timing-sensitive
+            # tests there come first; by the time the vLLM tests run nothing else does.
+            "nice", "-n", str(NICENESS),
             sys.executable, "-m", "headwater", "worker", "--engine", "vllm",
             "--model", str(self.model), "--role", str(role), "--enforce-eager",
             "--listen", "127.0.0.1:0", "--worker-id", f"vllm-{role}",
