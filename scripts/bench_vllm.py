@@ -149,7 +149,7 @@ def headwater_server(
         sys.executable, "-m", "headwater", "serve", "--engine", "vllm", "--model", str(model),
         "--mode", mode, "--port", str(port), "--model-name", MODEL_NAME,
         "--max-model-len", str(max_len), "--cpu-kv-cache-gib", VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
-        *WORKER_EXTRA,
+        "--cpu-bind", "role", *WORKER_EXTRA,
     ]  # fmt: skip
     if eager:
         argv.append("--enforce-eager")
@@ -166,7 +166,7 @@ def run_load_matrix(
     url = srv.url + "/v1/completions"
     for size, ps in prompt_sets.items():
         bodies = bench_prompts.build_bodies(
-            ps, endpoint="completion", stream=True, max_tokens=args.max_tokens,
+            ps, endpoint="completions", stream=True, max_tokens=args.max_tokens,
             model=MODEL_NAME, extra={"ignore_eos": True, "temperature": 0},
         )  # fmt: skip
         # One warm-up request, not counted.
@@ -218,7 +218,7 @@ def run_probe(srv: Server, bodies: list[bytes], workdir: Path) -> dict[str, Any]
     )
     time.sleep(1.0)  # the probe's own warm-up, outside the window
     result = run_load(srv.url + "/v1/completions", bodies, len(bodies), len(bodies), 1800,
-                      True, progress=False)  # fmt: skip
+                      True, progress=False, request_timeout=1800)  # fmt: skip
     stop.touch()
     probe.wait(timeout=60)
     lat = json.loads(out.read_text())
@@ -258,7 +258,7 @@ def nixl(url: str) -> tuple[float, float]:
 
 def run_disagg(srv: Server, ps: Any, args: argparse.Namespace) -> dict[str, Any]:
     bodies = bench_prompts.build_bodies(
-        ps, endpoint="completion", stream=True, max_tokens=args.decode_tokens,
+        ps, endpoint="completions", stream=True, max_tokens=args.decode_tokens,
         model=MODEL_NAME, extra={"ignore_eos": True, "temperature": 0},
     )  # fmt: skip
     run_load(srv.url + "/v1/completions", bodies[-1:], 1, 1, 300, True, progress=False)
@@ -272,8 +272,11 @@ def run_disagg(srv: Server, ps: Any, args: argparse.Namespace) -> dict[str, Any]
         result = run_load(srv.url + "/v1/completions", chunk, concurrency, n, 900, True,
                           progress=False)  # fmt: skip
         s = summarise(result, srv.name)
+        # Tokens after the first over the time after it (a chunk may carry several).
         rates = [
-            (len(r.itl_s)) / sum(r.itl_s) for r in result.ok if r.itl_s and sum(r.itl_s) > 0
+            (r.completion_tokens - 1) / (r.e2e_s - r.ttft_s)
+            for r in result.ok
+            if r.completion_tokens and r.ttft_s is not None and r.e2e_s > r.ttft_s
         ]
         row[f"c{concurrency}"] = {
             "ttft_p50_ms": s.ttft_p50_ms, "itl_p50_ms": s.itl_p50_ms,
@@ -339,7 +342,8 @@ def main() -> int:
         rows = []
         for kind in ("vllm", "headwater"):
             bodies = bench_prompts.build_bodies(
-                long_set, endpoint="completion", stream=True, max_tokens=1,
+                # 4 tokens: the first one's text may be a partial character (no TTFT).
+                long_set, endpoint="completions", stream=True, max_tokens=4,
                 model=MODEL_NAME, extra={"ignore_eos": True},
             )  # fmt: skip
             port = free_port()

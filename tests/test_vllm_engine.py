@@ -9,6 +9,7 @@ can show (exactness, NIXL, a real crash) is in tests/test_vllm_*.py.
 from __future__ import annotations
 
 import json
+import os
 from array import array
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -173,6 +174,13 @@ def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Pa
     assert PARENT_ENV == launcher.PARENT_ENV
     agg = serve_env(config, Role.AGG, {})
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in agg
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in agg  # vLLM's choice
+    by_role = VllmConfig(cpu_bind="role")
+    cores = sorted(os.sched_getaffinity(0))
+    assert serve_env(by_role, Role.PREFILL, {})["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[0])
+    assert serve_env(by_role, Role.DECODE, {})["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[-1])
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in serve_env(by_role, Role.AGG, {})
+    assert serve_env(VllmConfig(cpu_bind="0-1"), Role.AGG, {})["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     gpu = serve_env(VllmConfig(kv_buffer_device="cuda"), Role.DECODE, {})
     assert "UCX_TLS" not in gpu  # UCX picks its CUDA transports
 

@@ -151,7 +151,7 @@ class VllmCluster:
             "--model", str(self.model), "--role", str(role), "--enforce-eager",
             "--listen", "127.0.0.1:0", "--worker-id", f"vllm-{role}",
             "--model-name", MODEL_NAME, "--drain-timeout", "2",
-            "--vllm-log", str(self.workdir / f"vllm-{role}.log"), *extra,
+            "--vllm-log", str(self.workdir / f"vllm-{role}.log"), "--cpu-bind", "role", *extra,
         ]  # fmt: skip
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             process = subprocess.Popen(

@@ -51,6 +51,14 @@ class VllmConfig:
     cpu_kv_cache_gib: int = field(
         default=1, metadata={"help": "KV cache GiB of a vLLM CPU build"}
     )
+    #: ``VLLM_CPU_OMP_THREADS_BIND`` of a started CPU server: the cores its engine's
+    #: OpenMP threads run on ("0", "0-3"). "role": a prefill server the first usable
+    #: core, a decode server the last, an aggregated one vLLM's choice. Empty: vLLM's
+    #: choice, which for a prefill or decode server on 2 cores is both (it reserves a
+    #: core for NIXL and finds none left), so a pair's spinning threads fight.
+    cpu_bind: str = field(
+        default="", metadata={"help": "cores of a vLLM CPU engine (0-1, or role)"}
+    )
     #: NIXL's KV buffer (``kv_buffer_device``): "cpu" here, "cuda" on GPUs.
     kv_buffer_device: str = field(
         default="cpu", metadata={"help": "NIXL KV buffer device (cpu, cuda)"}

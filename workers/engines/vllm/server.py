@@ -104,6 +104,9 @@ def serve_env(config: VllmConfig, role: Role, base: dict[str, str] | None = None
         "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kv_cache_gib),
         PARENT_ENV: str(os.getpid()),
     })  # fmt: skip
+    cores = cpu_bind(config.cpu_bind, role)
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     if role is not Role.AGG:
         if config.kv_buffer_device == "cpu":
             # NIXL's UCX backend without a GPU: shared memory and TCP on loopback. With
@@ -113,6 +116,17 @@ def serve_env(config: VllmConfig, role: Role, base: dict[str, str] | None = None
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
     return env
+
+
+def cpu_bind(setting: str, role: Role) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for *setting* (see ``VllmConfig.cpu_bind``); ""
+    leaves vLLM's own choice."""
+    if setting != "role":
+        return setting
+    if role is Role.AGG:
+        return ""
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[0] if role is Role.PREFILL else cores[-1])
 
 
 class VllmServer:
