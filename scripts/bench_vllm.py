@@ -159,6 +159,38 @@ def headwater_server(
 # ---- load ------------------------------------------------------------------------------
 
 
+def cpu_by_process(srv: Server) -> dict[str, float]:
+    """CPU seconds so far of the server's processes, by kind: headwater (frontend and
+    in-process worker), vLLM's API server, its engine core (with its worker). A process
+    that exits between two readings takes its CPU time with it (none does mid-run).
+    psutil is one of vLLM's own dependencies, so it is there whenever this script runs."""
+    import psutil
+
+    totals: dict[str, float] = {}
+    try:
+        root = psutil.Process(srv.process.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return totals
+    for proc in procs:
+        try:
+            name = proc.name()
+            cmd = " ".join(proc.cmdline())
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        if "EngineCore" in name or "VLLM::" in name:
+            kind = "vllm_engine"
+        elif "headwater" in cmd:
+            kind = "headwater"
+        elif "launcher serve" in cmd or "vllm" in cmd:
+            kind = "vllm_api_server"
+        else:
+            kind = "other"
+        totals[kind] = totals.get(kind, 0.0) + t.user + t.system
+    return totals
+
+
 def run_load_matrix(
     srv: Server, prompt_sets: dict[int, Any], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
@@ -176,14 +208,17 @@ def run_load_matrix(
             n = max(2 * concurrency, args.requests)
             chunk = bodies[offset : offset + n]
             offset += n
+            before = cpu_by_process(srv)
             result = run_load(url, chunk, concurrency, n, 900, True, progress=False)
+            after = cpu_by_process(srv)
             s = summarise(result, f"{srv.name} {size} c{concurrency}")
+            cpu_ms = {k: round(1000 * (after[k] - before.get(k, 0.0)) / n, 1) for k in after}
             rows.append({
                 "server": srv.name, "prompt_tokens": size, "concurrency": concurrency,
                 "requests": s.requests, "ok": s.ok, "req_per_s": s.req_per_s,
                 "ttft_p50_ms": s.ttft_p50_ms, "ttft_p99_ms": s.ttft_p99_ms,
                 "prompt_tokens_mean": s.prompt_tokens_mean,
-                "first_error": s.first_error,
+                "cpu_ms_per_request": cpu_ms, "first_error": s.first_error,
             })  # fmt: skip
             print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
