@@ -118,7 +118,9 @@ class FrontendMetrics:
             ["endpoint", "request_type", "status"], registry=r,
         )
         self.inflight_requests = Gauge(
-            f"{p}inflight_requests", "Requests being served now", registry=r
+            f"{p}inflight_requests",
+            "Generation requests admitted and not yet answered (what --max-inflight limits)",
+            registry=r,
         )
         self.queued_requests = Gauge(
             f"{p}queued_requests", "Requests waiting for a tokenizer thread", registry=r
@@ -186,6 +188,19 @@ class FrontendMetrics:
         self.worker_inflight = Gauge(
             f"{p}worker_inflight_requests", "In-flight requests per worker",
             ["worker_id", "role"], registry=r,
+        )
+        # Admission (frontend.http.admission): the reasons are the labels of the one
+        # counter, so another limit counts its refusals here under a reason of its own.
+        self.rejected_requests_total = Counter(
+            f"{p}rejected_requests",
+            "Requests and connections turned away before any work, by reason",
+            ["reason"], registry=r,
+        )
+        self.max_inflight_requests = Gauge(
+            f"{p}max_inflight_requests", "The limit on admitted requests (0: none)", registry=r
+        )
+        self.draining = Gauge(
+            f"{p}draining", "1 while this frontend drains for shutdown, else 0", registry=r
         )
         self._collect_hooks: list[Callable[[], None]] = []
         self._exposition = TextExposition(self.registry)

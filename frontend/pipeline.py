@@ -5,14 +5,27 @@ dispatcher, :mod:`frontend.router.dispatch`: workers picked per leg, retried,
 migrated) → ``postprocess`` (incremental detokenizer, stop strings). The same stage
 names appear in metrics (``*_seconds``), logs and this code.
 
-Nothing here knows HTTP: the pipeline takes a :class:`~frontend.request.ParsedRequest`
-and raises the frontend's own errors (:mod:`frontend.errors`), which the HTTP layer
-maps to statuses and OpenAI bodies.
+Two kinds of request take that path (:mod:`frontend.request`)::
 
-Structured concurrency: :meth:`Pipeline.generate` is consumed by the HTTP handler in
-the request's own task. When the client disconnects, that task is cancelled, the
-``async with client.stream(...)`` blocks exit and the worker is told to cancel, which
-frees its KV. No task outlives the request.
+    ParsedRequest (OpenAI) ─── preprocess() ────────┐
+                                                    ├─▶ Prepared
+    TokenRequest (token-in) ── preprocess_tokens() ─┘
+
+    tokens(prepared)     route, plane              ─▶ TokenDelta (new ids)   token-in API
+    generate(prepared)   tokens(), postprocess     ─▶ Delta (new text)       OpenAI routes
+
+A token-in request skips every stage that needs text: no template, no tokenizer, no
+detokenizer, no stop strings; its ids are only checked against the vocabulary and the
+context length.
+
+Nothing here knows HTTP: the pipeline takes the frontend's request model and raises the
+frontend's own errors (:mod:`frontend.errors`), which the HTTP layer maps to statuses
+and response bodies.
+
+Structured concurrency: :meth:`Pipeline.generate` (or :meth:`Pipeline.tokens`) is
+consumed by the HTTP handler in the request's own task. When the client disconnects,
+that task is cancelled, the ``async with client.stream(...)`` blocks exit and the
+worker is told to cancel, which frees its KV. No task outlives the request.
 """
 
 from __future__ import annotations
@@ -24,17 +37,18 @@ from array import array
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import trio
 
 from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
+from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
 from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
-from frontend.request import ParsedRequest
+from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
 from headwater.wire import GenerateRequest, SamplingParams
 from headwater.wire.tokens import token_array
@@ -46,12 +60,19 @@ log = logging.getLogger(__name__)
 TEMPLATE_OFFLOAD_CHARS = 256 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A preprocessed request: token ids in, plus what postprocess needs."""
+#: The request a :class:`Prepared` came from: an OpenAI one or a token-in one.
+R = TypeVar("R", ParsedRequest, TokenRequest)
 
-    request_id: str
-    parsed: ParsedRequest
+
+@dataclass(frozen=True, slots=True)
+class Prepared(Generic[R]):
+    """A preprocessed request, ready for the workers: its prompt's ids and the engine's
+    sampling parameters, plus the validated request (``parsed``) that the later stages
+    and the response read. ``Prepared[ParsedRequest]`` for the OpenAI routes,
+    ``Prepared[TokenRequest]`` for the token-in one."""
+
+    request_id: str  # the request plane's id: fresh per request, whatever the client sent
+    parsed: R
     prompt_ids: array[int]  # a token array (headwater.wire.tokens)
     sampling: SamplingParams
     created: float  # unix time, for the response's "created"
@@ -59,9 +80,25 @@ class Prepared:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """What :meth:`Pipeline.tokens` yields: the ids generated since the previous delta,
+    the count so far, and ``finish_reason`` on the last one.
+
+    One delta may carry several ids: chunks that were already waiting when the consumer
+    took one come merged into it (the request plane does that, so that a consumer behind
+    its engine catches up in one step).
+    """
+
+    token_ids: list[int]  # not empty, but for a last delta that only finishes the stream
+    completion_tokens: int
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
-    """What the pipeline yields: new text of the response, tokens so far, and
-    ``finish_reason`` on the last one."""
+    """What :meth:`Pipeline.generate` yields: new text of the response, tokens so far,
+    and ``finish_reason`` on the last one."""
 
     text: str
     completion_tokens: int
@@ -82,8 +119,12 @@ class Pipeline:
         router: Router,
         metrics: FrontendMetrics,
         dispatch: DispatchConfig | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.model_name = model_name
+        #: The request limits; the pipeline applies the cap on max_tokens to a request
+        #: that asked none (the HTTP layer checks those that did, before any work).
+        self.limits = limits or RequestLimits()
         self.context_length = context_length
         self.pool = pool
         self.tokenizer = pool.tokenizer
@@ -107,18 +148,18 @@ class Pipeline:
 
     # -- preprocess ------------------------------------------------------------------
 
-    async def preprocess(self, parsed: ParsedRequest) -> Prepared:
+    async def preprocess(self, parsed: ParsedRequest) -> Prepared[ParsedRequest]:
         """Template and tokenize; validate lengths. Raises InvalidRequest."""
         started = trio.current_time()
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
+        param = "messages" if parsed.endpoint == "chat" else "prompt"
         try:
             if parsed.endpoint == "chat":
                 text_or_ids = await self._render(parsed)
             else:
                 text_or_ids = completion_prompt(parsed.prompt)
         except TemplateError as exc:
-            param = "messages" if parsed.endpoint == "chat" else "prompt"
             raise InvalidRequest(str(exc), param=param) from exc
         t1 = time.perf_counter()
         self.metrics.template_seconds.observe(t1 - t0)
@@ -126,19 +167,48 @@ class Pipeline:
             prompt_ids = await self.pool.encode(text_or_ids)
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
-            if any(t >= self.tokenizer.vocab_size for t in text_or_ids):  # >= 0: schema
-                raise InvalidRequest(
-                    "prompt token ids must be below the vocabulary size", param="prompt"
-                )
-            prompt_ids = token_array(text_or_ids)
+            prompt_ids = self._token_ids(text_or_ids, param)
         return Prepared(
             request_id=uuid.uuid4().hex,
             parsed=parsed,
             prompt_ids=prompt_ids,
-            sampling=self._sampling(parsed, len(prompt_ids)),
+            sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
             created=time.time(),
             started=started,
         )
+
+    async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
+        """The preprocess stage of a token-in request, which has neither a template nor
+        text to tokenize: its ids go to the workers as they came, once checked.
+
+        Raises InvalidRequest (``param`` "token_ids") for an id outside the vocabulary,
+        ContextTooLong when the prompt and ``max_tokens`` exceed the context length.
+        Async like :meth:`preprocess`, though nothing here waits.
+        """
+        started = trio.current_time()
+        prompt_ids = self._token_ids(request.token_ids, "token_ids")
+        return Prepared(
+            request_id=uuid.uuid4().hex,
+            parsed=request,
+            prompt_ids=prompt_ids,
+            sampling=self._sampling(request.sampling, len(prompt_ids), "token_ids"),
+            created=time.time(),
+            started=started,
+        )
+
+    def _token_ids(self, ids: list[int], param: str) -> array[int]:
+        """A client's prompt ids (ints >= 0: the schema checked) as a token array, once
+        each is checked against the vocabulary. An id at or above the vocabulary size
+        indexes past the model's embedding table: an engine may crash on it (a vLLM
+        server started without a tokenizer does), so none reaches a worker."""
+        vocab = self.tokenizer.vocab_size
+        if ids and max(ids) >= vocab:
+            bad = next(t for t in ids if t >= vocab)
+            raise InvalidRequest(
+                f"prompt token ids must be below the vocabulary size ({vocab}), got {bad}",
+                param=param,
+            )
+        return token_array(ids)
 
     async def _render(self, parsed: ParsedRequest) -> str:
         render = self.template.render
@@ -151,42 +221,53 @@ class Pipeline:
 
         return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
 
-    def _sampling(self, parsed: ParsedRequest, prompt_len: int) -> SamplingParams:
+    def _sampling(self, options: SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
+        """The engine's parameters for a prompt of *prompt_len* tokens; ContextTooLong,
+        naming *param* (where the prompt came from), when there is no room for them."""
         room = self.context_length - prompt_len
-        if room < 1 or (parsed.max_tokens is not None and parsed.max_tokens > room):
-            asked = parsed.max_tokens if parsed.max_tokens is not None else 1
+        if room < 1 or (options.max_tokens is not None and options.max_tokens > room):
+            asked = options.max_tokens if options.max_tokens is not None else 1
             raise ContextTooLong(
                 f"This model's maximum context length is {self.context_length} tokens. "
                 f"However, you requested {prompt_len + asked} tokens ({prompt_len} in the "
                 f"prompt, {asked} for the completion). Please reduce the length of the "
                 "prompt or the completion.",
-                param="messages" if parsed.endpoint == "chat" else "prompt",
+                param=param,
             )
+        max_tokens = (options.max_tokens if options.max_tokens is not None
+                      else self.limits.default_max_tokens(room))  # fmt: skip
+        if options.min_tokens > max_tokens:
+            # Only when max_tokens was not asked (the schema checks it against one that
+            # was): refused here, before any worker would refuse it mid-stream.
+            raise InvalidRequest(
+                f"'min_tokens' ({options.min_tokens}) exceeds the {max_tokens} tokens this "
+                "request may generate", param="min_tokens",
+            )  # fmt: skip
         return SamplingParams(
-            max_tokens=parsed.max_tokens if parsed.max_tokens is not None else room,
-            min_tokens=parsed.min_tokens,
-            ignore_eos=parsed.ignore_eos,
-            temperature=parsed.temperature,
-            top_p=parsed.top_p,
-            seed=parsed.seed,
-            stop_token_ids=parsed.stop_token_ids,
+            max_tokens=max_tokens,
+            min_tokens=options.min_tokens,
+            ignore_eos=options.ignore_eos,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            seed=options.seed,
+            stop_token_ids=options.stop_token_ids,
         )
 
     # -- route → plane → postprocess --------------------------------------------------
 
-    async def generate(self, prep: Prepared) -> AsyncGenerator[Delta, None]:
-        """Stream text deltas; the last one carries ``finish_reason``.
+    async def tokens(self, prep: Prepared[Any]) -> AsyncGenerator[TokenDelta, None]:
+        """Route and plane: stream the generated ids as the workers send them; the last
+        delta carries ``finish_reason`` ("stop": EOS or a stop token id; "length").
+        Records time to first token and inter-token latency.
 
         Raises NoCapacity when no worker can take the request before any output,
         InvalidRequest when a worker refuses it as invalid, WorkerFailed otherwise.
+        Closing the generator early cancels the request on its worker.
         """
-        post = TextPostprocessor(
-            self.tokenizer.decode, stops=prep.parsed.stop,
-            special_ids=self.tokenizer.special_ids,
-        )
         first = True
         last_token_at = 0.0
         cached = 0
+        generated = 0
         request = GenerateRequest(
             request_id=prep.request_id,
             model=self.model_name,
@@ -210,20 +291,41 @@ class Pipeline:
                     for _ in range(n):
                         self.metrics.inter_token_latency_seconds.observe(gap)
                     last_token_at = now
+                generated += len(chunk.token_ids)
                 cached = max(cached, chunk.cached_tokens)
-                delta = post.step(chunk.token_ids)
-                if delta.stopped:
-                    yield Delta(delta.text, post.completion_tokens, "stop", cached)
-                    return
                 if chunk.finish_reason is not None:
+                    reason = chunk.finish_reason.value
+                    yield TokenDelta(chunk.token_ids, generated, reason, cached)
+                    return
+                if chunk.token_ids:
+                    yield TokenDelta(chunk.token_ids, generated, None, cached)
+        raise WorkerFailed("the worker ended the stream without a finish reason")
+
+    async def generate(self, prep: Prepared[ParsedRequest]) -> AsyncGenerator[Delta, None]:
+        """Postprocess on top of :meth:`tokens`: stream text deltas; the last one carries
+        ``finish_reason`` ("stop" also when a stop string matched). Raises what
+        :meth:`tokens` raises. A matched stop string closes :meth:`tokens`, which
+        cancels the rest of the generation on the worker.
+        """
+        post = TextPostprocessor(
+            self.tokenizer.decode, stops=prep.parsed.stop,
+            special_ids=self.tokenizer.special_ids,
+        )
+        async with aclosing(self.tokens(prep)) as steps:
+            async for step in steps:
+                delta = post.step(step.token_ids)
+                if delta.stopped:
+                    yield Delta(delta.text, post.completion_tokens, "stop", step.cached_tokens)
+                    return
+                if step.finish_reason is not None:
                     tail = delta.text + post.finish()
                     # A stop string can complete in the held-back tail released by finish().
-                    reason = "stop" if post.stopped else chunk.finish_reason.value
-                    yield Delta(tail, post.completion_tokens, reason, cached)
+                    reason = "stop" if post.stopped else step.finish_reason
+                    yield Delta(tail, post.completion_tokens, reason, step.cached_tokens)
                     return
                 if delta.text:
-                    yield Delta(delta.text, post.completion_tokens, None, cached)
-        raise WorkerFailed("the worker ended the stream without a finish reason")
+                    yield Delta(delta.text, post.completion_tokens, None, step.cached_tokens)
+        raise AssertionError("tokens() ends with a finishing delta or raises")
 
 
 def _approx_chars(messages: list[Any] | None) -> int:

@@ -1,13 +1,34 @@
 """The frontend's request model: what the pipeline needs to know of a request.
 
-The HTTP layer (:mod:`frontend.http.schema`) validates an OpenAI body into a
-:class:`ParsedRequest`; the pipeline takes it from there and never sees JSON.
+The HTTP layer (:mod:`frontend.http.schema`) validates a body into one of two requests,
+and the pipeline takes it from there and never sees JSON:
+
+- :class:`ParsedRequest`: an OpenAI chat or completions request (text in, text out;
+  a completions prompt may be token ids).
+- :class:`TokenRequest`: a token-in request (``POST /inference/v1/generate``, vLLM's
+  shape): token ids in, token ids out, with no template, tokenizer or detokenizer.
+
+Both carry the client's generation options as one :class:`SamplingOptions`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """How to generate, as the client asked; the pipeline turns these into the engine's
+    :class:`~headwater.wire.SamplingParams` once it knows the prompt's length."""
+
+    max_tokens: int | None = None  # None: as many as the context length leaves room for
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,14 +41,21 @@ class ParsedRequest:
     prompt: Any = None  # completions: str or list of token ids
     stream: bool = False
     include_usage: bool = False
-    max_tokens: int | None = None
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    stop: tuple[str, ...] = ()  # stop strings: matched on the text, by the frontend
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRequest:
+    """A validated token-in request: the prompt's ids go to the workers as they are and
+    the generated ids come back as they are (no text, so no stop strings)."""
+
+    token_ids: list[int]  # non-empty, each >= 0; the pipeline checks the vocabulary
+    request_id: str | None = None  # the client's name for the request; None: none given
+    model: str | None = None  # None: the model this frontend serves
+    stream: bool = False
+    include_usage: bool = False
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)

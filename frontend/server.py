@@ -5,9 +5,11 @@ app and the loop monitor from a :class:`FrontendConfig`; :meth:`Frontend.run` ru
 them all in one nursery — monitor, workers (in-process or discovered), then the
 HTTP server — and reports the bound URLs once the server listens.
 
-Shutdown: set :attr:`Frontend.shutdown` (the CLI does on SIGINT/SIGTERM). Hypercorn
-stops accepting, gives in-flight requests ``graceful_timeout`` seconds, and returns;
-then everything else is cancelled.
+Shutdown: :meth:`Frontend.stop` (the CLI calls it on SIGINT/SIGTERM) begins a drain.
+``/health`` turns 503 at once, new generation requests get 503, and those in flight get
+``drain_timeout`` seconds to finish while the listener stays open. Then hypercorn stops
+accepting, gives what is left ``graceful_timeout`` seconds, and returns; then everything
+else is cancelled.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import trio
 
 from frontend.config import FrontendConfig
 from frontend.discovery import start_discovery
-from frontend.http.app import create_app
+from frontend.http.admission import Admission, AdmissionControl
+from frontend.http.app import GENERATION_PATHS, create_app
+from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
-from frontend.http.serving import ServerConfig, serve
+from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline
 from frontend.preprocess.pool import TokenizerPool
@@ -69,6 +73,8 @@ class Frontend:
         )
         self.template = ChatTemplate.from_tokenizer_config(files.config)
         self.metrics = FrontendMetrics()
+        for reason in REFUSAL_REASONS:  # every series from 0
+            self.metrics.rejected_requests_total.labels(reason)
         self.router = Router(
             config.router,
             health=HealthConfig(
@@ -93,6 +99,7 @@ class Frontend:
                 queue_timeout=config.queue_timeout,
                 queue_size=config.queue_size,
             ),
+            limits=config.limits,
         )
         # HTTP requests in flight: the loop monitor rests while there are none.
         self.activity = Activity()
@@ -109,7 +116,12 @@ class Frontend:
             enabled=config.stall_attribution,
             on_excuse=self.metrics.excused_timeouts_total.inc,
         )
-        self.app = create_app(self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes)
+        # Generation requests in flight, and whether to take another (--max-inflight, drain).
+        self.admission = Admission(config.max_inflight, gauge=self.metrics.inflight_requests)
+        self.app = create_app(
+            self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
+            admission=self.admission, limits=config.limits, api_keys=bool(config.api_keys),
+        )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
         )
@@ -117,7 +129,14 @@ class Frontend:
             self.app, self.observed, debug_endpoints=config.debug_endpoints
         )
         self.metrics.on_collect(self._refresh_gauges)
+        #: Set by :meth:`stop`: the drain, then the shutdown, has begun.
         self.shutdown = trio.Event()
+
+    def stop(self) -> None:
+        """Begin a graceful stop: drain, then shut down (see the module docstring);
+        :meth:`run` returns when it is done. What SIGTERM and SIGINT do. Idempotent;
+        returns at once."""
+        self.shutdown.set()
 
     def _count_transition(self, worker_id: str, change: Transition) -> None:
         self.metrics.worker_state_transitions_total.labels(
@@ -125,6 +144,9 @@ class Frontend:
         ).inc()
 
     def _refresh_gauges(self) -> None:
+        admitted = self.admission.statistics()
+        self.metrics.max_inflight_requests.set(admitted.max_inflight)
+        self.metrics.draining.set(int(admitted.draining))
         stats = self.pool.statistics()
         self.metrics.tokenizer_threads.set(stats.threads)
         self.metrics.tokenizer_threads_busy.set(stats.busy)
@@ -137,17 +159,28 @@ class Frontend:
                 self.metrics.worker_state.labels(v.worker_id, v.role.value, state.value).set(value)
             self.metrics.worker_inflight.labels(v.worker_id, v.role.value).set(v.inflight)
 
+    def _count_refusal(self, reason: str) -> None:
+        self.metrics.rejected_requests_total.labels(reason).inc()
+
     def hypercorn_config(self) -> ServerConfig:
-        """The HTTP server's config: hypercorn's fields and the fixes' (read sizes at
-        their defaults), from this frontend's."""
+        """The HTTP server's config: hypercorn's fields, the fixes' (read sizes at their
+        defaults) and the transport limits', from this frontend's; the limits' refusals
+        count in ``rejected_requests_total``."""
+        cfg = self.config
         hc = ServerConfig()
-        if self.config.listen_fd is None:
-            hc.bind = [f"{self.config.host}:{self.config.port}"]
+        if cfg.listen_fd is None:
+            hc.bind = [f"{cfg.host}:{cfg.port}"]
         else:  # one of several processes: the shared socket, then a port of its own
-            hc.bind = [f"fd://{self.config.listen_fd}", f"{self.config.host}:0"]
-        hc.keep_alive_timeout = self.config.keep_alive_timeout
-        hc.graceful_timeout = self.config.graceful_timeout
-        hc.write_timeout = self.config.write_timeout
+            hc.bind = [f"fd://{cfg.listen_fd}", f"{cfg.host}:0"]
+        hc.certfile, hc.keyfile = cfg.ssl_certfile, cfg.ssl_keyfile  # both bound over TLS
+        hc.keep_alive_timeout = cfg.keep_alive_timeout
+        hc.graceful_timeout = cfg.graceful_timeout
+        hc.write_timeout = cfg.write_timeout
+        hc.h11_max_incomplete_size = cfg.max_header_bytes
+        hc.header_timeout = cfg.header_timeout
+        hc.body_read_timeout = cfg.read_timeout
+        hc.max_connections_per_client = cfg.max_connections_per_client
+        hc.on_refusal = self._count_refusal
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         return hc
@@ -167,19 +200,45 @@ class Frontend:
                 tune_gc(cfg.gc_gen0_threshold)
             await nursery.start(self.monitor.run)
             await self._start_workers(nursery)
-            app = MarkActivity(
-                ShieldFinalSend(self.app, deadline=cfg.write_timeout), self.activity
-            )
+            admitted = AdmissionControl(
+                self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,
+                max_body_bytes=cfg.max_body_bytes,
+            )  # fmt: skip
+            keyed = RequireApiKey(
+                admitted, ApiKeys(cfg.api_keys), metrics=self.metrics,
+                metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
+            )  # fmt: skip
+            app = MarkActivity(ShieldFinalSend(keyed, deadline=cfg.write_timeout), self.activity)
+            if (warning := exposure_warning(cfg.host, cfg.api_keys)) is not None:
+                log.warning("%s", warning)
             async with trio.open_nursery() as http:
                 urls: list[str] = await http.start(
-                    partial(serve, app, self.hypercorn_config(),
-                            shutdown_trigger=self.shutdown.wait)
+                    partial(serve, app, self.hypercorn_config(), shutdown_trigger=self._drain)
                 )
                 log.info("headwater serving %s on %s", cfg.model_name, ", ".join(urls))
                 task_status.started(urls)
-            # serve() returned: the shutdown trigger fired and in-flight requests had
-            # their graceful_timeout. Now stop the workers and the monitor.
+            # serve() returned: the drain ended and what was left had its
+            # graceful_timeout. Now stop the workers and the monitor.
             nursery.cancel_scope.cancel()
+
+    async def _drain(self) -> None:
+        """The HTTP server's shutdown trigger: once :meth:`stop` is called, refuse new
+        generation requests (503) and turn ``/health`` 503 while those in flight finish,
+        for up to ``drain_timeout`` seconds. The server keeps accepting meanwhile; when
+        this returns it stops, and ``graceful_timeout`` applies to what is left."""
+        await self.shutdown.wait()
+        self.admission.drain()
+        timeout = self.config.drain_timeout
+        log.info("draining: %d requests in flight get up to %g s",
+                 self.admission.statistics().inflight, timeout)  # fmt: skip
+        with trio.move_on_after(timeout):
+            await self.admission.wait_idle()
+        left = self.admission.statistics().inflight
+        if left:
+            log.warning("drain timed out with %d requests in flight; they get %g s more",
+                        left, self.config.graceful_timeout)  # fmt: skip
+        else:
+            log.info("drained: no request in flight")
 
     async def _start_workers(self, nursery: trio.Nursery) -> None:
         """The workers this frontend routes to, from whichever source the config names

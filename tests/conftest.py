@@ -6,10 +6,12 @@ import pytest
 
 from etcd_fixture import etcd_prefix, etcd_server, etcd_url, private_etcd
 from netns_fixture import make_netns
+from tls_fixture import ca
 from vllm_fixture import start_in_background, stop_cluster, vllm_cluster
 
 __all__ = [
-    "etcd_prefix", "etcd_server", "etcd_url", "make_netns", "private_etcd", "vllm_cluster",
+    "ca", "etcd_prefix", "etcd_server", "etcd_url", "make_netns", "private_etcd",
+    "vllm_cluster",
 ]  # fmt: skip
 
 

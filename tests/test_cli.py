@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,9 @@ SERVE_OPTIONS = [
     "--host", "--port", "--model-name", "--tokenizer", "--context-length", "--tokenizer-backend",
     "--tokenize-mode", "--tokenizer-threads", "--engine", "--mode", "--speedup-ratio",
     "--log-level", "--max-body-bytes", "--workers", "--discovery", "--router", "--ack-timeout",
-    "--no-instrument", "--stall-threshold-ms",
+    "--no-instrument", "--stall-threshold-ms", "--max-inflight", "--drain-timeout",
+    "--graceful-timeout", "--write-timeout", "--ssl-certfile", "--ssl-keyfile",
+    "--max-header-bytes", "--header-timeout", "--read-timeout", "--max-connections-per-client",
 ]
 
 
@@ -49,6 +52,10 @@ def test_environment_variables_mirror_options(monkeypatch: pytest.MonkeyPatch) -
     assert config.tokenize_mode == "inline"
     assert config.instrument is False
     assert config.engine_config.speedup_ratio == 250.0
+    monkeypatch.setenv("HEADWATER_MAX_INFLIGHT", "0")
+    monkeypatch.setenv("HEADWATER_DRAIN_TIMEOUT", "2.5")
+    config = config_from_args(build_parser("serve").parse_args([]))
+    assert (config.max_inflight, config.drain_timeout) == (0, 2.5)
     # The command line wins over the environment.
     args = build_parser("serve").parse_args(["--tokenizer-threads", "5"])
     assert config_from_args(args).tokenizer_threads == 5
@@ -57,7 +64,8 @@ def test_environment_variables_mirror_options(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     ("var", "value"),
     [("HEADWATER_TOKENIZER_THREADS", "zero"), ("HEADWATER_TOKENIZE_MODE", "sideways"),
-     ("HEADWATER_TOKENIZER_THREADS", "0")],
+     ("HEADWATER_TOKENIZER_THREADS", "0"), ("HEADWATER_MAX_INFLIGHT", "-1"),
+     ("HEADWATER_DRAIN_TIMEOUT", "-1"), ("HEADWATER_DRAIN_TIMEOUT", "nan")],
 )
 def test_bad_environment_values_are_clear_errors(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], var: str, value: str
@@ -81,3 +89,34 @@ def test_python_dash_m_headwater_is_the_headwater_command() -> None:
         timeout=60, check=True,
     ).stdout
     assert out.startswith("usage: headwater serve")
+
+
+def test_api_keys_come_from_flags_and_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HEADWATER_API_KEYS", "env-1,env-2")
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("file-1\n")
+    args = build_parser("serve").parse_args(
+        ["--api-key", "flag-1", "--api-key", "flag-2", "--api-keys-file", str(keys_file)]
+    )
+    config = config_from_args(args)
+    assert config.api_keys == ("flag-1", "flag-2", "env-1", "env-2", "file-1")
+    assert "flag-1" not in repr(config)  # keys stay out of logs
+
+
+def test_tls_files_are_checked_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from headwater.cli import main
+
+    missing = str(tmp_path / "missing.pem")
+    assert main(["serve", "--ssl-certfile", missing]) == 2
+    assert "both --ssl-certfile and --ssl-keyfile" in capsys.readouterr().err
+    assert main(["serve", "--ssl-certfile", missing, "--ssl-keyfile", missing]) == 2
+    assert missing in capsys.readouterr().err
+    plane = ["--plane-tls-certfile", missing, "--plane-tls-keyfile", missing]
+    assert main(["serve", *plane]) == 2
+    assert "all three" in capsys.readouterr().err
+    assert main(["serve", *plane, "--plane-tls-ca-file", missing]) == 2
+    assert missing in capsys.readouterr().err

@@ -8,8 +8,11 @@ up; frontends load the HF tokenizer backend (1 s instead of 4-5 s). Processes ar
 started with :mod:`headwater.cluster.recipes` in the test's nursery, which kills whatever
 is left when a test ends or fails. What a test verifies comes from the workers
 themselves (their ``stats`` frame over the request plane), not from the frontend.
-Waits poll live state with a bound (``trio.fail_after``); no fixed sleeps. The slow
-tests start ~25 processes in all; the file takes 40-60 s on a shared 2-core machine.
+Waits poll live state with a bound (``trio.fail_after``); no fixed sleeps. The
+``headwater launch`` tests run the launcher itself (cluster_fixture.py) and kill its
+children from outside, as a crash would: it restarts them (same id, same ports), or
+gives up on one and stops. The slow tests start ~40 processes in all; the file takes
+35-60 s on a shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -18,12 +21,10 @@ import argparse
 import os
 import re
 import signal
-import subprocess
+import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ import orjson
 import pytest
 import trio
 
-from headwater.cli.launch import CLUSTER_READY_PREFIX, ClusterPlan, add_arguments, plan_from_args
+from headwater.cli import build_parser
+from headwater.cli.launch import ClusterPlan, add_arguments, plan_from_args
 from headwater.cluster.recipes import (
     WORKER_READY_PREFIX,
     ChildProcess,
@@ -42,17 +44,27 @@ from headwater.cluster.recipes import (
     start_frontend,
     start_worker,
 )
+from headwater.cluster.supervisor import RestartPolicy
 from headwater.etcd import EtcdClient, EventType, InstanceRecord, InstanceState, model_prefix
 from headwater.plane.base import WorkerInstance
 from headwater.plane.client import connect_worker
 from headwater.wire import GenerateRequest, Role, SamplingParams
 from workers.lifecycle import READY_PREFIX
 
+from cluster_fixture import (
+    FAST,
+    FRONTEND_ARGS,
+    Worker,
+    alive,
+    children_of,
+    debug_workers,
+    launch,
+    wait_dead,
+    worker_stats,
+)
 from etcd_fixture import require_etcd
 from helpers import logged_at
 
-FAST = 100.0  # mocker speedup
-FRONTEND_ARGS = ("--tokenizer-backend", "hf", "--log-level", "warning")
 # Where a test checks that a worker gets *some* traffic it must not depend on the order
 # of round-robin turns: random routing, and enough requests that a worker of two
 # missing all of them (2**-16) does not happen.
@@ -115,18 +127,6 @@ async def wait_routing(
 def all_healthy(workers: Sequence[WorkerProcess]) -> Callable[[dict[str, str]], bool]:
     ids = {w.worker_id for w in workers}
     return lambda view: ids <= {wid for wid, state in view.items() if state == "healthy"}
-
-
-async def worker_stats(workers: Sequence[WorkerProcess], model: str) -> dict[str, dict[str, Any]]:
-    """Each worker's own counters, over a plane connection of the test's."""
-    out: dict[str, dict[str, Any]] = {}
-    async with trio.open_nursery() as nursery:
-        for w in workers:
-            instance = WorkerInstance(w.worker_id, Role(w.role), model, w.address)
-            client = await connect_worker(instance, nursery, secret=None)
-            out[w.worker_id] = await client.fetch_stats()
-            await client.aclose()
-    return out
 
 
 def total(stats: Mapping[str, Mapping[str, Any]], key: str, ids: Sequence[str] = ()) -> int:
@@ -361,62 +361,6 @@ def test_launcher_reads_the_line_workers_print() -> None:
     assert WORKER_READY_PREFIX == READY_PREFIX
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
-
-
-@dataclass
-class Launched:
-    process: trio.Process
-    url: str
-    children: dict[str, int]  # name → pid, as the launcher lists them
-    workdir: Path
-
-
-@asynccontextmanager
-async def launch(tmp_path: Path, *args: str) -> AsyncIterator[Launched]:
-    """``headwater launch ARGS --port 0`` until the block ends (then killed if still up)."""
-    workdir = tmp_path / "cluster"
-    with (tmp_path / "launch.log").open("wb") as log:
-        launcher = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "headwater", "launch", "--port", "0",
-             "--speedup-ratio", str(FAST), "--workdir", str(workdir), *args],
-            stdout=subprocess.PIPE, stderr=log,
-            env={k: v for k, v in os.environ.items() if not k.startswith("HEADWATER_")},
-        )  # fmt: skip
-    try:
-        assert launcher.stdout is not None
-        output = b""
-        with trio.fail_after(60):
-            while CLUSTER_READY_PREFIX.encode() not in output:
-                data = await launcher.stdout.receive_some(4096)
-                assert data, f"launcher exited; see {tmp_path / 'launch.log'}"
-                output += data
-        text = output.decode()
-        url = text.splitlines()[-1].split()[1]
-        children = {m[0]: int(m[1]) for m in re.findall(r"^  (\S+) +pid (\d+) ", text, re.M)}
-        yield Launched(launcher, url, children, workdir)
-    finally:
-        if launcher.returncode is None:
-            launcher.kill()
-            await launcher.wait()
-        await trio.aclose_forcefully(launcher.stdout)
 
 
 @pytest.mark.slow
@@ -424,11 +368,17 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
     etcd = require_etcd()
     async with launch(
         tmp_path, "--prefill", "1", "--decode", "1", "--etcd-binary", etcd,
+        "--drain-timeout", "7",
         "--", "--tokenizer-backend", "hf",  # passed through to headwater serve
     ) as cluster:  # fmt: skip
         assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*", cluster.url)  # the real port
         assert set(cluster.children) == {"etcd", "prefill-0", "decode-0", "frontend"}
-        assert set(cluster.children.values()) == _children(cluster.process.pid)
+        assert set(cluster.children.values()) == children_of(cluster.process.pid)
+        # The frontend drains as long as the workers do.
+        for name in ("frontend", "decode-0"):
+            cmdline = trio.Path(f"/proc/{cluster.children[name]}/cmdline")
+            argv = (await cmdline.read_bytes()).split(b"\0")
+            assert argv[argv.index(b"--drain-timeout") + 1] == b"7", name
 
         assert await chat(cluster.url, "deepseek-v4", stream=True)
         assert await chat(cluster.url, "deepseek-v4", stream=False)
@@ -436,23 +386,127 @@ async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> No
         cluster.process.send_signal(signal.SIGINT)
         with trio.fail_after(30):
             assert await cluster.process.wait() == 0
-    assert not [pid for pid in cluster.children.values() if _alive(pid)]
-    stopped = logged_at(cluster.workdir / "frontend.log", "signal received: shutting down")
+    assert not [pid for pid in cluster.children.values() if alive(pid)]
+    stopped = logged_at(cluster.workdir / "frontend.log", r"SIGTERM received: draining")
     for worker in ("prefill-0", "decode-0"):
         assert logged_at(cluster.workdir / f"{worker}.log", "SIGTERM: draining") >= stopped
 
 
 @pytest.mark.slow
-async def test_launch_tears_everything_down_when_a_worker_dies(tmp_path: Path) -> None:
+async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Path) -> None:
+    """Static discovery: the frontend's --workers list names the worker by id and port,
+    so the restart must keep both; nothing else tells the frontend about it. Restart
+    delays of 1.5-3 s keep the restarted worker out of the first requests after the kill."""
     async with launch(
-        tmp_path, "--agg", "1", "--discovery", "static", "--", "--tokenizer-backend", "hf"
-    ) as cluster:
-        assert set(cluster.children) == {"agg-0", "frontend"}
-        os.kill(cluster.children["agg-0"], signal.SIGKILL)
+        tmp_path, "--prefill", "1", "--decode", "2", "--discovery", "static",
+        "--restart-backoff", "3", "--restart-backoff-max", "3", "--", *FRONTEND_ARGS,
+    ) as cluster:  # fmt: skip
+        model = "deepseek-v4"
+        view = await debug_workers(cluster.url)
+        survivor, victim = (
+            Worker(view[cluster.addresses[name]]["worker_id"], "decode", cluster.addresses[name])
+            for name in ("decode-0", "decode-1")
+        )  # fmt: skip
+        before = await worker_stats([survivor], model)
+
+        os.kill(cluster.children["decode-1"], signal.SIGKILL)
+        await wait_dead(cluster.children["decode-1"])
+        await send(cluster.url, model, 8, concurrency=4)  # right after the kill: all succeed
+        after = await worker_stats([survivor], model)
+        assert total(after, "served_total") - total(before, "served_total") == 8
+
         with trio.fail_after(30):
-            assert await cluster.process.wait() == 1
-    assert not [pid for pid in cluster.children.values() if _alive(pid)]
+            while (pid := cluster.restarted("decode-1")) is None:
+                await trio.sleep(0.05)
+        assert pid != cluster.children["decode-1"]
+        assert pid in children_of(cluster.process.pid)
+        # Same port and id: the plane's handshake at the old address checks the id.
+        with trio.fail_after(30):  # the router retries it once its inhibition is over
+            while not (await worker_stats([victim], model))[victim.worker_id]["served_total"]:
+                await send(cluster.url, model, 4, concurrency=2)
+        view = await debug_workers(cluster.url)
+        assert view[victim.address]["worker_id"] == victim.worker_id
+        assert view[victim.address]["state"] == "healthy"
+        log = (cluster.workdir / "decode-1.log").read_text()
+        assert re.search(r"^----- .* decode-1 exited \(killed by SIGKILL\): restart 1 in ", log,
+                         re.M)  # fmt: skip
+        assert log.count(f"{READY_PREFIX} {victim.address} {victim.worker_id}") == 2
+
+        cluster.process.send_signal(signal.SIGINT)
+        with trio.fail_after(30):
+            assert await cluster.process.wait() == 0
+    assert not [p for p in [*cluster.children.values(), pid] if alive(p)]
+
+
+@pytest.mark.slow
+async def test_launch_restarts_etcd_and_the_frontend_on_their_ports(tmp_path: Path) -> None:
+    """Both killed at once. etcd comes back on its ports with its data: the worker's key
+    and lease survive (the worker never registered again); the frontend comes back on
+    its port, finds the worker in etcd and serves at the URL it had."""
+    async with launch(
+        tmp_path, "--agg", "1", "--etcd-binary", require_etcd(), "--", *FRONTEND_ARGS
+    ) as cluster:
+        etcd_url, model = cluster.addresses["etcd"], "deepseek-v4"
+        async with EtcdClient(etcd_url) as etcd:
+            (before,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
+        for name in ("etcd", "frontend"):
+            os.kill(cluster.children[name], signal.SIGKILL)
+        with trio.fail_after(30):
+            while None in (cluster.restarted("etcd"), cluster.restarted("frontend")):
+                await trio.sleep(0.05)
+            while True:  # the new frontend's discovery ranges etcd, then connects
+                async with httpx.AsyncClient() as http:
+                    if (await http.get(cluster.url + "/health")).status_code == 200:
+                        break
+                await trio.sleep(0.05)
+        assert await chat(cluster.url, model, stream=True)
+        async with EtcdClient(etcd_url) as etcd:
+            (after,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
+        assert (after.key, after.lease, after.create_revision) == (
+            before.key, before.lease, before.create_revision
+        )
+        assert "registered" not in (cluster.workdir / "agg-0.log").read_text().split(
+            "HEADWATER_WORKER_READY"
+        )[1]  # once, before its READY line; never again
+        cluster.process.send_signal(signal.SIGINT)
+        with trio.fail_after(30):
+            assert await cluster.process.wait() == 0
+
+
+@pytest.mark.slow
+async def test_launch_gives_up_on_a_process_that_keeps_failing(tmp_path: Path) -> None:
+    """A killed worker whose port another process takes meanwhile: each restart exits
+    at start-up (address in use) until the budget of 2 is spent; then the launcher
+    names it, stops the rest and exits 1. Restart delays of 1-2 s leave the test time
+    to take the port first."""
+    async with launch(
+        tmp_path, "--agg", "1", "--discovery", "static", "--restart-budget", "2",
+        "--restart-window", "60", "--restart-backoff", "2", "--restart-backoff-max", "2",
+        "--", *FRONTEND_ARGS,
+    ) as cluster:  # fmt: skip
+        assert set(cluster.children) == {"agg-0", "frontend"}
+        port = int(cluster.addresses["agg-0"].rsplit(":", 1)[1])
+        os.kill(cluster.children["agg-0"], signal.SIGKILL)
+        await wait_dead(cluster.children["agg-0"])
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            with trio.fail_after(40):
+                assert await cluster.process.wait() == 1
+    assert not [pid for pid in cluster.children.values() if alive(pid)]
     assert (cluster.workdir / "frontend.log").exists()  # kept after a failure
+    err = cluster.log.read_text()
+    why = (
+        "agg-0 did not come back: agg-0 exited before it was ready (exit status 1); "
+        f"127.0.0.1:{port} is taken by another process"
+    )
+    assert len(re.findall(rf"WARNING \S+: {re.escape(why)}; restarting it in ", err)) == 1
+    (failure,) = re.findall(rf"ERROR headwater.launch: {re.escape(why)}; giving up on it: (.*)",
+                            err)  # fmt: skip
+    assert failure.startswith("restarted 2 times in the last 60 s, its whole budget")
+    assert "Address already in use" in err.split("giving up on it")[1]  # its log's last lines
+    assert "stopping: frontend, then workers, then etcd" in err
 
 
 def plan(*argv: str, etcd: str = "") -> ClusterPlan:
@@ -480,6 +534,20 @@ def test_launch_plan_discovery() -> None:
     assert plan("--discovery", "etcd://10.0.0.1:2379").discovery == "etcd://10.0.0.1:2379"
     with pytest.raises(ValueError, match="etcd binary not found"):
         plan("--discovery", "etcd")
+
+
+def test_launch_plan_restart_policy() -> None:
+    assert plan().restart == RestartPolicy()  # the options' defaults are the policy's
+    given = plan("--restart-backoff", "1", "--restart-backoff-max", "2", "--restart-budget", "0",
+                 "--restart-window", "5").restart  # fmt: skip
+    assert given == RestartPolicy(backoff=1, backoff_max=2, budget=0, window=5)
+    with pytest.raises(ValueError, match="--restart-backoff-max"):
+        plan("--restart-backoff", "3", "--restart-backoff-max", "1")
+    text = " ".join(build_parser("launch").format_help().split())
+    for option, default in (("backoff", "0.5"), ("backoff-max", "10.0"), ("budget", "5"),
+                            ("window", "60.0")):  # fmt: skip
+        assert re.search(rf"--restart-{option} \S+ [^[]+\[env HEADWATER_RESTART_"
+                         rf"{option.upper().replace('-', '_')}\] \(default: {default}\)", text)
 
 
 def test_ready_lines_parse() -> None:

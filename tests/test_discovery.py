@@ -48,7 +48,7 @@ from headwater.etcd import (
     prefix_range_end,
 )
 from headwater.plane.base import ResponseStream, WorkerClient, WorkerInstance
-from headwater.wire import GenerateRequest, Role
+from headwater.wire import GenerateRequest, KvHandle, Role
 from workers.runtime.registration import EtcdRegistration
 
 from etcd_fixture import EtcdServer
@@ -101,6 +101,9 @@ class FakeClient(WorkerClient):
         self.closed_event = trio.Event()
 
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:
+        raise NotImplementedError
+
+    def release_kv(self, handle: KvHandle) -> None:
         raise NotImplementedError
 
     async def probe(self) -> None:

@@ -89,6 +89,7 @@ class FakeWorker(WorkerClient):
     script: list[Behaviour]
     received: list[GenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # transfer ids
 
     def __post_init__(self) -> None:
         self.instance = WorkerInstance(self.worker_id, self.role, MODEL, f"fake://{self.worker_id}")
@@ -134,6 +135,9 @@ class FakeWorker(WorkerClient):
             await trio.sleep(0.01)
             last = i == n - 1
             yield Chunk(rid, [token_at(start + i)], FinishReason.LENGTH if last else None)
+
+    def release_kv(self, handle: KvHandle) -> None:
+        self.released.append(handle.transfer_id)
 
     async def probe(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -274,13 +278,55 @@ async def test_a_worker_that_failed_the_request_is_not_picked_again(
     assert migrations(metrics) == 2
 
 
+async def test_when_every_worker_broke_the_stream_it_goes_back_to_one(
+    autojump_clock: object,
+) -> None:
+    # d1 breaks, then d2; by then d1 is a new process under the same id (restarted by
+    # its supervisor) and takes the rest, instead of the request failing with nothing
+    # left to pick.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d1 = FakeWorker("d1", Role.DECODE, [Stream(break_after=2), Stream()])
+    d2 = FakeWorker("d2", Role.DECODE, [Stream(break_after=1)])
+    chunks, metrics = await run(cluster(p, d1, d2), request(6))
+    assert tokens(chunks) == expected(6)
+    assert [r.request_id for r in d1.received] == ["r", "r.m2"]
+    assert [r.request_id for r in d2.received] == ["r.m1"]
+    assert list(d1.received[1].token_ids) == PROMPT + expected(3)
+    assert migrations(metrics) == 2
+
+
+async def test_an_aggregated_worker_that_broke_leaves_the_rest_to_a_decode_worker(
+    autojump_clock: object,
+) -> None:
+    # The only aggregated worker fails the request mid-stream (its vLLM died); a decode
+    # worker, which prefills locally when alone, takes the rest rather than the request
+    # going back to the worker that broke it (and failing when that one leaves routing).
+    a = FakeWorker("a", Role.AGG, [Stream(fail_after=3), Stream()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    chunks, metrics = await run(cluster(a, d), request(8))
+    assert tokens(chunks) == expected(8)
+    assert [r.request_id for r in a.received] == ["r"]
+    assert [r.request_id for r in d.received] == ["r.m1"]
+    assert list(d.received[0].token_ids) == PROMPT + expected(3)
+    assert migrations(metrics) == 1
+
+
+async def test_a_worker_that_refused_is_not_asked_again_even_when_alone(
+    autojump_clock: object,
+) -> None:
+    busy = FakeWorker("a", Role.AGG, [Reject(ErrorCode.OVERLOADED), Stream()])
+    with pytest.raises(NoCapacity):  # retry later (503), not the same worker at once
+        await run(cluster(busy), request(3))
+    assert len(busy.received) == 1
+
+
 async def test_an_unreachable_worker_is_skipped_then_inhibited(autojump_clock: object) -> None:
     a = FakeWorker("a", Role.AGG, [Refuse()])
     b = FakeWorker("b", Role.AGG, [Stream()])
     router = cluster(a, b)
     chunks, metrics = await run(router, request(4))
     assert tokens(chunks) == expected(4)
-    assert [r.request_id for r in b.received] == ["r"]  # a retry, not a migration
+    assert [r.request_id for r in b.received] == ["r.r1"]  # a retry, not a migration
     assert migrations(metrics) == 0
     view = {v.worker_id: v for v in router.views()}["a"]
     assert (view.state, view.failures) == (WorkerState.HEALTHY, 1)  # one fault: still in
@@ -387,6 +433,42 @@ async def test_a_kv_pull_that_fails_prefills_again(autojump_clock: object) -> No
     assert migrations(metrics) == 1
 
 
+async def test_kv_nobody_will_pull_is_released_on_its_prefill_worker(
+    autojump_clock: object,
+) -> None:
+    # Served: the decode worker pulled it, nothing to release.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    await run(cluster(p, d), request(3))
+    assert p.released == []
+    # The decode worker broke before its first token: this KV is released, the
+    # continuation's is pulled by the next one.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d1 = FakeWorker("d1", Role.DECODE, [Stream(break_after=0)])
+    d2 = FakeWorker("d2", Role.DECODE, [Stream()])
+    chunks, _ = await run(cluster(p, d1, d2), request(3))
+    assert tokens(chunks) == expected(3)
+    assert p.released == ["kv-r"]
+    # No decode worker could take it: released before the error reaches the caller.
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Refuse()])
+    with pytest.raises(NoCapacity):
+        await run(cluster(p, d), request(3), route_attempts=1)
+    assert p.released == ["kv-r"]
+
+
+async def test_kv_is_released_when_the_caller_leaves_before_the_decode_starts(
+    autojump_clock: object,
+) -> None:
+    p = FakeWorker("p", Role.PREFILL, [Prefill()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    with trio.move_on_after(0.015):  # prefilled at 0.011, first token at 0.022
+        await run(cluster(p, d), request(3))
+    assert len(d.received) == 1
+    assert d.cancelled == ["r"]
+    assert p.released == ["kv-r"]
+
+
 async def test_leaving_early_cancels_the_request_on_its_worker(autojump_clock: object) -> None:
     a = FakeWorker("a", Role.AGG, [Stream()])
     router = cluster(a)
@@ -409,7 +491,7 @@ async def test_no_worker_of_the_role_is_no_capacity_after_the_queue_timeout(
 async def test_a_migration_waits_for_a_worker_that_is_about_to_join(
     autojump_clock: object,
 ) -> None:
-    a = FakeWorker("a", Role.AGG, [Stream(break_after=2)])
+    a = FakeWorker("a", Role.AGG, [Stream(break_after=2), Refuse()])  # it died
     b = FakeWorker("b", Role.AGG, [Stream()])
     router = cluster(a)
 
@@ -420,8 +502,9 @@ async def test_a_migration_waits_for_a_worker_that_is_about_to_join(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(join_later)
         chunks, metrics = await run(router, request(5), queue_timeout=5.0)
-    assert tokens(chunks) == expected(5)  # a broke; nobody else yet; b joined; b finished
-    assert [r.request_id for r in b.received] == ["r.m1"]
+    # a broke; asked again (nobody else yet), it refused; b joined and finished.
+    assert tokens(chunks) == expected(5)
+    assert [r.request_id for r in b.received] == ["r.m1.r1"]  # its second try
     assert migrations(metrics) == 1
 
 
@@ -451,7 +534,8 @@ async def test_an_excused_miss_is_retried_and_not_held_against_the_worker(
     router = cluster(a)
     chunks, metrics = await run(router, request(3), route_attempts=2)
     assert tokens(chunks) == expected(3)
-    assert [r.request_id for r in a.received] == ["r", "r"]  # the same worker, again
+    # The same worker again, under a new id: a late ACK of the first try is not the second's.
+    assert [r.request_id for r in a.received] == ["r", "r.r1"]
     view = router.views()[0]
     assert (view.state, view.failures) == (WorkerState.HEALTHY, 0)
     assert migrations(metrics) == 0

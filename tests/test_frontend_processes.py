@@ -109,16 +109,49 @@ async def test_processes_share_the_port_and_stop_together(
 
 
 @pytest.mark.slow
-async def test_a_lost_process_takes_the_frontend_down(
+async def test_a_lost_process_is_restarted_while_the_others_serve(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    frontend = await start(nursery, tmp_path, "--processes", "2")
+    frontend = await start(nursery, tmp_path, "--processes", "2", "--restart-backoff", "1")
+    victim, other = frontend.members
+    await wait_healthy(frontend.address, within=60, child=frontend)
+    os.kill(victim.pid, signal.SIGKILL)
+    # The shared port keeps answering: the other process takes every connection.
+    for _ in range(6):
+        async with httpx.AsyncClient(timeout=30) as fresh:
+            r = await fresh.post(frontend.address + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200, r.text
+    log = trio.Path(tmp_path / "frontend.log")
+    with trio.fail_after(90):  # restarted: a new member line, its new pid and private URL
+        while not (back := [m for line in (await log.read_text()).splitlines()
+                            if (m := parse_member_line(line)) and m.index == victim.index
+                            and m.pid != victim.pid]):  # fmt: skip
+            await trio.sleep(0.2)
+    assert alive(other.pid)
+    assert frontend.returncode is None
+    async with httpx.AsyncClient(timeout=30) as http:
+        await wait_healthy(back[0].url, within=60)
+        r = await http.post(back[0].url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+    assert "frontend process 0 exited (killed by SIGKILL); restarting it" in await log.read_text()
+    with trio.fail_after(60):
+        assert await frontend.stop(grace=50, sig=signal.SIGTERM) == 0
+    assert not alive(back[0].pid)
+    assert not alive(other.pid)
+
+
+@pytest.mark.slow
+async def test_a_process_out_of_restarts_takes_the_frontend_down(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    frontend = await start(nursery, tmp_path, "--processes", "2", "--restart-budget", "0")
     victim, other = frontend.members
     os.kill(victim.pid, signal.SIGKILL)
-    with trio.fail_after(30):
+    with trio.fail_after(60):
         assert await frontend.wait() == 1
     assert not alive(other.pid)
-    assert "stopping the others" in frontend.log_tail()
+    assert "giving up on it" in frontend.log_tail()
+    assert "stopping the other frontend processes" in frontend.log_tail()
 
 
 @pytest.mark.slow

@@ -13,45 +13,20 @@ import orjson
 import pytest
 import trio
 
-from frontend.server import Frontend
-from headwater.plane.memory import MemoryWorkerClient
-from headwater.wire import Chunk
-
-from frontend_fixture import serve_frontend, shared_tokenizer
+from frontend_fixture import (
+    assert_error,
+    deliver_chunks_together,
+    engines,
+    eventually,
+    idle,
+    raw_chunks,
+    serve_frontend,
+    shared_tokenizer,
+    sse_events,
+)
 
 MODEL = "deepseek-v4"
 CHAT = [{"role": "user", "content": "Write a haiku about rivers."}]
-
-
-async def _sse(response: httpx.Response) -> list[Any]:
-    """Parse an SSE body into JSON events; the [DONE] marker becomes the string 'DONE'."""
-    events: list[Any] = []
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            assert line == "", f"unexpected SSE line {line!r}"
-            continue
-        data = line[len("data: "):]
-        events.append("DONE" if data == "[DONE]" else orjson.loads(data))
-    return events
-
-
-def _engines(frontend: Frontend) -> list[Any]:
-    clients = frontend.router.clients()
-    assert clients
-    assert all(isinstance(c, MemoryWorkerClient) for c in clients)
-    return [c.runtime.engine for c in clients]  # type: ignore[attr-defined]
-
-
-def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str)
-    assert err["message"]
-    if param is not None:
-        assert err["param"] == param
-    return err
 
 
 # -- happy paths ---------------------------------------------------------------------
@@ -91,7 +66,7 @@ async def test_chat_stream_matches_unary_and_reports_usage() -> None:
         async with c.stream("POST", "/v1/chat/completions", json=stream_body) as r:
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
-            events = await _sse(r)
+            events = await sse_events(r)
         assert events[-1] == "DONE"
         chunks = events[:-1]
         assert all(e["object"] == "chat.completion.chunk" for e in chunks)
@@ -110,7 +85,7 @@ async def test_stream_without_include_usage_has_no_usage_chunk() -> None:
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "stream": True}
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            events = await _sse(r)
+            events = await sse_events(r)
         assert events[-1] == "DONE"
         assert all("usage" not in e for e in events[:-1])
 
@@ -128,7 +103,7 @@ async def test_completions_unary_and_stream() -> None:
         assert data["usage"]["prompt_tokens"] == expected
         assert data["usage"]["completion_tokens"] == 9
         async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
-            events = await _sse(s)
+            events = await sse_events(s)
         text = "".join(e["choices"][0]["text"] for e in events[:-1])
         assert text == data["choices"][0]["text"]
         assert events[-2]["choices"][0]["finish_reason"] == "length"
@@ -145,7 +120,7 @@ async def test_completions_accepts_token_ids() -> None:
 async def test_completions_refuse_token_ids_outside_the_vocabulary(prompt: list[int]) -> None:
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
-        err = _assert_error(await c.post("/v1/completions", json=body), 400, "prompt")
+        err = assert_error(await c.post("/v1/completions", json=body), 400, "prompt")
         assert "token ids" in err["message"]
         ok = await c.post("/v1/completions", json={**body, "prompt": [5, 6]})
         assert ok.status_code == 200
@@ -167,7 +142,7 @@ async def test_stop_string_across_tokens_ends_the_stream() -> None:
         assert r["usage"]["completion_tokens"] < 40
         stream_body = {**body, "stop": stop, "stream": True}
         async with c.stream("POST", "/v1/chat/completions", json=stream_body) as s:
-            events = await _sse(s)
+            events = await sse_events(s)
         streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-1])
         assert streamed == text[:cut]
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
@@ -179,7 +154,7 @@ async def test_streamed_text_is_utf8_safe_and_equals_unary() -> None:
             body = {"model": MODEL, "prompt": "多字节 ✓", "max_tokens": 30, "seed": seed}
             whole = (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
             async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
-                events = await _sse(s)
+                events = await sse_events(s)
             pieces = [e["choices"][0]["text"] for e in events[:-1]]
             assert "".join(pieces) == whole
             if "\ufffd" not in whole:
@@ -191,7 +166,7 @@ async def test_models_health_live() -> None:
         models = (await c.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [MODEL]
         assert (await c.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
-        _assert_error(await c.get("/v1/models/other"), 404, "model")
+        assert_error(await c.get("/v1/models/other"), 404, "model")
         health = await c.get("/health")
         assert health.status_code == 200
         roles = sorted(w["role"] for w in health.json()["workers"])
@@ -226,7 +201,7 @@ async def test_models_health_live() -> None:
 )
 async def test_bad_chat_requests_are_400(body: dict[str, Any], param: str) -> None:
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
-        err = _assert_error(await c.post("/v1/chat/completions", json=body), 400, param)
+        err = assert_error(await c.post("/v1/chat/completions", json=body), 400, param)
         assert err["type"] == "invalid_request_error"
 
 
@@ -234,27 +209,27 @@ async def test_error_statuses_and_the_server_keeps_serving() -> None:
     async with serve_frontend(max_body_bytes=4096, context_length=64) as (fe, url), \
             httpx.AsyncClient(base_url=url) as c:
         post = "/v1/chat/completions"
-        _assert_error(await c.post(post, content=b"{not json", headers={
+        assert_error(await c.post(post, content=b"{not json", headers={
             "content-type": "application/json"}), 400)
-        _assert_error(await c.post(post, content=b"[1, 2]", headers={
+        assert_error(await c.post(post, content=b"[1, 2]", headers={
             "content-type": "application/json"}), 400)
-        _assert_error(await c.post(post, content=b"hello", headers={
+        assert_error(await c.post(post, content=b"hello", headers={
             "content-type": "text/plain"}), 415)
-        _assert_error(await c.post(post, json={"model": "nope", "messages": CHAT}), 404, "model")
-        _assert_error(await c.get("/v1/nowhere"), 404)
-        _assert_error(await c.get(post), 405)
+        assert_error(await c.post(post, json={"model": "nope", "messages": CHAT}), 404, "model")
+        assert_error(await c.get("/v1/nowhere"), 404)
+        assert_error(await c.get(post), 405)
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 8000}]}
-        _assert_error(await c.post(post, json=big), 413)
+        assert_error(await c.post(post, json=big), 413)
         long_prompt = {"model": MODEL, "messages": [{"role": "user",
                                                      "content": "word " * 200}]}
-        err = _assert_error(await c.post(post, json=long_prompt), 400, "messages")
+        err = assert_error(await c.post(post, json=long_prompt), 400, "messages")
         assert err["code"] == "context_length_exceeded"
         too_many = {"model": MODEL, "messages": CHAT, "max_tokens": 60}
-        _assert_error(await c.post(post, json=too_many), 400)
+        assert_error(await c.post(post, json=too_many), 400)
         # Nothing above broke the server.
         ok = await c.post(post, json={"model": MODEL, "messages": CHAT, "max_tokens": 2})
         assert ok.status_code == 200
-        assert fe.metrics.inflight_requests._value.get() == 0
+        await eventually(idle(fe))
 
 
 async def test_no_routable_worker_is_503_and_health_says_so() -> None:
@@ -262,11 +237,11 @@ async def test_no_routable_worker_is_503_and_health_says_so() -> None:
         for client in fe.router.clients():
             fe.router.set_draining(client.instance.worker_id)
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
-        err = _assert_error(await c.post("/v1/chat/completions", json=body), 503)
+        err = assert_error(await c.post("/v1/chat/completions", json=body), 503)
         assert err["type"] == "service_unavailable_error"
         assert (await c.get("/health")).status_code == 503
         stream = await c.post("/v1/chat/completions", json={**body, "stream": True})
-        _assert_error(stream, 503)
+        assert_error(stream, 503)
 
 
 async def test_internal_errors_are_sanitized(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,7 +251,7 @@ async def test_internal_errors_are_sanitized(monkeypatch: pytest.MonkeyPatch) ->
 
         monkeypatch.setattr(fe.pipeline, "preprocess", explode)
         r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
-        err = _assert_error(r, 500)
+        err = assert_error(r, 500)
         assert "secret" not in r.text
         assert err["message"] == "Internal server error"
         # Booked as a server error, not as a client that went away.
@@ -292,7 +267,7 @@ async def test_client_disconnect_mid_stream_cancels_and_frees_kv() -> None:
     # Slow engine (speedup 1): the stream is still generating when the client leaves.
     async with serve_frontend(speedup_ratio=1.0) as (fe, url), \
             httpx.AsyncClient(base_url=url, timeout=30) as c:
-        decode = next(e for e in _engines(fe) if e.role.value == "decode")
+        decode = next(e for e in engines(fe) if e.role.value == "decode")
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 5000, "stream": True,
                 "ignore_eos": True}
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -313,41 +288,14 @@ async def test_client_disconnect_mid_stream_cancels_and_frees_kv() -> None:
             while fe.metrics.disconnected_clients._value.get() < 1:
                 await trio.sleep(0.01)
         assert fe.metrics.model_cancellation_total._value.get() == 1
-        assert fe.metrics.inflight_requests._value.get() == 0
-
-
-async def _raw_chunks(url: str, body: dict[str, Any]) -> list[bytes]:
-    """POST *body* over a bare socket and return the chunked response's chunks, as written."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    payload = orjson.dumps(body)
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
-    raw = b""
-    with trio.fail_after(20):
-        stream = await trio.open_tcp_stream(host, int(port))
-        async with stream:
-            await stream.send_all(head.encode() + payload)
-            while data := await stream.receive_some():
-                raw += data
-    headers, _, rest = raw.partition(b"\r\n\r\n")
-    assert b"transfer-encoding: chunked" in headers.lower()
-    chunks = []
-    while True:
-        size, _, rest = rest.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            return chunks
-        chunks.append(rest[:n])
-        rest = rest[n + 2 :]
+        await eventually(idle(fe))
 
 
 async def test_stream_writes_events_that_are_ready_together_at_once() -> None:
     async with serve_frontend() as (_, url):
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "seed": 5, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
-        chunks = await _raw_chunks(url, body)
+        chunks = await raw_chunks(url, body)
     events = [[e for e in c.split(b"\n\n") if e] for c in chunks]
     # The role chunk leaves with the first token, not on its own.
     assert len(events[0]) == 2
@@ -368,28 +316,14 @@ async def test_tokens_that_arrive_together_leave_in_one_event(
 ) -> None:
     """A consumer that fell behind its engine finds several chunks waiting: the plane
     merges them, so they cost one pass through postprocessing and one write."""
-    from headwater.plane import memory
-
-    held: dict[int, list[Any]] = {}
-    send = memory._ReplyChannel.send
-
-    async def send_late(self: memory._ReplyChannel, value: Any) -> None:
-        # Hold each stream's unfinished chunks until its last one: they arrive together.
-        if isinstance(value, Chunk) and value.finish_reason is None:
-            held.setdefault(id(self), []).append(value)
-            return
-        for chunk in held.pop(id(self), []):
-            await send(self, chunk)
-        await send(self, value)
-
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "seed": 5}
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
         unary = (await c.post("/v1/chat/completions", json=body)).json()
         itl = fe.metrics.inter_token_latency_seconds.window
         before = itl.statistics().count
-        monkeypatch.setattr(memory._ReplyChannel, "send", send_late)
+        deliver_chunks_together(monkeypatch)
         stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        chunks = await _raw_chunks(url, stream_body)
+        chunks = await raw_chunks(url, stream_body)
     assert len(chunks) == 1  # role, all eight tokens, usage and [DONE] in one write
     events = [orjson.loads(e[6:]) for e in chunks[0].split(b"\n\n") if e[6:] != b"[DONE]" and e]
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])

@@ -40,6 +40,7 @@ from headwater.wire import (
     FinishReason,
     GenerateRequest,
     KvHandle,
+    Reply,
     Role,
     SamplingParams,
     WorkerLoad,
@@ -55,6 +56,7 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
     KvPull,
+    KvRelease,
     Ping,
     Pong,
 )
@@ -320,6 +322,50 @@ async def test_disaggregated_kv_pull_between_workers(nursery: trio.Nursery) -> N
         await collect(to_decode, again)
     assert info.value.code is ErrorCode.KV_TRANSFER_FAILED
     assert (await to_decode.fetch_stats())["kv_connections"] == 1  # reused, not redialled
+
+
+async def test_kv_nobody_will_pull_is_released_over_either_transport(
+    nursery: trio.Nursery,
+) -> None:
+    prefill = await start_worker(nursery, role=Role.PREFILL)
+    engine = MockerEngine(MockerConfig(speedup_ratio=FAST), Role.PREFILL, "twin")
+    runtime = await start_runtime(nursery, engine, "twin")
+    clients: list[TcpWorkerClient | MemoryWorkerClient] = [
+        await connect_worker(instance_of(prefill), nursery),
+        MemoryWorkerClient(instance_of(prefill), runtime),
+    ]
+    for client, worker_runtime in zip(clients, (prefill.runtime, runtime), strict=True):
+        held = [(await collect(client, request(f"r{i}", prompt=300)))[0].kv_handle
+                for i in range(2)]  # fmt: skip
+        assert worker_runtime.statistics().engine.kv_transfers_held == 2
+        assert held[0] is not None
+        client.release_kv(held[0])
+        with trio.fail_after(5):
+            while worker_runtime.statistics().engine.kv_transfers_held != 1:
+                await trio.sleep(0.01)
+        assert worker_runtime.statistics().kv_released_total == 1
+        client.release_kv(held[0])  # again, or an unknown id: nothing happens
+        client.release_kv(KvHandle("x", "tcp://127.0.0.1:1", "no-such-transfer", 1))
+        await trio.sleep(0.1)
+        assert worker_runtime.statistics().kv_released_total == 1
+        assert worker_runtime.statistics().engine.kv_transfers_held == 1  # the other one
+
+
+async def test_a_kv_handle_the_caller_left_before_is_released_by_the_worker(
+    nursery: trio.Nursery,
+) -> None:
+    engine = MockerEngine(MockerConfig(speedup_ratio=REAL), Role.PREFILL, "p")
+    runtime = await start_runtime(nursery, engine, "p")
+    send, receive = trio.open_memory_channel[Reply](8)
+    runtime.submit(request("gone", prompt=3000), send)
+    assert await receive.receive() == Ack("gone")
+    receive.close()  # the caller is gone before the prefill (~0.2 s) hands its KV over
+    with trio.fail_after(10):
+        while runtime.statistics().inflight:
+            await trio.sleep(0.01)
+    await trio.testing.wait_all_tasks_blocked()
+    assert runtime.statistics().kv_released_total == 1
+    assert engine.statistics().kv_transfers_held == 0
 
 
 async def test_kv_pull_from_a_vanished_prefill_worker_fails(nursery: trio.Nursery) -> None:
@@ -690,6 +736,24 @@ async def test_an_ack_missed_while_our_loop_stalled_is_excused(
             pytest.fail("entered without an ACK")
     assert info.value.excused is stalled
     assert attribution.excused_total == int(stalled)
+
+
+async def test_a_kv_handle_that_arrives_after_its_stream_left_is_released(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The frontend gave up waiting for the ACK; the prefill went on and its handle
+    # comes back to a stream nobody reads. Unless released, that KV is held for
+    # nothing until the worker's transfer timeout.
+    worker = ScriptedWorker(ack=False)
+    client = await attributed_client(nursery, worker, StallAttribution(StallLog()), ack_timeout=1.0)
+    with pytest.raises(AckTimeout):
+        async with client.stream(request("late")):
+            pytest.fail("entered without an ACK")
+    handle = KvHandle("w", "tcp://127.0.0.1:1", "kv-late", 100)
+    late = [Ack("late"), Chunk("late", [], kv_handle=handle), End("late"), Chunk("late", [7])]
+    await worker.streams[-1].send_all(b"".join(encode(f) for f in late))
+    await trio.testing.wait_all_tasks_blocked()
+    assert [f for f in worker.received if isinstance(f, KvRelease)] == [KvRelease("kv-late")]
 
 
 @pytest.mark.parametrize("attributed", [True, False])

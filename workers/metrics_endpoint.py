@@ -103,6 +103,8 @@ class WorkerCollector(Collector):
             ("requests_served", "Requests served to the end", stats.served_total),
             ("requests_cancelled", "Requests cancelled before their end", stats.cancelled_total),
             ("requests_failed", "Requests that ended in an error", stats.failed_total),
+            ("kv_released", "Prefilled KV freed at the frontend's word, never pulled",
+             stats.kv_released_total),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{p}{name}", doc, value=value)

@@ -1,21 +1,33 @@
-"""The OpenAI-compatible HTTP API, on quart-trio.
+"""The HTTP API, on quart-trio: OpenAI's, and a token-in one.
 
 Each request runs in its own task inside quart-trio's per-request nursery, beside a
 task watching for the client's disconnect; a disconnect cancels the handler (or the
 SSE body), which unwinds the pipeline and cancels the work on the worker.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary and SSE),
-``GET /v1/models``, ``GET /v1/models/<id>``, ``GET /health``, ``GET /live``.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI's API, unary
+and SSE), ``POST /inference/v1/generate`` (the token-in API, vLLM's shape: token ids
+in and out, unary and SSE), ``GET /v1/models``, ``GET /v1/models/<id>``,
+``GET /health``, ``GET /live``, and ``GET /openapi.json``, the document of them all
+(:mod:`frontend.http.openapi`, from the same models the routes validate with).
+Every POST route goes through one ``_serve``: the pipeline, the metrics, the request's
+deadline (``--request-timeout``), errors before and after a stream started; the routes
+differ only in their schema, their preprocess stage, what they take from the pipeline
+(text or token deltas) and their response format (:mod:`frontend.http.responses`).
+A refusal by a configured limit (:mod:`frontend.limits`; the body size; the deadline)
+is counted in ``rejected_requests_total`` under the limit's name.
 Observability routes (``/metrics``, ``/debug/*``, ``/dashboard``) come from
-:mod:`frontend.http.observability`.
+:mod:`frontend.http.observability`. The generation routes (:data:`GENERATION_PATHS`)
+are admitted by :mod:`frontend.http.admission` before their handler runs; ``/health``
+says 503 ``draining`` once a drain has begun, ``/live`` stays 200 until the process ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 import orjson
@@ -24,18 +36,27 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from frontend.deadline import Deadline
 from frontend.errors import FrontendError, NoWorkers, UnknownModel
+from frontend.http.admission import Admission
 from frontend.http.errors import ApiError, api_error, bad_request
-from frontend.http.responses import ChunkWriter, unary_body
-from frontend.http.schema import parse_request
+from frontend.http.models import REQUEST_MODELS
+from frontend.http.openapi import OPENAPI_PATH, openapi_json
+from frontend.http.responses import D, OpenAIFormat, ResponseFormat, TokenFormat
+from frontend.http.schema import parse_generate_request, parse_request
+from frontend.limits import LIMITS, RequestLimits
 from frontend.metrics import FrontendMetrics
-from frontend.pipeline import Delta, Pipeline, Prepared
-from frontend.request import ParsedRequest
+from frontend.pipeline import Pipeline, Prepared, R
 
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+GENERATE_PATH = "/inference/v1/generate"  # the token-in API
+#: The routes that generate, and so the ones admission control guards.
+GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH})
 
 
 def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
@@ -44,11 +65,34 @@ def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
 
 
 def error_response(err: ApiError) -> Response:
-    return json_response(err.json(), err.status)
+    response = json_response(err.json(), err.status)
+    response.headers.update(err.headers)
+    return response
 
 
-def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: int) -> QuartTrio:
-    """Build the app. The caller owns *pipeline* and serves the app with hypercorn."""
+def create_app(
+    pipeline: Pipeline,
+    metrics: FrontendMetrics,
+    *,
+    max_body_bytes: int,
+    admission: Admission,
+    limits: RequestLimits | None = None,
+    api_keys: bool = False,
+) -> QuartTrio:
+    """Build the app. The caller owns *pipeline* and serves the app with hypercorn,
+    behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*
+    (which this app reads for ``/health``), and behind
+    :class:`~frontend.http.auth.RequireApiKey` if *api_keys* (which ``/openapi.json``
+    then declares). *limits* default to :class:`~frontend.limits.RequestLimits`'s."""
+    lim = limits or RequestLimits()
+    # The models the routes validate with, read once: the document describes these.
+    bodies = dict(REQUEST_MODELS)
+    document = openapi_json(
+        bodies, limits=lim, context_length=pipeline.context_length, api_keys=api_keys,
+        model_name=pipeline.model_name,
+    )
+    for name in LIMITS:  # every series from the start, at 0: rate() sees the first
+        metrics.rejected_requests_total.labels(name)
     app = QuartTrio("headwater")
     # Quart cuts responses at RESPONSE_TIMEOUT (60 s by default): that silently
     # truncates long SSE streams. Request lifetimes are ours to manage.
@@ -64,17 +108,25 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
 
     @app.errorhandler(FrontendError)
     async def _frontend_error(err: FrontendError) -> Response:
+        _count_limit(err)
         return error_response(api_error(err))
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
+        if status == 413:
+            metrics.rejected_requests_total.labels("max_body_bytes").inc()
         messages = {
             404: f"Unknown path {request.path}",
             405: f"Method {request.method} is not allowed on {request.path}",
             413: f"Request body is larger than the limit of {max_body_bytes} bytes",
         }
-        return error_response(ApiError(status, messages.get(status, exc.description or "")))
+        # A 405 says which methods the path takes (RFC 9110 requires Allow).
+        allowed = getattr(exc, "valid_methods", None) if status == 405 else None
+        headers = {"Allow": ", ".join(allowed)} if allowed else None
+        return error_response(
+            ApiError(status, messages.get(status, exc.description or ""), headers=headers)
+        )
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
@@ -87,13 +139,19 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
 
     @app.get("/health")
     async def health() -> Response:
-        ok = pipeline.ready()
+        # Draining: a load balancer should send new requests elsewhere, at once.
+        draining = admission.draining
+        ok = pipeline.ready() and not draining
         views = [
             {"worker_id": v.worker_id, "role": v.role.value, "state": v.state.value}
             for v in pipeline.router.views()
         ]
-        body = {"status": "healthy" if ok else "unhealthy", "workers": views}
-        return json_response(body, 200 if ok else 503)
+        status = "draining" if draining else "healthy" if ok else "unhealthy"
+        return json_response({"status": status, "workers": views}, 200 if ok else 503)
+
+    @app.get(OPENAPI_PATH)
+    async def openapi() -> Response:
+        return json_response(document)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -105,32 +163,59 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             raise UnknownModel(model_id)
         return json_response(_model_card(model, created))
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat() -> Response:
-        return await _serve("chat")
+        return await _serve_openai("chat")
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS_PATH)
     async def completions() -> Response:
-        return await _serve("completions")
+        return await _serve_openai("completions")
 
-    async def _serve(endpoint: str) -> Response:
-        parsed = await _parse(endpoint)
+    @app.post(GENERATE_PATH)
+    async def generate() -> Response:
+        """The token-in API: token ids in, token ids out (vLLM's shape)."""
+        parsed = parse_generate_request(await _parse(), lim, model=bodies["generate"])
+        if parsed.model is not None and parsed.model != model:
+            raise UnknownModel(parsed.model)
+        return await _serve(
+            "generate", parsed.stream, partial(pipeline.preprocess_tokens, parsed),
+            pipeline.tokens, TokenFormat,
+        )  # fmt: skip
+
+    async def _serve_openai(endpoint: str) -> Response:
+        parsed = parse_request(await _parse(), endpoint, lim, model=bodies[endpoint])
         if parsed.model != model:
             raise UnknownModel(parsed.model)
-        kind = "stream" if parsed.stream else "unary"
-        metrics.inflight_requests.inc()
+        return await _serve(
+            endpoint, parsed.stream, partial(pipeline.preprocess, parsed),
+            pipeline.generate, OpenAIFormat,
+        )  # fmt: skip
+
+    async def _serve(
+        endpoint: str,
+        stream: bool,
+        prepare: Callable[[], Awaitable[Prepared[R]]],
+        produce: Callable[[Prepared[R]], AsyncGenerator[D, None]],
+        response_format: Callable[[Prepared[R]], ResponseFormat[D]],
+    ) -> Response:
+        """Serve one validated request, whichever API: *prepare* it (the pipeline's
+        preprocess stage), then *produce* its deltas (the rest of the pipeline) and
+        answer them in *response_format*, as one body or as SSE, all before the request's
+        deadline. Books its metrics."""
+        kind = "stream" if stream else "unary"
         status = "error"
+        deadline = Deadline(lim.request_timeout)
         try:
-            prep = await pipeline.preprocess(parsed)
+            prep = await deadline.run(prepare)
             metrics.input_sequence_tokens.observe(len(prep.prompt_ids))
             if not pipeline.ready():
                 raise NoWorkers("no routable worker for this model")
-            if parsed.stream:
+            fmt = response_format(prep)
+            if stream:
                 status = "streaming"  # the body generator books the final status
-                return Response(
-                    _stream(prep, endpoint), content_type="text/event-stream", headers=SSE_HEADERS
-                )
-            response = await _unary(prep)
+                body = _stream(endpoint, prep, deadline.iterate(produce(prep)), fmt)
+                return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
+            response = await _unary(prep, deadline.iterate(produce(prep)), fmt)
             status = "success"
             return response
         except (ApiError, FrontendError) as err:
@@ -146,15 +231,19 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             raise
         finally:
             if status != "streaming":
-                metrics.inflight_requests.dec()
                 metrics.requests_total.labels(endpoint, kind, status).inc()
+
+    def _count_limit(err: FrontendError) -> None:
+        if err.limit is not None:
+            metrics.rejected_requests_total.labels(err.limit).inc()
 
     def _client_gone() -> None:
         # Leaving the pipeline cancelled the request on its worker too.
         metrics.disconnected_clients.inc()
         metrics.model_cancellation_total.inc()
 
-    async def _parse(endpoint: str) -> ParsedRequest:
+    async def _parse() -> Any:
+        """The request's JSON body, decoded (415 if it is not JSON, 400 if malformed)."""
         mimetype = request.mimetype
         if mimetype != JSON:
             raise ApiError(
@@ -163,61 +252,61 @@ def create_app(pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: 
             )
         data = await request.get_data(cache=False)
         try:
-            body = orjson.loads(data)
+            return orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise bad_request(f"Malformed JSON body: {exc}") from exc
-        return parse_request(body, endpoint)
 
-    async def _unary(prep: Prepared) -> Response:
+    async def _unary(
+        prep: Prepared[R], produced: AsyncGenerator[D, None], fmt: ResponseFormat[D]
+    ) -> Response:
         start = trio.current_time()
-        parts: list[str] = []
-        last: Delta | None = None
-        async with aclosing(pipeline.generate(prep)) as deltas:
-            async for d in deltas:
-                parts.append(d.text)
-                last = d
-        assert last is not None  # generate() always ends with a finishing delta
+        async with aclosing(produced) as stream:
+            deltas = [d async for d in stream]
+        # The pipeline always ends with a finishing delta (or raises).
+        last = deltas[-1]
         metrics.output_sequence_tokens.observe(last.completion_tokens)
         metrics.request_duration_seconds.observe(trio.current_time() - start)
-        return json_response(unary_body(prep, "".join(parts), last))
+        return json_response(fmt.unary(deltas))
 
-    async def _stream(prep: Prepared, endpoint: str) -> AsyncIterator[bytes]:
-        """The SSE body. Events that are ready together leave in one write: the role
-        chunk with the first delta, the last delta with usage and ``[DONE]``. Each write
-        is a pass through Quart, hypercorn, h11 and a send on the loop; a short stream
-        takes a quarter fewer of them (docs/performance.md)."""
-        writer = ChunkWriter(prep)
+    async def _stream(
+        endpoint: str, prep: Prepared[R], produced: AsyncGenerator[D, None],
+        fmt: ResponseFormat[D],
+    ) -> AsyncIterator[bytes]:
+        """The SSE body. Events that are ready together leave in one write: the opening
+        (a chat stream's role chunk) with the first delta, the last delta with usage and
+        ``[DONE]``. Each write is a pass through Quart, hypercorn, h11 and a send on the
+        loop; a short stream takes a quarter fewer of them (docs/performance.md)."""
         status = "cancelled"
-        last: Delta | None = None
-        pending = writer.role() if writer.chat else b""  # written with the next event
+        last: D | None = None
+        pending = fmt.opening()  # written with the next event
         try:
-            async with aclosing(pipeline.generate(prep)) as deltas:
+            async with aclosing(produced) as deltas:
                 async for d in deltas:
                     last = d
-                    pending += writer.delta(d)
+                    pending += fmt.event(d)
                     if d.finish_reason is None:
                         yield pending
                         pending = b""
             if last is not None and prep.parsed.include_usage:
-                pending += writer.usage(last)
+                pending += fmt.usage(last)
             status = "success"
         except FrontendError as err:
             # Headers are gone already: report in-stream, as OpenAI does.
             status = "error"
-            pending += ChunkWriter.error(api_error(err).body())
+            _count_limit(err)
+            pending += fmt.error(api_error(err).body())
         except Exception:
             status = "error"
             log.exception("stream %s failed", prep.request_id)
-            pending += ChunkWriter.error(ApiError(500, "Internal server error").body())
+            pending += fmt.error(ApiError(500, "Internal server error").body())
         finally:
             if status == "cancelled":
                 _client_gone()
             elif last is not None:
                 metrics.output_sequence_tokens.observe(last.completion_tokens)
             metrics.request_duration_seconds.observe(trio.current_time() - prep.started)
-            metrics.inflight_requests.dec()
             metrics.requests_total.labels(endpoint, "stream", status).inc()
-        yield pending + ChunkWriter.DONE
+        yield pending + fmt.DONE
 
     return app
 

@@ -5,10 +5,16 @@ with the right status. HTTP handlers raise :class:`ApiError` for what only HTTP
 knows (a wrong content type, an unknown path); the pipeline raises the frontend's
 own errors (:mod:`frontend.errors`), which :func:`api_error` maps. Anything else
 that escapes becomes a 500 with a sanitized message (the details go to the log only).
+
+Admission (:mod:`frontend.http.admission`) turns requests away before any of their
+work, with :func:`too_many_requests` (429) and :func:`shutting_down` (503). Those are
+HTTP-only errors, not part of the frontend's tree: they are decided and answered in
+the HTTP layer, before a request exists for the pipeline, and nothing below raises them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -17,6 +23,7 @@ from frontend.errors import (
     FrontendError,
     InvalidRequest,
     NoCapacity,
+    RequestTimeout,
     UnknownModel,
     WorkerFailed,
 )
@@ -27,11 +34,20 @@ STATUS: dict[type[FrontendError], int] = {
     UnknownModel: 404,
     WorkerFailed: 502,
     NoCapacity: 503,
+    RequestTimeout: 504,
 }
 
 
+#: The ``Retry-After`` of a 429 from ``--max-inflight``, in seconds. A slot frees as soon
+#: as any one of the requests in flight ends: at the limit, every D/N seconds for N
+#: requests of duration D, well under a second for any N worth setting. So the shortest
+#: delay RFC 9110's whole seconds can say; not 0, which OpenAI's client ignores (it
+#: honours a Retry-After above 0 and up to 60 s, else backs off on its own).
+RETRY_AFTER_S = 1
+
+
 class ApiError(Exception):
-    """An error the client should see, with its HTTP status."""
+    """An error the client should see, with its HTTP status (and *headers* to send with it)."""
 
     def __init__(
         self,
@@ -41,6 +57,7 @@ class ApiError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,6 +65,7 @@ class ApiError(Exception):
         self.type = type or _default_type(status)
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {
@@ -65,6 +83,29 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def too_many_requests(max_inflight: int) -> ApiError:
+    """429 for a generation request over ``--max-inflight``: OpenAI's answer to a request
+    over a requests-per-minute limit (type ``requests``, code ``rate_limit_exceeded``),
+    with a ``Retry-After`` of :data:`RETRY_AFTER_S` seconds."""
+    return ApiError(
+        429,
+        f"This frontend is serving its limit of {max_inflight} requests at once. "
+        f"Please try again in {RETRY_AFTER_S}s.",
+        type="requests", code="rate_limit_exceeded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )  # fmt: skip
+
+
+def shutting_down() -> ApiError:
+    """503 for a generation request that arrives while this frontend drains for shutdown.
+    ``Connection: close`` moves the client's next request to a new connection, which a
+    load balancer sends to another instance."""
+    return ApiError(
+        503, "This frontend is shutting down; send the request to another instance",
+        code="shutting_down", headers={"Connection": "close"},
+    )
 
 
 def api_error(exc: FrontendError) -> ApiError:

@@ -8,7 +8,8 @@
   task is cancelled. hypercorn finishes a response inside that send (closes the stream,
   closes the connection after ``Connection: close``, restarts the keep-alive idle timer),
   and quart-trio cancels the request task right there: that work was lost, and the idle
-  timeout never fired (FIELD_NOTES §2). The shield has a deadline.
+  timeout never fired (docs/architecture.md, "Hypercorn and quart-trio pitfalls handled").
+  The shield has a deadline.
 
 Both are plain ASGI and know nothing of the server underneath
 (:mod:`frontend.http.serving` holds what is specific to hypercorn).
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from frontend.http.errors import ApiError
 from headwater.instrumentation import Activity
 
 if TYPE_CHECKING:
@@ -72,3 +74,37 @@ class ShieldFinalSend:
             await send(message)
 
         await self.app(scope, receive, guarded_send)
+
+
+async def discard_body(receive: ASGIReceiveCallable, limit: int) -> bool:
+    """Read the request's body to its end (or past *limit* bytes) and drop it. False if
+    the client went away meanwhile: nobody is left to answer.
+
+    For middleware that answers a request itself (a refusal): hypercorn closes a
+    connection whose request body has not all arrived when its response ends, and a
+    client still writing that body (httpx writes it all before it reads) gets a reset
+    instead of the answer.
+    """
+    seen = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return False
+        if message["type"] != "http.request":
+            continue
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False) or seen > limit:
+            return True
+
+
+async def send_error(send: ASGISendCallable, err: ApiError) -> None:
+    """Answer with *err* (an OpenAI error body, its status and headers), in two sends."""
+    body = err.json()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        *((name.lower().encode("latin-1"), value.encode("latin-1"))
+          for name, value in err.headers.items()),
+    ]  # fmt: skip
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

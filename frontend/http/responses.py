@@ -1,89 +1,164 @@
-"""OpenAI response bodies: unary objects and SSE chunks, built from pipeline deltas.
+"""Response bodies, unary and SSE, built from the pipeline's deltas: one format per API.
 
-Kept apart from the routes so the shapes can be read (and tested) in one place.
+- :class:`OpenAIFormat`: chat and completions objects and chunks, from text
+  :class:`~frontend.pipeline.Delta`\\ s.
+- :class:`TokenFormat`: the token-in API's (vLLM's ``GenerateResponse`` and
+  ``GenerateStreamResponse``), from :class:`~frontend.pipeline.TokenDelta`\\ s.
+
+Kept apart from the routes so the shapes can be read (and tested) in one place; no I/O.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, Generic, TypeVar
 
 import orjson
 
-from frontend.pipeline import Delta, Prepared
+from frontend.pipeline import Delta, Prepared, TokenDelta
+from frontend.request import ParsedRequest, TokenRequest
+
+#: What the pipeline yields for one request: text deltas or token deltas.
+D = TypeVar("D", Delta, TokenDelta)
+
+#: vLLM's name for a token-in request (``generate-tokens-<request_id>``), which it
+#: reports as the response's ``request_id``; headwater reports the same.
+TOKEN_RESPONSE_PREFIX = "generate-tokens-"
 
 
-def usage(prep: Prepared, delta: Delta) -> dict[str, Any]:
-    prompt = len(prep.prompt_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": delta.completion_tokens,
-        "total_tokens": prompt + delta.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": delta.cached_tokens},
-    }
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-def response_id(prep: Prepared) -> str:
-    prefix = "chatcmpl-" if prep.parsed.endpoint == "chat" else "cmpl-"
-    return prefix + prep.request_id
+class ResponseFormat(ABC, Generic[D]):
+    """How one API answers one request: the body of a unary response, and the events
+    of a streaming one (the caller sends ``opening()`` with the first event, one
+    ``event()`` per delta, ``usage()`` when the client asked for it, then ``DONE``)."""
 
+    DONE = b"data: [DONE]\n\n"
 
-def unary_body(prep: Prepared, text: str, last: Delta) -> bytes:
-    """The whole response of a non-streaming request."""
-    chat = prep.parsed.endpoint == "chat"
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return orjson.dumps(
-        {
-            "id": response_id(prep),
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(prep.created),
-            "model": prep.parsed.model,
-            "choices": [choice],
-            "usage": usage(prep, last),
-        }
-    )
+    @abstractmethod
+    def unary(self, deltas: list[D]) -> bytes:
+        """The whole response of a non-streaming request; *deltas* ends with the one
+        that carries ``finish_reason``."""
 
+    def opening(self) -> bytes:
+        """What a stream starts with, before its first delta (nothing, by default)."""
+        return b""
 
-class ChunkWriter:
-    """Formats SSE events for one streaming request.
+    @abstractmethod
+    def event(self, delta: D) -> bytes:
+        """One SSE event for *delta*."""
 
-    The fixed parts of every chunk are encoded once; each event is one ``bytes``.
-    """
-
-    def __init__(self, prep: Prepared) -> None:
-        self.prep = prep
-        self.chat = prep.parsed.endpoint == "chat"
-        self._head = {
-            "id": response_id(prep),
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": int(prep.created),
-            "model": prep.parsed.model,
-        }
-
-    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return b"data: " + orjson.dumps({**self._head, "choices": choices, **extra}) + b"\n\n"
-
-    def role(self) -> bytes:
-        """Chat streams open with the assistant role, as OpenAI's do."""
-        delta = {"role": "assistant", "content": ""}
-        return self._event([{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}])
-
-    def delta(self, d: Delta) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": d.finish_reason, "logprobs": None}
-        if self.chat:
-            choice["delta"] = {"content": d.text} if d.text else {}
-        else:
-            choice["text"] = d.text
-        return self._event([choice])
-
-    def usage(self, last: Delta) -> bytes:
-        return self._event([], usage=usage(self.prep, last))
+    @abstractmethod
+    def usage(self, last: D) -> bytes:
+        """The SSE event with the request's token counts, after the last delta."""
 
     @staticmethod
     def error(body: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        """An error after the stream started: an event whose data is the error body."""
+        return _event(body)
 
-    DONE = b"data: [DONE]\n\n"
+
+class OpenAIFormat(ResponseFormat[Delta]):
+    """OpenAI's chat completion and text completion objects, and their chunks.
+
+    The fixed parts of every chunk are built once; each event is one ``bytes``.
+    """
+
+    def __init__(self, prep: Prepared[ParsedRequest]) -> None:
+        self.prep = prep
+        self.chat = prep.parsed.endpoint == "chat"
+        self._id = ("chatcmpl-" if self.chat else "cmpl-") + prep.request_id
+        self._head = self._fixed("chat.completion.chunk" if self.chat else "text_completion")
+
+    def _fixed(self, obj: str) -> dict[str, Any]:
+        return {"id": self._id, "object": obj, "created": int(self.prep.created),
+                "model": self.prep.parsed.model}  # fmt: skip
+
+    def _usage(self, last: Delta) -> dict[str, Any]:
+        prompt = len(self.prep.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": last.completion_tokens,
+            "total_tokens": prompt + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        }
+
+    def unary(self, deltas: list[Delta]) -> bytes:
+        last = deltas[-1]
+        text = "".join(d.text for d in deltas)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
+                                  "logprobs": None}  # fmt: skip
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        head = self._fixed("chat.completion" if self.chat else "text_completion")
+        return orjson.dumps({**head, "choices": [choice], "usage": self._usage(last)})
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return _event({**self._head, "choices": choices, **extra})
+
+    def opening(self) -> bytes:
+        """Chat streams open with the assistant role, as OpenAI's do."""
+        if not self.chat:
+            return b""
+        delta = {"role": "assistant", "content": ""}
+        return self._chunk([{"index": 0, "delta": delta, "finish_reason": None,
+                             "logprobs": None}])  # fmt: skip
+
+    def event(self, delta: Delta) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": delta.finish_reason,
+                                  "logprobs": None}  # fmt: skip
+        if self.chat:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+        else:
+            choice["text"] = delta.text
+        return self._chunk([choice])
+
+    def usage(self, last: Delta) -> bytes:
+        return self._chunk([], usage=self._usage(last))
+
+
+class TokenFormat(ResponseFormat[TokenDelta]):
+    """The token-in API's answers, shaped as vLLM's::
+
+        {"request_id": "generate-tokens-<id>",
+         "choices": [{"index": 0, "token_ids": [...], "finish_reason": "length",
+                      "logprobs": null}],
+         "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}}
+
+    A stream sends one such object per delta, with that delta's new ids (several when
+    the plane merged chunks that were waiting) and ``finish_reason`` null but on the
+    last; then, if ``stream_options.include_usage``, one with ``"choices": []`` and the
+    usage (as vLLM does). ``<id>`` is the client's ``request_id``, else the plane's.
+    """
+
+    def __init__(self, prep: Prepared[TokenRequest]) -> None:
+        self.prompt_tokens = len(prep.prompt_ids)
+        self.request_id = TOKEN_RESPONSE_PREFIX + (prep.parsed.request_id or prep.request_id)
+
+    def _usage(self, last: TokenDelta) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "total_tokens": self.prompt_tokens + last.completion_tokens,
+        }
+
+    def unary(self, deltas: list[TokenDelta]) -> bytes:
+        last = deltas[-1]
+        ids = [t for d in deltas for t in d.token_ids]
+        choice = {"index": 0, "token_ids": ids, "finish_reason": last.finish_reason,
+                  "logprobs": None}  # fmt: skip
+        return orjson.dumps(
+            {"request_id": self.request_id, "choices": [choice], "usage": self._usage(last)}
+        )
+
+    def event(self, delta: TokenDelta) -> bytes:
+        choice = {"index": 0, "token_ids": delta.token_ids,
+                  "finish_reason": delta.finish_reason, "logprobs": None}  # fmt: skip
+        return _event({"request_id": self.request_id, "choices": [choice]})
+
+    def usage(self, last: TokenDelta) -> bytes:
+        return _event({"request_id": self.request_id, "choices": [], "usage": self._usage(last)})

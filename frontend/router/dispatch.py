@@ -11,19 +11,24 @@ in three nested loops:
 * **retry** — per leg, another worker of the role when one cannot take the request
   (no connection or no ACK: :class:`~headwater.plane.CannotConnect`, which the router
   also counts against that worker's health; or a retryable refusal: overloaded,
-  draining), up to ``route_attempts`` workers per leg. While no worker of the role can
+  draining), up to ``route_attempts`` workers per leg, each try under its own request
+  id (``<id>.r<n>``). While no worker of the role can
   take it (none routable, or all busy) the request waits, up to ``queue_timeout``.
 * **migrate** — when a stream breaks after its ACK (:class:`~headwater.plane.Disconnected`),
   a worker fails it retryably after some of its tokens were relayed (its engine went
   down mid-stream), or a decode worker could not pull the prefill's KV, the request
-  starts again on
-  other workers with the tokens generated so far appended to the prompt and
-  ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
+  starts again on other workers with the tokens generated so far appended to the
+  prompt and ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
   (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
   token twice, none missing.
 
-A worker that failed a request (unreachable, refused it retryably, broke its stream)
-is not picked again for that request. Errors come out as the frontend's own
+A worker that could not take a request (unreachable, or refused it retryably) is not
+picked again for that request. One whose stream of it broke (or that failed it
+mid-stream) is not picked again while another worker of the role is routable: its id
+may well be a new process by then (``headwater launch`` restarts a worker under its id
+and port), and when every worker of the role has broken the request once, such as
+when all of them were restarted in turn during a long stream, going back to one beats
+failing a request the cluster could serve. Errors come out as the frontend's own
 (:mod:`frontend.errors`): a worker's ``invalid_request`` refusal is the client's
 :class:`~frontend.errors.InvalidRequest` and never counts against the worker; no
 worker to try is :class:`~frontend.errors.NoCapacity`; anything else the workers do
@@ -75,6 +80,14 @@ class DispatchConfig:
     queue_size: int = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class _HeldKv:
+    """KV a prefill worker holds for this request, and that worker's client."""
+
+    holder: WorkerClient
+    handle: KvHandle
+
+
 class _Migrate(Exception):
     """This attempt's output cannot continue where it is; start over elsewhere."""
 
@@ -83,11 +96,29 @@ class _Migrate(Exception):
 class _Attempts:
     """One request's dispatch state across its attempts."""
 
-    #: Workers that failed this request: not picked for it again.
-    failed: set[str] = field(default_factory=set)
+    #: Workers that could not take this request (unreachable, refused it retryably):
+    #: not picked for it again.
+    refused: set[str] = field(default_factory=set)
+    #: Workers whose stream of this request broke, or that failed it mid-stream
+    #: (retryably, after tokens were relayed): not picked again while another
+    #: worker of the role is routable.
+    broke: set[str] = field(default_factory=set)
     migrations: int = 0
     #: Tokens delivered to the caller so far.
     delivered: int = 0
+    #: The worker whose stream the current leg relays.
+    serving: WorkerClient | None = None
+
+    def failed(self) -> frozenset[str]:
+        """Every worker that failed this request (to reach one that has not)."""
+        return frozenset(self.refused | self.broke)
+
+    def excluded(self, router: Router, role: Role, model: str) -> frozenset[str]:
+        """The workers of *role* not to pick for this request now."""
+        both = self.failed()
+        if self.broke and not router.routable(role, model, both):
+            return frozenset(self.refused)  # every other one is gone: back to those
+        return both
 
 
 class Dispatcher:
@@ -168,33 +199,58 @@ class Dispatcher:
     ) -> AsyncGenerator[Chunk, None]:
         """One attempt: disaggregated when both roles are routable (the prefill leg
         runs here and the request gains its KV handle), else aggregated."""
-        r, m, failed = self.router, self.model, frozenset(state.failed)
-        if not any(r.routable(role, m, failed) for role in Role):
+        r, m = self.router, self.model
+
+        def routable(role: Role) -> int:
+            return r.routable(role, m, state.excluded(r, role, m))
+
+        if not any(routable(role) for role in Role):
             # Nobody left for this request (its last worker just failed): wait a while
             # for one to join or come back before giving up.
             with trio.move_on_after(self.config.queue_timeout):
-                while not any(r.routable(role, m, failed) for role in Role):
+                while not any(routable(role) for role in Role):
                     await r.changed.wait()
-            if not any(r.routable(role, m, failed) for role in Role):
+            if not any(routable(role) for role in Role):
                 raise NoWorkers(f"no routable worker for model {m!r}")
+        prefill, decode = routable(Role.PREFILL), routable(Role.DECODE)
         role = Role.DECODE  # a decode worker can prefill locally when alone
-        if r.routable(Role.PREFILL, m, failed) and r.routable(Role.DECODE, m, failed):
-            handle = await self._prefill(request, state)
-            request = replace(request, kv_handle=handle)
-        elif r.routable(Role.AGG, m, failed):
-            role = Role.AGG
-        async with aclosing(self._leg(role, request, state)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        held: _HeldKv | None = None  # the prefill's KV, until a decode worker has it
+        try:
+            if prefill and decode:
+                held = await self._prefill(request, state)
+                request = replace(request, kv_handle=held.handle)
+            elif routable(Role.AGG) and (
+                r.routable(Role.AGG, m, failed := state.failed())
+                or not r.routable(Role.DECODE, m, failed)
+            ):
+                # An aggregated worker, unless the only ones left broke this request and
+                # a decode worker that did not is there to prefill it locally.
+                role = Role.AGG
+            async with aclosing(self._leg(role, request, state)) as chunks:
+                async for chunk in chunks:
+                    held = None  # a decode worker's first chunk comes after its pull
+                    yield chunk
+        finally:
+            if held is not None:
+                # No decode worker got as far as a token (the request ended, or this
+                # attempt failed and the next one prefills again): nobody will pull
+                # this KV, so free it now rather than at the prefill's timeout.
+                held.holder.release_kv(held.handle)
 
-    async def _prefill(self, request: GenerateRequest, state: _Attempts) -> KvHandle:
-        handle = None
-        async with aclosing(self._leg(Role.PREFILL, request, state)) as chunks:
-            async for chunk in chunks:
-                handle = chunk.kv_handle or handle
-        if handle is None:
+    async def _prefill(self, request: GenerateRequest, state: _Attempts) -> _HeldKv:
+        held = None
+        try:
+            async with aclosing(self._leg(Role.PREFILL, request, state)) as chunks:
+                async for chunk in chunks:
+                    if chunk.kv_handle is not None and state.serving is not None:
+                        held = _HeldKv(state.serving, chunk.kv_handle)
+        except BaseException:
+            if held is not None:  # the leg broke (or was cancelled) after the handle
+                held.holder.release_kv(held.handle)
+            raise
+        if held is None:
             raise WorkerFailed("the prefill worker returned no KV handle")
-        return handle
+        return held
 
     async def _leg(
         self, role: Role, request: GenerateRequest, state: _Attempts
@@ -207,13 +263,18 @@ class Dispatcher:
             client = self._pick(role, state)
             tried += 1
             wid = client.instance.worker_id
+            # Each try has its own id: a late ACK or reply of an earlier try (the same
+            # worker may be picked again) can never be taken for this one's.
+            leg = request if tried == 1 else replace(
+                request, request_id=f"{request.request_id}.r{tried - 1}")  # fmt: skip
             # The consumer closes this generator at the yield of the final chunk, so
             # success is booked in `finally`, from what was seen, not after the loop.
             finished = False
             relayed = False  # a chunk of this leg reached the caller
             try:
                 with self.router.track(client):
-                    async with client.stream(request) as replies:
+                    state.serving = client
+                    async with client.stream(leg) as replies:
                         async for chunk in replies:
                             finished = chunk.finish_reason is not None
                             relayed = True
@@ -227,20 +288,20 @@ class Dispatcher:
                     log.warning("worker %s: ACK missed while this loop was stalled; "
                                 "not counted against it", wid)  # fmt: skip
                 else:
-                    state.failed.add(wid)
+                    state.refused.add(wid)
                     self.router.report_failure(client, exc)
                     log.warning("worker %s unreachable: %s", wid, exc)
                 if tried >= self.config.route_attempts:
                     raise NoCapacity("no worker could take the request") from exc
             except Disconnected as exc:
-                state.failed.add(wid)
+                state.broke.add(wid)
                 self.router.report_failure(client, exc)
                 raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
             except WorkerError as exc:
                 if relayed and exc.retryable:
                     # Failed mid-stream (its engine went down): the tokens so far
                     # stand, the rest comes from elsewhere, as after a broken stream.
-                    state.failed.add(wid)
+                    state.broke.add(wid)
                     raise _Migrate(f"{role.value} worker {wid}: {exc.message}") from exc
                 self._refused(role, client, exc, state, tried)
             finally:
@@ -262,7 +323,7 @@ class Dispatcher:
             raise _Migrate(f"decode worker {wid} could not pull the KV: {exc.message}") from exc
         if not exc.retryable or tried >= self.config.route_attempts:
             raise WorkerFailed(f"the worker failed the request ({exc.code.value})") from exc
-        state.failed.add(wid)
+        state.refused.add(wid)
 
     async def _wait_for_worker(self, role: Role, state: _Attempts) -> None:
         """Wait, in a bounded queue and up to ``queue_timeout``, while no worker of *role*
@@ -270,16 +331,16 @@ class Dispatcher:
         not joined yet) or every routable one is busy. Raises NoWorkers or NoCapacity
         ("all workers are busy") when the wait is over and nothing changed."""
         cfg, router, model = self.config, self.router, self.model
-        exclude = frozenset(state.failed)
 
         def blocked() -> bool:
+            exclude = state.excluded(router, role, model)
             return (not router.routable(role, model, exclude)
                     or router.all_busy(role, model, exclude))  # fmt: skip
 
         if cfg.queue_timeout <= 0 or not blocked():
             return
         if self._queued >= cfg.queue_size:
-            raise self._none_free(role, exclude)
+            raise self._none_free(role, state.excluded(router, role, model))
         self._queued += 1
         try:
             with trio.move_on_after(cfg.queue_timeout):
@@ -289,7 +350,7 @@ class Dispatcher:
                     with trio.move_on_after(_BUSY_RECHECK_S):
                         await router.changed.wait()
                 return
-            raise self._none_free(role, exclude)
+            raise self._none_free(role, state.excluded(router, role, model))
         finally:
             self._queued -= 1
 
@@ -299,5 +360,6 @@ class Dispatcher:
         return NoWorkers(f"no routable {role.value} worker for model {self.model!r}")
 
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
-        """A worker of *role* that has not failed this request; raises NoWorkers."""
-        return self.router.pick(role, self.model, frozenset(state.failed))
+        """A worker of *role* for this request (see :meth:`_Attempts.excluded`); raises
+        NoWorkers."""
+        return self.router.pick(role, self.model, state.excluded(self.router, role, self.model))

@@ -16,11 +16,25 @@ Options after ``--`` are passed to ``headwater serve`` as they are (``--router``
 (``--speedup-ratio``, ...) go to every worker; other worker options go in
 ``--worker-args "..."``.
 
+A process that exits on its own once the cluster is up (a crash, a kill -9) is
+logged and restarted while the rest keeps serving: a worker with the same worker
+id and port (static --workers lists and etcd keys still name it; with etcd it
+registers again under the same key), the frontend on the same port, etcd on the
+same ports with the same data. The n-th restart in a row waits a random time up to
+--restart-backoff * 2**(n-1) s (at least half the first delay; at most
+--restart-backoff-max); a process that stayed up for --restart-window s starts over
+at the first delay. A restart that does not come up (it exits before it is ready,
+its old port is taken) counts too. After --restart-budget restarts of one process
+within --restart-window s, its next exit stops the cluster: the launcher says which
+process, how it ended, the restarts used and the end of its log, stops the rest in
+order and exits 1. --restart-budget 0: no restarts, the first exit stops the
+cluster. A process that cannot start at launch fails the launch (exit 1).
+
 Ctrl-C or SIGTERM stops the frontend first (its in-flight requests finish), then the
 workers (SIGTERM: they drain), then etcd; a second signal kills whatever is left.
-If any process dies unexpectedly the whole cluster is torn down the same way and
-the exit status is 1. Logs (one file per process) are in the run directory, which
-is removed after a clean stop unless ``--workdir`` was given.
+Logs (one file per process; a restarted process appends to its file after a
+separator line) are in the run directory, which is removed after a clean stop
+unless ``--workdir`` was given.
 """
 
 from __future__ import annotations
@@ -35,10 +49,13 @@ import trio
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_restart_options,
     config_argv,
     config_from_args,
     configure_logging,
+    count,
     engine_frontend_defaults,
+    restart_policy_from_args,
 )
 from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
@@ -56,13 +73,6 @@ OWNED_SERVE_OPTIONS = ("--host", "--port", "--model-name", "--workers", "--disco
 __all__ = ["CLUSTER_READY_PREFIX", "ClusterPlan", "add_arguments", "main", "plan_from_args"]
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _discovery(text: str) -> str:
     if text in ("etcd", "static") or text.startswith(("etcd://", "etcds://")):
         return text
@@ -71,10 +81,10 @@ def _discovery(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--prefill", type=_count, default=None,
+    a("--prefill", type=count, default=None,
       help="prefill workers (with no worker count given: 1 prefill + 1 decode)")
-    a("--decode", type=_count, default=None, help="decode workers")
-    a("--agg", type=_count, default=None, help="aggregated workers")
+    a("--decode", type=count, default=None, help="decode workers")
+    a("--agg", type=count, default=None, help="aggregated workers")
     a("--engine", choices=registry.names(), default=registry.DEFAULT_ENGINE,
       help="workers' engine")
     a("--discovery", type=_discovery, default=None,
@@ -87,13 +97,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
     a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
     a("--drain-timeout", type=float, default=10.0,
-      help="seconds each worker gets to finish its requests at shutdown")
+      help="seconds the frontend and each worker get to finish their requests at shutdown")
     a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
     a("--workdir", default=None,
       help="directory for logs and etcd data (default: a temporary one, removed after a "
       "clean stop)")
     a("--start-timeout", type=float, default=60.0,
-      help="seconds each process gets to start, and the frontend to become healthy")
+      help="seconds each process gets to start (a restart too), and the frontend to "
+      "become healthy")
+    add_restart_options(parser, "the cluster")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="the launcher's log level")
     a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
@@ -154,6 +166,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         serve_args=tuple(serve_args),
         workdir=Path(args.workdir) if args.workdir else None,
         start_within=start_within,
+        restart=restart_policy_from_args(args),
     )
 
 

@@ -16,7 +16,10 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from headwater.cluster.supervisor import RestartPolicy
 
 ENV_PREFIX = "HEADWATER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -66,8 +69,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
     """
     for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--")]
-        if not longs or action.dest in ("help",):
-            continue
+        if not longs or action.dest in ("help",) or isinstance(action, argparse._AppendAction):
+            continue  # a repeatable option has its own variable, if any (HEADWATER_API_KEYS)
         var = env_name(longs[0])
         if action.help and action.help is not argparse.SUPPRESS:
             action.help = f"{action.help} [env {var}]"
@@ -164,3 +167,43 @@ def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
     if isinstance(length, int) and length > 0:
         defaults["context_length"] = length
     return defaults
+
+
+def count(text: str) -> int:
+    """An integer >= 0 (argparse type)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_restart_options(parser: argparse.ArgumentParser | Any, stops: str) -> None:
+    """The options of a :class:`~headwater.cluster.supervisor.RestartPolicy`, for a
+    supervisor whose given-up process stops *stops* ("the cluster")."""
+    from headwater.cluster.supervisor import RestartPolicy
+
+    r = RestartPolicy()
+    a = parser.add_argument
+    a("--restart-backoff", type=positive_float, default=r.backoff,
+      help="seconds before a process that exited is restarted: a random delay between "
+      "half of this and this, whose upper bound doubles with each restart in a row")
+    a("--restart-backoff-max", type=positive_float, default=r.backoff_max,
+      help="the highest that upper bound goes (s)")
+    a("--restart-budget", type=count, default=r.budget,
+      help=f"restarts allowed per process within --restart-window; its next exit stops "
+      f"{stops} (0: never restart)")
+    a("--restart-window", type=positive_float, default=r.window,
+      help="seconds over which restarts are counted; a process up this long starts "
+      "over at the first delay")
+
+
+def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
+    """The policy :func:`add_restart_options` declared; ValueError for a bad one."""
+    from headwater.cluster.supervisor import RestartPolicy
+
+    return RestartPolicy(
+        backoff=args.restart_backoff,
+        backoff_max=args.restart_backoff_max,
+        budget=args.restart_budget,
+        window=args.restart_window,
+    )

@@ -11,20 +11,26 @@ import argparse
 import logging
 import os
 import signal
+import ssl
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import fields
 
 import trio
 
 from frontend.config import FrontendConfig
+from frontend.http.auth import API_KEYS_ENV, load_api_keys
+from frontend.limits import RequestLimits
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_restart_options,
     config_from_args,
     configure_logging,
     engine_frontend_defaults,
     positive_float,
     positive_int,
+    restart_policy_from_args,
 )
 from headwater.machine import usable_cpus
 from workers.engines import registry
@@ -41,17 +47,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413")
     h.add_argument("--keep-alive-timeout", type=positive_float, default=_D.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open")
-    h.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
-                   help="seconds a client may stall reading before it is dropped")
+    h.add_argument("--ssl-certfile", default=_D.ssl_certfile, metavar="PEM",
+                   help="serve HTTPS with this certificate chain (with --ssl-keyfile); the "
+                        "URLs printed and announced are then https://")
+    h.add_argument("--ssl-keyfile", default=_D.ssl_keyfile, metavar="PEM",
+                   help="the private key of --ssl-certfile")
+
+    t = p.add_argument_group("slow and greedy clients (docs/security.md; each refusal counts "
+                             "in headwater_frontend_rejected_requests_total{reason})")
+    t.add_argument("--max-header-bytes", type=_header_bytes, default=_D.max_header_bytes,
+                   help="largest request head (request line and header fields); a larger "
+                        "one gets 431 (reason header_too_large)")
+    t.add_argument("--header-timeout", type=positive_float, default=_D.header_timeout,
+                   help="seconds a request head may take from its first byte, and a TLS "
+                        "handshake from the connection's accept; then 408 and the "
+                        "connection closes (header_timeout, tls_handshake_timeout)")
+    t.add_argument("--read-timeout", type=positive_float, default=_D.read_timeout,
+                   help="seconds a request body may go without a byte; then the connection "
+                        "closes (read_timeout). Not while a response streams")
+    t.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
+                   help="seconds a client may stall reading before it is dropped "
+                        "(write_timeout)")
+    t.add_argument("--max-connections-per-client", type=_non_negative_int,
+                   default=_D.max_connections_per_client,
+                   help="connections open at once per client IP address (loopback too); one "
+                        "more is closed at once (too_many_connections). Behind a proxy all "
+                        "are the proxy's: raise it, or 0 for no limit")
+    h.add_argument("--max-inflight", type=_non_negative_int, default=_D.max_inflight,
+                   help="generation requests (chat, completions) in flight at once, per "
+                        "process; one more gets 429 with Retry-After before its body is read "
+                        "(0: no limit)")
+    h.add_argument("--drain-timeout", type=_non_negative_float, default=_D.drain_timeout,
+                   help="on SIGTERM or SIGINT, seconds in-flight requests get to finish while "
+                        "/health is 503, new requests get 503 and the port stays open; a "
+                        "second signal stops at once (0: no drain)")
     h.add_argument("--graceful-timeout", type=positive_float, default=_D.graceful_timeout,
-                   help="seconds in-flight requests get on shutdown")
+                   help="seconds what is still in flight after the drain gets once the port "
+                        "has closed, before it is cancelled")
+    h.add_argument("--api-key", dest="api_key", action="append", default=None,
+                   metavar="KEY", help="accept this API key (repeatable); with keys, every "
+                   "route but /live and /health needs 'Authorization: Bearer KEY' "
+                   "(also HEADWATER_API_KEYS, comma-separated)")
+    h.add_argument("--api-keys-file", default=None,
+                   help="a file of API keys, one per line (# comments); read at start")
+    h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
+                   help="/metrics needs a key too (by default it stays open to scrapers)")
     h.add_argument("--processes", type=positive_int, default=_D.processes,
                    help="frontend processes sharing the port, each with its own event loop "
                         "and in-process workers; each also serves its own /metrics and "
-                        "/dashboard on a private port it prints")
+                        "/dashboard on a private port it prints. One that exits on its own "
+                        "is restarted (--restart-*) while the others serve")
     h.add_argument("--listen-fd", type=int, default=_D.listen_fd,
                    help="serve on this inherited listening socket (set by --processes "
                         "for its children)")
+    add_restart_options(h, "all of them (with --processes N)")
 
     m = p.add_argument_group("model and tokenization")
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
@@ -101,6 +150,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="times a broken stream may move to another worker")
     w.add_argument("--route-attempts", type=positive_int, default=_D.route_attempts,
                    help="workers tried when one cannot be reached")
+    w.add_argument("--plane-tls-certfile", default=None, metavar="PEM",
+                   help="mutual TLS to remote workers (with --plane-tls-keyfile and "
+                        "--plane-tls-ca-file): this frontend's certificate chain")
+    w.add_argument("--plane-tls-keyfile", default=None, metavar="PEM",
+                   help="the private key of --plane-tls-certfile")
+    w.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
+                   help="the CA the workers' certificates must chain to; each must name "
+                        "the host the worker is reached at (its advertised host)")
 
     f = p.add_argument_group("worker health and overload (docs/fault-tolerance.md)")
     f.add_argument("--inhibit-after", type=positive_int, default=_D.inhibit_after,
@@ -127,6 +184,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--queue-size", type=positive_int, default=_D.queue_size,
                    help="requests that may wait so at once; more get 503 at once")
 
+    lim = p.add_argument_group("request limits (docs/security.md; 0 turns one off)")
+    add_config_options(lim, RequestLimits)
+
     o = p.add_argument_group("observability")
     o.add_argument("--no-instrument", dest="instrument", action="store_false",
                    help="turn off the stall detector (the loop-delay canary stays)")
@@ -147,38 +207,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_config_options(group, registry.config_type(name))
 
 
+def _header_bytes(text: str) -> int:
+    value = int(text)
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1024, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
-    """Raises ValueError for a value the engine's config rejects.
+    """Raises ValueError for a value the engine's config rejects or a bad API key,
+    OSError for an unreadable keys file or TLS file (``ssl.SSLError`` for one that is
+    not a certificate or key, or a key that does not match).
 
     With in-process workers, what the engine knows of its model (its directory's
     tokenizer, its vocabulary size and context length) fills the options not given.
     """
-    names = {f.name for f in fields(FrontendConfig)} - {"engine_config"}
+    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
     engine_config = config_from_args(registry.config_type(args.engine), args)
+    limits = config_from_args(RequestLimits, args)
+    api_keys = load_api_keys(
+        args.api_key or (), env=os.environ.get(API_KEYS_ENV), file=args.api_keys_file
+    )
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     defaults: dict[str, object] = {}
     if not args.workers and not args.discovery:
         defaults = engine_frontend_defaults(engine_config)
-    return FrontendConfig(**{**defaults, **given}, engine_config=engine_config)
+    config = FrontendConfig(
+        **{**defaults, **given}, engine_config=engine_config, api_keys=api_keys, limits=limits,
+    )  # fmt: skip
+    # The files are read now, not at the first connection: a bad one is a bad option.
+    if config.ssl_certfile and config.ssl_keyfile:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        except OSError as exc:  # ssl's own errors name no file
+            reason = exc.strerror or getattr(exc, "reason", None) or exc
+            raise OSError(exc.errno, f"--ssl-certfile {config.ssl_certfile}, --ssl-keyfile "
+                                     f"{config.ssl_keyfile}: {reason}") from exc
+    if (plane_tls := config.plane_tls) is not None:
+        plane_tls.client_context()
+    return config
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 after a signal; 1 if a frontend process or an in-process engine
-    failed; 2 on bad options (a tokenizer that is not the model's included)."""
+    """Exit status: 0 after a signal (once drained); 1 if a frontend process or an
+    in-process engine failed, or a second signal cut the drain short; 2 on bad options
+    (a tokenizer that is not the model's included)."""
     try:
         config = frontend_config_from_args(args)
-    except ValueError as exc:
+        restart = restart_policy_from_args(args)
+    except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
     if config.processes > 1:
         from headwater.cluster.frontend_group import supervise
 
-        return trio.run(supervise, config, args.argv)
+        return trio.run(supervise, config, args.argv, restart)
     from frontend.preprocess.tokenizer import TokenizerLoadError
 
     try:
-        trio.run(serve_until_signalled, config)
+        return trio.run(serve_until_signalled, config)
     except TokenizerLoadError as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
@@ -188,7 +291,6 @@ def main(args: argparse.Namespace) -> int:
             raise
         print(f"headwater serve: an in-process engine failed: {_first(failed)}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _first(exc: BaseException) -> BaseException:
@@ -197,20 +299,41 @@ def _first(exc: BaseException) -> BaseException:
     return exc
 
 
-async def serve_until_signalled(config: FrontendConfig) -> None:
+async def serve_until_signalled(config: FrontendConfig) -> int:
+    """Serve until a signal: the first drains and stops (``Frontend.stop``), a second
+    one stops at once. Returns the exit status: 0, or 1 after a second signal."""
     supervisor = os.getppid()  # before the slow start-up: it matters with --listen-fd
     from frontend.server import Frontend  # heavy imports only when serving
 
+    log = logging.getLogger(__name__)
     frontend = Frontend(config)
+    forced = False
+
+    async def stop_on_signals(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:
+        nonlocal forced
+        async for signum in signals:
+            if not frontend.shutdown.is_set():
+                log.info("%s received: draining for up to %g s (a second signal stops at once)",
+                         signal.Signals(signum).name, config.drain_timeout)  # fmt: skip
+                frontend.stop()
+            else:
+                log.warning("second signal: stopping now, requests in flight are cut off")
+                forced = True
+                scope.cancel()
+                return
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            urls = await nursery.start(frontend.run)
+            nursery.start_soon(stop_on_signals, signals, nursery.cancel_scope)
+
+            async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
+                await frontend.run(task_status=task_status)
+                nursery.cancel_scope.cancel()  # stopped: the signal watcher ends too
+
+            urls = await nursery.start(run)
             print(f"headwater: serving {config.model_name} on {' '.join(urls)}", flush=True)
             if config.listen_fd is not None:  # one of several processes (--processes N)
                 from headwater.cluster.frontend_group import terminate_when_orphaned
 
                 nursery.start_soon(terminate_when_orphaned, supervisor, frontend.shutdown)
-            async for _ in signals:
-                logging.getLogger(__name__).info("signal received: shutting down")
-                frontend.shutdown.set()
-                break
+    return 1 if forced else 0

@@ -16,7 +16,9 @@ its owner's nursery. Orderly shutdown is :meth:`ChildProcess.stop`.
 
 Children start in their own session (``start_new_session``): a Ctrl-C in the
 terminal reaches the supervisor only, which then stops them in order. Everything
-binds 127.0.0.1.
+binds 127.0.0.1. Restarting a child that exited is not this module's business but
+:mod:`headwater.cluster.supervisor`'s; what it needs of a child is here (``ports``,
+:func:`port_free`, :func:`describe_status`, :func:`append_to_log`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,14 @@ ExitHook = Callable[["ChildProcess"], None]
 
 
 class LaunchError(Exception):
-    """A child process did not start: it exited or stayed silent before it was ready."""
+    """A child process did not start: it exited or stayed silent before it was ready.
+
+    ``summary`` is the one-line reason; ``str()`` adds *detail* (the end of its log).
+    """
+
+    def __init__(self, summary: str, detail: str = "") -> None:
+        super().__init__(f"{summary}{detail}")
+        self.summary = summary
 
 
 class ChildProcess:
@@ -80,6 +89,12 @@ class ChildProcess:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} pid={self.pid} {self.address}>"
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """The loopback ports it listens on and must get again when restarted (none
+        known for a plain child; the recipes' subclasses say)."""
+        return ()
 
     @property
     def pid(self) -> int:
@@ -149,8 +164,8 @@ class ChildProcess:
             self._report_exit()
 
     def _report_exit(self) -> None:
-        log.warning("%s (pid %d) exited unexpectedly with status %s",
-                    self.name, self.pid, self.process.returncode)  # fmt: skip
+        log.warning("%s (pid %d) exited unexpectedly: %s",
+                    self.name, self.pid, describe_status(self.process.returncode))  # fmt: skip
         if self.on_exit is not None:
             try:
                 self.on_exit(self)
@@ -174,6 +189,43 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether *port* could be listened on now. ``SO_REUSEADDR`` as the children's
+    listeners set it, so connections of a dead process in TIME_WAIT do not count;
+    another process listening there does."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def describe_status(status: int | None) -> str:
+    """An exit status as people read it: ``exit status 1``, ``killed by SIGKILL``."""
+    if status is None:
+        return "still running"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
+
+
+def append_to_log(path: Path | None, line: str) -> None:
+    """Append *line* to a child's log file (a separator between two incarnations);
+    nothing for a child without one. A blocking write of one line to a local file."""
+    if path is None:
+        return
+    try:
+        with path.open("a") as f:
+            f.write(f"{line}\n")
+    except OSError as exc:
+        log.warning("cannot write to %s: %s", path, exc)
 
 
 async def spawn(
@@ -236,8 +288,8 @@ async def read_announcement(
                     await trio.aclose_forcefully(stdout)
                     status = await child.wait()
                     raise LaunchError(
-                        f"{child.name} exited with status {status} before it was ready; "
-                        f"log {child.log_path}:\n{child.log_tail()}"
+                        f"{child.name} exited before it was ready ({describe_status(status)})",
+                        f"; log {child.log_path}:\n{child.log_tail()}",
                     )
                 buffer += data
             line, buffer = buffer.split(b"\n", 1)
@@ -246,8 +298,8 @@ async def read_announcement(
         child.kill()
         await trio.aclose_forcefully(stdout)
         raise LaunchError(
-            f"{child.name} was not ready within {within:g} s; "
-            f"log {child.log_path}:\n{child.log_tail()}"
+            f"{child.name} was not ready within {within:g} s",
+            f"; log {child.log_path}:\n{child.log_tail()}",
         )
     nursery.start_soon(_copy_to_log, stdout, buffer, child.log_path, name=f"stdout {child.name}")
     return result

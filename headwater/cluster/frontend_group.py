@@ -15,12 +15,18 @@ took the connection, so each child also listens on a private port of its own; th
 supervisor prints one line per child (:func:`headwater.cluster.recipes.member_line`) and
 then the usual ``headwater: serving <model> on <url>`` line.
 
-Lifetime: all children or none. SIGINT or SIGTERM is passed on as SIGTERM, and each
-child drains as a single frontend does. If a child exits on its own, the supervisor
-stops the others and exits with status 1: a half-sized frontend that looks healthy
-is worse than one that is visibly down. If the supervisor itself is killed (SIGKILL,
-a crash), each child notices that it was re-parented and stops as if signalled
-(:func:`terminate_when_orphaned`): no frontend outlives its supervisor.
+Lifetime: a child that exits on its own is restarted, on the same shared socket,
+while the others go on serving: each child is a
+:class:`~headwater.cluster.supervisor.Supervised` process, with the same restart policy
+as ``headwater launch`` (backoff with jitter, a budget per window; the ``--restart-*``
+options). The supervisor keeps the socket open for that, and never accepts on it:
+connections that arrive while a child restarts wait in the kernel's queue for the
+others. A restarted child has a new private port, printed on a new member line. Only a
+child that exhausts its budget stops the frontend (status 1): one that crash-loops is
+a configuration to fix, not a fault to wait out. SIGINT or SIGTERM is passed on as
+SIGTERM, and each child drains as a single frontend does. If the supervisor itself is
+killed (SIGKILL, a crash), each child notices that it was re-parented and stops as if
+signalled (:func:`terminate_when_orphaned`): no frontend outlives its supervisor.
 """
 
 from __future__ import annotations
@@ -37,13 +43,14 @@ import trio
 from trio_util import wait_any
 
 from frontend.config import FrontendConfig
-from headwater.cluster.children import ExitHook, LaunchError
+from headwater.cluster.children import LaunchError
 from headwater.cluster.recipes import FrontendProcess, member_line, spawn_frontend
+from headwater.cluster.supervisor import RestartPolicy, Starter, Supervised
 
 log = logging.getLogger(__name__)
 
 READY_WITHIN = 120.0  # s for a child to load its tokenizer and listen
-STOP_MARGIN = 5.0  # s beyond the graceful timeout before a child is killed
+STOP_MARGIN = 5.0  # s beyond a child's stop timeout (drain + graceful) before it is killed
 
 
 def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -65,71 +72,96 @@ def child_argv(argv: Sequence[str], fd: int) -> list[str]:
             "--listen-fd", str(fd)]  # fmt: skip
 
 
-async def supervise(config: FrontendConfig, argv: Sequence[str]) -> int:
-    """Run ``config.processes`` children on one socket until a signal or a child's exit.
+async def supervise(
+    config: FrontendConfig, argv: Sequence[str], restart: RestartPolicy | None = None
+) -> int:
+    """Run ``config.processes`` children on one socket until a signal, restarting one
+    that exits on its own under *restart*.
 
-    Returns the exit status: 0 after a signal, 1 if a child failed to start or died.
+    Returns the exit status: 0 after a signal, 1 if a child failed to start or was
+    given up.
     """
     sock = listen(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
-    lost = trio.Event()
-    status = 0
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    url = f"{config.scheme}://{host}:{port}"
+    given_up = trio.Event()
+    fd = sock.fileno()
+    children = [
+        Supervised(
+            f"frontend process {i}", _starter(i, child_argv(argv, fd), fd), restart,
+            on_give_up=lambda _process: given_up.set(),
+            stop_grace=config.stop_timeout + STOP_MARGIN,
+        )
+        for i in range(config.processes)
+    ]
+    with sock, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             try:
-                children = await _start_children(
-                    nursery, config.processes, child_argv(argv, sock.fileno()), sock.fileno(),
-                    on_exit=lambda _child: lost.set(),
-                )  # fmt: skip
+                started = await _start_all(nursery, children)
             except LaunchError as exc:
                 log.error("%s", exc)
                 nursery.cancel_scope.cancel()  # the started ones are killed by their watchers
                 return 1
-            finally:
-                sock.close()  # the children hold it; this process never accepts
-            for i, child in enumerate(children):
+            for i, child in enumerate(started):
                 print(member_line(i, child.pid, child.urls[-1]), flush=True)
             print(f"headwater: serving {config.model_name} on {url}", flush=True)
-            await wait_any(partial(_first_signal, signals), lost.wait)
-            if lost.is_set():
-                log.error("a frontend process exited; stopping the others")
+            await wait_any(partial(_first_signal, signals), given_up.wait)
+            status = 0
+            if given_up.is_set():
+                for process in children:
+                    if process.failure is not None:
+                        log.error("%s", process.failure)
+                log.error("stopping the other frontend processes")
                 status = 1
             else:
                 log.info("signal received: stopping %d frontend processes", len(children))
             async with trio.open_nursery() as stopping:
-                for child in children:
-                    stopping.start_soon(child.stop, config.graceful_timeout + STOP_MARGIN)
+                for process in children:
+                    stopping.start_soon(process.stop)
             nursery.cancel_scope.cancel()
     return status
 
 
-async def _start_children(
-    nursery: trio.Nursery, n: int, argv: list[str], fd: int, *, on_exit: ExitHook
+def _starter(i: int, argv: list[str], fd: int) -> Starter[FrontendProcess]:
+    """How child *i* is started, and started again: the same command on the same
+    socket. A restart announces the child's new private URL."""
+
+    async def start(nursery: trio.Nursery, previous: FrontendProcess | None) -> FrontendProcess:
+        child = await spawn_frontend(
+            nursery, argv, name=f"frontend process {i}", log_path=None, pass_fds=(fd,),
+            ready_within=READY_WITHIN,
+        )  # fmt: skip
+        if previous is not None:
+            print(member_line(i, child.pid, child.urls[-1]), flush=True)
+        return child
+
+    return start
+
+
+async def _start_all(
+    nursery: trio.Nursery, children: list[Supervised[FrontendProcess]]
 ) -> list[FrontendProcess]:
-    """Start *n* children at once (each loads a tokenizer: seconds of CPU).
+    """Start every child at once (each loads a tokenizer: seconds of CPU); return their
+    first incarnations, in order.
 
     Raises the first child's LaunchError if any fails; the others are then killed
     by their watchers when the caller cancels *nursery*.
     """
-    children: list[FrontendProcess] = []
+    started: dict[int, FrontendProcess] = {}
     failures: list[LaunchError] = []
 
-    async def start(i: int) -> None:
+    async def start(i: int, process: Supervised[FrontendProcess]) -> None:
         try:
-            children.append(await spawn_frontend(
-                nursery, argv, name=f"frontend process {i}", log_path=None, pass_fds=(fd,),
-                ready_within=READY_WITHIN, on_exit=on_exit,
-            ))  # fmt: skip
+            started[i] = await nursery.start(process.run)
         except LaunchError as exc:
             failures.append(exc)
 
     async with trio.open_nursery() as starting:
-        for i in range(n):
-            starting.start_soon(start, i)
+        for i, process in enumerate(children):
+            starting.start_soon(start, i, process)
     if failures:
         raise failures[0]
-    return sorted(children, key=lambda c: c.name)
+    return [started[i] for i in range(len(children))]
 
 
 async def _first_signal(signals: AsyncIterator[int]) -> None:

@@ -7,11 +7,19 @@ with discovery ``static`` they start first and the frontend gets their addresses
 ``/health`` answers 200, then a line ``HEADWATER_CLUSTER_READY <url>``. Everything
 binds 127.0.0.1. The command line is :mod:`headwater.cli.launch`.
 
+A process that exits on its own once the cluster is up (a crash, a ``kill -9``) is
+restarted, while the rest keeps serving, per ``plan.restart``
+(:mod:`headwater.cluster.supervisor`: exponential backoff with jitter, a budget of
+restarts per window): a worker with its id and port, so static ``--workers`` lists
+and etcd keys still name it; the frontend with its port; etcd with its ports and
+data. A process that cannot start at launch fails the launch instead.
+
 Ctrl-C or SIGTERM stops the frontend first (its in-flight requests finish), then the
 workers (SIGTERM: they drain), then etcd; a second signal kills whatever is left.
-If any process dies unexpectedly the whole cluster is torn down the same way and
-the exit status is 1. Logs (one file per process) are in the run directory, which
-is removed after a clean stop unless ``--workdir`` was given.
+A process that exhausts its restart budget stops the cluster the same way, after
+saying which one and why, and the exit status is 1. Logs (one file per process,
+every incarnation appended to it) are in the run directory, which is removed after
+a clean stop unless ``--workdir`` was given.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import trio
 
@@ -31,19 +40,25 @@ from headwater.cluster.children import ChildProcess, LaunchError
 from headwater.cluster.recipes import (
     DEFAULT_MODEL,
     EtcdProcess,
+    FrontendProcess,
     WorkerProcess,
     start_etcd,
     start_frontend,
     start_worker,
     wait_healthy,
 )
+from headwater.cluster.supervisor import RestartPolicy, Starter, Supervised
 
 log = logging.getLogger("headwater.launch")  # the name users see in its log lines
 
 CLUSTER_READY_PREFIX = "HEADWATER_CLUSTER_READY"
 ETCD_BIN_ENV = "HEADWATER_ETCD_BIN"  # also read by the tests' etcd fixture
-_FRONTEND_GRACE = 20.0  # s after SIGTERM (serve's graceful timeout is 10 s) before SIGKILL
+#: s after SIGTERM, beyond the frontend's drain, before SIGKILL (serve's --graceful-timeout
+#: 10 s for what is left after the drain, plus a margin for its own shutdown).
+_FRONTEND_GRACE = 15.0
 _ETCD_GRACE = 5.0  # s
+
+C = TypeVar("C", bound=ChildProcess)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +77,13 @@ class ClusterPlan:
     port: int = 8000
     model: str = DEFAULT_MODEL
     lease_ttl: int = 10  # s
-    drain_timeout: float = 10.0  # s each worker gets to finish at shutdown
+    drain_timeout: float = 10.0  # s each worker, and the frontend, get to finish at shutdown
     worker_args: tuple[str, ...] = ()
     serve_args: tuple[str, ...] = ()
     workdir: Path | None = None  # None: a temporary directory, removed after a clean stop
     start_within: float = 60.0  # s for each process to come up, and for /health
+    #: When a process that exited on its own is restarted, and when it is given up.
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     roles: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -89,96 +106,130 @@ def find_etcd(explicit: str = "") -> str | None:
 class Cluster:
     """The processes of one local cluster, started and stopped in dependency order.
 
-    Children are supervised in the nursery given to :meth:`start`. An unexpected
-    exit of any of them (after it was ready) is logged and cancels *run_scope*, so
-    the launcher tears everything down.
+    Each one is a :class:`~headwater.cluster.supervisor.Supervised` process in the
+    nursery given to :meth:`start`, restarted per ``plan.restart`` when it exits on its
+    own: a worker with its id and port, the frontend with its port, etcd with its
+    ports and data. One that is given up sets ``failure`` and cancels *run_scope*, so
+    the launcher stops the rest.
     """
 
     def __init__(self, plan: ClusterPlan, workdir: Path, run_scope: trio.CancelScope) -> None:
         self.plan = plan
         self.workdir = workdir
-        self.etcd: EtcdProcess | None = None
-        self.workers: list[WorkerProcess] = []
-        self.frontend: ChildProcess | None = None
+        self.etcd: Supervised[EtcdProcess] | None = None
+        self.workers: list[Supervised[WorkerProcess]] = []
+        self.frontend: Supervised[FrontendProcess] | None = None
         self.failure: str | None = None
         self._run_scope = run_scope
 
     @property
     def discovery_url(self) -> str:
-        if self.etcd is not None:
-            return self.etcd.discovery
+        if self.etcd is not None and self.etcd.child is not None:
+            return self.etcd.child.discovery
         return self.plan.discovery if "://" in self.plan.discovery else ""
 
-    def children(self) -> list[ChildProcess]:
+    def supervised(self) -> list[Supervised[Any]]:
+        """Every process, in the order they stop: frontend, workers, etcd."""
         frontend = [self.frontend] if self.frontend else []
         etcd = [self.etcd] if self.etcd else []
         return [*frontend, *self.workers, *etcd]
 
-    def _died(self, child: ChildProcess) -> None:
+    def children(self) -> list[ChildProcess]:
+        """The current (or last) incarnation of every process that came up."""
+        return [s.child for s in self.supervised() if s.child is not None]
+
+    def _supervised(self, name: str, start: Starter[C]) -> Supervised[C]:
+        return Supervised(name, start, self.plan.restart, on_give_up=self._gave_up)
+
+    def _gave_up(self, process: Supervised[Any]) -> None:
         if self.failure is None:
-            self.failure = (
-                f"{child.name} (pid {child.pid}) exited unexpectedly with status "
-                f"{child.returncode}; last lines of {child.log_path}:\n{child.log_tail(1500)}"
-            )
+            self.failure = process.failure
         self._run_scope.cancel()
 
     async def start(self, nursery: trio.Nursery) -> str:
         """Start everything; return the frontend URL once /health is 200. Raises LaunchError."""
         plan = self.plan
         if plan.discovery == "etcd":
-            self.etcd = await start_etcd(
-                nursery, binary=plan.etcd_binary, workdir=self.workdir,
-                ready_within=plan.start_within, on_exit=self._died,
-            )  # fmt: skip
-            log.info("etcd on %s (pid %d)", self.etcd.address, self.etcd.pid)
+            self.etcd = self._supervised("etcd", self._start_etcd)
+            etcd: EtcdProcess = await nursery.start(self.etcd.run)
+            log.info("etcd on %s (pid %d)", etcd.address, etcd.pid)
         await self._start_workers(nursery)
-        static = "" if self.discovery_url else ",".join(
-            w.static_url(plan.model) for w in self.workers
-        )
-        self.frontend = await start_frontend(
-            nursery, log_dir=self.workdir, port=plan.port, discovery=self.discovery_url,
-            workers=static, model=plan.model, extra_args=plan.serve_args,
-            ready_within=plan.start_within, on_exit=self._died,
+        self.frontend = self._supervised("frontend", self._start_frontend)
+        frontend: FrontendProcess = await nursery.start(self.frontend.run)
+        await wait_healthy(frontend.address, within=plan.start_within, child=frontend)
+        return frontend.address
+
+    async def _start_etcd(self, nursery: trio.Nursery, previous: EtcdProcess | None
+                          ) -> EtcdProcess:  # fmt: skip
+        plan = self.plan
+        return await start_etcd(
+            nursery, binary=plan.etcd_binary, workdir=self.workdir,
+            ready_within=plan.start_within,
+            ports=(previous.client_port, previous.peer_port) if previous else None,
+            data_dir=previous.data_dir if previous else None,
         )  # fmt: skip
-        await wait_healthy(self.frontend.address, within=plan.start_within, child=self.frontend)
-        return self.frontend.address
+
+    def _worker_starter(self, role: str, name: str) -> Starter[WorkerProcess]:
+        plan = self.plan
+
+        async def start(nursery: trio.Nursery, previous: WorkerProcess | None) -> WorkerProcess:
+            return await start_worker(
+                nursery, role, log_dir=self.workdir, name=name,
+                worker_id=previous.worker_id if previous else "",
+                listen=f"127.0.0.1:{previous.port if previous else 0}",
+                discovery=self.discovery_url, model=plan.model, engine=plan.engine,
+                engine_args=plan.engine_args, lease_ttl=plan.lease_ttl,
+                drain_timeout=plan.drain_timeout, extra_args=plan.worker_args,
+                ready_within=plan.start_within,
+            )  # fmt: skip
+
+        return start
+
+    async def _start_frontend(
+        self, nursery: trio.Nursery, previous: FrontendProcess | None
+    ) -> FrontendProcess:
+        plan = self.plan
+        static = "" if self.discovery_url else ",".join(
+            w.child.static_url(plan.model) for w in self.workers if w.child is not None
+        )
+        return await start_frontend(
+            nursery, log_dir=self.workdir, port=previous.port if previous else plan.port,
+            discovery=self.discovery_url, workers=static, model=plan.model,
+            extra_args=("--drain-timeout", f"{plan.drain_timeout:g}", *plan.serve_args),
+            ready_within=plan.start_within,
+        )  # fmt: skip
 
     async def _start_workers(self, nursery: trio.Nursery) -> None:
-        plan = self.plan
-        errors: list[LaunchError] = []
         numbered: dict[str, int] = {}
+        for role in self.plan.roles:  # prefill, decode, agg: the order they are listed in
+            name = f"{role}-{numbered.setdefault(role, 0)}"
+            numbered[role] += 1
+            self.workers.append(self._supervised(name, self._worker_starter(role, name)))
+        errors: list[LaunchError] = []
 
-        async def one(role: str, cancel: trio.CancelScope) -> None:
-            index = numbered[role] = numbered.get(role, -1) + 1
+        async def one(process: Supervised[WorkerProcess], cancel: trio.CancelScope) -> None:
             try:
-                worker = await start_worker(
-                    nursery, role, log_dir=self.workdir, name=f"{role}-{index}",
-                    discovery=self.discovery_url, model=plan.model, engine=plan.engine,
-                    engine_args=plan.engine_args, lease_ttl=plan.lease_ttl,
-                    drain_timeout=plan.drain_timeout, extra_args=plan.worker_args,
-                    ready_within=plan.start_within, on_exit=self._died,
-                )  # fmt: skip
+                worker: WorkerProcess = await nursery.start(process.run)
             except LaunchError as exc:
                 errors.append(exc)
                 cancel.cancel()
                 return
-            self.workers.append(worker)
             log.info("%s: %s %s (pid %d)", worker.name, worker.worker_id, worker.address,
                      worker.pid)  # fmt: skip
 
         async with trio.open_nursery() as starting:
-            for role in plan.roles:
-                starting.start_soon(one, role, starting.cancel_scope)
+            for process in self.workers:
+                starting.start_soon(one, process, starting.cancel_scope)
         if errors:
             raise errors[0]
-        order = {role: i for i, role in enumerate(("prefill", "decode", "agg"))}
-        self.workers.sort(key=lambda w: (order.get(w.role, 9), w.name))
 
     async def stop(self) -> None:
-        """Frontend first (in-flight requests finish), then the workers (they drain),
-        then etcd. Bounded: each step ends in SIGKILL if its grace runs out."""
+        """No more restarts; then the frontend (in-flight requests finish), the workers
+        (they drain), etcd. Bounded: each step ends in SIGKILL if its grace runs out."""
+        for process in self.supervised():
+            process.stop_restarting()
         if self.frontend is not None:
-            await self.frontend.stop(grace=_FRONTEND_GRACE)
+            await self.frontend.stop(grace=self.plan.drain_timeout + _FRONTEND_GRACE)
         async with trio.open_nursery() as nursery:
             for worker in self.workers:
                 nursery.start_soon(worker.stop, self.plan.drain_timeout + 10.0)
@@ -186,15 +237,15 @@ class Cluster:
             await self.etcd.stop(grace=_ETCD_GRACE)
 
     def kill_all(self) -> None:
-        for child in self.children():
-            child.kill()
+        for process in self.supervised():
+            process.kill()
 
 
 async def run_cluster(plan: ClusterPlan) -> int:
     """Start the cluster, serve until a signal or a failure, stop it in order.
 
     Returns the exit status: 0 after SIGINT/SIGTERM, 1 if a process failed to start
-    or died, or if a second signal forced the stop.
+    or exhausted its restart budget, or if a second signal forced the stop.
     """
     workdir = plan.workdir or Path(tempfile.mkdtemp(prefix="headwater-cluster-"))
     await trio.Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -244,7 +295,8 @@ def _announce(cluster: Cluster, url: str) -> None:
         f"{n} {role}" for role, n in (("prefill", plan.prefill), ("decode", plan.decode),
                                       ("agg", plan.agg)) if n
     )  # fmt: skip
-    where = f"etcd {cluster.etcd.address}" if cluster.etcd else (
+    etcd = cluster.etcd.child if cluster.etcd else None
+    where = f"etcd {etcd.address}" if etcd else (
         f"etcd {cluster.discovery_url}" if cluster.discovery_url else "static --workers"
     )
     lines = [f"headwater launch: {plan.model} on {url} ({counts}; discovery: {where})"]

@@ -17,14 +17,23 @@ How each one announces itself: a worker prints ``HEADWATER_WORKER_READY <address
 prints ``headwater: serving <model> on <url>`` once listening (so ``--port 0`` works),
 etcd is ready when its JSON gateway answers. Workers and frontends run as
 ``python -m headwater worker ...`` and ``python -m headwater serve ...``.
+
+Started again (``headwater launch`` restarts a process that died, see
+:mod:`headwater.cluster.supervisor`), a process must be the same one to everyone
+that knew it: each ``start_*`` function takes what pins its identity, and each
+handle says what that was. A worker takes ``worker_id`` and ``port`` (its
+``WorkerProcess.worker_id`` and ``port``), a frontend ``port``, etcd ``ports`` and
+``data_dir``.
 """
 
 from __future__ import annotations
 
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import trio
@@ -35,10 +44,12 @@ from headwater.cluster.children import (
     ExitHook,
     LaunchError,
     child_env,
+    describe_status,
     free_port,
     read_announcement,
     spawn,
 )
+from headwater.wire.addresses import parse_tcp_address
 from workers.lifecycle import READY_PREFIX as WORKER_READY_PREFIX
 
 #: Start of the line a frontend prints once it listens (``headwater serve``).
@@ -66,9 +77,30 @@ class WorkerProcess(ChildProcess):
         """Its entry for a frontend's ``--workers`` list (the id must match the worker's)."""
         return f"{self.address}?role={self.role}&id={self.worker_id}&model={model}"
 
+    @property
+    def port(self) -> int:
+        """The request plane's port (what it announced)."""
+        return parse_tcp_address(self.address)[1]
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (self.port,)
+
 
 class EtcdProcess(ChildProcess):
-    """An etcd child; ``address`` is its client URL (``http://127.0.0.1:PORT``)."""
+    """An etcd child; ``address`` is its client URL (``http://127.0.0.1:PORT``), and
+    ``peer_port`` and ``data_dir`` the rest of what a restart must reuse."""
+
+    peer_port: int = 0
+    data_dir: Path | None = None
+
+    @property
+    def client_port(self) -> int:
+        return _url_port(self.address)
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (self.client_port, self.peer_port)
 
     @property
     def discovery(self) -> str:
@@ -88,20 +120,27 @@ async def start_etcd(
     ready_within: float = 15.0,
     on_exit: ExitHook | None = None,
     attempts: int = 3,
+    ports: tuple[int, int] | None = None,
+    data_dir: Path | None = None,
 ) -> EtcdProcess:
-    """A single-member etcd on free loopback ports, its data in *workdir*.
+    """A single-member etcd on loopback, its data in *workdir*; its log is
+    ``workdir/<name>.log``.
 
-    Ready once the JSON gateway answers. Ports are probed, then bound by etcd; if
-    another process wins that race etcd exits, and it is retried on new ports, up
-    to *attempts* times. Raises LaunchError.
+    Ready once the JSON gateway answers. Without *ports* (client, peer) free ones
+    are probed, then bound by etcd; if another process wins that race etcd exits,
+    and it is retried on new ports, up to *attempts* times. With *ports* (a restart)
+    there is one attempt, on those, with the data in *data_dir* (default:
+    ``workdir/<name>-data-0``). Raises LaunchError.
     """
     error: LaunchError | None = None
-    for attempt in range(attempts):
-        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    for attempt in range(1 if ports else attempts):
+        client_port, peer_port = ports or (free_port(), free_port())
+        client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+        data = data_dir if ports and data_dir else workdir / f"{name}-data-{attempt}"
         argv = [
             binary,
             f"--name={name}",
-            f"--data-dir={workdir / f'{name}-data-{attempt}'}",
+            f"--data-dir={data}",
             f"--listen-client-urls={client}",
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
@@ -114,7 +153,7 @@ async def start_etcd(
             EtcdProcess, nursery, name, argv, workdir / f"{name}.log",
             env=child_env(), stdout=False,
         )  # fmt: skip
-        child.address = client
+        child.address, child.peer_port, child.data_dir = client, peer_port, data
         try:
             await _wait_etcd(child, ready_within)
         except LaunchError as exc:
@@ -141,10 +180,10 @@ async def _wait_etcd(child: ChildProcess, within: float) -> None:
                 with trio.move_on_after(0.05):
                     await child.exited.wait()
             raise LaunchError(
-                f"{child.name} exited with status {child.returncode} at start-up:\n"
-                f"{child.log_tail()}"
+                f"{child.name} exited at start-up ({describe_status(child.returncode)})",
+                f":\n{child.log_tail()}",
             )
-    raise LaunchError(f"{child.name} did not answer within {within:g} s:\n{child.log_tail()}")
+    raise LaunchError(f"{child.name} did not answer within {within:g} s", f":\n{child.log_tail()}")
 
 
 # ---- workers --------------------------------------------------------------------------
@@ -153,6 +192,7 @@ async def _wait_etcd(child: ChildProcess, within: float) -> None:
 def worker_argv(
     role: str,
     *,
+    worker_id: str = "",
     discovery: str = "",
     model: str = DEFAULT_MODEL,
     engine: str = "mocker",
@@ -163,13 +203,16 @@ def worker_argv(
     listen: str = "127.0.0.1:0",
     python: str = sys.executable,
 ) -> list[str]:
-    """The command line of one worker, by default on a free loopback port; *engine_args*
-    are the engine's own options (``--speedup-ratio 100``). Off loopback the worker
-    needs a plane secret (``HEADWATER_PLANE_SECRET`` in its environment)."""
+    """The command line of one worker, by default on a free loopback port (*listen*
+    ``127.0.0.1:0``; its id generated unless *worker_id*); *engine_args* are the
+    engine's own options (``--speedup-ratio 100``). Off loopback the worker needs a plane
+    secret (``HEADWATER_PLANE_SECRET`` in its environment)."""
     argv = [
         python, "-m", "headwater", "worker", "--role", role, "--listen", listen,
         "--engine", engine, "--model-name", model, *engine_args,
     ]  # fmt: skip
+    if worker_id:
+        argv += ["--worker-id", worker_id]
     if discovery:
         argv += ["--discovery", discovery]
     if lease_ttl is not None:
@@ -193,6 +236,7 @@ async def start_worker(
     *,
     log_dir: Path,
     name: str = "",
+    worker_id: str = "",
     discovery: str = "",
     model: str = DEFAULT_MODEL,
     engine: str = "mocker",
@@ -209,13 +253,15 @@ async def start_worker(
     """Start ``headwater worker`` for *role*; return once it printed its READY line.
 
     With *discovery* (``etcd://...``) that line comes after it registered in etcd.
-    The log is ``log_dir/<name>.log`` (*name* defaults to the role). *prefix_argv*
-    runs the command under a wrapper that execs it, such as ``ip netns exec NAME``
-    (so the child's pid is still the worker's). Raises LaunchError.
+    The log is ``log_dir/<name>.log`` (*name* defaults to the role). *worker_id* and
+    *listen* pin what a restart must keep (default: generated, any free loopback port).
+    *prefix_argv* runs the command under a wrapper that execs it, such as ``ip netns exec
+    NAME`` (so the child's pid is still the worker's). Raises LaunchError.
     """
     name = name or role
     argv = worker_argv(
-        role, discovery=discovery, model=model, engine=engine, engine_args=engine_args,
+        role, worker_id=worker_id, discovery=discovery, model=model, engine=engine,
+        engine_args=engine_args,
         lease_ttl=lease_ttl, drain_timeout=drain_timeout, extra_args=extra_args,
         listen=listen,
     )  # fmt: skip
@@ -258,10 +304,10 @@ def frontend_argv(
 
 
 def frontend_urls(line: str) -> list[str]:
-    """Every http URL of a ``headwater: serving ...`` line; [] for any other line."""
+    """Every http(s) URL of a ``headwater: serving ...`` line; [] for any other line."""
     if not line.startswith(FRONTEND_READY_PREFIX):
         return []
-    return [w.rstrip("/") for w in line.split() if w.startswith("http://")]
+    return [w.rstrip("/") for w in line.split() if w.startswith(("http://", "https://"))]
 
 
 def member_line(index: int, pid: int, url: str) -> str:
@@ -297,6 +343,22 @@ class FrontendProcess(ChildProcess):
 
     urls: tuple[str, ...] = ()
     members: tuple[FrontendMember, ...] = ()
+
+    @property
+    def port(self) -> int:
+        """The port clients use (the real one when started with port 0)."""
+        return _url_port(self.address)
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return (self.port,)
+
+
+def _url_port(url: str) -> int:
+    port = urlsplit(url).port
+    if port is None:
+        raise ValueError(f"no port in {url!r}")
+    return port
 
 
 async def spawn_frontend(
@@ -366,14 +428,16 @@ async def start_frontend(
 
 
 async def wait_healthy(
-    url: str, *, within: float = 60.0, child: ChildProcess | None = None
+    url: str, *, within: float = 60.0, child: ChildProcess | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
-    """Poll ``url/health`` until it answers 200 (a request can be served now).
+    """Poll ``url/health`` until it answers 200 (a request can be served now);
+    *verify* is httpx's, for an ``https://`` URL.
 
     Raises LaunchError after *within* seconds, or at once if *child* exits.
     """
     last = "no answer"
-    async with httpx.AsyncClient(timeout=2.0) as http:
+    async with httpx.AsyncClient(timeout=2.0, verify=verify) as http:
         with trio.move_on_after(within):
             while child is None or child.returncode is None:
                 try:
@@ -384,5 +448,5 @@ async def wait_healthy(
                 except httpx.HTTPError as exc:
                     last = repr(exc)
                 await trio.sleep(0.1)
-            raise LaunchError(f"{child.name} exited with status {child.returncode}")
+            raise LaunchError(f"{child.name} exited ({describe_status(child.returncode)})")
     raise LaunchError(f"{url}/health not 200 within {within:g} s (last: {last})")

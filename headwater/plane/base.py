@@ -34,7 +34,17 @@ from typing import Protocol
 
 import trio
 
-from headwater.wire import Chunk, End, Error, ErrorCode, GenerateRequest, Reply, Role, WorkerLoad
+from headwater.wire import (
+    Chunk,
+    End,
+    Error,
+    ErrorCode,
+    GenerateRequest,
+    KvHandle,
+    Reply,
+    Role,
+    WorkerLoad,
+)
 
 
 class PlaneError(Exception):
@@ -176,6 +186,16 @@ class WorkerClient(abc.ABC):
         """
 
     @abc.abstractmethod
+    def release_kv(self, handle: KvHandle) -> None:
+        """Tell the worker that made *handle* (a prefill worker) that nobody will pull
+        it, so that it frees the KV now rather than at its transfer timeout.
+
+        Best effort and never blocks, so that it can run while the request is being
+        cancelled: the release is queued, not awaited; a worker that is gone has freed
+        its KV anyway.
+        """
+
+    @abc.abstractmethod
     async def probe(self) -> None:
         """Ask the worker for an answer over this transport (a health check).
 
@@ -195,6 +215,9 @@ class RequestHandler(Protocol):
     *replies* (Ack first, then chunks, then exactly one End or Error) and closes it.
     It raises RuntimeError only when it cannot take requests at all (not running).
     ``cancel`` stops a request that is still running; unknown ids are ignored.
+    ``release_kv`` frees the KV a prefill engine holds for a transfer no decode worker
+    will pull; it never blocks (the release runs in the handler's own tasks) and
+    ignores unknown ids and engines that hold no KV.
     """
 
     @property
@@ -203,3 +226,5 @@ class RequestHandler(Protocol):
     def submit(self, request: GenerateRequest, replies: trio.abc.SendChannel[Reply]) -> None: ...
 
     def cancel(self, request_id: str) -> None: ...
+
+    def release_kv(self, transfer_id: str) -> None: ...

@@ -14,8 +14,8 @@ a nursery (:func:`connect_worker` does both)::
 
 Behaviour (all times from :class:`~headwater.plane.connection.PlaneConfig`):
 
-* connecting: TCP connect plus handshake within ``connect_timeout``, else
-  ``ConnectTimeout``. A broken connection is re-opened at once, then with
+* connecting: TCP connect (and TLS, with ``PlaneConfig.tls``) plus handshake within
+  ``connect_timeout``, else ``ConnectTimeout``. A broken connection is re-opened at once, then with
   exponential backoff; while backing off ``stream()`` fails fast with CannotConnect
   (the router then routes elsewhere) instead of queueing behind a dead worker.
 * ACK timeout, heartbeats, cancellation and slow consumers: see
@@ -31,14 +31,20 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 import trio
 from trio_util import AsyncValue
 
 from headwater.instrumentation.attribution import StallAttribution
-from headwater.plane.base import CannotConnect, ResponseStream, WorkerClient, WorkerInstance
+from headwater.plane.base import (
+    CannotConnect,
+    Disconnected,
+    ResponseStream,
+    WorkerClient,
+    WorkerInstance,
+)
 from headwater.plane.connection import (
     Connector,
     PlaneConfig,
@@ -46,7 +52,8 @@ from headwater.plane.connection import (
     dial,
     tcp_connector,
 )
-from headwater.wire import GenerateRequest, WorkerLoad
+from headwater.wire import GenerateRequest, KvHandle, WorkerLoad
+from headwater.wire.frames import KvRelease
 from headwater.wire.handshake import load_secret
 
 log = logging.getLogger(__name__)
@@ -99,7 +106,7 @@ class TcpWorkerClient(WorkerClient):
         self.config = config or PlaneConfig()
         self.client_id = client_id or f"frontend-{uuid.uuid4().hex[:8]}"
         self._secret = secret
-        self._connector = connector or tcp_connector(instance.address)
+        self._connector = connector or tcp_connector(instance.address, self.config.tls)
         self._rng = rng or random.Random()
         self._scope = trio.CancelScope()
         self._state = AsyncValue(ClientState.IDLE)
@@ -224,6 +231,16 @@ class TcpWorkerClient(WorkerClient):
         """The load the worker sent with its last heartbeat answer on this connection."""
         conn = self._conn
         return conn.load if conn is not None else None
+
+    def release_kv(self, handle: KvHandle) -> None:
+        """Queue a ``kv_release`` on the live connection (a draining one too: the
+        worker still holds the KV). Without one there is nothing to do: a worker we
+        cannot reach frees the KV at its transfer timeout, or is gone with it."""
+        conn = self._conn
+        if conn is None or conn.unusable.is_set():
+            return
+        with suppress(Disconnected):
+            conn.send_frame(KvRelease(handle.transfer_id))
 
     async def probe(self) -> None:
         """A stats round trip over the live connection (it goes through the worker's

@@ -24,7 +24,7 @@ from headwater.plane.base import (
     WorkerError,
     WorkerInstance,
 )
-from headwater.wire import Ack, Error, GenerateRequest, Reply, WorkerLoad
+from headwater.wire import Ack, Error, GenerateRequest, KvHandle, Reply, WorkerLoad
 
 #: Replies buffered per request: enough to decouple engine steps from the HTTP
 #: writer, small enough that a slow client applies backpressure to the engine.
@@ -160,6 +160,10 @@ class MemoryWorkerClient(WorkerClient):
             finally:
                 if not stream.finished:
                     self.runtime.cancel(request.request_id)
+
+    def release_kv(self, handle: KvHandle) -> None:
+        if not self._closed:
+            self.runtime.release_kv(handle.transfer_id)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -4,7 +4,7 @@ A connection carries two sorts of frame. The request messages
 (``headwater.wire.messages``: GenerateRequest, Ack, Chunk, End, Error, Cancel) are what
 the in-process transport passes as they are; the control frames here exist only on a
 byte stream: the handshake (Hello, Challenge, Auth, HelloOk), heartbeats (Ping, Pong),
-KV pulls (KvPull, KvData), stats (GetStats, Stats) and connection-level endings (Fault,
+KV pulls (KvPull, KvData, KvRelease), stats (GetStats, Stats) and connection-level endings (Fault,
 GoAway). :data:`Frame` is their union: what ``headwater.wire.codec`` turns into bytes
 and back, and what the handshake and the trio shells in ``headwater.plane`` match on.
 
@@ -32,6 +32,10 @@ NONCE_BYTES = 32
 #: Largest frame body either side accepts (bytes). A bigger length header is an error
 #: before any of the body is buffered.
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+#: Largest frame a worker accepts before the handshake is done (bytes): a hello or an
+#: auth is a few hundred bytes, and a peer that has not proved the secret must not
+#: make the worker buffer (and unpack) ``max_frame`` bytes per connection.
+HANDSHAKE_MAX_FRAME = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,15 @@ class KvPull:
 
 
 @dataclass(frozen=True, slots=True)
+class KvRelease:
+    """The frontend gives up the KV a prefill worker holds under ``transfer_id`` (the
+    request ended, or its decode leg failed, before any decode worker pulled it): free
+    it now rather than at its timeout. Not answered; an unknown id is ignored."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class KvData:
     """One piece of a transfer's payload; ``last`` marks the final piece."""
 
@@ -134,5 +147,5 @@ class GoAway:
 
 Frame = (
     Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
-    | Cancel | Ping | Pong | KvPull | KvData | GetStats | Stats | GoAway
+    | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | GoAway
 )

@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the tables into docs/performance.md and charts into docs/img/")
     p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
                    help="measure nothing: render report (and --docs) from an earlier results.json")
-    p.add_argument("--dynamo-dir", type=Path, default=REPO_ROOT.parent / "shared/peers/dynamo",
+    p.add_argument("--dynamo-dir", type=Path, default=REPO_ROOT / "scripts" / "peers" / "dynamo",
                    help="the Dynamo peer scripts (install.sh, start_disagg.sh, stop.sh)")
     p.add_argument("--dynamo-install-dir", type=Path, default=None,
                    help="where Dynamo is (or gets) installed; default $DYN_DIR or "

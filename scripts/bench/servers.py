@@ -10,9 +10,10 @@ Two kinds, each an async context manager that yields a :class:`ServerInfo`:
   also on a private port of its own). Stopped with SIGINT (the frontend shuts down
   gracefully and pyinstrument writes its session), SIGKILL after a deadline.
 - :func:`dynamo_server`: NVIDIA Dynamo's frontend + mocker through the peer scripts
-  (``start_disagg.sh`` / ``stop.sh`` in the directory given; their code is not part of
-  this project). Those scripts bind port 8000, so the port is checked first and the
-  server is refused rather than started on top of something else. Raises
+  (``scripts/peers/dynamo/``: ``install.sh`` puts Dynamo's wheels from PyPI into a scratch
+  directory, ``start_disagg.sh`` / ``stop.sh`` run and stop it). Those scripts bind port
+  8000, so the port is checked first and the server is refused rather than started on top
+  of something else. Raises
   :class:`DynamoUnavailable` when the scripts or the installation are missing.
 
 Every child runs in its own session, so a Ctrl-C at the terminal reaches only the suite,

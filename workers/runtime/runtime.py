@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import trio
 
 from headwater.instrumentation import Activity
-from headwater.wire import Ack, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
+from headwater.plane.base import WorkerError
+from headwater.plane.kv import KvSource
+from headwater.wire import Ack, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
 from workers.engines.base import Engine, EngineError, EngineStats
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class RuntimeStats:
     served_total: int
     cancelled_total: int
     failed_total: int
+    kv_released_total: int  # transfers freed at the frontend's word, never pulled
     draining: bool
     engine: EngineStats
 
@@ -85,6 +88,7 @@ class WorkerRuntime:
         self._served = 0
         self._cancelled = 0
         self._failed = 0
+        self._kv_released = 0
         #: Requests in flight, for the process's loop monitor (it rests while none are).
         self.activity = Activity()
 
@@ -119,6 +123,20 @@ class WorkerRuntime:
         if scope is not None:
             scope.cancel()
 
+    def release_kv(self, transfer_id: str) -> None:
+        """Free the KV held under *transfer_id*, which no decode worker will pull (the
+        request ended first); a no-op for an engine that holds none, an unknown id, or
+        one already pulled. The release runs as a task here, so this never blocks."""
+        if isinstance(self.engine, KvSource) and not self._nursery.cancel_scope.cancel_called:
+            self._nursery.start_soon(self._release, self.engine, transfer_id)
+
+    async def _release(self, source: KvSource, transfer_id: str) -> None:
+        try:
+            await source.release_transfer(transfer_id)
+        except WorkerError:
+            return  # pulled meanwhile, or expired: nothing held
+        self._kv_released += 1
+
     async def drain(self, grace: float) -> bool:
         """Refuse new requests and wait up to *grace* seconds for in-flight ones to end.
 
@@ -136,6 +154,7 @@ class WorkerRuntime:
             served_total=self._served,
             cancelled_total=self._cancelled,
             failed_total=self._failed,
+            kv_released_total=self._kv_released,
             draining=self.draining,
             engine=self.engine.statistics(),
         )
@@ -154,7 +173,7 @@ class WorkerRuntime:
                 try:
                     async with aclosing(self.engine.generate(request)) as chunks:
                         async for chunk in chunks:
-                            await replies.send(chunk)
+                            await self._send(replies, chunk)
                 except EngineError as exc:
                     outcome = "failed"
                     await replies.send(Error(rid, exc.code, exc.message))
@@ -183,6 +202,18 @@ class WorkerRuntime:
                 self._idle.set()
             with trio.move_on_after(1, shield=True):
                 await replies.aclose()
+
+
+    async def _send(self, replies: trio.abc.SendChannel[Reply], chunk: Chunk) -> None:
+        """Send *chunk*; if it carries a KV handle and cannot go (the caller left, or
+        cancelled the request meanwhile), nobody will learn the handle: release it."""
+        sent = False
+        try:
+            await replies.send(chunk)
+            sent = True
+        finally:
+            if not sent and chunk.kv_handle is not None:
+                self.release_kv(chunk.kv_handle.transfer_id)
 
 
 async def _refuse(

@@ -1,0 +1,152 @@
+"""API keys: who may use this frontend, checked before anything else runs.
+
+Off unless keys are given (``--api-key``, repeatable; ``HEADWATER_API_KEYS``, comma-
+separated; ``--api-keys-file``, one per line). With keys, every request but the probes a
+load balancer or an orchestrator sends (``/live``, ``/health``) and, unless
+``--metrics-auth``, ``/metrics``, must carry ``Authorization: Bearer <key>`` with one of
+them; anything else gets OpenAI's answer to a bad key: 401, ``{"error": {"message": ...,
+"type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}`` and a
+``WWW-Authenticate: Bearer`` header (RFC 6750). That covers ``/v1/*``, the token-in API,
+``/dashboard`` and ``/debug/*``.
+
+The comparison takes the same time whichever key matched, or whether one did: the
+presented key is compared with every configured key with :func:`hmac.compare_digest`
+(constant time for equal lengths) and the results are combined without stopping early,
+so timing reveals neither a key nor which one is close. Keys are compared as their
+SHA-256 digests, which also makes the lengths equal.
+
+ASGI middleware, outermost but for the server's own: a refused request costs no slot
+of admission control, no Quart request, no JSON decode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from frontend.http.errors import ApiError
+from frontend.http.middleware import discard_body, send_error
+from frontend.metrics import FrontendMetrics
+from headwater.wire.addresses import is_loopback
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework, ASGIReceiveCallable, ASGISendCallable, Scope
+
+#: The environment variable of comma-separated keys (``headwater serve``).
+API_KEYS_ENV = "HEADWATER_API_KEYS"
+#: Paths that never need a key: an orchestrator's liveness and readiness probes.
+OPEN_PATHS = frozenset({"/live", "/health"})
+METRICS_PATH = "/metrics"
+
+
+def load_api_keys(keys: Iterable[str] = (), *, env: str | None = None,
+                  file: str | Path | None = None) -> tuple[str, ...]:  # fmt: skip
+    """Every key given: *keys* (``--api-key``), *env* (``HEADWATER_API_KEYS``, comma-
+    separated) and *file* (one per line; blank lines and ``#`` comments skipped).
+
+    Surrounding whitespace is stripped; duplicates are kept once. Raises OSError for an
+    unreadable file and ValueError for an empty key or a key with whitespace inside.
+    """
+    found: list[str] = [*keys]
+    if env:
+        found += env.split(",")
+    if file is not None:
+        for line in Path(file).read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                found.append(line)
+    out: dict[str, None] = {}
+    for raw in found:
+        key = raw.strip()
+        if not key or any(c.isspace() for c in key):
+            raise ValueError("an API key must be a non-empty string without whitespace")
+        out[key] = None
+    return tuple(out)
+
+
+class ApiKeys:
+    """The accepted keys, and the constant-time check of an ``Authorization`` header."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def allows(self, authorization: bytes | None) -> bool:
+        """Whether *authorization* (the header's value) is ``Bearer <an accepted key>``."""
+        if authorization is None:
+            return False
+        scheme, _, token = authorization.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return False
+        digest = hashlib.sha256(token.strip()).digest()
+        matched = False
+        for accepted in self._digests:  # every key, every time: no early exit
+            matched |= hmac.compare_digest(digest, accepted)
+        return matched
+
+
+def exposure_warning(host: str, keys: Iterable[str]) -> str | None:
+    """The loud warning for a frontend bound beyond loopback with no API key, else None."""
+    if tuple(keys) or is_loopback(host):
+        return None
+    bar = "!" * 78
+    return (
+        f"\n{bar}\nSERVING ON {host} WITHOUT API KEYS: anyone who can reach this port can "
+        "use it.\nSet --api-key (or HEADWATER_API_KEYS, --api-keys-file), or bind 127.0.0.1 "
+        f"behind a proxy that authenticates (docs/security.md).\n{bar}"
+    )
+
+
+def unauthorized(authorization_sent: bool) -> ApiError:
+    """OpenAI's answer to a missing or wrong key."""
+    message = (
+        "Incorrect API key provided." if authorization_sent else
+        "You didn't provide an API key. You need to provide your API key in an "
+        "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+    )  # fmt: skip
+    return ApiError(
+        401, message, type="invalid_request_error", code="invalid_api_key",
+        headers={"WWW-Authenticate": 'Bearer realm="headwater"'},
+    )  # fmt: skip
+
+
+class RequireApiKey:
+    """Wraps an ASGI app so that, with *keys*, every request outside the open paths needs
+    one; a refused request is answered here (its body read and dropped, up to
+    *max_body_bytes*) and counted in ``rejected_requests_total{reason="unauthorized"}``."""
+
+    def __init__(
+        self,
+        app: ASGIFramework,
+        keys: ApiKeys,
+        *,
+        metrics: FrontendMetrics,
+        metrics_open: bool = True,
+        max_body_bytes: int,
+    ) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+        self.open = OPEN_PATHS | ({METRICS_PATH} if metrics_open else frozenset())
+        self.max_body_bytes = max_body_bytes
+        metrics.rejected_requests_total.labels("unauthorized")
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.open:
+            await self.app(scope, receive, send)
+            return
+        authorization = next(
+            (value for name, value in scope["headers"] if name == b"authorization"), None
+        )
+        if self.keys.allows(authorization):
+            await self.app(scope, receive, send)
+            return
+        self.metrics.rejected_requests_total.labels("unauthorized").inc()
+        if await discard_body(receive, self.max_body_bytes):
+            await send_error(send, unauthorized(authorization is not None))
