@@ -1,7 +1,7 @@
 """headwater in front of a real engine: vLLM's CPU build on the tiny model (docs/engines.md).
 
     python scripts/bench_vllm.py [--model artifacts/tiny-llama] [--out bench-results/vllm]
-        [--only load,probe,disagg] [--rounds 1] [--enforce-eager | --compiled]
+        [--only load,probe,disagg] [--rounds 1] [--compiled]
 
 Three measurements, each server started alone on loopback and stopped before the next
 (a vLLM CPU instance is ~3.5 GB and busy cores would measure each other):
@@ -21,8 +21,10 @@ Three measurements, each server started alone on loopback and stopped before the
   vLLMs, KV over NIXL) against ``--mode agg``: per-request KV transfer time (the
   decode vLLM's ``vllm:nixl_xfer_time_seconds``), TTFT, and decode tokens/s.
 
-Writes ``<out>/results.json`` and prints a markdown summary. Needs ``make vllm`` and
-the tiny model (``python scripts/build_tiny_model.py``). Takes ~15-25 min on 2 cores.
+Each measurement runs ``--rounds`` times, the two peers alternating which goes first.
+Writes every round to ``<out>/results.json`` and prints markdown tables of the
+medians. Needs ``make vllm`` and the tiny model (``python scripts/build_tiny_model.py``).
+One round of all three takes ~15-25 min on 2 cores.
 """
 
 from __future__ import annotations
@@ -327,6 +329,85 @@ def run_disagg(srv: Server, ps: Any, args: argparse.Namespace) -> dict[str, Any]
     return row
 
 
+# ---- summary ---------------------------------------------------------------------------
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [row[key] for row in rows if isinstance(row.get(key), int | float)]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _grouped(rows: list[dict[str, Any]], *keys: str) -> dict[tuple[Any, ...], list[Any]]:
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    return groups
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The summary tables (medians over the rounds) for docs/performance.md."""
+    out: list[str] = []
+    if rows := results.get("load"):
+        out += [
+            _row("server", "prompt tokens", "c", "rounds", "req/s", "TTFT p50 ms",
+                 "TTFT p99 ms", "CPU ms/req: headwater", "vLLM API server", "vLLM engine"),
+            _row(*["---"] * 10),
+        ]  # fmt: skip
+        groups = _grouped(rows, "server", "prompt_tokens", "concurrency")
+        for (server, size, c), group in sorted(groups.items()):
+            cpu = [
+                statistics.median(g["cpu_ms_per_request"].get(k, 0.0) for g in group)
+                for k in ("headwater", "vllm_api_server", "vllm_engine")
+            ]
+            out.append(_row(
+                server, size, c, len(group), _fmt(_median(group, "req_per_s"), 2),
+                _fmt(_median(group, "ttft_p50_ms"), 0), _fmt(_median(group, "ttft_p99_ms"), 0),
+                f"{cpu[0]:.1f}", f"{cpu[1]:.1f}", f"{cpu[2]:.0f}",
+            ))  # fmt: skip
+        out.append("")
+    if rows := results.get("probe"):
+        out += [
+            _row("server", "rounds", "probes", "probe p50 ms", "probe p99 ms", "probe max ms",
+                 "long TTFT p50 s", "wall s"),
+            _row(*["---"] * 8),
+        ]  # fmt: skip
+        for (server,), group in sorted(_grouped(rows, "server").items()):
+            ttft = _median(group, "long_ttft_p50_ms")
+            out.append(_row(
+                server, len(group), _fmt(_median(group, "probe_samples"), 0),
+                _fmt(_median(group, "probe_p50_ms")), _fmt(_median(group, "probe_p99_ms")),
+                _fmt(_median(group, "probe_max_ms")),
+                _fmt(None if ttft is None else ttft / 1000), _fmt(_median(group, "wall_s")),
+            ))  # fmt: skip
+        out.append("")
+    if rows := results.get("disagg"):
+        out += [
+            _row("mode", "rounds", "c", "TTFT p50 ms", "ITL p50 ms", "decode tok/s per request",
+                 "output tok/s", "NIXL transfers", "KV transfer ms (mean)"),
+            _row(*["---"] * 9),
+        ]  # fmt: skip
+        for (server,), group in sorted(_grouped(rows, "server").items()):
+            for c in ("c1", "c4"):
+                cells = [g[c] for g in group if c in g]
+                out.append(_row(
+                    server, len(group), c[1:], _fmt(_median(cells, "ttft_p50_ms"), 0),
+                    _fmt(_median(cells, "itl_p50_ms")),
+                    _fmt(_median(cells, "decode_tok_per_s_per_request")),
+                    _fmt(_median(cells, "output_tok_per_s")),
+                    _fmt(_median(group, "nixl_transfers"), 0),
+                    _fmt(_median(group, "nixl_xfer_ms_mean"), 2),
+                ))  # fmt: skip
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=REPO / "artifacts" / "tiny-llama")
@@ -334,6 +415,9 @@ def main() -> int:
     parser.add_argument("--only", default="load,probe,disagg")
     parser.add_argument("--compiled", action="store_true",
                         help="let vLLM compile its graphs (slower start, ~30%% faster decode)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds per measurement, the peers alternating which goes first; "
+                             "the summary gives medians over them")
     parser.add_argument("--max-tokens", type=int, default=16, help="per load request")
     parser.add_argument("--requests", type=int, default=32, help="per load cell (at least 2c)")
     parser.add_argument("--long-requests", type=int, default=16)
@@ -361,49 +445,55 @@ def main() -> int:
         for size in (2000, 7000)
     } if "load" in only else {}  # fmt: skip
 
+    def order(kinds: tuple[str, str], r: int) -> tuple[str, ...]:
+        """The peers alternate which goes first, round by round."""
+        return kinds if r % 2 == 0 else kinds[::-1]
+
     if "load" in only:
         rows = []
-        for kind in ("vllm", "headwater"):
-            port = free_port()
-            log = workdir / f"load-{kind}.log"
-            start = vllm_server if kind == "vllm" else headwater_server
-            with start(args.model, port, log, eager, 8192) as srv:
-                rows += run_load_matrix(srv, sets, args)
+        for r in range(args.rounds):
+            for kind in order(("vllm", "headwater"), r):
+                port = free_port()
+                log = workdir / f"load-{kind}-{r}.log"
+                start = vllm_server if kind == "vllm" else headwater_server
+                with start(args.model, port, log, eager, 8192) as srv:
+                    rows += [{**row, "round": r} for row in run_load_matrix(srv, sets, args)]
         results["load"] = rows
 
     if "probe" in only:
-        long_set = bench_prompts.make_prompts("long", args.long_requests, tokens=args.probe_tokens)
         max_len = args.probe_tokens + 10000
         rows = []
-        for kind in ("vllm", "headwater"):
-            bodies = bench_prompts.build_bodies(
-                # 4 tokens: the first one's text may be a partial character (no TTFT).
-                long_set, endpoint="completions", stream=True, max_tokens=4,
-                model=MODEL_NAME, extra={"ignore_eos": True},
-            )  # fmt: skip
-            port = free_port()
-            log = workdir / f"probe-{kind}.log"
-            start = vllm_server if kind == "vllm" else headwater_server
-            with start(args.model, port, log, eager, max_len) as srv:
-                rows.append(run_probe(srv, bodies, workdir))
-            # A fresh nonce per server: no prefix-cache hit from the first one's run.
-            long_set = bench_prompts.make_prompts(
-                "long", args.long_requests, tokens=args.probe_tokens
-            )
+        for r in range(args.rounds):
+            for kind in order(("vllm", "headwater"), r):
+                # A fresh nonce per run (a fresh server too): no prefix-cache hit.
+                long_set = bench_prompts.make_prompts(
+                    "long", args.long_requests, tokens=args.probe_tokens
+                )
+                bodies = bench_prompts.build_bodies(
+                    # 4 tokens: the first one's text may be a partial character (no TTFT).
+                    long_set, endpoint="completions", stream=True, max_tokens=4,
+                    model=MODEL_NAME, extra={"ignore_eos": True},
+                )  # fmt: skip
+                port = free_port()
+                log = workdir / f"probe-{kind}-{r}.log"
+                start = vllm_server if kind == "vllm" else headwater_server
+                with start(args.model, port, log, eager, max_len) as srv:
+                    rows.append({**run_probe(srv, bodies, workdir), "round": r})
         results["probe"] = rows
 
     if "disagg" in only:
         ps = bench_prompts.make_prompts("long", 24, tokens=2000)
         rows = []
-        for mode in ("agg", "disagg"):
-            port = free_port()
-            log = workdir / f"{mode}.log"
-            with headwater_server(args.model, port, log, eager, 8192, mode) as srv:
-                rows.append(run_disagg(srv, ps, args))
+        for r in range(args.rounds):
+            for mode in order(("agg", "disagg"), r):
+                port = free_port()
+                log = workdir / f"{mode}-{r}.log"
+                with headwater_server(args.model, port, log, eager, 8192, mode) as srv:
+                    rows.append({**run_disagg(srv, ps, args), "round": r})
         results["disagg"] = rows
 
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    print(markdown(results))
     print(f"# logs in {workdir}", file=sys.stderr)
     return 0
 
