@@ -2,6 +2,7 @@
 
     python scripts/bench_vllm.py [--model artifacts/tiny-llama] [--out bench-results/vllm]
         [--only load,probe,disagg] [--rounds 1] [--compiled]
+    python scripts/bench_vllm.py --render A/results.json B/results.json  # tables of both
 
 Three measurements, each server started alone on loopback and stopped before the next
 (a vLLM CPU instance is ~3.5 GB and busy cores would measure each other):
@@ -266,6 +267,7 @@ def run_probe(srv: Server, bodies: list[bytes], workdir: Path) -> dict[str, Any]
         "probe_samples": len(ms), "probe_p50_ms": ms[len(ms) // 2],
         "probe_p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))], "probe_max_ms": ms[-1],
         "long_ttft_p50_ms": s.ttft_p50_ms, "long_ttft_p99_ms": s.ttft_p99_ms,
+        "long_e2e_p50_ms": s.e2e_p50_ms, "long_e2e_p99_ms": s.e2e_p99_ms,
         "wall_s": s.wall_s, "prompt_tokens_mean": s.prompt_tokens_mean,
         "first_error": s.first_error,
     }  # fmt: skip
@@ -341,6 +343,15 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _span(rows: list[dict[str, Any]], key: str, digits: int = 1) -> str:
+    """The median over the rounds, and their range when there are several."""
+    values = [row[key] for row in rows if isinstance(row.get(key), int | float)]
+    if len(values) < 2:
+        return _fmt(_median(rows, key), digits)
+    return (f"{_fmt(statistics.median(values), digits)} "
+            f"({_fmt(min(values), digits)}–{_fmt(max(values), digits)})")  # fmt: skip
+
+
 def _grouped(rows: list[dict[str, Any]], *keys: str) -> dict[tuple[Any, ...], list[Any]]:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
@@ -368,24 +379,24 @@ def markdown(results: dict[str, Any]) -> str:
                 for k in ("headwater", "vllm_api_server", "vllm_engine")
             ]
             out.append(_row(
-                server, size, c, len(group), _fmt(_median(group, "req_per_s"), 2),
-                _fmt(_median(group, "ttft_p50_ms"), 0), _fmt(_median(group, "ttft_p99_ms"), 0),
+                server, size, c, len(group), _span(group, "req_per_s", 2),
+                _span(group, "ttft_p50_ms", 0), _span(group, "ttft_p99_ms", 0),
                 f"{cpu[0]:.1f}", f"{cpu[1]:.1f}", f"{cpu[2]:.0f}",
             ))  # fmt: skip
         out.append("")
     if rows := results.get("probe"):
         out += [
             _row("server", "rounds", "probes", "probe p50 ms", "probe p99 ms", "probe max ms",
-                 "long TTFT p50 s", "wall s"),
+                 "long e2e p50 s", "wall s"),
             _row(*["---"] * 8),
         ]  # fmt: skip
         for (server,), group in sorted(_grouped(rows, "server").items()):
-            ttft = _median(group, "long_ttft_p50_ms")
+            e2e = _median(group, "long_e2e_p50_ms")
             out.append(_row(
                 server, len(group), _fmt(_median(group, "probe_samples"), 0),
-                _fmt(_median(group, "probe_p50_ms")), _fmt(_median(group, "probe_p99_ms")),
-                _fmt(_median(group, "probe_max_ms")),
-                _fmt(None if ttft is None else ttft / 1000), _fmt(_median(group, "wall_s")),
+                _span(group, "probe_p50_ms"), _span(group, "probe_p99_ms"),
+                _span(group, "probe_max_ms", 0),
+                _fmt(None if e2e is None else e2e / 1000), _span(group, "wall_s", 0),
             ))  # fmt: skip
         out.append("")
     if rows := results.get("disagg"):
@@ -398,12 +409,11 @@ def markdown(results: dict[str, Any]) -> str:
             for c in ("c1", "c4"):
                 cells = [g[c] for g in group if c in g]
                 out.append(_row(
-                    server, len(group), c[1:], _fmt(_median(cells, "ttft_p50_ms"), 0),
-                    _fmt(_median(cells, "itl_p50_ms")),
-                    _fmt(_median(cells, "decode_tok_per_s_per_request")),
-                    _fmt(_median(cells, "output_tok_per_s")),
+                    server, len(group), c[1:], _span(cells, "ttft_p50_ms", 0),
+                    _span(cells, "itl_p50_ms"), _span(cells, "decode_tok_per_s_per_request"),
+                    _span(cells, "output_tok_per_s"),
                     _fmt(_median(group, "nixl_transfers"), 0),
-                    _fmt(_median(group, "nixl_xfer_ms_mean"), 2),
+                    _span(group, "nixl_xfer_ms_mean", 2),
                 ))  # fmt: skip
     return "\n".join(out)
 
@@ -428,7 +438,18 @@ def main() -> int:
                         help="vLLM's CLI (default: this Python with headwater's launcher; "
                              "`vllm` for upstream)")
     parser.add_argument("--kv-buffer-device", default="cpu", help="NIXL's (cuda on GPUs)")
+    parser.add_argument("--render", type=Path, nargs="+", metavar="RESULTS_JSON",
+                        help="measure nothing: print the tables of these results.json "
+                             "files, their rounds pooled")
     args = parser.parse_args()
+    if args.render:
+        pooled: dict[str, Any] = {}
+        for path in args.render:
+            for key, rows in json.loads(path.read_text()).items():
+                if isinstance(rows, list):
+                    pooled.setdefault(key, []).extend(rows)
+        print(markdown(pooled))
+        return 0
     if args.vllm_command:
         VLLM_COMMAND[:] = args.vllm_command.split()
         WORKER_EXTRA.extend(["--vllm-command", args.vllm_command])
