@@ -375,13 +375,14 @@ def markdown(results: dict[str, Any]) -> str:
         groups = _grouped(rows, "server", "prompt_tokens", "concurrency")
         for (server, size, c), group in sorted(groups.items()):
             cpu = [
-                statistics.median(g["cpu_ms_per_request"].get(k, 0.0) for g in group)
+                f"{statistics.median(g['cpu_ms_per_request'].get(k, 0.0) for g in group):.1f}"
+                if any(k in g["cpu_ms_per_request"] for g in group) else "-"
                 for k in ("headwater", "vllm_api_server", "vllm_engine")
             ]
             out.append(_row(
                 server, size, c, len(group), _span(group, "req_per_s", 2),
                 _span(group, "ttft_p50_ms", 0), _span(group, "ttft_p99_ms", 0),
-                f"{cpu[0]:.1f}", f"{cpu[1]:.1f}", f"{cpu[2]:.0f}",
+                *cpu,
             ))  # fmt: skip
         out.append("")
     if rows := results.get("probe"):
