@@ -185,6 +185,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, required=False)
     parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "gpu")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="benchmark rounds, the peers alternating (medians over them)")
     args = parser.parse_args()
     count = gpus()
     if count == 0:
@@ -228,7 +230,7 @@ def main() -> int:
         subprocess.run([
             sys.executable, str(REPO / "scripts" / "bench_vllm.py"), "--model", str(args.model),
             "--out", str(args.out), "--compiled", "--vllm-command", "vllm",
-            "--kv-buffer-device", "cuda",
+            "--kv-buffer-device", "cuda", "--rounds", str(args.rounds),
         ], check=False, cwd=REPO)  # fmt: skip
     print(f"# logs in {workdir}")
     return 1 if failures else 0
