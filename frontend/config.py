@@ -78,6 +78,10 @@ class FrontendConfig:
     # -- model and preprocessing ----------------------------------------------------
     model_name: str = "deepseek-v4"
     tokenizer: str | None = None  # tokenizer.json or a directory; None: the DeepSeek-V4 one
+    # The served model's vocabulary size (its config.json's); 0: unknown. When known,
+    # a tokenizer with more ids than the model has is refused at start: it would
+    # produce ids the model cannot embed (a vLLM without a tokenizer dies on one).
+    model_vocab_size: int = 0
     context_length: int = 131072  # prompt + completion tokens
     tokenizer_backend: str = "fastokens"  # "fastokens" | "hf"
     tokenize_mode: str = "thread"  # "thread" | "inline" | "thread-gil" (the last two: repro only)

@@ -32,13 +32,28 @@ from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
-from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
+from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_tokenizer_files
 from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router, WorkerState
 from frontend.router.health import Transition
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 
 log = logging.getLogger(__name__)
+
+
+def check_vocabulary(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids the model does not have (raises TokenizerLoadError).
+
+    Fewer ids than the model is fine (embedding tables are often padded: DeepSeek-V3's
+    tokenizer has 128,815 ids, its model 129,280); more would let the frontend send
+    ids the model cannot embed. 0: the model's size is unknown, nothing to check.
+    """
+    if model_vocab_size and tokenizer.vocab_size > model_vocab_size:
+        raise TokenizerLoadError(
+            f"the tokenizer at {tokenizer.files.tokenizer_json} has {tokenizer.vocab_size} "
+            f"ids but the model's vocabulary is {model_vocab_size}: not this model's "
+            "tokenizer (pass --tokenizer with the model's own)"
+        )
 
 
 class Frontend:
@@ -49,6 +64,7 @@ class Frontend:
         self.config = config
         files = tokenizer.files if tokenizer else find_tokenizer_files(config.tokenizer)
         self.tokenizer = tokenizer or Tokenizer(files, config.tokenizer_backend)
+        check_vocabulary(self.tokenizer, config.model_vocab_size)
         self.pool = TokenizerPool(
             self.tokenizer,
             mode=config.tokenize_mode,

@@ -1,7 +1,29 @@
 """Shared pytest fixtures. Each group lives in its own module and is imported here."""
 
+from __future__ import annotations
+
+import pytest
+
 from etcd_fixture import etcd_prefix, etcd_server, etcd_url, private_etcd
 from netns_fixture import make_netns
 from tls_fixture import ca
+from vllm_fixture import start_in_background, stop_cluster, vllm_cluster
 
-__all__ = ["ca", "etcd_prefix", "etcd_server", "etcd_url", "make_netns", "private_etcd"]
+__all__ = [
+    "ca", "etcd_prefix", "etcd_server", "etcd_url", "make_netns", "private_etcd",
+    "vllm_cluster",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``vllm`` run last, and their vLLM servers start now, in the
+    background, while the others run (tests/vllm_fixture.py)."""
+    vllm = [item for item in items if item.get_closest_marker("vllm")]
+    if not vllm:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("vllm")] + vllm
+    start_in_background()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    stop_cluster()

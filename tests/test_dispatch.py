@@ -64,9 +64,12 @@ class Reject:
 
 @dataclass(frozen=True)
 class Stream:
-    """ACK, then tokens; ``break_after`` tokens then a broken stream, if set."""
+    """ACK, then tokens; ``break_after`` tokens then a broken stream, if set;
+    ``fail_after`` tokens then an Error of code ``fail_code``, if set."""
 
     break_after: int | None = None
+    fail_after: int | None = None
+    fail_code: ErrorCode = ErrorCode.SHUTTING_DOWN
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class FakeWorker(WorkerClient):
         for i in range(n):
             if behaviour.break_after is not None and i == behaviour.break_after:
                 raise Disconnected(f"{self.worker_id} died after {i} tokens")
+            if behaviour.fail_after is not None and i == behaviour.fail_after:
+                raise WorkerError(behaviour.fail_code, f"{self.worker_id}'s engine died")
             await trio.sleep(0.01)
             last = i == n - 1
             yield Chunk(rid, [token_at(start + i)], FinishReason.LENGTH if last else None)
@@ -154,7 +159,7 @@ class _Replies(ResponseStream):
         except StopAsyncIteration:
             self.finished = True
             raise
-        except Disconnected:
+        except (Disconnected, WorkerError):
             self.finished = True
             raise
 
@@ -231,6 +236,31 @@ async def test_migration_carries_the_generated_tokens_over_exactly(
     assert a.received[0].sampling.max_tokens == 8  # the first leg asked for everything
 
 
+async def test_a_retryable_error_mid_stream_migrates_with_the_tokens_so_far(
+    autojump_clock: object,
+) -> None:
+    # An engine behind its worker went down after 3 tokens (vLLM died): the worker
+    # answers shutting_down; the request continues elsewhere, nothing twice.
+    a = FakeWorker("a", Role.AGG, [Stream(fail_after=3)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    chunks, metrics = await run(cluster(a, b), request(max_tokens=8))
+    assert tokens(chunks) == expected(8)
+    (moved,) = b.received
+    assert moved.request_id == "r.m1"
+    assert list(moved.token_ids) == PROMPT + expected(3)
+    assert migrations(metrics) == 1
+
+
+async def test_a_non_retryable_error_mid_stream_fails_the_request(
+    autojump_clock: object,
+) -> None:
+    a = FakeWorker("a", Role.AGG, [Stream(fail_after=3, fail_code=ErrorCode.INTERNAL)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    with pytest.raises(WorkerFailed):
+        await run(cluster(a, b), request(max_tokens=8))
+    assert not b.received
+
+
 async def test_a_worker_that_failed_the_request_is_not_picked_again(
     autojump_clock: object,
 ) -> None:
@@ -263,6 +293,22 @@ async def test_when_every_worker_broke_the_stream_it_goes_back_to_one(
     assert [r.request_id for r in d2.received] == ["r.m1"]
     assert list(d1.received[1].token_ids) == PROMPT + expected(3)
     assert migrations(metrics) == 2
+
+
+async def test_an_aggregated_worker_that_broke_leaves_the_rest_to_a_decode_worker(
+    autojump_clock: object,
+) -> None:
+    # The only aggregated worker fails the request mid-stream (its vLLM died); a decode
+    # worker, which prefills locally when alone, takes the rest rather than the request
+    # going back to the worker that broke it (and failing when that one leaves routing).
+    a = FakeWorker("a", Role.AGG, [Stream(fail_after=3), Stream()])
+    d = FakeWorker("d", Role.DECODE, [Stream()])
+    chunks, metrics = await run(cluster(a, d), request(8))
+    assert tokens(chunks) == expected(8)
+    assert [r.request_id for r in a.received] == ["r"]
+    assert [r.request_id for r in d.received] == ["r.m1"]
+    assert list(d.received[0].token_ids) == PROMPT + expected(3)
+    assert migrations(metrics) == 1
 
 
 async def test_a_worker_that_refused_is_not_asked_again_even_when_alone(

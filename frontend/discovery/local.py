@@ -11,7 +11,6 @@ TCP plane uses, so nothing downstream knows the difference.
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
 
@@ -24,7 +23,7 @@ from headwater.plane.kv import KvSource
 from headwater.plane.memory import MemoryWorkerClient
 from headwater.wire import Role
 from workers.engines import registry
-from workers.engines.base import EngineContext
+from workers.engines.base import Engine, EngineContext
 from workers.runtime import WorkerRuntime, load_of, open_runtime
 from workers.runtime.kv_transfer import InProcessKvTransfer
 
@@ -64,17 +63,26 @@ class LocalCluster(Discovery):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         kv = InProcessKvTransfer()
-        async with AsyncExitStack() as stack:
-            for i, role in enumerate(self.roles):
-                worker_id = f"local-{role.value}-{i}"
-                address = f"memory://{worker_id}"
-                context = EngineContext(role, worker_id, kv, address)
-                engine = registry.build(self.engine, self.engine_config, context)
-                if isinstance(engine, KvSource):
-                    kv.register(worker_id, engine)
-                runtime = await stack.enter_async_context(open_runtime(engine, worker_id))
-                self.runtimes[worker_id] = runtime
-                sink.worker_added(WorkerInstance(worker_id, role, self.model, address))
+        workers: list[tuple[WorkerInstance, Engine]] = []
+        for i, role in enumerate(self.roles):
+            worker_id = f"local-{role.value}-{i}"
+            address = f"memory://{worker_id}"
+            context = EngineContext(role, worker_id, kv, address)
+            engine = registry.build(self.engine, self.engine_config, context)
+            if isinstance(engine, KvSource):
+                kv.register(worker_id, engine)
+            workers.append((WorkerInstance(worker_id, role, self.model, address), engine))
+        async with trio.open_nursery() as nursery:
+            # The engines start side by side: one backed by a model server takes that
+            # server's start-up time (vLLM's: tens of seconds), and a pair should not
+            # take twice as long. A worker is reported once every one is up.
+            started = [trio.Event() for _ in workers]
+            for (instance, engine), event in zip(workers, started, strict=True):
+                nursery.start_soon(self._host, instance.worker_id, engine, event)
+            for event in started:
+                await event.wait()
+            for instance, _ in workers:
+                sink.worker_added(instance)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -82,6 +90,13 @@ class LocalCluster(Discovery):
                 for worker_id in self.runtimes:
                     sink.worker_removed(worker_id)
                 self.runtimes.clear()
+
+    async def _host(self, worker_id: str, engine: Engine, started: trio.Event) -> None:
+        """Run one worker's runtime until cancelled; *started* once it serves."""
+        async with open_runtime(engine, worker_id) as runtime:
+            self.runtimes[worker_id] = runtime
+            started.set()
+            await trio.sleep_forever()
 
     async def connect(self, instance: WorkerInstance) -> WorkerClient:
         """The membership's connect for these workers: an in-process client."""

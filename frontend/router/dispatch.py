@@ -15,19 +15,20 @@ in three nested loops:
   id (``<id>.r<n>``). While no worker of the role can
   take it (none routable, or all busy) the request waits, up to ``queue_timeout``.
 * **migrate** — when a stream breaks after its ACK (:class:`~headwater.plane.Disconnected`),
-  or a decode worker could not pull the prefill's KV, the request starts again on
-  other workers with the tokens generated so far appended to the prompt and
-  ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
+  a worker fails it retryably after some of its tokens were relayed (its engine went
+  down mid-stream), or a decode worker could not pull the prefill's KV, the request
+  starts again on other workers with the tokens generated so far appended to the
+  prompt and ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
   (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
   token twice, none missing.
 
 A worker that could not take a request (unreachable, or refused it retryably) is not
-picked again for that request. One whose stream of it broke is not picked again
-while another worker of the role is routable: its id may well be a new process by
-then (``headwater launch`` restarts a worker under its id and port), and when every
-worker of the role has broken the request once, such as when all of them were
-restarted in turn during a long stream, going back to one beats failing a request
-the cluster could serve. Errors come out as the frontend's own
+picked again for that request. One whose stream of it broke (or that failed it
+mid-stream) is not picked again while another worker of the role is routable: its id
+may well be a new process by then (``headwater launch`` restarts a worker under its id
+and port), and when every worker of the role has broken the request once, such as
+when all of them were restarted in turn during a long stream, going back to one beats
+failing a request the cluster could serve. Errors come out as the frontend's own
 (:mod:`frontend.errors`): a worker's ``invalid_request`` refusal is the client's
 :class:`~frontend.errors.InvalidRequest` and never counts against the worker; no
 worker to try is :class:`~frontend.errors.NoCapacity`; anything else the workers do
@@ -98,7 +99,8 @@ class _Attempts:
     #: Workers that could not take this request (unreachable, refused it retryably):
     #: not picked for it again.
     refused: set[str] = field(default_factory=set)
-    #: Workers whose stream of this request broke: not picked again while another
+    #: Workers whose stream of this request broke, or that failed it mid-stream
+    #: (retryably, after tokens were relayed): not picked again while another
     #: worker of the role is routable.
     broke: set[str] = field(default_factory=set)
     migrations: int = 0
@@ -107,9 +109,13 @@ class _Attempts:
     #: The worker whose stream the current leg relays.
     serving: WorkerClient | None = None
 
+    def failed(self) -> frozenset[str]:
+        """Every worker that failed this request (to reach one that has not)."""
+        return frozenset(self.refused | self.broke)
+
     def excluded(self, router: Router, role: Role, model: str) -> frozenset[str]:
         """The workers of *role* not to pick for this request now."""
-        both = frozenset(self.refused | self.broke)
+        both = self.failed()
         if self.broke and not router.routable(role, model, both):
             return frozenset(self.refused)  # every other one is gone: back to those
         return both
@@ -213,7 +219,12 @@ class Dispatcher:
             if prefill and decode:
                 held = await self._prefill(request, state)
                 request = replace(request, kv_handle=held.handle)
-            elif r.routable(Role.AGG, m, state.excluded(r, Role.AGG, m)):
+            elif routable(Role.AGG) and (
+                r.routable(Role.AGG, m, failed := state.failed())
+                or not r.routable(Role.DECODE, m, failed)
+            ):
+                # An aggregated worker, unless the only ones left broke this request and
+                # a decode worker that did not is there to prefill it locally.
                 role = Role.AGG
             async with aclosing(self._leg(role, request, state)) as chunks:
                 async for chunk in chunks:
@@ -259,12 +270,14 @@ class Dispatcher:
             # The consumer closes this generator at the yield of the final chunk, so
             # success is booked in `finally`, from what was seen, not after the loop.
             finished = False
+            relayed = False  # a chunk of this leg reached the caller
             try:
                 with self.router.track(client):
                     state.serving = client
                     async with client.stream(leg) as replies:
                         async for chunk in replies:
                             finished = chunk.finish_reason is not None
+                            relayed = True
                             yield chunk
                 finished = True  # End received (a prefill leg has no finish reason)
                 return
@@ -285,6 +298,11 @@ class Dispatcher:
                 self.router.report_failure(client, exc)
                 raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
             except WorkerError as exc:
+                if relayed and exc.retryable:
+                    # Failed mid-stream (its engine went down): the tokens so far
+                    # stand, the rest comes from elsewhere, as after a broken stream.
+                    state.broke.add(wid)
+                    raise _Migrate(f"{role.value} worker {wid}: {exc.message}") from exc
                 self._refused(role, client, exc, state, tried)
             finally:
                 if finished:

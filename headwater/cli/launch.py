@@ -55,6 +55,7 @@ from headwater.cli.options import (
     config_from_args,
     configure_logging,
     count,
+    engine_frontend_defaults,
     restart_policy_from_args,
 )
 from headwater.cluster.launch import (
@@ -149,12 +150,16 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
             discovery = "etcd"
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
+    engine_config = config_from_args(registry.config_type(args.engine), args)
+    serve_args += _frontend_defaults(engine_config, serve_args)
+    # A worker is up once its engine is: a model server's start-up counts.
+    start_within = max(args.start_timeout, getattr(engine_config, "vllm_start_timeout", 0.0) + 30)
     return ClusterPlan(
         prefill=prefill,
         decode=decode,
         agg=agg,
         engine=args.engine,
-        engine_args=tuple(config_argv(config_from_args(registry.config_type(args.engine), args))),
+        engine_args=tuple(config_argv(engine_config)),
         discovery=discovery,
         etcd_binary=binary,
         port=args.port,
@@ -165,9 +170,22 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         worker_metrics=args.worker_metrics,
         serve_args=tuple(serve_args),
         workdir=Path(args.workdir) if args.workdir else None,
-        start_within=args.start_timeout,
+        start_within=start_within,
         restart=restart_policy_from_args(args),
     )
+
+
+def _frontend_defaults(engine_config: object, serve_args: list[str]) -> list[str]:
+    """``headwater serve`` options from what the workers' engine knows of its model
+    (``--tokenizer`` from its model directory, ``--context-length``,
+    ``--model-vocab-size``), for those not given after ``--``."""
+    given = {arg.split("=", 1)[0] for arg in serve_args}
+    argv: list[str] = []
+    for name, value in engine_frontend_defaults(engine_config).items():
+        option = "--" + name.replace("_", "-")
+        if option not in given:
+            argv += [option, str(value)]
+    return argv
 
 
 def main(args: argparse.Namespace) -> int:

@@ -149,6 +149,26 @@ def config_argv(config: Any) -> list[str]:
     return argv
 
 
+def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
+    """What an engine's config tells the frontend in front of its workers, as
+    FrontendConfig fields: the model directory's tokenizer (``tokenizer_path()``), the
+    model's vocabulary size (``model_vocab_size()``) and context length
+    (``max_model_len``). Keys are absent when the engine does not say (the mocker
+    says nothing). Raises ValueError for a model directory that cannot be read.
+    """
+    defaults: dict[str, Any] = {}
+    tokenizer = getattr(engine_config, "tokenizer_path", None)
+    if callable(tokenizer) and (path := tokenizer()):
+        defaults["tokenizer"] = path
+    vocab = getattr(engine_config, "model_vocab_size", None)
+    if callable(vocab) and (size := vocab()):
+        defaults["model_vocab_size"] = size
+    length = getattr(engine_config, "max_model_len", None)
+    if isinstance(length, int) and length > 0:
+        defaults["context_length"] = length
+    return defaults
+
+
 def count(text: str) -> int:
     """An integer >= 0 (argparse type)."""
     value = int(text)

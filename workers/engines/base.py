@@ -42,6 +42,11 @@ class EngineError(WorkerError):
         super().__init__(ErrorCode(code), message)
 
 
+class EngineFailed(Exception):
+    """The engine cannot go on at all: its model server would not start, or died for
+    good. Raised by :meth:`Engine.run`; the worker hosting the engine exits."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of an engine's load, read by metrics and by least-loaded routing."""
@@ -76,7 +81,8 @@ class Engine(abc.ABC):
         """Run the engine's background work until cancelled.
 
         Start it with ``await nursery.start(engine.run)``; it reports readiness with
-        ``task_status.started()``.
+        ``task_status.started()``. Raises :class:`EngineFailed` when it cannot start
+        or can serve no longer.
         """
 
     @abc.abstractmethod

@@ -45,6 +45,13 @@ ENGINES: dict[str, EngineSpec] = {
             "workers.engines.mocker.config:MockerConfig",
             "workers.engines.mocker.engine:build_engine",
         ),
+        EngineSpec(
+            "vllm",
+            "a vLLM server per worker (started on --model PATH, or --vllm-url), "
+            "token ids in and out; KV over NIXL when disaggregated",
+            "workers.engines.vllm.config:VllmConfig",
+            "workers.engines.vllm.engine:build_engine",
+        ),
     )
 }
 

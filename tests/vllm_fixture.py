@@ -1,0 +1,239 @@
+"""Real vLLM servers for the tests of the vLLM engine, started once per session.
+
+vLLM's CPU build (``make vllm``) serves the tiny locally built model
+(``scripts/build_tiny_model.py``; built here when missing). Without vLLM the tests
+that need it are skipped with the reason, except under CI (``CI=true``), where a
+missing vLLM is a failure, so a broken CI image cannot pass silently.
+
+Policy: three ``headwater worker --engine vllm`` processes, each starting its own
+vLLM (``--enforce-eager``) on free loopback ports: one aggregated, and a prefill +
+decode pair with NIXL (the decode without prefix caching, so its prompt tokens can
+only come from the transfer). They start in the background as soon as collection
+sees a test marked ``vllm`` (``conftest.py``), while the other tests run; those tests
+run last and wait for them, and they run niced, so the tests running meanwhile keep
+the cores they need. At most these three vLLM instances (~3.5 GB each) are
+alive at once; every process is stopped at the end of the session (its process
+group, and the vLLM group its log names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from headwater.plane.base import WorkerInstance
+from headwater.wire import Role
+
+REPO = Path(__file__).resolve().parent.parent
+#: The tiny model's directory: $HEADWATER_TINY_MODEL, else artifacts/tiny-llama.
+TINY_MODEL = Path(os.environ.get("HEADWATER_TINY_MODEL", REPO / "artifacts" / "tiny-llama"))
+MODEL_NAME = "deepseek-v4"
+#: Seconds the three workers get to report ready (their vLLMs start side by side on
+#: two cores, beside other tests).
+READY_WITHIN = 420.0
+NICENESS = 10  # of the vLLM workers and their servers
+_READY = re.compile(r"HEADWATER_WORKER_READY (\S+) (\S+) (\S+)")
+_VLLM_URL = re.compile(r"starting vLLM on (http://\S+):")
+_VLLM_PID = re.compile(r"vLLM pid (\d+)")
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (run `make vllm`)"
+    if importlib.util.find_spec("nixl") is None:
+        return "NIXL is not installed (run `make vllm`)"
+    return None
+
+
+def require_vllm() -> None:
+    """Skip the test without vLLM (fail under CI=true)."""
+    why = vllm_missing()
+    if why is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{why}; CI must provide it")
+    pytest.skip(why)
+
+
+def ensure_tiny_model() -> Path:
+    """The tiny model's directory, built first if missing (~5 s)."""
+    if not (TINY_MODEL / "headwater-tiny-model.json").is_file():
+        subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(TINY_MODEL)],
+            check=True, cwd=REPO, timeout=300,
+        )  # fmt: skip
+    return TINY_MODEL
+
+
+@dataclass
+class VllmWorker:
+    """One ``headwater worker --engine vllm`` process and the vLLM it started."""
+
+    role: Role
+    process: subprocess.Popen[bytes]
+    stdout: Path
+    stderr: Path
+    address: str = ""
+    worker_id: str = ""
+    vllm_url: str = ""
+    vllm_pids: list[int] = field(default_factory=list)
+
+    @property
+    def instance(self) -> WorkerInstance:
+        return WorkerInstance(self.worker_id, self.role, MODEL_NAME, self.address)
+
+    @property
+    def vllm_pid(self) -> int:
+        """The process group of the vLLM it runs now (the last one it started)."""
+        self.refresh()
+        return self.vllm_pids[-1]
+
+    def refresh(self) -> None:
+        """Read what the worker logged: its vLLM's URL and pids."""
+        text = self.stderr.read_text(errors="replace")
+        urls = _VLLM_URL.findall(text)
+        if urls:
+            self.vllm_url = urls[-1]
+        self.vllm_pids = [int(p) for p in _VLLM_PID.findall(text)]
+
+    def poll_ready(self) -> bool:
+        match = _READY.search(self.stdout.read_text(errors="replace"))
+        if match is None:
+            return False
+        self.address, self.worker_id = match.group(1), match.group(2)
+        self.refresh()
+        return True
+
+    def log_tail(self) -> str:
+        return self.stderr.read_text(errors="replace")[-3000:]
+
+
+class VllmCluster:
+    """The session's three vLLM workers; see the module docstring."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.model = ensure_tiny_model()
+        self.workers: dict[Role, VllmWorker] = {}
+        self._ready = False
+        self.started_at = time.monotonic()
+        self.ready_after: float | None = None
+
+    def start(self) -> None:
+        """Start the three workers; returns at once."""
+        for role, extra in (
+            (Role.AGG, ()),
+            (Role.PREFILL, ()),
+            (Role.DECODE, ("--vllm-args=--no-enable-prefix-caching",)),
+        ):
+            self.workers[role] = self._spawn(role, extra)
+
+    def _spawn(self, role: Role, extra: tuple[str, ...]) -> VllmWorker:
+        stdout = self.workdir / f"worker-{role}.out"
+        stderr = self.workdir / f"worker-{role}.err"
+        argv = [
+            # Niced: they start while the rest of the suite runs, and timing-sensitive
+            # tests there come first; by the time the vLLM tests run nothing else does.
+            "nice", "-n", str(NICENESS),
+            sys.executable, "-m", "headwater", "worker", "--engine", "vllm",
+            "--model", str(self.model), "--role", str(role), "--enforce-eager",
+            "--listen", "127.0.0.1:0", "--worker-id", f"vllm-{role}",
+            "--model-name", MODEL_NAME, "--drain-timeout", "2",
+            "--vllm-log", str(self.workdir / f"vllm-{role}.log"), "--cpu-bind", "role", *extra,
+        ]  # fmt: skip
+        with open(stdout, "wb") as out, open(stderr, "wb") as err:
+            process = subprocess.Popen(
+                argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO,
+                start_new_session=True,
+            )  # fmt: skip
+        return VllmWorker(role, process, stdout, stderr)
+
+    def wait_ready(self) -> None:
+        """Block until every worker reported ready; raises RuntimeError naming the one
+        that exited or did not make it in time."""
+        if self._ready:
+            return
+        deadline = self.started_at + READY_WITHIN
+        pending = dict(self.workers)
+        while pending:
+            for role, worker in list(pending.items()):
+                if worker.poll_ready():
+                    del pending[role]
+                elif worker.process.poll() is not None:
+                    raise RuntimeError(
+                        f"vLLM {role} worker exited ({worker.process.returncode}): "
+                        f"{worker.log_tail()}"
+                    )
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(map(str, pending))
+                raise RuntimeError(f"vLLM workers not ready in {READY_WITHIN:g} s: {names}")
+            time.sleep(0.2)
+        self._ready = True
+        self.ready_after = time.monotonic() - self.started_at
+
+    def stop(self) -> None:
+        """SIGTERM every worker (it stops its vLLM), then kill what is left."""
+        for worker in self.workers.values():
+            if worker.process.poll() is None:
+                _signal_group(worker.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for worker in self.workers.values():
+            try:
+                worker.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(worker.process.pid, signal.SIGKILL)
+                worker.process.wait(timeout=10)
+            worker.refresh()
+            for pid in worker.vllm_pids:
+                _signal_group(pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+_CLUSTER: VllmCluster | None = None
+_TMP: tempfile.TemporaryDirectory[str] | None = None
+
+
+def start_in_background() -> None:
+    """Start the session's cluster now (collection time) if vLLM is installed."""
+    global _CLUSTER, _TMP
+    if _CLUSTER is not None or vllm_missing() is not None:
+        return
+    _TMP = tempfile.TemporaryDirectory(prefix="headwater-vllm-")
+    _CLUSTER = VllmCluster(Path(_TMP.name))
+    _CLUSTER.start()
+
+
+def stop_cluster() -> None:
+    global _CLUSTER, _TMP
+    if _CLUSTER is not None:
+        _CLUSTER.stop()
+        _CLUSTER = None
+    if _TMP is not None:
+        _TMP.cleanup()
+        _TMP = None
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster() -> VllmCluster:
+    """The three ready vLLM workers (started at collection; see the module docstring)."""
+    require_vllm()
+    start_in_background()
+    assert _CLUSTER is not None
+    _CLUSTER.wait_ready()
+    return _CLUSTER

@@ -1,0 +1,554 @@
+"""The vLLM engine's trio shell: GenerateRequests to vLLM's token API over httpx, and back.
+
+:class:`VllmEngine` is what a worker hosts. :meth:`VllmEngine.run` owns the vLLM
+server (:mod:`.server`: started and supervised, or attached), an httpx client on the
+worker's own trio loop, and a poller of vLLM's ``/metrics`` whose last answer
+:meth:`~VllmEngine.statistics` returns. It reports readiness only once vLLM's
+``/health`` answers, so the worker registers and ACKs nothing before.
+
+Per request (:meth:`VllmEngine.generate`), by role:
+
+* ``agg``, or ``decode`` without a handle: one streamed ``POST /inference/v1/generate``,
+  a :class:`~headwater.wire.Chunk` per token event, the finish reason and the cached
+  prompt tokens (from the usage event that follows it) on the last.
+* ``prefill``: one unary request with ``max_tokens`` 1 and ``kv_transfer_params:
+  {"do_remote_decode": true}``; vLLM's answer (its ``kv_transfer_params``) becomes the
+  :class:`~headwater.wire.KvHandle`'s opaque ``params``, with the first token in the
+  chunk. vLLM holds the KV for a decode server to pull over NIXL.
+* ``decode`` with a handle: the stream above, with the handle's ``params`` handed to
+  vLLM unchanged; vLLM pulls the KV over NIXL before its first token.
+
+Errors, as :class:`~workers.engines.base.EngineError` codes: ids at or above the
+vocabulary, an empty prompt, bad lengths: ``invalid_request``, checked here before
+vLLM sees them (one id past the vocabulary kills a vLLM started without a tokenizer);
+vLLM's 400: ``invalid_request``; a decode leg whose transfer failed (vLLM's error, or
+no first token within ``kv_pull_timeout``): ``kv_transfer_failed``, so the frontend
+prefills again; vLLM unreachable, dead or restarting: ``shutting_down`` (retryable:
+another worker takes the request, or it migrates with what it generated). Closing the
+generator closes the HTTP stream, and vLLM aborts the request at once.
+
+A started vLLM that dies fails every request in flight, is started again up to
+``restart_limit`` times (the worker refuses requests meanwhile), then
+:meth:`~VllmEngine.run` raises :class:`~workers.engines.base.EngineFailed` and the
+worker exits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass, field
+
+import httpx
+import trio
+
+from headwater.wire import Chunk, ErrorCode, FinishReason, GenerateRequest, KvHandle, Role
+from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
+from workers.engines.vllm import protocol
+from workers.engines.vllm.config import VllmConfig
+from workers.engines.vllm.protocol import (
+    FINISH_REASONS,
+    GENERATE_PATH,
+    ProtocolError,
+    StreamEvent,
+    VllmMetrics,
+    VllmRequestError,
+)
+from workers.engines.vllm.server import VllmServer, VllmStartError
+
+log = logging.getLogger(__name__)
+
+#: What a prefill server is asked to do with a prompt's KV (vLLM's NixlConnector).
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+@dataclass(slots=True)
+class VllmCounters:
+    """Counts a vLLM worker exports (its ``engine_*`` stats and metrics)."""
+
+    requests_started: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    #: Refused before reaching vLLM (an id at or above the vocabulary, bad lengths).
+    requests_refused: int = 0
+    vllm_up: int = 0
+    vllm_starts: int = 0
+    vllm_deaths: int = 0
+    metrics_poll_failures: int = 0
+    #: From vLLM's /metrics: where its prompt tokens came from, and NIXL transfers.
+    prompt_tokens_computed: float = 0.0
+    prompt_tokens_cached: float = 0.0
+    prompt_tokens_transferred: float = 0.0
+    nixl_transfers: float = 0.0
+    nixl_transfer_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Watch:
+    """The cancel scopes of requests waiting on vLLM, cancelled when it goes down."""
+
+    scopes: set[trio.CancelScope] = field(default_factory=set)
+
+    def cancel_all(self) -> None:
+        for scope in self.scopes:
+            scope.cancel()
+
+
+class VllmEngine(Engine):
+    """A worker's engine backed by a vLLM server; see the module docstring.
+
+    Start it with ``await nursery.start(engine.run)``; requests before that, or while
+    vLLM is down, fail with ``shutting_down``. *vocab_size* overrides the config's;
+    *transport* replaces httpx's (tests play vLLM with an ``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        config: VllmConfig,
+        role: Role | str,
+        worker_id: str,
+        *,
+        transfer_address: str = "",
+        vocab_size: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not config.model and not config.vllm_url:
+            raise ValueError("the vllm engine needs --model PATH or --vllm-url URL")
+        self.config = config
+        self.role = Role(role)
+        self.worker_id = worker_id
+        self.transfer_address = transfer_address or f"memory://{worker_id}"
+        vocab = vocab_size if vocab_size is not None else config.model_vocab_size()
+        if vocab is None:
+            raise ValueError(
+                "the vllm engine needs the model's vocabulary size to refuse token ids "
+                "vLLM would crash on: --model with a local model directory "
+                "(its config.json), or --vocab-size"
+            )
+        self.vocab_size = vocab
+        #: Set from vLLM's /v1/models once it is up (prompt + completion tokens).
+        self.max_model_len = config.max_model_len
+        self.served_model = ""
+        self.counters = VllmCounters()
+        self.server = VllmServer(config, self.role, worker_id)
+        self.metrics = VllmMetrics()
+        self._http: httpx.AsyncClient | None = None
+        self._transport = transport  # tests: a fake vLLM (httpx.MockTransport)
+        self._up = False
+        self._up_event = trio.Event()
+        self._watch = _Watch()
+        self._inflight = 0
+        self._started = False
+
+    # ---- Engine API -------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start (or attach to) vLLM, report readiness once it is healthy, then keep it
+        so until cancelled: poll its metrics, restart it when it dies. Stops a started
+        server on the way out. Raises EngineFailed when vLLM cannot be started, or died
+        more than ``restart_limit`` times."""
+        if self._started:
+            raise RuntimeError("VllmEngine.run() may only be called once")
+        self._started = True
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(None, connect=5.0)
+        async with httpx.AsyncClient(
+            limits=limits, timeout=timeout, transport=self._transport
+        ) as http:
+            self._http = http
+            try:
+                await self._start(http)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._poll_metrics, http)
+                    task_status.started()
+                    await self._supervise(http)
+            finally:
+                self._set_down("stopped")
+                with trio.move_on_after(30, shield=True):
+                    await self.server.stop()
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
+        """Serve *request* on vLLM; see the module docstring for the mapping.
+
+        Raises EngineError: ``invalid_request``, ``kv_transfer_failed`` (decode leg),
+        ``shutting_down`` (vLLM down), ``internal`` (vLLM failed it otherwise).
+        """
+        self._check(request)
+        if not self._up:
+            raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM is not up")
+        self.counters.requests_started += 1
+        self._inflight += 1
+        outcome = "cancelled"
+        try:
+            if self.role is Role.PREFILL:
+                yield await self._prefill(request)
+            else:
+                async for chunk in self._stream(request):
+                    if chunk.finish_reason is not None:
+                        outcome = "finished"
+                    yield chunk
+            outcome = "finished"
+        except EngineError:
+            outcome = "failed"
+            raise
+        finally:
+            self._inflight -= 1
+            if outcome == "finished":
+                self.counters.requests_finished += 1
+            elif outcome == "failed":
+                self.counters.requests_failed += 1
+            else:
+                self.counters.requests_cancelled += 1
+
+    def statistics(self) -> EngineStats:
+        """vLLM's load from its last ``/metrics`` answer (at most ``metrics_interval``
+        old): running, waiting (or the requests sent that it does not run yet, if
+        more), KV blocks in use."""
+        m = self.metrics
+        total = m.kv_blocks_total or 100
+        return EngineStats(
+            active_requests=m.running,
+            waiting_requests=max(m.waiting, self._inflight - m.running),
+            kv_blocks_used=round(m.kv_usage * total),
+            kv_blocks_total=total,
+        )
+
+    @property
+    def up(self) -> bool:
+        """vLLM is healthy and taking requests."""
+        return self._up
+
+    # ---- requests -----------------------------------------------------------------
+
+    def _check(self, request: GenerateRequest) -> None:
+        """Refuse what vLLM must not see. An id at or above the vocabulary kills a
+        vLLM started without a tokenizer (it does not range-check); negative ids and
+        lengths are refused here too, so vLLM's errors stay vLLM's."""
+        ids = request.token_ids
+        s = request.sampling
+        problem = None
+        if not ids:
+            problem = "empty prompt"
+        elif max(ids) >= self.vocab_size or min(ids) < 0:
+            problem = f"prompt token ids must be in [0, {self.vocab_size})"
+        elif any(not 0 <= t < self.vocab_size for t in s.stop_token_ids):
+            problem = f"stop token ids must be in [0, {self.vocab_size})"
+        elif len(ids) >= self.max_model_len:
+            problem = (
+                f"prompt of {len(ids)} tokens leaves no room in vLLM's context of "
+                f"{self.max_model_len} tokens"
+            )
+        elif s.max_tokens < 1:
+            problem = f"max_tokens must be >= 1, got {s.max_tokens}"
+        elif not 0 <= s.min_tokens <= s.max_tokens:
+            problem = f"min_tokens must be in [0, max_tokens], got {s.min_tokens}"
+        elif request.kv_handle is not None and self.role is Role.PREFILL:
+            problem = "a prefill engine cannot take a kv_handle"
+        if problem is not None:
+            self.counters.requests_refused += 1
+            raise EngineError(ErrorCode.INVALID_REQUEST, problem)
+
+    async def _prefill(self, request: GenerateRequest) -> Chunk:
+        body = protocol.generate_body(
+            request, stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE
+        )
+        with self._vllm_errors(kv=False):
+            response = await self._post(body)
+            answer = protocol.parse_answer(response)
+        if answer.kv_transfer_params is None:
+            raise EngineError(
+                ErrorCode.INTERNAL,
+                f"{self.worker_id}: vLLM returned no kv_transfer_params (is it started "
+                "with a kv_producer NixlConnector?)",
+            )
+        handle = KvHandle(
+            worker_id=self.worker_id,
+            address=self.transfer_address,
+            transfer_id=str(answer.kv_transfer_params.get("remote_request_id", "")),
+            num_tokens=len(request.token_ids),
+            params=answer.kv_transfer_params,
+        )
+        return Chunk(request.request_id, list(answer.token_ids), kv_handle=handle)
+
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
+        handle = request.kv_handle
+        kv = handle is not None
+        if handle is not None and not handle.params:
+            raise EngineError(
+                ErrorCode.KV_TRANSFER_FAILED,
+                f"{self.worker_id}: the KV handle from {handle.worker_id} carries no vLLM "
+                "kv_transfer_params (a prefill worker of another engine?)",
+            )
+        body = protocol.generate_body(
+            request, stream=True, kv_transfer_params=handle.params if handle else None
+        )
+        rid = request.request_id
+        held: Chunk | None = None  # the last token's chunk, until the usage event
+        cached = 0
+        first_deadline = self.config.kv_pull_timeout if kv else None
+        with self._vllm_errors(kv=kv):
+            async with self._open_stream(body, first_deadline) as events, aclosing(events):
+                async for event in events:
+                    if event.cached_tokens is not None:
+                        cached = event.cached_tokens
+                    if event.done:
+                        break
+                    if event.finish is not None:
+                        held = Chunk(rid, list(event.token_ids),
+                                     finish_reason=_finish(event.finish, self._up))  # fmt: skip
+                    elif event.token_ids:
+                        yield Chunk(rid, list(event.token_ids))
+        if held is None:
+            raise EngineError(
+                ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM's stream ended early"
+            )
+        yield Chunk(rid, held.token_ids, finish_reason=held.finish_reason, cached_tokens=cached)
+
+    def _open_stream(
+        self, body: bytes, first_deadline: float | None
+    ) -> _EventStream:
+        assert self._http is not None
+        return _EventStream(self, self._http, self.server.url + GENERATE_PATH, body, first_deadline)
+
+    async def _post(self, body: bytes) -> bytes:
+        assert self._http is not None
+        with self._watched() as scope:
+            r = await self._http.post(self.server.url + GENERATE_PATH, content=body,
+                                      headers=_JSON)  # fmt: skip
+        if scope.cancelled_caught:
+            raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM went down")
+        if r.status_code != 200:
+            raise protocol.error_from_body(r.status_code, r.content)
+        return r.content
+
+    @contextmanager
+    def _watched(self, deadline: float | None = None) -> Iterator[trio.CancelScope]:
+        """A cancel scope that vLLM going down cancels (and *deadline* s, if given).
+        Never held across a yield: each wait on vLLM gets its own."""
+        scope = trio.CancelScope()
+        if deadline is not None:
+            scope.deadline = trio.current_time() + deadline
+        if not self._up:
+            scope.cancel()
+        self._watch.scopes.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._watch.scopes.discard(scope)
+
+    @contextmanager
+    def _vllm_errors(self, *, kv: bool) -> Iterator[None]:
+        """Translate what talking to vLLM raised into EngineError (see the module
+        docstring); *kv*: a decode leg that pulls KV."""
+        try:
+            yield
+        except VllmRequestError as exc:
+            if exc.status == 400 or exc.status == 422:
+                code = ErrorCode.INVALID_REQUEST
+            elif kv:
+                code = ErrorCode.KV_TRANSFER_FAILED
+            elif exc.status == 503 or not self._up:
+                code = ErrorCode.SHUTTING_DOWN
+            else:
+                code = ErrorCode.INTERNAL
+            raise EngineError(code, f"{self.worker_id}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(
+                ErrorCode.SHUTTING_DOWN,
+                f"{self.worker_id}: vLLM at {self.server.url} unreachable: {exc!r}",
+            ) from exc
+        except ProtocolError as exc:
+            raise EngineError(ErrorCode.INTERNAL, f"{self.worker_id}: {exc}") from exc
+
+    # ---- the server ---------------------------------------------------------------
+
+    async def _start(self, http: httpx.AsyncClient) -> None:
+        try:
+            await self.server.start(http)
+            await self._learn(http)
+        except VllmStartError as exc:
+            raise EngineFailed(f"{self.worker_id}: {exc}") from exc
+        self.counters.vllm_starts += 1
+        self._set_up()
+
+    async def _learn(self, http: httpx.AsyncClient) -> None:
+        """The served model's name and context length, from ``/v1/models``."""
+        try:
+            r = await http.get(self.server.url + "/v1/models", timeout=10.0)
+            model = r.json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise VllmStartError(f"cannot read {self.server.url}/v1/models: {exc!r}") from exc
+        self.served_model = str(model.get("id", ""))
+        if isinstance(model.get("max_model_len"), int):
+            self.max_model_len = model["max_model_len"]
+
+    async def _supervise(self, http: httpx.AsyncClient) -> None:
+        """Restart a started server that died, up to ``restart_limit`` times (a start
+        that fails counts as one); an attached one is watched by the metrics poller."""
+        restarts = 0
+        while True:
+            status = await self.server.wait()
+            self.counters.vllm_deaths += 1
+            self._set_down(f"vLLM exited with status {status}")
+            await self.server.stop()  # what is left of its process group
+            while True:
+                if restarts >= self.config.restart_limit:
+                    raise EngineFailed(
+                        f"{self.worker_id}: vLLM died and {restarts} restarts failed or "
+                        f"died too (--restart-limit {self.config.restart_limit})"
+                    )
+                restarts += 1
+                log.warning("%s: restarting vLLM (%d of %d)", self.worker_id, restarts,
+                            self.config.restart_limit)  # fmt: skip
+                try:
+                    await self._start(http)
+                    break
+                except EngineFailed as exc:
+                    log.error("%s", exc)
+
+    async def _poll_metrics(self, http: httpx.AsyncClient) -> None:
+        """Read vLLM's ``/metrics`` every ``metrics_interval`` s into :attr:`metrics`.
+        For an attached server it is the health check too: ``down_after_polls``
+        failures in a row take it down, one answer brings it back."""
+        failures = 0
+        while True:
+            await trio.sleep(self.config.metrics_interval)
+            if not self._up and not self.server.attached:
+                continue  # being restarted by _supervise
+            try:
+                r = await http.get(self.server.url + "/metrics", timeout=5.0)
+                r.raise_for_status()
+            except httpx.HTTPError as exc:
+                failures += 1
+                self.counters.metrics_poll_failures += 1
+                if self.server.attached and failures >= self.config.down_after_polls:
+                    self._set_down(f"/metrics failed {failures} times: {exc!r}")
+                continue
+            failures = 0
+            self._record(protocol.parse_metrics(r.text))
+            if self.server.attached and not self._up:
+                self._set_up()
+
+    def _record(self, m: VllmMetrics) -> None:
+        self.metrics = m
+        c = self.counters
+        sources = m.prompt_tokens_by_source or {}
+        c.prompt_tokens_computed = sources.get("local_compute", 0.0)
+        c.prompt_tokens_cached = sources.get("local_cache_hit", 0.0)
+        c.prompt_tokens_transferred = sources.get("external_kv_transfer", 0.0)
+        c.nixl_transfers = m.nixl_xfer_count
+        c.nixl_transfer_seconds = m.nixl_xfer_seconds_sum
+
+    def _set_up(self) -> None:
+        if not self._up:
+            log.info("%s: vLLM up at %s", self.worker_id, self.server.url)
+        self._up = True
+        self.counters.vllm_up = 1
+
+    def _set_down(self, why: str) -> None:
+        if self._up:
+            log.warning("%s: vLLM down: %s", self.worker_id, why)
+        self._up = False
+        self.counters.vllm_up = 0
+        self.metrics = VllmMetrics()
+        self._watch.cancel_all()
+
+
+class _EventStream:
+    """One streamed generate request as an async context manager of events.
+
+    Each wait for the next line runs in its own watched cancel scope (vLLM going
+    down cancels it); the first one also has the decode leg's first-token deadline.
+    """
+
+    def __init__(
+        self,
+        engine: VllmEngine,
+        http: httpx.AsyncClient,
+        url: str,
+        body: bytes,
+        first_deadline: float | None,
+    ) -> None:
+        self._engine = engine
+        self._http = http
+        self._url = url
+        self._body = body
+        self._first_deadline = first_deadline
+        self._response: httpx.Response | None = None
+
+    async def __aenter__(self) -> AsyncGenerator[StreamEvent, None]:
+        engine = self._engine
+        request = self._http.build_request("POST", self._url, content=self._body, headers=_JSON)
+        with engine._watched(self._first_deadline) as scope:
+            self._response = await self._http.send(request, stream=True)
+        if scope.cancelled_caught:
+            if self._response is not None:
+                await self._response.aclose()
+            raise self._gone(first=True)
+        response = self._response
+        if response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            raise protocol.error_from_body(response.status_code, content)
+        return self._events(response)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._response is not None:
+            await self._response.aclose()  # before the end: vLLM aborts the request
+
+    async def _events(self, response: httpx.Response) -> AsyncGenerator[StreamEvent, None]:
+        lines = response.aiter_lines()
+        first = True
+        while True:
+            deadline = self._first_deadline if first else None
+            with self._engine._watched(deadline) as scope:
+                line = await anext(lines, None)
+            if scope.cancelled_caught:
+                raise self._gone(first=first)
+            if line is None:
+                return
+            event = protocol.parse_sse_line(line)
+            if event is None:
+                continue
+            if event.token_ids:
+                first = False
+            yield event
+            if event.done:
+                return
+
+    def _gone(self, *, first: bool) -> EngineError:
+        engine = self._engine
+        if engine.up and first and self._first_deadline is not None:
+            return EngineError(
+                ErrorCode.KV_TRANSFER_FAILED,
+                f"{engine.worker_id}: no first token within {self._first_deadline:g} s "
+                "(the KV transfer did not complete)",
+            )
+        return EngineError(ErrorCode.SHUTTING_DOWN, f"{engine.worker_id}: vLLM went down")
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _finish(reason: str, up: bool) -> FinishReason:
+    known = FINISH_REASONS.get(reason)
+    if known is not None:
+        return known
+    if reason == "abort":
+        code = ErrorCode.INTERNAL if up else ErrorCode.SHUTTING_DOWN
+        raise EngineError(code, "vLLM aborted the request")
+    raise EngineError(ErrorCode.INTERNAL, f"vLLM finished the request with {reason!r}")
+
+
+def build_engine(config: VllmConfig, context: EngineContext) -> VllmEngine:
+    """The registry's factory (:mod:`workers.engines.registry`). Raises EngineFailed
+    for a config it cannot serve with (no model or URL, no vocabulary size)."""
+    try:
+        return VllmEngine(
+            config, context.role, context.worker_id, transfer_address=context.transfer_address
+        )
+    except ValueError as exc:
+        raise EngineFailed(str(exc)) from exc

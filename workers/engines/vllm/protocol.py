@@ -1,0 +1,280 @@
+"""vLLM's token-in/token-out API as data: request bodies, stream events, metrics (no I/O).
+
+``POST /inference/v1/generate`` (served with ``--tokens-only`` or
+``--enable-scale-out``) takes ``request_id, token_ids, sampling_params, stream,
+stream_options, kv_transfer_params``. Streaming is SSE, one event per token::
+
+    data: {"request_id": "generate-tokens-<id>", "choices": [{"token_ids": [42],
+           "finish_reason": null, ...}]}
+    ...                                     the last token's event has finish_reason
+    data: {"choices": [], "usage": {..., "prompt_tokens_details": {"cached_tokens": N}}}
+    data: [DONE]
+
+An error after the stream started is an event ``{"error": {"message", "code", ...}}``.
+A unary answer is one JSON object with ``choices`` and, on a prefill server's answer,
+``kv_transfer_params`` (the stream never carries them).
+
+This module maps headwater's :class:`~headwater.wire.GenerateRequest` onto that body
+and vLLM's answers back onto :class:`StreamEvent`, and reads the few series of
+``/metrics`` that make a worker's load. The engine (:mod:`.engine`) does the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from headwater.wire import FinishReason, GenerateRequest
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+#: vLLM names a token-API request ``generate-tokens-<request_id>`` internally (its
+#: abort endpoint wants that name).
+VLLM_ID_PREFIX = "generate-tokens-"
+
+#: vLLM's finish reasons that end a stream normally.
+FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+class ProtocolError(Exception):
+    """vLLM answered something this module cannot read."""
+
+
+class VllmRequestError(Exception):
+    """vLLM refused or failed a request: ``status`` (HTTP, or 0 inside a stream)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"vLLM {status or 'stream'}: {message}")
+        self.status = status
+        self.message = message
+
+
+def sampling_params(request: GenerateRequest, *, max_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM's ``sampling_params`` for *request*.
+
+    Exact: temperature, top_p, seed, max_tokens, min_tokens, ignore_eos and the stop
+    ids pass as they are. The request's EOS ids join the stop ids unless
+    ``ignore_eos`` (vLLM also stops on its own model's EOS then, from
+    generation_config.json; the frontend's come from its tokenizer, and both must
+    stop). Stop *strings* never reach vLLM: the frontend matches them on text.
+    """
+    s = request.sampling
+    stop = list(s.stop_token_ids)
+    if not s.ignore_eos:
+        stop += [t for t in request.eos_token_ids if t not in stop]
+    params: dict[str, Any] = {
+        "max_tokens": s.max_tokens if max_tokens is None else max_tokens,
+        "min_tokens": min(s.min_tokens, s.max_tokens if max_tokens is None else max_tokens),
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "ignore_eos": s.ignore_eos,
+        "stop_token_ids": stop,
+        "detokenize": False,  # token ids out; the frontend detokenizes
+    }
+    if s.seed is not None:
+        params["seed"] = s.seed
+    return params
+
+
+def generate_body(
+    request: GenerateRequest,
+    *,
+    stream: bool,
+    max_tokens: int | None = None,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+) -> bytes:
+    """The JSON body of ``POST /inference/v1/generate`` for *request*."""
+    ids = request.token_ids
+    body: dict[str, Any] = {
+        "request_id": request.request_id,
+        "token_ids": ids.tolist() if isinstance(ids, array) else list(ids),
+        "sampling_params": sampling_params(request, max_tokens=max_tokens),
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    return orjson.dumps(body)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One event of a generate stream (or the whole of a unary answer).
+
+    ``finish`` is vLLM's finish reason, as it says it ("stop", "length", "abort",
+    ...), on the last token's event; ``cached_tokens`` comes with the usage event
+    (None elsewhere); ``done`` marks ``[DONE]``.
+    """
+
+    token_ids: Sequence[int] = ()
+    finish: str | None = None
+    cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    done: bool = False
+
+
+DONE = StreamEvent(done=True)
+
+
+def parse_sse_line(line: str) -> StreamEvent | None:
+    """The event in one SSE line of a generate stream; None for lines without one
+    (blank separators, comments). Raises VllmRequestError for an error event,
+    ProtocolError for anything unreadable."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return DONE
+    return parse_answer(data)
+
+
+def parse_answer(data: str | bytes) -> StreamEvent:
+    """One JSON answer (a stream event, or a whole unary response) as an event.
+
+    Raises VllmRequestError for ``{"error": ...}``, ProtocolError otherwise.
+    """
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"not JSON: {data[:200]!r}") from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"not an object: {data[:200]!r}")
+    if "error" in obj:
+        raise VllmRequestError(0, error_message(obj))
+    tokens: list[int] = []
+    finish = None
+    choices = obj.get("choices")
+    if choices:
+        choice = choices[0]
+        tokens = choice.get("token_ids") or []
+        finish = choice.get("finish_reason")
+    cached = None
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            cached = details["cached_tokens"]
+    params = obj.get("kv_transfer_params")
+    return StreamEvent(
+        tokens, finish, cached, params if isinstance(params, dict) else None
+    )
+
+
+def error_message(obj: Any) -> str:
+    """The message of vLLM's error body (``{"error": {"message"}}``, or FastAPI's
+    ``{"detail"}``), or the body itself."""
+    if isinstance(obj, dict):
+        error = obj.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        detail = obj.get("detail")
+        if detail is not None:
+            return str(detail)
+    return str(obj)[:500]
+
+
+def error_from_body(status: int, body: bytes) -> VllmRequestError:
+    """The error an HTTP answer of *status* with *body* means."""
+    try:
+        message = error_message(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        message = body[:500].decode(errors="replace")
+    return VllmRequestError(status, message)
+
+
+# ---- /metrics ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VllmMetrics:
+    """The series of vLLM's ``/metrics`` a worker reads (summed over engines).
+
+    ``prompt_tokens_by_source`` maps ``local_compute``, ``local_cache_hit`` and
+    ``external_kv_transfer`` to prompt tokens so counted; ``kv_blocks_total`` is 0
+    when vLLM does not say (its ``cache_config_info``).
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    kv_blocks_total: int = 0
+    block_size: int = 0
+    prompt_tokens_by_source: Mapping[str, float] | None = None
+    generation_tokens: float = 0.0
+    nixl_xfer_seconds_sum: float = 0.0
+    nixl_xfer_count: float = 0.0
+
+
+_SCALARS = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:nixl_xfer_time_seconds_sum": "nixl_xfer_seconds_sum",
+    "vllm:nixl_xfer_time_seconds_count": "nixl_xfer_count",
+}
+
+
+def parse_metrics(text: str) -> VllmMetrics:
+    """Read the Prometheus text of vLLM's ``/metrics``. Lines it does not know are
+    skipped; a malformed value counts as 0."""
+    values: dict[str, float] = {}
+    sources: dict[str, float] = {}
+    blocks = block_size = 0
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:
+            name, _, value_text = line.partition(" ")
+            labels = ""
+        else:
+            labels, _, value_text = rest.rpartition("} ")
+        value = _number(value_text)
+        key = _SCALARS.get(name)
+        if key is not None:
+            values[key] = values.get(key, 0.0) + value
+        elif name == "vllm:prompt_tokens_by_source_total":
+            source = _label(labels, "source")
+            if source:
+                sources[source] = sources.get(source, 0.0) + value
+        elif name == "vllm:cache_config_info":
+            blocks += int(_number(_label(labels, "num_gpu_blocks") or "0"))
+            block_size = int(_number(_label(labels, "block_size") or "0"))
+    return VllmMetrics(
+        running=int(values.get("running", 0)),
+        waiting=int(values.get("waiting", 0)),
+        kv_usage=min(1.0, max(0.0, values.get("kv_usage", 0.0))),
+        kv_blocks_total=blocks,
+        block_size=block_size,
+        prompt_tokens_by_source=sources,
+        generation_tokens=values.get("generation_tokens", 0.0),
+        nixl_xfer_seconds_sum=values.get("nixl_xfer_seconds_sum", 0.0),
+        nixl_xfer_count=values.get("nixl_xfer_count", 0.0),
+    )
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return 0.0
+    return value if math.isfinite(value) else 0.0
+
+
+def _label(labels: str, name: str) -> str | None:
+    marker = f'{name}="'
+    start = labels.find(marker)
+    if start < 0 or (start > 0 and labels[start - 1] not in ",{"):
+        return None
+    start += len(marker)
+    end = labels.find('"', start)
+    return labels[start:end] if end >= 0 else None
