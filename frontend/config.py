@@ -40,12 +40,18 @@ class FrontendConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     metrics_auth: bool = False  # /metrics needs a key too (else it stays open)
     # Frontend processes sharing the port, each a whole frontend with its own event loop
-    # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template, routing
-    # and streaming. 1: this process serves; N > 1: it supervises N children.
-    processes: int = 1
+    # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template,
+    # routing and streaming, so the default is one per usable core (`--processes auto`).
+    # 1: this process serves; N > 1: it supervises N children forked from one preloaded
+    # zygote, which share the tokenizer's memory.
+    processes: int = field(default_factory=usable_cpus)
     # Serve on this inherited listening socket instead of binding host:port, plus a
     # private host:0 listener for this process's own /metrics. Set by the supervisor.
     listen_fd: int | None = None
+    # Where this process's shared-port /metrics and /dashboard/data come from: the
+    # supervisor's view of the whole group (http://127.0.0.1:PORT). Set by the supervisor;
+    # the private listener keeps answering for this process alone.
+    group_url: str | None = None
 
     # -- model and preprocessing ----------------------------------------------------
     model_name: str = "deepseek-v4"

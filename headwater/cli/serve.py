@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -31,6 +32,9 @@ from headwater.cli.options import (
 )
 from headwater.machine import usable_cpus
 from workers.engines import registry
+
+if TYPE_CHECKING:
+    from frontend.preprocess.tokenizer import Tokenizer
 
 _D = FrontendConfig()
 
@@ -64,14 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a file of API keys, one per line (# comments); read at start")
     h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
                    help="/metrics needs a key too (by default it stays open to scrapers)")
-    h.add_argument("--processes", type=positive_int, default=_D.processes,
+    h.add_argument("--processes", type=process_count, default="auto",
                    help="frontend processes sharing the port, each with its own event loop "
-                        "and in-process workers; each also serves its own /metrics and "
-                        "/dashboard on a private port it prints. One that exits on its own "
-                        "is restarted (--restart-*) while the others serve")
+                        "and in-process workers (auto: one per usable CPU, here "
+                        f"{usable_cpus()}; 1: a single process, no supervisor). The port's "
+                        "/metrics and /dashboard show the whole group; each process also "
+                        "serves its own on a private port it prints. One that exits on its "
+                        "own is restarted (--restart-*) while the others serve")
     h.add_argument("--listen-fd", type=int, default=_D.listen_fd,
                    help="serve on this inherited listening socket (set by --processes "
                         "for its children)")
+    h.add_argument("--group-url", default=None, help=argparse.SUPPRESS)  # set for children
     add_restart_options(h, "all of them (with --processes N)")
 
     m = p.add_argument_group("model and tokenization")
@@ -163,6 +170,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_config_options(group, registry.config_type(name))
 
 
+def process_count(text: str) -> int:
+    """An argparse ``type``: ``auto`` (one per usable CPU) or an integer of at least 1."""
+    if text.strip().lower() == "auto":
+        return usable_cpus()
+    return positive_int(text)
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -202,20 +216,24 @@ def main(args: argparse.Namespace) -> int:
         return 2
     configure_logging(config.log_level)
     if config.processes > 1:
-        from headwater.cluster.frontend_group import supervise
+        from headwater.cluster.frontend_group import run_group
 
-        return trio.run(supervise, config, args.argv, restart)
+        return run_group(config, args.argv, restart)
     return trio.run(serve_until_signalled, config)
 
 
-async def serve_until_signalled(config: FrontendConfig) -> int:
+async def serve_until_signalled(config: FrontendConfig, tokenizer: Tokenizer | None = None
+                                ) -> int:
     """Serve until a signal: the first drains and stops (``Frontend.stop``), a second
-    one stops at once. Returns the exit status: 0, or 1 after a second signal."""
+    one stops at once. Returns the exit status: 0, or 1 after a second signal.
+
+    *tokenizer*: one loaded already (a process forked from the group's zygote shares
+    the zygote's)."""
     supervisor = os.getppid()  # before the slow start-up: it matters with --listen-fd
     from frontend.server import Frontend  # heavy imports only when serving
 
     log = logging.getLogger(__name__)
-    frontend = Frontend(config)
+    frontend = Frontend(config, tokenizer=tokenizer)
     forced = False
 
     async def stop_on_signals(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:
