@@ -24,6 +24,7 @@ from frontend.discovery import start_discovery
 from frontend.http.admission import Admission, AdmissionControl
 from frontend.http.app import GENERATION_PATHS, create_app
 from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning
+from frontend.http.group import GroupRelay
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
@@ -106,8 +107,11 @@ class Frontend:
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
         )
+        #: One of a group's processes: the shared port's views are the supervisor's.
+        self.group = (GroupRelay(config.group_url, config.listen_fd)
+                      if config.group_url and config.listen_fd is not None else None)  # fmt: skip
         add_observability_routes(
-            self.app, self.observed, debug_endpoints=config.debug_endpoints
+            self.app, self.observed, debug_endpoints=config.debug_endpoints, group=self.group
         )
         self.metrics.on_collect(self._refresh_gauges)
         #: Set by :meth:`stop`: the drain, then the shutdown, has begun.

@@ -9,6 +9,7 @@ under a deadline. Real time throughout (the loop monitor measures the real clock
 
 from __future__ import annotations
 
+import os
 import itertools
 import re
 from html.parser import HTMLParser
@@ -383,8 +384,12 @@ async def test_dashboard_data_snapshot() -> None:
         workers = (await c.get("/debug/workers")).json()
 
     assert set(data) == {"now", "model", "loop", "stalls", "pool", "requests", "history",
-                         "latency", "workers"}
+                         "latency", "workers", "memory"}
     assert data["model"] == MODEL
+    (memory,) = data["memory"]  # this process's own, from /proc/self/smaps_rollup
+    assert memory["role"] == "frontend"
+    assert memory["pid"] == os.getpid()  # the test runs the frontend in-process
+    assert 0 < memory["uss_mb"] <= memory["pss_mb"] <= memory["rss_mb"]
     loop = data["loop"]
     assert loop["threshold_s"] == pytest.approx(0.020)
     assert loop["instrumented"] is True
