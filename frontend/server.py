@@ -38,6 +38,7 @@ from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router
 from frontend.router.health import Transition
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
+from headwater.procmem import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,9 @@ class Frontend:
             log.info("tokenizer pool warm (%s, %s mode, %d threads) in %.0f ms",
                      self.tokenizer.backend.value, self.pool.mode.value,
                      self.pool.statistics().threads, warm * 1000)
+            # The warm-up's encodes leave their buffers in malloc's arenas (one per pool
+            # thread): tens of MB per process that nothing uses. Before serving, once.
+            trim_heap()
             if cfg.gc_gen0_threshold:
                 tune_gc(cfg.gc_gen0_threshold)
             await nursery.start(self.monitor.run)

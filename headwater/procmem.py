@@ -17,6 +17,8 @@ an event loop.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -76,3 +78,15 @@ def read_memory(pid: int | str = "self") -> MemoryUsage:
     except FileNotFoundError as exc:
         raise ProcessLookupError(pid) from exc
     return parse_smaps_rollup(text, pid if isinstance(pid, int) else os.getpid())
+
+
+def trim_heap() -> None:
+    """Give the memory malloc holds free back to the OS (glibc's ``malloc_trim``; a
+    no-op elsewhere). Blocking: it walks every arena, ~1 ms.
+
+    Why: glibc keeps what is freed for reuse, in every thread's arena. A frontend's
+    tokenizer warm-up (one encode per pool thread, then the loop's) leaves ~30-50 MB of
+    such buffers per process: RSS and USS that nothing uses until the next long prompt.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

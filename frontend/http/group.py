@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
@@ -58,22 +59,32 @@ class GroupRelay:
     async def get(self, target: str, authorization: str | None) -> Relayed:
         """GET *target* (path and query) from the group view. Raises
         GroupViewUnavailable."""
-        head = f"GET {target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nConnection: close\r\n"
-        if authorization:
-            head += f"Authorization: {authorization}\r\n"
-        data = b""
+        headers = {"Authorization": authorization} if authorization else {}
         try:
             with trio.fail_after(RELAY_TIMEOUT_S):
-                stream = await trio.open_tcp_stream(self.host, self.port)
-                async with stream:
-                    await stream.send_all((head + "\r\n").encode("latin-1"))
-                    while chunk := await stream.receive_some(65536):
-                        data += chunk
-                        if len(data) > MAX_ANSWER_BYTES:
-                            raise GroupViewUnavailable("the group view's answer is too large")
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-            raise GroupViewUnavailable(f"the group view did not answer: {exc!r}") from exc
-        return parse_response(data)
+                return await http_get(self.host, self.port, target, headers)
+        except trio.TooSlowError as exc:
+            raise GroupViewUnavailable(f"no answer within {RELAY_TIMEOUT_S:g} s") from exc
+
+
+async def http_get(host: str, port: int, target: str, headers: Mapping[str, str]) -> Relayed:
+    """One plain HTTP/1.1 GET on a new connection (``Connection: close``), read to its
+    end: what a group's processes and their supervisor ask each other on loopback (no
+    TLS, no pool, no proxy). Bound it with a cancel scope. Raises GroupViewUnavailable."""
+    head = f"GET {target} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    data = b""
+    try:
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            await stream.send_all((head + "\r\n").encode("latin-1"))
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+                if len(data) > MAX_ANSWER_BYTES:
+                    raise GroupViewUnavailable(f"{host}:{port}{target}: answer too large")
+    except (OSError, trio.BrokenResourceError) as exc:
+        raise GroupViewUnavailable(f"{host}:{port}{target} did not answer: {exc!r}") from exc
+    return parse_response(data)
 
 
 def parse_response(data: bytes) -> Relayed:
@@ -92,7 +103,10 @@ def parse_response(data: bytes) -> Relayed:
         if key == b"content-type":
             content_type = value.strip().decode("latin-1")
         elif key == b"content-length":
-            length = int(value.strip())
+            length = int(value.strip()) if value.strip().isdigit() else None
     if length is not None and len(body) != length:
         raise GroupViewUnavailable("the group view's answer was cut short")
-    return Relayed(int(parts[1]), content_type, body)
+    try:
+        return Relayed(int(parts[1]), content_type, body)
+    except ValueError as exc:
+        raise GroupViewUnavailable("the group view's answer has no status") from exc

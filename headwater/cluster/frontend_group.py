@@ -45,6 +45,7 @@ supervisor.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -107,12 +108,15 @@ def preload(config: FrontendConfig) -> Tokenizer:
     and the tokenizer, loaded (not used: see :mod:`headwater.cluster.zygote`). Blocking.
 
     Raises TokenizerLoadError."""
+    from frontend.preprocess.template import ChatTemplate
     from frontend.preprocess.tokenizer import Tokenizer, find_tokenizer_files
     from frontend.server import Frontend  # noqa: F401 - imported to be shared
     from workers.engines import registry
 
     importlib.import_module(registry.spec(config.engine).factory.partition(":")[0])
-    return Tokenizer(find_tokenizer_files(config.tokenizer), config.tokenizer_backend)
+    files = find_tokenizer_files(config.tokenizer)
+    ChatTemplate.from_tokenizer_config(files.config)  # imports what the template needs
+    return Tokenizer(files, config.tokenizer_backend)
 
 
 def run_group(
@@ -127,6 +131,9 @@ def run_group(
     from frontend.preprocess.tokenizer import TokenizerLoadError
 
     started = time.time()
+    # No collection while the shared state loads: a collection frees objects among
+    # the ones that stay, leaving holes that later allocations fill, on shared pages.
+    gc.disable()
     sock = listen(config.host, config.port)
     view = listen("127.0.0.1", 0)  # the group view: the supervisor's, loopback only
     group_url = f"http://127.0.0.1:{view.getsockname()[1]}"
@@ -144,6 +151,7 @@ def run_group(
         except (ZygoteError, OSError) as exc:
             log.warning("cannot fork a zygote (%s): each frontend process loads its own "
                         "tokenizer", exc)  # fmt: skip
+        gc.enable()
         return trio.run(supervise, config, argv, restart, sock, view, zygote, started)
 
 
@@ -227,7 +235,6 @@ async def supervise(
                     stopping.start_soon(process.stop)
             if zygote is not None:
                 await zygote.aclose()
-            await group.aclose()
             nursery.cancel_scope.cancel()
     return status
 

@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
-import httpx
 import orjson
 import trio
 
 from frontend.http.auth import ApiKeys
 from frontend.http.dashboard import HISTORY_FIELDS, MAX_STALLS, LoadHistory
+from frontend.http.group import GroupViewUnavailable, Relayed, http_get
 from headwater.cluster.group_metrics import Family, GroupMetrics
 from headwater.procmem import read_memory
 
@@ -79,10 +79,6 @@ class GroupView:
         self._ask_headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
         self.metrics = GroupMetrics(started_at=time.time() if started_at is None else started_at)
         self._history = LoadHistory()
-        self._http = httpx.AsyncClient(timeout=ASK_TIMEOUT_S, trust_env=False)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
 
     # -- the two answers -------------------------------------------------------------------
 
@@ -90,7 +86,7 @@ class GroupView:
         """The group's ``/metrics`` page (*names*: those samples only)."""
         members = list(self._members())
         query = ("?" + urlencode([("name[]", n) for n in names])) if names else ""
-        pages = await self._ask(members, "/metrics" + query, lambda r: r.text)
+        pages = await self._ask(members, "/metrics" + query, lambda r: r.body.decode())
         for member, page in zip(members, pages, strict=True):
             try:
                 self.metrics.observe(member.slot, member.pid, page)
@@ -105,7 +101,7 @@ class GroupView:
         path = "/dashboard/data"
         if stalls_after is not None:
             path += f"?stalls_after={stalls_after!r}"
-        parts = await self._ask(members, path, lambda r: orjson.loads(r.content))
+        parts = await self._ask(members, path, lambda r: orjson.loads(r.body))
         pids = {**self._others(), **{f"process {m.slot}": m.pid for m in members if m.running}}
         memory = await trio.to_thread.run_sync(_memory, pids)
         return merge_dashboards(members, parts, self._history, time.time(), memory)
@@ -126,16 +122,19 @@ class GroupView:
         ]  # fmt: skip
 
     async def _ask(self, members: Sequence[Member], path: str,
-                   decode: Callable[[httpx.Response], Any]) -> list[Any]:
+                   decode: Callable[[Relayed], Any]) -> list[Any]:
         """Every running member's answer to GET *path* (``None`` where there was none)."""
         out: list[Any] = [None] * len(members)
 
         async def one(i: int, member: Member) -> None:
+            url = urlsplit(member.url)
             try:
-                r = await self._http.get(member.url + path, headers=self._ask_headers)
-                if r.status_code == 200:
+                with trio.fail_after(ASK_TIMEOUT_S):
+                    r = await http_get(url.hostname or "127.0.0.1", url.port or 80, path,
+                                       self._ask_headers)  # fmt: skip
+                if r.status == 200:
                     out[i] = decode(r)
-            except (httpx.HTTPError, ValueError) as exc:
+            except (GroupViewUnavailable, ValueError, trio.TooSlowError) as exc:
                 log.debug("process %d did not answer %s: %r", member.slot, path, exc)
 
         async with trio.open_nursery() as nursery:
