@@ -190,22 +190,32 @@ def _parse(page: str) -> list[tuple[str, str, str, list[tuple[SampleKey, float]]
 
 
 def render(families: Iterable[Family], names: Collection[str] | None = None) -> bytes:
-    """*families* in the Prometheus text format (version 0.0.4), as prometheus-client
-    writes it; *names* keeps only those sample names."""
+    """*families* in the Prometheus text format (version 0.0.4) as prometheus-client's
+    ``generate_latest`` writes it (a counter's TYPE line names its ``_total`` sample, and
+    ``_created`` samples follow as a gauge family of their own); *names* keeps only those
+    sample names."""
     lines: list[str] = []
     for family in families:
-        samples = [s for s in family.samples if names is None or s[0] in names]
-        if not samples:
-            continue
-        lines.append(f"# HELP {family.name} {_escape_help(family.documentation)}")
-        lines.append(f"# TYPE {family.name} {family.type}")
-        for name, labels, value in samples:
+        kept = [s for s in family.samples if names is None or s[0] in names]
+        created = [s for s in kept if s[0].endswith("_created")]
+        main = [s for s in kept if not s[0].endswith("_created")]
+        typed = f"{family.name}_total" if family.type == "counter" else family.name
+        _family_lines(lines, typed, family.type, family.documentation, main)
+        _family_lines(lines, f"{family.name}_created", "gauge", family.documentation, created)
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _family_lines(lines: list[str], name: str, kind: str, doc: str,
+                  samples: list[tuple[str, Labels, float]]) -> None:
+    if samples:
+        lines.append(f"# HELP {name} {_escape_help(doc)}")
+        lines.append(f"# TYPE {name} {kind}")
+        for sample, labels, value in samples:
             if labels:
                 text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels)
-                lines.append(f"{name}{{{text}}} {_value(value)}")
+                lines.append(f"{sample}{{{text}}} {_value(value)}")
             else:
-                lines.append(f"{name} {_value(value)}")
-    return ("\n".join(lines) + "\n").encode() if lines else b""
+                lines.append(f"{sample} {_value(value)}")
 
 
 def _value(value: float) -> str:
