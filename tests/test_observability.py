@@ -9,8 +9,8 @@ under a deadline. Real time throughout (the loop monitor measures the real clock
 
 from __future__ import annotations
 
-import os
 import itertools
+import os
 import re
 from html.parser import HTMLParser
 from pathlib import Path
