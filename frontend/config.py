@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend.limits import RequestLimits
 from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
+from headwater.plane.tls import TlsConfig, tls_config
 from workers.engines import registry
 
 
@@ -22,6 +24,25 @@ class FrontendConfig:
     max_body_bytes: int = 64 * 1024 * 1024  # 413 above this
     keep_alive_timeout: float = 5.0  # seconds an idle HTTP/1.1 connection stays open
     write_timeout: float = 30.0  # seconds a client may stall reading before we drop it
+    # TLS on the listener (hypercorn's certfile/keyfile, PEM): both or neither; the URLs are
+    # then https://. Behind a TLS-terminating proxy, leave both unset (docs/security.md).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    # -- transport limits on slow and greedy clients (frontend/http/serving/limits.py;
+    # each refusal counts in rejected_requests_total{reason}) --
+    # Bytes of a request head (request line and header fields); a larger one gets 431.
+    # 16 KiB is h11's and hypercorn's default and Node's limit; a chat request's head is
+    # ~0.5 KiB, an API key adds ~60 bytes.
+    max_header_bytes: int = 16 * 1024
+    # Seconds a request head may take from its first byte (and a TLS handshake from the
+    # connection's accept); then 408 and close. A real client sends its head at once.
+    header_timeout: float = 10.0
+    # Seconds a request body may go without a byte while the server waits for it; then
+    # the connection closes. Never while a response streams (the client is silent then).
+    read_timeout: float = 30.0
+    # Connections open at once per client IP address, loopback included; one more is
+    # closed at once. Behind a proxy every connection is the proxy's: raise it, or 0.
+    max_connections_per_client: int = 256
     # Generation requests (chat, completions) in flight at once, each from its head's
     # arrival to its response's last byte; one more gets 429 with Retry-After before its
     # body is read (frontend.http.admission). 0: no limit. 1024 is 16x the benchmarks'
@@ -52,6 +73,10 @@ class FrontendConfig:
     # supervisor's view of the whole group (http://127.0.0.1:PORT). Set by the supervisor;
     # the private listener keeps answering for this process alone.
     group_url: str | None = None
+    # What one request may ask: max_tokens, messages, prompt characters, stop strings,
+    # and its deadline (--request-timeout); each default and its reason in
+    # frontend/limits.py, all of them in docs/security.md ("Request limits").
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     # -- model and preprocessing ----------------------------------------------------
     model_name: str = "deepseek-v4"
@@ -74,6 +99,12 @@ class FrontendConfig:
     discovery: str | None = None  # "etcd://127.0.0.1:2379": find workers there
     router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c"
     ack_timeout: float = 5.0  # seconds a worker has to ACK a request (as Dynamo)
+    # Mutual TLS to remote workers (headwater/plane/tls.py): this frontend's certificate
+    # and key, and the CA the workers' certificates must chain to (their advertised
+    # hosts are checked). All three or none; none: plain TCP. In-process workers: unused.
+    plane_tls_certfile: str | None = None
+    plane_tls_keyfile: str | None = None
+    plane_tls_ca_file: str | None = None
     migration_limit: int = 3  # times a broken stream may move to another worker
     route_attempts: int = 3  # workers tried when one cannot be reached
 
@@ -106,6 +137,16 @@ class FrontendConfig:
     log_level: str = "info"
 
     @property
+    def plane_tls(self) -> TlsConfig | None:
+        """The request plane's TLS to remote workers, or None."""
+        return tls_config(self.plane_tls_certfile, self.plane_tls_keyfile, self.plane_tls_ca_file)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS on the listener, else ``http``."""
+        return "https" if self.ssl_certfile else "http"
+
+    @property
     def stop_timeout(self) -> float:
         """The longest a graceful stop of this frontend takes (seconds): the drain, then
         the graceful timeout for what is left. A supervisor waits this long, and a margin,
@@ -117,6 +158,16 @@ class FrontendConfig:
             raise ValueError(f"max_inflight must be >= 0 (0: no limit), got {self.max_inflight}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be at least 1024, got {self.max_header_bytes}")
+        if not (self.header_timeout > 0 and self.read_timeout > 0):
+            raise ValueError("header_timeout and read_timeout must be positive")
+        tls_config(self.plane_tls_certfile, self.plane_tls_keyfile, self.plane_tls_ca_file)
+        if self.max_connections_per_client < 0:
+            raise ValueError("max_connections_per_client must be >= 0 (0: no limit), got "
+                             f"{self.max_connections_per_client}")
         cls = registry.config_type(self.engine)  # ValueError for an unknown engine
         if self.engine_config is None:
             object.__setattr__(self, "engine_config", cls())

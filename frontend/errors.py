@@ -5,15 +5,19 @@ The pipeline and everything below it raise these; only the HTTP layer
 
     FrontendError
     ├── InvalidRequest          the request itself is wrong: resending it cannot help (400)
-    │   └── ContextTooLong      prompt + completion over the context length (400)
+    │   └── LimitExceeded       over one of the configured request limits (400)
+    │       └── ContextTooLong  prompt + completion over the context length (400)
     ├── UnknownModel            this frontend does not serve that model (404)
     ├── NoCapacity              no worker can take it now: retry later (503)
     │   └── NoWorkers           none is routable for a role the request needs
-    └── WorkerFailed            a worker failed it and retries are spent (502)
+    ├── WorkerFailed            a worker failed it and retries are spent (502)
+    └── RequestTimeout          its deadline (--request-timeout) passed first (504)
 
 ``message`` is written for the client; ``param`` names the request field at fault
 (OpenAI's ``param``); ``code`` is OpenAI's machine-readable ``code`` when there is
-one (``context_length_exceeded``, ``no_workers``, ...).
+one (``context_length_exceeded``, ``no_workers``, ...). ``limit`` names the configured
+limit a refusal is (``max_messages``, ``request_timeout``, ...; None for any other
+error): the HTTP layer counts it in ``rejected_requests_total{reason=<limit>}``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class FrontendError(Exception):
     """Root of the frontend's request failures."""
 
     default_code: str | None = None
+    #: The configured limit this failure is, by name (see the module docstring).
+    limit: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -36,10 +42,22 @@ class InvalidRequest(FrontendError):
     as invalid). Never a worker's fault: routing health is not touched."""
 
 
-class ContextTooLong(InvalidRequest):
+class LimitExceeded(InvalidRequest):
+    """The request is over one of the frontend's configured limits
+    (:class:`~frontend.limits.RequestLimits`), named by *limit*; OpenAI's ``code`` for
+    the kind of bound (``array_above_max_length``, ``integer_above_max_value``, ...)."""
+
+    def __init__(self, message: str, *, limit: str, param: str | None, code: str) -> None:
+        super().__init__(message, param=param, code=code)
+        self.limit = limit
+
+
+class ContextTooLong(LimitExceeded):
     """Prompt plus requested completion exceed the model's context length."""
 
-    default_code = "context_length_exceeded"
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, limit="context_length", param=param,
+                         code="context_length_exceeded")  # fmt: skip
 
 
 class UnknownModel(FrontendError):
@@ -66,3 +84,18 @@ class NoWorkers(NoCapacity):
 class WorkerFailed(FrontendError):
     """A worker failed the request (an internal error, a broken stream after every
     migration, a reply the protocol does not allow)."""
+
+
+class RequestTimeout(FrontendError):
+    """The request's deadline (``--request-timeout`` seconds from its arrival) passed
+    before its response was complete. Its work was cancelled, on the worker too; the
+    client may retry, with a shorter request or later."""
+
+    default_code = "request_timeout"
+    limit = "request_timeout"
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            f"The request did not complete within this server's limit of {timeout:g} seconds"
+        )
+        self.timeout = timeout

@@ -192,7 +192,8 @@ class FrontendMetrics:
         # Admission (frontend.http.admission): the reasons are the labels of the one
         # counter, so another limit counts its refusals here under a reason of its own.
         self.rejected_requests_total = Counter(
-            f"{p}rejected_requests", "Requests turned away before any work, by reason",
+            f"{p}rejected_requests",
+            "Requests and connections turned away before any work, by reason",
             ["reason"], registry=r,
         )
         self.max_inflight_requests = Gauge(

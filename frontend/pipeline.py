@@ -42,6 +42,7 @@ from typing import Any, Generic, TypeVar
 import trio
 
 from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
+from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
 from frontend.preprocess.messages import TemplateError, completion_prompt
@@ -118,8 +119,12 @@ class Pipeline:
         router: Router,
         metrics: FrontendMetrics,
         dispatch: DispatchConfig | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.model_name = model_name
+        #: The request limits; the pipeline applies the cap on max_tokens to a request
+        #: that asked none (the HTTP layer checks those that did, before any work).
+        self.limits = limits or RequestLimits()
         self.context_length = context_length
         self.pool = pool
         self.tokenizer = pool.tokenizer
@@ -229,8 +234,17 @@ class Pipeline:
                 "prompt or the completion.",
                 param=param,
             )
+        max_tokens = (options.max_tokens if options.max_tokens is not None
+                      else self.limits.default_max_tokens(room))  # fmt: skip
+        if options.min_tokens > max_tokens:
+            # Only when max_tokens was not asked (the schema checks it against one that
+            # was): refused here, before any worker would refuse it mid-stream.
+            raise InvalidRequest(
+                f"'min_tokens' ({options.min_tokens}) exceeds the {max_tokens} tokens this "
+                "request may generate", param="min_tokens",
+            )  # fmt: skip
         return SamplingParams(
-            max_tokens=options.max_tokens if options.max_tokens is not None else room,
+            max_tokens=max_tokens,
             min_tokens=options.min_tokens,
             ignore_eos=options.ignore_eos,
             temperature=options.temperature,

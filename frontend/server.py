@@ -28,7 +28,7 @@ from frontend.http.group import GroupRelay
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
-from frontend.http.serving import ServerConfig, serve
+from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline
 from frontend.preprocess.pool import TokenizerPool
@@ -59,6 +59,8 @@ class Frontend:
         )
         self.template = ChatTemplate.from_tokenizer_config(files.config)
         self.metrics = FrontendMetrics()
+        for reason in REFUSAL_REASONS:  # every series from 0
+            self.metrics.rejected_requests_total.labels(reason)
         self.router = Router(
             config.router,
             health=HealthConfig(
@@ -83,6 +85,7 @@ class Frontend:
                 queue_timeout=config.queue_timeout,
                 queue_size=config.queue_size,
             ),
+            limits=config.limits,
         )
         # HTTP requests in flight: the loop monitor rests while there are none.
         self.activity = Activity()
@@ -103,7 +106,7 @@ class Frontend:
         self.admission = Admission(config.max_inflight, gauge=self.metrics.inflight_requests)
         self.app = create_app(
             self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
-            admission=self.admission,
+            admission=self.admission, limits=config.limits, api_keys=bool(config.api_keys),
         )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
@@ -145,17 +148,28 @@ class Frontend:
                 self.metrics.worker_state.labels(v.worker_id, v.role.value, state.value).set(value)
             self.metrics.worker_inflight.labels(v.worker_id, v.role.value).set(v.inflight)
 
+    def _count_refusal(self, reason: str) -> None:
+        self.metrics.rejected_requests_total.labels(reason).inc()
+
     def hypercorn_config(self) -> ServerConfig:
-        """The HTTP server's config: hypercorn's fields and the fixes' (read sizes at
-        their defaults), from this frontend's."""
+        """The HTTP server's config: hypercorn's fields, the fixes' (read sizes at their
+        defaults) and the transport limits', from this frontend's; the limits' refusals
+        count in ``rejected_requests_total``."""
+        cfg = self.config
         hc = ServerConfig()
-        if self.config.listen_fd is None:
-            hc.bind = [f"{self.config.host}:{self.config.port}"]
+        if cfg.listen_fd is None:
+            hc.bind = [f"{cfg.host}:{cfg.port}"]
         else:  # one of several processes: the shared socket, then a port of its own
-            hc.bind = [f"fd://{self.config.listen_fd}", f"{self.config.host}:0"]
-        hc.keep_alive_timeout = self.config.keep_alive_timeout
-        hc.graceful_timeout = self.config.graceful_timeout
-        hc.write_timeout = self.config.write_timeout
+            hc.bind = [f"fd://{cfg.listen_fd}", f"{cfg.host}:0"]
+        hc.certfile, hc.keyfile = cfg.ssl_certfile, cfg.ssl_keyfile  # both bound over TLS
+        hc.keep_alive_timeout = cfg.keep_alive_timeout
+        hc.graceful_timeout = cfg.graceful_timeout
+        hc.write_timeout = cfg.write_timeout
+        hc.h11_max_incomplete_size = cfg.max_header_bytes
+        hc.header_timeout = cfg.header_timeout
+        hc.body_read_timeout = cfg.read_timeout
+        hc.max_connections_per_client = cfg.max_connections_per_client
+        hc.on_refusal = self._count_refusal
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         return hc

@@ -131,8 +131,10 @@ async def run_overload(
     answers: Counter[str] = Counter()
     whole = broken = 0
     rss_samples: list[float] = []
+    # Every client is on loopback: no limit per client address, which would refuse
+    # connections beyond 256 before admission control saw them.
     extra = ("--max-inflight", str(max_inflight), "--speedup-ratio", "1", "--log-level", "info",
-             *serve_args)  # fmt: skip
+             "--max-connections-per-client", "0", *serve_args)  # fmt: skip
     async with trio.open_nursery() as nursery:
         server = await start_frontend(
             nursery, log_dir=log_dir, extra_args=extra, ready_within=120

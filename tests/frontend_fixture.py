@@ -8,8 +8,10 @@ time. The tokenizer is loaded once per session and shared (it is immutable).
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
@@ -160,3 +162,32 @@ def deliver_chunks_together(monkeypatch: pytest.MonkeyPatch) -> None:
         await send(self, value)
 
     monkeypatch.setattr(memory._ReplyChannel, "send", send_late)
+
+
+@contextmanager
+def frontend_in_thread(**overrides: Any) -> Iterator[str]:
+    """Run a frontend (as :func:`serve_frontend`) in a thread of its own, with its own
+    trio loop, for synchronous tests (Hypothesis' ``@given``, which runs each example
+    as a plain call); yields its base URL and stops it when the block ends."""
+    ready: queue.Queue[str | BaseException] = queue.Queue()
+    stop = threading.Event()
+
+    async def main() -> None:
+        try:
+            async with serve_frontend(**overrides) as (_, url):
+                ready.put(url)
+                await trio.to_thread.run_sync(stop.wait)
+        except BaseException as exc:
+            ready.put(exc)
+            raise
+
+    thread = threading.Thread(target=trio.run, args=(main,), name="frontend", daemon=True)
+    thread.start()
+    got = ready.get(timeout=120)
+    if isinstance(got, BaseException):
+        raise RuntimeError("the frontend did not start") from got
+    try:
+        yield got
+    finally:
+        stop.set()
+        thread.join(timeout=60)

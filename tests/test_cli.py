@@ -17,7 +17,8 @@ SERVE_OPTIONS = [
     "--tokenize-mode", "--tokenizer-threads", "--engine", "--mode", "--speedup-ratio",
     "--log-level", "--max-body-bytes", "--workers", "--discovery", "--router", "--ack-timeout",
     "--no-instrument", "--stall-threshold-ms", "--max-inflight", "--drain-timeout",
-    "--graceful-timeout",
+    "--graceful-timeout", "--write-timeout", "--ssl-certfile", "--ssl-keyfile",
+    "--max-header-bytes", "--header-timeout", "--read-timeout", "--max-connections-per-client",
 ]
 
 
@@ -102,3 +103,20 @@ def test_api_keys_come_from_flags_and_the_environment(
     config = config_from_args(args)
     assert config.api_keys == ("flag-1", "flag-2", "env-1", "env-2", "file-1")
     assert "flag-1" not in repr(config)  # keys stay out of logs
+
+
+def test_tls_files_are_checked_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from headwater.cli import main
+
+    missing = str(tmp_path / "missing.pem")
+    assert main(["serve", "--ssl-certfile", missing]) == 2
+    assert "both --ssl-certfile and --ssl-keyfile" in capsys.readouterr().err
+    assert main(["serve", "--ssl-certfile", missing, "--ssl-keyfile", missing]) == 2
+    assert missing in capsys.readouterr().err
+    plane = ["--plane-tls-certfile", missing, "--plane-tls-keyfile", missing]
+    assert main(["serve", *plane]) == 2
+    assert "all three" in capsys.readouterr().err
+    assert main(["serve", *plane, "--plane-tls-ca-file", missing]) == 2
+    assert missing in capsys.readouterr().err

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from typing import Any, NamedTuple
 
+import h11._receivebuffer
 import httpx
 import hypercorn.protocol
 import hypercorn.protocol.h11
@@ -39,7 +40,7 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 
 import frontend.http.serving
-from frontend.http.serving import ServerConfig, serve
+from frontend.http.serving import ServerConfig, limits, serve
 from frontend.http.serving.h11_protocol import HeadWithBodyH11Protocol
 from frontend.http.serving.tcp_server import HeadwaterTCPServer, IdleDeadline
 
@@ -51,7 +52,7 @@ class Fingerprint(NamedTuple):
     assumes: str  # what frontend/http/serving (or the middleware) takes for granted of it
 
 
-#: Taken on Hypercorn 0.18.0, Quart 0.22.0, quart-trio 0.12.0.
+#: Taken on Hypercorn 0.18.0, Quart 0.22.0, quart-trio 0.12.0, h11 0.16.0.
 UPSTREAM: dict[str, Fingerprint] = {
     # -- serve: a trimmed copy of hypercorn's trio serve + worker_serve -------------------
     "hypercorn.trio.serve": Fingerprint(
@@ -71,7 +72,14 @@ UPSTREAM: dict[str, Fingerprint] = {
     ),
     "hypercorn.config.Config.create_sockets": Fingerprint(
         "3ba0bab3918e423892feb61b957284db8c1dbad94c4b03b07503e620d44c0191",
-        "without TLS every bind is an insecure socket; serving.serve listens on those only",
+        "with certfile and keyfile (ssl_enabled) every bind is a secure socket and every "
+        "insecure_bind an insecure one; without, every bind is insecure. serving.serve "
+        "serves the secure ones through trio.SSLListener, as worker_serve does",
+    ),
+    "hypercorn.config.Config.create_ssl_context": Fingerprint(
+        "66241a00f51671986aecac9b4e4e36311b47cabe2d0eb8d8fc0619980b975a35",
+        "a server context (TLS 1.2 at least) with config.alpn_protocols and the cert chain, "
+        "None without TLS; serving.serve sets its ALPN to http/1.1 only afterwards",
     ),
     "hypercorn.config.Config._create_sockets": Fingerprint(
         "f9db20c33480ad651c9a2bf440e47cdaaf79424157cd3c534daa9f7e946eb58d",
@@ -98,7 +106,9 @@ UPSTREAM: dict[str, Fingerprint] = {
         "fd34b021d1a86c9859514de9472306ea47f4a6763732b26b7a5945278ded0e08",
         "builds self.protocol (a ProtocolWrapper) and calls only its initiate() and "
         "idle_task.restart(self._task_group, self._idle_timeout) before _read_data(), "
-        "where the H11Protocol is replaced: nothing is sent before that",
+        "where the H11Protocol is replaced: nothing is sent before that. It tells a TLS "
+        "stream by do_handshake (awaited again: a no-op once serving.serve did it) and "
+        "reads the peer from its transport_stream",
     ),
     "hypercorn.trio.tcp_server.TCPServer.protocol_send": Fingerprint(
         "225856426bff7be02990c0badb90f51f801db14ac5db0f3d0c210cafbeb528ab",
@@ -108,7 +118,13 @@ UPSTREAM: dict[str, Fingerprint] = {
     "hypercorn.trio.tcp_server.TCPServer._read_data": Fingerprint(
         "7ca747d922c65cf1fb6bd7ceabe82b0b51bb9de218ce159d7b7e093ec279f728",
         "the override is a copy (read_timeout per read, RawData per read, Closed at EOF or "
-        "error) with reads of config.read_size/read_size_large and idle_task.end()",
+        "error) with reads of config.read_size/read_size_large, idle_task.end(), and the "
+        "deadlines of header_timeout and body_read_timeout",
+    ),
+    "hypercorn.trio.tcp_server.TCPServer._close": Fingerprint(
+        "bc73c4ae25a1ceec1d535639443b57b3d3dea8b03c5375d58bf9702b8056ee15",
+        "closes a TLS stream too (send_eof raises AttributeError there): aclose, which an "
+        "https_compatible SSLStream does without a close_notify, so it cannot block",
     ),
     "hypercorn.trio.tcp_server.TCPServer._idle_timeout": Fingerprint(
         "210ce1014d98e1cba3c0e2218c53a1c1a1c361cd86457168cbb9391ebb139d1d",
@@ -143,7 +159,8 @@ UPSTREAM: dict[str, Fingerprint] = {
     "hypercorn.protocol.h11.H11Protocol.__init__": Fingerprint(
         "c7c989fd6a352626afee9d339296d51b2db1dfa05ad75ccdc7080799d6d6a5a3",
         "building one has no effect beyond the object, so the one the wrapper built and "
-        "HeadwaterTCPServer discards leaves nothing behind",
+        "HeadwaterTCPServer discards leaves nothing behind; its h11.Connection refuses "
+        "an incomplete event over config.h11_max_incomplete_size (--max-header-bytes)",
     ),
     "hypercorn.protocol.h11.H11Protocol.initiate": Fingerprint(
         "26647521eaf1bc259a6592167ffedd82cf8a742cb070985e0dfc1c20ad6344e0",
@@ -160,7 +177,31 @@ UPSTREAM: dict[str, Fingerprint] = {
     ),
     "hypercorn.protocol.h11.H11Protocol._send_error_response": Fingerprint(
         "58c2b47ae295d000c65a2216fa6afd9efb1ea05363a40d5dbf427b1d2b41b4c7",
-        "its head (content-length: 0) is held until its EndOfMessage, one write",
+        "its head (content-length: 0) is held until its EndOfMessage, one write. The "
+        "override sends 431 and 408 with a body and the same head fields, the rest as it is",
+    ),
+    "hypercorn.protocol.h11.H11Protocol._handle_events": Fingerprint(
+        "bd4a76b2837e872273a69e31a827fbcfd6a74c31bfcc59ac6ece1976af9aaed1",
+        "an h11 RemoteProtocolError (431: head too large) is answered with "
+        "_send_error_response(error_status_hint) while no response has started, then "
+        "Closed; a Request stops the idle timer (Updated(idle=False))",
+    ),
+    "hypercorn.protocol.h11.H11Protocol._create_stream": Fingerprint(
+        "a2338a57ab343908f55d6a93b9d4a69aa6ccc39e49fc387e66b286f5cb274743",
+        "keep_alive_requests grows by one per request head: _read_data sees by it that a "
+        "head ended (even when its whole request was served in the same handle call)",
+    ),
+    # -- h11, under hypercorn's H11Protocol --------------------------------------------------
+    "h11._connection.Connection.next_event": Fingerprint(
+        "7d3288bcc261c49c5423dde1a02204cda592867cb286f2371abf8aa67cfa4648",
+        "raises RemoteProtocolError(error_status_hint=431) for an event still incomplete "
+        "with more than max_incomplete_event_size bytes buffered, and only then: "
+        "limits.head_piece cuts a head that arrives whole so that this holds for it",
+    ),
+    "h11._receivebuffer.ReceiveBuffer.maybe_extract_lines": Fingerprint(
+        "435e54e6db463e3195959055e6d7c544e29f1afe3daaa3785e3208ceb3401052",
+        "a head ends at the first blank line (blank_line_regex, which limits._BLANK_LINE "
+        "copies)",
     ),
     # -- ShieldFinalSend (frontend/http/middleware.py) ---------------------------------------
     "hypercorn.protocol.http_stream.HTTPStream.app_send": Fingerprint(
@@ -195,7 +236,7 @@ def _resolve(name: str) -> Any:
 
 
 def _versions() -> str:
-    pinned = ("hypercorn", "quart", "quart-trio")
+    pinned = ("hypercorn", "quart", "quart-trio", "h11")
     return ", ".join(f"{d} {importlib.metadata.version(d)}" for d in pinned)
 
 
@@ -238,12 +279,19 @@ def test_every_override_is_fingerprinted_and_no_new_name_clashes(
 def test_the_config_fields_of_the_fixes_are_not_hypercorns() -> None:
     # hypercorn reads its own fields; one of the same name added upstream would be both.
     ours = {name for name in vars(ServerConfig) if not name.startswith("_")}
-    assert ours == {"write_timeout", "read_size", "read_size_large"}
+    assert ours == {
+        "write_timeout", "read_size", "read_size_large", "header_timeout", "body_read_timeout",
+        "max_connections_per_client", "on_refusal", "refused",
+    }  # fmt: skip
     assert not [name for name in ours if hasattr(Config, name)]
 
 
+def test_the_head_ends_where_h11_ends_it() -> None:
+    assert limits._BLANK_LINE.pattern == h11._receivebuffer.blank_line_regex.pattern
+
+
 def test_the_public_names() -> None:
-    assert frontend.http.serving.__all__ == ["ServerConfig", "serve"]
+    assert frontend.http.serving.__all__ == ["REFUSAL_REASONS", "ServerConfig", "serve"]
     assert issubclass(ServerConfig, Config)
 
 
@@ -386,11 +434,17 @@ async def test_serve_serves_an_inherited_listening_socket() -> None:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"certfile": "c.pem", "keyfile": "k.pem"}, {"quic_bind": ["127.0.0.1:0"]},
-     {"statsd_host": "127.0.0.1:8125"}, {"max_requests": 10}],
-)  # fmt: skip
+    [{"quic_bind": ["127.0.0.1:0"]}, {"statsd_host": "127.0.0.1:8125"}, {"max_requests": 10}],
+)
 async def test_serve_refuses_what_it_does_not_support(fields: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="does not support"):
+        await serve(_App(), _config(**fields), shutdown_trigger=trio.sleep_forever)
+
+
+@pytest.mark.parametrize("fields", [{"certfile": "c.pem"}, {"keyfile": "k.pem"}])
+async def test_serve_refuses_half_a_tls_config(fields: dict[str, Any]) -> None:
+    # hypercorn would serve plain HTTP with either alone.
+    with pytest.raises(ValueError, match="both a certfile and a keyfile"):
         await serve(_App(), _config(**fields), shutdown_trigger=trio.sleep_forever)
 
 

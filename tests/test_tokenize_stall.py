@@ -3,8 +3,9 @@
 A lag probe on the loop measures how late a 1 ms sleep wakes up while 8 concurrent
 ~40k-token prompts are tokenized through the pool. The ``inline`` and ``thread-gil``
 modes reproduce the failure; ``thread`` (the default) is the fix. The bounds are
-generous so the test never flakes on a busy machine; docs/performance.md has the
-measured figures.
+generous, and the fix's lag is the least of three runs: on a busy machine the OS adds
+lateness to some runs (never takes it away), while a loop that really stalls is late in
+every run. docs/performance.md has the measured figures.
 """
 
 from __future__ import annotations
@@ -73,17 +74,22 @@ async def _max_lag_while_tokenizing(tokenizer: Tokenizer, mode: str, seed: int) 
     return max(lags)
 
 
+async def _least_lag(tokenizer: Tokenizer, mode: str, seed: int, runs: int = 3) -> float:
+    """The least of *runs* max lags (other processes only ever add lateness)."""
+    return min([await _max_lag_while_tokenizing(tokenizer, mode, seed + i) for i in range(runs)])
+
+
 async def test_thread_mode_keeps_the_loop_free_with_hf(hf_tokenizer: Tokenizer) -> None:
     inline = await _max_lag_while_tokenizing(hf_tokenizer, "inline", seed=1)
     gil = await _max_lag_while_tokenizing(hf_tokenizer, "thread-gil", seed=2)
-    thread = await _max_lag_while_tokenizing(hf_tokenizer, "thread", seed=3)
+    thread = await _least_lag(hf_tokenizer, "thread", seed=3)
     assert thread < 0.050, f"thread mode lagged {thread * 1000:.1f} ms"
     assert thread * 3 <= inline, (thread, inline)
     assert thread * 3 <= gil, (thread, gil)
 
 
 async def test_fastokens_thread_mode_keeps_the_loop_free(fast_tokenizer: Tokenizer) -> None:
-    lag = await _max_lag_while_tokenizing(fast_tokenizer, "thread", seed=4)
+    lag = await _least_lag(fast_tokenizer, "thread", seed=4)
     assert lag < 0.050, f"fastokens thread mode lagged {lag * 1000:.1f} ms"
 
 

@@ -20,7 +20,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -30,6 +30,7 @@ from headwater.etcd.client import etcd_endpoints
 from headwater.plane.connection import PlaneConfig
 from headwater.plane.kv import KvSource, TcpKvTransfer, open_kv_transfer
 from headwater.plane.server import PlaneServer, ServerConfig, check_bind
+from headwater.plane.tls import TlsConfig, check_certificate
 from headwater.wire import Role
 from headwater.wire.addresses import format_tcp_address
 from workers.engines import registry
@@ -69,6 +70,10 @@ class WorkerConfig:
     #: Seconds in-flight requests get to finish after SIGTERM.
     drain_timeout: float = 30.0
     secret: bytes | None = field(default=None, repr=False)
+    #: Mutual TLS on both of this worker's sides of the plane: its listener, and (decode,
+    #: agg) its KV pulls from prefill workers; it replaces ``plane.tls``. Its certificate
+    #: must name the advertised host, which :func:`serve_worker` checks. None: plain TCP.
+    tls: TlsConfig | None = None
     #: Port of the metrics endpoint; 0 = off.
     metrics_port: int = 0
     #: etcd to register in (``etcd://host:port[,host:port]``); empty = no registration.
@@ -132,7 +137,9 @@ async def serve_worker(
     """Serve one worker until *shutdown_trigger* returns, then drain and return.
 
     Order: check the bind (raises :class:`~headwater.plane.server.InsecureBind`
-    off loopback without a secret), bind (OSError if taken), build engine and
+    off loopback without a secret) and, with ``config.tls``, the certificate (raises
+    ValueError unless peers would accept it for the advertised host, OSError for an
+    unreadable file), bind (OSError if taken), build engine and
     runtime, serve, run *on_ready* hooks (an exception there is fatal: a worker that
     cannot register is useless), report :class:`RunningWorker`. At shutdown: *on_stop*
     hooks (each bounded, errors logged), goaway, drain for ``drain_timeout``, close.
@@ -140,9 +147,12 @@ async def serve_worker(
     """
     host, port = split_host_port(config.listen)
     check_bind(host, config.secret)
+    advertised = advertised_host(config, host)
+    if config.tls is not None:
+        check_certificate(config.tls, advertised)
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound_port = listeners[0].socket.getsockname()[1]
-    address = format_tcp_address(_advertised_host(config, host), bound_port)
+    address = format_tcp_address(advertised, bound_port)
     try:
         async with _open_engine(config, address) as (engine, kv_transfer), open_runtime(
             engine, config.worker_id
@@ -166,7 +176,7 @@ async def _open_engine(
         return
     async with open_kv_transfer(
         peer_id=config.worker_id, role=str(config.role), secret=config.secret,
-        config=config.plane,
+        config=replace(config.plane, tls=config.tls),
     ) as kv_transfer:  # fmt: skip
         yield _build(config, address, kv_transfer), kv_transfer
 
@@ -197,6 +207,7 @@ async def _serve(
         kv_source=engine if isinstance(engine, KvSource) else None,
         stats=lambda: worker_stats(runtime, kv_transfer),
         load=partial(load_of, runtime),
+        tls=config.tls,
     )
     worker = RunningWorker(
         address, config.worker_id, config.role, config.model_name, runtime, server, kv_transfer
@@ -281,7 +292,9 @@ async def _run_stop_hooks(hooks: Sequence[StopHook]) -> None:
             log.warning("on-stop hook %r took over %g s; skipped", hook, _HOOK_TIMEOUT)
 
 
-def _advertised_host(config: WorkerConfig, host: str) -> str:
+def advertised_host(config: WorkerConfig, host: str) -> str:
+    """The host peers reach this worker at: ``advertise_host``, else the listen *host*,
+    or this machine's hostname for a wildcard."""
     if config.advertise_host:
         return config.advertise_host
     if host in ("0.0.0.0", "::"):

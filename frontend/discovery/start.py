@@ -48,7 +48,7 @@ def connect_for(
     discovery: Discovery, config: FrontendConfig, attribution: StallAttribution | None = None
 ) -> Connect:
     """How to reach what *discovery* reports: in-process clients for the local cluster,
-    the TCP request plane (with the configured ACK timeout) for everything else; both
+    the TCP request plane (with the configured ACK timeout and TLS) for everything else; both
     excuse deadlines missed while this loop stalled when given *attribution*."""
     if isinstance(discovery, LocalCluster):
         discovery.attribution = attribution
@@ -57,7 +57,7 @@ def connect_for(
     from headwater.plane.connection import PlaneConfig
 
     return partial(
-        connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout),
+        connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout, tls=config.plane_tls),
         attribution=attribution,
     )  # fmt: skip
 

@@ -7,10 +7,14 @@ SSE body), which unwinds the pipeline and cancels the work on the worker.
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI's API, unary
 and SSE), ``POST /inference/v1/generate`` (the token-in API, vLLM's shape: token ids
 in and out, unary and SSE), ``GET /v1/models``, ``GET /v1/models/<id>``,
-``GET /health``, ``GET /live``. Every POST route goes through one ``_serve``: the
-pipeline, the metrics, errors before and after a stream started; the routes differ
-only in their schema, their preprocess stage, what they take from the pipeline
+``GET /health``, ``GET /live``, and ``GET /openapi.json``, the document of them all
+(:mod:`frontend.http.openapi`, from the same models the routes validate with).
+Every POST route goes through one ``_serve``: the pipeline, the metrics, the request's
+deadline (``--request-timeout``), errors before and after a stream started; the routes
+differ only in their schema, their preprocess stage, what they take from the pipeline
 (text or token deltas) and their response format (:mod:`frontend.http.responses`).
+A refusal by a configured limit (:mod:`frontend.limits`; the body size; the deadline)
+is counted in ``rejected_requests_total`` under the limit's name.
 Observability routes (``/metrics``, ``/debug/*``, ``/dashboard``) come from
 :mod:`frontend.http.observability`. The generation routes (:data:`GENERATION_PATHS`)
 are admitted by :mod:`frontend.http.admission` before their handler runs; ``/health``
@@ -32,11 +36,15 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from frontend.deadline import Deadline
 from frontend.errors import FrontendError, NoWorkers, UnknownModel
 from frontend.http.admission import Admission
 from frontend.http.errors import ApiError, api_error, bad_request
+from frontend.http.models import REQUEST_MODELS
+from frontend.http.openapi import OPENAPI_PATH, openapi_json
 from frontend.http.responses import D, OpenAIFormat, ResponseFormat, TokenFormat
 from frontend.http.schema import parse_generate_request, parse_request
+from frontend.limits import LIMITS, RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline, Prepared, R
 
@@ -63,11 +71,28 @@ def error_response(err: ApiError) -> Response:
 
 
 def create_app(
-    pipeline: Pipeline, metrics: FrontendMetrics, *, max_body_bytes: int, admission: Admission
+    pipeline: Pipeline,
+    metrics: FrontendMetrics,
+    *,
+    max_body_bytes: int,
+    admission: Admission,
+    limits: RequestLimits | None = None,
+    api_keys: bool = False,
 ) -> QuartTrio:
     """Build the app. The caller owns *pipeline* and serves the app with hypercorn,
     behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*
-    (which this app reads for ``/health``)."""
+    (which this app reads for ``/health``), and behind
+    :class:`~frontend.http.auth.RequireApiKey` if *api_keys* (which ``/openapi.json``
+    then declares). *limits* default to :class:`~frontend.limits.RequestLimits`'s."""
+    lim = limits or RequestLimits()
+    # The models the routes validate with, read once: the document describes these.
+    bodies = dict(REQUEST_MODELS)
+    document = openapi_json(
+        bodies, limits=lim, context_length=pipeline.context_length, api_keys=api_keys,
+        model_name=pipeline.model_name,
+    )
+    for name in LIMITS:  # every series from the start, at 0: rate() sees the first
+        metrics.rejected_requests_total.labels(name)
     app = QuartTrio("headwater")
     # Quart cuts responses at RESPONSE_TIMEOUT (60 s by default): that silently
     # truncates long SSE streams. Request lifetimes are ours to manage.
@@ -83,17 +108,25 @@ def create_app(
 
     @app.errorhandler(FrontendError)
     async def _frontend_error(err: FrontendError) -> Response:
+        _count_limit(err)
         return error_response(api_error(err))
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
+        if status == 413:
+            metrics.rejected_requests_total.labels("max_body_bytes").inc()
         messages = {
             404: f"Unknown path {request.path}",
             405: f"Method {request.method} is not allowed on {request.path}",
             413: f"Request body is larger than the limit of {max_body_bytes} bytes",
         }
-        return error_response(ApiError(status, messages.get(status, exc.description or "")))
+        # A 405 says which methods the path takes (RFC 9110 requires Allow).
+        allowed = getattr(exc, "valid_methods", None) if status == 405 else None
+        headers = {"Allow": ", ".join(allowed)} if allowed else None
+        return error_response(
+            ApiError(status, messages.get(status, exc.description or ""), headers=headers)
+        )
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
@@ -116,6 +149,10 @@ def create_app(
         status = "draining" if draining else "healthy" if ok else "unhealthy"
         return json_response({"status": status, "workers": views}, 200 if ok else 503)
 
+    @app.get(OPENAPI_PATH)
+    async def openapi() -> Response:
+        return json_response(document)
+
     @app.get("/v1/models")
     async def models() -> Response:
         return json_response({"object": "list", "data": [_model_card(model, created)]})
@@ -137,7 +174,7 @@ def create_app(
     @app.post(GENERATE_PATH)
     async def generate() -> Response:
         """The token-in API: token ids in, token ids out (vLLM's shape)."""
-        parsed = parse_generate_request(await _parse())
+        parsed = parse_generate_request(await _parse(), lim, model=bodies["generate"])
         if parsed.model is not None and parsed.model != model:
             raise UnknownModel(parsed.model)
         return await _serve(
@@ -146,7 +183,7 @@ def create_app(
         )  # fmt: skip
 
     async def _serve_openai(endpoint: str) -> Response:
-        parsed = parse_request(await _parse(), endpoint)
+        parsed = parse_request(await _parse(), endpoint, lim, model=bodies[endpoint])
         if parsed.model != model:
             raise UnknownModel(parsed.model)
         return await _serve(
@@ -163,19 +200,22 @@ def create_app(
     ) -> Response:
         """Serve one validated request, whichever API: *prepare* it (the pipeline's
         preprocess stage), then *produce* its deltas (the rest of the pipeline) and
-        answer them in *response_format*, as one body or as SSE. Books its metrics."""
+        answer them in *response_format*, as one body or as SSE, all before the request's
+        deadline. Books its metrics."""
         kind = "stream" if stream else "unary"
         status = "error"
+        deadline = Deadline(lim.request_timeout)
         try:
-            prep = await prepare()
+            prep = await deadline.run(prepare)
             metrics.input_sequence_tokens.observe(len(prep.prompt_ids))
             if not pipeline.ready():
                 raise NoWorkers("no routable worker for this model")
+            fmt = response_format(prep)
             if stream:
                 status = "streaming"  # the body generator books the final status
-                body = _stream(endpoint, prep, produce, response_format(prep))
+                body = _stream(endpoint, prep, deadline.iterate(produce(prep)), fmt)
                 return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
-            response = await _unary(prep, produce, response_format(prep))
+            response = await _unary(prep, deadline.iterate(produce(prep)), fmt)
             status = "success"
             return response
         except (ApiError, FrontendError) as err:
@@ -192,6 +232,10 @@ def create_app(
         finally:
             if status != "streaming":
                 metrics.requests_total.labels(endpoint, kind, status).inc()
+
+    def _count_limit(err: FrontendError) -> None:
+        if err.limit is not None:
+            metrics.rejected_requests_total.labels(err.limit).inc()
 
     def _client_gone() -> None:
         # Leaving the pipeline cancelled the request on its worker too.
@@ -213,12 +257,10 @@ def create_app(
             raise bad_request(f"Malformed JSON body: {exc}") from exc
 
     async def _unary(
-        prep: Prepared[R],
-        produce: Callable[[Prepared[R]], AsyncGenerator[D, None]],
-        fmt: ResponseFormat[D],
+        prep: Prepared[R], produced: AsyncGenerator[D, None], fmt: ResponseFormat[D]
     ) -> Response:
         start = trio.current_time()
-        async with aclosing(produce(prep)) as stream:
+        async with aclosing(produced) as stream:
             deltas = [d async for d in stream]
         # The pipeline always ends with a finishing delta (or raises).
         last = deltas[-1]
@@ -227,9 +269,7 @@ def create_app(
         return json_response(fmt.unary(deltas))
 
     async def _stream(
-        endpoint: str,
-        prep: Prepared[R],
-        produce: Callable[[Prepared[R]], AsyncGenerator[D, None]],
+        endpoint: str, prep: Prepared[R], produced: AsyncGenerator[D, None],
         fmt: ResponseFormat[D],
     ) -> AsyncIterator[bytes]:
         """The SSE body. Events that are ready together leave in one write: the opening
@@ -240,7 +280,7 @@ def create_app(
         last: D | None = None
         pending = fmt.opening()  # written with the next event
         try:
-            async with aclosing(produce(prep)) as deltas:
+            async with aclosing(produced) as deltas:
                 async for d in deltas:
                     last = d
                     pending += fmt.event(d)
@@ -253,6 +293,7 @@ def create_app(
         except FrontendError as err:
             # Headers are gone already: report in-stream, as OpenAI does.
             status = "error"
+            _count_limit(err)
             pending += fmt.error(api_error(err).body())
         except Exception:
             status = "error"

@@ -23,6 +23,7 @@ from frontend.errors import (
     FrontendError,
     InvalidRequest,
     NoCapacity,
+    RequestTimeout,
     UnknownModel,
     WorkerFailed,
 )
@@ -33,6 +34,7 @@ STATUS: dict[type[FrontendError], int] = {
     UnknownModel: 404,
     WorkerFailed: 502,
     NoCapacity: 503,
+    RequestTimeout: 504,
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -67,15 +68,21 @@ class GroupRelay:
             raise GroupViewUnavailable(f"no answer within {RELAY_TIMEOUT_S:g} s") from exc
 
 
-async def http_get(host: str, port: int, target: str, headers: Mapping[str, str]) -> Relayed:
+async def http_get(
+    host: str, port: int, target: str, headers: Mapping[str, str],
+    tls: ssl.SSLContext | None = None,
+) -> Relayed:
     """One plain HTTP/1.1 GET on a new connection (``Connection: close``), read to its
     end: what a group's processes and their supervisor ask each other on loopback (no
-    TLS, no pool, no proxy). Bound it with a cancel scope. Raises GroupViewUnavailable."""
+    pool, no proxy; over *tls* when the processes' private ports serve HTTPS). Bound it
+    with a cancel scope. Raises GroupViewUnavailable."""
     head = f"GET {target} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n"
     head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     data = b""
     try:
-        stream = await trio.open_tcp_stream(host, port)
+        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+        if tls is not None:  # https_compatible: a close without close_notify ends the body
+            stream = trio.SSLStream(stream, tls, server_hostname=host, https_compatible=True)
         async with stream:
             await stream.send_all((head + "\r\n").encode("latin-1"))
             while chunk := await stream.receive_some(65536):

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import fields
@@ -20,6 +21,7 @@ import trio
 
 from frontend.config import FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
+from frontend.limits import RequestLimits
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
@@ -47,8 +49,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413")
     h.add_argument("--keep-alive-timeout", type=positive_float, default=_D.keep_alive_timeout,
                    help="seconds an idle keep-alive connection stays open")
-    h.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
-                   help="seconds a client may stall reading before it is dropped")
+    h.add_argument("--ssl-certfile", default=_D.ssl_certfile, metavar="PEM",
+                   help="serve HTTPS with this certificate chain (with --ssl-keyfile); the "
+                        "URLs printed and announced are then https://")
+    h.add_argument("--ssl-keyfile", default=_D.ssl_keyfile, metavar="PEM",
+                   help="the private key of --ssl-certfile")
+
+    t = p.add_argument_group("slow and greedy clients (docs/security.md; each refusal counts "
+                             "in headwater_frontend_rejected_requests_total{reason})")
+    t.add_argument("--max-header-bytes", type=_header_bytes, default=_D.max_header_bytes,
+                   help="largest request head (request line and header fields); a larger "
+                        "one gets 431 (reason header_too_large)")
+    t.add_argument("--header-timeout", type=positive_float, default=_D.header_timeout,
+                   help="seconds a request head may take from its first byte, and a TLS "
+                        "handshake from the connection's accept; then 408 and the "
+                        "connection closes (header_timeout, tls_handshake_timeout)")
+    t.add_argument("--read-timeout", type=positive_float, default=_D.read_timeout,
+                   help="seconds a request body may go without a byte; then the connection "
+                        "closes (read_timeout). Not while a response streams")
+    t.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
+                   help="seconds a client may stall reading before it is dropped "
+                        "(write_timeout)")
+    t.add_argument("--max-connections-per-client", type=_non_negative_int,
+                   default=_D.max_connections_per_client,
+                   help="connections open at once per client IP address (loopback too); one "
+                        "more is closed at once (too_many_connections). Behind a proxy all "
+                        "are the proxy's: raise it, or 0 for no limit")
     h.add_argument("--max-inflight", type=_non_negative_int, default=_D.max_inflight,
                    help="generation requests (chat, completions) in flight at once, per "
                         "process; one more gets 429 with Retry-After before its body is read "
@@ -124,6 +150,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="times a broken stream may move to another worker")
     w.add_argument("--route-attempts", type=positive_int, default=_D.route_attempts,
                    help="workers tried when one cannot be reached")
+    w.add_argument("--plane-tls-certfile", default=None, metavar="PEM",
+                   help="mutual TLS to remote workers (with --plane-tls-keyfile and "
+                        "--plane-tls-ca-file): this frontend's certificate chain")
+    w.add_argument("--plane-tls-keyfile", default=None, metavar="PEM",
+                   help="the private key of --plane-tls-certfile")
+    w.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
+                   help="the CA the workers' certificates must chain to; each must name "
+                        "the host the worker is reached at (its advertised host)")
 
     f = p.add_argument_group("worker health and overload (docs/fault-tolerance.md)")
     f.add_argument("--inhibit-after", type=positive_int, default=_D.inhibit_after,
@@ -149,6 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "send it to a busy worker at once)")
     f.add_argument("--queue-size", type=positive_int, default=_D.queue_size,
                    help="requests that may wait so at once; more get 503 at once")
+
+    lim = p.add_argument_group("request limits (docs/security.md; 0 turns one off)")
+    add_config_options(lim, RequestLimits)
 
     o = p.add_argument_group("observability")
     o.add_argument("--no-instrument", dest="instrument", action="store_false",
@@ -177,6 +214,13 @@ def process_count(text: str) -> int:
     return positive_int(text)
 
 
+def _header_bytes(text: str) -> int:
+    value = int(text)
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1024, got {value}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -193,16 +237,30 @@ def _non_negative_float(text: str) -> float:
 
 def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     """Raises ValueError for a value the engine's config rejects or a bad API key,
-    OSError for an unreadable keys file."""
-    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys"}
+    OSError for an unreadable keys file or TLS file (``ssl.SSLError`` for one that is
+    not a certificate or key, or a key that does not match)."""
+    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
     engine_config = config_from_args(registry.config_type(args.engine), args)
+    limits = config_from_args(RequestLimits, args)
     api_keys = load_api_keys(
         args.api_key or (), env=os.environ.get(API_KEYS_ENV), file=args.api_keys_file
     )
-    return FrontendConfig(
+    config = FrontendConfig(
         **{k: v for k, v in vars(args).items() if k in names}, engine_config=engine_config,
-        api_keys=api_keys,
+        api_keys=api_keys, limits=limits,
     )  # fmt: skip
+    # The files are read now, not at the first connection: a bad one is a bad option.
+    if config.ssl_certfile and config.ssl_keyfile:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        except OSError as exc:  # ssl's own errors name no file
+            reason = exc.strerror or getattr(exc, "reason", None) or exc
+            raise OSError(exc.errno, f"--ssl-certfile {config.ssl_certfile}, --ssl-keyfile "
+                                     f"{config.ssl_keyfile}: {reason}") from exc
+    if (plane_tls := config.plane_tls) is not None:
+        plane_tls.client_context()
+    return config
 
 
 def main(args: argparse.Namespace) -> int:

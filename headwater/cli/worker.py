@@ -35,6 +35,7 @@ from headwater.cli.options import (
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
 from headwater.plane.server import check_bind
+from headwater.plane.tls import check_certificate, tls_config
 from headwater.wire import Role
 from headwater.wire.handshake import load_secret
 from workers.engines import registry
@@ -42,6 +43,7 @@ from workers.lifecycle import (
     READY_PREFIX,
     RunningWorker,
     WorkerConfig,
+    advertised_host,
     serve_worker,
     split_host_port,
 )
@@ -64,6 +66,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--plane-secret-file", default=None,
       help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
       "to listen beyond loopback")
+    t = parser.add_argument_group(
+        "plane TLS (all three or none; docs/request-plane.md)",
+        "Mutual TLS on this worker's listener and on its KV pulls; the secret's handshake "
+        "still runs inside it.",
+    )
+    t.add_argument("--plane-tls-certfile", default=None, metavar="PEM",
+                   help="this worker's certificate chain; it must name the advertised host "
+                        "(--advertise-host, else the listen host) and allow server and "
+                        "client use")
+    t.add_argument("--plane-tls-keyfile", default=None, metavar="PEM",
+                   help="the private key of --plane-tls-certfile")
+    t.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
+                   help="the CA that every peer's certificate (frontends, other workers) "
+                        "must chain to; nothing else is trusted")
     a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
     a("--discovery", default="",
       help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
@@ -90,6 +106,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         worker_id=args.worker_id,
         drain_timeout=args.drain_timeout,
         secret=load_secret(args.plane_secret_file),
+        tls=tls_config(args.plane_tls_certfile, args.plane_tls_keyfile, args.plane_tls_ca_file),
         metrics_port=args.metrics_port,
         discovery=args.discovery,
         lease_ttl=args.lease_ttl,
@@ -102,7 +119,10 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
         config = worker_config_from_args(args)
-        check_bind(split_host_port(config.listen)[0], config.secret)
+        host = split_host_port(config.listen)[0]
+        check_bind(host, config.secret)
+        if config.tls is not None:
+            check_certificate(config.tls, advertised_host(config, host))
     except (ValueError, OSError) as exc:
         print(f"headwater worker: {exc}", file=sys.stderr)
         return 2

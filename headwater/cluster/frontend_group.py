@@ -63,7 +63,7 @@ from trio_util import wait_any
 
 from frontend.config import FrontendConfig
 from headwater.cluster.children import LaunchError, watch
-from headwater.cluster.group_view import GroupView, Member
+from headwater.cluster.group_view import GroupView, Member, private_port_tls
 from headwater.cluster.recipes import (
     FrontendProcess,
     frontend_announced,
@@ -179,7 +179,7 @@ async def supervise(
     given up.
     """
     host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    url = f"{config.scheme}://{host}:{port}"
     group_url = f"http://127.0.0.1:{view_sock.getsockname()[1]}"
     given_up = trio.Event()
     fd = sock.fileno()
@@ -203,8 +203,10 @@ async def supervise(
             out["zygote"] = zygote.pid
         return out
 
+    tls = private_port_tls(config.ssl_certfile) if config.ssl_certfile else None
     group = GroupView(members, others=others, api_keys=config.api_keys,
-                      metrics_auth=config.metrics_auth, started_at=started_at)  # fmt: skip
+                      metrics_auth=config.metrics_auth, started_at=started_at,
+                      tls=tls)  # fmt: skip
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(view_sock.dup()))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:

@@ -13,12 +13,15 @@ prometheus-client's multiprocess mode: :mod:`headwater.cluster.group_metrics`.
 The responder is a small HTTP/1.1 one (one request per connection, as a worker's
 metrics endpoint): its only clients are the group's own processes. With API keys it
 wants the same ``Authorization`` the process checked (``/metrics`` stays open unless
-``--metrics-auth``), and it sends the group's first key when it asks a process.
+``--metrics-auth``), and it sends the group's first key when it asks a process. With
+``--ssl-certfile`` the processes' private ports serve HTTPS, and it asks them over TLS,
+trusting exactly the served certificate (:func:`private_port_tls`).
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +58,17 @@ class Member:
     restarts: int
 
 
+def private_port_tls(certfile: str) -> ssl.SSLContext:
+    """The client context with which the supervisor asks its own processes over TLS:
+    it trusts the certificate they serve (*certfile*, the group's ``--ssl-certfile``;
+    the leaf itself is enough, as a partial chain) and not the host name, which names
+    the public address, not the loopback one asked."""
+    context = ssl.create_default_context(cafile=certfile)
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    context.check_hostname = False
+    return context
+
+
 class GroupView:
     """Answers for the group; see the module docstring.
 
@@ -71,8 +85,10 @@ class GroupView:
         api_keys: Sequence[str] = (),
         metrics_auth: bool = False,
         started_at: float | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._members = members
+        self._tls = tls
         self._others = others
         self._keys = ApiKeys(api_keys)
         self._metrics_open = not metrics_auth
@@ -131,7 +147,7 @@ class GroupView:
             try:
                 with trio.fail_after(ASK_TIMEOUT_S):
                     r = await http_get(url.hostname or "127.0.0.1", url.port or 80, path,
-                                       self._ask_headers)  # fmt: skip
+                                       self._ask_headers, self._tls)  # fmt: skip
                 if r.status == 200:
                     out[i] = decode(r)
             except (GroupViewUnavailable, ValueError, trio.TooSlowError) as exc:

@@ -28,6 +28,7 @@ handle says what that was. A worker takes ``worker_id`` and ``port`` (its
 
 from __future__ import annotations
 
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -310,10 +311,10 @@ def frontend_argv(
 
 
 def frontend_urls(line: str) -> list[str]:
-    """Every http URL of a ``headwater: serving ...`` line; [] for any other line."""
+    """Every http(s) URL of a ``headwater: serving ...`` line; [] for any other line."""
     if not line.startswith(FRONTEND_READY_PREFIX):
         return []
-    return [w.rstrip("/") for w in line.split() if w.startswith("http://")]
+    return [w.rstrip("/") for w in line.split() if w.startswith(("http://", "https://"))]
 
 
 def member_line(index: int, pid: int, url: str) -> str:
@@ -448,14 +449,16 @@ async def start_frontend(
 
 
 async def wait_healthy(
-    url: str, *, within: float = 60.0, child: ChildProcess | None = None
+    url: str, *, within: float = 60.0, child: ChildProcess | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
-    """Poll ``url/health`` until it answers 200 (a request can be served now).
+    """Poll ``url/health`` until it answers 200 (a request can be served now);
+    *verify* is httpx's, for an ``https://`` URL.
 
     Raises LaunchError after *within* seconds, or at once if *child* exits.
     """
     last = "no answer"
-    async with httpx.AsyncClient(timeout=2.0) as http:
+    async with httpx.AsyncClient(timeout=2.0, verify=verify) as http:
         with trio.move_on_after(within):
             while child is None or child.returncode is None:
                 try:

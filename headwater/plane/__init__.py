@@ -8,7 +8,8 @@
 * the TCP transport: :mod:`headwater.plane.connection` (one multiplexed, heartbeated
   connection), :mod:`headwater.plane.client` (``TcpWorkerClient``: reconnects and
   backoff), :mod:`headwater.plane.server` (``PlaneServer``, the worker's side);
-* :mod:`headwater.plane.kv` — both halves of a worker-to-worker KV pull.
+* :mod:`headwater.plane.kv` — both halves of a worker-to-worker KV pull;
+* :mod:`headwater.plane.tls` — mutual TLS under the TCP transport (``TlsConfig``).
 
 The frame codec is :mod:`headwater.wire`. See docs/request-plane.md.
 """
@@ -34,6 +35,7 @@ from headwater.plane.connection import (
     open_connection,
     tcp_connector,
 )
+from headwater.plane.tls import TlsConfig
 
 __all__ = [
     "AckTimeout",
@@ -47,6 +49,7 @@ __all__ = [
     "PlaneError",
     "RequestHandler",
     "ResponseStream",
+    "TlsConfig",
     "WorkerClient",
     "WorkerError",
     "WorkerInstance",

@@ -14,8 +14,8 @@ a nursery (:func:`connect_worker` does both)::
 
 Behaviour (all times from :class:`~headwater.plane.connection.PlaneConfig`):
 
-* connecting: TCP connect plus handshake within ``connect_timeout``, else
-  ``ConnectTimeout``. A broken connection is re-opened at once, then with
+* connecting: TCP connect (and TLS, with ``PlaneConfig.tls``) plus handshake within
+  ``connect_timeout``, else ``ConnectTimeout``. A broken connection is re-opened at once, then with
   exponential backoff; while backing off ``stream()`` fails fast with CannotConnect
   (the router then routes elsewhere) instead of queueing behind a dead worker.
 * ACK timeout, heartbeats, cancellation and slow consumers: see
@@ -106,7 +106,7 @@ class TcpWorkerClient(WorkerClient):
         self.config = config or PlaneConfig()
         self.client_id = client_id or f"frontend-{uuid.uuid4().hex[:8]}"
         self._secret = secret
-        self._connector = connector or tcp_connector(instance.address)
+        self._connector = connector or tcp_connector(instance.address, self.config.tls)
         self._rng = rng or random.Random()
         self._scope = trio.CancelScope()
         self._state = AsyncValue(ClientState.IDLE)

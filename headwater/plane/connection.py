@@ -5,8 +5,10 @@ Both clients of the plane run on it: the per-worker client
 state) and a decode worker pulling KV from prefill workers
 (:class:`headwater.plane.kv.TcpKvTransfer`).
 
-:func:`dial` connects and runs the client handshake within ``connect_timeout``
-(else :class:`ConnectTimeout`); the :class:`PlaneConnection` it returns carries any
+:func:`dial` connects (over TLS with ``PlaneConfig.tls``: :mod:`headwater.plane.tls`)
+and runs the client handshake within ``connect_timeout`` (else :class:`ConnectTimeout`;
+a refused TLS handshake is :class:`HandshakeFailed`, code ``tls``, naming what TLS
+said); the :class:`PlaneConnection` it returns carries any
 number of concurrent streams, routed by request id, once its :meth:`~PlaneConnection.run`
 task is started in a nursery::
 
@@ -53,6 +55,7 @@ from headwater.plane.base import (
     ResponseStream,
     WorkerError,
 )
+from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import (
     Ack,
     Cancel,
@@ -98,7 +101,9 @@ class AckTimeout(CannotConnect):
 
 
 class HandshakeFailed(CannotConnect):
-    """The worker refused the handshake or is not the worker expected. ``code`` says why."""
+    """The worker refused the handshake or is not the worker expected. ``code`` says why:
+    a wire error code (``unauthorized``, ...), ``wrong_worker``, ``wrong_model``, or
+    ``tls`` (a certificate refused by either end, or TLS against plain TCP)."""
 
     def __init__(self, message: str, code: str = "protocol_error") -> None:
         super().__init__(message)
@@ -138,6 +143,9 @@ class PlaneConfig:
     stream_buffer: int = 4096
     #: Bytes asked of the socket per read.
     receive_size: int = 64 * 1024
+    #: Mutual TLS to the workers (this end's certificate, the CA, the workers' host
+    #: names checked); None: plain TCP. The HMAC secret handshake runs inside it.
+    tls: TlsConfig | None = None
 
 
 # ---- one connection -----------------------------------------------------------------
@@ -346,7 +354,11 @@ class PlaneConnection:
             try:
                 data = await self._stream.receive_some(self.config.receive_size)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._break(f"read failed: {exc!r}")
+                reason = tls_reason(exc)
+                if reason is not None and "EOF" in reason:  # TLS, closed without close_notify
+                    self._break("the worker closed the connection")
+                else:
+                    self._break(f"read failed: {reason or repr(exc)}")
                 return
             if not data:
                 self._break("the worker closed the connection")
@@ -530,7 +542,12 @@ async def open_connection(
             if not frames:
                 data = await stream.receive_some(config.receive_size)
                 if not data:
-                    raise CannotConnect("the worker closed the connection during the handshake")
+                    hint = "" if isinstance(stream, trio.SSLStream) else (
+                        " (a worker that requires TLS does that to a client without it)"
+                    )  # fmt: skip
+                    raise CannotConnect(
+                        f"the worker closed the connection during the handshake{hint}"
+                    )
                 frames = decoder.feed(data)
                 continue
             reply = handshake.receive(frames.pop(0))
@@ -550,16 +567,49 @@ async def open_connection(
     except BaseException as exc:
         await trio.aclose_forcefully(stream)
         if isinstance(exc, AuthError | ProtocolError):
+            if not isinstance(stream, trio.SSLStream) and exc.code == "frame_too_large":
+                # What a TLS worker's first bytes look like as a frame header.
+                raise HandshakeFailed(
+                    f"handshake failed: {exc.message} (is the worker using TLS?)", exc.code
+                ) from exc
             raise HandshakeFailed(f"handshake failed: {exc.message}", exc.code) from exc
         if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError):
+            if (reason := tls_reason(exc)) is not None:
+                # TLS 1.3: the worker checks our certificate after our side of the TLS
+                # handshake ended, so its refusal arrives as the first read fails: an
+                # alert, or (trio does not flush one on a failed handshake) an EOF.
+                if "EOF" in reason:
+                    reason = "it closed the TLS connection (does it accept this end's certificate?)"
+                raise HandshakeFailed(f"TLS: refused by the worker: {reason}", "tls") from exc
             raise CannotConnect(f"connection lost during the handshake: {exc!r}") from exc
         raise
 
 
-def tcp_connector(address: str) -> Connector:
-    """A :data:`Connector` for ``tcp://host:port``. Raises ValueError on a bad address."""
+def tcp_connector(address: str, tls: TlsConfig | None = None) -> Connector:
+    """A :data:`Connector` for ``tcp://host:port``, over TLS with *tls* (the worker's
+    certificate must name *host*). Raises ValueError on a bad address."""
     host, port = parse_tcp_address(address)
-    return partial(trio.open_tcp_stream, host, port)
+    if tls is None:
+        return partial(trio.open_tcp_stream, host, port)
+    return partial(_open_tls_stream, host, port, tls)
+
+
+async def _open_tls_stream(
+    host: str, port: int, tls: TlsConfig
+) -> trio.SSLStream[trio.SocketStream]:
+    """TCP, then the TLS handshake. Raises OSError (connect), HandshakeFailed (``tls``)."""
+    tcp = await trio.open_tcp_stream(host, port)
+    stream = trio.SSLStream(tcp, tls.client_context(), server_hostname=host)
+    try:
+        await stream.do_handshake()
+    except trio.BrokenResourceError as exc:
+        await trio.aclose_forcefully(tcp)
+        reason = tls_reason(exc) or "the worker closed the connection (is it using TLS?)"
+        raise HandshakeFailed(f"TLS handshake with {host}:{port} failed: {reason}", "tls") from exc
+    except BaseException:
+        await trio.aclose_forcefully(tcp)
+        raise
+    return stream
 
 
 async def dial(

@@ -139,7 +139,8 @@ class TcpKvTransfer(KvTransfer):
     """Pulls KV from prefill workers over TCP; made by :func:`open_kv_transfer`.
 
     *peer_id* and *role* identify this worker in the handshake; *secret* must match
-    the prefill workers'. *pull_timeout* bounds one pull, connect included.
+    the prefill workers', and so must the CA of ``config.tls`` (mutual TLS, the prefill
+    workers' advertised hosts checked). *pull_timeout* bounds one pull, connect included.
     """
 
     def __init__(
@@ -197,7 +198,8 @@ class TcpKvTransfer(KvTransfer):
                 conn.close("replaced")
                 conn = None
             if conn is None:
-                conn = await self._dial(address, handle.worker_id, tcp_connector(address))
+                connector = tcp_connector(address, self.config.tls)
+                conn = await self._dial(address, handle.worker_id, connector)
             return conn
 
     async def _dial(self, address: str, worker_id: str, connector: Connector) -> PlaneConnection:

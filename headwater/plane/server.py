@@ -13,6 +13,11 @@ Per connection::
            ── kv_pull ─▶ serve_pull(kv_source, ...) ─────────────┘   (headwater.plane.kv)
            ── ping / get_stats ─▶ pong / stats (control frames skip the reply budget)
 
+TLS: with a :class:`~headwater.plane.tls.TlsConfig` every connection is a
+``trio.SSLStream`` whose peer must present a certificate from the CA; the TLS handshake
+is part of ``handshake_timeout``, and a failed one is logged and counted
+(``tls_failures_total``). The secret's handshake follows, inside TLS.
+
 Isolation: a connection that sends garbage, an oversize or unknown frame gets an
 error frame and is closed; its requests are cancelled and every other connection
 carries on. A peer that vanishes (EOF, reset, stops reading for ``write_timeout``,
@@ -42,12 +47,14 @@ import trio
 
 from headwater.plane.base import RequestHandler
 from headwater.plane.kv import KvSource, serve_pull
+from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role, WorkerLoad
 from headwater.wire.addresses import is_loopback
 from headwater.wire.codec import FrameDecoder, encode
 from headwater.wire.errors import ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
     PROTOCOL_VERSION,
     Fault,
     Frame,
@@ -124,6 +131,8 @@ class ServerStats:
     connections_total: int
     protocol_errors_total: int
     auth_failures_total: int
+    #: TLS handshakes that failed (no or a refused client certificate, not TLS at all).
+    tls_failures_total: int
     #: Connections dropped because nothing arrived for ``heartbeat_timeout``.
     peer_timeouts_total: int
     #: Connections dropped because a write blocked for ``write_timeout``.
@@ -148,7 +157,8 @@ class PlaneServer:
     every connection and cancels their requests. *kv_source* answers KV pulls (a
     prefill engine); without one every pull is refused. *stats* adds the worker's
     counters (runtime, engine) to the ``stats`` frame; *load* goes with every heartbeat
-    answer, so that frontends see how busy the worker is.
+    answer, so that frontends see how busy the worker is. With *tls* :meth:`serve`
+    speaks mutual TLS on every listener (:mod:`headwater.plane.tls`).
     """
 
     def __init__(
@@ -162,8 +172,10 @@ class PlaneServer:
         kv_source: KvSource | None = None,
         stats: StatsProvider | None = None,
         load: LoadProvider | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.runtime = runtime
+        self.tls = tls
         self.config = config or ServerConfig()
         self.identity = HelloOk(PROTOCOL_VERSION, str(role), runtime.worker_id, model)
         self.secret = secret
@@ -175,6 +187,7 @@ class PlaneServer:
         self._connections_total = 0
         self._protocol_errors = 0
         self._auth_failures = 0
+        self._tls_failures = 0
         self._peer_timeouts = 0
         self._write_timeouts = 0
         self._pulls_served = 0
@@ -188,10 +201,15 @@ class PlaneServer:
         *,
         task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept connections on *listeners* until cancelled; reports them started."""
+        """Accept connections on *listeners* until cancelled (over TLS with ``tls``);
+        reports them started."""
+        accepting: list[trio.abc.Listener[trio.abc.Stream]] = list(listeners)
+        if self.tls is not None:
+            context = self.tls.server_context()
+            accepting = [trio.SSLListener(listener, context) for listener in listeners]
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(trio.serve_listeners, self.handle_stream, listeners)
-            task_status.started(bound)
+            await nursery.start(trio.serve_listeners, self.handle_stream, accepting)
+            task_status.started(listeners)
 
     async def handle_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one connection until it ends. Never raises (except Cancelled)."""
@@ -234,6 +252,7 @@ class PlaneServer:
             connections_total=self._connections_total,
             protocol_errors_total=self._protocol_errors,
             auth_failures_total=self._auth_failures,
+            tls_failures_total=self._tls_failures,
             peer_timeouts_total=self._peer_timeouts,
             write_timeouts_total=self._write_timeouts,
             kv_pulls_served_total=self._pulls_served,
@@ -294,7 +313,7 @@ class _Connection:
         self.stream = stream
         self.peer_name = _peer_name(stream)
         cfg = server.config
-        self.decoder = FrameDecoder(cfg.max_frame)
+        self.decoder = FrameDecoder(min(cfg.max_frame, HANDSHAKE_MAX_FRAME))  # until hello_ok
         # Unbounded queue of (frame, budget it holds a token of): reply and KV frames
         # take a token first, so only tiny control frames (pong, stats, goaway,
         # refusals) bypass the bound; the writer returns tokens as it takes frames.
@@ -381,6 +400,8 @@ class _Connection:
         handshake = ServerHandshake(server.identity, secret=server.secret)
         frames: list[Frame] = []
         with trio.move_on_after(server.config.handshake_timeout):
+            if isinstance(self.stream, trio.SSLStream) and not await self._tls_handshake():
+                return None
             try:
                 while handshake.peer is None:
                     if not frames:
@@ -401,11 +422,24 @@ class _Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return None
             self.peer = handshake.peer
+            self.decoder.max_frame = server.config.max_frame
             log.debug("%s connected from %s as %s", self.peer.peer_id, self.peer_name,
                       self.peer.role)
             return frames
         log.info("handshake from %s timed out", self.peer_name)
         return None
+
+    async def _tls_handshake(self) -> bool:
+        """Whether the client's TLS handshake, its certificate checked, succeeded."""
+        assert isinstance(self.stream, trio.SSLStream)
+        try:
+            await self.stream.do_handshake()
+            return True
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.server._tls_failures += 1
+            log.warning("TLS handshake from %s failed: %s", self.peer_name,
+                        tls_reason(exc) or "the peer closed the connection")  # fmt: skip
+            return False
 
     # -- writing --
 
@@ -570,6 +604,8 @@ class _Connection:
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
     sock = getattr(stream, "socket", None)
     if sock is None:
         return type(stream).__name__

@@ -30,9 +30,11 @@ field would be handled in two places, as it once was. The in-process transport p
 the objects themselves and never comes here.
 
 The decoder trusts nothing: msgpack is unpacked with ``strict_map_key`` and size
-limits, every field is type-checked, and anything wrong raises :class:`ProtocolError`
-(nothing else), after which the connection is unusable. A field that cannot be encoded
-raises ValueError; a frame over the size limit, :class:`FrameTooLarge`.
+limits, a body over 4 KiB counting its items (at most :data:`MAX_ITEMS`: a frame of
+empty lists must not cost 70 bytes of memory per byte received), every field is
+type-checked, and anything wrong raises :class:`ProtocolError` (nothing else), after
+which the connection is unusable. A field that cannot be encoded raises ValueError; a
+frame over the size limit, :class:`FrameTooLarge`.
 
 What keeps it fast:
 
@@ -103,6 +105,15 @@ MAX_KV_PARAMS_DEPTH = 8
 
 _HEADER = struct.Struct(">I")
 _MAX_MAP_LEN = 256  # the widest frame (stats) has a few dozen keys
+#: Most items one frame body may unpack to: containers plus their elements (a map's
+#: keys and values), the largest being a chunk's token list. A frame's weight is in
+#: its bin and str fields (packed token ids, KV pieces, packed params), which cost a
+#: copy; an item costs an object, ~70 bytes for an empty list that took 1 on the wire.
+MAX_ITEMS = 1 << 17
+#: Bodies up to this size are unpacked without counting: they cannot hold more items
+#: than bytes. Counting costs a Python call per container, so small frames (chunks,
+#: acks, pings: the hot path) skip it.
+_COUNT_ABOVE = 4096
 
 #: A decoded msgpack map. ``strict_map_key`` also lets bytes keys through, but every
 #: lookup here is by str, so a bytes key is never read.
@@ -372,8 +383,34 @@ class FrameDecoder:
         return frames
 
 
+class _ItemBudget:
+    """Hooks for ``msgpack.unpackb`` that count the items of each container as it is
+    built and stop the unpacking beyond :data:`MAX_ITEMS`: a 64 MiB body of empty
+    lists would otherwise take ~4 GB and tens of seconds of the event loop to build,
+    before any field check could refuse it. (One array is bounded by ``max_array_len``
+    before its hook runs.)"""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_ITEMS
+
+    def list_hook(self, items: list[object]) -> list[object]:
+        self.left -= len(items) + 1
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_ITEMS} items in one frame")
+        return items
+
+    def object_hook(self, items: _Map) -> _Map:
+        self.left -= 2 * len(items) + 1
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_ITEMS} items in one frame")
+        return items
+
+
 def decode_body(body: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
     """One frame body (without its length prefix) → a frame. Raises ProtocolError."""
+    budget = _ItemBudget() if len(body) > _COUNT_ABOVE else None
     try:
         obj = msgpack.unpackb(
             body,
@@ -383,7 +420,9 @@ def decode_body(body: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) ->
             max_ext_len=0,
             max_bin_len=max_frame,
             max_str_len=max_frame,
-            max_array_len=max_frame,
+            max_array_len=MAX_ITEMS,
+            list_hook=budget and budget.list_hook,
+            object_hook=budget and budget.object_hook,
         )
     except (ValueError, TypeError) as exc:  # every msgpack unpack error is a ValueError
         raise ProtocolError(f"undecodable frame body: {exc!r}") from exc

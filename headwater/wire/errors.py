@@ -18,17 +18,27 @@ both sides, because the peer would refuse it and drop the whole connection.
 
 from __future__ import annotations
 
+#: Longest message a ProtocolError keeps (characters). A message may quote what the
+#: peer sent (an unknown kind, a worker's refusal), and it goes back to the peer in a
+#: Fault and into the log: a megabyte-long kind must not come back a megabyte long.
+MAX_MESSAGE = 512
+#: Longest code kept (characters); the codes this side sends are a word each.
+_MAX_CODE = 64
+
 
 class ProtocolError(Exception):
     """The peer broke the protocol; the connection must be closed.
 
     ``code`` is what an error frame to the peer says: ``protocol_error``,
-    ``frame_too_large``, ``unsupported_version`` or ``unauthorized``.
+    ``frame_too_large``, ``unsupported_version`` or ``unauthorized``. Both it and
+    ``message`` are cut to a bounded length.
     """
 
     def __init__(self, message: str, code: str = "protocol_error") -> None:
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 1] + "…"
         super().__init__(message)
-        self.code = code
+        self.code = code[:_MAX_CODE]
         self.message = message
 
 

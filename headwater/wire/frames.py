@@ -32,6 +32,10 @@ NONCE_BYTES = 32
 #: Largest frame body either side accepts (bytes). A bigger length header is an error
 #: before any of the body is buffered.
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
+#: Largest frame a worker accepts before the handshake is done (bytes): a hello or an
+#: auth is a few hundred bytes, and a peer that has not proved the secret must not
+#: make the worker buffer (and unpack) ``max_frame`` bytes per connection.
+HANDSHAKE_MAX_FRAME = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)

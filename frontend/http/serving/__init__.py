@@ -31,9 +31,17 @@ rely on, so an upgrade fails there, naming what to re-check.
 
 Fix 1, the shielded final body send, is ASGI middleware
 (:class:`frontend.http.middleware.ShieldFinalSend`): it wraps the app, not the server.
+
+Besides the fixes, the seam serves TLS (``certfile``/``keyfile``, as hypercorn does) and
+enforces the transport's limits on slow and greedy clients
+(:mod:`~frontend.http.serving.limits`: head size and time, body stalls, write stalls,
+connections per client address), reporting each refusal to ``ServerConfig.on_refusal``
+with one of :data:`REFUSAL_REASONS`. The seam knows nothing of the frontend: the
+frontend counts them.
 """
 
 from frontend.http.serving.config import ServerConfig
+from frontend.http.serving.limits import REFUSAL_REASONS
 from frontend.http.serving.run import serve
 
-__all__ = ["ServerConfig", "serve"]
+__all__ = ["REFUSAL_REASONS", "ServerConfig", "serve"]

@@ -1,21 +1,33 @@
-"""The configuration of headwater's HTTP server: hypercorn's, plus the settings of its fixes."""
+"""The configuration of headwater's HTTP server: hypercorn's, plus the settings of its fixes
+and of its transport limits."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from hypercorn.config import BYTES, SECONDS, Config
+
+log = logging.getLogger(__name__)
 
 
 class ServerConfig(Config):
     """hypercorn's :class:`~hypercorn.config.Config` with the fields that
-    :class:`~frontend.http.serving.tcp_server.HeadwaterTCPServer` reads.
+    :class:`~frontend.http.serving.tcp_server.HeadwaterTCPServer` and
+    :func:`~frontend.http.serving.serve` read.
 
     Like hypercorn's own fields these are class-level defaults that an instance
     overrides by assignment (``Config.from_mapping`` works too); each server reads them
     from the config it was given, so two servers in one process may differ.
+
+    Of hypercorn's own fields, the limits read two: ``h11_max_incomplete_size`` is the
+    largest request head (bytes, 16 KiB; over it: 431), and ``certfile``/``keyfile``
+    turn TLS on for every ``bind`` (``insecure_bind`` stays plain).
     """
 
     #: Seconds a socket write may wait for the client to take its bytes; a client that
-    #: takes none of them in that time is treated as gone and its connection dropped.
+    #: takes none of them in that time is treated as gone and its connection dropped
+    #: (refusal ``write_timeout``).
     write_timeout: float = 30 * SECONDS
     #: Bytes asked of the socket per read: hypercorn's ``MAX_RECV``, enough for a
     #: request head and a short body.
@@ -24,3 +36,34 @@ class ServerConfig(Config):
     #: the connection carries large bodies (a 40k-token prompt is ~240 kB). Kept under
     #: 1 MiB for glibc's sake (see ``HeadwaterTCPServer._read_data``).
     read_size_large: int = 2**18 * BYTES
+    #: Seconds a request head may take from its first byte to its end; then 408 and
+    #: the connection closes (refusal ``header_timeout``). Also bounds a TLS handshake,
+    #: from the connection's accept (``tls_handshake_timeout``). A slowloris client
+    #: dribbles a head to hold a connection: progress does not extend this.
+    header_timeout: float = 10 * SECONDS
+    #: Seconds a request body may go without a byte while the server waits for it; then
+    #: the connection closes (refusal ``read_timeout``). Unlike hypercorn's own
+    #: ``read_timeout`` (every read, None by default), it never applies while a response
+    #: streams to a client that has sent all it had to: such a client is silent by right.
+    body_read_timeout: float = 30 * SECONDS
+    #: Connections one client IP address may hold open at once; one more is closed as
+    #: soon as it is accepted (refusal ``too_many_connections``). Loopback counts like
+    #: any other address. Behind a proxy every connection comes from the proxy's
+    #: address: raise it, or 0 for no limit.
+    max_connections_per_client: int = 256
+    #: Called with the reason (:data:`~frontend.http.serving.limits.REFUSAL_REASONS`)
+    #: each time a limit turns a connection or a request away; the frontend counts them.
+    #: A hook that raises is logged and dropped. None: not reported.
+    on_refusal: Callable[[str], None] | None = None
+
+    def refused(self, reason: str) -> None:
+        """Report a refusal to :attr:`on_refusal`. Never raises: reporting must not take
+        the connection down, so a hook that raises is logged and not called again."""
+        hook = self.on_refusal
+        if hook is None:
+            return
+        try:
+            hook(reason)
+        except Exception:
+            log.exception("on_refusal hook %r failed; disabled", hook)
+            self.on_refusal = None

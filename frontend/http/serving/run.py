@@ -1,8 +1,11 @@
 """headwater's ``serve``: hypercorn-trio's ``worker_serve``, trimmed, serving
-:class:`~frontend.http.serving.tcp_server.HeadwaterTCPServer` connections."""
+:class:`~frontend.http.serving.tcp_server.HeadwaterTCPServer` connections, over TLS or not,
+at most ``max_connections_per_client`` per client address."""
 
 from __future__ import annotations
 
+import logging
+import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -14,7 +17,17 @@ from hypercorn.typing import ASGIFramework, ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr
 
 from frontend.http.serving.config import ServerConfig
-from frontend.http.serving.tcp_server import HeadwaterTCPServer
+from frontend.http.serving.limits import (
+    TLS_HANDSHAKE_TIMEOUT,
+    TOO_MANY_CONNECTIONS,
+    ClientConnections,
+)
+from frontend.http.serving.tcp_server import HeadwaterTCPServer, HttpStream
+
+log = logging.getLogger(__name__)
+
+#: What serve_listeners hands each accepted connection to.
+Listener = trio.SocketListener | trio.SSLListener[trio.SocketStream]
 
 
 async def serve(
@@ -29,17 +42,25 @@ async def serve(
 
     As hypercorn's ``hypercorn.trio.serve``, less what headwater does not use: binds
     are TCP ``host:port`` (``unix:`` works too) or an inherited listening socket
-    (``fd://N``), served as HTTP/1.1 (h2c upgrades as in hypercorn); no TLS, QUIC,
-    statsd or ``max_requests`` (a config that asks for one raises ValueError before
-    anything is bound). The app's lifespan runs around serving: startup before the
-    first bind, shutdown after the last connection.
+    (``fd://N``), served as HTTP/1.1 (h2c upgrades as in hypercorn); no QUIC, statsd or
+    ``max_requests`` (a config that asks for one raises ValueError before anything is
+    bound). With ``config.certfile`` and ``config.keyfile`` every bind is served over
+    TLS, as hypercorn does (``trio.SSLListener``, hypercorn's ``create_ssl_context``),
+    offering only ``http/1.1`` by ALPN: the fixes are HTTP/1.1's; ``insecure_bind``
+    stays plain. The app's lifespan runs around serving: startup before the first bind,
+    shutdown after the last connection.
 
-    ``task_status.started`` reports the ``http://`` URLs once every listener is
-    bound. When *shutdown_trigger* returns, accepting stops, idle connections close,
-    and in-flight requests get ``config.graceful_timeout`` seconds before they are
-    cancelled. Cancelling the caller cancels everything at once.
+    Each accepted connection from an address that already holds
+    ``config.max_connections_per_client`` is closed at once; a TLS handshake must end
+    within ``config.header_timeout``; both are reported to ``config.refused``.
+
+    ``task_status.started`` reports the ``http://`` (``https://``) URLs once every
+    listener is bound. When *shutdown_trigger* returns, accepting stops, idle
+    connections close, and in-flight requests get ``config.graceful_timeout`` seconds
+    before they are cancelled. Cancelling the caller cancels everything at once.
     """
     _refuse_unsupported(config)
+    clients = ClientConnections(config.max_connections_per_client)
     wrapped = ASGIWrapper(app)
     lifespan_state: LifespanState = {}
     lifespan = Lifespan(wrapped, config, lifespan_state)
@@ -54,8 +75,14 @@ async def serve(
             for url in urls:
                 await config.log.info(f"Running on {url}")
             connection = partial(
-                HeadwaterTCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy())
-            )
+                _serve_connection,
+                partial(
+                    HeadwaterTCPServer, wrapped, config, context,
+                    ConnectionState(lifespan_state.copy()),
+                ),
+                config,
+                clients,
+            )  # fmt: skip
             task_status.started(urls)
             try:
                 async with trio.open_nursery() as accepting:
@@ -76,11 +103,78 @@ async def serve(
         lifespan_nursery.cancel_scope.cancel()
 
 
-def _listen(config: ServerConfig) -> tuple[list[trio.SocketListener], list[str]]:
-    """A listener per bind, and its URL."""
-    listeners: list[trio.SocketListener] = []
+async def _serve_connection(
+    server: Callable[[HttpStream], HeadwaterTCPServer],
+    config: ServerConfig,
+    clients: ClientConnections,
+    stream: HttpStream,
+) -> None:
+    """One accepted connection: counted under its client's address (closed at once
+    over the limit), its TLS handshake bounded, then served by *server*."""
+    transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    address = _client_address(transport)
+    if not clients.acquire(address):
+        config.refused(TOO_MANY_CONNECTIONS)
+        log.debug("closing a connection from %s: %d already open", address, clients.limit)
+        await trio.aclose_forcefully(transport)
+        return
+    try:
+        if isinstance(stream, trio.SSLStream) and not await _tls_handshake(stream, config):
+            return
+        # hypercorn's TCPServer.run calls do_handshake too: a no-op once it is done.
+        await server(stream).run()
+    finally:
+        clients.release(address)
+
+
+async def _tls_handshake(stream: trio.SSLStream[trio.SocketStream], config: ServerConfig) -> bool:
+    """Whether the handshake completed within ``header_timeout``; else *stream* is closed
+    (also when the server shuts down meanwhile)."""
+    done = False
+    try:
+        with trio.move_on_after(config.header_timeout) as scope:
+            try:
+                await stream.do_handshake()
+                done = True
+            except trio.BrokenResourceError as exc:
+                # Not TLS, a client that does not trust the certificate, a scanner.
+                log.debug("TLS handshake failed: %r", exc.__cause__ or exc)
+        if scope.cancelled_caught:
+            config.refused(TLS_HANDSHAKE_TIMEOUT)
+    finally:
+        if not done:  # it will not be served: nobody else closes it
+            await trio.aclose_forcefully(stream)
+    return done
+
+
+def _client_address(stream: trio.SocketStream) -> str | None:
+    """The client's IP address; None for a Unix socket (not limited) or a peer gone."""
+    sock = stream.socket
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:  # already disconnected
+        return None
+
+
+def _listen(config: ServerConfig) -> tuple[list[Listener], list[str]]:
+    """A listener per bind, and its URL: TLS ones for ``bind`` when TLS is on (and plain
+    ones for ``insecure_bind``), plain ones for ``bind`` otherwise."""
+    sockets = config.create_sockets()
+    ssl_context = config.create_ssl_context()
+    if ssl_context is not None:
+        # The seam's fixes and limits are HTTP/1.1's: h2 over TLS would go around them.
+        ssl_context.set_alpn_protocols(["http/1.1"])
+    listeners: list[Listener] = []
     urls: list[str] = []
-    for sock in config.create_sockets().insecure_sockets:
+    for sock in sockets.secure_sockets:
+        assert ssl_context is not None  # secure sockets only when TLS is configured
+        sock.listen(config.backlog)
+        plain = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        listeners.append(trio.SSLListener(plain, ssl_context, https_compatible=True))
+        urls.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
+    for sock in sockets.insecure_sockets:
         sock.listen(config.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
@@ -90,7 +184,6 @@ def _listen(config: ServerConfig) -> tuple[list[trio.SocketListener], list[str]]
 def _refuse_unsupported(config: ServerConfig) -> None:
     asked = [
         name for name, wanted in (
-            ("TLS (certfile, keyfile)", config.ssl_enabled),
             ("QUIC (quic_bind)", bool(config.quic_bind)),
             ("statsd (statsd_host)", config.statsd_host is not None),
             ("max_requests", config.max_requests is not None),
@@ -98,3 +191,5 @@ def _refuse_unsupported(config: ServerConfig) -> None:
     ]  # fmt: skip
     if asked:
         raise ValueError(f"headwater's serve does not support {', '.join(asked)}")
+    if (config.certfile is None) != (config.keyfile is None):
+        raise ValueError("TLS needs both a certfile and a keyfile")

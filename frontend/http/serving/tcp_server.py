@@ -1,18 +1,21 @@
-"""headwater's connection: hypercorn-trio's ``TCPServer`` with fixes 2–5 as overrides.
+"""headwater's connection: hypercorn-trio's ``TCPServer`` with fixes 2–5 as overrides,
+and the limits on slow clients.
 
-:class:`HeadwaterTCPServer` is what :func:`frontend.http.serving.serve` hands to
-``trio.serve_listeners``, one per accepted connection; hypercorn's own class, and any
-server that uses it, is unchanged. Each override is a copy of the upstream method it
-replaces, changed where its docstring says; ``tests/test_hypercorn_seam.py`` holds a
-fingerprint of every upstream function these copies and assumptions are taken from.
+:class:`HeadwaterTCPServer` is what :func:`frontend.http.serving.serve` runs for each
+accepted connection; hypercorn's own class, and any server that uses it, is unchanged.
+Each override is a copy of the upstream method it replaces, changed where its docstring
+says; ``tests/test_hypercorn_seam.py`` holds a fingerprint of every upstream function
+these copies and assumptions are taken from.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Awaitable, Callable
 
+import h11
 import trio
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
@@ -23,6 +26,12 @@ from hypercorn.typing import AppWrapper, LifespanState
 
 from frontend.http.serving.config import ServerConfig
 from frontend.http.serving.h11_protocol import HeadWithBodyH11Protocol
+from frontend.http.serving.limits import HEADER_TIMEOUT, READ_TIMEOUT, WRITE_TIMEOUT, head_piece
+
+log = logging.getLogger(__name__)
+
+#: A connection's byte stream: plain TCP, or TLS over it.
+HttpStream = trio.SocketStream | trio.SSLStream[trio.SocketStream]
 
 
 class HeadwaterTCPServer(TCPServer):
@@ -34,10 +43,16 @@ class HeadwaterTCPServer(TCPServer):
     - its reads grow from ``config.read_size`` to ``config.read_size_large`` once one
       fills the former, and the idle timer ends with the reads (fix 4, :meth:`_read_data`);
     - its HTTP/1.1 protocol writes a known-length response's head with its body
-      (fix 5, :class:`~frontend.http.serving.h11_protocol.HeadWithBodyH11Protocol`).
+      (fix 5, :class:`~frontend.http.serving.h11_protocol.HeadWithBodyH11Protocol`);
+    - a request head must arrive within ``config.header_timeout`` of its first byte and
+      within ``config.h11_max_incomplete_size`` bytes, a request body may not stall for
+      ``config.body_read_timeout`` (:meth:`_read_data`); each refusal, and each write
+      timeout, is reported to ``config.refused``.
 
-    *stream* is a plain ``trio.SocketStream``: :func:`~frontend.http.serving.serve`
-    does not do TLS.
+    *stream* is a ``trio.SocketStream``, or a ``trio.SSLStream`` over one whose
+    handshake is done: :func:`~frontend.http.serving.serve` does it, and hypercorn's
+    ``run`` calls ``do_handshake`` again, which then returns at once. Writes to a TLS
+    stream skip the fast path (:func:`_write_now` writes nothing to one).
     """
 
     config: ServerConfig
@@ -50,7 +65,7 @@ class HeadwaterTCPServer(TCPServer):
         config: ServerConfig,
         context: WorkerContext,
         state: LifespanState,
-        stream: trio.SocketStream,
+        stream: HttpStream,
     ) -> None:
         # hypercorn annotates *stream* as an SSLStream but serves plain ones as well.
         super().__init__(app, config, context, state, stream)  # type: ignore[arg-type]
@@ -95,8 +110,11 @@ class HeadwaterTCPServer(TCPServer):
                 await self.stream.send_all(data)
             timed_out = scope.cancelled_caught
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            timed_out = True
+            await self._drop()
+            return
         if timed_out:
+            self.config.refused(WRITE_TIMEOUT)
+            log.debug("dropping a client that took no bytes for %g s", self.config.write_timeout)
             await self._drop()
 
     async def _drop(self) -> None:
@@ -105,8 +123,8 @@ class HeadwaterTCPServer(TCPServer):
         await self.protocol.handle(Closed())
 
     async def _read_data(self) -> None:
-        """hypercorn's ``TCPServer._read_data`` with reads that grow, ending the idle
-        timer (:class:`IdleDeadline`) when the connection stops reading.
+        """hypercorn's ``TCPServer._read_data`` with reads that grow, deadlines on slow
+        clients, and the idle timer ended when the connection stops reading.
 
         A read that fills ``read_size`` (64 KiB) means the connection carries large
         bodies (a 40k-token prompt is ~240 kB), so from then on it reads up to
@@ -118,29 +136,101 @@ class HeadwaterTCPServer(TCPServer):
         still for the same reason: the threshold only rises to the largest block freed,
         so a 1 MiB buffer would stay above it (~200 us per 240 kB body).
 
+        Slow clients, on HTTP/1.1 (an h2c or websocket connection has hypercorn's
+        ``read_timeout`` only, as every connection also has):
+
+        - the first byte of a request head lifts the keep-alive idle timer (the
+          connection is no longer idle), and the head must end within
+          ``header_timeout`` of it, however steadily it trickles in: else 408 and close
+          (``header_timeout``);
+        - the head must end within ``h11_max_incomplete_size`` bytes: h11 refuses a
+          longer one with 431 (:func:`~frontend.http.serving.limits.head_piece` makes
+          that hold for a head that arrives whole, too);
+        - while h11 waits for the rest of a request body, each read must bring bytes
+          within ``body_read_timeout``: else close (``read_timeout``). No deadline while
+          a response is under way: the client has sent what it had to.
+
         First, the connection's HTTP/1.1 protocol becomes a
         :class:`HeadWithBodyH11Protocol` (:meth:`_adopt_protocol`).
         """
         self._adopt_protocol()
-        small, large = self.config.read_size, self.config.read_size_large
+        config = self.config
+        small, large = config.read_size, config.read_size_large
         size = small
+        every_read = config.read_timeout or math.inf  # hypercorn's own, None by default
+        deadline, reason = math.inf, ""  # of the next read, and what missing it means
+        head_started: float | None = None  # the first byte of an incomplete head
+        head_bytes = 0  # of that head so far
         try:
             while True:
-                try:
-                    with trio.fail_after(self.config.read_timeout or math.inf):
+                # One cancel scope per read, as hypercorn's: the earlier of the two deadlines.
+                at = deadline if every_read == math.inf else min(
+                    deadline, trio.current_time() + every_read
+                )  # fmt: skip
+                with trio.move_on_at(at) as late:
+                    try:
                         data = await self.stream.receive_some(size)
-                except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
-                    break
+                    except (trio.ClosedResourceError, trio.BrokenResourceError):
+                        break
+                if late.cancelled_caught:
+                    if trio.current_time() >= deadline:
+                        await self._refuse_slow(reason)
+                    break  # else hypercorn's read_timeout: closed, as hypercorn closes it
                 if len(data) >= small:
                     size = large
-                # A SocketStream hands out bytes (hypercorn copies them with bytes() all
-                # the same); h11 takes any bytes-like.
-                await self.protocol.handle(RawData(data))  # type: ignore[arg-type]
-                if not data:
-                    break
+                http11 = self._http11()
+                if http11 is None or not data or http11.connection.their_state is not h11.IDLE:
+                    # A SocketStream hands out bytes (hypercorn copies them with bytes()
+                    # all the same); h11 takes any bytes-like.
+                    await self.protocol.handle(RawData(data))  # type: ignore[arg-type]
+                    if not data:
+                        break
+                else:  # the bytes of a request head
+                    if head_started is None:
+                        head_started, head_bytes = trio.current_time(), 0
+                        await self.idle_task.stop()
+                    heads = http11.keep_alive_requests
+                    piece = head_piece(data, head_bytes, config.h11_max_incomplete_size)
+                    await self.protocol.handle(RawData(piece))  # type: ignore[arg-type]
+                    if (
+                        http11.keep_alive_requests == heads
+                        and http11.connection.their_state is h11.IDLE
+                    ):
+                        head_bytes += len(piece)  # the head goes on
+                    else:
+                        head_started = None
+                deadline, reason = self._next_deadline(head_started)
             await self.protocol.handle(Closed())
         finally:
             self.idle_task.end()
+
+    def _http11(self) -> HeadWithBodyH11Protocol | None:
+        """The connection's HTTP/1.1 protocol, unless it went h2c or websocket."""
+        protocol = self.protocol.protocol
+        if type(protocol) is not HeadWithBodyH11Protocol:
+            return None
+        return protocol if type(protocol.connection) is h11.Connection else None
+
+    def _next_deadline(self, head_started: float | None) -> tuple[float, str]:
+        """When the next read must have brought bytes, and the refusal if it has not."""
+        http11 = self._http11()
+        if http11 is None:
+            return math.inf, ""
+        if head_started is not None:
+            return head_started + self.config.header_timeout, HEADER_TIMEOUT
+        if http11.connection.their_state is h11.SEND_BODY:
+            return trio.current_time() + self.config.body_read_timeout, READ_TIMEOUT
+        return math.inf, ""
+
+    async def _refuse_slow(self, reason: str) -> None:
+        """A slow client missed the deadline of *reason*: report it, and answer 408 to a
+        head that never ended (the caller then closes the connection)."""
+        self.config.refused(reason)
+        log.debug("closing a connection: %s", reason)
+        http11 = self._http11()
+        if (reason == HEADER_TIMEOUT and http11 is not None
+                and http11.connection.our_state is h11.IDLE):  # fmt: skip
+            await http11._send_error_response(408)
 
     def _adopt_protocol(self) -> None:
         """Replace the H11Protocol that hypercorn's ``ProtocolWrapper`` made for this

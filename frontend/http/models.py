@@ -1,0 +1,366 @@
+"""The public API's bodies as declarative models: what the server validates with, and what
+``GET /openapi.json`` publishes (:mod:`frontend.http.openapi`), so the two cannot drift.
+
+Why msgspec (``msgspec.Struct``), not pydantic: its conversion is strict by default in
+exactly the way this API has always been (``true`` is not an integer, ``"5"`` is not a
+number, an integer is a number), it ignores unknown fields unless told otherwise, and
+its JSON Schema output (``msgspec.json.schema_components``) is JSON Schema 2020-12, the
+dialect of OpenAPI 3.1. It is also the cheaper of the two on the event loop and in
+memory: validating a short chat body takes it ~0.4 µs against pydantic's ~2.1 µs
+(``model_validate_json``), and importing it adds ~4 MB of RSS where pydantic adds ~18
+(idle RSS is held under 300 MB). Parsing as a whole costs what the hand-written checks
+it replaces did (``scripts/measure_parse.py``, docs/performance.md: a ~40k-token chat
+body 72.1-72.6 µs before, 72.8-73.3 after, most of it the JSON decode; a short one
+5.3 → 5.2 µs). Its errors come as one string with a JSON path, which
+:mod:`frontend.http.schema` turns into OpenAI's ``param``.
+
+How they are used: the body is decoded by orjson (which refuses lone surrogates and
+invalid UTF-8), then ``msgspec.convert`` checks it against the route's model in one pass
+in C. The client's own dicts of ``messages``, ``tools`` and ``chat_template_kwargs`` go
+on to the chat template with every field they carry: a template may read fields this
+model does not declare, which a Struct would drop.
+
+:data:`REQUEST_MODELS` names the model of each POST route; both the parser and the
+OpenAPI document read it, so a field added here is checked and published at once. The
+response models describe the success bodies (built by :mod:`frontend.http.responses`
+for speed); the schemathesis test checks live responses against them.
+
+What the models cannot say is checked after them, in :mod:`frontend.http.schema`:
+requests for what headwater cannot do (``n`` > 1, logprobs, echo, stop strings on the
+token-in API) and the configured limits (:mod:`frontend.limits`), which the OpenAPI
+document states as ``maxItems``, ``maximum`` and so on from the same config.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+# -- shared pieces ------------------------------------------------------------------------
+
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+TokenId = Annotated[int, Meta(ge=0, description="a token id of the served model's vocabulary")]
+Temperature = Annotated[float, Meta(ge=0, le=2, description="sampling temperature (1)")]
+TopP = Annotated[float, Meta(ge=0, le=1, description="nucleus sampling mass (1)")]
+Penalty = Annotated[float, Meta(ge=-2, le=2, description="accepted, not applied (0)")]
+MaxTokens = Annotated[int, Meta(ge=1, description=(
+    "tokens to generate at most; absent: what the context length leaves, up to the "
+    "server's cap"))]  # fmt: skip
+One = Annotated[int, Meta(ge=1, le=1, description="one completion per request: only 1")]
+StopString = Annotated[str, Meta(min_length=1)]
+
+
+class StreamOptions(Struct, kw_only=True):
+    """Options of a streamed response."""
+
+    include_usage: bool | None = None
+
+
+class _Sampling(Struct, kw_only=True):
+    """The generation options both APIs share (the OpenAI body itself; the token-in
+    API's ``sampling_params``)."""
+
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    n: One | None = None
+    best_of: One | None = None
+
+
+class _OpenAIRequest(_Sampling, kw_only=True):
+    """The fields chat and completions share."""
+
+    model: Annotated[str, Meta(min_length=1, description="the served model's name")]
+    max_tokens: MaxTokens | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: StopString | list[StopString] | None = None
+    user: str | None = None
+    top_logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
+
+
+# -- chat -----------------------------------------------------------------------------------
+
+
+class TextPart(Struct, kw_only=True):
+    """A text part of a message's content (the only kind served)."""
+
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(Struct, kw_only=True):
+    """A tool call an assistant turn made."""
+
+    function: FunctionCall
+    id: str | None = None
+    type: str | None = None
+
+
+class _Message(Struct, kw_only=True, tag_field="role"):
+    name: str | None = None
+
+
+class SystemMessage(_Message, kw_only=True, tag="system"):
+    content: Content
+
+
+class DeveloperMessage(_Message, kw_only=True, tag="developer"):
+    content: Content
+
+
+class UserMessage(_Message, kw_only=True, tag="user"):
+    content: Content
+
+
+class AssistantMessage(_Message, kw_only=True, tag="assistant"):
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+
+class ToolMessage(_Message, kw_only=True, tag="tool"):
+    content: Content
+    tool_call_id: str | None = None
+
+
+ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(Struct, kw_only=True):
+    """A tool the model may call; rendered into the prompt by the chat template."""
+
+    function: FunctionDefinition
+    type: str | None = None
+
+
+class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
+    """The body of ``POST /v1/chat/completions``. Fields not listed are ignored."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: Annotated[bool, Meta(description="not supported: only false")] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# -- completions ----------------------------------------------------------------------------
+
+
+class CompletionRequest(_OpenAIRequest, kw_only=True):
+    """The body of ``POST /v1/completions``. Fields not listed are ignored."""
+
+    prompt: Annotated[NonEmptyStr | list[str | int | list[int]], Meta(description=(
+        "a string, or token ids; a list holding one of either is that one (one prompt "
+        "per request)"))]  # fmt: skip
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: Annotated[
+        int | bool, Meta(description="not supported: only null, 0 or false")
+    ] | None = None  # fmt: skip
+    echo: Annotated[bool, Meta(description="not supported: only false")] | None = None
+
+
+# -- the token-in API -----------------------------------------------------------------------
+
+
+class SamplingParams(_Sampling, kw_only=True):
+    """How to generate, in vLLM's ``SamplingParams`` shape; fields not listed (``top_k``,
+    ``skip_special_tokens``, ...) are ignored."""
+
+    max_tokens: MaxTokens | None = None
+    logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
+    prompt_logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
+    stop: Annotated[str | list[str], Meta(description=(
+        "not supported (no text to match on): only null or []; use stop_token_ids"
+    ))] | None = None  # fmt: skip
+
+
+class GenerateRequest(Struct, kw_only=True):
+    """The body of ``POST /inference/v1/generate``: token ids in, vLLM's shape."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)]
+    sampling_params: SamplingParams | None = None
+    request_id: NonEmptyStr | None = None
+    model: NonEmptyStr | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Annotated[str | list[str], Meta(
+        description="not supported: only null or []"
+    )] | None = None  # fmt: skip
+
+
+#: The model each POST route validates its body with, by endpoint; read by the parser
+#: and by the OpenAPI document alike.
+REQUEST_MODELS: dict[str, type[Struct]] = {
+    "chat": ChatCompletionRequest,
+    "completions": CompletionRequest,
+    "generate": GenerateRequest,
+}
+
+
+# -- responses (documentation: frontend.http.responses builds them) -------------------------
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class PromptTokensDetails(Struct, kw_only=True):
+    cached_tokens: int
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ResponseMessage(Struct, kw_only=True):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int
+    message: ResponseMessage
+    finish_reason: FinishReason
+    logprobs: None
+
+
+class ChatCompletion(Struct, kw_only=True):
+    """A whole chat completion (``stream`` false)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(Struct, kw_only=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(Struct, kw_only=True):
+    index: int
+    delta: ChunkDelta
+    finish_reason: FinishReason | None
+    logprobs: None
+
+
+class ChatCompletionChunk(Struct, kw_only=True):
+    """One event of a chat stream; the last before ``[DONE]`` has empty ``choices`` and
+    the usage when ``stream_options.include_usage`` was asked."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: None
+
+
+class Completion(Struct, kw_only=True):
+    """A text completion; a stream sends one per event (with the new text), the same
+    shape."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TokenUsage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TokenChoice(Struct, kw_only=True):
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: None
+
+
+class GenerateResponse(Struct, kw_only=True):
+    """The token-in API's answer; a stream sends one per event (the new ids), the usage
+    in a last one with empty ``choices``. ``request_id`` is ``generate-tokens-<id>``."""
+
+    request_id: str
+    choices: list[TokenChoice]
+    usage: TokenUsage | None = None
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class WorkerStatus(Struct, kw_only=True):
+    worker_id: str
+    role: str
+    state: str
+
+
+class Health(Struct, kw_only=True):
+    """Readiness: 200 ``healthy``; 503 ``unhealthy`` (no routable worker pair) or
+    ``draining`` (shutting down)."""
+
+    status: Literal["healthy", "unhealthy", "draining"]
+    workers: list[WorkerStatus]
+
+
+class Live(Struct, kw_only=True):
+    status: Literal["live"]
+
+
+class ErrorDetail(Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct, kw_only=True):
+    """Every error, OpenAI's shape; after a stream started, the data of an ``error``
+    event, followed by ``[DONE]``."""
+
+    error: ErrorDetail
