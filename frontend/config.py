@@ -85,6 +85,11 @@ class FrontendConfig:
     tokenizer_backend: str = "fastokens"  # "fastokens" | "hf"
     tokenize_mode: str = "thread"  # "thread" | "inline" | "thread-gil" (the last two: repro only)
     tokenizer_threads: int = field(default_factory=usable_cpus)
+    # MiB for fastokens' cache of the text segments between added tokens (a repeated
+    # system prompt is encoded once; same ids either way). 0: off. fastokens keeps no
+    # segment over 1/64 of it: 64 MiB caches up to ~1 MiB, a ~100k-token prompt.
+    # (frontend.preprocess.tokenizer.SEGMENT_CACHE_BYTES, not imported: it loads HF.)
+    tokenizer_cache_mb: int = 64
     # Prompts up to this many characters encode on the loop, where that is cheaper than
     # the thread hop; None picks the backend's measured default (docs/tokenization.md).
     inline_max_chars: int | None = None
@@ -156,6 +161,8 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if self.max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0 (0: no limit), got {self.max_inflight}")
+        if self.tokenizer_cache_mb < 0:
+            raise ValueError(f"tokenizer_cache_mb must be >= 0, got {self.tokenizer_cache_mb}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):

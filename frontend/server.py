@@ -50,7 +50,9 @@ class Frontend:
         """Build every part; *tokenizer* reuses an already loaded one (tests, benchmarks)."""
         self.config = config
         files = tokenizer.files if tokenizer else find_tokenizer_files(config.tokenizer)
-        self.tokenizer = tokenizer or Tokenizer(files, config.tokenizer_backend)
+        self.tokenizer = tokenizer or Tokenizer(
+            files, config.tokenizer_backend, segment_cache_bytes=config.tokenizer_cache_mb << 20
+        )
         self.pool = TokenizerPool(
             self.tokenizer,
             mode=config.tokenize_mode,

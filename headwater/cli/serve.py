@@ -28,6 +28,7 @@ from headwater.cli.options import (
     add_restart_options,
     config_from_args,
     configure_logging,
+    non_negative_int,
     positive_float,
     positive_int,
     restart_policy_from_args,
@@ -127,6 +128,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "uses HF Tokenizer.encode, which holds the GIL")
     m.add_argument("--tokenizer-threads", type=positive_int, default=usable_cpus(),
                    help="tokenizer pool size (default: usable CPUs)")
+    m.add_argument("--tokenizer-cache-mb", type=non_negative_int, default=_D.tokenizer_cache_mb,
+                   help="MiB for fastokens' cache of the text between special tokens: a "
+                        "system prompt or conversation that requests repeat is encoded once "
+                        "(same ids either way; segments up to 1/64 of it are kept). 0: off")
     m.add_argument("--inline-max-chars", type=int, default=None,
                    help="prompts this short encode on the loop, where that is cheaper than "
                         "a thread hop (default: 8192 with fastokens, 256 with hf)")
