@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from headwater.cluster.frontend_group import child_argv
+from frontend.config import FrontendConfig
+from headwater.cluster.frontend_group import child_argv, preload
 from headwater.cluster.recipes import (
     FrontendMember,
     FrontendProcess,
@@ -54,6 +56,15 @@ def test_a_child_is_the_same_command_with_the_shared_socket() -> None:
     assert argv[4:-4] == ["--port", "9000", "--processes", "4", "--router", "p2c"]
     grouped = child_argv(["--router", "p2c"], fd=7, group_url="http://127.0.0.1:9")
     assert grouped[-2:] == ["--group-url", "http://127.0.0.1:9"]
+
+
+def test_the_shared_tokenizer_is_loaded_with_the_groups_options() -> None:
+    # The zygote's tokenizer is every process's: it must carry --tokenizer-cache-mb.
+    config = FrontendConfig(tokenizer_backend="fastokens", tokenizer_cache_mb=0)
+    assert preload(config).segment_cache_statistics() is None
+    cached = preload(replace(config, tokenizer_cache_mb=1)).segment_cache_statistics()
+    assert cached is not None
+    assert cached.max_bytes == 1 << 20
 
 
 async def start(nursery: trio.Nursery, tmp_path: Path, *extra: str) -> FrontendProcess:

@@ -116,7 +116,8 @@ def preload(config: FrontendConfig) -> Tokenizer:
     importlib.import_module(registry.spec(config.engine).factory.partition(":")[0])
     files = find_tokenizer_files(config.tokenizer)
     ChatTemplate.from_tokenizer_config(files.config)  # imports what the template needs
-    return Tokenizer(files, config.tokenizer_backend)
+    return Tokenizer(files, config.tokenizer_backend,
+                     segment_cache_bytes=config.tokenizer_cache_mb << 20)
 
 
 def run_group(
