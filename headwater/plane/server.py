@@ -47,10 +47,11 @@ import trio
 
 from headwater.plane.base import RequestHandler
 from headwater.plane.kv import KvSource, serve_pull
+from headwater.plane.sockets import unthrottle
 from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role, WorkerLoad
 from headwater.wire.addresses import is_loopback
-from headwater.wire.codec import FrameDecoder, encode
+from headwater.wire.codec import FrameDecoder, encode, read_size
 from headwater.wire.errors import ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -213,6 +214,7 @@ class PlaneServer:
 
     async def handle_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one connection until it ends. Never raises (except Cancelled)."""
+        unthrottle(stream)
         conn = _Connection(self, stream)
         self._connections.add(conn)
         self._connections_total += 1
@@ -531,7 +533,7 @@ class _Connection:
         size = self.server.config.receive_size
         while True:
             try:
-                data = await self.stream.receive_some(size)
+                data = await self.stream.receive_some(read_size(self.decoder, size))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:
