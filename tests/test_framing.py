@@ -32,6 +32,7 @@ from headwater.wire.codec import (
     FrameDecoder,
     decode_body,
     encode,
+    encode_parts,
     pack_block_hashes,
     pack_token_ids,
     read_size,
@@ -222,6 +223,34 @@ def test_a_reader_asks_for_the_rest_of_a_large_frame_at_once() -> None:
     huge = FrameDecoder(max_frame=64 << 20)
     huge.feed(struct.pack(">I", 60 << 20) + b"\x00")
     assert read_size(huge, 65536) == MAX_READ  # bounded, whatever the peer announces
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=300_000),
+    st.text(min_size=1, max_size=300),
+    st.booleans(),
+)
+def test_a_kv_piece_in_parts_is_the_same_bytes(size: int, transfer_id: str, last: bool) -> None:
+    # A large piece goes out as the bytes around its payload plus the payload's own
+    # buffer (not copied); joined, they are exactly what encode writes.
+    payload = bytes(size)
+    frame = KvData(transfer_id, memoryview(payload)[: size - size // 3], last)
+    parts = encode_parts(frame)
+    assert b"".join(parts) == encode(frame)
+    if len(frame.data) >= 64 * 1024:
+        assert len(parts) == 3
+        assert isinstance(parts[1], memoryview)
+        assert parts[1].obj is payload
+    else:
+        assert len(parts) == 1
+    (decoded,) = FrameDecoder().feed(b"".join(parts))
+    assert decoded == KvData(transfer_id, bytes(len(frame.data)), last)
+
+
+def test_a_kv_piece_in_parts_is_refused_when_too_large() -> None:
+    with pytest.raises(FrameTooLarge):
+        encode_parts(KvData("t", bytes(100_000), True), max_frame=99_000)
 
 
 def test_one_byte_at_a_time() -> None:

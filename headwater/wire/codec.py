@@ -229,6 +229,38 @@ def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
+#: A ``kv_data`` piece at least this large is encoded around its payload, not through it.
+_SPLICE_ABOVE: Final = 64 * 1024
+
+
+def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes | memoryview]:
+    """*frame* as :func:`encode` has it, in pieces whose concatenation is exactly
+    ``encode(frame)``: for a large ``kv_data`` piece, the bytes before its payload, the
+    payload's own buffer and the bytes after it; one piece for any other frame.
+
+    Why: a prompt's simulated KV leaves a prefill worker as ~640 KB pieces (40k tokens at
+    16 bytes each), and ``packb`` copied each into its output, then the length prefix's
+    concatenation copied it again; sent as its own buffer it is copied only by the
+    kernel. Raises what :func:`encode` raises.
+    """
+    if not isinstance(frame, KvData) or len(frame.data) < _SPLICE_ABOVE:
+        return [encode(frame, max_frame)]
+    size = len(frame.data)
+    # The map _body builds, field by field in its order, with the bin's header written
+    # as msgpack writes it: from 64 KiB on, a bin 32.
+    head = b"".join((
+        b"\x84",  # fixmap, 4 entries
+        msgpack.packb("k"), msgpack.packb("kv_data"),
+        msgpack.packb("transfer_id"), msgpack.packb(frame.transfer_id),
+        msgpack.packb("data"), b"\xc6", _HEADER.pack(size),
+    ))  # fmt: skip
+    tail = msgpack.packb("last") + msgpack.packb(frame.last)
+    body_size = len(head) + size + len(tail)
+    if body_size > max_frame:
+        raise FrameTooLarge(body_size, max_frame)
+    return [_HEADER.pack(body_size) + head, memoryview(frame.data).cast("B"), tail]
+
+
 def _body(frame: Frame) -> _Map:
     # The request messages put "k" last and the control frames first: the order their
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
