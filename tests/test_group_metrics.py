@@ -185,7 +185,10 @@ def snapshot(inflight: int, ok: int, delays: list[list[float]], p99: float) -> d
                                   "gil_stalls_total": 0, "last_duration_s": 0.03,
                                   "max_duration_s": 0.03, "tracking": True}},
         "pool": {"mode": "thread", "threads": 2, "busy": 1, "waiting": 0, "encoded_total": 5,
-                 "inline_total": 3},
+                 "inline_total": 3,
+                 "segment_cache": {"hits": ok, "misses": 1, "hit_bytes": 100 * ok,
+                                   "miss_bytes": 10, "entries": 2, "bytes": 110,
+                                   "max_bytes": 1 << 20}},
         "requests": {"inflight": inflight, "queued": 0, "by_status": {"success": ok},
                      "disconnected_clients": 0},
         "history": {"fields": [], "points": []},
@@ -209,6 +212,8 @@ def test_dashboards_merge_into_the_group_with_every_process_kept() -> None:
     assert data["requests"]["by_status"] == {"success": 12}
     assert data["pool"]["threads"] == 4
     assert data["pool"]["encoded_total"] == 10
+    cache = data["pool"]["segment_cache"]  # every process's own, added up
+    assert (cache["hits"], cache["misses"], cache["max_bytes"]) == (12, 2, 2 << 20)
     assert data["loop"]["delays"] == [(10.0, 0.001), (10.25, 0.004), (10.5, 0.030)]  # worst
     assert [p["process"] for p in data["loop"]["processes"]] == [0, 1]
     assert data["latency"]["ttft"]["p99"] == 0.5

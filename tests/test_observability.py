@@ -409,7 +409,11 @@ async def test_dashboard_data_snapshot() -> None:
     assert bad.status_code == 400
 
     assert set(data["pool"]) == {"mode", "threads", "busy", "waiting", "encoded_total",
-                                 "inline_total"}
+                                 "inline_total", "segment_cache"}
+    cache = data["pool"]["segment_cache"]  # fastokens', on by default (None when off, or hf)
+    assert cache is not None
+    assert {"hits", "misses", "bytes", "max_bytes"} <= set(cache)
+    assert cache["max_bytes"] > 0
     assert data["pool"]["threads"] == 2
     assert data["requests"]["inflight"] == 0
     assert data["requests"]["queued"] == 0

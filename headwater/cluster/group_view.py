@@ -263,7 +263,12 @@ def merge_dashboards(
     stall_records.sort(key=lambda r: r.get("started_at", 0.0), reverse=True)
     stats = [p["stalls"]["statistics"] for p in snaps if p["stalls"]["statistics"] is not None]
     pool_keys = ("threads", "busy", "waiting", "encoded_total", "inline_total")
-    pool = {k: sum(p["pool"].get(k, 0) for p in snaps) for k in pool_keys}
+    pool: dict[str, Any] = {k: sum(p["pool"].get(k, 0) for p in snaps) for k in pool_keys}
+    # fastokens' segment cache, one per process: its counters and sizes add up.
+    caches = [c for p in snaps if isinstance(c := p["pool"].get("segment_cache"), dict)]
+    pool["segment_cache"] = (
+        {k: sum(c.get(k, 0) for c in caches) for k in caches[0]} if caches else None
+    )
     by_status: dict[str, int] = {}
     for p in snaps:
         for status, n in p["requests"]["by_status"].items():
