@@ -64,12 +64,18 @@ class FrontendConfig:
     api_keys_file: str | None = None
     metrics_auth: bool = False  # /metrics needs a key too (else it stays open)
     # Frontend processes sharing the port, each a whole frontend with its own event loop
-    # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template, routing
-    # and streaming. 1: this process serves; N > 1: it supervises N children.
-    processes: int = 1
+    # (headwater.cluster.frontend_group): one loop is one core's worth of HTTP, template,
+    # routing and streaming, so the default is one per usable core (`--processes auto`).
+    # 1: this process serves; N > 1: it supervises N children forked from one preloaded
+    # zygote, which share the tokenizer's memory.
+    processes: int = field(default_factory=usable_cpus)
     # Serve on this inherited listening socket instead of binding host:port, plus a
     # private host:0 listener for this process's own /metrics. Set by the supervisor.
     listen_fd: int | None = None
+    # Where this process's shared-port /metrics and /dashboard/data come from: the
+    # supervisor's view of the whole group (http://127.0.0.1:PORT). Set by the supervisor;
+    # the private listener keeps answering for this process alone.
+    group_url: str | None = None
     # What one request may ask: max_tokens, messages, prompt characters, stop strings,
     # and its deadline (--request-timeout); each default and its reason in
     # frontend/limits.py, all of them in docs/security.md ("Request limits").
@@ -86,6 +92,11 @@ class FrontendConfig:
     tokenizer_backend: str = "fastokens"  # "fastokens" | "hf"
     tokenize_mode: str = "thread"  # "thread" | "inline" | "thread-gil" (the last two: repro only)
     tokenizer_threads: int = field(default_factory=usable_cpus)
+    # MiB for fastokens' cache of the text segments between added tokens (a repeated
+    # system prompt is encoded once; same ids either way). 0: off. fastokens keeps no
+    # segment over 1/64 of it: 64 MiB caches up to ~1 MiB, a ~100k-token prompt.
+    # (frontend.preprocess.tokenizer.SEGMENT_CACHE_BYTES, not imported: it loads HF.)
+    tokenizer_cache_mb: int = 64
     # Prompts up to this many characters encode on the loop, where that is cheaper than
     # the thread hop; None picks the backend's measured default (docs/tokenization.md).
     inline_max_chars: int | None = None
@@ -157,6 +168,8 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if self.max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0 (0: no limit), got {self.max_inflight}")
+        if self.tokenizer_cache_mb < 0:
+            raise ValueError(f"tokenizer_cache_mb must be >= 0, got {self.tokenizer_cache_mb}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):

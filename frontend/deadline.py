@@ -40,15 +40,23 @@ class Deadline:
 
     async def run(self, stage: Callable[[], Awaitable[T]]) -> T:
         """``await stage()``, cancelled at the deadline: then RequestTimeout."""
+        if not self.timeout:
+            return await stage()
         with trio.CancelScope(deadline=self.at) as scope:
             return await stage()
         assert scope.cancelled_caught
         raise RequestTimeout(self.timeout)
 
-    async def iterate(self, items: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    def iterate(self, items: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
         """The items of *items* that come before the deadline; then RequestTimeout.
-        Owns *items*: closes it however this generator ends (close this one with
-        ``contextlib.aclosing``)."""
+        Owns *items*: closes it however the returned generator ends (close that one
+        with ``contextlib.aclosing``).
+
+        With no deadline (the default) that is *items* itself: a cancel scope and a
+        generator hop per item cost a short stream's loop ~8% of its CPU for nothing."""
+        return self._iterate(items) if self.timeout else items
+
+    async def _iterate(self, items: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
         async with aclosing(items):
             while True:
                 with trio.CancelScope(deadline=self.at) as scope:

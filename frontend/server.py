@@ -24,6 +24,7 @@ from frontend.discovery import start_discovery
 from frontend.http.admission import Admission, AdmissionControl
 from frontend.http.app import GENERATION_PATHS, create_app
 from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning, watch_keys_file
+from frontend.http.group import GroupRelay
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
@@ -37,6 +38,7 @@ from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router
 from frontend.router.health import Transition
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
+from headwater.procmem import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,9 @@ class Frontend:
         """Build every part; *tokenizer* reuses an already loaded one (tests, benchmarks)."""
         self.config = config
         files = tokenizer.files if tokenizer else find_tokenizer_files(config.tokenizer)
-        self.tokenizer = tokenizer or Tokenizer(files, config.tokenizer_backend)
+        self.tokenizer = tokenizer or Tokenizer(
+            files, config.tokenizer_backend, segment_cache_bytes=config.tokenizer_cache_mb << 20
+        )
         check_vocabulary(self.tokenizer, config.model_vocab_size)
         self.pool = TokenizerPool(
             self.tokenizer,
@@ -126,8 +130,11 @@ class Frontend:
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
         )
+        #: One of a group's processes: the shared port's views are the supervisor's.
+        self.group = (GroupRelay(config.group_url, config.listen_fd)
+                      if config.group_url and config.listen_fd is not None else None)  # fmt: skip
         add_observability_routes(
-            self.app, self.observed, debug_endpoints=config.debug_endpoints
+            self.app, self.observed, debug_endpoints=config.debug_endpoints, group=self.group
         )
         self.metrics.on_collect(self._refresh_gauges)
         #: Set by :meth:`stop`: the drain, then the shutdown, has begun.
@@ -197,6 +204,9 @@ class Frontend:
             log.info("tokenizer pool warm (%s, %s mode, %d threads) in %.0f ms",
                      self.tokenizer.backend.value, self.pool.mode.value,
                      self.pool.statistics().threads, warm * 1000)
+            # The warm-up's encodes leave their buffers in malloc's arenas (one per pool
+            # thread): tens of MB per process that nothing uses. Before serving, once.
+            trim_heap()
             if cfg.gc_gen0_threshold:
                 tune_gc(cfg.gc_gen0_threshold)
             await nursery.start(self.monitor.run)

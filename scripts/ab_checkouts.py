@@ -35,6 +35,9 @@ def serve_command(checkout: Path, port: int) -> list[str]:
     entry = ["-m", "headwater", "serve"]
     if not (checkout / "headwater" / "__main__.py").exists():
         entry = ["-m", "frontend"]
+    serve = checkout / "headwater" / "cli" / "serve.py"
+    if serve.exists() and '"--processes"' in serve.read_text():
+        entry.append("--processes=1")  # one process: its CPU is one pid's (auto since)
     return [sys.executable, *entry, "--port", str(port), *SERVE_ARGS]
 
 

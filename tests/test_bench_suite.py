@@ -511,7 +511,7 @@ def test_report_judges_the_multi_process_variant_beside_the_default() -> None:
     assert header.endswith("| fastokens/thread ×2 procs |")
     loop_row = next(r for r in rows if r.startswith("| long prompts c16: loop max delay"))
     assert loop_row.endswith("| met | worst 35.0 ms over 1 runs (**missed**) |")
-    memory = dict(report.memory_rows(results))
+    memory = {row[0]: row[1] for row in report.memory_rows(results)}
     assert memory[f"{label} (total: supervisor + 2 processes)"] == "570"
     assert memory[f"{label} (after warm-up; total: supervisor + 2 processes)"] == "590"
     assert memory["headwater fastokens/thread (after warm-up)"] == "300"
@@ -527,6 +527,33 @@ def test_report_judges_the_multi_process_variant_beside_the_default() -> None:
     plain = _results(_pair_runs(120.0, 100.0))
     assert report.all_targets_table(plain) == report.targets_table(report.targets(plain))
     assert "--processes N" not in report.render(plain)
+
+
+def test_report_judges_whether_a_group_shares_its_memory() -> None:
+    label = "headwater fastokens/thread ×2 procs"
+    runs = [*_pair_runs(120.0, 100.0), _multi(pair="vs dynamo fastokens: long unary c16")]
+
+    def judged(group_pss: float) -> report.Target:
+        memory = {"headwater fastokens/thread": {"rss_mb": 240.0, "pss_mb": 220.0},
+                  label: {"rss_mb": 860.0, "pss_mb": group_pss, "uss_mb": 80.0, "processes": [
+                      {"role": "supervisor", "pid": 1, "rss_mb": 220.0, "pss_mb": 60.0,
+                       "uss_mb": 5.0}]}}  # fmt: skip
+        results = _results(runs, idle_memory_mb=memory)
+        (target,) = [t for t in report.targets(results, label) if t.name.startswith(
+            "frontend PSS idle")]  # fmt: skip
+        return target
+
+    shared = judged(270.0)
+    assert shared.passed is True
+    assert "1.23× one process's 220 MB" in shared.measured
+    assert judged(300.0).passed is False  # 1.36×
+    results = _results(runs, idle_memory_mb={
+        "headwater fastokens/thread": {"rss_mb": 240.0, "pss_mb": 220.0, "uss_mb": 215.0}})
+    (one,) = [t for t in report.targets(results) if t.name.startswith("frontend PSS idle")]
+    assert one.passed is None  # the reference itself
+    assert "220 MB (the reference)" in one.measured
+    rows = {row[0]: row[1:] for row in report.memory_rows(results)}
+    assert rows["headwater fastokens/thread"] == ("290", "220", "215")
 
 
 # --- report ----------------------------------------------------------------------------
@@ -711,10 +738,14 @@ async def test_a_tiny_real_run_writes_complete_records(tmp_path: Path) -> None:
     single, double = records[0], records[1]
     assert (single["frontend_processes"], double["frontend_processes"]) == (1, 2)
     assert single["frontend_group_pids"] == single["server_pids"][:1]
-    assert len(set(double["frontend_group_pids"])) == 3  # the supervisor and two members
+    # The supervisor, its zygote and two members; their PSS together is the group's.
+    assert len(set(double["frontend_group_pids"])) == 4
+    assert double["pss_end_mb"] < double["rss_end_mb"]  # the members share the tokenizer
     saved = orjson.loads((cfg.out_dir / "results.json").read_bytes())
     assert saved["runs"] == records
     assert saved["idle_rss_mb"]["headwater fastokens/thread"] > 50
     # Two whole frontends (and a supervisor) hold more than one.
     assert saved["idle_rss_mb"][multi] > saved["idle_rss_mb"]["headwater fastokens/thread"]
+    roles = [p["role"] for p in saved["idle_memory_mb"][multi]["processes"]]
+    assert roles == ["supervisor", "zygote", "process 0", "process 1"]
     assert saved["machine"]["usable_cpus"] >= 1

@@ -219,8 +219,16 @@ def test_read_proc_of_this_process() -> None:
     assert report.cpu_s >= 0
     assert after.cpu_s > 0
     assert after.peak_rss_bytes >= after.rss_bytes > 0
+    assert after.pss_bytes is None  # not asked: the 4 Hz timeline reads RSS only
     with pytest.raises(ProcessLookupError):
         read_proc(2**22 + 1)  # above the kernel's pid_max ceiling
+
+
+def test_read_proc_with_memory_reads_pss_and_uss() -> None:
+    sample = read_proc(os.getpid(), memory=True)
+    assert sample.pss_bytes is not None
+    assert sample.uss_bytes is not None
+    assert 0 < sample.uss_bytes <= sample.pss_bytes <= sample.rss_bytes * 1.05
 
 
 # --- end to end against a fake server -----------------------------------------------

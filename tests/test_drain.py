@@ -151,8 +151,10 @@ async def test_what_outlasts_the_drain_gets_the_graceful_timeout_then_is_cut(
 
 # -- real processes ------------------------------------------------------------------------
 
+# One process unless a test asks for more (a later --processes wins).
 SERVE = (sys.executable, "-m", "headwater", "serve", "--port", "0", "--tokenizer-backend", "hf",
-         "--speedup-ratio", "1", "--log-level", "info", "--drain-timeout", "30")  # fmt: skip
+         "--speedup-ratio", "1", "--log-level", "info", "--drain-timeout", "30",
+         "--processes", "1")  # fmt: skip
 
 
 async def _spawn(nursery: trio.Nursery, tmp_path: Path, *extra: str) -> FrontendProcess:

@@ -28,11 +28,14 @@ from headwater.wire.codec import (
     KINDS,
     MAX_KV_PARAMS_BYTES,
     MAX_KV_PARAMS_DEPTH,
+    MAX_READ,
     FrameDecoder,
     decode_body,
     encode,
+    encode_parts,
     pack_block_hashes,
     pack_token_ids,
+    read_size,
     unpack_block_hashes,
     unpack_token_ids,
 )
@@ -206,6 +209,54 @@ def test_split_feeds_decode_identically(frames: list[Frame], cuts: list[int]) ->
         out.extend(decoder.feed(data[a:b]))
     assert out == frames
     assert decoder.buffered == 0
+
+
+def test_a_reader_asks_for_the_rest_of_a_large_frame_at_once() -> None:
+    # A 640 KB kv_data piece read 64 KiB at a time took ten reads; the decoder knows
+    # from its length prefix how much is missing, and the reader asks for that.
+    piece = encode(KvData("t", b"\x00" * 640_000, True))
+    decoder = FrameDecoder()
+    assert read_size(decoder, 65536) == 65536  # nothing begun: the usual read
+    assert decoder.feed(piece[:3]) == []
+    assert decoder.wanted == 0  # the prefix itself is not complete
+    assert decoder.feed(piece[3:65536]) == []
+    assert decoder.wanted == len(piece) - 65536
+    assert read_size(decoder, 65536) == len(piece) - 65536
+    assert decoder.feed(piece[65536:-10]) == []
+    assert read_size(decoder, 65536) == 65536  # less than a usual read is missing
+    assert decoder.feed(piece[-10:] + encode(Ping(1))[:6]) == [KvData("t", b"\x00" * 640_000, True)]
+    assert decoder.wanted > 0  # the ping's prefix arrived, its body not yet
+    huge = FrameDecoder(max_frame=64 << 20)
+    huge.feed(struct.pack(">I", 60 << 20) + b"\x00")
+    assert read_size(huge, 65536) == MAX_READ  # bounded, whatever the peer announces
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(min_value=0, max_value=300_000),
+    st.text(min_size=1, max_size=300),
+    st.booleans(),
+)
+def test_a_kv_piece_in_parts_is_the_same_bytes(size: int, transfer_id: str, last: bool) -> None:
+    # A large piece goes out as the bytes around its payload plus the payload's own
+    # buffer (not copied); joined, they are exactly what encode writes.
+    payload = bytes(size)
+    frame = KvData(transfer_id, memoryview(payload)[: size - size // 3], last)
+    parts = encode_parts(frame)
+    assert b"".join(parts) == encode(frame)
+    if len(frame.data) >= 64 * 1024:
+        assert len(parts) == 3
+        assert isinstance(parts[1], memoryview)
+        assert parts[1].obj is payload
+    else:
+        assert len(parts) == 1
+    (decoded,) = FrameDecoder().feed(b"".join(parts))
+    assert decoded == KvData(transfer_id, bytes(len(frame.data)), last)
+
+
+def test_a_kv_piece_in_parts_is_refused_when_too_large() -> None:
+    with pytest.raises(FrameTooLarge):
+        encode_parts(KvData("t", bytes(100_000), True), max_frame=99_000)
 
 
 def test_one_byte_at_a_time() -> None:

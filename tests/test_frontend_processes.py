@@ -1,8 +1,9 @@
 """``headwater serve --processes N``: several frontend processes behind one port.
 
 Real processes on loopback (the supervisor binds port 0; each child also opens a
-private port 0). Children load the HF tokenizer backend (about 1 s instead of 4-5 s)
-and run their own in-process mocker workers, sped up. Processes are started with
+private port 0). The supervisor loads the HF tokenizer backend (about 1 s instead of
+4-5 s) before it forks the zygote, and the children, forked from it, run their own
+in-process mocker workers, sped up. Processes are started with
 :mod:`headwater.cluster.recipes` in the test's nursery, which kills whatever is left when a
 test ends or fails. Waits are bounded with ``trio.fail_after``; no fixed sleeps.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -19,7 +21,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from headwater.cluster.frontend_group import child_argv
+from frontend.config import FrontendConfig
+from headwater.cluster.frontend_group import child_argv, preload
 from headwater.cluster.recipes import (
     FrontendMember,
     FrontendProcess,
@@ -51,6 +54,17 @@ def test_a_child_is_the_same_command_with_the_shared_socket() -> None:
     # argparse keeps the last value: the child serves alone, on fd 7, same router
     assert argv[-4:] == ["--processes", "1", "--listen-fd", "7"]
     assert argv[4:-4] == ["--port", "9000", "--processes", "4", "--router", "p2c"]
+    grouped = child_argv(["--router", "p2c"], fd=7, group_url="http://127.0.0.1:9")
+    assert grouped[-2:] == ["--group-url", "http://127.0.0.1:9"]
+
+
+def test_the_shared_tokenizer_is_loaded_with_the_groups_options() -> None:
+    # The zygote's tokenizer is every process's: it must carry --tokenizer-cache-mb.
+    config = FrontendConfig(tokenizer_backend="fastokens", tokenizer_cache_mb=0)
+    assert preload(config).segment_cache_statistics() is None
+    cached = preload(replace(config, tokenizer_cache_mb=1)).segment_cache_statistics()
+    assert cached is not None
+    assert cached.max_bytes == 1 << 20
 
 
 async def start(nursery: trio.Nursery, tmp_path: Path, *extra: str) -> FrontendProcess:
@@ -61,13 +75,30 @@ async def start(nursery: trio.Nursery, tmp_path: Path, *extra: str) -> FrontendP
 
 
 async def requests_served(url: str, http: httpx.AsyncClient) -> float:
-    text = (await http.get(url + "/metrics")).text
+    return await sample(url, http, "headwater_frontend_requests_total", status="success")
+
+
+async def sample(url: str, http: httpx.AsyncClient, name: str, **labels: str) -> float:
+    """The sum of *name*'s samples with *labels* on ``url/metrics``."""
+    r = await http.get(url + "/metrics")
+    assert r.status_code == 200, r.text
     return sum(
         s.value
-        for family in text_string_to_metric_families(text)
+        for family in text_string_to_metric_families(r.text)
         for s in family.samples
-        if s.name == "headwater_frontend_requests_total" and s.labels.get("status") == "success"
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+async def chat(http: httpx.AsyncClient, url: str, n: int = 1) -> None:
+    for _ in range(n):
+        r = await http.post(url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def alive(pid: int) -> bool:
@@ -174,3 +205,62 @@ async def test_children_that_cannot_start_fail_the_supervisor(tmp_path: Path) ->
     assert proc.returncode == 1
     assert b"headwater: serving" not in proc.stdout
     assert b"missing" in proc.stderr
+
+
+@pytest.mark.slow
+async def test_the_shared_port_shows_the_group_and_keeps_counting_across_a_restart(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    frontend = await start(nursery, tmp_path, "--processes", "2", "--restart-backoff", "0.2")
+    first, second = frontend.members
+    await wait_healthy(frontend.address, within=60, child=frontend)
+    # Forked by one zygote, the supervisor's child, which runs a single thread.
+    zygote = parent(first.pid)
+    assert parent(second.pid) == zygote
+    assert parent(zygote) == frontend.pid
+    assert len(os.listdir(f"/proc/{zygote}/task")) == 1
+    ok = "headwater_frontend_requests_total"
+    durations = "headwater_frontend_request_duration_seconds_count"
+    async with httpx.AsyncClient(timeout=30) as http:
+        # Each private port reaches one process: 3 requests on one, 2 on the other.
+        await chat(http, first.url, 3)
+        await chat(http, second.url, 2)
+        assert await sample(first.url, http, ok, status="success") == 3
+        assert await sample(frontend.address, http, ok, status="success") == 5
+        assert await sample(frontend.address, http, durations) == 5  # a histogram, merged
+        assert await sample(frontend.address, http, "headwater_frontend_group_processes_up") == 2
+
+        # The group's dashboard: every process, and the memory of the whole group.
+        data = (await http.get(frontend.address + "/dashboard/data")).json()
+        assert data["group"] == {"processes": 2, "up": 2}
+        assert [p["finished"] for p in data["processes"]] == [3, 2]
+        assert len(data["loop"]["processes"]) == 2
+        roles = {m["role"]: m for m in data["memory"]}
+        assert set(roles) == {"supervisor", "zygote", "process 0", "process 1"}
+        for m in roles.values():  # the tokenizer's pages are shared: PSS well under RSS
+            assert m["uss_mb"] < m["pss_mb"] < 0.8 * m["rss_mb"]
+        own = (await http.get(first.url + "/dashboard/data")).json()
+        assert "group" not in own
+        assert [m["role"] for m in own["memory"]] == ["frontend"]
+
+        # Process 0 dies; its counts stay in the group's total, and its restart adds its own.
+        os.kill(first.pid, signal.SIGKILL)
+        log = trio.Path(tmp_path / "frontend.log")
+        with trio.fail_after(60):
+            while not (back := [m for line in (await log.read_text()).splitlines()
+                                if (m := parse_member_line(line)) and m.index == 0
+                                and m.pid != first.pid]):  # fmt: skip
+                await trio.sleep(0.1)
+        restarted = back[0]
+        assert parent(restarted.pid) == zygote  # forked again from the same zygote
+        await wait_healthy(restarted.url, within=60)
+        assert await sample(restarted.url, http, ok, status="success") == 0
+        assert await sample(frontend.address, http, ok, status="success") == 5
+        await chat(http, restarted.url)
+        assert await sample(frontend.address, http, ok, status="success") == 6
+        assert await sample(frontend.address, http, durations) == 6
+        assert await sample(frontend.address, http, "headwater_frontend_group_restarts_total") == 1
+    with trio.fail_after(60):
+        assert await frontend.stop(grace=50, sig=signal.SIGTERM) == 0
+    assert not alive(zygote)
+    assert not alive(second.pid)

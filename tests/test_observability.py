@@ -403,8 +403,12 @@ async def test_dashboard_data_snapshot() -> None:
         workers = (await c.get("/debug/workers")).json()
 
     assert set(data) == {"now", "model", "loop", "stalls", "pool", "requests", "history",
-                         "latency", "workers"}
+                         "latency", "workers", "memory"}
     assert data["model"] == MODEL
+    (memory,) = data["memory"]  # this process's own, from /proc/self/smaps_rollup
+    assert memory["role"] == "frontend"
+    assert memory["pid"] == os.getpid()  # the test runs the frontend in-process
+    assert 0 < memory["uss_mb"] <= memory["pss_mb"] <= memory["rss_mb"]
     loop = data["loop"]
     assert loop["threshold_s"] == pytest.approx(0.020)
     assert loop["instrumented"] is True
@@ -424,7 +428,11 @@ async def test_dashboard_data_snapshot() -> None:
     assert bad.status_code == 400
 
     assert set(data["pool"]) == {"mode", "threads", "busy", "waiting", "encoded_total",
-                                 "inline_total"}
+                                 "inline_total", "segment_cache"}
+    cache = data["pool"]["segment_cache"]  # fastokens', on by default (None when off, or hf)
+    assert cache is not None
+    assert {"hits", "misses", "bytes", "max_bytes"} <= set(cache)
+    assert cache["max_bytes"] > 0
     assert data["pool"]["threads"] == 2
     assert data["requests"]["inflight"] == 0
     assert data["requests"]["queued"] == 0

@@ -241,19 +241,32 @@ class _Oracle:
 def predict(script: Script, secret: bytes | None) -> set[Outcome]:
     """The outcomes the worker may give *script* (one, unless a read can split it two
     ways or the fuzzer closes first)."""
-    outcomes = _predict(script, secret, split=False) | _predict(script, secret, split=True)
+    # The junk and the hello are sent back to back: the worker may read them in one
+    # read, where a bad header after a complete bad frame fails the read before that
+    # frame is judged, or in two, where the frame is judged first.
+    outcomes = {
+        outcome
+        for split in (False, True)
+        for merge_pre in (False, True)
+        for outcome in _predict(script, secret, split=split, merge_pre=merge_pre)
+    }
     if script.cut is not None:  # it may close before it reads what the worker said
         outcomes.add(("gone", ""))
     return outcomes
 
 
-def _predict(script: Script, secret: bytes | None, *, split: bool) -> set[Outcome]:
+def _predict(
+    script: Script, secret: bytes | None, *, split: bool, merge_pre: bool = False
+) -> set[Outcome]:
     oracle = _Oracle(secret, split=split)
     try:
-        oracle.feed(script.pre)
-        if script.hello is None:  # nothing more is sent: did the junk make a hello?
-            return {("silent", "")} if oracle.state == "done" else {("timeout", "")}
-        oracle.feed(hello_bytes(script.hello))
+        if merge_pre and script.hello is not None:
+            oracle.feed(script.pre + hello_bytes(script.hello))
+        else:
+            oracle.feed(script.pre)
+            if script.hello is None:  # nothing more is sent: did the junk make a hello?
+                return {("silent", "")} if oracle.state == "done" else {("timeout", "")}
+            oracle.feed(hello_bytes(script.hello))
         if secret is not None:
             if oracle.state != "auth":
                 return {("timeout", "")}  # no challenge: the fuzzer waits for it in vain

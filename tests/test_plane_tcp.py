@@ -10,6 +10,7 @@ autojump clock, with exact asserts on ``trio.current_time()``.
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import Callable
 from functools import partial
@@ -28,6 +29,7 @@ from headwater.plane.connection import (
     HandshakeFailed,
     PlaneConfig,
     open_connection,
+    tcp_connector,
 )
 from headwater.plane.memory import MemoryWorkerClient
 from headwater.plane.server import InsecureBind, PlaneServer, ServerConfig
@@ -948,3 +950,30 @@ async def test_worker_cancels_the_kv_pull_of_a_silent_peer(
     assert server.statistics().connections == 0  # the pull task is gone with it
     assert server.statistics().peer_timeouts_total == 1
     assert trio.current_time() - silent_since == server.config.heartbeat_timeout
+
+
+
+def _lowat(stream: object) -> int:
+    assert isinstance(stream, trio.SocketStream)
+    return stream.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+
+
+async def test_plane_sockets_send_without_trios_watermark(nursery: trio.Nursery) -> None:
+    # trio caps unsent bytes at 16 KiB per socket, so a plane connection's large frames
+    # (a 40k-token request, a prompt's KV) went out 16 KiB per wake-up of its writer.
+    # Both ends of a real connection lift the cap; trio's own streams keep it.
+    worker = await start_worker(nursery)
+    client = await connect_worker(instance_of(worker), nursery)
+    assert len(tokens_of(await collect(client, request("one", max_tokens=2)))) == 2
+    stream = await tcp_connector(worker.address)()
+    plain = await trio.open_tcp_stream(*parse_tcp_address(worker.address))
+    try:
+        assert _lowat(stream) == -1
+        assert _lowat(plain) == 16384  # what trio does by itself
+        with trio.fail_after(5):
+            while len(worker.server._connections) < 3:
+                await trio.sleep(0.01)
+        assert [_lowat(c.stream) for c in worker.server._connections] == [-1, -1, -1]
+    finally:
+        await stream.aclose()
+        await plain.aclose()

@@ -281,7 +281,9 @@ async def test_a_stage_ends_at_its_deadline(autojump_clock: trio.testing.MockClo
 
 async def test_no_deadline_cuts_nothing(autojump_clock: trio.testing.MockClock) -> None:
     closed: list[str] = []
-    got = [i async for i in Deadline(0).iterate(_slow(closed))]
+    items = _slow(closed)
+    assert Deadline(0).iterate(items) is items  # no scope, no extra generator per item
+    got = [i async for i in Deadline(0).iterate(items)]
     assert len(got) == 100
     assert trio.current_time() == 1000.0
     assert closed == ["closed"]

@@ -536,6 +536,10 @@ async def test_headwater_serve_announces_https(
     async with httpx.AsyncClient(verify=client_context(ca)) as client:
         for member in frontend.members:
             assert (await client.get(member.url + "/live")).status_code == 200
+        # The shared port's /metrics is the group's: the supervisor asked both processes
+        # on their private ports, over TLS.
+        page = (await client.get(frontend.address + "/metrics")).text
+        assert "headwater_frontend_group_processes_up 2.0" in page
     frontend.send_signal(signal.SIGTERM)
     with trio.fail_after(60):
         assert await frontend.wait() == 0

@@ -54,6 +54,25 @@ def test_serve_takes_tokenizer_context_and_vocabulary_from_the_model(tmp_path: P
     )  # fmt: skip
 
 
+def test_processes_auto_is_one_frontend_with_in_process_vllm_workers(tmp_path: Path) -> None:
+    from headwater.machine import usable_cpus
+
+    cores = usable_cpus()  # 2 here; on one core both rules give 1
+    model = str(model_dir(tmp_path))
+
+    def processes(*argv: str) -> int:
+        return frontend_config_from_args(build_parser("serve").parse_args(list(argv))).processes
+
+    # Each process of a group would start vLLM children of its own.
+    assert processes("--engine", "vllm", "--model", model) == 1
+    assert processes("--engine", "vllm", "--model", model, "--processes", "auto") == 1
+    assert processes("--engine", "vllm", "--model", model, "--processes", "3") == 3
+    # The mocker, or workers elsewhere: one frontend process per usable CPU.
+    assert processes() == cores
+    assert processes("--processes", "auto") == cores
+    assert processes("--engine", "vllm", "--workers", "tcp://127.0.0.1:1?role=agg") == cores
+
+
 def test_a_tokenizer_with_more_ids_than_the_model_is_refused_at_start(tmp_path: Path) -> None:
     model = model_dir(tmp_path, vocab=32000)
     config = FrontendConfig(tokenizer=str(model), model_vocab_size=32000, port=0)

@@ -8,7 +8,13 @@ Read-only views of the frontend's live state:
 * ``GET /debug/runtime``: what the process holds now: trio tasks (by name), open file
   descriptors, threads, RSS (:mod:`headwater.instrumentation.runtime`), for leak hunts.
 * ``GET /dashboard``: a self-contained page (:mod:`frontend.http.dashboard`) that polls
-  ``GET /dashboard/data``, a JSON snapshot of all of the above.
+  ``GET /dashboard/data``, a JSON snapshot of all of the above and of this process's
+  memory (RSS, PSS, USS).
+
+In a group of processes (``headwater serve --processes N``, *group* given), ``/metrics``
+and ``/dashboard/data`` asked on the shared port answer for the whole group: they are
+relayed to the supervisor (:mod:`frontend.http.group`). On the process's private port
+they answer for it alone.
 
 And one route that is not read-only, served only with ``debug_endpoints`` on (a 404
 otherwise): ``POST /debug/stall?ms=N`` blocks the event loop for N ms on purpose, so
@@ -24,13 +30,16 @@ import time
 from typing import Any, Final
 
 import orjson
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from frontend.http.dashboard import ASSETS, LoadHistory, load_asset, snapshot
 from frontend.http.errors import ApiError, bad_request
+from frontend.http.group import GroupRelay, GroupViewUnavailable
 from frontend.http.observed import Observed
 from headwater.instrumentation.runtime import runtime_snapshot
+from headwater.procmem import read_memory
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +62,34 @@ _PAGE_HEADERS: Final = {
 
 
 def add_observability_routes(
-    app: QuartTrio, frontend: Observed, *, debug_endpoints: bool = False
+    app: QuartTrio,
+    frontend: Observed,
+    *,
+    debug_endpoints: bool = False,
+    group: GroupRelay | None = None,
 ) -> None:
     """Register the routes above on *app*, reading *frontend*'s parts; the debug route
-    only with *debug_endpoints*."""
+    only with *debug_endpoints*; the group's views relayed through *group*."""
     history = LoadHistory()
+
+    async def relayed() -> Response | None:
+        """The group's answer, when this request came in on the shared port."""
+        if group is None or not group.is_shared(request.scope.get("server")):
+            return None
+        target = request.full_path.rstrip("?")
+        try:
+            answer = await group.get(target, request.headers.get("Authorization"))
+        except GroupViewUnavailable as exc:
+            log.warning("%s", exc)
+            raise ApiError(503, "the group's view is unavailable; each process's own is "
+                           "on its private port", type="service_unavailable") from exc
+        return Response(answer.body, status=answer.status, content_type=answer.content_type,
+                        headers={"Cache-Control": "no-store"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if (answer := await relayed()) is not None:
+            return answer
         names = request.args.getlist("name[]")  # some series only, as prometheus-client
         return Response(frontend.metrics.render(names or None), content_type=PROMETHEUS_TEXT)
 
@@ -91,7 +120,13 @@ def add_observability_routes(
     @app.get("/dashboard/data")
     async def dashboard_data() -> Response:
         after = _float_arg("stalls_after")
-        body = orjson.dumps(snapshot(frontend, history, stalls_after=after))
+        if (answer := await relayed()) is not None:
+            return answer
+        try:  # the kernel walks our page tables: a few ms, off the loop
+            memory = [{"role": "frontend", **(await trio.to_thread.run_sync(read_memory)).to_mb()}]
+        except (OSError, ValueError):
+            memory = []
+        body = orjson.dumps(snapshot(frontend, history, stalls_after=after, memory=memory))
         return Response(body, content_type=JSON, headers={"Cache-Control": "no-store"})
 
     if debug_endpoints:

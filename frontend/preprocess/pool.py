@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import trio
 
-from frontend.preprocess.tokenizer import Backend, Tokenizer
+from frontend.preprocess.tokenizer import Backend, SegmentCacheStats, Tokenizer
 
 #: Longest prompt (in characters) encoded inline by default, per backend: below these
 #: the encode costs less than the ~60–300 µs thread hop and at most ~0.1–0.2 ms of
@@ -49,6 +49,7 @@ class PoolStats:
     waiting: int  # requests queued for a thread
     encoded_total: int
     inline_total: int
+    segment_cache: SegmentCacheStats | None = None  # fastokens' segment cache, if on
 
 
 class TokenizerPool:
@@ -113,4 +114,5 @@ class TokenizerPool:
             waiting=s.tasks_waiting,
             encoded_total=self._encoded,
             inline_total=self._inline,
+            segment_cache=self.tokenizer.segment_cache_statistics(),
         )

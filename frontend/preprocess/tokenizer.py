@@ -9,6 +9,13 @@
 
 HF stays loaded in both cases: it is the reference decoder and the fallback when
 fastokens cannot load a tokenizer file.
+
+fastokens' *segment cache* is on by default (:data:`SEGMENT_CACHE_BYTES`): it keeps the
+ids of the text segments between added tokens (``<｜User｜>``, ``<｜Assistant｜>``...), so
+a system prompt or a conversation that every request repeats is encoded once. Its ids
+are the same as without it (tests/test_tokenizer_exactness.py checks them against HF
+with the cache on); it is shared, under its own lock, by every thread of the pool, and
+the encoder still releases the GIL (docs/tokenization.md, "The segment cache").
 """
 
 from __future__ import annotations
@@ -31,6 +38,12 @@ from headwater.wire.tokens import from_uint32_le, token_array
 log = logging.getLogger(__name__)
 
 
+#: Default budget of fastokens' segment cache (bytes of segment text plus ids). fastokens
+#: keeps no segment larger than 1/64 of the budget: 64 MiB caches segments up to ~1 MiB,
+#: a ~100k-token system prompt (a 40k-token one is ~0.4 MB of text and ids).
+SEGMENT_CACHE_BYTES = 64 * 1024 * 1024
+
+
 class Backend(enum.StrEnum):
     FASTOKENS = "fastokens"
     HF = "hf"
@@ -38,6 +51,20 @@ class Backend(enum.StrEnum):
 
 class TokenizerLoadError(Exception):
     """The tokenizer path does not hold a usable tokenizer."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCacheStats:
+    """fastokens' segment cache: lookups that hit and missed (and their bytes of text),
+    what it holds now and its budget, in bytes."""
+
+    hits: int
+    misses: int
+    hit_bytes: int
+    miss_bytes: int
+    entries: int
+    bytes: int
+    max_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +124,19 @@ class Tokenizer:
 
     Immutable after construction, so it is safe to share between threads (configuring
     a shared HF tokenizer while batch calls run raises ``Already borrowed``).
+    *segment_cache_bytes* is the budget of fastokens' segment cache (0: off); the hf
+    backend has none.
     """
 
-    def __init__(self, files: TokenizerFiles, backend: Backend | str = Backend.FASTOKENS) -> None:
+    def __init__(
+        self,
+        files: TokenizerFiles,
+        backend: Backend | str = Backend.FASTOKENS,
+        *,
+        segment_cache_bytes: int = SEGMENT_CACHE_BYTES,
+    ) -> None:
+        if segment_cache_bytes < 0:
+            raise ValueError(f"segment_cache_bytes must be >= 0, got {segment_cache_bytes}")
         self.files = files
         try:
             self._hf = tokenizers.Tokenizer.from_file(str(files.tokenizer_json))
@@ -114,6 +151,8 @@ class Tokenizer:
                 import fastokens
 
                 self._fast = fastokens.Tokenizer.from_file(str(files.tokenizer_json))
+                # Set explicitly, 0 too: FASTOKENS_SEGMENT_CACHE would turn it on unasked.
+                self._fast.enable_segment_cache(segment_cache_bytes)
             except Exception as exc:
                 log.warning("fastokens cannot load %s (%s); falling back to hf",
                             files.tokenizer_json, exc)
@@ -129,8 +168,19 @@ class Tokenizer:
         _return_freed_heap()
 
     @classmethod
-    def load(cls, path: str | Path | None, backend: Backend | str = Backend.FASTOKENS) -> Tokenizer:
-        return cls(find_tokenizer_files(path), backend)
+    def load(
+        cls,
+        path: str | Path | None,
+        backend: Backend | str = Backend.FASTOKENS,
+        *,
+        segment_cache_bytes: int = SEGMENT_CACHE_BYTES,
+    ) -> Tokenizer:
+        return cls(find_tokenizer_files(path), backend, segment_cache_bytes=segment_cache_bytes)
+
+    def segment_cache_statistics(self) -> SegmentCacheStats | None:
+        """The segment cache's counters, or None when there is none (off, or hf)."""
+        stats = self._fast.segment_cache_stats() if self._fast is not None else None
+        return None if stats is None else SegmentCacheStats(**stats)
 
     def token_to_id(self, token: str | None) -> int | None:
         return self._hf.token_to_id(token) if token else None

@@ -48,6 +48,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse ``type``: a number above 0."""
     value = float(text)
@@ -152,9 +160,11 @@ def config_argv(config: Any) -> list[str]:
 def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
     """What an engine's config tells the frontend in front of its workers, as
     FrontendConfig fields: the model directory's tokenizer (``tokenizer_path()``), the
-    model's vocabulary size (``model_vocab_size()``) and context length
-    (``max_model_len``). Keys are absent when the engine does not say (the mocker
-    says nothing). Raises ValueError for a model directory that cannot be read.
+    model's vocabulary size (``model_vocab_size()``), context length
+    (``max_model_len``) and how many frontend processes ``--processes auto`` means
+    (``frontend_processes()``; by default one per usable CPU). Keys are absent when the
+    engine does not say (the mocker says nothing). Raises ValueError for a model
+    directory that cannot be read.
     """
     defaults: dict[str, Any] = {}
     tokenizer = getattr(engine_config, "tokenizer_path", None)
@@ -166,6 +176,9 @@ def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
     length = getattr(engine_config, "max_model_len", None)
     if isinstance(length, int) and length > 0:
         defaults["context_length"] = length
+    processes = getattr(engine_config, "frontend_processes", None)
+    if callable(processes):
+        defaults["processes"] = processes()
     return defaults
 
 

@@ -15,6 +15,7 @@ import ssl
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -28,6 +29,7 @@ from headwater.cli.options import (
     config_from_args,
     configure_logging,
     engine_frontend_defaults,
+    non_negative_int,
     positive_float,
     positive_int,
     restart_policy_from_args,
@@ -35,6 +37,9 @@ from headwater.cli.options import (
 from headwater.machine import usable_cpus
 from workers.engines import registry
 from workers.engines.base import EngineFailed
+
+if TYPE_CHECKING:
+    from frontend.preprocess.tokenizer import Tokenizer
 
 _D = FrontendConfig()
 
@@ -93,14 +98,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so keys rotate without a restart")
     h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
                    help="/metrics needs a key too (by default it stays open to scrapers)")
-    h.add_argument("--processes", type=positive_int, default=_D.processes,
+    h.add_argument("--processes", type=process_count, default=None,
                    help="frontend processes sharing the port, each with its own event loop "
-                        "and in-process workers; each also serves its own /metrics and "
-                        "/dashboard on a private port it prints. One that exits on its own "
-                        "is restarted (--restart-*) while the others serve")
+                        "and in-process workers (auto, the default: one per usable CPU, here "
+                        f"{usable_cpus()}, or 1 with in-process vLLM workers; 1: a single "
+                        "process, no supervisor). The port's "
+                        "/metrics and /dashboard show the whole group; each process also "
+                        "serves its own on a private port it prints. One that exits on its "
+                        "own is restarted (--restart-*) while the others serve")
     h.add_argument("--listen-fd", type=int, default=_D.listen_fd,
                    help="serve on this inherited listening socket (set by --processes "
                         "for its children)")
+    h.add_argument("--group-url", default=None, help=argparse.SUPPRESS)  # set for children
     add_restart_options(h, "all of them (with --processes N)")
 
     m = p.add_argument_group("model and tokenization")
@@ -128,6 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "uses HF Tokenizer.encode, which holds the GIL")
     m.add_argument("--tokenizer-threads", type=positive_int, default=usable_cpus(),
                    help="tokenizer pool size (default: usable CPUs)")
+    m.add_argument("--tokenizer-cache-mb", type=non_negative_int, default=_D.tokenizer_cache_mb,
+                   help="MiB for fastokens' cache of the text between special tokens: a "
+                        "system prompt or conversation that requests repeat is encoded once "
+                        "(same ids either way; segments up to 1/64 of it are kept). 0: off")
     m.add_argument("--inline-max-chars", type=int, default=None,
                    help="prompts this short encode on the loop, where that is cheaper than "
                         "a thread hop (default: 8192 with fastokens, 256 with hf)")
@@ -208,6 +221,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_config_options(group, registry.config_type(name))
 
 
+def process_count(text: str) -> int:
+    """An argparse ``type``: ``auto`` (one per usable CPU) or an integer of at least 1."""
+    if text.strip().lower() == "auto":
+        return 0  # resolved with the engine's config (frontend_config_from_args)
+    return positive_int(text)
+
+
 def _header_bytes(text: str) -> int:
     value = int(text)
     if value < 1024:
@@ -244,6 +264,8 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if args.api_keys_file is not None:  # read now too: a bad file is a bad option
         load_api_keys(file=args.api_keys_file)
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if given.get("processes") == 0:  # auto: the engine's choice, else one per usable CPU
+        del given["processes"]
     defaults: dict[str, object] = {}
     if not args.workers and not args.discovery:
         defaults = engine_frontend_defaults(engine_config)
@@ -276,9 +298,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     configure_logging(config.log_level)
     if config.processes > 1:
-        from headwater.cluster.frontend_group import supervise
+        from headwater.cluster.frontend_group import run_group
 
-        return trio.run(supervise, config, args.argv, restart)
+        return run_group(config, args.argv, restart)
     from frontend.preprocess.tokenizer import TokenizerLoadError
 
     try:
@@ -300,14 +322,18 @@ def _first(exc: BaseException) -> BaseException:
     return exc
 
 
-async def serve_until_signalled(config: FrontendConfig) -> int:
+async def serve_until_signalled(config: FrontendConfig, tokenizer: Tokenizer | None = None
+                                ) -> int:
     """Serve until a signal: the first drains and stops (``Frontend.stop``), a second
-    one stops at once. Returns the exit status: 0, or 1 after a second signal."""
+    one stops at once. Returns the exit status: 0, or 1 after a second signal.
+
+    *tokenizer*: one loaded already (a process forked from the group's zygote shares
+    the zygote's)."""
     supervisor = os.getppid()  # before the slow start-up: it matters with --listen-fd
     from frontend.server import Frontend  # heavy imports only when serving
 
     log = logging.getLogger(__name__)
-    frontend = Frontend(config)
+    frontend = Frontend(config, tokenizer=tokenizer)
     forced = False
 
     async def stop_on_signals(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:

@@ -34,6 +34,7 @@ from headwater.cli.options import (
 )
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
+from headwater.malloc_tuning import keep_freed_heap
 from headwater.plane.server import check_bind
 from headwater.plane.tls import check_certificate, tls_config
 from headwater.wire import Role
@@ -129,6 +130,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"headwater worker: {exc}", file=sys.stderr)
         return 2
     tune_gc()  # its requests carry the same long token lists as the frontend's
+    keep_freed_heap()  # its large plane buffers are freed and allocated per request
     try:
         return trio.run(_run, config)
     except (OSError, EtcdError, EngineFailed, BaseExceptionGroup) as exc:

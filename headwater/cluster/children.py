@@ -31,7 +31,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
 import trio
 
@@ -64,6 +64,27 @@ class LaunchError(Exception):
         self.summary = summary
 
 
+class ProcessHandle(Protocol):
+    """What a :class:`ChildProcess` needs of the process it wraps: a
+    :class:`trio.Process`, or a process forked from a zygote
+    (:class:`headwater.cluster.zygote.ForkedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
 class ChildProcess:
     """One running child; made by the ``start_*`` functions.
 
@@ -73,7 +94,7 @@ class ChildProcess:
     """
 
     def __init__(
-        self, name: str, process: trio.Process, log_path: Path | None, argv: Sequence[str]
+        self, name: str, process: ProcessHandle, log_path: Path | None, argv: Sequence[str]
     ) -> None:
         self.name = name
         self.process = process
@@ -259,9 +280,23 @@ async def spawn(
     finally:
         if log_file is not None:
             log_file.close()  # the child holds its own descriptor
+    child = watch(cls, nursery, name, process, log_path, argv)
+    log.debug("started %s (pid %d): %s", name, process.pid, " ".join(argv))
+    return child
+
+
+def watch(
+    cls: type[C],
+    nursery: trio.Nursery,
+    name: str,
+    process: ProcessHandle,
+    log_path: Path | None,
+    argv: Sequence[str],
+) -> C:
+    """Wrap a process that was started already (by :func:`spawn`, or forked by a
+    zygote) as a *cls*, with its watcher task in *nursery* (see the module docstring)."""
     child = cls(name, process, log_path, argv)
     nursery.start_soon(child._supervise, name=f"supervise {name}")
-    log.debug("started %s (pid %d): %s", name, process.pid, " ".join(argv))
     return child
 
 

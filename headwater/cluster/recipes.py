@@ -61,7 +61,8 @@ DEFAULT_MODEL = "deepseek-v4"
 __all__ = [
     "DEFAULT_MODEL", "FRONTEND_MEMBER_PREFIX", "FRONTEND_READY_PREFIX", "WORKER_READY_PREFIX",
     "ChildProcess", "EtcdProcess", "FrontendMember", "FrontendProcess", "LaunchError",
-    "WorkerProcess", "frontend_argv", "frontend_urls", "member_line", "parse_member_line",
+    "WorkerProcess", "frontend_announced", "frontend_argv", "frontend_urls", "member_line",
+    "parse_member_line",
     "parse_worker_ready", "spawn_frontend", "start_etcd", "start_frontend", "start_worker",
     "wait_healthy", "worker_argv",
 ]  # fmt: skip
@@ -300,14 +301,20 @@ def frontend_argv(
     model: str = DEFAULT_MODEL,
     extra_args: Sequence[str] = (),
     interpreter: Sequence[str] = (sys.executable,),
+    processes: int | str | None = 1,
 ) -> list[str]:
     """The command line of one frontend, by default on loopback (``python -m headwater serve``).
 
     *interpreter* is what runs ``-m frontend``: the benchmark's profiler passes
-    ``(python, "-m", "pyinstrument", ...)``.
+    ``(python, "-m", "pyinstrument", ...)``. *processes* is its ``--processes``: one by
+    default, unlike ``headwater serve``'s own default (one per usable core), because a
+    recipe's frontend shares the machine with the workers and etcd it is started
+    beside; ``None`` leaves serve's default, and a ``--processes`` in *extra_args* wins.
     """
     argv = [*interpreter, "-m", "headwater", "serve", "--host", host, "--port", str(port),
             "--model-name", model]  # fmt: skip
+    if processes is not None:
+        argv += ["--processes", str(processes)]
     if discovery:
         argv += ["--discovery", discovery]
     if workers:
@@ -388,6 +395,22 @@ async def spawn_frontend(
 
     Raises LaunchError if it exits or stays silent for *ready_within* seconds.
     """
+    child = await spawn(
+        FrontendProcess, nursery, name, argv, log_path, env=env, pass_fds=pass_fds
+    )
+    assert isinstance(child, FrontendProcess)
+    return await frontend_announced(child, nursery, ready_within=ready_within, on_exit=on_exit)
+
+
+async def frontend_announced(
+    child: FrontendProcess,
+    nursery: trio.Nursery,
+    *,
+    ready_within: float = 60.0,
+    on_exit: ExitHook | None = None,
+) -> FrontendProcess:
+    """Read a started frontend's stdout until it announced that it listens (and, for a
+    supervisor, each of its processes); return it, ready. Raises LaunchError."""
     members: list[FrontendMember] = []
 
     def parse(line: str) -> list[str] | None:
@@ -395,10 +418,6 @@ async def spawn_frontend(
             members.append(member)
         return frontend_urls(line) or None
 
-    child = await spawn(
-        FrontendProcess, nursery, name, argv, log_path, env=env, pass_fds=pass_fds
-    )
-    assert isinstance(child, FrontendProcess)
     urls = await read_announcement(child, nursery, parse, ready_within)
     child.address, child.urls = urls[0], tuple(urls)
     child.members = tuple(members) or (FrontendMember(0, child.pid, urls[-1]),)
@@ -422,8 +441,10 @@ async def start_frontend(
     env: Mapping[str, str] | None = None,
     ready_within: float = 60.0,
     on_exit: ExitHook | None = None,
+    processes: int | str | None = 1,
 ) -> FrontendProcess:
     """Start a frontend; return once it listens (``address`` is its URL, real port).
+    *processes* as for :func:`frontend_argv` (one by default).
 
     It may not be able to serve yet: :func:`wait_healthy` waits for routable
     workers. *prefix_argv* runs it under a wrapper that execs it (``ip netns exec
@@ -431,7 +452,7 @@ async def start_frontend(
     """
     argv = frontend_argv(
         host=host, port=port, discovery=discovery, workers=workers, model=model,
-        extra_args=extra_args, interpreter=interpreter,
+        extra_args=extra_args, interpreter=interpreter, processes=processes,
     )  # fmt: skip
     return await spawn_frontend(
         nursery, [*prefix_argv, *argv], name=name, log_path=log_dir / f"{name}.log", env=env,

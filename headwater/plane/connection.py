@@ -55,6 +55,7 @@ from headwater.plane.base import (
     ResponseStream,
     WorkerError,
 )
+from headwater.plane.sockets import unthrottle
 from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import (
     Ack,
@@ -67,7 +68,7 @@ from headwater.wire import (
     WorkerLoad,
 )
 from headwater.wire.addresses import parse_tcp_address
-from headwater.wire.codec import FrameDecoder, encode
+from headwater.wire.codec import FrameDecoder, encode, read_size
 from headwater.wire.errors import AuthError, FrameTooLarge, ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -352,7 +353,9 @@ class PlaneConnection:
         self._pending = []
         while True:
             try:
-                data = await self._stream.receive_some(self.config.receive_size)
+                data = await self._stream.receive_some(
+                    read_size(self._decoder, self.config.receive_size)
+                )
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 reason = tls_reason(exc)
                 if reason is not None and "EOF" in reason:  # TLS, closed without close_notify
@@ -590,15 +593,22 @@ def tcp_connector(address: str, tls: TlsConfig | None = None) -> Connector:
     certificate must name *host*). Raises ValueError on a bad address."""
     host, port = parse_tcp_address(address)
     if tls is None:
-        return partial(trio.open_tcp_stream, host, port)
+        return partial(_open_tcp_stream, host, port)
     return partial(_open_tls_stream, host, port, tls)
+
+
+async def _open_tcp_stream(host: str, port: int) -> trio.SocketStream:
+    """TCP, without trio's send watermark (:mod:`headwater.plane.sockets`). Raises OSError."""
+    stream = await trio.open_tcp_stream(host, port)
+    unthrottle(stream)
+    return stream
 
 
 async def _open_tls_stream(
     host: str, port: int, tls: TlsConfig
 ) -> trio.SSLStream[trio.SocketStream]:
     """TCP, then the TLS handshake. Raises OSError (connect), HandshakeFailed (``tls``)."""
-    tcp = await trio.open_tcp_stream(host, port)
+    tcp = await _open_tcp_stream(host, port)
     stream = trio.SSLStream(tcp, tls.client_context(), server_hostname=host)
     try:
         await stream.do_handshake()

@@ -47,10 +47,11 @@ import trio
 
 from headwater.plane.base import RequestHandler
 from headwater.plane.kv import KvSource, serve_pull
+from headwater.plane.sockets import unthrottle
 from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role, WorkerLoad
 from headwater.wire.addresses import is_loopback
-from headwater.wire.codec import FrameDecoder, encode
+from headwater.wire.codec import FrameDecoder, encode, encode_parts, read_size
 from headwater.wire.errors import ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -74,6 +75,7 @@ from headwater.wire.handshake import ServerHandshake
 log = logging.getLogger(__name__)
 
 _COALESCE_BYTES = 256 * 1024
+_SEND_ALONE_BYTES = 64 * 1024  # a part this large is sent as it is, not joined
 _FAULT_GRACE = 1.0  # s to flush a final error frame before closing
 
 
@@ -213,6 +215,7 @@ class PlaneServer:
 
     async def handle_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one connection until it ends. Never raises (except Cancelled)."""
+        unthrottle(stream)
         conn = _Connection(self, stream)
         self._connections.add(conn)
         self._connections_total += 1
@@ -447,17 +450,18 @@ class _Connection:
         timeout = self.server.config.write_timeout
         try:
             async for item in self._out_recv:
-                batch = [self._encode(*item)]
-                size = len(batch[0])
+                batch = self._encode(*item)
+                size = sum(map(len, batch))
                 while size < _COALESCE_BYTES:
                     try:
                         item = self._out_recv.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                    batch.append(self._encode(*item))
-                    size += len(batch[-1])
+                    parts = self._encode(*item)
+                    batch += parts
+                    size += sum(map(len, parts))
                 with trio.fail_after(timeout):
-                    await self.stream.send_all(batch[0] if len(batch) == 1 else b"".join(batch))
+                    await self._send(batch)
         except trio.TooSlowError:
             self.server._write_timeouts += 1
             log.warning("%s stopped reading for %g s; closing", self.peer_name, timeout)
@@ -467,17 +471,32 @@ class _Connection:
         finally:
             self._writer_done.set()
 
-    def _encode(self, frame: Frame, budget: trio.Semaphore | None) -> bytes:
+    async def _send(self, parts: list[bytes | memoryview]) -> None:
+        """Send *parts* in order: small ones joined into one write, a large one (a KV
+        payload's own buffer, :func:`encode_parts`) on its own, never copied."""
+        small: list[bytes | memoryview] = []
+        for part in parts:
+            if len(part) < _SEND_ALONE_BYTES:
+                small.append(part)
+                continue
+            if small:
+                await self.stream.send_all(small[0] if len(small) == 1 else b"".join(small))
+                small = []
+            await self.stream.send_all(part)
+        if small:
+            await self.stream.send_all(small[0] if len(small) == 1 else b"".join(small))
+
+    def _encode(self, frame: Frame, budget: trio.Semaphore | None) -> list[bytes | memoryview]:
         if budget is not None:
             budget.release()
         try:
-            return encode(frame, self.server.config.max_frame)
+            return encode_parts(frame, self.server.config.max_frame)
         except (ValueError, ProtocolError) as exc:
             # The engine produced something unsendable: fail that request alone.
             rid = str(getattr(frame, "request_id", None) or getattr(frame, "transfer_id", "?"))
             log.error("cannot encode %s for %s: %s", type(frame).__name__, rid, exc)
             self.server.runtime.cancel(rid)
-            return encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))
+            return [encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))]
 
     async def queue_reply(self, frame: Frame) -> None:
         """Queue a reply, waiting only when the budget is spent.
@@ -531,7 +550,7 @@ class _Connection:
         size = self.server.config.receive_size
         while True:
             try:
-                data = await self.stream.receive_some(size)
+                data = await self.stream.receive_some(read_size(self.decoder, size))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:

@@ -229,6 +229,38 @@ def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
+#: A ``kv_data`` piece at least this large is encoded around its payload, not through it.
+_SPLICE_ABOVE: Final = 64 * 1024
+
+
+def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes | memoryview]:
+    """*frame* as :func:`encode` has it, in pieces whose concatenation is exactly
+    ``encode(frame)``: for a large ``kv_data`` piece, the bytes before its payload, the
+    payload's own buffer and the bytes after it; one piece for any other frame.
+
+    Why: a prompt's simulated KV leaves a prefill worker as ~640 KB pieces (40k tokens at
+    16 bytes each), and ``packb`` copied each into its output, then the length prefix's
+    concatenation copied it again; sent as its own buffer it is copied only by the
+    kernel. Raises what :func:`encode` raises.
+    """
+    if not isinstance(frame, KvData) or len(frame.data) < _SPLICE_ABOVE:
+        return [encode(frame, max_frame)]
+    size = len(frame.data)
+    # The map _body builds, field by field in its order, with the bin's header written
+    # as msgpack writes it: from 64 KiB on, a bin 32.
+    head = b"".join((
+        b"\x84",  # fixmap, 4 entries
+        msgpack.packb("k"), msgpack.packb("kv_data"),
+        msgpack.packb("transfer_id"), msgpack.packb(frame.transfer_id),
+        msgpack.packb("data"), b"\xc6", _HEADER.pack(size),
+    ))  # fmt: skip
+    tail = msgpack.packb("last") + msgpack.packb(frame.last)
+    body_size = len(head) + size + len(tail)
+    if body_size > max_frame:
+        raise FrameTooLarge(body_size, max_frame)
+    return [_HEADER.pack(body_size) + head, memoryview(frame.data).cast("B"), tail]
+
+
 def _body(frame: Frame) -> _Map:
     # The request messages put "k" last and the control frames first: the order their
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
@@ -342,11 +374,19 @@ class FrameDecoder:
         self.max_frame = max_frame
         self._buffer = bytearray()
         self._failure: ProtocolError | None = None
+        self._wanted = 0
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet part of a complete frame."""
         return len(self._buffer)
+
+    @property
+    def wanted(self) -> int:
+        """Bytes still missing from the frame begun in the buffer, as its length prefix
+        tells (0 when none is begun, or its prefix is not complete): what a reader may
+        ask of its socket at once (:func:`read_size`)."""
+        return self._wanted
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         """Add *data*; return the frames it completed, in order.
@@ -360,6 +400,7 @@ class FrameDecoder:
         buf += data
         frames: list[Frame] = []
         pos = 0
+        self._wanted = 0
         try:
             while len(buf) - pos >= 4:
                 (size,) = _HEADER.unpack_from(buf, pos)
@@ -369,6 +410,7 @@ class FrameDecoder:
                     raise ProtocolError("empty frame")
                 end = pos + 4 + size
                 if len(buf) < end:
+                    self._wanted = end - len(buf)
                     break
                 # Both views are released on exit, even when a traceback holds them,
                 # so the buffer can be resized afterwards. unpackb copies what it keeps.
@@ -381,6 +423,22 @@ class FrameDecoder:
             raise
         del buf[:pos]
         return frames
+
+
+#: The most :func:`read_size` asks for in one read.
+MAX_READ = 1024 * 1024
+
+
+def read_size(decoder: FrameDecoder, receive_size: int) -> int:
+    """Bytes to ask of the socket in the next read: *receive_size*, or the rest of a
+    larger frame already begun (up to :data:`MAX_READ`).
+
+    Why: a 640 KB ``kv_data`` piece (a 40k-token prompt's simulated KV) or a 160 KB
+    40k-token request read 64 KiB at a time took 10 or 3 reads, each a trip through
+    the event loop and a feed; asked for in one, it mostly arrives in one or two. Small
+    frames keep small reads (a read allocates what it asks for before it shrinks to
+    what came)."""
+    return max(receive_size, min(decoder.wanted, MAX_READ))
 
 
 class _ItemBudget:

@@ -211,6 +211,9 @@ def build_record(m: Measurement) -> dict[str, Any]:
         "peak_rss_mb": None if frontend is None else round(frontend.peak_rss_bytes / 2**20, 1),
         "rss_start_mb": _rss(m.procs_before, group),
         "rss_end_mb": _rss(m.procs_after, group),
+        "pss_start_mb": _mb(m.procs_before, group, "pss_bytes"),
+        "pss_end_mb": _mb(m.procs_after, group, "pss_bytes"),
+        "uss_end_mb": _mb(m.procs_after, group, "uss_bytes"),
         "loop_samples": report.samples if report else 0,
         "loop_mean_ms": _ms(report.delay_mean_s if report else None),
         "loop_p99_ms": _ms(p99_s),
@@ -253,8 +256,16 @@ def longest_stalls(records: Sequence[dict[str, Any]], n: int = 3) -> list[dict[s
 
 def _rss(samples: Sequence[ProcSample], pids: Sequence[int]) -> float | None:
     """The RSS of *pids* together in MB; ``None`` if none of them was sampled."""
-    chosen = [p.rss_bytes for p in samples if p.pid in pids]
-    return round(sum(chosen) / 2**20, 1) if chosen else None
+    return _mb(samples, pids, "rss_bytes")
+
+
+def _mb(samples: Sequence[ProcSample], pids: Sequence[int], field: str) -> float | None:
+    """*field* (``rss_bytes``, ``pss_bytes``, ``uss_bytes``) of *pids* together in MB;
+    ``None`` if none was sampled or one lacks it."""
+    chosen = [getattr(p, field) for p in samples if p.pid in pids]
+    if not chosen or any(v is None for v in chosen):
+        return None
+    return round(sum(chosen) / 2**20, 1)
 
 
 # --- measuring --------------------------------------------------------------------------
@@ -291,11 +302,12 @@ async def _stall_records(server: ServerInfo, start: float, end: float) -> tuple[
     return tuple(sorted(out, key=lambda r: r.get("started_at", 0)))
 
 
-def _procs(pids: Sequence[int]) -> tuple[ProcSample, ...]:
+def _procs(pids: Sequence[int], *, memory: bool = True) -> tuple[ProcSample, ...]:
+    """Each process's sample (PSS and USS too, with *memory*); a gone one is left out."""
     out = []
     for pid in pids:
         try:
-            out.append(read_proc(pid))
+            out.append(read_proc(pid, memory=memory))
         except ProcessLookupError:
             continue
     return tuple(out)
@@ -380,13 +392,48 @@ async def warm_up(server: ServerInfo, scenarios: Sequence[str]) -> None:
                                 False, progress=False)  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryMB:
+    """A frontend's memory now, over its processes together (MB; ``None``: not read)."""
+
+    rss: float | None
+    pss: float | None
+    uss: float | None
+    #: Each process's (role, pid, RSS, PSS, USS), in ``frontend_group`` order.
+    processes: tuple[tuple[str, int, float, float | None, float | None], ...] = ()
+
+
+def current_memory_mb(server: ServerInfo) -> MemoryMB:
+    """The frontend's RSS, PSS and USS now, over its processes together
+    (:attr:`ServerInfo.frontend_group`: a group's supervisor and zygote included)."""
+    pids = server.frontend_group
+    samples = _procs(pids)
+    roles = {pid: f"process {i}" for i, pid in enumerate(server.frontend_pids)}
+    if server.frontend_processes > 1:
+        roles[server.pids[0]] = "supervisor"
+    rows = tuple(
+        (roles.get(p.pid, "zygote"), p.pid, round(p.rss_bytes / 2**20, 1),
+         None if p.pss_bytes is None else round(p.pss_bytes / 2**20, 1),
+         None if p.uss_bytes is None else round(p.uss_bytes / 2**20, 1))
+        for p in samples
+    )  # fmt: skip
+    return MemoryMB(_rss(samples, pids), _mb(samples, pids, "pss_bytes"),
+                    _mb(samples, pids, "uss_bytes"), rows)  # fmt: skip
+
+
 def current_rss_mb(server: ServerInfo) -> float | None:
     """The frontend's RSS now, over its processes together (``None`` if they are gone)."""
-    return _rss(_procs(server.frontend_group), server.frontend_group)
+    return current_memory_mb(server).rss
+
+
+async def idle_memory_mb(server: ServerInfo, settle_s: float = IDLE_SETTLE_S) -> MemoryMB:
+    """The frontend's memory (its processes together) after *settle_s* seconds of doing
+    nothing."""
+    await trio.sleep(settle_s)
+    return await trio.to_thread.run_sync(current_memory_mb, server)
 
 
 async def idle_rss_mb(server: ServerInfo, settle_s: float = IDLE_SETTLE_S) -> float | None:
     """The frontend's RSS (its processes together) after *settle_s* seconds of doing
     nothing."""
-    await trio.sleep(settle_s)
-    return current_rss_mb(server)
+    return (await idle_memory_mb(server, settle_s)).rss

@@ -29,6 +29,10 @@ LOOP_MAX_TARGET_MS = 20.0
 LOOP_P99_TARGET_MS = 5.0
 IDLE_RSS_TARGET_MB = 300.0
 RSS_GROWTH_LIMIT = 0.10  # "flat": RSS after every run within +10% of the post-warm-up RSS
+#: A group's PSS at rest against one process's (the memory it costs is shared), and the
+#: ceiling at two processes.
+GROUP_PSS_RATIO_TARGET = 1.3
+GROUP_PSS_TARGET_MB = 350.0
 SHORT_RATIO_TARGET = 0.7
 
 Record = Mapping[str, Any]
@@ -340,20 +344,40 @@ def profile_overhead(results: Record) -> list[str]:
     return lines
 
 
-def memory_rows(results: Record) -> list[tuple[str, str]]:
-    """Idle RSS of every server, then the main phase's end and peak RSS of the default
-    frontend and of each multi-process one (those: totals over their processes)."""
-    rows = [(_idle_label(results, label), fmt(mb, 0))
-            for label, mb in results.get("idle_rss_mb", {}).items()]  # fmt: skip
+def memory_rows(results: Record) -> list[tuple[str, str, str, str]]:
+    """(what, RSS, PSS, USS) rows: every server at rest, then the default frontend and
+    each multi-process one at the end of the main phase and at their peak (VmHWM, RSS
+    only). A group's figures are totals over its processes (supervisor and zygote
+    included); its PSS is the memory it really holds, its RSS counts shared pages once
+    per process."""
+    memory = results.get("idle_memory_mb", {})
+    rows = []
+    for label, mb in results.get("idle_rss_mb", {}).items():
+        m = memory.get(label, {})
+        rows.append((_idle_label(results, label), fmt(mb, 0), fmt(m.get("pss_mb"), 0),
+                     fmt(m.get("uss_mb"), 0)))  # fmt: skip
     for label in (HEADWATER_DEFAULT, *multi_process_labels(results)):
         main = _main_headwater(results, label)
         if not main:
             continue
         note = _total_note(results, label)
-        rows.append((f"{label}: RSS at the end of the main phase{note}",
-                     fmt(main[-1]["rss_end_mb"], 0)))  # fmt: skip
+        last = main[-1]
+        rows.append((f"{label}: at the end of the main phase{note}",
+                     fmt(last["rss_end_mb"], 0), fmt(last.get("pss_end_mb"), 0),
+                     fmt(last.get("uss_end_mb"), 0)))  # fmt: skip
         rows.append((f"{label}: peak RSS (VmHWM) over the main phase{note}",
-                     fmt(max(r["peak_rss_mb"] or 0 for r in main), 0)))  # fmt: skip
+                     fmt(max(r["peak_rss_mb"] or 0 for r in main), 0), "-", "-"))  # fmt: skip
+    return rows
+
+
+def process_memory_rows(results: Record) -> list[list[str]]:
+    """Each process of every multi-process frontend at rest: role, pid, RSS, PSS, USS."""
+    rows = []
+    for label in multi_process_labels(results):
+        for moment in (label, label + " (after warm-up)"):
+            for p in results.get("idle_memory_mb", {}).get(moment, {}).get("processes", []):
+                rows.append([moment.removeprefix("headwater "), p["role"], str(p["pid"]),
+                             fmt(p["rss_mb"], 0), fmt(p["pss_mb"], 0), fmt(p["uss_mb"], 0)])
     return rows
 
 
@@ -435,35 +459,61 @@ def targets(results: Record, label: str = HEADWATER_DEFAULT) -> list[Target]:
         idle < IDLE_RSS_TARGET_MB if idle is not None else None,
     ))  # fmt: skip
     out.append(rss_flat(results, label))
+    out.append(group_pss(results, label))
+    out.append(rss_flat(results, label, "pss"))
     return out
 
 
-def rss_flat(results: Record, label: str = HEADWATER_DEFAULT) -> Target:
-    """Does the frontend's (*label*'s, by default the default one's) RSS grow across the
-    main phase?
+def group_pss(results: Record, label: str = HEADWATER_DEFAULT) -> Target:
+    """Is the memory of a group of processes shared? Its total PSS at rest against the
+    one-process frontend's (for that one itself: its PSS, the reference)."""
+    name = "frontend PSS idle: a group vs one process"
+    goal = f"≤ {GROUP_PSS_RATIO_TARGET:g}× (≤ {GROUP_PSS_TARGET_MB:g} MB at 2 processes)"
+    memory = results.get("idle_memory_mb", {})
+    one = memory.get(HEADWATER_DEFAULT, {}).get("pss_mb")
+    n = frontend_processes(results, label)
+    if n == 1:
+        return Target(name, goal, f"{fmt(memory.get(label, {}).get('pss_mb'), 0)} MB "
+                      "(the reference)", None)  # fmt: skip
+    group = memory.get(label, {}).get("pss_mb")
+    if group is None or not one:
+        return Target(name, goal, "-", None)
+    ratio = group / one
+    passed = ratio <= GROUP_PSS_RATIO_TARGET and (n != 2 or group <= GROUP_PSS_TARGET_MB)
+    return Target(name, goal, f"{fmt(group, 0)} MB over {n} processes + supervisor + "
+                  f"zygote: {ratio:.2f}× one process's {fmt(one, 0)} MB", passed)  # fmt: skip
+
+
+def rss_flat(results: Record, label: str = HEADWATER_DEFAULT, kind: str = "rss") -> Target:
+    """Does the frontend's (*label*'s, by default the default one's) RSS (or, *kind*
+    ``"pss"``, PSS) grow across the main phase?
 
     With two passes over the same traffic (beside Dynamo-default, then Dynamo-fastokens)
-    the RSS after the second pass is compared with the RSS after the first: a leak shows
-    as growth. With one pass, the highest RSS after a run is compared with the RSS right
-    after warm-up.
+    the figure after the second pass is compared with the one after the first: a leak
+    shows as growth. With one pass, the highest after a run is compared with the one
+    right after warm-up.
     """
-    name, goal = "frontend RSS flat across the run", f"growth < {RSS_GROWTH_LIMIT:.0%}"
-    main = [r for r in _main_headwater(results, label) if r.get("rss_end_mb")]
+    what = kind.upper()
+    name, goal = f"frontend {what} flat across the run", f"growth < {RSS_GROWTH_LIMIT:.0%}"
+    key = f"{kind}_end_mb"
+    main = [r for r in _main_headwater(results, label) if r.get(key)]
     if not main:
         return Target(name, goal, "-", None)
     passes: dict[str, list[Record]] = {}
     for r in main:
         passes.setdefault(r["phase"], []).append(r)
-    ends = [r["rss_end_mb"] for r in main]
+    ends = [r[key] for r in main]
     span = f"range {fmt(min(ends), 0)}-{fmt(max(ends), 0)} MB over {len(main)} runs"
     if len(passes) >= 2:
         ordered = list(passes.values())  # dicts keep the run order
-        first, last = ordered[0][-1]["rss_end_mb"], ordered[-1][-1]["rss_end_mb"]
+        first, last = ordered[0][-1][key], ordered[-1][-1][key]
         growth = last / first - 1
         return Target(name, f"pass 2 vs pass 1: {goal}",
                       f"after pass 1 {fmt(first, 0)} MB, after pass 2 {fmt(last, 0)} MB "
                       f"({growth:+.1%}); {span}", growth < RSS_GROWTH_LIMIT)  # fmt: skip
-    warm = results.get("idle_rss_mb", {}).get(label + " (after warm-up)")
+    moment = label + " (after warm-up)"
+    warm = (results.get("idle_rss_mb", {}).get(moment) if kind == "rss"
+            else results.get("idle_memory_mb", {}).get(moment, {}).get(f"{kind}_mb"))  # fmt: skip
     if not warm:
         return Target(name, goal, span, None)
     growth = max(ends) / warm - 1
@@ -562,7 +612,14 @@ def render(results: Record, images: Sequence[tuple[str, str]] = (), *,
                   "\n".join(f"- {line}" for line in profile_overhead(results))]  # fmt: skip
     mem = memory_rows(results)
     if mem:
-        parts += ["### Memory", table(["", "RSS MB"], [list(row) for row in mem])]
+        parts += ["### Memory", table(["", "RSS MB", "PSS MB", "USS MB"],
+                                      [list(row) for row in mem]),
+                  "PSS divides each page among the processes that map it (summed over a group: "
+                  "the memory it really uses); USS is a process's own pages; RSS counts a shared "
+                  "page once per process (from `/proc/<pid>/smaps_rollup`)."]  # fmt: skip
+    if procs := process_memory_rows(results):
+        parts += ["### Memory by process (at rest)",
+                  table(["frontend", "process", "pid", "RSS MB", "PSS MB", "USS MB"], procs)]
     for title, path in images:
         parts.append(f"![{title}]({path})")
     return "\n\n".join(p for p in parts if p) + "\n"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from headwater.procmem import read_memory
 from scripts.bench.loadgen import check_loopback
 
 HEADWATER_PREFIX = "headwater_frontend_"
@@ -224,6 +225,10 @@ class ProcSample:
     cpu_s: float  # user + system, this process only (not its children)
     rss_bytes: int
     peak_rss_bytes: int  # VmHWM: high-water mark since the process started
+    # From smaps_rollup, when asked (read_proc(memory=True)): shared pages divided among
+    # the processes that map them (PSS), and this process's own (USS).
+    pss_bytes: int | None = None
+    uss_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,8 +241,10 @@ class ProcReport:
     peak_rss_bytes: int
 
 
-def read_proc(pid: int) -> ProcSample:
-    """Sample *pid*. Raises ProcessLookupError if it does not exist (or no longer does)."""
+def read_proc(pid: int, *, memory: bool = False) -> ProcSample:
+    """Sample *pid*; with *memory* also its PSS and USS (``/proc/<pid>/smaps_rollup``: a
+    walk of its page tables, so not in the 4 Hz timeline). Raises ProcessLookupError if
+    it does not exist (or no longer does)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -253,8 +260,16 @@ def read_proc(pid: int) -> ProcSample:
         key, _, value = line.partition(":")
         if key in ("VmRSS", "VmHWM"):
             kb[key] = int(value.split()[0])
+    pss = uss = None
+    if memory:
+        try:
+            usage = read_memory(pid)
+            pss, uss = usage.pss, usage.uss
+        except (PermissionError, ValueError):
+            pass  # not ours to read, or an old kernel: RSS only
     return ProcSample(
-        pid, time.perf_counter(), cpu, kb.get("VmRSS", 0) * 1024, kb.get("VmHWM", 0) * 1024
+        pid, time.perf_counter(), cpu, kb.get("VmRSS", 0) * 1024, kb.get("VmHWM", 0) * 1024,
+        pss, uss,
     )
 
 

@@ -82,6 +82,9 @@ class ServerInfo:
     args: tuple[str, ...] = field(default=())
     frontend_pids: tuple[int, ...] = field(default=())
     member_urls: tuple[str, ...] = field(default=())
+    #: Processes of the frontend that serve nothing beside its supervisor: a group's
+    #: zygote (``headwater serve --processes N`` forks its processes from it).
+    helper_pids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not self.frontend_pids:
@@ -113,9 +116,10 @@ class ServerInfo:
 
     @property
     def frontend_group(self) -> tuple[int, ...]:
-        """The frontend's processes whose CPU and RSS it costs: ``pids[0]`` (a supervisor
-        when there are members) and the serving processes."""
-        return tuple(dict.fromkeys((*self.pids[:1], *self.frontend_pids)))
+        """The frontend's processes whose CPU and memory it costs: ``pids[0]`` (a
+        supervisor when there are members), its helpers (a zygote) and the serving
+        processes."""
+        return tuple(dict.fromkeys((*self.pids[:1], *self.helper_pids, *self.frontend_pids)))
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -210,6 +214,28 @@ def process_layout(
     return pids, frontend_pids, tuple(m.url for m in ordered)
 
 
+def zygotes(supervisor: int, members: Sequence[int]) -> tuple[int, ...]:
+    """The processes between *supervisor* and its *members* (a group's zygote: the
+    members' parent, the supervisor's child); none when the members are its own children
+    or the supervisor is the one process."""
+    out = []
+    for pid in members:
+        parent = _parent(pid)
+        if parent not in (None, supervisor, pid) and _parent(parent) == supervisor:
+            out.append(parent)
+    return tuple(dict.fromkeys(out))
+
+
+def _parent(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _profiler(profile_path: Path | None) -> tuple[str, ...]:
     """What runs ``-m frontend``: Python, or Python under pyinstrument."""
     if profile_path is None:
@@ -287,6 +313,8 @@ async def headwater_server(
             pids, frontend_pids, member_urls = process_layout(
                 frontend.pid, frontend.members, [w.pid for w in workers]
             )
+            helpers = zygotes(frontend.pid, frontend_pids)
+            pids = (pids[0], *helpers, *pids[1:])
             try:
                 yield ServerInfo(
                     kind="headwater",
@@ -301,6 +329,7 @@ async def headwater_server(
                     args=frontend.argv,
                     frontend_pids=frontend_pids,
                     member_urls=member_urls,
+                    helper_pids=helpers,
                 )
             finally:
                 with trio.move_on_after(STOP_TIMEOUT + 10, shield=True):

@@ -52,11 +52,12 @@ from scripts.bench.machine import encode_rate, machine_info
 from scripts.bench.measure import (
     IDLE_SETTLE_S,
     Measurement,
+    MemoryMB,
     RunSpec,
     bodies_for,
     build_record,
-    current_rss_mb,
-    idle_rss_mb,
+    current_memory_mb,
+    idle_memory_mb,
     make_prompt_set,
     measure,
     warm_up,
@@ -206,6 +207,8 @@ class SuiteResults:
     runs: list[dict[str, Any]] = field(default_factory=list)
     calibration: list[dict[str, Any]] = field(default_factory=list)
     idle_rss_mb: dict[str, float | None] = field(default_factory=dict)
+    #: The same moments' RSS, PSS and USS, with each process's (``MemoryMB`` as JSON).
+    idle_memory_mb: dict[str, dict[str, Any]] = field(default_factory=dict)
     profile: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     dynamo_version: str | None = None
@@ -371,6 +374,15 @@ class Suite:
             profile_path=profile_path, frontend_processes=variant.frontend_processes,
         )  # fmt: skip
 
+    def _idle(self, label: str, memory: MemoryMB) -> None:
+        """Record a server's memory at rest (RSS, PSS and USS, each process's too)."""
+        self.results.idle_rss_mb[label] = memory.rss
+        self.results.idle_memory_mb[label] = {
+            "rss_mb": memory.rss, "pss_mb": memory.pss, "uss_mb": memory.uss,
+            "processes": [dict(zip(("role", "pid", "rss_mb", "pss_mb", "uss_mb"), row,
+                                   strict=True)) for row in memory.processes],
+        }  # fmt: skip
+
     async def main_phase(self, dynamo_phases: Sequence[str]) -> None:
         cfg = self.cfg
         plan = main_plan(cfg)
@@ -389,9 +401,10 @@ class Suite:
                     # The multi-process frontend is an extra: the others run without it.
                     self._skip(f"headwater ×{variant.frontend_processes} procs: {exc}")
             for hw in hws:
-                self.results.idle_rss_mb[hw.label] = await idle_rss_mb(hw, cfg.idle_settle_s)
+                self._idle(hw.label, await idle_memory_mb(hw, cfg.idle_settle_s))
                 await warm_up(hw, cfg.scenarios)
-                self.results.idle_rss_mb[hw.label + " (after warm-up)"] = current_rss_mb(hw)
+                self._idle(hw.label + " (after warm-up)",
+                           await trio.to_thread.run_sync(current_memory_mb, hw))
             if not dynamo_phases:
                 for spec in plan:
                     for _ in range(cfg.rounds):
@@ -415,7 +428,7 @@ class Suite:
                 scripts_dir=cfg.dynamo_scripts, install_dir=cfg.dynamo_install,
                 tokenizer=tokenizer, speedup_ratio=cfg.speedup_ratio, log_dir=self.logs,
             ) as dyn:  # fmt: skip
-                self.results.idle_rss_mb[dyn.label] = await idle_rss_mb(dyn, cfg.idle_settle_s)
+                self._idle(dyn.label, await idle_memory_mb(dyn, cfg.idle_settle_s))
                 await warm_up(dyn, cfg.scenarios)
                 for spec in plan:
                     for rnd in range(cfg.rounds):
@@ -442,8 +455,8 @@ class Suite:
             for mode in MATRIX_MODES:
                 try:
                     async with self._headwater(backend, mode) as server:
-                        idle = await idle_rss_mb(server, self.cfg.idle_settle_s)
-                        self.results.idle_rss_mb[server.label] = idle
+                        self._idle(server.label,
+                                   await idle_memory_mb(server, self.cfg.idle_settle_s))
                         await warm_up(server, ["short", "long"])
                         ps = await trio.to_thread.run_sync(make_prompt_set, spec)
                         await self._run_one(server, spec, ps, "matrix", None)

@@ -131,7 +131,8 @@ def merge_snapshots(snapshots: Sequence[LoopSnapshot | None]) -> LoopSnapshot | 
 
 
 def sum_samples(samples: Sequence[ProcSample | None]) -> ProcSample | None:
-    """The processes of one frontend as one: CPU, RSS and peak RSS added up (pure).
+    """The processes of one frontend as one: CPU, RSS, peak RSS, PSS and USS added up
+    (pure; PSS and USS only when every sample has them).
 
     The pid is the first sample's, the time the latest. ``None`` if any process is
     missing (gone, or not read) or there are none: a sum over fewer processes than
@@ -148,7 +149,14 @@ def sum_samples(samples: Sequence[ProcSample | None]) -> ProcSample | None:
         cpu_s=sum(s.cpu_s for s in ps),
         rss_bytes=sum(s.rss_bytes for s in ps),
         peak_rss_bytes=sum(s.peak_rss_bytes for s in ps),
+        pss_bytes=_sum_or_none([s.pss_bytes for s in ps]),
+        uss_bytes=_sum_or_none([s.uss_bytes for s in ps]),
     )
+
+
+def _sum_or_none(values: Sequence[int | None]) -> int | None:
+    """The sum, or ``None`` if any is missing (a partial sum would read as a drop)."""
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 # --- per-interval figures -------------------------------------------------------------------

@@ -78,7 +78,11 @@ def load_asset(name: str) -> bytes:
 
 
 def snapshot(
-    frontend: Observed, history: LoadHistory, *, stalls_after: float | None = None
+    frontend: Observed,
+    history: LoadHistory,
+    *,
+    stalls_after: float | None = None,
+    memory: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Everything the page shows, as one JSON-ready dict; also samples *history*.
 
@@ -87,12 +91,16 @@ def snapshot(
       history: the load history to add the current point to, and to send.
       stalls_after: send only stall records that started after this unix time (the
         newest one the page already has); ``None`` sends the latest :data:`MAX_STALLS`.
+      memory: rows of ``role``, ``pid``, ``rss_mb``, ``pss_mb``, ``uss_mb``
+        (:meth:`headwater.procmem.MemoryUsage.to_mb`), read by the caller off the loop.
 
     Keys: ``now`` (server unix time: the page's x axes use it, not the browser's clock),
     ``model``, ``loop`` (delay series and threshold), ``stalls`` (records newest first
     and the detector's statistics), ``pool``, ``requests`` (in-flight, queued, totals by
     status), ``history`` (``fields`` and ``points``: see :class:`LoadHistory`),
-    ``latency`` (TTFT and ITL percentiles over a recent window), ``workers``.
+    ``latency`` (TTFT and ITL percentiles over a recent window), ``workers``,
+    ``memory``. A group's view (``headwater.cluster.group_view``) has the same keys and
+    ``processes``, one row per process.
     """
     monitor, metrics, pool = frontend.monitor, frontend.metrics, frontend.pool
     now = time.time()
@@ -138,6 +146,7 @@ def snapshot(
             "itl": dataclasses.asdict(metrics.inter_token_latency_seconds.window.statistics()),
         },
         "workers": [dataclasses.asdict(v) for v in frontend.router.views()],
+        "memory": memory or [],
     }
 
 

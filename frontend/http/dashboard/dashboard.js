@@ -163,19 +163,29 @@
     const marks = delays
       .filter((p) => p[1] > loop.threshold_s)
       .map((p) => ({ x: p[0], w: loop.bucket_s, from: loop.threshold_s, to: p[1] }));
+    // A group's page: the worst loop as the filled line, then one line per process.
+    const lines = [{ points: delays.map((p) => [p[0] + half, Math.max(p[1], floor)]), cls: "s-delay", area: "a-delay" }];
+    const perProcess = loop.processes || [];
+    if (perProcess.length > 1) {
+      perProcess.forEach((proc, i) => lines.push({
+        points: proc.delays.map((p) => [p[0] + half, Math.max(p[1], floor)]),
+        cls: "s-delay-" + (1 + (i % 3)),
+      }));
+    }
     drawChart($("loop-chart"), {
       x: [now - loop.window_s, now],
       y: [floor, top],
       log: true,
       yTicks: ticks,
       xTicks: timeTicks(now),
-      lines: [{ points: delays.map((p) => [p[0] + half, Math.max(p[1], floor)]), cls: "s-delay", area: "a-delay" }],
+      lines,
       hlines: [{ v: loop.threshold_s, cls: "threshold", label: "threshold " + fmtSeconds(loop.threshold_s) }],
       marks,
     });
     setText("threshold", fmtSeconds(loop.threshold_s));
     setText("t-delay", fmtSeconds(peak), peak > loop.threshold_s);
     const hint = `max per ${loop.bucket_s * 1000} ms, last ${loop.window_s} s, log scale` +
+      (perProcess.length > 1 ? ` · worst of ${perProcess.length} processes (filled) and each` : "") +
       (loop.instrumented ? "" : " · stall detector off");
     setText("loop-hint", hint);
   }
@@ -245,6 +255,57 @@
     setText("t-ttft", fmtSeconds(data.latency.ttft.p99));
   }
 
+  function mb(value) {
+    return value === null || value === undefined ? "–" : value.toFixed(0);
+  }
+
+  function renderProcesses(data) {
+    // A group's page has one row per frontend process, plus the supervisor and the zygote;
+    // a single process's page has its own row.
+    const memory = data.memory || [];
+    const rows = [];
+    if (data.processes) {
+      for (const p of data.processes) {
+        const m = p.memory || {};
+        const state = el("span", { class: "badge " + (p.up ? "state-healthy" : "state-inhibited") },
+          p.up ? "up" : "not answering");
+        const name = el("td", { "data-label": "process" }, el("a", { href: p.url + "/dashboard" }, "process " + p.process));
+        rows.push(el("tr", {}, name,
+          el("td", { class: "num", "data-label": "pid" }, p.pid),
+          el("td", { "data-label": "state" }, state, p.restarts ? ` (${p.restarts} restarts)` : ""),
+          el("td", { class: "num", "data-label": "in flight" }, p.inflight === undefined ? "–" : p.inflight),
+          el("td", { class: "num", "data-label": "finished" }, p.finished === undefined ? "–" : p.finished),
+          el("td", { class: "num", "data-label": "loop max" }, fmtSeconds(p.loop_max_s)),
+          el("td", { class: "num", "data-label": "stalls" }, p.stalls === undefined || p.stalls === null ? "–" : p.stalls),
+          el("td", { class: "num", "data-label": "RSS MB" }, mb(m.rss_mb)),
+          el("td", { class: "num", "data-label": "PSS MB" }, mb(m.pss_mb)),
+          el("td", { class: "num", "data-label": "USS MB" }, mb(m.uss_mb)),
+        ));
+      }
+    }
+    for (const m of memory) {
+      if (data.processes && m.role.startsWith("process ")) continue; // in its row above
+      rows.push(el("tr", {}, el("td", { "data-label": "process" }, m.role),
+        el("td", { class: "num", "data-label": "pid" }, m.pid),
+        el("td", {}, ""), el("td", {}, ""), el("td", {}, ""), el("td", {}, ""), el("td", {}, ""),
+        el("td", { class: "num", "data-label": "RSS MB" }, mb(m.rss_mb)),
+        el("td", { class: "num", "data-label": "PSS MB" }, mb(m.pss_mb)),
+        el("td", { class: "num", "data-label": "USS MB" }, mb(m.uss_mb)),
+      ));
+    }
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 10 }, "No process data.")));
+    $("processes").tBodies[0].replaceChildren(...rows);
+    const sum = (key) => memory.reduce((acc, m) => acc + (m[key] || 0), 0);
+    setText("memory-total", memory.length
+      ? `memory of ${memory.length} process${memory.length > 1 ? "es" : ""}: PSS ${mb(sum("pss_mb"))} MB ` +
+        `(what they hold together), USS ${mb(sum("uss_mb"))} MB (their own pages), ` +
+        `RSS ${mb(sum("rss_mb"))} MB (shared pages counted once per process)`
+      : "memory: not readable here");
+    setText("processes-hint", data.group
+      ? `${data.group.up} of ${data.group.processes} frontend processes answering; each row links to its own page`
+      : "this process");
+  }
+
   function renderWorkers(data) {
     const rows = data.workers.map((w) => {
       const state = el("span", { class: "badge state-" + w.state }, w.state);
@@ -253,8 +314,9 @@
       if (w.reason && w.state !== "healthy") {
         stateCell.append(el("div", { class: "reason" }, w.reason));
       }
+      const id = w.process === undefined ? w.worker_id : `p${w.process} · ${w.worker_id}`;
       return el("tr", {},
-        el("td", { class: "mono", title: w.address, "data-label": "worker" }, w.worker_id),
+        el("td", { class: "mono", title: w.address, "data-label": "worker" }, id),
         el("td", { "data-label": "role" }, w.role),
         stateCell,
         el("td", { class: "num", "data-label": "in flight" }, w.inflight),
@@ -284,7 +346,7 @@
           el("span", { class: "when" }, fmtClock(rec.started_at)),
           el("span", { class: "dur" }, fmtSeconds(rec.duration_s)),
           el("span", { class: "badge cause-" + rec.cause }, rec.cause),
-          el("span", { class: "task" }, rec.task),
+          el("span", { class: "task" }, rec.process === undefined ? rec.task : `p${rec.process} · ${rec.task}`),
           el("span", { class: "where" }, innermost),
         ),
         el("p", { class: "detail" }, detail),
@@ -333,6 +395,7 @@
     renderRequests(data);
     renderPool(data);
     renderLatency(data);
+    renderProcesses(data);
     renderWorkers(data);
   }
 

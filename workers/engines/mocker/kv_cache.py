@@ -23,7 +23,10 @@ run's blocks are all freed together, tail first, and no lookup can reach past a 
 first block without hashing it. What is known is not hashed twice: a table keeps its
 chain as far as computed (:attr:`BlockTable.hashes`), a prefill engine ships it in the
 KV handle, and the decode engine hands it to :meth:`KvCache.allocate`. The price is
-memory: a pending run keeps its tokens alive until it is hashed or evicted.
+memory: a pending run keeps its tokens alive until it is hashed or evicted. And what was
+hashed once is remembered by content (:mod:`.chain_memo`): a shared system prompt that
+every request looks up is compared with the memo's copy in C instead of being hashed
+block by block each time.
 
 Python's int/tuple hash is used for the chain: deterministic for ints (str and bytes
 hashes are salted per process, so a chain computed in one worker process is valid in
@@ -38,6 +41,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
+
+from workers.engines.mocker.chain_memo import ChainMemo
 
 _ROOT_HASH = 0  # parent hash of a sequence's first block
 
@@ -181,6 +186,7 @@ class KvCache:
         self._evictable: OrderedDict[int | _Run, None] = OrderedDict()  # oldest first
         self._n_evictable = 0
         self._seg_of: list[_Run | None] = [None] * num_blocks
+        self._memo = ChainMemo(block_size)
 
     @property
     def capacity_tokens(self) -> int:
@@ -202,6 +208,8 @@ class KvCache:
         needed = -(-len(token_ids) // bs)
         full = len(token_ids) // bs
         hashes = list(block_hashes[:full])
+        if self._memo and len(hashes) < full:
+            self._recall(token_ids, hashes, full)
         by_hash = self._by_hash
         refcount = self._refcount
         hits: list[int] = []
@@ -215,7 +223,8 @@ class KvCache:
         else:
             # Every known hash hit: look further, hashing the content from there on.
             h = hashes[-1] if hashes else _ROOT_HASH
-            for content in _block_contents(token_ids, bs, len(hashes) * bs):
+            known = len(hashes)
+            for content in _block_contents(token_ids, bs, known * bs):
                 nh = hash((h, content))  # the chain; commit computes the same
                 block = by_hash.get(nh)
                 if block is None and (block := self._materialize_at(nh)) is None:
@@ -224,6 +233,7 @@ class KvCache:
                 hashes.append(nh)
                 revived += refcount[block] == 0
                 h = nh
+            self._memo.remember(token_ids, known * bs, hashes[known:])
         if needed - len(hits) > len(self._free) + self._n_evictable - revived:
             return None
         evictable = self._evictable
@@ -483,12 +493,55 @@ class KvCache:
         hash_of = self._hash
         pending = self._pending
         push = hashes.append
-        h = parent
-        contents = _block_contents(token_ids, self.block_size, start)
-        for block, content in zip(blocks, contents, strict=False):
-            h = hash((h, content))
+        chain = self._chain(token_ids, start, parent, len(blocks))
+        for block, h in zip(blocks, chain, strict=False):  # fewer hashes: tokens ran out
             push(h)
             if pending and h in pending:
                 self._materialize(pending[h])
             if register(h, block) is block:
                 hash_of[block] = h
+
+    def _chain(self, token_ids: Sequence[int], start: int, parent: int, count: int) -> list[int]:
+        """The chain hashes of up to *count* full blocks of *token_ids* from index
+        *start* (a block boundary) on, after *parent*: from the memo as far as it
+        knows them, hashed past that (and then remembered)."""
+        bs = self.block_size
+        contents = iter(_block_contents(token_ids, bs, start))
+        first = next(contents, None)
+        if first is None or count < 1:
+            return []
+        h = hash((parent, first))
+        chain = self._memo.recall(h, token_ids, start, count) if self._memo else []
+        if chain:
+            if len(chain) == count:
+                return chain
+            h = chain[-1]
+            contents = iter(_block_contents(token_ids, bs, start + len(chain) * bs))
+            fresh = len(chain)
+        else:
+            chain = [h]
+            fresh = 0
+        for content in islice(contents, count - len(chain)):
+            h = hash((h, content))
+            chain.append(h)
+        # What was hashed here is remembered on its own: a remembered stretch is kept
+        # to the prefix that sequences share (ChainMemo.recall).
+        self._memo.remember(token_ids, start + fresh * bs, chain[fresh:])
+        return chain
+
+    def _recall(self, token_ids: Sequence[int], hashes: list[int], full: int) -> None:
+        """Extend *hashes* (the chain of *token_ids*' leading blocks as far as known)
+        with what the memo remembers of the blocks after them, up to block *full*.
+
+        Costs one block's hash and a comparison in C, where hashing the blocks would
+        cost a tuple of ints per block: a repeated prefix is hashed once, not once per
+        request (:mod:`.chain_memo`).
+        """
+        bs = self.block_size
+        while (pos := len(hashes)) < full:
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            first = hash((parent, hash(tuple(token_ids[pos * bs : (pos + 1) * bs]))))
+            known = self._memo.recall(first, token_ids, pos * bs, full - pos)
+            if not known:
+                return
+            hashes += known  # and a stretch remembered after this one may follow

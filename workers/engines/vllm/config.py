@@ -133,6 +133,12 @@ class VllmConfig:
             return None
         return read_vocab_size(directory / "config.json")
 
+    def frontend_processes(self) -> int:
+        """In-process vLLM workers want one frontend process: each process of a group
+        would start its own vLLM children, each with the whole KV cache and a share of
+        the cores (``--processes auto`` means 1 here; an explicit N is obeyed)."""
+        return 1
+
     def tokenizer_path(self) -> str | None:
         """The model directory when it holds a tokenizer (the frontend's default then)."""
         directory = self.model_dir()
