@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from headwater.instrumentation import WORKER_PREFIX, LoopMonitor
 from headwater.instrumentation.exposition import TextExposition
+from headwater.instrumentation.plain_http import answer_one
 from headwater.instrumentation.runtime import runtime_snapshot
 from headwater.wire import Role
 from workers.runtime.runtime import WorkerRuntime
@@ -40,9 +41,6 @@ from workers.runtime.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
-MAX_HEAD_BYTES: Final = 8192
-READ_TIMEOUT_S: Final = 5.0
-WRITE_TIMEOUT_S: Final = 5.0
 
 
 class MetricsSource(Protocol):
@@ -149,7 +147,8 @@ async def serve_worker_metrics(
             registries = [registry]
             if monitor.metrics.registry is not registry:
                 registries.append(monitor.metrics.registry)
-            handler = partial(_serve_connection, TextExposition(*registries), monitor)
+            respond = partial(_respond, TextExposition(*registries), monitor)
+            handler = partial(answer_one, respond=respond, name="worker metrics")
             await nursery.start(partial(trio.serve_listeners, handler, listeners))
             log.info("worker metrics on http://%s:%d/metrics", host, bound)
             task_status.started(bound)
@@ -158,36 +157,8 @@ async def serve_worker_metrics(
             await trio.aclose_forcefully(listener)
 
 
-async def _serve_connection(
-    exposition: TextExposition, monitor: LoopMonitor, stream: trio.SocketStream
-) -> None:
-    try:
-        async with stream:
-            head = b""
-            with trio.move_on_after(READ_TIMEOUT_S):
-                while b"\r\n\r\n" not in head and len(head) <= MAX_HEAD_BYTES:
-                    data = await stream.receive_some(4096)
-                    if not data:
-                        break
-                    head += data
-            if b"\r\n" not in head:
-                return  # nothing usable arrived: just close
-            status, content_type, body = _respond(head, exposition, monitor)
-            method = head.split(b" ", 1)[0]
-            response = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            ).encode() + (b"" if method == b"HEAD" else body)
-            with trio.move_on_after(WRITE_TIMEOUT_S):
-                await stream.send_all(response)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass  # the client went away
-    except Exception:
-        log.exception("worker metrics: a connection failed")
-
-
-def _respond(
-    head: bytes, exposition: TextExposition, monitor: LoopMonitor
+async def _respond(
+    exposition: TextExposition, monitor: LoopMonitor, head: bytes
 ) -> tuple[str, str, bytes]:
     """(status line, content type, body) for one request head."""
     line = head.split(b"\r\n", 1)[0].decode("latin-1")

@@ -36,6 +36,7 @@ from frontend.http.auth import ApiKeys
 from frontend.http.dashboard import HISTORY_FIELDS, MAX_STALLS, LoadHistory
 from frontend.http.group import GroupViewUnavailable, Relayed, http_get
 from headwater.cluster.group_metrics import Family, GroupMetrics
+from headwater.instrumentation.plain_http import answer_one
 from headwater.procmem import read_memory
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,6 @@ log = logging.getLogger(__name__)
 PROMETHEUS_TEXT: Final = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX: Final = "headwater_frontend_"
 ASK_TIMEOUT_S: Final = 2.0  # for one process to answer the supervisor
-_MAX_HEAD: Final = 16384
-_READ_TIMEOUT_S: Final = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,31 +162,8 @@ class GroupView:
 
     async def serve(self, listener: trio.SocketListener) -> None:
         """Answer the group's processes on *listener* until cancelled."""
-        await trio.serve_listeners(partial(self._connection), [listener])
-
-    async def _connection(self, stream: trio.SocketStream) -> None:
-        try:
-            async with stream:
-                head = b""
-                with trio.move_on_after(_READ_TIMEOUT_S):
-                    while b"\r\n\r\n" not in head and len(head) <= _MAX_HEAD:
-                        data = await stream.receive_some(4096)
-                        if not data:
-                            break
-                        head += data
-                if b"\r\n\r\n" not in head:
-                    return
-                status, content_type, body = await self._respond(head)
-                response = (
-                    f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                ).encode() + body
-                with trio.move_on_after(_READ_TIMEOUT_S):
-                    await stream.send_all(response)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except Exception:  # one broken request must not take the supervisor down
-            log.exception("group view: a request failed")
+        handler = partial(answer_one, respond=self._respond, name="group view")
+        await trio.serve_listeners(handler, [listener])
 
     async def _respond(self, head: bytes) -> tuple[str, str, bytes]:
         request_line, *header_lines = head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
