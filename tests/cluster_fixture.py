@@ -34,7 +34,7 @@ def alive(pid: int) -> bool:
     """Whether *pid* runs (a zombie does not)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or reaped between open and read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
