@@ -54,8 +54,8 @@ from headwater.cli.options import (
     config_argv,
     config_from_args,
     configure_logging,
-    count,
     engine_frontend_defaults,
+    non_negative_int,
     restart_policy_from_args,
 )
 from headwater.cluster.launch import (
@@ -82,10 +82,10 @@ def _discovery(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--prefill", type=count, default=None,
+    a("--prefill", type=non_negative_int, default=None,
       help="prefill workers (with no worker count given: 1 prefill + 1 decode)")
-    a("--decode", type=count, default=None, help="decode workers")
-    a("--agg", type=count, default=None, help="aggregated workers")
+    a("--decode", type=non_negative_int, default=None, help="decode workers")
+    a("--agg", type=non_negative_int, default=None, help="aggregated workers")
     a("--engine", choices=registry.names(), default=registry.DEFAULT_ENGINE,
       help="workers' engine")
     a("--discovery", type=_discovery, default=None,

@@ -182,14 +182,6 @@ def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
     return defaults
 
 
-def count(text: str) -> int:
-    """An integer >= 0 (argparse type)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_restart_options(parser: argparse.ArgumentParser | Any, stops: str) -> None:
     """The options of a :class:`~headwater.cluster.supervisor.RestartPolicy`, for a
     supervisor whose given-up process stops *stops* ("the cluster")."""
@@ -202,7 +194,7 @@ def add_restart_options(parser: argparse.ArgumentParser | Any, stops: str) -> No
       "half of this and this, whose upper bound doubles with each restart in a row")
     a("--restart-backoff-max", type=positive_float, default=r.backoff_max,
       help="the highest that upper bound goes (s)")
-    a("--restart-budget", type=count, default=r.budget,
+    a("--restart-budget", type=non_negative_int, default=r.budget,
       help=f"restarts allowed per process within --restart-window; its next exit stops "
       f"{stops} (0: never restart)")
     a("--restart-window", type=positive_float, default=r.window,

@@ -73,12 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--write-timeout", type=positive_float, default=_D.write_timeout,
                    help="seconds a client may stall reading before it is dropped "
                         "(write_timeout)")
-    t.add_argument("--max-connections-per-client", type=_non_negative_int,
+    t.add_argument("--max-connections-per-client", type=non_negative_int,
                    default=_D.max_connections_per_client,
                    help="connections open at once per client IP address (loopback too); one "
                         "more is closed at once (too_many_connections). Behind a proxy all "
                         "are the proxy's: raise it, or 0 for no limit")
-    h.add_argument("--max-inflight", type=_non_negative_int, default=_D.max_inflight,
+    h.add_argument("--max-inflight", type=non_negative_int, default=_D.max_inflight,
                    help="generation requests (chat, completions) in flight at once, per "
                         "process; one more gets 429 with Retry-After before its body is read "
                         "(0: no limit)")
@@ -232,13 +232,6 @@ def _header_bytes(text: str) -> int:
     value = int(text)
     if value < 1024:
         raise argparse.ArgumentTypeError(f"must be at least 1024, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
