@@ -264,3 +264,38 @@ async def test_the_shared_port_shows_the_group_and_keeps_counting_across_a_resta
         assert await frontend.stop(grace=50, sig=signal.SIGTERM) == 0
     assert not alive(zygote)
     assert not alive(second.pid)
+
+
+async def test_a_groups_keys_file_rotates_on_every_process_and_on_the_shared_view(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """With keys from a followed file only, the shared port's group pages (relayed to the
+    supervisor, which asks every process with the client's key) work with the file's key,
+    and with the next one once the file changes; the old one then gets 401 everywhere."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-old\n")
+    frontend = await start(
+        nursery, tmp_path, "--processes", "2", "--api-keys-file", str(keys), "--metrics-auth"
+    )
+    await wait_healthy(frontend.address, within=60, child=frontend)
+    up = "headwater_frontend_group_processes_up"
+
+    async def group_up(key: str) -> float | None:
+        auth = {"Authorization": f"Bearer {key}"}
+        r = await http.get(frontend.address + "/metrics", headers=auth)
+        if r.status_code != 200:
+            return None
+        return sum(s.value for f in text_string_to_metric_families(r.text)
+                   for s in f.samples if s.name == up)  # fmt: skip
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        assert await group_up("k-old") == 2  # both processes answered the supervisor
+        assert await group_up("k-new") is None
+        keys.write_text("k-new\n")
+        with trio.fail_after(20):  # each process and the supervisor poll every 2 s
+            while await group_up("k-new") != 2 or await group_up("k-old") is not None:
+                await trio.sleep(0.2)
+        r = await http.get(frontend.address + "/dashboard/data",
+                           headers={"Authorization": "Bearer k-new"})  # fmt: skip
+        assert r.status_code == 200
+        assert r.json()["group"] == {"processes": 2, "up": 2}

@@ -206,8 +206,8 @@ async def supervise(
 
     tls = private_port_tls(config.ssl_certfile) if config.ssl_certfile else None
     group = GroupView(members, others=others, api_keys=config.api_keys,
-                      metrics_auth=config.metrics_auth, started_at=started_at,
-                      tls=tls)  # fmt: skip
+                      api_keys_file=config.api_keys_file, metrics_auth=config.metrics_auth,
+                      started_at=started_at, tls=tls)  # fmt: skip
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(view_sock.dup()))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import orjson
 import trio
 
-from frontend.http.auth import ApiKeys
+from frontend.http.auth import ApiKeys, watch_keys_file
 from frontend.http.dashboard import HISTORY_FIELDS, MAX_STALLS, LoadHistory
 from frontend.http.group import GroupViewUnavailable, Relayed, http_get
 from headwater.cluster.group_metrics import Family, GroupMetrics
@@ -82,6 +82,7 @@ class GroupView:
         *,
         others: Callable[[], dict[str, int]],
         api_keys: Sequence[str] = (),
+        api_keys_file: str | None = None,
         metrics_auth: bool = False,
         started_at: float | None = None,
         tls: ssl.SSLContext | None = None,
@@ -89,19 +90,26 @@ class GroupView:
         self._members = members
         self._tls = tls
         self._others = others
+        # The same keys as the processes', the file followed as they follow it.
+        self._fixed_keys = tuple(api_keys)
+        self._keys_file = api_keys_file
         self._keys = ApiKeys(api_keys)
         self._metrics_open = not metrics_auth
-        self._ask_headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
         self.metrics = GroupMetrics(started_at=time.time() if started_at is None else started_at)
         self._history = LoadHistory()
 
     # -- the two answers -------------------------------------------------------------------
 
-    async def render_metrics(self, names: Sequence[str] | None = None) -> bytes:
-        """The group's ``/metrics`` page (*names*: those samples only)."""
+    async def render_metrics(
+        self, names: Sequence[str] | None = None, authorization: str | None = None
+    ) -> bytes:
+        """The group's ``/metrics`` page (*names*: those samples only). *authorization*
+        is the client's header, passed on to the processes, which check it too."""
         members = list(self._members())
         query = ("?" + urlencode([("name[]", n) for n in names])) if names else ""
-        pages = await self._ask(members, "/metrics" + query, lambda r: r.body.decode())
+        pages = await self._ask(
+            members, "/metrics" + query, lambda r: r.body.decode(), authorization
+        )
         for member, page in zip(members, pages, strict=True):
             try:
                 self.metrics.observe(member.slot, member.pid, page)
@@ -110,13 +118,15 @@ class GroupView:
                 self.metrics.observe(member.slot, member.pid, None)
         return self.metrics.render(self._group_families(members), names)
 
-    async def dashboard(self, stalls_after: float | None = None) -> dict[str, Any]:
+    async def dashboard(
+        self, stalls_after: float | None = None, authorization: str | None = None
+    ) -> dict[str, Any]:
         """The group's ``/dashboard/data``: :func:`merge_dashboards` of every process's."""
         members = list(self._members())
         path = "/dashboard/data"
         if stalls_after is not None:
             path += f"?stalls_after={stalls_after!r}"
-        parts = await self._ask(members, path, lambda r: orjson.loads(r.body))
+        parts = await self._ask(members, path, lambda r: orjson.loads(r.body), authorization)
         pids = {**self._others(), **{f"process {m.slot}": m.pid for m in members if m.running}}
         memory = await trio.to_thread.run_sync(_memory, pids)
         return merge_dashboards(members, parts, self._history, time.time(), memory)
@@ -137,16 +147,18 @@ class GroupView:
         ]  # fmt: skip
 
     async def _ask(self, members: Sequence[Member], path: str,
-                   decode: Callable[[Relayed], Any]) -> list[Any]:
-        """Every running member's answer to GET *path* (``None`` where there was none)."""
+                   decode: Callable[[Relayed], Any], authorization: str | None) -> list[Any]:
+        """Every running member's answer to GET *path* (``None`` where there was none),
+        asked with the client's *authorization*."""
         out: list[Any] = [None] * len(members)
+        headers = {"Authorization": authorization} if authorization else {}
 
         async def one(i: int, member: Member) -> None:
             url = urlsplit(member.url)
             try:
                 with trio.fail_after(ASK_TIMEOUT_S):
                     r = await http_get(url.hostname or "127.0.0.1", url.port or 80, path,
-                                       self._ask_headers, self._tls)  # fmt: skip
+                                       headers, self._tls)  # fmt: skip
                 if r.status == 200:
                     out[i] = decode(r)
             except (GroupViewUnavailable, ValueError, trio.TooSlowError) as exc:
@@ -162,8 +174,13 @@ class GroupView:
 
     async def serve(self, listener: trio.SocketListener) -> None:
         """Answer the group's processes on *listener* until cancelled."""
-        handler = partial(answer_one, respond=self._respond, name="group view")
-        await trio.serve_listeners(handler, [listener])
+        async with trio.open_nursery() as nursery:
+            if self._keys_file is not None:
+                await nursery.start(
+                    partial(watch_keys_file, self._keys, self._fixed_keys, self._keys_file)
+                )
+            handler = partial(answer_one, respond=self._respond, name="group view")
+            await trio.serve_listeners(handler, [listener])
 
     async def _respond(self, head: bytes) -> tuple[str, str, bytes]:
         request_line, *header_lines = head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
@@ -173,24 +190,26 @@ class GroupView:
         path, _, query_text = parts[1].partition("?")
         if path not in ("/metrics", "/dashboard/data"):
             return "404 Not Found", "text/plain", b"not found\n"
-        if self._keys and not (path == "/metrics" and self._metrics_open):
-            authorization = None
-            for line in header_lines:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"authorization":
-                    authorization = value.strip()
-            if not self._keys.allows(authorization):
-                return "401 Unauthorized", "text/plain", b"an API key is needed\n"
+        authorization = None
+        for line in header_lines:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"authorization":
+                authorization = value.strip()
+        keyed = self._keys and not (path == "/metrics" and self._metrics_open)
+        if keyed and not self._keys.allows(authorization):
+            return "401 Unauthorized", "text/plain", b"an API key is needed\n"
+        passed_on = authorization.decode("latin-1") if authorization else None
         query = parse_qs(query_text)
         if path == "/metrics":
-            return "200 OK", PROMETHEUS_TEXT, await self.render_metrics(query.get("name[]"))
+            page = await self.render_metrics(query.get("name[]"), passed_on)
+            return "200 OK", PROMETHEUS_TEXT, page
         after: float | None = None
         if raw := query.get("stalls_after"):
             try:
                 after = float(raw[0])
             except ValueError:
                 return "400 Bad Request", "text/plain", b"stalls_after must be a number\n"
-        return "200 OK", "application/json", orjson.dumps(await self.dashboard(after))
+        return "200 OK", "application/json", orjson.dumps(await self.dashboard(after, passed_on))
 
 
 def _memory(pids: dict[str, int]) -> list[dict[str, Any]]:
