@@ -214,8 +214,14 @@ def start_in_background() -> None:
     global _CLUSTER, _TMP
     if _CLUSTER is not None or vllm_missing() is not None:
         return
-    _TMP = tempfile.TemporaryDirectory(prefix="headwater-vllm-")
-    _CLUSTER = VllmCluster(Path(_TMP.name))
+    # HEADWATER_VLLM_LOGS=DIR keeps the workers' and vLLMs' logs there, for a failure.
+    if keep := os.environ.get("HEADWATER_VLLM_LOGS"):
+        workdir = Path(keep)
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        _TMP = tempfile.TemporaryDirectory(prefix="headwater-vllm-")
+        workdir = Path(_TMP.name)
+    _CLUSTER = VllmCluster(workdir)
     _CLUSTER.start()
 
 
