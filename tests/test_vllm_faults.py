@@ -106,6 +106,9 @@ async def test_an_id_past_the_vocabulary_is_refused_and_vllm_never_sees_it(
     assert len(tokens(await generate(client, request("after-oov", [5, 6, 7], 3)))) == 3
 
 
+MAX_TOKENS = 400
+
+
 async def test_a_sigkilled_vllm_is_noticed_its_request_migrates_and_it_restarts(
     vllm_cluster: VllmCluster, nursery: trio.Nursery
 ) -> None:
@@ -113,8 +116,11 @@ async def test_a_sigkilled_vllm_is_noticed_its_request_migrates_and_it_restarts(
     decode = vllm_cluster.workers[Role.DECODE]
     tokenizer = shared_tokenizer()
     ids = prompt(40, 500)
+    # Long enough that the kill lands mid-stream: on a quiet machine 120 tokens were
+    # all generated before the fifth event reached the client (events carry the tokens
+    # that arrived together), and nothing was left to migrate.
     want = await vllm_generate(
-        agg.vllm_url, ids, {"temperature": 0.0, "max_tokens": 120, "ignore_eos": True}
+        agg.vllm_url, ids, {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     )
     killed = agg.vllm_pid
     # An aggregated worker and a decode worker (which prefills locally when alone): the
@@ -125,20 +131,20 @@ async def test_a_sigkilled_vllm_is_noticed_its_request_migrates_and_it_restarts(
         httpx.AsyncClient(base_url=url, timeout=120) as http,
     ):
         await wait_healthy(http)
-        body = {"model": "deepseek-v4", "prompt": ids, "max_tokens": 120, "temperature": 0,
+        body = {"model": "deepseek-v4", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         lines: list[str] = []
         async with http.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
                 lines.append(line)
-                if sum(x.startswith("data: ") for x in lines) == 5:
+                if sum(x.startswith("data: ") for x in lines) == 2:  # the first text
                     os.killpg(killed, signal.SIGKILL)
         events = sse_events("\n".join(lines).encode())
         assert [e for e in events if "error" in e] == []
         text = "".join(c["text"] for e in events for c in e["choices"])
         assert text == tokenizer.decode(want.token_ids)
-        assert events[-1]["usage"]["completion_tokens"] == 120
+        assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
         migrated = sum(
             fe.metrics.model_migration_total.labels(kind)._value.get()
             for kind in ("new_request", "ongoing_request")
