@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from headwater.cluster.children import free_port
+from headwater.ports import free_port
 
 SERVE_ARGS = ("--speedup-ratio", "1000", "--log-level", "warning")
 

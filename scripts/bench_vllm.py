@@ -51,6 +51,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from headwater.ports import free_port  # noqa: E402
 from scripts.bench import prompts as bench_prompts  # noqa: E402
 from scripts.bench.loadgen import run_load  # noqa: E402
 from scripts.bench.stats import summarise  # noqa: E402
@@ -63,14 +64,6 @@ VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

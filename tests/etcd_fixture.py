@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from headwater.cluster.children import free_port
 from headwater.cluster.launch import ETCD_BIN_ENV, find_etcd
+from headwater.ports import free_port
 
 START_TIMEOUT = 15.0  # seconds for the gateway to answer
 

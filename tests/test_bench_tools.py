@@ -26,7 +26,7 @@ from hypercorn.trio import serve
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from tokenizers import Tokenizer
 
-from headwater.cluster.children import free_port
+from headwater.ports import free_port
 from scripts.bench import prompts
 from scripts.bench.loadgen import (
     LoadResult,

@@ -340,8 +340,10 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         (server,) = [s for s in _instances(HeadwaterTCPServer) if _local_port(s) == port]
         assert type(server.protocol.protocol) is HeadWithBodyH11Protocol
         assert type(server.idle_task) is IdleDeadline
-        async with client.stream("POST", url + "/v1/completions",
-                                 json={**body, "prompt": "hi", "stream": True}) as r:
+        # A connection of its own: the first may have idled out during the collection.
+        async with httpx.AsyncClient() as second, second.stream(
+            "POST", url + "/v1/completions", json={**body, "prompt": "hi", "stream": True}
+        ) as r:
             assert [line async for line in r.aiter_lines()][-2] == "data: [DONE]"
         await trio.sleep(2.0)  # the connection idles out
     assert (TCPServer.__init__, TCPServer.protocol_send, TCPServer._read_data,

@@ -36,11 +36,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from frontend.http.dashboard import LoadHistory
 from frontend.http.observability import MAX_INJECTED_STALL_MS
 from frontend.metrics import FrontendMetrics, RecentWindow, WindowedHistogram
-from headwater.cluster.children import free_port
 from headwater.cluster.recipes import start_worker
 from headwater.instrumentation.exposition import TextExposition
 from headwater.plane.base import WorkerInstance
 from headwater.plane.client import connect_worker
+from headwater.ports import free_port
 from headwater.wire import GenerateRequest, Role, SamplingParams
 from scripts.bench.scrape import loop_series
 from workers.engines.mocker import MockerConfig

@@ -216,7 +216,8 @@ async def test_gil_taken_in_the_middle_of_a_step_is_a_gil_stall(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(spinner, name="spinner")
         await trio.to_thread.run_sync(thread.join)
-        record = await stall_of_at_least(0.04, records)
+        # As below: a stall the OS makes elsewhere first is not this test's record.
+        record = await stall_of_at_least(0.04, records, task="spinner")
 
     assert record.task == "spinner"
     assert record.cause == "gil"
@@ -271,14 +272,22 @@ async def test_many_short_tasks_are_not_a_stall() -> None:
         for _ in range(250):
             await trio.lowlevel.checkpoint()
 
-    async with detecting(threshold_s=0.1) as (detector, _):
-        started = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for i in range(200):
-                nursery.start_soon(chatty, name=f"chatty-{i}")
-        elapsed = time.perf_counter() - started
-    assert elapsed > 0.1  # the work as a whole outlasts the threshold...
-    assert detector.records() == []  # ...but no single step or batch does
+    async def attempt() -> tuple[float, list[object]]:
+        async with detecting(threshold_s=0.1) as (detector, _):
+            started = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(200):
+                    nursery.start_soon(chatty, name=f"chatty-{i}")
+            return time.perf_counter() - started, list(detector.records())
+
+    # A detector that adds steps up reports a stall on every attempt; the OS preempting
+    # the process on a loaded machine (0.6 s seen with vLLM starting beside it) on one.
+    for _ in range(3):
+        elapsed, records = await attempt()
+        assert elapsed > 0.1  # the work as a whole outlasts the threshold...
+        if not records:
+            break
+    assert records == []  # ...but no single step or batch does
 
 
 async def test_watchdog_on_a_busy_healthy_loop_wakes_once_per_threshold() -> None:

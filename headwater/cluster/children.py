@@ -18,7 +18,7 @@ Children start in their own session (``start_new_session``): a Ctrl-C in the
 terminal reaches the supervisor only, which then stops them in order. Everything
 binds 127.0.0.1. Restarting a child that exited is not this module's business but
 :mod:`headwater.cluster.supervisor`'s; what it needs of a child is here (``ports``,
-:func:`port_free`, :func:`describe_status`, :func:`append_to_log`).
+:func:`headwater.ports.port_free`, :func:`describe_status`, :func:`append_to_log`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -204,25 +203,6 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the caller must bind it soon)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether *port* could be listened on now. ``SO_REUSEADDR`` as the children's
-    listeners set it, so connections of a dead process in TIME_WAIT do not count;
-    another process listening there does."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 def describe_status(status: int | None) -> str:

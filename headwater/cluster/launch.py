@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from headwater.cluster.children import ChildProcess, LaunchError, free_port
+from headwater.cluster.children import ChildProcess, LaunchError
 from headwater.cluster.recipes import (
     DEFAULT_MODEL,
     EtcdProcess,
@@ -48,6 +48,7 @@ from headwater.cluster.recipes import (
     wait_healthy,
 )
 from headwater.cluster.supervisor import RestartPolicy, Starter, Supervised
+from headwater.ports import free_port
 
 log = logging.getLogger("headwater.launch")  # the name users see in its log lines
 

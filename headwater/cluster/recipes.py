@@ -45,10 +45,10 @@ from headwater.cluster.children import (
     LaunchError,
     child_env,
     describe_status,
-    free_port,
     read_announcement,
     spawn,
 )
+from headwater.ports import free_port
 from headwater.wire.addresses import parse_tcp_address
 from workers.lifecycle import READY_PREFIX as WORKER_READY_PREFIX
 

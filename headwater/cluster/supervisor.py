@@ -61,8 +61,8 @@ from headwater.cluster.children import (
     LaunchError,
     append_to_log,
     describe_status,
-    port_free,
 )
+from headwater.ports import port_free
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import IO
 import httpx
 import trio
 
+from headwater.ports import free_port
 from headwater.wire import Role
 from workers.engines.vllm.config import VllmConfig
 
@@ -44,13 +44,6 @@ PARENT_ENV = "HEADWATER_VLLM_PARENT"
 
 class VllmStartError(Exception):
     """vLLM did not become healthy: it exited, or ``vllm_start_timeout`` passed."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on *host* now (another process may take it before vLLM does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def kv_transfer_config(role: Role, config: VllmConfig) -> str | None:
