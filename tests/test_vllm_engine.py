@@ -20,6 +20,7 @@ import orjson
 import pytest
 import trio
 
+from headwater.orphans import SUPERVISOR_ENV
 from headwater.wire import (
     Chunk,
     ErrorCode,
@@ -33,7 +34,7 @@ from workers.engines.base import EngineError, EngineFailed
 from workers.engines.vllm import launcher, protocol
 from workers.engines.vllm.config import VllmConfig
 from workers.engines.vllm.engine import VllmEngine, build_engine
-from workers.engines.vllm.server import PARENT_ENV, serve_argv, serve_env
+from workers.engines.vllm.server import serve_argv, serve_env
 
 URL = "http://vllm.test:8000"
 VOCAB = 1000
@@ -170,8 +171,8 @@ def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Pa
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["UCX_TLS"] == "tcp"  # the user's choice stays
     assert env["UCX_NET_DEVICES"] == "lo"
-    assert env[PARENT_ENV].isdigit()
-    assert PARENT_ENV == launcher.PARENT_ENV
+    assert env[SUPERVISOR_ENV] == str(os.getpid())
+    assert SUPERVISOR_ENV == launcher.PARENT_ENV
     agg = serve_env(config, Role.AGG, {})
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in agg
     assert "VLLM_CPU_OMP_THREADS_BIND" not in agg  # vLLM's choice

@@ -35,6 +35,7 @@ from headwater.cli.options import (
     restart_policy_from_args,
 )
 from headwater.machine import usable_cpus
+from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from workers.engines import registry
 from workers.engines.base import EngineFailed
 
@@ -322,7 +323,7 @@ async def serve_until_signalled(config: FrontendConfig, tokenizer: Tokenizer | N
 
     *tokenizer*: one loaded already (a process forked from the group's zygote shares
     the zygote's)."""
-    supervisor = os.getppid()  # before the slow start-up: it matters with --listen-fd
+    supervisor = supervisor_pid()  # who started us, if a headwater supervisor did
     from frontend.server import Frontend  # heavy imports only when serving
 
     log = logging.getLogger(__name__)
@@ -352,8 +353,6 @@ async def serve_until_signalled(config: FrontendConfig, tokenizer: Tokenizer | N
 
             urls = await nursery.start(run)
             print(f"headwater: serving {config.model_name} on {' '.join(urls)}", flush=True)
-            if config.listen_fd is not None:  # one of several processes (--processes N)
-                from headwater.cluster.frontend_group import terminate_when_orphaned
-
+            if supervisor is not None:  # launched, or one of several processes
                 nursery.start_soon(terminate_when_orphaned, supervisor, frontend.shutdown)
     return 1 if forced else 0

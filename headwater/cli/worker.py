@@ -13,7 +13,9 @@ SIGTERM or SIGINT drains it: the etcd record turns ``draining`` (frontends stop
 routing here), every connected frontend gets a goaway, in-flight requests finish
 (and, on a prefill worker, held KV gets pulled) for up to ``--drain-timeout``
 seconds, then the lease is revoked and the process exits 0. A second signal stops at
-once (exit 1). The lifecycle itself is :func:`workers.lifecycle.serve_worker`.
+once (exit 1). A worker whose supervisor (``headwater launch``) is gone drains as on
+SIGTERM (:mod:`headwater.orphans`). The lifecycle itself is
+:func:`workers.lifecycle.serve_worker`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from headwater.cli.options import (
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
 from headwater.malloc_tuning import keep_freed_heap
+from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from headwater.plane.server import check_bind
 from headwater.plane.tls import check_certificate, tls_config
 from headwater.wire import Role
@@ -166,6 +169,8 @@ async def _run(config: WorkerConfig) -> int:
                 ttl=config.lease_ttl,
             )
         nursery.start_soon(_watch_signals, stop, forced, nursery.cancel_scope)
+        if (supervisor := supervisor_pid()) is not None:  # under headwater launch
+            nursery.start_soon(terminate_when_orphaned, supervisor, stop)
         worker: RunningWorker = await nursery.start(
             _serve, config, stop, nursery.cancel_scope, hooks
         )

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
 import trio
 
+from headwater.orphans import supervisor_env
+
 if TYPE_CHECKING:
     from trio._file_io import AsyncIOWrapper
 
@@ -242,7 +244,8 @@ async def spawn(
 ) -> C:
     """Start *argv* in its own session. Its stderr goes to *log_path*, or with None to
     ours (a supervisor whose children log to the same terminal); *pass_fds* are
-    inherited (a listening socket shared by frontend processes)."""
+    inherited (a listening socket shared by frontend processes). Its environment names
+    this process as its supervisor (:mod:`headwater.orphans`)."""
     log_file = None
     if log_path is not None:
         await trio.Path(log_path.parent).mkdir(parents=True, exist_ok=True)
@@ -253,7 +256,7 @@ async def spawn(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE if stdout else log_file,
             stderr=log_file,
-            env=dict(env) if env is not None else child_env(),
+            env={**(env if env is not None else child_env()), **supervisor_env()},
             start_new_session=True,
             pass_fds=tuple(pass_fds),
         )

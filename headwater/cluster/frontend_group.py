@@ -39,8 +39,9 @@ one that crash-loops is a configuration to fix, not a fault to wait out. SIGINT 
 SIGTERM is passed on as SIGTERM, and each process drains as a single frontend does.
 If the supervisor itself is killed (SIGKILL, a crash), the zygote sees its socket
 close and stops every process (each drains), and a process whose parent disappears
-stops as if signalled (:func:`terminate_when_orphaned`): no frontend outlives its
-supervisor.
+stops as if signalled (:mod:`headwater.orphans`): no frontend outlives its supervisor.
+The supervisor in turn stops its group when the process that started it (``headwater
+launch``) is gone.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ from headwater.cluster.recipes import (
 )
 from headwater.cluster.supervisor import RestartPolicy, Starter, Supervised
 from headwater.cluster.zygote import Zygote, ZygoteError, start_zygote
+from headwater.orphans import supervisor_pid, terminate_when_orphaned
 
 if TYPE_CHECKING:
     from frontend.preprocess.tokenizer import Tokenizer
@@ -214,6 +216,8 @@ async def supervise(
             if zygote is not None:
                 await nursery.start(zygote.run)
             nursery.start_soon(group.serve, listener)
+            if (supervisor := supervisor_pid()) is not None:  # under headwater launch
+                nursery.start_soon(terminate_when_orphaned, supervisor)
             try:
                 started = await _start_all(nursery, children)
             except LaunchError as exc:
@@ -297,25 +301,3 @@ async def _start_all(
 async def _first_signal(signals: AsyncIterator[int]) -> None:
     async for _ in signals:
         return
-
-
-async def terminate_when_orphaned(
-    supervisor: int, shutdown: trio.Event, poll_s: float = 1.0
-) -> None:
-    """In a child: send ourselves SIGTERM once our parent is no longer *supervisor* (its
-    pid, read when the child started: by the time this runs it may be gone already);
-    return on *shutdown*.
-
-    A supervisor stops its children itself, unless it is killed outright; then the
-    children are re-parented and must notice on their own. ``PR_SET_PDEATHSIG`` would
-    have the kernel tell them, but it fires when the parent *thread* that started the
-    child exits, and trio starts processes from worker threads that come and go. So a
-    child polls ``getppid()``, once a second, and then takes the usual SIGTERM path.
-    """
-    while not shutdown.is_set():
-        if os.getppid() != supervisor:
-            log.warning("supervisor (pid %d) is gone: shutting down", supervisor)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        with trio.move_on_after(poll_s):
-            await shutdown.wait()

@@ -57,6 +57,8 @@ FRONTEND_READY_PREFIX = "headwater: serving "
 #: Start of the line a supervisor of frontend processes prints about each one.
 FRONTEND_MEMBER_PREFIX = "headwater: process "
 DEFAULT_MODEL = "deepseek-v4"
+#: Runs a program that cannot watch its supervisor (etcd) under one that does.
+GUARD = (sys.executable, "-m", "headwater.cluster.guard")
 
 __all__ = [
     "DEFAULT_MODEL", "FRONTEND_MEMBER_PREFIX", "FRONTEND_READY_PREFIX", "WORKER_READY_PREFIX",
@@ -146,7 +148,7 @@ async def start_etcd(
         client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
         data = data_dir if ports and data_dir else workdir / f"{name}-data-{attempt}"
         argv = [
-            binary,
+            *GUARD, binary,  # etcd cannot see its supervisor die: the guard does
             f"--name={name}",
             f"--data-dir={data}",
             f"--listen-client-urls={client}",

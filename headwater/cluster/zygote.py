@@ -34,8 +34,8 @@ The traps, and how each is avoided:
   with ``gc.freeze()``; the GC stays off in the zygote and on in the children.
 * **Signals and orphans**: the zygote has a session of its own (a Ctrl-C at the
   terminal reaches the supervisor only, as with children started as programs). A
-  frontend process's parent is the zygote; it polls ``getppid()`` as before
-  (:func:`~headwater.cluster.frontend_group.terminate_when_orphaned`). If the
+  frontend process's parent is the zygote, named in its environment before the fork;
+  it polls ``getppid()`` as every child does (:mod:`headwater.orphans`). If the
   supervisor dies, the zygote sees its socket close, sends SIGTERM to every frontend
   process (each drains) and exits once they have; if the zygote dies, its processes
   are orphaned and stop on their own, and the supervisor starts later restarts as
@@ -67,6 +67,8 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 import trio
+
+from headwater.orphans import supervisor_env
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +334,7 @@ def _zygote_main(sock: socket.socket, child_main: ChildMain) -> int:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)  # wakes select()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # stops come from the supervisor
+    os.environ.update(supervisor_env())  # the processes it forks watch the zygote
     children: dict[int, int] = {}  # pid → slot
     open_ = True
 

@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 
 #: Set by a worker that starts this server: its pid (workers/engines/vllm/server.py).
-PARENT_ENV = "HEADWATER_VLLM_PARENT"
+#: headwater.orphans.SUPERVISOR_ENV, every child's; not imported from there, so that
+#: the launcher needs nothing but the standard library before vLLM.
+PARENT_ENV = "HEADWATER_SUPERVISOR_PID"
 ORPHAN_POLL = 1.0  # seconds between two looks at the parent
 
 #: Distributions that provide the ``vllm`` package, in the order asked.

@@ -27,6 +27,7 @@ from typing import IO
 import httpx
 import trio
 
+from headwater.orphans import supervisor_env
 from headwater.ports import free_port
 from headwater.wire import Role
 from workers.engines.vllm.config import VllmConfig
@@ -36,10 +37,6 @@ log = logging.getLogger(__name__)
 #: Seconds a started server gets to exit after SIGTERM before its group is killed.
 STOP_GRACE = 15.0
 _HEALTH_POLL = 0.25  # seconds between two /health attempts while starting
-#: Set in a started server's environment: the launcher stops the server when its
-#: parent (the worker) is gone (launcher.PARENT_ENV; not imported from there, since
-#: the launcher must stay importable without the engine's dependencies and vice versa).
-PARENT_ENV = "HEADWATER_VLLM_PARENT"
 
 
 class VllmStartError(Exception):
@@ -95,8 +92,8 @@ def serve_env(config: VllmConfig, role: Role, base: dict[str, str] | None = None
         "HF_HUB_OFFLINE": "1",  # a local model directory; there is no hub to ask
         # The CPU build's "0 = auto" fails ("No available memory for the cache blocks").
         "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kv_cache_gib),
-        PARENT_ENV: str(os.getpid()),
     })  # fmt: skip
+    env.update(supervisor_env())  # the launcher stops vLLM once this worker is gone
     cores = cpu_bind(config.cpu_bind, role)
     if cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cores
