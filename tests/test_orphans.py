@@ -136,3 +136,30 @@ async def test_a_launch_killed_outright_leaves_no_process_behind(tmp_path: Path)
         assert "SIGTERM: draining" in log, name
     assert "is gone: shutting down" in (cluster.workdir / "frontend.log").read_text()
     assert "is gone: stopping" in (cluster.workdir / "etcd.log").read_text()
+
+
+VLLM_PROCESS = """
+import subprocess, sys
+# As vLLM starts its engine core: the launcher imported again as __mp_main__, here in a
+# group of its own as the worker starts vLLM (start_new_session).
+child = subprocess.Popen([sys.executable, "-c", "import runpy, time; runpy.run_module("
+                          "'workers.engines.vllm.launcher', run_name='__mp_main__'); "
+                          "time.sleep(120)"], start_new_session=True)
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def test_a_process_vllm_started_stops_once_the_api_server_is_gone() -> None:
+    with subprocess.Popen([sys.executable, "-c", VLLM_PROCESS], stdout=subprocess.PIPE,
+                          cwd=Path(__file__).parent.parent) as api_server:  # fmt: skip
+        try:
+            assert api_server.stdout is not None
+            engine_core = int(api_server.stdout.readline())
+            time.sleep(0.5)  # imported, watching
+            assert alive(engine_core)
+            api_server.kill()  # outright: nobody stops the group for it
+            api_server.wait()
+            wait_until(lambda: not alive(engine_core), within=15)
+        finally:
+            api_server.kill()

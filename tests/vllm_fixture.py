@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from headwater.orphans import supervisor_env
 from headwater.plane.base import WorkerInstance
 from headwater.wire import Role
 
@@ -157,6 +158,8 @@ class VllmCluster:
             process = subprocess.Popen(
                 argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO,
                 start_new_session=True,
+                # A test session killed outright: the worker drains, its vLLM with it.
+                env={**os.environ, **supervisor_env()},
             )  # fmt: skip
         return VllmWorker(role, process, stdout, stderr)
 

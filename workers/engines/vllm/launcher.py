@@ -15,9 +15,13 @@ With upstream vLLM (a ``vllm`` distribution) the patch changes nothing.
 command that runs this launcher (``make vllm`` replaces the broken one with it);
 ``--check`` imports vLLM and prints its version.
 
-A worker that starts a server through it sets ``HEADWATER_VLLM_PARENT`` to its pid;
+A worker that starts a server through it sets ``HEADWATER_SUPERVISOR_PID`` to its pid;
 the server then stops its whole process group within a second or so of the worker's
-death (:func:`_stop_when_orphaned`).
+death (:func:`_stop_when_orphaned`). The processes vLLM starts from it (its engine core,
+its CPU workers: ``__mp_main__`` below) watch their own parent the same way: killed
+together with the API server, the worker would stop them, but an API server killed
+alone by someone else would leave them spinning (seen: orphaned CPU workers busy-polling
+at 45% of a core each, half an hour later).
 """
 
 from __future__ import annotations
@@ -95,12 +99,16 @@ def main(argv: list[str]) -> int:
 
     parent = os.environ.pop(PARENT_ENV, "")
     if parent.isdigit():
-        threading.Thread(
-            target=_stop_when_orphaned, args=(int(parent),), name="parent-watch", daemon=True
-        ).start()
+        _watch_parent(int(parent))
     sys.argv = ["vllm", *argv]
     vllm_main()
     return 0
+
+
+def _watch_parent(parent: int) -> None:
+    threading.Thread(
+        target=_stop_when_orphaned, args=(parent,), name="parent-watch", daemon=True
+    ).start()
 
 
 def _stop_when_orphaned(parent: int) -> None:
@@ -120,6 +128,9 @@ if __name__ in ("__main__", "__mp_main__"):
     # __mp_main__: the engine core's process, started with spawn, imports this module
     # again under that name, and asks vLLM's version too.
     patch_metadata()
+
+if __name__ == "__mp_main__":  # a process of vLLM's, which just started us
+    _watch_parent(os.getppid())
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
