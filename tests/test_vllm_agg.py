@@ -14,14 +14,13 @@ import pytest
 import trio
 
 from headwater.plane.base import WorkerInstance
-from headwater.plane.client import connect_worker
 from headwater.wire import FinishReason, Role
 from workers.engines.vllm import VllmConfig
 from workers.lifecycle import RunningWorker, WorkerConfig, serve_worker
 
 from frontend_fixture import serve_frontend, shared_tokenizer
 from vllm_fixture import TINY_MODEL, VllmCluster
-from vllm_helpers import generate, prompt, request, sse_events, tokens, vllm_generate
+from vllm_helpers import connect, generate, prompt, request, sse_events, tokens, vllm_generate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -43,7 +42,7 @@ async def test_greedy_output_equals_vllms_own(
     vllm_cluster: VllmCluster, nursery: trio.Nursery
 ) -> None:
     agg = vllm_cluster.workers[Role.AGG]
-    client = await connect_worker(agg.instance, nursery)
+    client = await connect(agg.instance, nursery)
     for n, salt in ((5, 1), (130, 2), (1000, 3)):
         ids = prompt(n, salt)
         want = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 12})
@@ -57,7 +56,7 @@ async def test_concurrent_requests_batched_together_stay_exact(
     vllm_cluster: VllmCluster, nursery: trio.Nursery
 ) -> None:
     agg = vllm_cluster.workers[Role.AGG]
-    client = await connect_worker(agg.instance, nursery)
+    client = await connect(agg.instance, nursery)
     prompts = [prompt(40 + 30 * i, 10 + i) for i in range(6)]
     wanted = [await vllm_generate(agg.vllm_url, p, {**GREEDY, "max_tokens": 16}) for p in prompts]
     got: dict[int, list[int]] = {}
@@ -75,7 +74,7 @@ async def test_sampling_parameters_map_exactly(
     vllm_cluster: VllmCluster, nursery: trio.Nursery
 ) -> None:
     agg = vllm_cluster.workers[Role.AGG]
-    client = await connect_worker(agg.instance, nursery)
+    client = await connect(agg.instance, nursery)
     ids = prompt(60, 20)
     greedy = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 8})
     stop = greedy.token_ids[3]
@@ -111,7 +110,7 @@ async def test_cached_prompt_tokens_are_reported_as_vllm_counts_them(
     vllm_cluster: VllmCluster, nursery: trio.Nursery
 ) -> None:
     agg = vllm_cluster.workers[Role.AGG]
-    client = await connect_worker(agg.instance, nursery)
+    client = await connect(agg.instance, nursery)
     ids = prompt(300, 30)  # two full blocks of 128 tokens, then 44
     first = await generate(client, request("cache-1", ids, 2))
     second = await generate(client, request("cache-2", ids, 2))
@@ -172,7 +171,7 @@ async def test_a_worker_attached_to_a_running_vllm(vllm_cluster: VllmCluster) ->
     )  # fmt: skip
     async with trio.open_nursery() as nursery:
         worker = await nursery.start(serve_worker, config)
-        client = await connect_worker(worker_instance(worker), nursery)
+        client = await connect(worker_instance(worker), nursery)
         assert tokens(await generate(client, request("attached", ids, 6))) == want.token_ids
         nursery.cancel_scope.cancel()
 

@@ -14,13 +14,13 @@ import pytest
 import trio
 
 from headwater.plane.base import WorkerError
-from headwater.plane.client import connect_worker
 from headwater.wire import ErrorCode, FinishReason, KvHandle, Role
 
 from frontend_fixture import serve_frontend, shared_tokenizer
 from vllm_fixture import VllmCluster
 from vllm_helpers import (
     Metrics,
+    connect,
     generate,
     metric,
     prompt,
@@ -47,8 +47,8 @@ async def test_prefill_then_decode_equals_one_server_and_the_kv_came_over_nixl(
     agg = vllm_cluster.workers[Role.AGG]
     prefill = vllm_cluster.workers[Role.PREFILL]
     decode = vllm_cluster.workers[Role.DECODE]
-    to_prefill = await connect_worker(prefill.instance, nursery)
-    to_decode = await connect_worker(decode.instance, nursery)
+    to_prefill = await connect(prefill.instance, nursery)
+    to_decode = await connect(decode.instance, nursery)
     before = await vllm_metrics(decode.vllm_url)
     for n in LENGTHS:
         ids = prompt(n, 100 + n)
@@ -113,8 +113,8 @@ async def test_a_failed_kv_transfer_is_a_retryable_error_not_a_hang(
 ) -> None:
     prefill = vllm_cluster.workers[Role.PREFILL]
     decode = vllm_cluster.workers[Role.DECODE]
-    to_prefill = await connect_worker(prefill.instance, nursery)
-    to_decode = await connect_worker(decode.instance, nursery)
+    to_prefill = await connect(prefill.instance, nursery)
+    to_decode = await connect(decode.instance, nursery)
     ids = prompt(150, 300)
     (handoff,) = await generate(to_prefill, request("bad-kv", ids, 4))
     assert handoff.kv_handle is not None

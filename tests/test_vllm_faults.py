@@ -17,12 +17,12 @@ import pytest
 import trio
 
 from headwater.plane.base import WorkerError
-from headwater.plane.client import connect_worker
 from headwater.wire import ErrorCode, Role
 
 from frontend_fixture import serve_frontend, shared_tokenizer
 from vllm_fixture import READY_WITHIN, VllmCluster
 from vllm_helpers import (
+    connect,
     generate,
     metric,
     prompt,
@@ -91,7 +91,7 @@ async def test_an_id_past_the_vocabulary_is_refused_and_vllm_never_sees_it(
         assert r.status_code == 400
         assert r.json()["error"]["type"] == "invalid_request_error"
     # So does the worker, to a client that skipped the frontend's check.
-    client = await connect_worker(agg.instance, nursery)
+    client = await connect(agg.instance, nursery)
     oov_stop = request("oov-stop", [5], 4, stop_token_ids=(VOCAB + 7,))
     for bad in (request("oov", [5, 6, VOCAB], 4), oov_stop):
         with pytest.raises(WorkerError) as refused:
@@ -152,7 +152,7 @@ async def test_a_sigkilled_vllm_is_noticed_its_request_migrates_and_it_restarts(
         assert migrated == 1
     # The worker noticed and starts vLLM again.
     started = trio.current_time()
-    client = await connect_worker(agg.instance, nursery)
+    client = await connect(agg.instance, nursery)
     with trio.fail_after(READY_WITHIN):
         while True:
             agg.refresh()

@@ -38,6 +38,11 @@ from headwater.wire import Role
 
 REPO = Path(__file__).resolve().parent.parent
 #: The tiny model's directory: $HEADWATER_TINY_MODEL, else artifacts/tiny-llama.
+#: Seconds a plane connection of these tests may wait for an ACK or stay silent. Three
+#: CPU vLLM engines on two cores: every process of the machine was seen to stop for
+#: 20-30 s at once (each vLLM's own 10-s log line late by as much), and a 5-s ACK or a
+#: 15-s silence then failed a test about vLLM's behaviour, not about the plane's.
+PATIENCE = 120.0
 TINY_MODEL = Path(os.environ.get("HEADWATER_TINY_MODEL", REPO / "artifacts" / "tiny-llama"))
 MODEL_NAME = "deepseek-v4"
 #: Seconds the three workers get to report ready (their vLLMs start side by side on
@@ -151,7 +156,7 @@ class VllmCluster:
             sys.executable, "-m", "headwater", "worker", "--engine", "vllm",
             "--model", str(self.model), "--role", str(role), "--enforce-eager",
             "--listen", "127.0.0.1:0", "--worker-id", f"vllm-{role}",
-            "--model-name", MODEL_NAME, "--drain-timeout", "2",
+            "--model-name", MODEL_NAME, "--drain-timeout", "2", "--peer-timeout", str(PATIENCE),
             "--vllm-log", str(self.workdir / f"vllm-{role}.log"), "--cpu-bind", "role", *extra,
         ]  # fmt: skip
         with open(stdout, "wb") as out, open(stderr, "wb") as err:

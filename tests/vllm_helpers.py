@@ -9,11 +9,14 @@ from typing import Any
 
 import httpx
 import orjson
+import trio
 
-from headwater.plane.base import WorkerClient
+from headwater.plane.base import WorkerClient, WorkerInstance
+from headwater.plane.client import TcpWorkerClient, connect_worker
+from headwater.plane.connection import PlaneConfig
 from headwater.wire import Chunk, GenerateRequest, KvHandle, SamplingParams
 
-from vllm_fixture import MODEL_NAME
+from vllm_fixture import MODEL_NAME, PATIENCE
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,12 @@ def request(
     """A greedy request unless *sampling* says otherwise."""
     params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
     return GenerateRequest(rid, MODEL_NAME, list(token_ids), params, handle, eos)
+
+
+async def connect(instance: WorkerInstance, nursery: trio.Nursery) -> TcpWorkerClient:
+    """A plane client of a vLLM test worker, patient as the workers are (PATIENCE)."""
+    config = PlaneConfig(ack_timeout=PATIENCE, heartbeat_timeout=PATIENCE)
+    return await connect_worker(instance, nursery, config=config)
 
 
 async def generate(client: WorkerClient, req: GenerateRequest) -> list[Chunk]:

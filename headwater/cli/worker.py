@@ -33,12 +33,13 @@ from headwater.cli.options import (
     add_config_options,
     config_from_args,
     configure_logging,
+    positive_float,
 )
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
 from headwater.malloc_tuning import keep_freed_heap
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
-from headwater.plane.server import check_bind
+from headwater.plane.server import ServerConfig, check_bind
 from headwater.plane.tls import check_certificate, tls_config
 from headwater.wire import Role
 from headwater.wire.handshake import load_secret
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--worker-id", default="", help="unique worker id (default: <role>-<random>)")
     a("--drain-timeout", type=float, default=d.drain_timeout,
       help="seconds in-flight requests get to finish after SIGTERM")
+    a("--peer-timeout", type=positive_float, default=d.server.heartbeat_timeout,
+      help="seconds a plane connection may stay silent (peers ping every 5 s) before "
+      "the worker closes it and cancels its requests")
     a("--plane-secret-file", default=None,
       help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
       "to listen beyond loopback")
@@ -110,6 +114,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model_name=args.model_name,
         worker_id=args.worker_id,
         drain_timeout=args.drain_timeout,
+        server=ServerConfig(heartbeat_timeout=args.peer_timeout),
         secret=load_secret(args.plane_secret_file),
         tls=tls_config(args.plane_tls_certfile, args.plane_tls_keyfile, args.plane_tls_ca_file),
         metrics_port=args.metrics_port,
