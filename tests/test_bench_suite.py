@@ -442,7 +442,7 @@ def test_the_multi_process_variant_is_planned(tmp_path: Path) -> None:
         suite.HeadwaterVariant("inprocess", 1)]
     both = cfg(3, topologies=("inprocess", "processes"))
     assert [(v.topology, v.frontend_processes) for v in suite.headwater_variants(both)] == [
-        ("inprocess", 1), ("processes", 1), ("inprocess", 3)]
+        ("inprocess", 1), ("processes", 1), ("inprocess", 3), ("processes", 3)]
     plan = len(suite.main_plan(cfg(2)))
     # Per Dynamo tokenizer: each spec once per headwater server and once for Dynamo.
     assert suite.Suite(cfg(2)).planned_runs(2) == plan * 3 * 2

@@ -173,11 +173,12 @@ class HeadwaterVariant:
 
 
 def headwater_variants(cfg: SuiteConfig) -> list[HeadwaterVariant]:
-    """The main phase's headwater servers, in run order: one per topology (the first is
-    the one targets are judged on), then the multi-process frontend if configured."""
+    """The main phase's headwater servers, in run order: one per topology, then, with
+    several frontend processes configured, that group once per topology too (in-process
+    workers: ``headwater serve``'s default; worker processes: Dynamo's layout)."""
     out = [HeadwaterVariant(topology) for topology in cfg.topologies]
     if cfg.frontend_processes > 1:
-        out.append(HeadwaterVariant("inprocess", cfg.frontend_processes))
+        out += [HeadwaterVariant(t, cfg.frontend_processes) for t in cfg.topologies]
     return out
 
 
