@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from etcd_fixture import etcd_prefix, etcd_server, etcd_url, private_etcd
+from heap_fixture import frozen_heap
 from netns_fixture import make_netns
 from tls_fixture import ca
 from vllm_fixture import start_in_background, stop_cluster, vllm_cluster
 
 __all__ = [
-    "ca", "etcd_prefix", "etcd_server", "etcd_url", "make_netns", "private_etcd",
-    "vllm_cluster",
+    "ca", "etcd_prefix", "etcd_server", "etcd_url", "frozen_heap", "make_netns",
+    "private_etcd", "vllm_cluster",
 ]  # fmt: skip
 
 

@@ -10,7 +10,6 @@ The whole file runs in a few seconds.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -39,6 +38,9 @@ from headwater.instrumentation import (
     StallRecord,
     TaskTracker,
 )
+
+# A collection of the session's heap mid-test is a stall these tests did not make.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 STALL_S = 0.2
 WATCHDOG_THREAD = "headwater-stall-watchdog"
@@ -283,17 +285,11 @@ async def test_many_short_tasks_are_not_a_stall() -> None:
 
     # A detector that adds steps up reports a stall on every attempt; the OS preempting
     # the process on a loaded machine (0.6 s seen with vLLM starting beside it) on one.
-    # A collection of the test session's heap is a real stall of this loop (0.14 s seen,
-    # late in the suite) but not what this test is about: the collector waits.
-    gc.disable()
-    try:
-        for _ in range(3):
-            elapsed, records = await attempt()
-            assert elapsed > 0.1  # the work as a whole outlasts the threshold...
-            if not records:
-                break
-    finally:
-        gc.enable()
+    for _ in range(3):
+        elapsed, records = await attempt()
+        assert elapsed > 0.1  # the work as a whole outlasts the threshold...
+        if not records:
+            break
     assert records == []  # ...but no single step or batch does
 
 

@@ -13,9 +13,13 @@ from __future__ import annotations
 import random
 
 import httpx
+import pytest
 import trio
 
 from frontend_fixture import serve_frontend
+
+# A collection of the session's heap mid-test is a stall these tests did not make.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 CONCURRENT = 8
 THRESHOLD_MS = 50

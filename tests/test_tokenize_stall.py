@@ -19,6 +19,9 @@ from frontend.config import usable_cpus
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.tokenizer import Tokenizer
 
+# A collection of the session's heap mid-test is a stall these tests did not make.
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 PROMPTS = 8
 WORDS_PER_PROMPT = 30_000  # ~40k DeepSeek-V4 tokens of random words
 

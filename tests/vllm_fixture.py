@@ -126,6 +126,12 @@ class VllmWorker:
         return self.stderr.read_text(errors="replace")[-3000:]
 
 
+def _nice_session(pid: int) -> None:
+    """The scheduling group of *pid*'s session at NICENESS (Linux autogroups)."""
+    with contextlib.suppress(OSError):  # autogroups off, or not Linux
+        Path(f"/proc/{pid}/autogroup").write_text(str(NICENESS))
+
+
 class VllmCluster:
     """The session's three vLLM workers; see the module docstring."""
 
@@ -166,6 +172,9 @@ class VllmCluster:
                 # A test session killed outright: the worker drains, its vLLM with it.
                 env={**os.environ, **supervisor_env()},
             )  # fmt: skip
+        # nice sets the worker's own priority; its session's scheduling group (and its
+        # vLLM's, which the worker sets) needs it too (headwater/sessions.py).
+        _nice_session(process.pid)
         return VllmWorker(role, process, stdout, stderr)
 
     def wait_ready(self) -> None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 import trio
 
 from headwater.orphans import supervisor_env
+from headwater.sessions import keep_niceness
 
 if TYPE_CHECKING:
     from trio._file_io import AsyncIOWrapper
@@ -263,6 +264,7 @@ async def spawn(
     finally:
         if log_file is not None:
             log_file.close()  # the child holds its own descriptor
+    keep_niceness(process.pid)
     child = watch(cls, nursery, name, process, log_path, argv)
     log.debug("started %s (pid %d): %s", name, process.pid, " ".join(argv))
     return child

@@ -29,6 +29,7 @@ import trio
 
 from headwater.orphans import supervisor_env
 from headwater.ports import free_port
+from headwater.sessions import keep_niceness
 from headwater.wire import Role
 from workers.engines.vllm.config import VllmConfig
 
@@ -167,6 +168,7 @@ class VllmServer:
         finally:
             if output is not None:
                 output.close()
+        keep_niceness(self.process.pid)  # its session must not escape our priority
         log.info("%s: vLLM pid %d (its process group)", self.worker_id, self.process.pid)
         try:
             await self._wait_healthy(http, self.process)
