@@ -4,7 +4,11 @@ The phases, each labelling the samples taken during it::
 
     warmup        the mix at full concurrency (default: the first 10% of --duration,
                   at least 30 s), so that caches, pools and allocator arenas reach
-                  their working size before anything is compared
+                  their working size before anything is compared; and on, in steps of
+                  15 s (at most WARMUP_CAP_S more), until the frontends' bounded
+                  tokenizer caches (--tokenizer-cache-mb) hold 90% of their budget or
+                  stopped growing (by 1% of it in a step; evicting, the cache levels
+                  off below its budget): a cache still filling up would look like a leak
     settle_start  no load (--settle, 20 s): trio's idle worker threads exit (10 s),
                   kept-alive connections are long closed (the client closes its own)
     idle_start    no load, --idle-reads reads: the baseline
@@ -33,7 +37,15 @@ import orjson
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.soak.client import FAILING, Outcome, PoolStatistics, Result, fetch, get
+from scripts.soak.client import (
+    FAILING,
+    Outcome,
+    PoolStatistics,
+    Result,
+    fetch,
+    get,
+    get_json,
+)
 from scripts.soak.judge import (
     Check,
     Limits,
@@ -53,6 +65,9 @@ from scripts.soak.targets import Target, Watched, start_target
 HOST = "127.0.0.1"
 #: Seconds the target gets to exit after SIGTERM (the launcher's own frontend grace is 45).
 STOP_GRACE_S = 90.0
+#: The warm-up's longest extension while a tokenizer cache fills, and its step.
+WARMUP_CAP_S, WARMUP_STEP_S = 300.0, 15.0
+CACHE_FULL = 0.9  # of its budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +146,22 @@ async def soak(name: str, settings: Settings, mix: Mix, out_dir: Path, say: Any 
             for phase, seconds in (("warmup", settings.warmup), ("load", settings.load)):
                 if phase == "load":
                     enter("load")
-                pools.append(await drive(
-                    mix, HOST, target.port, concurrency=settings.concurrency,
-                    duration_s=seconds, deadline_s=settings.deadline_s,
-                    storm_every_s=settings.storm_every_s or None, results=results,
-                    storms=storms,
-                ))  # fmt: skip
+                extended, held = 0.0, -1
+                while True:
+                    pools.append(await drive(
+                        mix, HOST, target.port, concurrency=settings.concurrency,
+                        duration_s=seconds, deadline_s=settings.deadline_s,
+                        storm_every_s=settings.storm_every_s or None, results=results,
+                        storms=storms,
+                    ))  # fmt: skip
+                    if phase != "warmup" or extended >= WARMUP_CAP_S:
+                        break
+                    now_held, budget = await tokenizer_caches(target.processes)
+                    if now_held >= CACHE_FULL * budget or now_held - held < 0.01 * budget:
+                        break
+                    held = now_held
+                    seconds = WARMUP_STEP_S
+                    extended += seconds
                 suffix = "start" if phase == "warmup" else "end"
                 enter(f"settle_{suffix}")
                 await trio.sleep(settings.settle_s)
@@ -153,6 +178,23 @@ async def soak(name: str, settings: Settings, mix: Mix, out_dir: Path, say: Any 
             for p in target.logs if p.exists()}  # fmt: skip
     return Measured(name, target.url, target.processes, sampler.samples, results, phases,
                     storms, pools, end, logs, t0)  # fmt: skip
+
+
+async def tokenizer_caches(processes: Sequence[Watched]) -> tuple[int, int]:
+    """Bytes the frontends' tokenizer caches hold, and their budgets, summed (a frontend
+    without a cache, or that cannot be asked, adds nothing)."""
+    held = budget = 0
+    for p in processes:
+        if p.role != "frontend" or p.runtime_port is None:
+            continue
+        try:
+            data = await get_json(HOST, p.runtime_port, "/dashboard/data")
+            cache = data["pool"].get("segment_cache") or {}
+            held += int(cache.get("bytes", 0))
+            budget += int(cache.get("max_bytes", 0))
+        except (OSError, ValueError, KeyError, TypeError, trio.TooSlowError):
+            continue
+    return held, budget
 
 
 def _gauge(text: str, name: str) -> float | None:

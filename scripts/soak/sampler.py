@@ -66,15 +66,22 @@ class Sampler:
         except ProcessLookupError:
             out[i] = Sample(t_s, phase, process.name, error="the process is gone")
             return
-        tasks = names = None
+        tasks = names = cache = None
         if process.runtime_port is not None:
             try:
                 snap = await get_json(self.host, process.runtime_port, "/debug/runtime")
                 tasks, names = int(snap["trio_tasks"]), dict(snap["tasks_by_name"])
             except (OSError, ValueError, KeyError, TypeError, trio.TooSlowError) as exc:
                 errors.append(f"/debug/runtime: {type(exc).__name__}: {exc}")
+        if process.role == "frontend" and process.runtime_port is not None:
+            try:
+                data = await get_json(self.host, process.runtime_port, "/dashboard/data")
+                segments = data["pool"].get("segment_cache")
+                cache = int(segments["bytes"]) if segments else 0
+            except (OSError, ValueError, KeyError, TypeError, trio.TooSlowError) as exc:
+                errors.append(f"/dashboard/data: {type(exc).__name__}: {exc}")
         out[i] = Sample(
             t_s, phase, process.name, rss_bytes=p.rss_bytes, pss_bytes=p.pss_bytes,
             uss_bytes=p.uss_bytes, fds=p.fds, threads=p.threads, tasks=tasks,
-            tasks_by_name=names, error="; ".join(errors) or None,
+            tasks_by_name=names, cache_bytes=cache, error="; ".join(errors) or None,
         )  # fmt: skip
