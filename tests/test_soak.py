@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 
 import h11
@@ -69,6 +70,19 @@ def test_rss_above_the_limit_fails_on_the_median_of_idle_reads() -> None:
     over = [idle("idle_start", 300, 11, 25), idle("idle_end", 331, 11, 25)]
     assert checks_of(over)["rss"] is False
     assert checks_of([idle("idle_start", 300, 11, 25), idle("idle_end", 329, 11, 25)])["rss"]
+
+
+def test_what_the_tokenizer_cache_holds_is_left_out_of_the_rss_rule() -> None:
+    def at(phase: str, rss_mib: float, cache_mib: float) -> Sample:
+        return replace(idle(phase, rss_mib, 11, 25), cache_bytes=int(cache_mib * MIB))
+
+    # +40 MiB of RSS, 36 of them the bounded cache filling: 304 → 308 without it.
+    assert checks_of([at("idle_start", 320, 16), at("idle_end", 360, 52)])["rss"]
+    # The same RSS with the cache unchanged is growth of the frontend's own.
+    assert not checks_of([at("idle_start", 320, 16), at("idle_end", 360, 16)])["rss"]
+    # A cache that could not be read on one end: judged on RSS alone.
+    unread = replace(at("idle_end", 360, 52), cache_bytes=None)
+    assert not checks_of([at("idle_start", 320, 16), unread])["rss"]
 
 
 def test_a_task_or_descriptor_in_every_end_read_is_a_leak_and_named() -> None:
