@@ -17,11 +17,17 @@ import os
 
 
 def keep_niceness(pid: int) -> None:
-    """Give the scheduling group of *pid* (a child that started a session of its own)
-    this process's nice value. Nothing to do at nice 0, or without autogroups."""
+    """Give the scheduling group of *pid* (a child that started a session of its own,
+    or this process after ``setsid``) this process's nice value. Nothing to do at nice
+    0, or without autogroups."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice <= 0:
-        return  # the group's default already; raising a priority needs privileges
+    if nice > 0:  # 0 is the group's default already; raising a priority needs privileges
+        set_session_nice(pid, nice)
+
+
+def set_session_nice(pid: int, nice: int) -> None:
+    """Set the nice value of *pid*'s session's scheduling group (Linux autogroups);
+    nothing without them, or once *pid* has exited."""
     try:
         with open(f"/proc/{pid}/autogroup", "w") as f:
             f.write(str(nice))

@@ -34,6 +34,7 @@ import pytest
 
 from headwater.orphans import supervisor_env
 from headwater.plane.base import WorkerInstance
+from headwater.sessions import set_session_nice
 from headwater.wire import Role
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,12 +127,6 @@ class VllmWorker:
         return self.stderr.read_text(errors="replace")[-3000:]
 
 
-def _nice_session(pid: int) -> None:
-    """The scheduling group of *pid*'s session at NICENESS (Linux autogroups)."""
-    with contextlib.suppress(OSError):  # autogroups off, or not Linux
-        Path(f"/proc/{pid}/autogroup").write_text(str(NICENESS))
-
-
 class VllmCluster:
     """The session's three vLLM workers; see the module docstring."""
 
@@ -174,7 +169,7 @@ class VllmCluster:
             )  # fmt: skip
         # nice sets the worker's own priority; its session's scheduling group (and its
         # vLLM's, which the worker sets) needs it too (headwater/sessions.py).
-        _nice_session(process.pid)
+        set_session_nice(process.pid, NICENESS)
         return VllmWorker(role, process, stdout, stderr)
 
     def wait_ready(self) -> None:

@@ -69,6 +69,7 @@ from typing import NoReturn
 import trio
 
 from headwater.orphans import supervisor_env
+from headwater.sessions import keep_niceness
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +325,7 @@ def _zygote_main(sock: socket.socket, child_main: ChildMain) -> int:
     """The zygote: serve fork requests on *sock* until it closes and every process it
     forked has exited. Returns its exit status."""
     os.setsid()  # a Ctrl-C at the terminal is the supervisor's alone
+    keep_niceness(os.getpid())  # a new session: its scheduling group starts at nice 0
     gc.disable()  # it allocates next to nothing; collections would only dirty pages
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 1)  # the supervisor's stdout is not ours to hold open
