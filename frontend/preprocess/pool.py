@@ -91,20 +91,25 @@ class TokenizerPool:
         )
 
     async def warm_up(self) -> float:
-        """Encode a sample once per thread before traffic arrives; returns seconds spent.
+        """Encode a sample once, in a pool thread, before traffic arrives; returns the
+        seconds spent.
 
-        The first encodes after start pay for lazy initialisation (thread creation,
-        the Rust side's caches) and stalled the loop ~100 ms when left to real traffic.
+        The first encode after start pays for the encoder's lazy initialisation
+        (~120 ms: fastokens starts its helper thread and builds its caches), which
+        stalled the loop ~100 ms when left to real traffic. That is once per process,
+        so one encode does it. Not one per pool thread: a thread's own first encode
+        costs ~20 ms in that thread, off the loop, and 16 MB of fastokens' per-thread
+        buffers that stay until the thread ends; trio ends a thread idle for 10 s, so
+        warming every thread bought memory, not speed (docs/performance.md, "Memory").
         """
         start = time.perf_counter()
         sample = "warm up the tokenizer pool " * 512
-        async with trio.open_nursery() as nursery:
-            for _ in range(int(self.limiter.total_tokens)):
-                nursery.start_soon(self._warm_one, sample)
+        if self.mode is TokenizeMode.INLINE:
+            self.tokenizer.encode_ids(sample)
+        else:
+            await trio.to_thread.run_sync(self.tokenizer.encode_ids, sample,
+                                          limiter=self.limiter)
         return time.perf_counter() - start
-
-    async def _warm_one(self, sample: str) -> None:
-        await trio.to_thread.run_sync(self.tokenizer.encode_ids, sample, limiter=self.limiter)
 
     def statistics(self) -> PoolStats:
         s = self.limiter.statistics()
