@@ -29,6 +29,7 @@ from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
+from frontend.http.serving.balance import AcceptBalance
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline
 from frontend.preprocess.pool import TokenizerPool
@@ -61,9 +62,13 @@ def check_vocabulary(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 class Frontend:
     """One frontend process's parts, wired; see the module docstring."""
 
-    def __init__(self, config: FrontendConfig, *, tokenizer: Tokenizer | None = None) -> None:
-        """Build every part; *tokenizer* reuses an already loaded one (tests, benchmarks)."""
+    def __init__(self, config: FrontendConfig, *, tokenizer: Tokenizer | None = None,
+                 accept_balance: AcceptBalance | None = None) -> None:  # fmt: skip
+        """Build every part; *tokenizer* reuses an already loaded one (tests, benchmarks);
+        *accept_balance*: this process's share of its group's accepts on the shared
+        socket (:mod:`frontend.http.serving.balance`)."""
         self.config = config
+        self.accept_balance = accept_balance
         files = tokenizer.files if tokenizer else find_tokenizer_files(config.tokenizer)
         self.tokenizer = tokenizer or Tokenizer(
             files, config.tokenizer_backend, segment_cache_bytes=config.tokenizer_cache_mb << 20
@@ -189,6 +194,7 @@ class Frontend:
         hc.body_read_timeout = cfg.read_timeout
         hc.max_connections_per_client = cfg.max_connections_per_client
         hc.on_refusal = self._count_refusal
+        hc.accept_balance = self.accept_balance
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
         return hc

@@ -140,6 +140,29 @@ async def test_processes_share_the_port_and_stop_together(
 
 
 @pytest.mark.slow
+async def test_keep_alive_clients_are_shared_between_the_processes(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    # The kernel hands a connection to whichever process accepts first: 4 clients came
+    # out 3:1 or 4:0 most of the time. The processes take turns (balance.py): 2:2.
+    frontend = await start(nursery, tmp_path, "--processes", "2")
+    await wait_healthy(frontend.address, within=60, child=frontend)
+    clients = [httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=1))
+               for _ in range(4)]  # fmt: skip
+    try:
+        for http in clients:  # one after the other: each connection is held when the next comes
+            await chat(http, frontend.address)
+        for http in clients:
+            await chat(http, frontend.address, n=3)
+        async with httpx.AsyncClient(timeout=30) as probe:
+            served = [await requests_served(m.url, probe) for m in frontend.members]
+    finally:
+        for http in clients:
+            await http.aclose()
+    assert served == [8, 8]  # two connections of four requests each, per process
+
+
+@pytest.mark.slow
 async def test_a_lost_process_is_restarted_while_the_others_serve(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:

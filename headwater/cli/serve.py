@@ -40,6 +40,7 @@ from workers.engines import registry
 from workers.engines.base import EngineFailed
 
 if TYPE_CHECKING:
+    from frontend.http.serving.balance import AcceptBalance
     from frontend.preprocess.tokenizer import Tokenizer
 
 _D = FrontendConfig()
@@ -316,18 +317,18 @@ def _first(exc: BaseException) -> BaseException:
     return exc
 
 
-async def serve_until_signalled(config: FrontendConfig, tokenizer: Tokenizer | None = None
-                                ) -> int:
+async def serve_until_signalled(config: FrontendConfig, tokenizer: Tokenizer | None = None,
+                                accept_balance: AcceptBalance | None = None) -> int:
     """Serve until a signal: the first drains and stops (``Frontend.stop``), a second
     one stops at once. Returns the exit status: 0, or 1 after a second signal.
 
     *tokenizer*: one loaded already (a process forked from the group's zygote shares
-    the zygote's)."""
+    the zygote's); *accept_balance*: the forked process's share of the group's accepts."""
     supervisor = supervisor_pid()  # who started us, if a headwater supervisor did
     from frontend.server import Frontend  # heavy imports only when serving
 
     log = logging.getLogger(__name__)
-    frontend = Frontend(config, tokenizer=tokenizer)
+    frontend = Frontend(config, tokenizer=tokenizer, accept_balance=accept_balance)
     forced = False
 
     async def stop_on_signals(signals: AsyncIterator[int], scope: trio.CancelScope) -> None:

@@ -11,8 +11,10 @@ How (:func:`run_group`): this process, the supervisor, binds the port, loads the
 tokenizer and imports the frontend, then forks a *zygote* while it still has one
 thread and runs no trio (:mod:`headwater.cluster.zygote`), and only then starts trio.
 The zygote forks the N frontend processes, which inherit the socket and share the
-zygote's memory (the tokenizer above all) copy-on-write. The kernel hands each new
-connection to whichever process accepts first, so a busy one takes fewer. Each
+zygote's memory (the tokenizer above all) copy-on-write. They take turns at the
+socket: one that holds more connections than another leaves a new one to the others
+for a moment (:mod:`frontend.http.serving.balance`; the kernel alone hands a connection
+to whichever process accepts first, and keep-alive makes that coin toss last). Each
 process is a complete frontend: its own tokenizer pool (sharing the loaded tables),
 router, stall detector and in-process workers (or its own connections to remote
 ones). Each also listens on a private port of its own, for its own ``/metrics`` and
@@ -63,6 +65,7 @@ import trio
 from trio_util import wait_any
 
 from frontend.config import FrontendConfig
+from frontend.http.serving.balance import AcceptShares
 from headwater.cluster.children import LaunchError, watch
 from headwater.cluster.group_view import GroupView, Member, private_port_tls
 from headwater.cluster.recipes import (
@@ -147,22 +150,27 @@ def run_group(
             log.error("%s", exc)
             return 1
         member = replace(config, processes=1, listen_fd=sock.fileno(), group_url=group_url)
+        shares = AcceptShares(config.processes)  # before the fork: every process maps it
         zygote = None
         try:
-            zygote = start_zygote(partial(_forked_main, member, tokenizer),
+            zygote = start_zygote(partial(_forked_main, member, tokenizer, shares),
                                   close_fds=(view.fileno(),))  # fmt: skip
         except (ZygoteError, OSError) as exc:
             log.warning("cannot fork a zygote (%s): each frontend process loads its own "
                         "tokenizer", exc)  # fmt: skip
         gc.enable()
-        return trio.run(supervise, config, argv, restart, sock, view, zygote, started)
+        return trio.run(supervise, config, argv, restart, sock, view, zygote, started, shares)
 
 
-def _forked_main(config: FrontendConfig, tokenizer: Tokenizer, slot: int) -> int:
-    """A frontend process, in the zygote's fresh fork."""
+def _forked_main(config: FrontendConfig, tokenizer: Tokenizer, shares: AcceptShares,
+                 slot: int) -> int:  # fmt: skip
+    """A frontend process, in the zygote's fresh fork: it takes turns at the shared
+    socket with the group's other forked processes."""
     from headwater.cli.serve import serve_until_signalled
 
-    return trio.run(serve_until_signalled, config, tokenizer)
+    assert config.listen_fd is not None  # set for every member
+    balance = shares.balance(slot, config.listen_fd)
+    return trio.run(serve_until_signalled, config, tokenizer, balance)
 
 
 async def supervise(
@@ -173,6 +181,7 @@ async def supervise(
     view_sock: socket.socket,
     zygote: Zygote | None,
     started_at: float,
+    shares: AcceptShares | None = None,
 ) -> int:
     """Run ``config.processes`` frontend processes on *sock* until a signal, restarting
     one that exits on its own under *restart*; answer for the group on *view_sock*.
@@ -189,7 +198,7 @@ async def supervise(
     argv_ = child_argv(argv, fd, group_url)
     children = [
         Supervised(
-            f"frontend process {i}", _starter(i, argv_, fd, zygote), restart,
+            f"frontend process {i}", _starter(i, argv_, fd, zygote, shares), restart,
             on_give_up=lambda _process: given_up.set(),
             stop_grace=config.stop_timeout + STOP_MARGIN,
         )
@@ -246,14 +255,17 @@ async def supervise(
     return status
 
 
-def _starter(i: int, argv: list[str], fd: int, zygote: Zygote | None
-             ) -> Starter[FrontendProcess]:
+def _starter(i: int, argv: list[str], fd: int, zygote: Zygote | None,
+             shares: AcceptShares | None = None) -> Starter[FrontendProcess]:  # fmt: skip
     """How process *i* is started, and started again: forked by the zygote while it
     lives, else as a program; the same socket either way. A restart announces the
-    process's new private URL."""
+    process's new private URL. Its slot in *shares* reads absent until a forked
+    process joins (one started as a program does not share the counts)."""
     name = f"frontend process {i}"
 
     async def start(nursery: trio.Nursery, previous: FrontendProcess | None) -> FrontendProcess:
+        if shares is not None:
+            shares.mark_absent(i)  # the previous process, if any, is gone
         if zygote is not None and zygote.alive:
             try:
                 forked = await zygote.fork(i)

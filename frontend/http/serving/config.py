@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hypercorn.config import BYTES, SECONDS, Config
+
+if TYPE_CHECKING:
+    from frontend.http.serving.balance import AcceptBalance
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,10 @@ class ServerConfig(Config):
     #: each time a limit turns a connection or a request away; the frontend counts them.
     #: A hook that raises is logged and dropped. None: not reported.
     on_refusal: Callable[[str], None] | None = None
+    #: A process of a frontend group: its share of the group's connection counts, and
+    #: the shared socket (``fd://N``) whose accepts take turns with the other processes
+    #: (:mod:`frontend.http.serving.balance`). None: accept as the kernel hands out.
+    accept_balance: AcceptBalance | None = None
 
     def refused(self, reason: str) -> None:
         """Report a refusal to :attr:`on_refusal`. Never raises: reporting must not take

@@ -16,6 +16,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ASGIFramework, ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr
 
+from frontend.http.serving.balance import AcceptBalance, BalancedListener
 from frontend.http.serving.config import ServerConfig
 from frontend.http.serving.limits import (
     TLS_HANDSHAKE_TIMEOUT,
@@ -26,8 +27,8 @@ from frontend.http.serving.tcp_server import HeadwaterTCPServer, HttpStream
 
 log = logging.getLogger(__name__)
 
-#: What serve_listeners hands each accepted connection to.
-Listener = trio.SocketListener | trio.SSLListener[trio.SocketStream]
+#: What serve_listeners accepts connections from: plain, TLS, either balanced.
+Listener = trio.abc.Listener[HttpStream]
 
 
 async def serve(
@@ -52,7 +53,10 @@ async def serve(
 
     Each accepted connection from an address that already holds
     ``config.max_connections_per_client`` is closed at once; a TLS handshake must end
-    within ``config.header_timeout``; both are reported to ``config.refused``.
+    within ``config.header_timeout``; both are reported to ``config.refused``. With
+    ``config.accept_balance`` (a process of a group) the shared socket's connections
+    are accepted in turn with the group's other processes and counted
+    (:mod:`frontend.http.serving.balance`); other binds are not.
 
     ``task_status.started`` reports the ``http://`` (``https://``) URLs once every
     listener is bound. When *shutdown_trigger* returns, accepting stops, idle
@@ -83,17 +87,26 @@ async def serve(
                 config,
                 clients,
             )  # fmt: skip
+            balance = config.accept_balance
+            balanced = [lst for lst in listeners if isinstance(lst, BalancedListener)]
+            others = [lst for lst in listeners if not isinstance(lst, BalancedListener)]
             task_status.started(urls)
             try:
                 async with trio.open_nursery() as accepting:
-                    accepting.start_soon(
-                        partial(trio.serve_listeners, handler_nursery=connections),
-                        connection,
-                        listeners,
-                    )
+                    serve_listeners = partial(trio.serve_listeners, handler_nursery=connections)
+                    if others:
+                        accepting.start_soon(serve_listeners, connection, others)
+                    if balanced:
+                        assert balance is not None  # only a balance makes them
+                        balance.join()
+                        accepting.start_soon(
+                            serve_listeners, partial(_counted, balance, connection), balanced
+                        )
                     await shutdown_trigger()
                     accepting.cancel_scope.cancel()
             finally:
+                if balance is not None:
+                    balance.leave()  # the others stop waiting for this process
                 # Idle connections close on this (IdleDeadline), busy ones finish their
                 # request and are not recycled; what is left is cancelled at the deadline.
                 await context.terminated.set()
@@ -125,6 +138,17 @@ async def _serve_connection(
         await server(stream).run()
     finally:
         clients.release(address)
+
+
+async def _counted(
+    balance: AcceptBalance, serve_one: Callable[[HttpStream], Awaitable[None]],
+    stream: HttpStream,
+) -> None:
+    """*serve_one* the connection that *balance*'s listener counted as it accepted it."""
+    try:
+        await serve_one(stream)
+    finally:
+        balance.closed()
 
 
 async def _tls_handshake(stream: trio.SSLStream[trio.SocketStream], config: ServerConfig) -> bool:
@@ -166,18 +190,28 @@ def _listen(config: ServerConfig) -> tuple[list[Listener], list[str]]:
     if ssl_context is not None:
         # The seam's fixes and limits are HTTP/1.1's: h2 over TLS would go around them.
         ssl_context.set_alpn_protocols(["http/1.1"])
+    balance = config.accept_balance
     listeners: list[Listener] = []
     urls: list[str] = []
+
+    def add(sock: socket.socket, tls: bool) -> None:
+        sock.listen(config.backlog)
+        raw = trio.socket.from_stdlib_socket(sock)
+        plain = trio.SocketListener(raw)
+        listener: Listener = plain
+        if tls:
+            assert ssl_context is not None  # secure sockets only when TLS is configured
+            listener = trio.SSLListener(plain, ssl_context, https_compatible=True)
+        if balance is not None and sock.fileno() == balance.fd:
+            listener = BalancedListener(listener, raw, balance)
+        listeners.append(listener)
+        scheme = "https" if tls else "http"
+        urls.append(f"{scheme}://{repr_socket_addr(sock.family, sock.getsockname())}")
+
     for sock in sockets.secure_sockets:
-        assert ssl_context is not None  # secure sockets only when TLS is configured
-        sock.listen(config.backlog)
-        plain = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-        listeners.append(trio.SSLListener(plain, ssl_context, https_compatible=True))
-        urls.append(f"https://{repr_socket_addr(sock.family, sock.getsockname())}")
+        add(sock, tls=True)
     for sock in sockets.insecure_sockets:
-        sock.listen(config.backlog)
-        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
-        urls.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+        add(sock, tls=False)
     return listeners, urls
 
 
