@@ -667,6 +667,21 @@ def test_render_and_update_docs_keep_the_prose(tmp_path: Path) -> None:
         report.update_docs(page, text, skeleton="unused")
 
 
+def test_the_docs_section_links_every_run_to_a_page_of_its_own() -> None:
+    results = _results(_pair_runs(120.0, 100.0))
+    header = "| phase | server | run | ok/req |"
+    inline = report.render(results)
+    assert header in inline  # report.md keeps the table
+    linked = report.render(results, runs_page="bench-runs.md")
+    assert header not in linked
+    assert "[bench-runs.md](bench-runs.md)" in linked
+    assert "### Targets" in linked and "headwater ÷ Dynamo" in linked
+    page = report.render_runs_page(results, command="make bench", results_page="performance.md")
+    assert page.startswith("# Benchmark runs")
+    assert header in page
+    assert "[performance.md](performance.md#results)" in page
+
+
 def test_render_command_publishes_report_and_charts(tmp_path: Path) -> None:
     matrix = [_record(phase="matrix", variant=f"{b}/{m}", label=f"headwater {b}/{m}",
                       req_per_s=5.0 if b == "hf" else 100.0)

@@ -28,6 +28,7 @@ from scripts.bench import suite
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS_PAGE = Path("docs") / "performance.md"
+RUNS_PAGE = Path("docs") / "bench-runs.md"  # the table of every run, linked from DOCS_PAGE
 DOCS_IMG = Path("docs") / "img"
 
 
@@ -260,10 +261,14 @@ def _publish(results: dict[str, Any], run_dir: Path, *, docs: bool, command: str
     img_dir.mkdir(parents=True, exist_ok=True)
     for _, path in images:
         shutil.copy2(path, img_dir / path.name)
-    section = report.render(results, [(t, f"img/{p.name}") for t, p in images], command=command)
+    section = report.render(results, [(t, f"img/{p.name}") for t, p in images], command=command,
+                            runs_page=RUNS_PAGE.name)
     page = REPO_ROOT / DOCS_PAGE
     report.update_docs(page, section, skeleton=_SKELETON)
-    print(f"docs: {page} and {img_dir}/", file=sys.stderr)
+    (REPO_ROOT / RUNS_PAGE).write_text(
+        report.render_runs_page(results, command=command, results_page=DOCS_PAGE.name)
+    )
+    print(f"docs: {page}, {REPO_ROOT / RUNS_PAGE} and {img_dir}/", file=sys.stderr)
 
 
 _SKELETON = """# Performance
