@@ -675,7 +675,8 @@ def test_the_docs_section_links_every_run_to_a_page_of_its_own() -> None:
     linked = report.render(results, runs_page="bench-runs.md")
     assert header not in linked
     assert "[bench-runs.md](bench-runs.md)" in linked
-    assert "### Targets" in linked and "headwater ÷ Dynamo" in linked
+    assert "### Targets" in linked
+    assert "headwater ÷ Dynamo" in linked
     page = report.render_runs_page(results, command="make bench", results_page="performance.md")
     assert page.startswith("# Benchmark runs")
     assert header in page

@@ -179,9 +179,10 @@ class Watchdog:
         The nap lasts until the loop's current phase could first count as a stall, at
         least ``poll_s`` and at most ``threshold_s``. Why: every wake-up takes the GIL
         from the loop thread, which on a busy loop is a forced switch that costs it two
-        OS wake-ups (docs/performance.md, "History": "Where one process stopped"). A loop that runs short steps is never close to a stall, so the watchdog
-        wakes every ``threshold_s`` instead of every ``poll_s``, and a phase that does
-        stall is still sampled within ``threshold_s + poll_s`` of its start, as before.
+        OS wake-ups (docs/performance.md, "History": "Where one process stopped"). A
+        loop that runs short steps is never close to a stall, so the watchdog wakes
+        every ``threshold_s`` instead of every ``poll_s``, and a phase that does stall
+        is still sampled within ``threshold_s + poll_s`` of its start, as before.
 
         While the canary rests, poll as seldom as it ticks: an idle loop has nothing to
         stall, and the first request ends the nap (``Activity.woken``).
