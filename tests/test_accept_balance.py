@@ -24,6 +24,7 @@ from frontend.http.serving.balance import (
     AcceptShares,
     BalancedListener,
 )
+from frontend.http.serving.tcp_server import HttpStream
 
 
 def test_slots_start_absent_and_only_a_lower_count_makes_a_process_wait() -> None:
@@ -56,10 +57,9 @@ class Process:
     """One side: a balanced listener on its own descriptor, holding what it accepts."""
 
     def __init__(self, sock: socket.socket, balance: AcceptBalance) -> None:
-        raw = trio.socket.from_stdlib_socket(sock)
-        self.listener = BalancedListener(trio.SocketListener(raw), raw, balance)
+        self.listener = BalancedListener(sock, balance)
         self.balance = balance
-        self.held: list[trio.SocketStream] = []
+        self.held: list[HttpStream] = []
 
     async def serve(self, *, join: bool = True) -> None:
         if join:
@@ -101,17 +101,22 @@ async def connect(port: int, clients: list[trio.SocketStream]) -> None:
     clients.append(stream)
 
 
+async def connect_in_turn(port: int, n: int, processes: list[Process]) -> None:
+    """*n* clients one after the other, each once the last is held (as a request's
+    round trip would have it)."""
+    clients: list[trio.SocketStream] = []
+    for _ in range(n):
+        await connect(port, clients)
+        while sum(len(p.held) for p in processes) < len(clients):
+            await trio.sleep(0.001)
+
+
 async def test_keep_alive_clients_are_shared_evenly() -> None:
     async with group(2) as (port, shares, processes), trio.open_nursery() as nursery:
         for p in processes:
             nursery.start_soon(p.serve)
-        clients: list[trio.SocketStream] = []
         with trio.fail_after(10):
-            for _ in range(6):
-                await connect(port, clients)
-                # the next client comes once this one is held (a request's round trip)
-                while sum(len(p.held) for p in processes) < len(clients):
-                    await trio.sleep(0.001)
+            await connect_in_turn(port, 6, processes)
         assert [len(p.held) for p in processes] == [3, 3]
         assert list(shares.counts) == [3, 3]
         nursery.cancel_scope.cancel()
@@ -155,12 +160,8 @@ async def test_a_process_ahead_accepts_at_once_when_the_others_are_absent() -> N
     async with group(2) as (port, shares, processes), trio.open_nursery() as nursery:
         alone = processes[0]
         nursery.start_soon(alone.serve)
-        clients: list[trio.SocketStream] = []
         with trio.fail_after(5):
-            for _ in range(3):
-                await connect(port, clients)
-                while len(alone.held) < len(clients):
-                    await trio.sleep(0.001)
+            await connect_in_turn(port, 3, processes)
         assert shares.counts[1] == ABSENT
         assert len(alone.held) == 3
         nursery.cancel_scope.cancel()
@@ -173,10 +174,7 @@ async def test_a_process_that_falls_behind_accepts_again() -> None:
             nursery.start_soon(p.serve)
         clients: list[trio.SocketStream] = []
         with trio.fail_after(10):
-            for _ in range(4):
-                await connect(port, clients)
-                while sum(len(p.held) for p in processes) < len(clients):
-                    await trio.sleep(0.001)
+            await connect_in_turn(port, 4, processes)
             # two of the first process's clients leave: it is behind now, and takes both
             # of the next two connections
             for stream in first.held[:2]:

@@ -23,11 +23,15 @@ process that is not there.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import select
-from typing import Generic, TypeVar
+import socket
+import ssl
 
 import trio
+
+from frontend.http.serving.tcp_server import HttpStream
 
 #: Seconds an over-share process leaves a pending connection to the others. A healthy
 #: loop accepts within one batch of its tasks (a few ms when saturated).
@@ -38,8 +42,6 @@ POLL_S = 0.001
 ABSENT = 2**62
 
 _SLOT = 8  # bytes: one signed 64-bit count per process
-
-S = TypeVar("S", bound=trio.abc.AsyncResource)
 
 
 class AcceptShares:
@@ -119,33 +121,59 @@ class AcceptBalance:
                 await trio.sleep(POLL_S)
 
 
-class BalancedListener(trio.abc.Listener[S], Generic[S]):
-    """*inner*, accepting only on this process's turn (:meth:`AcceptBalance.wait_turn`).
+class BalancedListener(trio.abc.Listener[HttpStream]):
+    """Connections from the listening *sock* (a non-blocking stdlib socket), accepted
+    only on this process's turn (:meth:`AcceptBalance.wait_turn`), over TLS with
+    *ssl_context* (the handshake is the caller's, as with ``trio.SSLListener``).
 
-    *sock* is the listening socket under *inner* (under TLS too: turns are taken
-    before the handshake). A connection counts from its accept, here, so that two that
-    arrive together are counted before the next turn; whoever serves it calls
-    :meth:`AcceptBalance.closed` when it ends.
+    Why not a wrapper around ``trio.SocketListener``: its ``accept()``, once called,
+    waits for the next connection whoever's turn it is; a turn lost in that wait would
+    take a connection out of turn. Here each attempt is one non-blocking ``accept()``.
+    A connection counts from its accept, so that two arriving together are counted
+    before the next turn; whoever serves it calls :meth:`AcceptBalance.closed`.
     """
 
-    def __init__(self, inner: trio.abc.Listener[S], sock: trio.socket.SocketType,
-                 balance: AcceptBalance) -> None:  # fmt: skip
-        self.inner = inner
-        self.sock = sock
+    def __init__(self, sock: socket.socket, balance: AcceptBalance,
+                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+        self._sock = sock
+        self.socket = trio.socket.from_stdlib_socket(sock)  # what turns wait on
         self.balance = balance
+        self.ssl_context = ssl_context
 
-    async def accept(self) -> S:
+    async def accept(self) -> HttpStream:
         while True:
-            await self.balance.wait_turn(self.sock)
-            # Another process may take the connection first: then this one must not
-            # stay committed to the next one (its turn is decided again then).
-            with trio.move_on_after(POLL_S):
-                stream = await self.inner.accept()
-                self.balance.opened()
+            await self.balance.wait_turn(self.socket)
+            try:
+                conn, _ = self._sock.accept()
+            except BlockingIOError:
+                continue  # another process took it
+            except OSError as exc:  # as trio.SocketListener sorts them
+                if exc.errno in _CLOSED:
+                    raise trio.ClosedResourceError from None
+                if exc.errno in _IGNORABLE:
+                    continue
+                raise
+            self.balance.opened()
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+            if self.ssl_context is None:
                 return stream
+            return trio.SSLStream(stream, self.ssl_context, server_side=True,
+                                  https_compatible=True)  # fmt: skip
 
     async def aclose(self) -> None:
-        await self.inner.aclose()
+        self.socket.close()
+        await trio.lowlevel.checkpoint()
+
+
+#: accept() errors that mean the listener is closed, and those that are the one
+#: connection's (trio.SocketListener's lists).
+_CLOSED = frozenset({errno.EBADF, errno.ENOTSOCK})
+_IGNORABLE = frozenset(
+    getattr(errno, name) for name in (
+        "EPERM", "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN",
+        "ENONET", "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH",
+    ) if hasattr(errno, name)
+)  # fmt: skip
 
 
 def _pending(sock: trio.socket.SocketType) -> bool:

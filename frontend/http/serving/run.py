@@ -196,14 +196,15 @@ def _listen(config: ServerConfig) -> tuple[list[Listener], list[str]]:
 
     def add(sock: socket.socket, tls: bool) -> None:
         sock.listen(config.backlog)
-        raw = trio.socket.from_stdlib_socket(sock)
-        plain = trio.SocketListener(raw)
-        listener: Listener = plain
-        if tls:
-            assert ssl_context is not None  # secure sockets only when TLS is configured
-            listener = trio.SSLListener(plain, ssl_context, https_compatible=True)
+        assert ssl_context is not None or not tls  # secure sockets only when TLS is on
+        context = ssl_context if tls else None
+        listener: Listener
         if balance is not None and sock.fileno() == balance.fd:
-            listener = BalancedListener(listener, raw, balance)
+            listener = BalancedListener(sock, balance, context)
+        else:
+            listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+            if context is not None:
+                listener = trio.SSLListener(listener, context, https_compatible=True)
         listeners.append(listener)
         scheme = "https" if tls else "http"
         urls.append(f"{scheme}://{repr_socket_addr(sock.family, sock.getsockname())}")
