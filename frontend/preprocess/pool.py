@@ -100,7 +100,8 @@ class TokenizerPool:
         so one encode does it. Not one per pool thread: a thread's own first encode
         costs ~20 ms in that thread, off the loop, and 16 MB of fastokens' per-thread
         buffers that stay until the thread ends; trio ends a thread idle for 10 s, so
-        warming every thread bought memory, not speed (docs/performance.md, "Memory").
+        warming every thread bought memory, not speed (docs/performance.md, "The
+        warm-up's threads").
         """
         start = time.perf_counter()
         sample = "warm up the tokenizer pool " * 512

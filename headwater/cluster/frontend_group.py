@@ -181,7 +181,7 @@ async def supervise(
     view_sock: socket.socket,
     zygote: Zygote | None,
     started_at: float,
-    shares: AcceptShares | None = None,
+    shares: AcceptShares,
 ) -> int:
     """Run ``config.processes`` frontend processes on *sock* until a signal, restarting
     one that exits on its own under *restart*; answer for the group on *view_sock*.
@@ -256,7 +256,7 @@ async def supervise(
 
 
 def _starter(i: int, argv: list[str], fd: int, zygote: Zygote | None,
-             shares: AcceptShares | None = None) -> Starter[FrontendProcess]:  # fmt: skip
+             shares: AcceptShares) -> Starter[FrontendProcess]:  # fmt: skip
     """How process *i* is started, and started again: forked by the zygote while it
     lives, else as a program; the same socket either way. A restart announces the
     process's new private URL. Its slot in *shares* reads absent until a forked
@@ -264,8 +264,7 @@ def _starter(i: int, argv: list[str], fd: int, zygote: Zygote | None,
     name = f"frontend process {i}"
 
     async def start(nursery: trio.Nursery, previous: FrontendProcess | None) -> FrontendProcess:
-        if shares is not None:
-            shares.mark_absent(i)  # the previous process, if any, is gone
+        shares.mark_absent(i)  # the previous process, if any, is gone
         if zygote is not None and zygote.alive:
             try:
                 forked = await zygote.fork(i)

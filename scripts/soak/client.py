@@ -492,6 +492,15 @@ async def get_json(host: str, port: int, path: str) -> Any:
     return orjson.loads(await get(host, port, path))
 
 
+async def tokenizer_cache(host: str, port: int) -> tuple[int, int]:
+    """The bytes a frontend's bounded tokenizer cache holds and its budget, from its
+    ``/dashboard/data`` ((0, 0) without a cache). Raises as :func:`get_json`, and
+    KeyError or TypeError for a page of another shape."""
+    data = await get_json(host, port, "/dashboard/data")
+    cache = data["pool"].get("segment_cache") or {}
+    return int(cache.get("bytes", 0)), int(cache.get("max_bytes", 0))
+
+
 async def get(host: str, port: int, path: str) -> bytes:
     """The body of ``GET path`` (:func:`fetch`). Raises as :func:`fetch`, and ValueError
     for anything but a whole 200."""

@@ -44,7 +44,7 @@ from scripts.soak.client import (
     Result,
     fetch,
     get,
-    get_json,
+    tokenizer_cache,
 )
 from scripts.soak.judge import (
     Check,
@@ -188,12 +188,11 @@ async def tokenizer_caches(processes: Sequence[Watched]) -> tuple[int, int]:
         if p.role != "frontend" or p.runtime_port is None:
             continue
         try:
-            data = await get_json(HOST, p.runtime_port, "/dashboard/data")
-            cache = data["pool"].get("segment_cache") or {}
-            held += int(cache.get("bytes", 0))
-            budget += int(cache.get("max_bytes", 0))
+            bytes_held, max_bytes = await tokenizer_cache(HOST, p.runtime_port)
         except (OSError, ValueError, KeyError, TypeError, trio.TooSlowError):
             continue
+        held += bytes_held
+        budget += max_bytes
     return held, budget
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import trio
 
-from scripts.soak.client import get_json
+from scripts.soak.client import get_json, tokenizer_cache
 from scripts.soak.judge import Sample
 from scripts.soak.procs import read_process
 from scripts.soak.targets import Watched
@@ -75,9 +75,7 @@ class Sampler:
                 errors.append(f"/debug/runtime: {type(exc).__name__}: {exc}")
         if process.role == "frontend" and process.runtime_port is not None:
             try:
-                data = await get_json(self.host, process.runtime_port, "/dashboard/data")
-                segments = data["pool"].get("segment_cache")
-                cache = int(segments["bytes"]) if segments else 0
+                cache, _ = await tokenizer_cache(self.host, process.runtime_port)
             except (OSError, ValueError, KeyError, TypeError, trio.TooSlowError) as exc:
                 errors.append(f"/dashboard/data: {type(exc).__name__}: {exc}")
         out[i] = Sample(

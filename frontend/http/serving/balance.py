@@ -61,9 +61,6 @@ class AcceptShares:
         for i in range(processes):
             self.counts[i] = ABSENT
 
-    def __len__(self) -> int:
-        return len(self.counts)
-
     def mark_absent(self, slot: int) -> None:
         """*slot*'s process is gone (the supervisor saw it exit)."""
         self.counts[slot] = ABSENT

@@ -115,7 +115,8 @@ def _stop_when_orphaned(parent: int) -> None:
     """Stop this server's whole process group once *parent* (the worker that started
     it) is gone: a worker killed with SIGKILL cannot stop its vLLM itself. Polled: the
     kernel's parent-death signal follows the parent *thread*, and trio starts
-    processes from threads that come and go."""
+    processes from threads that come and go. Blocking sleeps on purpose: this runs in
+    a daemon thread of vLLM's own process, where no trio loop is."""
     while os.getppid() == parent:
         time.sleep(ORPHAN_POLL)
     group = os.getpgrp()
