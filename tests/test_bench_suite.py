@@ -481,6 +481,32 @@ def test_bench_cli_chooses_the_process_count(tmp_path: Path) -> None:
     assert "--rounds" not in bench._command(parser.parse_args([]))
 
 
+async def test_the_suite_runs_beside_the_dynamo_tokenizers_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dynamo-tokenizers", "fastokens,sentencepiece"])
+    asked = parser.parse_args(["--dynamo-install-dir", str(tmp_path), "--dynamo-tokenizers",
+                               "fastokens", "--requests-scale", "6"])  # fmt: skip
+    command = bench._command(asked)
+    assert "--dynamo-tokenizers fastokens" in command
+    assert "--requests-scale 6" in command
+    plain = parser.parse_args([])
+    assert "--dynamo-tokenizers" not in bench._command(plain)
+    assert "--requests-scale" not in bench._command(plain)
+
+    async def installed(*_: Any) -> str:
+        return "1.6.1"
+
+    monkeypatch.setattr(suite, "ensure_dynamo", installed)
+    both = parser.parse_args(["--dynamo-install-dir", str(tmp_path)])
+    for args, phases in ((asked, ["fastokens"]), (both, ["default", "fastokens"])):
+        cfg = bench._config(args, tmp_path / "run")
+        assert await suite.Suite(cfg)._check_dynamo() == phases
+
+
 def _multi(**overrides: Any) -> dict[str, Any]:
     return _record(variant="fastokens/thread ×2 procs", label="headwater fastokens/thread ×2 procs",
                    frontend_processes=2, **overrides)  # fmt: skip

@@ -41,6 +41,15 @@ def _scenarios(text: str) -> tuple[str, ...]:
     return names
 
 
+def _dynamo_tokenizers(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [n for n in names if n not in suite.DYNAMO_TOKENIZERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"choose from {', '.join(suite.DYNAMO_TOKENIZERS)} (comma-separated)")
+    return names
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -67,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run NVIDIA Dynamo's frontend + mocker and report ratios")
     p.add_argument("--no-dynamo", dest="dynamo", action="store_false",
                    help="headwater only", default=argparse.SUPPRESS)
+    p.add_argument("--dynamo-tokenizers", type=_dynamo_tokenizers,
+                   default=suite.DYNAMO_TOKENIZERS, metavar="NAMES",
+                   help="comma-separated: which of Dynamo's tokenizers to run beside "
+                        "(default, fastokens; default: both). The targets are judged "
+                        "against fastokens; its default tokenizer is ~10× slower on long "
+                        "prompts, so longer runs (--requests-scale) are quicker without it")
     p.add_argument("--matrix", dest="matrix", action="store_true", default=True,
                    help="tokenizer backend × tokenize mode on long prompts")
     p.add_argument("--no-matrix", dest="matrix", action="store_false",
@@ -173,6 +188,7 @@ def _config(args: argparse.Namespace, run_dir: Path) -> suite.SuiteConfig:
         scenarios=args.scenarios,
         quick=args.quick,
         dynamo=args.dynamo,
+        dynamo_tokenizers=args.dynamo_tokenizers,
         matrix=args.matrix,
         profile=args.profile,
         dynamo_scripts=args.dynamo_dir.resolve(),
@@ -237,6 +253,10 @@ def _command(args: argparse.Namespace) -> str:
     n = args.frontend_processes
     flags += [f"--frontend-processes {n}"] if n is not None else []
     flags += [f"--rounds {args.rounds}"] if args.rounds > 1 else []
+    if args.requests_scale != 1.0:
+        flags += [f"--requests-scale {args.requests_scale:g}"]
+    if args.dynamo and tuple(args.dynamo_tokenizers) != suite.DYNAMO_TOKENIZERS:
+        flags += [f"--dynamo-tokenizers {','.join(args.dynamo_tokenizers)}"]
     flags += [f for f, on in (("--quick", args.quick), ("--no-dynamo", not args.dynamo),
                               ("--no-matrix", not args.matrix),
                               ("--no-profile", not args.profile), ("--docs", True)) if on]

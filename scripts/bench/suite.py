@@ -77,11 +77,14 @@ CONCURRENCY: Mapping[str, tuple[int, ...]] = {
     "long": (4, 16),
     "shared-prefix": (4, 16),
 }
-#: Requests per run by (scenario, concurrency): full and --quick.
+#: Requests per run by (scenario, concurrency): full and --quick. Full runs last 2-14 s
+#: on the default group (2 cores): a sixth of these, the counts before, made runs of
+#: 0.4-2.4 s whose ramp at the start and drain at the end moved ratios by up to 0.4
+#: (docs/performance.md, "Runs of seconds").
 FULL_REQUESTS: Mapping[tuple[str, int], int] = {
-    ("short", 16): 800, ("short", 64): 1200,
-    ("long", 4): 80, ("long", 16): 160,
-    ("shared-prefix", 4): 80, ("shared-prefix", 16): 200,
+    ("short", 16): 4800, ("short", 64): 7200,
+    ("long", 4): 480, ("long", 16): 960,
+    ("shared-prefix", 4): 480, ("shared-prefix", 16): 1200,
 }  # fmt: skip
 QUICK_REQUESTS: Mapping[tuple[str, int], int] = {
     ("short", 16): 80, ("long", 16): 16, ("shared-prefix", 16): 16,
@@ -106,6 +109,8 @@ class SuiteConfig:
     scenarios: tuple[str, ...] = SCENARIOS
     quick: bool = False
     dynamo: bool = True
+    #: Dynamo's tokenizers to run beside, each a phase of its own (DYNAMO_TOKENIZERS).
+    dynamo_tokenizers: tuple[str, ...] = DYNAMO_TOKENIZERS
     matrix: bool = True
     profile: bool = True
     dynamo_scripts: Path | None = None
@@ -320,7 +325,7 @@ class Suite:
         except DynamoUnavailable as exc:
             self._skip(f"Dynamo comparison skipped: {exc}")
             return []
-        return list(DYNAMO_TOKENIZERS)
+        return list(cfg.dynamo_tokenizers)
 
     def _skip(self, why: str) -> None:
         self.results.skipped.append(why)
