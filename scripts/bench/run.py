@@ -19,6 +19,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +33,17 @@ RUNS_PAGE = Path("docs") / "bench-runs.md"  # the table of every run, linked fro
 DOCS_IMG = Path("docs") / "img"
 
 
-def _scenarios(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    allowed = ("short", "long", "shared-prefix")
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
-    return names
+def _names_from(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated, non-empty list of names from *allowed*."""
 
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(s.strip() for s in text.split(",") if s.strip())
+        if not names or any(n not in allowed for n in names):
+            raise argparse.ArgumentTypeError(
+                f"choose from {', '.join(allowed)} (comma-separated)")
+        return names
 
-def _dynamo_tokenizers(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    bad = [n for n in names if n not in suite.DYNAMO_TOKENIZERS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"choose from {', '.join(suite.DYNAMO_TOKENIZERS)} (comma-separated)")
-    return names
+    return parse
 
 
 def _count(text: str) -> int:
@@ -70,13 +66,13 @@ def default_frontend_processes() -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small counts: a smoke run of the whole suite in about two minutes")
-    p.add_argument("--scenarios", type=_scenarios, default=("short", "long", "shared-prefix"),
+    p.add_argument("--scenarios", type=_names_from(suite.SCENARIOS), default=suite.SCENARIOS,
                    help="comma-separated: short, long, shared-prefix")
     p.add_argument("--compare-dynamo", dest="dynamo", action="store_true", default=True,
                    help="also run NVIDIA Dynamo's frontend + mocker and report ratios")
     p.add_argument("--no-dynamo", dest="dynamo", action="store_false",
                    help="headwater only", default=argparse.SUPPRESS)
-    p.add_argument("--dynamo-tokenizers", type=_dynamo_tokenizers,
+    p.add_argument("--dynamo-tokenizers", type=_names_from(suite.DYNAMO_TOKENIZERS),
                    default=suite.DYNAMO_TOKENIZERS, metavar="NAMES",
                    help="comma-separated: which of Dynamo's tokenizers to run beside "
                         "(default, fastokens; default: both). The targets are judged "
