@@ -1,5 +1,7 @@
 """headwater in front of a real engine: vLLM's CPU build on the tiny model (docs/engines.md).
 
+The figures and the commands that made them: docs/performance-vllm.md.
+
     python scripts/bench_vllm.py [--model artifacts/tiny-llama] [--out bench-results/vllm]
         [--only load,probe,disagg] [--rounds 1] [--compiled]
     python scripts/bench_vllm.py --render A/results.json B/results.json  # tables of both
@@ -357,7 +359,7 @@ def _row(*cells: object) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The summary tables (medians over the rounds) for docs/performance.md."""
+    """The summary tables (medians over the rounds) for docs/performance-vllm.md."""
     out: list[str] = []
     if rows := results.get("load"):
         out += [

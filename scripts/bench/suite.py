@@ -80,7 +80,7 @@ CONCURRENCY: Mapping[str, tuple[int, ...]] = {
 #: Requests per run by (scenario, concurrency): full and --quick. Full runs last 1-14 s
 #: on 2 cores (2-11 s on average per scenario). A sixth of these, the counts before, made
 #: runs of 0.4-2.4 s on average, whose ramp at the start and drain at the end moved
-#: ratios by up to 0.4 (docs/performance.md, "Runs of seconds").
+#: ratios by up to 0.4 (docs/performance.md, Method: "Runs of seconds").
 FULL_REQUESTS: Mapping[tuple[str, int], int] = {
     ("short", 16): 4800, ("short", 64): 7200,
     ("long", 4): 480, ("long", 16): 960,
