@@ -17,6 +17,8 @@ def tune_gc(gen0_threshold: int = GEN0_THRESHOLD) -> None:
     request, on the event loop, as a third of its delay (measured in
     docs/performance.md). Objects freed by reference counting, nearly all of them, are
     unaffected; only cyclic garbage waits longer. The older generations keep their
-    ratios (one middle collection per 20 young ones, one full per 10 middle ones).
+    ratios (one middle collection per 20 young ones, one full per 10 middle ones). What
+    the collections cost, and when: ``*_gc_pause_seconds`` on ``/metrics``
+    (:mod:`headwater.instrumentation.gc_pauses`).
     """
     gc.set_threshold(gen0_threshold, 20, 10)

@@ -79,6 +79,8 @@ def test_gauges_add_up_except_the_worst_of_loop_and_drain() -> None:
     a.loop.max_delay.set(0.002)
     b.loop.max_delay.set(0.150)
     b.metrics.draining.set(1)
+    a.loop.observe_gc_pause(2, 0.040)
+    b.loop.observe_gc_pause(0, 0.0003)
     group = GroupMetrics(started_at=STARTED)
     group.observe(0, 1, a.page())
     group.observe(1, 2, b.page())
@@ -86,6 +88,10 @@ def test_gauges_add_up_except_the_worst_of_loop_and_drain() -> None:
     assert value(page, f"{P}inflight_requests") == 7
     assert value(page, f"{P}event_loop_max_delay_seconds") == 0.150
     assert value(page, f"{P}draining") == 1
+    # The longest GC pause is the worst process's; the pauses' histogram adds up.
+    assert value(page, f"{P}gc_max_pause_seconds") == 0.040
+    assert value(page, f"{P}gc_pause_seconds_count", generation="2") == 1
+    assert value(page, f"{P}gc_pause_seconds_count", generation="0") == 1
 
 
 def test_a_restarted_process_neither_resets_nor_double_counts_the_group() -> None:

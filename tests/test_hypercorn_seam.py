@@ -52,7 +52,7 @@ class Fingerprint(NamedTuple):
     assumes: str  # what frontend/http/serving (or the middleware) takes for granted of it
 
 
-#: Taken on Hypercorn 0.18.0, Quart 0.22.0, quart-trio 0.12.0, h11 0.16.0.
+#: Taken on Hypercorn 0.18.0, Quart 0.22.0, quart-trio 0.12.0, h11 0.16.0, Werkzeug 3.1.9.
 UPSTREAM: dict[str, Fingerprint] = {
     # -- serve: a trimmed copy of hypercorn's trio serve + worker_serve -------------------
     "hypercorn.trio.serve": Fingerprint(
@@ -218,6 +218,26 @@ UPSTREAM: dict[str, Fingerprint] = {
         "cancels the request's nursery when handle_messages returns, i.e. during the final "
         "body send, which ShieldFinalSend therefore shields; RESPONSE_TIMEOUT bounds sends",
     ),
+    # -- MemoMatcher (frontend/http/routing.py) ----------------------------------------------
+    "werkzeug.routing.map.Map.__init__": Fingerprint(
+        "4160b615dac66cef77aa5a4c1ed83beda1d78e9a002f4fc2761e0d54b1659a33",
+        "the map's matcher is a StateMachineMatcher(merge_slashes) in self._matcher, which "
+        "use_memo_matcher replaces",
+    ),
+    "werkzeug.routing.map.Map.add": Fingerprint(
+        "2ab4650ad936e433a04dd783409374ee32e24b5290d77cbee7a7d93a28d72895",
+        "every rule added reaches self._matcher.add (which forgets the memo)",
+    ),
+    "werkzeug.routing.map.MapAdapter.match": Fingerprint(
+        "d60987ae51086935610beee328387d221cb5d2a5e8aecddd3f288cb2bcb3acd5",
+        "routes by self.map._matcher.match(domain, path, method, websocket) -> (rule, values)",
+    ),
+    "werkzeug.routing.matcher.StateMachineMatcher.match": Fingerprint(
+        "d88222f105f8fe693c40f4bd70db4a34b9979e4e35e0dc7e142e0853557bb4ad",
+        "a match depends on (domain, path, method, websocket) and the rules alone, and a "
+        "rule with no converters, defaults or alias matches as (rule, {}); its recursive "
+        "_match closure is a reference cycle per call",
+    ),
 }
 
 
@@ -236,7 +256,7 @@ def _resolve(name: str) -> Any:
 
 
 def _versions() -> str:
-    pinned = ("hypercorn", "quart", "quart-trio", "h11")
+    pinned = ("hypercorn", "quart", "quart-trio", "h11", "werkzeug")
     return ", ".join(f"{d} {importlib.metadata.version(d)}" for d in pinned)
 
 
@@ -247,7 +267,8 @@ def test_upstream_code_is_the_code_the_seam_was_written_against(name: str) -> No
     if digest != expected.sha256:
         pytest.fail(
             f"{name} has changed upstream (installed: {_versions()}). Re-check the "
-            f"seam (frontend/http/serving, frontend/http/middleware.py) against it; it "
+            f"seam (frontend/http/serving, frontend/http/middleware.py, "
+            f"frontend/http/routing.py) against it; it "
             f"assumes: {expected.assumes}. "
             f"Then set its fingerprint to {digest}.",
             pytrace=False,

@@ -43,6 +43,7 @@ from frontend.http.errors import ApiError, api_error, bad_request
 from frontend.http.models import REQUEST_MODELS
 from frontend.http.openapi import OPENAPI_PATH, openapi_json
 from frontend.http.responses import D, OpenAIFormat, ResponseFormat, TokenFormat
+from frontend.http.routing import use_memo_matcher
 from frontend.http.schema import parse_generate_request, parse_request
 from frontend.limits import LIMITS, RequestLimits
 from frontend.metrics import FrontendMetrics
@@ -94,6 +95,7 @@ def create_app(
     for name in LIMITS:  # every series from the start, at 0: rate() sees the first
         metrics.rejected_requests_total.labels(name)
     app = QuartTrio("headwater")
+    use_memo_matcher(app)  # no reference cycle per request (frontend/http/routing.py)
     # Quart cuts responses at RESPONSE_TIMEOUT (60 s by default): that silently
     # truncates long SSE streams. Request lifetimes are ours to manage.
     app.config["RESPONSE_TIMEOUT"] = None

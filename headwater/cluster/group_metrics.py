@@ -32,9 +32,9 @@ Prometheus scraping every 15 s, at most 15 s of that one process's counts.
 
 * counters and histograms (buckets, ``_count``, ``_sum``) add up across processes;
 * gauges add up (requests in flight, queued, tokenizer threads, ``max_inflight``: the
-  group's), except :data:`MAX_GAUGES` (the worst loop's largest delay, draining if
-  any process is), over the processes that answered this scrape; ``worker_state``,
-  summed, counts the processes that see a worker in each state;
+  group's), except :data:`MAX_GAUGES` (the worst loop's largest delay and longest GC
+  pause, draining if any process is), over the processes that answered this scrape;
+  ``worker_state``, summed, counts the processes that see a worker in each state;
 * ``_created`` is the group's start for every series.
 
 **Restarts keep the counters monotonic.** When a process is replaced (a new
@@ -54,7 +54,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 #: Gauges merged by their largest value (names after the prefix), the others add up.
-MAX_GAUGES = frozenset({"event_loop_max_delay_seconds", "draining"})
+MAX_GAUGES = frozenset({"event_loop_max_delay_seconds", "gc_max_pause_seconds", "draining"})
 _CUMULATIVE = frozenset({"counter", "histogram", "summary"})
 
 Labels = tuple[tuple[str, str], ...]

@@ -23,13 +23,18 @@ WORKER_PREFIX: Final = "headwater_worker_"
 #: Seconds. Canary overshoots are ~0.1–1 ms on a healthy loop; the upper buckets catch
 #: the multi-second stalls that made Dynamo mark healthy workers down (5 s timeout).
 DELAY_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: Seconds. A young collection takes well under 1 ms; a full one over a large heap can
+#: take tens of milliseconds, past the stall threshold.
+GC_PAUSE_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+GC_GENERATIONS: Final = ("0", "1", "2")
 
 StallCause = Literal["loop", "gil"]
 STALL_CAUSES: Final[tuple[StallCause, ...]] = ("loop", "gil")
 
 
 class LoopMetrics:
-    """The four loop-health metrics of one process, in a registry of their own.
+    """The loop-health metrics of one process, in a registry of their own: the canary's
+    delays, the stall records, and the garbage collector's pauses (which stop the loop).
 
     Args:
       registry: where to register; ``None`` creates a fresh :class:`CollectorRegistry`.
@@ -68,7 +73,23 @@ class LoopMetrics:
         )
         for cause in STALL_CAUSES:
             self.stall_records.labels(cause=cause)  # export zeros before the first stall
+        self.gc_pause = Histogram(
+            f"{prefix}gc_pause_seconds",
+            "How long each collection of Python's cyclic GC held the process, by generation.",
+            labelnames=("generation",),
+            buckets=GC_PAUSE_BUCKETS,
+            registry=self.registry,
+        )
+        self.gc_max_pause = Gauge(
+            f"{prefix}gc_max_pause_seconds",
+            "Longest collection of Python's cyclic GC seen while the monitor ran.",
+            registry=self.registry,
+        )
+        self._gc_pause_by_generation = {
+            int(g): self.gc_pause.labels(generation=g) for g in GC_GENERATIONS
+        }
         self._max_delay_s = 0.0
+        self._max_gc_pause_s = 0.0
 
     @property
     def max_delay_s(self) -> float:
@@ -83,6 +104,13 @@ class LoopMetrics:
             self.max_delay.set(seconds)
         if stalled:
             self.stalls.inc()
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        """Record one collection of ``generation`` (0-2) that took ``seconds``. Any thread."""
+        self._gc_pause_by_generation[generation].observe(seconds)
+        if seconds > self._max_gc_pause_s:
+            self._max_gc_pause_s = seconds
+            self.gc_max_pause.set(seconds)
 
     def count_stall_record(self, cause: StallCause) -> None:
         """Count one watchdog stall record. Thread-safe.

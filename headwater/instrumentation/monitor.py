@@ -1,4 +1,5 @@
-"""One object that watches a process's event loop: canary, stall detector and metrics.
+"""One object that watches a process's event loop: canary, stall detector, GC pauses and
+metrics.
 
 Both the frontend and the workers start one :class:`LoopMonitor` in their top-level
 nursery; ``--no-instrument`` maps to ``enabled=False``, which keeps the cheap canary (and
@@ -19,12 +20,14 @@ from prometheus_client import CollectorRegistry
 from headwater.instrumentation.activity import Activity
 from headwater.instrumentation.attribution import StallLog
 from headwater.instrumentation.canary import DelaySeries, run_canary
+from headwater.instrumentation.gc_pauses import timing_gc
 from headwater.instrumentation.loop_metrics import LoopMetrics
 from headwater.instrumentation.stalls import StallDetector, StallRecord, StallStatistics
 
 
 class LoopMonitor:
-    """Canary + stall detector + :class:`LoopMetrics` for the loop that runs :meth:`run`.
+    """Canary + stall detector + GC pauses + :class:`LoopMetrics` for the loop that runs
+    :meth:`run`.
 
     Args:
       registry: where the metrics go; ``None`` creates a fresh registry (see
@@ -78,8 +81,13 @@ class LoopMonitor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Watch the current loop until cancelled; reports started once everything runs.
 
-        Cancellation: the detector removes its instrument and joins its thread.
+        Cancellation: the detector removes its instrument and joins its thread, and the
+        GC hook is removed.
         """
+        with timing_gc(self.metrics):
+            await self._run(task_status)
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             if self.detector is not None:
                 await nursery.start(self.detector.run)
