@@ -23,8 +23,8 @@ WORKER_PREFIX: Final = "headwater_worker_"
 #: Seconds. Canary overshoots are ~0.1–1 ms on a healthy loop; the upper buckets catch
 #: the multi-second stalls that made Dynamo mark healthy workers down (5 s timeout).
 DELAY_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-#: Seconds. A young collection takes well under 1 ms; a full one over a large heap can
-#: take tens of milliseconds, past the stall threshold.
+#: Seconds. A collection over a few thousand objects takes well under 1 ms; one over
+#: tens of thousands (a rare young one, a full one) tens of ms, past the stall threshold.
 GC_PAUSE_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 GC_GENERATIONS: Final = ("0", "1", "2")
 
