@@ -16,6 +16,7 @@ werkzeug. ``tests/test_hypercorn_seam.py`` fingerprints the werkzeug code this r
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any, Final
 
 from quart import Quart
@@ -49,7 +50,7 @@ class MemoMatcher(StateMachineMatcher):
 
     def match(
         self, domain: str, path: str, method: str, websocket: bool
-    ) -> tuple[Rule, Any]:
+    ) -> tuple[Rule, MutableMapping[str, Any]]:
         key = (domain, path, method, websocket)
         rule = self._memo.get(key)
         if rule is not None:

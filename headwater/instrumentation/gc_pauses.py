@@ -32,13 +32,15 @@ def timing_gc(metrics: LoopMetrics) -> Iterator[None]:
     Collections in every thread of the process are timed (they all stop the loop).
     Leaving the block removes the hook, so a finished monitor leaves no callback behind.
     """
-    started: list[float] = []  # empty, or the running collection's start
+    started: float | None = None  # the running collection's start
 
     def on_collection(phase: str, info: dict[str, Any]) -> None:
+        nonlocal started
         if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started:
-            metrics.observe_gc_pause(info["generation"], time.perf_counter() - started.pop())
+            started = time.perf_counter()
+        elif started is not None:  # None: the hook arrived during this collection
+            metrics.observe_gc_pause(info["generation"], time.perf_counter() - started)
+            started = None
 
     gc.callbacks.append(on_collection)
     try:

@@ -85,24 +85,21 @@ class LoopMonitor:
         GC hook is removed.
         """
         with timing_gc(self.metrics):
-            await self._run(task_status)
-
-    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
-        async with trio.open_nursery() as nursery:
-            if self.detector is not None:
-                await nursery.start(self.detector.run)
-            await nursery.start(
-                partial(
-                    run_canary,
-                    self.metrics,
-                    interval=self._canary_interval_s,
-                    threshold=self.threshold_s,
-                    series=self.series,
-                    activity=self.activity,
-                    stall_log=self.stall_log,
+            async with trio.open_nursery() as nursery:
+                if self.detector is not None:
+                    await nursery.start(self.detector.run)
+                await nursery.start(
+                    partial(
+                        run_canary,
+                        self.metrics,
+                        interval=self._canary_interval_s,
+                        threshold=self.threshold_s,
+                        series=self.series,
+                        activity=self.activity,
+                        stall_log=self.stall_log,
+                    )
                 )
-            )
-            task_status.started()
+                task_status.started()
 
     def records(self) -> list[StallRecord]:
         """Stall records, oldest first; empty when not enabled."""
