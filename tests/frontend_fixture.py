@@ -54,12 +54,14 @@ async def start_frontend(
     ``run`` returns on its own (after :meth:`Frontend.stop`: the drain, then the shutdown).
 
     *overrides* are FrontendConfig fields, plus ``speedup_ratio`` for the in-process
-    mocker workers (1000 unless given).
+    mocker workers (1000 unless given). Their answers run to ``max_tokens``
+    (``mean_output_tokens=0``): the tests count tokens. Pass an ``engine_config`` for
+    answers that end with EOS (tests/test_answer_length.py).
     """
     speedup = overrides.pop("speedup_ratio", 1000.0)
+    engine = MockerConfig(speedup_ratio=speedup, mean_output_tokens=0)
     settings: dict[str, Any] = {
-        "port": 0, "tokenizer_threads": 2, "engine_config": MockerConfig(speedup_ratio=speedup),
-        **overrides,
+        "port": 0, "tokenizer_threads": 2, "engine_config": engine, **overrides,
     }
     config = FrontendConfig(**settings)
     frontend = Frontend(config, tokenizer=shared_tokenizer(config.tokenizer_backend))

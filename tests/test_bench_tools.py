@@ -106,6 +106,8 @@ def test_bodies_carry_the_request_options() -> None:
         for s in (False, True)
     )
     assert unary[0]["chat_template_kwargs"] == {"thinking": False}
+    # Exact answer lengths on every server, whatever its engine's EOS.
+    assert unary[0]["ignore_eos"] is streamed[1]["ignore_eos"] is True
     assert unary[0]["stream"] is False
     assert "stream_options" not in unary[0]
     assert streamed[1]["stream_options"] == {"include_usage": True}

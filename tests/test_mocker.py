@@ -932,11 +932,13 @@ async def test_tokens_stay_in_the_configured_range(autojump_clock: object) -> No
     assert set(out) == {3, 4, 5}
 
 
-async def test_mean_output_tokens_ends_with_eos(autojump_clock: object) -> None:
-    engine = agg(mean_output_tokens=20)
-    lengths = []
+async def test_answers_end_with_eos_at_a_length_drawn_from_their_seed(
+    autojump_clock: object,
+) -> None:
+    engine = agg(mean_output_tokens=20, output_length_sigma=0.5)
+    outs = []
     async with running(engine):
-        for seed in range(12):
+        for seed in range(64):
             chunks = await collect(
                 engine, request(f"r{seed}", prompt(5), 1000, eos=(EOS,), seed=seed)
             )
@@ -944,7 +946,11 @@ async def test_mean_output_tokens_ends_with_eos(autojump_clock: object) -> None:
             assert out[-1] == EOS
             assert EOS not in out[:-1]
             assert chunks[-1].finish_reason is FinishReason.STOP
-            lengths.append(len(out))
+            outs.append(out)
+        # The same seed under another id (another worker, a rerun): the same answer.
+        again = tokens_of(await collect(engine, request("again", prompt(5), 1000, eos=(EOS,),
+                                                        seed=3)))  # fmt: skip
+        capped = await collect(engine, request("c", prompt(5), 2, eos=(EOS,), seed=5))
         floor = tokens_of(
             await collect(engine, request("m", prompt(5), 1000, eos=(EOS,), seed=1, min_tokens=50))
         )
@@ -952,14 +958,49 @@ async def test_mean_output_tokens_ends_with_eos(autojump_clock: object) -> None:
             engine, request("i", prompt(5), 100, eos=(EOS,), seed=1, ignore_eos=True)
         )
         no_eos = await collect(engine, request("n", prompt(5), 100, seed=1))
-    assert all(2 <= n <= 40 for n in lengths)
-    assert len(set(lengths)) > 3
+    lengths = [len(out) for out in outs]
+    assert sum(lengths) / len(lengths) == pytest.approx(20, rel=0.15)
+    assert len(set(lengths)) > 10
+    assert again == outs[3]
+    # max_tokens still caps a longer answer: "length", exactly max_tokens.
+    assert lengths[5] > 2
+    assert len(tokens_of(capped)) == 2
+    assert capped[-1].finish_reason is FinishReason.LENGTH
+    # min_tokens holds EOS back: EOS is the 51st token.
+    assert lengths[1] <= 51
     assert len(floor) == 51
     assert floor[-1] == EOS
+    # ignore_eos: exactly max_tokens, no EOS, as a benchmark needs.
     assert len(tokens_of(ignored)) == 100
     assert EOS not in tokens_of(ignored)
     assert ignored[-1].finish_reason is FinishReason.LENGTH
     assert len(tokens_of(no_eos)) == 100
+
+
+async def test_mean_output_tokens_0_runs_every_answer_to_max_tokens(
+    autojump_clock: object,
+) -> None:
+    engine = agg(mean_output_tokens=0)
+    async with running(engine):
+        chunks = [await collect(engine, request(f"r{s}", prompt(5), 300, eos=(EOS,), seed=s))
+                  for s in range(8)]  # fmt: skip
+    assert all(len(tokens_of(c)) == 300 for c in chunks)
+    assert all(c[-1].finish_reason is FinishReason.LENGTH for c in chunks)
+
+
+async def test_the_default_answer_ends_long_before_the_context_length(
+    autojump_clock: object,
+) -> None:
+    # What a client that sets no max_tokens meets: the frontend asks for the context
+    # length (131,072 tokens, ~13 min of decode at real speed); a model stops by itself.
+    engine = agg()
+    async with running(engine):
+        start = trio.current_time()
+        chunks = await collect(engine, request("r", prompt(20), 131_072, eos=(EOS,), seed=7))
+        took = trio.current_time() - start
+    assert chunks[-1].finish_reason is FinishReason.STOP
+    assert len(tokens_of(chunks)) == 141  # seed 7's draw (test_mocker_scheduler pins it)
+    assert took < 2.0  # virtual seconds at real GPU speed (speedup 1)
 
 
 async def test_stop_token_ids_stop_after_min_tokens(autojump_clock: object) -> None:

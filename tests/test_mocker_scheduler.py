@@ -24,7 +24,7 @@ from workers.engines.mocker.sampling import (
     GAMMA,
     MASK64,
     mix64,
-    natural_length,
+    output_length,
     seed_key,
     token_at,
 )
@@ -374,10 +374,22 @@ def test_draws_are_pinned_functions_of_seed_and_position() -> None:
     key = seed_key(7, "ignored when seeded")
     assert key == 7191089600892374487
     assert [token_at(key, p, 3, 128000 - 3) for p in (1, 2, 101)] == [36983, 38500, 21747]
-    assert natural_length(key, 20) == 4
+    assert output_length(key, 256, 1.0) == 141
     for p in range(50):
         assert token_at(key, p, 3, 5) == 3 + mix64((key + p * GAMMA) & MASK64) % 5
-    assert all(1 <= natural_length(seed_key(s, ""), 3) <= 5 for s in range(100))
+
+
+def test_output_lengths_are_lognormal_of_the_configured_mean() -> None:
+    lengths = sorted(output_length(seed_key(s, ""), 256, 1.0) for s in range(20_000))
+    mean = sum(lengths) / len(lengths)
+    assert mean == pytest.approx(256, rel=0.03)
+    # Right-skewed as answers are: the median at exp(-σ²/2) = 0.61 of the mean.
+    assert lengths[len(lengths) // 2] == pytest.approx(256 * 0.607, rel=0.03)
+    assert lengths[0] >= 1
+    # σ = 0: every answer exactly the mean; a shape of its own per σ otherwise.
+    assert {output_length(seed_key(s, ""), 40, 0.0) for s in range(100)} == {40}
+    narrow = [output_length(seed_key(s, ""), 40, 0.25) for s in range(1000)]
+    assert max(narrow) < 2 * 40 < max(lengths)
 
 
 # ---- no trio -----------------------------------------------------------------------------

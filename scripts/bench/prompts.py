@@ -304,7 +304,8 @@ def chat_body(
     model: str = DEFAULT_MODEL,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``/v1/chat/completions`` request; thinking off so prompt sizes compare fairly."""
+    """A ``/v1/chat/completions`` request; thinking off so prompt sizes compare fairly,
+    ``ignore_eos`` so every answer is ``max_tokens`` long on every server."""
     messages = [] if prompt.system is None else [{"role": "system", "content": prompt.system}]
     messages.append({"role": "user", "content": prompt.user})
     body: dict[str, Any] = {
@@ -313,6 +314,7 @@ def chat_body(
         "max_tokens": max_tokens,
         "stream": stream,
         "chat_template_kwargs": {"thinking": False},
+        "ignore_eos": True,
     }
     if stream:
         body["stream_options"] = {"include_usage": True}
@@ -327,12 +329,13 @@ def completion_body(
     model: str = DEFAULT_MODEL,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``/v1/completions`` request on :meth:`Prompt.completion_text`."""
+    """A ``/v1/completions`` request on :meth:`Prompt.completion_text`, ``ignore_eos``."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt.completion_text(),
         "max_tokens": max_tokens,
         "stream": stream,
+        "ignore_eos": True,
     }
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -47,12 +47,25 @@ class MockerConfig:
     #: Seconds a prefill engine holds a finished prompt's KV for a decode worker to
     #: pull; after that the blocks are freed and the pull fails.
     kv_transfer_timeout: float = 30.0
-    #: None: every request generates exactly ``max_tokens`` and finishes "length".
-    #: Set (tokens): unless ``ignore_eos``, each request gets a natural length drawn
-    #: from its seed, uniform in ``[1, 2 * mean_output_tokens - 1]``; after that many
-    #: tokens (and never before ``min_tokens``) it emits its first EOS id and
-    #: finishes "stop".
-    mean_output_tokens: int | None = None
+    #: Answers end as a model's do: unless ``ignore_eos``, each request draws its length
+    #: (tokens, EOS included) from its seed (:func:`.sampling.output_length`) and emits
+    #: its first EOS id there, never before ``min_tokens``, finishing "stop"; else it
+    #: runs to ``max_tokens`` ("length"). 0: none ends before ``max_tokens``.
+    #: Default: chat answers' order of size (LMSYS-Chat-1M's average is ~215 tokens,
+    #: ShareGPT's ~340), so a call without ``max_tokens`` ends in ~1.5 s at real speed
+    #: rather than at the context length, minutes later.
+    mean_output_tokens: int = field(
+        default=256,
+        metadata={"help": "mean answer length in tokens, after which a request emits EOS "
+                          "unless ignore_eos (0: every answer runs to max_tokens)"},
+    )  # fmt: skip
+    #: The shape of the length's lognormal. Answer lengths are right-skewed: many short
+    #: answers and a long tail, which a lognormal fits with one parameter; σ = 1 puts the
+    #: median at 0.61 × the mean and 1 answer in 100 past 6.2 × it. 0: every answer is
+    #: exactly ``mean_output_tokens`` long.
+    output_length_sigma: float = field(
+        default=1.0, metadata={"help": "spread of the lognormal answer length (0: all equal)"}
+    )
 
     def __post_init__(self) -> None:
         if not self.speedup_ratio > 0:
@@ -71,9 +84,11 @@ class MockerConfig:
             raise ValueError(f"kv_transfer_bandwidth must be > 0, got {self.kv_transfer_bandwidth}")
         if not self.kv_transfer_timeout > 0:
             raise ValueError(f"kv_transfer_timeout must be > 0, got {self.kv_transfer_timeout}")
-        if self.mean_output_tokens is not None and self.mean_output_tokens < 1:
+        if self.mean_output_tokens < 0:
+            raise ValueError(f"mean_output_tokens must be >= 0, got {self.mean_output_tokens}")
+        if not 0 <= self.output_length_sigma <= 4:  # beyond, the tail is all max_tokens
             raise ValueError(
-                f"mean_output_tokens must be None or >= 1, got {self.mean_output_tokens}"
+                f"output_length_sigma must be in [0, 4], got {self.output_length_sigma}"
             )
 
     @property

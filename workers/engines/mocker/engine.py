@@ -27,7 +27,7 @@ from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import KvCache, KvCacheStats
-from workers.engines.mocker.sampling import natural_length, seed_key
+from workers.engines.mocker.sampling import output_length, seed_key
 from workers.engines.mocker.scheduler import MockerCounters, Scheduler, Sequence
 from workers.engines.mocker.transfers import HeldTransfers
 
@@ -237,9 +237,10 @@ class MockerEngine(Engine):
         if not sampling.ignore_eos:
             stop_ids.update(request.eos_token_ids)
             mean = cfg.mean_output_tokens
-            if mean is not None and request.eos_token_ids:
+            if mean and request.eos_token_ids:
                 eos_token = request.eos_token_ids[0]
-                eos_index = max(natural_length(key, mean), sampling.min_tokens)
+                length = output_length(key, mean, cfg.output_length_sigma)
+                eos_index = max(length - 1, sampling.min_tokens)
         return _Request(
             request_id=request.request_id,
             tokens=tokens,

@@ -4,7 +4,7 @@ Output tokens are a pure function of (seed, absolute position), so a request rer
 with the same seed — or preempted and recomputed, or migrated with its output appended
 to the prompt — produces the same id at each position. A request without a seed gets
 its key from a stable hash of its id, so it too is reproducible, and across worker
-processes. The natural output length (when ``mean_output_tokens`` is set) is drawn
+processes. The answer's length (where it emits EOS, :func:`output_length`) is drawn
 from the same key, salted apart from the token draws.
 
 The draws are splitmix64 (a counter hashed by its finalizer): cheap, stateless and
@@ -16,10 +16,13 @@ one call with the finalizer inlined.
 from __future__ import annotations
 
 import hashlib
+import math
+from statistics import NormalDist
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15  # splitmix64 increment
-LENGTH_SALT = 0x5851F42D4C957F2D  # separates the natural-length draw from token draws
+LENGTH_SALT = 0x5851F42D4C957F2D  # separates the length draw from token draws
+_NORMAL = NormalDist()
 
 
 def mix64(x: int) -> int:
@@ -37,10 +40,16 @@ def seed_key(seed: int | None, request_id: str) -> int:
     return mix64((seed + GAMMA) & MASK64)
 
 
-def natural_length(key: int, mean: int) -> int:
-    """The output length a request with stream *key* ends at with EOS: uniform in
-    ``[1, 2 * mean - 1]`` (*mean* >= 1)."""
-    return 1 + mix64(key ^ LENGTH_SALT) % (2 * mean - 1)
+def output_length(key: int, mean: int, sigma: float) -> int:
+    """The length, EOS included, of the answer of stream *key*: a lognormal draw of
+    mean *mean* tokens and shape *sigma* (0: exactly *mean*), rounded, at least 1.
+
+    One uniform draw from *key* (52 bits, strictly inside (0, 1)) through the normal
+    quantile: pure arithmetic, so every worker draws the same length for a seed.
+    """
+    u = ((mix64(key ^ LENGTH_SALT) >> 12) + 0.5) / (1 << 52)
+    mu = math.log(mean) - sigma * sigma / 2  # so that the mean is *mean*, not the median
+    return max(1, round(math.exp(mu + sigma * _NORMAL.inv_cdf(u))))
 
 
 def token_at(key: int, position: int, low: int, span: int) -> int:
