@@ -37,6 +37,7 @@ from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_tokenizer_files
 from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router, WorkerState
 from frontend.router.health import Transition
+from frontend.warmup import warm_up
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 from headwater.procmem import trim_heap
@@ -205,9 +206,10 @@ class Frontend:
         cfg = self.config
         async with trio.open_nursery() as nursery:
             # Warm-up first: its one-off initialisation costs (thread creation, the
-            # encoder's lazy set-up) are not stalls of the serving loop.
-            warm = await self.pool.warm_up()
-            log.info("tokenizer pool warm (%s, %s mode, %d threads) in %.0f ms",
+            # encoder's lazy set-up, each loop-side path's first call) are not stalls
+            # of the serving loop (frontend/warmup.py).
+            warm = await warm_up(self.pipeline)
+            log.info("request path warm (%s, %s mode, %d threads) in %.0f ms",
                      self.tokenizer.backend.value, self.pool.mode.value,
                      self.pool.statistics().threads, warm * 1000)
             # The warm-up's encodes leave their buffers in malloc's arenas (one per pool

@@ -91,8 +91,8 @@ class TokenizerPool:
         )
 
     async def warm_up(self) -> float:
-        """Encode a sample once, in a pool thread, before traffic arrives; returns the
-        seconds spent.
+        """Encode a sample once in a pool thread, and a short one on this (the loop's)
+        thread, before traffic arrives; returns the seconds spent.
 
         The first encode after start pays for the encoder's lazy initialisation
         (~120 ms: fastokens starts its helper thread and builds its caches), which
@@ -101,7 +101,9 @@ class TokenizerPool:
         costs ~20 ms in that thread, off the loop, and 16 MB of fastokens' per-thread
         buffers that stay until the thread ends; trio ends a thread idle for 10 s, so
         warming every thread bought memory, not speed (docs/performance.md, "The
-        warm-up's threads").
+        warm-up's threads"). The loop thread is the exception: it lives as long as the
+        process and encodes every short prompt inline, and its first encode costs the
+        same 13-40 ms, a stall of the first short request when left to it.
         """
         start = time.perf_counter()
         sample = "warm up the tokenizer pool " * 512
@@ -110,6 +112,8 @@ class TokenizerPool:
         else:
             await trio.to_thread.run_sync(self.tokenizer.encode_ids, sample,
                                           limiter=self.limiter)
+        if self.mode is TokenizeMode.THREAD and self.inline_max_chars > 0:
+            self.tokenizer.encode_ids(sample[: min(64, self.inline_max_chars)])
         return time.perf_counter() - start
 
     def statistics(self) -> PoolStats:
