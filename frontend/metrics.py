@@ -117,6 +117,11 @@ class FrontendMetrics:
             f"{p}requests", "Requests finished, by endpoint, request type and status",
             ["endpoint", "request_type", "status"], registry=r,
         )
+        self.http_responses_total = Counter(
+            f"{p}http_responses",
+            "HTTP answers by status code, on every path but the server's own views "
+            "(/metrics, /health, /live, /dashboard, /debug)", ["code"], registry=r,
+        )
         self.inflight_requests = Gauge(
             f"{p}inflight_requests",
             "Generation requests admitted and not yet answered (what --max-inflight limits)",

@@ -25,8 +25,8 @@ from frontend.http.admission import Admission, AdmissionControl
 from frontend.http.app import GENERATION_PATHS, create_app
 from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning, watch_keys_file
 from frontend.http.group import GroupRelay
-from frontend.http.middleware import MarkActivity, ShieldFinalSend
-from frontend.http.observability import add_observability_routes
+from frontend.http.middleware import CountResponses, MarkActivity, ShieldFinalSend
+from frontend.http.observability import add_observability_routes, is_own_view
 from frontend.http.observed import Observed
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
@@ -176,10 +176,14 @@ class Frontend:
     def _count_refusal(self, reason: str) -> None:
         self.metrics.rejected_requests_total.labels(reason).inc()
 
+    def _count_answer(self, status: int) -> None:
+        self.metrics.http_responses_total.labels(str(status)).inc()
+
     def hypercorn_config(self) -> ServerConfig:
         """The HTTP server's config: hypercorn's fields, the fixes' (read sizes at their
         defaults) and the transport limits', from this frontend's; the limits' refusals
-        count in ``rejected_requests_total``."""
+        count in ``rejected_requests_total``, the server's own answers (a request it
+        cannot parse, the limits' 431 and 408) in ``http_responses_total``."""
         cfg = self.config
         hc = ServerConfig()
         if cfg.listen_fd is None:
@@ -195,6 +199,7 @@ class Frontend:
         hc.body_read_timeout = cfg.read_timeout
         hc.max_connections_per_client = cfg.max_connections_per_client
         hc.on_refusal = self._count_refusal
+        hc.on_answer = self._count_answer
         hc.accept_balance = self.accept_balance
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
@@ -232,7 +237,8 @@ class Frontend:
                 admitted, keys, metrics=self.metrics,
                 metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
             )  # fmt: skip
-            app = MarkActivity(ShieldFinalSend(keyed, deadline=cfg.write_timeout), self.activity)
+            counted = CountResponses(keyed, self._count_answer, skip=is_own_view)
+            app = MarkActivity(ShieldFinalSend(counted, deadline=cfg.write_timeout), self.activity)
             if (warning := exposure_warning(cfg.host, keys)) is not None:
                 log.warning("%s", warning)
             async with trio.open_nursery() as http:

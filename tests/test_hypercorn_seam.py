@@ -302,7 +302,8 @@ def test_the_config_fields_of_the_fixes_are_not_hypercorns() -> None:
     ours = {name for name in vars(ServerConfig) if not name.startswith("_")}
     assert ours == {
         "write_timeout", "read_size", "read_size_large", "header_timeout", "body_read_timeout",
-        "max_connections_per_client", "on_refusal", "refused", "accept_balance",
+        "max_connections_per_client", "on_refusal", "refused", "on_answer", "answered",
+        "accept_balance",
     }  # fmt: skip
     assert not [name for name in ours if hasattr(Config, name)]
 

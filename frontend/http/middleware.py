@@ -11,12 +11,17 @@
   timeout never fired (docs/architecture.md, "Hypercorn and quart-trio pitfalls handled").
   The shield has a deadline.
 
-Both are plain ASGI and know nothing of the server underneath
+- :class:`CountResponses`: every answer's status code is counted, whoever sent it (a
+  route, an error handler, the API-key check, admission), but for the paths it is told
+  to skip.
+
+All are plain ASGI and know nothing of the server underneath
 (:mod:`frontend.http.serving` holds what is specific to hypercorn).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -74,6 +79,33 @@ class ShieldFinalSend:
             await send(message)
 
         await self.app(scope, receive, guarded_send)
+
+
+class CountResponses:
+    """Wraps an ASGI app so that each ``http`` answer's status goes to *count*, once,
+    when its head is sent; requests whose path *skip* accepts are not counted. A request
+    that gets no answer (its client left first) is not counted either."""
+
+    def __init__(
+        self, app: ASGIFramework, count: Callable[[int], object], *, skip: Callable[[str], bool]
+    ) -> None:
+        self.app = app
+        self.count = count
+        self.skip = skip
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        if scope["type"] != "http" or self.skip(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+
+        async def counted_send(message: ASGISendEvent) -> None:
+            if message["type"] == "http.response.start":
+                self.count(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted_send)
 
 
 async def discard_body(receive: ASGIReceiveCallable, limit: int) -> bool:

@@ -61,6 +61,13 @@ _PAGE_HEADERS: Final = {
 }
 
 
+def is_own_view(path: str) -> bool:
+    """The server's own views of itself (metrics, health, dashboard, debug), which
+    ``http_responses_total`` leaves out: scrapes, probes and a dashboard's polls would
+    outnumber the API's answers."""
+    return path in ("/metrics", "/health", "/live") or path.startswith(("/dashboard", "/debug/"))
+
+
 def add_observability_routes(
     app: QuartTrio,
     frontend: Observed,

@@ -264,10 +264,8 @@ def merge_dashboards(
     pool["segment_cache"] = (
         {k: sum(c.get(k, 0) for c in caches) for k in caches[0]} if caches else None
     )
-    by_status: dict[str, int] = {}
-    for p in snaps:
-        for status, n in p["requests"]["by_status"].items():
-            by_status[status] = by_status.get(status, 0) + n
+    by_status = _summed([p["requests"]["by_status"] for p in snaps])
+    by_code = _summed([p["requests"].get("by_code", {}) for p in snaps])
     inflight = sum(p["requests"]["inflight"] for p in snaps)
     history.add((now, inflight, pool["waiting"], pool["busy"], pool["threads"],
                  sum(by_status.values())))  # fmt: skip
@@ -314,6 +312,7 @@ def merge_dashboards(
             "inflight": inflight,
             "queued": pool["waiting"],
             "by_status": by_status,
+            "by_code": by_code,
             "disconnected_clients": sum(p["requests"]["disconnected_clients"] for p in snaps),
         },
         "history": {
@@ -326,6 +325,15 @@ def merge_dashboards(
         "processes": processes,
         "memory": memory,
     }
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Per-key totals of several processes' counts."""
+    total: dict[str, int] = {}
+    for part in counts:
+        for key, n in part.items():
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 def _worst_window(stats: list[dict[str, Any]]) -> dict[str, Any]:

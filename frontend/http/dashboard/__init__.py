@@ -96,11 +96,12 @@ def snapshot(
 
     Keys: ``now`` (server unix time: the page's x axes use it, not the browser's clock),
     ``model``, ``loop`` (delay series and threshold), ``stalls`` (records newest first
-    and the detector's statistics), ``pool``, ``requests`` (in-flight, queued, totals by
-    status), ``history`` (``fields`` and ``points``: see :class:`LoadHistory`),
-    ``latency`` (TTFT and ITL percentiles over a recent window), ``workers``,
-    ``memory``. A group's view (``headwater.cluster.group_view``) has the same keys and
-    ``processes``, one row per process.
+    and the detector's statistics), ``pool``, ``requests`` (in-flight, queued, generation
+    requests by outcome, HTTP answers by status code), ``history`` (``fields`` and
+    ``points``: see :class:`LoadHistory`), ``latency`` (TTFT and ITL percentiles over a
+    recent window), ``workers``, ``memory``. A group's view
+    (``headwater.cluster.group_view``) has the same keys and ``processes``, one row per
+    process.
     """
     monitor, metrics, pool = frontend.monitor, frontend.metrics, frontend.pool
     now = time.time()
@@ -135,6 +136,7 @@ def snapshot(
             "inflight": inflight,
             "queued": pool_stats.waiting,
             "by_status": by_status,
+            "by_code": _totals_by(metrics.http_responses_total, "code"),
             "disconnected_clients": int(_value(metrics.disconnected_clients)),
         },
         "history": {

@@ -208,12 +208,32 @@
     const rows = Object.entries(data.requests.by_status).sort((a, b) => b[1] - a[1]);
     rows.push(["disconnected clients", data.requests.disconnected_clients]);
     tbody.replaceChildren(...rows.map(([status, n]) => el("tr", {}, el("td", {}, status), el("td", { class: "num" }, n))));
+    $("by-code").tBodies[0].replaceChildren(...codeRows(data.requests.by_code || {}));
     setText("t-inflight", String(data.requests.inflight));
     setText("t-queued", String(data.requests.queued), data.requests.queued > 0);
     const cur = hist[hist.length - 1];
     const old = hist.find((h) => h.t >= now - RATE_WINDOW_S);
     const rate = old && cur && cur.t > old.t ? (cur.finished - old.finished) / (cur.t - old.t) : 0;
     setText("t-rate", rate.toFixed(rate < 10 ? 1 : 0));
+  }
+
+  // One row per status class (2xx, 4xx, ...) with its total, then one per code in it.
+  function codeRows(byCode) {
+    const classes = {};
+    for (const [code, n] of Object.entries(byCode)) {
+      const cls = code[0] + "xx";
+      (classes[cls] = classes[cls] || []).push([code, n]);
+    }
+    const rows = [];
+    for (const cls of Object.keys(classes).sort()) {
+      const codes = classes[cls].sort((a, b) => a[0].localeCompare(b[0]));
+      const total = codes.reduce((sum, [, n]) => sum + n, 0);
+      rows.push(el("tr", { class: "class-" + cls }, el("th", {}, cls), el("td", { class: "num" }, total)));
+      for (const [code, n] of codes) {
+        rows.push(el("tr", { "data-code": code }, el("td", { class: "indent" }, code), el("td", { class: "num" }, n)));
+      }
+    }
+    return rows;
   }
 
   function renderPool(data) {

@@ -59,6 +59,10 @@ class ServerConfig(Config):
     #: each time a limit turns a connection or a request away; the frontend counts them.
     #: A hook that raises is logged and dropped. None: not reported.
     on_refusal: Callable[[str], None] | None = None
+    #: Called with the status of each answer the server writes itself, the app never
+    #: seeing the request: a request it cannot parse (400), a head over the limit (431)
+    #: or too slow (408). A hook that raises is logged and dropped. None: not reported.
+    on_answer: Callable[[int], None] | None = None
     #: A process of a frontend group: its share of the group's connection counts, and
     #: the shared socket (``fd://N``) whose accepts take turns with the other processes
     #: (:mod:`frontend.http.serving.balance`). None: accept as the kernel hands out.
@@ -75,3 +79,15 @@ class ServerConfig(Config):
         except Exception:
             log.exception("on_refusal hook %r failed; disabled", hook)
             self.on_refusal = None
+
+    def answered(self, status: int) -> None:
+        """Report an answer of the server's own to :attr:`on_answer`; never raises (a
+        hook that raises is logged and not called again)."""
+        hook = self.on_answer
+        if hook is None:
+            return
+        try:
+            hook(status)
+        except Exception:
+            log.exception("on_answer hook %r failed; disabled", hook)
+            self.on_answer = None

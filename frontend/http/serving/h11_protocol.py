@@ -66,9 +66,11 @@ class HeadWithBodyH11Protocol(H11Protocol):
     async def _send_error_response(self, status_code: int) -> None:
         """hypercorn's ``H11Protocol._send_error_response``, with a JSON error body for
         the statuses of the transport limits (431 is also reported to
-        ``config.refused``); others go to it as they are."""
+        ``config.refused``); others go to it as they are. Each is reported to
+        ``config.answered``."""
         if status_code == 431:
             self.config.refused(HEADER_TOO_LARGE)
+        self.config.answered(status_code)
         body = _limit_error(status_code, self.config)
         if body is None:
             await super()._send_error_response(status_code)
