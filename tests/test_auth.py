@@ -61,15 +61,16 @@ def test_binding_beyond_loopback_without_keys_is_warned_about() -> None:
 async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
     async with serve_frontend(api_keys=("secret-1", "secret-2")) as (fe, url), \
             httpx.AsyncClient(base_url=url) as c:
-        # Probes and (by default) scrapes stay open.
-        assert (await c.get("/live")).status_code == 200
-        assert (await c.get("/health")).status_code == 200
-        assert (await c.get("/metrics")).status_code == 200
+        # Probes, (by default) scrapes and the dashboard's page without its data stay
+        # open: a browser loads the page, which asks for the key.
+        for path in ("/live", "/health", "/metrics", "/dashboard", "/dashboard/dashboard.js",
+                     "/dashboard/dashboard.css"):  # fmt: skip
+            assert (await c.get(path)).status_code == 200, path
         for method, path, body in (
             ("GET", "/v1/models", None), ("POST", "/v1/chat/completions", CHAT),
             ("POST", "/v1/completions", {"model": "deepseek-v4", "prompt": "hi"}),
             ("POST", "/inference/v1/generate", {"token_ids": [5, 6]}),
-            ("GET", "/dashboard", None), ("GET", "/dashboard/data", None),
+            ("GET", "/dashboard/data", None), ("GET", "/dashboard/nothing.js", None),
             ("GET", "/debug/workers", None), ("GET", "/debug/stalls", None),
             ("GET", "/debug/runtime", None), ("GET", "/no/such/path", None),
         ):
@@ -88,7 +89,7 @@ async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
         assert ok.status_code == 200
         assert ok.json()["usage"]["completion_tokens"] == 2
         assert (await c.get("/v1/models", headers=bearer("secret-1"))).status_code == 200
-        assert (await c.get("/dashboard", headers=bearer("secret-1"))).status_code == 200
+        assert (await c.get("/dashboard/data", headers=bearer("secret-1"))).status_code == 200
         refused = fe.metrics.rejected_requests_total.labels("unauthorized")._value.get()
         assert refused == 11  # the ten routes above and the wrong key
 

@@ -160,3 +160,78 @@ async def test_injected_stall_appears_on_the_dashboard() -> None:
     assert seen.phone_rows >= 1
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
     assert (ARTIFACTS / "dashboard-phone.png").stat().st_size > 10_000
+
+
+KEY = "dashboard-key-7f3a"
+IS_LIVE = "() => document.getElementById('status').textContent === 'live'"
+
+
+@dataclass
+class KeyedSeen:
+    """What the browser saw of a frontend started with an API key."""
+
+    asked: bool = False
+    refused_message: str = ""
+    stored: str | None = None
+    asked_after_reload: bool = True
+    urls: list[str] = field(default_factory=list)
+    data_authorizations: list[str | None] = field(default_factory=list)
+    page_errors: list[str] = field(default_factory=list)
+
+
+def drive_keyed_browser(sync_api: Any, base_url: str, seen: KeyedSeen) -> None:
+    """Runs in a worker thread: open the page, give a wrong key then the right one, reload."""
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context()
+
+            def on_request(req: Any) -> None:
+                seen.urls.append(req.url)
+                if req.url.split("?")[0].endswith("/dashboard/data"):
+                    seen.data_authorizations.append(req.headers.get("authorization"))
+
+            context.on("request", on_request)
+            page = context.new_page()
+            page.on("pageerror", lambda exc: seen.page_errors.append(str(exc)))
+            page.goto(base_url + "/dashboard")
+            page.wait_for_selector("#key-form", state="visible", timeout=10_000)
+            seen.asked = True
+            page.fill("#key-input", "not-the-key")
+            page.press("#key-input", "Enter")
+            page.wait_for_function(
+                "() => document.getElementById('key-error').textContent !== ''", timeout=5000
+            )
+            seen.refused_message = page.text_content("#key-error") or ""
+            page.fill("#key-input", KEY)
+            page.click("#key-form button")
+            page.wait_for_function(IS_LIVE, timeout=5000)
+            seen.stored = page.evaluate("sessionStorage.getItem('headwater.dashboard.apiKey')")
+            page.reload()  # the tab keeps the key: no second prompt
+            page.wait_for_function(IS_LIVE, timeout=5000)
+            seen.asked_after_reload = page.is_visible("#key-form")
+        finally:
+            browser.close()
+
+
+async def test_with_an_api_key_the_page_asks_for_it_and_sends_it_in_a_header() -> None:
+    sync_api = _require_browser()
+    seen = KeyedSeen()
+    async with serve_frontend(api_keys=(KEY,)) as (_, url), httpx.AsyncClient(base_url=url) as c:
+        # The page and its files are open; its data is not.
+        for path in ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"):
+            assert (await c.get(path)).status_code == 200, path
+        assert (await c.get("/dashboard/data")).status_code == 401
+        with trio.fail_after(60):
+            await trio.to_thread.run_sync(
+                drive_keyed_browser, sync_api, url, seen, abandon_on_cancel=True
+            )
+
+    assert seen.asked
+    assert "refused" in seen.refused_message
+    assert seen.stored == KEY
+    assert not seen.asked_after_reload
+    assert f"Bearer {KEY}" in seen.data_authorizations
+    assert seen.data_authorizations[0] is None  # the first poll, before the page had a key
+    assert not [u for u in seen.urls if KEY in u], "the key went into a URL"
+    assert seen.page_errors == []

@@ -10,6 +10,7 @@ The whole file runs in a few seconds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -510,3 +511,67 @@ def test_a_stall_is_blamed_where_most_samples_landed_not_on_the_deepest_stack() 
     from_deeper = ((write.__code__, 9), (handler.__code__, 1))
     detector.watchdog._keep(from_deeper)
     assert detector.watchdog._best == from_deeper
+
+
+# -- host CPU contention ------------------------------------------------------------------
+
+PSI = os.path.exists("/proc/pressure/cpu")
+
+
+def hash_without_the_gil(cpu: int, stop: threading.Event) -> None:
+    """Keep *cpu* busy outside the GIL (hashlib releases it for large buffers): CPU work
+    that competes with the loop thread for the CPU, not for the GIL, as another process
+    at the same nice level would."""
+    os.sched_setaffinity(0, {cpu})
+    data = bytes(16 << 20)  # ~40 ms a call: the GIL is taken seldom
+    while not stop.is_set():
+        hashlib.sha256(data).digest()
+
+
+def cpu_work(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:  # CPU time: the wall clock runs on while we wait
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+async def test_a_loop_that_waits_for_a_cpu_is_a_contention_stall() -> None:
+    # The loop thread and four hashing threads share one CPU for ~1 s. Each loop step
+    # needs 5 ms of CPU, a quarter of the threshold: alone it never stalls; sharing the
+    # CPU five ways it takes ~25 ms, most of it in the run queue. Not the GIL, not code.
+    cpu = min(os.sched_getaffinity(0))
+    stop = threading.Event()
+    spinners = [threading.Thread(target=hash_without_the_gil, args=(cpu, stop), daemon=True)
+                for _ in range(4)]  # fmt: skip
+
+    async def steps() -> None:
+        end = time.perf_counter() + 1.0
+        while time.perf_counter() < end:
+            cpu_work(0.005)
+            await trio.lowlevel.checkpoint()
+
+    async with detecting(threshold_s=0.02) as (detector, _):
+        allowed = os.sched_getaffinity(0)  # the loop thread's; the watchdog keeps its own
+        for thread in spinners:
+            await trio.to_thread.run_sync(thread.start)
+        os.sched_setaffinity(0, {cpu})
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(steps, name="steps")
+        finally:
+            os.sched_setaffinity(0, allowed)
+            stop.set()
+        for thread in spinners:
+            await trio.to_thread.run_sync(thread.join)
+        await trio.sleep(0.1)  # the watchdog finishes the last records
+        records = [r for r in detector.records() if r.task == "steps"]
+
+    assert records, "sharing one CPU five ways made no stall"
+    contention = [r for r in records if r.cause == "contention"]
+    assert contention, [(r.cause, r.cpu_wait_fraction) for r in records]
+    assert not [r for r in records if r.cause == "gil"]
+    assert all(r.cpu_wait_fraction is not None and r.cpu_wait_fraction >= 0.5
+               for r in contention)  # fmt: skip
+    if PSI:  # the kernel saw tasks waiting for a CPU too
+        assert all(r.cpu_pressure is not None and r.cpu_pressure > 0 for r in contention)
+    assert detector.statistics().contention_stalls_total >= len(contention)

@@ -5,7 +5,7 @@ loop thread's encoder is warm from earlier tests), loopback, port 0, started wit
 :mod:`headwater.cluster.recipes` in the test's nursery, which kills it when the test
 ends. The stall threshold is 10 ms, half the default, so that the cold inline encode
 (13-40 ms measured) is caught whenever it happens; the stall detector's records are
-read from ``GET /debug/stalls``.
+read from ``GET /debug/stalls``, and only those of host CPU contention are allowed.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ ARGS = ("--port", "0", "--processes", "1", "--speedup-ratio", "100", "--stall-th
         "10", "--log-level", "warning")  # fmt: skip
 
 
-def request_path_stalls(records: list[dict]) -> list[dict]:
-    """Stalls of the loop while it ran headwater's own request work (parsing, the
-    template, the tokenizer, the detokenizer), rather than whatever the OS preempted."""
-    return [r for r in records if r["cause"] == "loop"
-            and any("frontend/" in frame for frame in r["stack"])]  # fmt: skip
+def own_stalls(records: list[dict]) -> list[dict]:
+    """Stalls of the server's own making: all but those of a host with no CPU to spare
+    (``contention``: another process's load, which a test on a shared machine meets)."""
+    return [r for r in records if r["cause"] != "contention"]
 
 
 async def test_the_first_requests_after_start_record_no_stall(tmp_path: Path) -> None:
@@ -47,5 +46,5 @@ async def test_the_first_requests_after_start_record_no_stall(tmp_path: Path) ->
             r = await http.post("/v1/completions", json=completion)
             assert r.status_code == 200, r.text
             records = (await http.get("/debug/stalls")).json()
-        assert request_path_stalls(records) == [], records
+        assert own_stalls(records) == [], records
         nursery.cancel_scope.cancel()

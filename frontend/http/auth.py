@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from frontend.http.dashboard import PAGE_PATHS
 from frontend.http.errors import ApiError
 from frontend.http.middleware import discard_body, send_error
 from frontend.metrics import FrontendMetrics
@@ -174,8 +175,9 @@ def unauthorized(authorization_sent: bool) -> ApiError:
 
 
 class RequireApiKey:
-    """Wraps an ASGI app so that, with *keys*, every request outside the open paths needs
-    one; a refused request is answered here (its body read and dropped, up to
+    """Wraps an ASGI app so that, with *keys*, every request outside the open paths (the
+    probes, the dashboard's page without its data, and /metrics unless *metrics_open* is
+    False) needs one; a refused request is answered here (its body read and dropped, up to
     *max_body_bytes*) and counted in ``rejected_requests_total{reason="unauthorized"}``."""
 
     def __init__(
@@ -190,7 +192,7 @@ class RequireApiKey:
         self.app = app
         self.keys = keys
         self.metrics = metrics
-        self.open = OPEN_PATHS | ({METRICS_PATH} if metrics_open else frozenset())
+        self.open = OPEN_PATHS | PAGE_PATHS | ({METRICS_PATH} if metrics_open else frozenset())
         self.max_body_bytes = max_body_bytes
         metrics.rejected_requests_total.labels("unauthorized")
 

@@ -301,6 +301,8 @@ def merge_dashboards(
                 "stalls_total": sum(s["stalls_total"] for s in stats),
                 "loop_stalls_total": sum(s["loop_stalls_total"] for s in stats),
                 "gil_stalls_total": sum(s["gil_stalls_total"] for s in stats),
+                "contention_stalls_total": sum(s.get("contention_stalls_total", 0)
+                                               for s in stats),
                 "last_duration_s": (stall_records[0]["duration_s"] if stall_records
                                     else None),
                 "max_duration_s": max(s["max_duration_s"] for s in stats),

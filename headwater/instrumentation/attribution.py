@@ -12,8 +12,10 @@ connection kept) and counted (``headwater_frontend_excused_timeouts_total``).
 
 The witness is the loop canary (:mod:`headwater.instrumentation.canary`): every
 overshoot above the stall threshold is a stretch of time in which no task of this
-loop ran, recorded in a :class:`StallLog` (trio's clock, so it compares with the
-deadlines that callers set with ``trio.move_on_after``). A deadline that fires right
+loop ran, whatever the cause (the loop's own code, the GIL, or a host with no CPU to
+spare: the detector's records tell them apart, an excuse need not), recorded in a
+:class:`StallLog` (trio's clock, so it compares with the deadlines that callers set
+with ``trio.move_on_after``). A deadline that fires right
 as a stall ends may run before the canary has woken to record it, so callers yield
 once (``await trio.lowlevel.checkpoint()``) before they ask.
 """

@@ -28,8 +28,8 @@ DELAY_BUCKETS: Final = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 GC_PAUSE_BUCKETS: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 GC_GENERATIONS: Final = ("0", "1", "2")
 
-StallCause = Literal["loop", "gil"]
-STALL_CAUSES: Final[tuple[StallCause, ...]] = ("loop", "gil")
+StallCause = Literal["loop", "gil", "contention"]
+STALL_CAUSES: Final[tuple[StallCause, ...]] = ("loop", "gil", "contention")
 
 
 class LoopMetrics:
@@ -66,8 +66,8 @@ class LoopMetrics:
         )
         self.stall_records = Counter(
             f"{prefix}stall_records_total",
-            "Stalls recorded by the watchdog, by cause: loop (a blocking call on the loop)"
-            " or gil (another thread held the GIL).",
+            "Stalls recorded by the watchdog, by cause: loop (a blocking call on the loop),"
+            " gil (another thread held the GIL) or contention (the loop waited for a CPU).",
             labelnames=("cause",),
             registry=self.registry,
         )

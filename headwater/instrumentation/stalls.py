@@ -14,9 +14,9 @@ wires together two halves, one per thread, each in its own module:
   current phase and queue the phases that overran, at about a microsecond per step.
 * :mod:`headwater.instrumentation.watchdog`, **the watchdog thread**: it samples the
   loop thread's stack while a phase is overdue and turns each overrun into a record with
-  its cause (``loop`` or ``gil``: see that module). A thread that holds the GIL freezes
-  the watchdog too, which is why durations come from the tracker's timestamps and only
-  the stack depends on sampling.
+  its cause (``loop``, ``gil`` or ``contention``: see that module). A thread that holds
+  the GIL freezes the watchdog too, which is why durations come from the tracker's
+  timestamps and only the stack depends on sampling.
 
 The records are kept here, behind a lock: the watchdog thread adds them, the loop thread
 (or any other) reads them with :meth:`StallDetector.records` and
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import trio
 
 from headwater.instrumentation.activity import Activity
-from headwater.instrumentation.loop_metrics import StallCause
+from headwater.instrumentation.loop_metrics import STALL_CAUSES, StallCause
 from headwater.instrumentation.record import StallRecord
 from headwater.instrumentation.tracker import _STEP, TaskTracker, _clock, logger
 from headwater.instrumentation.watchdog import Watchdog, _ThreadTimes
@@ -52,6 +52,7 @@ class StallStatistics:
     stalls_total: int
     loop_stalls_total: int
     gil_stalls_total: int
+    contention_stalls_total: int
     last_duration_s: float | None
     max_duration_s: float
     tracking: bool  # the instrument is installed, healthy and the watchdog runs
@@ -105,7 +106,7 @@ class StallDetector:
 
         self._lock = threading.Lock()  # guards the records and counters below
         self._records: deque[StallRecord] = deque(maxlen=max_records)
-        self._by_cause: dict[StallCause, int] = {"loop": 0, "gil": 0}
+        self._by_cause: dict[StallCause, int] = dict.fromkeys(STALL_CAUSES, 0)
         self._last_duration_s: float | None = None
         self._max_duration_s = 0.0
 
@@ -125,6 +126,7 @@ class StallDetector:
                 stalls_total=sum(self._by_cause.values()),
                 loop_stalls_total=self._by_cause["loop"],
                 gil_stalls_total=self._by_cause["gil"],
+                contention_stalls_total=self._by_cause["contention"],
                 last_duration_s=self._last_duration_s,
                 max_duration_s=self._max_duration_s,
                 tracking=self._running and self.tracker.enabled and self.watchdog.alive,
@@ -160,7 +162,7 @@ class StallDetector:
                 name="headwater-stall-watchdog",
                 daemon=True,
             )
-            tracker.busy_clock = loop_times.busy
+            tracker.busy_clock = loop_times.times
             tracker.start()
             trio.lowlevel.add_instrument(tracker)
             watchdog.alive = True

@@ -60,7 +60,8 @@ class _Overrun(NamedTuple):
 
     phase: _Phase
     ended: float  # perf_counter seconds
-    loop_busy: float | None  # the loop thread's busy seconds (see _ThreadTimes) at `ended`
+    # The loop thread's seconds on a CPU and waiting for one (see _ThreadTimes) at `ended`.
+    loop_times: tuple[float, float | None] | None
     awaiting: _Frames  # for a step: where the task awaited next
 
 
@@ -102,8 +103,9 @@ class TaskTracker(trio.abc.Instrument):
         #: Overruns for the watchdog; deque appends and pops are thread-safe.
         self.pending: deque[_Overrun] = deque(maxlen=max_pending)
         self.disabled_reason: str | None = None
-        #: Reads this thread's busy seconds when a phase overran; set by the detector.
-        self.busy_clock: Callable[[], float | None] = _no_clock
+        #: Reads this thread's seconds on a CPU and waiting for one when a phase
+        #: overran; set by the detector.
+        self.busy_clock: Callable[[], tuple[float, float | None] | None] = _no_clock
 
     @property
     def threshold_s(self) -> float:
@@ -182,15 +184,15 @@ class TaskTracker(trio.abc.Instrument):
                 awaiting = tuple(
                     (frame.f_code, lineno) for frame, lineno in phase[1].iter_await_frames()
                 )[-_MAX_FRAMES:]
-        busy: float | None = None
+        times: tuple[float, float | None] | None = None
         with suppress(Exception):
-            busy = self.busy_clock()
-        self.pending.append(_Overrun(phase, now, busy, awaiting))
+            times = self.busy_clock()
+        self.pending.append(_Overrun(phase, now, times, awaiting))
 
     def _fail(self, hook: str, exc: Exception) -> None:
         logger.error("stall tracker disabled: its %s hook raised", hook, exc_info=exc)
         self.disable(f"{hook} raised {exc!r}")
 
 
-def _no_clock() -> float | None:
+def _no_clock() -> tuple[float, float | None] | None:
     return None

@@ -2,7 +2,7 @@
 
 Everything here runs **on the watchdog thread** (``headwater-stall-watchdog``), apart from
 :meth:`Watchdog.reset` and :meth:`Watchdog.stop`, which the detector calls from the loop
-thread, and :meth:`_ThreadTimes.busy`, which the tracker also calls when a phase overran.
+thread, and :meth:`_ThreadTimes.times`, which the tracker also calls when a phase overran.
 The split from :mod:`headwater.instrumentation.tracker` is the split of costs: the
 tracker's hooks run on every task step and must stay at about a microsecond, so stack
 sampling, ``linecache``, formatting, logging and the ``on_stall`` callback all happen here,
@@ -13,6 +13,11 @@ a phase is overdue) and the cause.
 
 Cause
 -----
+* ``contention``: the loop thread was ready to run but waited for a CPU for most of the
+  stall, and would not have stalled without that wait: the host's other work (another
+  process, a noisy neighbour) took the CPUs, not this process's code. The record also
+  carries the host's CPU pressure around the stall (:mod:`.pressure`), when the kernel
+  has it.
 * ``gil``: the loop came back late from the I/O wait (it was parked in epoll, so it was
   not running Python: another thread held the GIL); or a step stretched while the loop
   thread was mostly asleep *and* the watchdog could not get the GIL either.
@@ -20,14 +25,21 @@ Cause
   the GIL, such as ``tokenizers.Tokenizer.encode`` on the loop) or blocked in a
   synchronous call (``time.sleep``, a lock, file I/O).
 
+Contention is checked first: a loop that waits in the run queue is late back from epoll
+too, which alone would read as ``gil`` (on a busy host an idle frontend's every stall
+did), and a short step stretched by the wait would read as ``loop``.
+
 "Busy" counts time on a CPU *and* time runnable in the OS run queue (Linux
 ``/proc/self/task/<tid>/schedstat``), so a busy loop is still busy on an overloaded
 machine (measured: 0.97–1.0 of the stall with two CPU hogs on 2 cores), while a thread
 waiting for the GIL sleeps on a futex but for brief wake-ups every switch interval
 (measured: 0.02–0.25). The watchdog counts as "could not get the GIL" any gap of more
 than 10 ms between its wake-ups beyond its requested sleep and its own CPU time.
-Without schedstat the thread CPU clock is used (CPU time only); without either, a C
-call holding the GIL on the loop is reported as ``gil``.
+Without schedstat the thread CPU clock is used (CPU time only: no stall is then
+``contention``); without either, a C call holding the GIL on the loop is reported as
+``gil``. The run-queue wait of a stall is read from the loop thread's schedstat at its
+end, less the watchdog's latest sample before its start (at most ``threshold_s``, or the
+canary's resting tick, earlier).
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ import trio
 
 from headwater.instrumentation.activity import Activity
 from headwater.instrumentation.loop_metrics import StallCause
+from headwater.instrumentation.pressure import CpuPressure
 from headwater.instrumentation.record import StallRecord
 from headwater.instrumentation.tracker import (
     _IO,
@@ -65,6 +78,11 @@ from headwater.instrumentation.tracker import (
 _TRIO_DIR: Final = os.path.dirname(trio.__file__) + os.sep
 _STARVED_MIN_S: Final = 0.010  # watchdog oversleep that counts as "could not get the GIL"
 _BUSY: Final = 0.5  # loop thread busy for at least this share of a stall ⇒ "loop"
+_WAITING: Final = 0.5  # loop thread waiting for a CPU this share of a stall ⇒ "contention"
+
+#: A sample of the loop thread's times: (t, on a CPU s, waiting for one s or None, the
+#: host's CPU pressure total s or None).
+_Sample = tuple[float, float, float | None, float | None]
 
 
 class Watchdog:
@@ -111,7 +129,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._loop_ident = 0
         self._loop_times: _ThreadTimes | None = None
-        self._busy_samples: deque[tuple[float, float]] = deque(maxlen=256)  # (t, busy s)
+        self._busy_samples: deque[_Sample] = deque(maxlen=256)
+        self._pressure: CpuPressure | None = None
         self._starved: deque[tuple[float, float]] = deque(maxlen=256)  # watchdog GIL waits
         self._sampled_phase: _Phase | None = None
         self._best: _Frames = ()
@@ -124,6 +143,8 @@ class Watchdog:
         """Prepare to watch the thread *loop_ident*: call on it, before the thread starts."""
         self._loop_ident = loop_ident
         self._loop_times = loop_times
+        if self._pressure is None:
+            self._pressure = CpuPressure()  # closed when the watch ends
         self._busy_samples.clear()
         self._starved.clear()
         self._sample_loop_busy()  # a base for stalls before the watchdog's first tick
@@ -169,6 +190,9 @@ class Watchdog:
         finally:
             if own is not None:
                 own.close()
+            if self._pressure is not None:
+                self._pressure.close()
+                self._pressure = None
             self.alive = False
             with suppress(trio.RunFinishedError):
                 watching()  # again, in case the loop is still waiting for it
@@ -203,8 +227,9 @@ class Watchdog:
         return min(self._threshold_s, max(self._poll_s, stall_at - now))
 
     def _sample_loop_busy(self) -> None:
-        if self._loop_times is not None and (busy := self._loop_times.busy()) is not None:
-            self._busy_samples.append((_clock(), busy))
+        if self._loop_times is not None and (times := self._loop_times.times()) is not None:
+            pressure = self._pressure.total() if self._pressure is not None else None
+            self._busy_samples.append((_clock(), *times, pressure))
 
     def _observe(self, now: float) -> None:
         """Sample the loop thread's stack if the current phase is overdue."""
@@ -274,9 +299,13 @@ class Watchdog:
         phase = overrun.phase
         kind, _, started, due = phase
         began = due if kind == _IO else started
-        busy = self._busy_fraction(began, overrun.ended, overrun.loop_busy)
+        duration = overrun.ended - began
+        busy, waiting, pressure = self._shares(began, overrun.ended, overrun.loop_times)
         cause: StallCause = "loop"
-        if kind == _IO:
+        if (waiting is not None and waiting >= _WAITING
+                and duration * (1 - waiting) < self._threshold_s):  # fmt: skip
+            cause = "contention"  # ready to run, no CPU: without the wait, no stall
+        elif kind == _IO:
             cause = "gil"  # parked in epoll, so not running Python: it could not get the GIL
         elif (busy is None or busy < _BUSY) and self._starved_fraction(began, overrun.ended) >= 0.5:
             cause = "gil"
@@ -287,20 +316,24 @@ class Watchdog:
             frames, sampled = overrun.awaiting, False
         record = StallRecord(
             started_at=began + self._wall_offset,
-            duration_s=overrun.ended - began,
+            duration_s=duration,
             task=_phase_name(phase),
             stack=tuple(_format_frame(code, line) for code, line in frames),
             cause=cause,
             sampled=sampled,
             loop_busy_fraction=busy,
+            cpu_wait_fraction=waiting,
+            cpu_pressure=pressure,
         )
         self._store(record)
         if record.duration_s >= self._log_after_s:
             logger.warning(
-                "event loop stalled %.3f s (%s; loop thread busy %s) in %s at %s",
+                "event loop stalled %.3f s (%s; loop thread busy %s, waiting for a CPU %s) "
+                "in %s at %s",
                 record.duration_s,
                 cause,
                 "?" if busy is None else f"{busy:.0%}",
+                "?" if waiting is None else f"{waiting:.0%}",
                 record.task,
                 record.stack[-1] if record.stack else "?",
             )
@@ -310,18 +343,32 @@ class Watchdog:
             except Exception:
                 logger.exception("on_stall callback failed")
 
-    def _busy_fraction(self, start: float, end: float, busy_end: float | None) -> float | None:
-        """Share of [start, end] the loop thread was busy, from the latest sample ≤ start."""
-        if busy_end is None:
-            return None
-        base: tuple[float, float] | None = None
+    def _shares(
+        self, start: float, end: float, at_end: tuple[float, float | None] | None
+    ) -> tuple[float | None, float | None, float | None]:
+        """The loop thread's busy share of [start, end] (on a CPU or waiting for one),
+        the share of it spent waiting for a CPU, and the host's CPU pressure: each from
+        the latest sample ≤ start to *at_end* (the loop's times when the stall ended) or,
+        for the pressure, to now. None where unknown."""
+        if at_end is None:
+            return None, None, None
+        base: _Sample | None = None
         for sample in reversed(self._busy_samples):
             base = sample
             if sample[0] <= start:
                 break
         if base is None or end - base[0] <= 0:
-            return None
-        return min(1.0, max(0.0, (busy_end - base[1]) / (end - base[0])))
+            return None, None, None
+        t0, cpu0, queued0, pressure0 = base
+        cpu, queued = at_end
+        waited = None if queued is None or queued0 is None else queued - queued0
+        busy = (cpu - cpu0 + (waited or 0.0)) / (end - t0)
+        waiting = None if waited is None or end <= start else waited / (end - start)
+        pressure = None
+        now_total = self._pressure.total() if self._pressure is not None else None
+        if pressure0 is not None and now_total is not None and (now := _clock()) > t0:
+            pressure = _clamp((now_total - pressure0) / (now - t0))
+        return _clamp(busy), None if waiting is None else _clamp(waiting), pressure
 
     def _starved_fraction(self, start: float, end: float) -> float:
         """Share of [start, end] during which the watchdog waited for the GIL."""
@@ -334,6 +381,10 @@ class Watchdog:
         return total / (end - start)
 
 
+def _clamp(share: float) -> float:
+    return min(1.0, max(0.0, share))
+
+
 class _ThreadTimes:
     """How one thread spent its time, readable from any thread.
 
@@ -341,7 +392,7 @@ class _ThreadTimes:
     gives time on a CPU and time runnable in the run queue; elsewhere the thread CPU
     clock (``time.pthread_getcpuclockid``) gives CPU time only. Methods raise ``OSError``
     if the thread is gone. The watchdog reads the loop thread's and its own; the tracker
-    reads the loop thread's :meth:`busy` once per overrun, on the loop thread.
+    reads the loop thread's :meth:`times` once per overrun, on the loop thread.
     """
 
     def __init__(self, ident: int, native_id: int) -> None:
@@ -360,13 +411,12 @@ class _ThreadTimes:
         on_cpu, queued, _ = os.pread(self._fd, 128, 0).split()
         return int(on_cpu) / 1e9, int(queued) / 1e9
 
-    def busy(self) -> float | None:
-        """Seconds on a CPU or runnable waiting for one (CPU only without schedstat)."""
+    def times(self) -> tuple[float, float | None] | None:
+        """Seconds on a CPU, and runnable waiting for one (None without schedstat)."""
         if self._fd is not None:
-            on_cpu, queued = self._schedstat()
-            return on_cpu + queued
+            return self._schedstat()
         if self._cpu_clock is not None:
-            return time.clock_gettime(self._cpu_clock)
+            return time.clock_gettime(self._cpu_clock), None
         return None
 
     def cpu(self) -> float:

@@ -34,6 +34,13 @@ ASSETS: Final[dict[str, str]] = {
     "dashboard.css": "text/css; charset=utf-8",
 }
 
+#: The page and its two static files: no data in them, so with API keys they stay open
+#: (``frontend.http.auth``): a browser cannot put a key on a page load, so the page loads,
+#: asks for the key, and sends it (a header, never the URL) with each ``/dashboard/data``.
+PAGE_PATHS: Final = frozenset(
+    {"/dashboard"} | {f"/dashboard/{name}" for name in ASSETS if name != "index.html"}
+)
+
 #: Stall records sent in one snapshot at most (each carries a stack of up to 48 frames).
 MAX_STALLS: Final = 50
 

@@ -17,6 +17,8 @@
     stallsAfter: null, // started_at of the newest stall record shown
     history: [], // the server's load history as objects: {t, inflight, queued, busy, ...}
     last: null, // the latest snapshot, redrawn on resize
+    key: null, // the API key typed in (also in sessionStorage, for a reload)
+    polling: false, // a poll is scheduled or running
   };
 
   const $ = (id) => document.getElementById(id);
@@ -244,7 +246,7 @@
     fill.style.width = (share * 100).toFixed(1) + "%";
     fill.classList.toggle("full", share >= 1 && pool.waiting > 0);
     setText("pool-text", `${pool.busy} of ${pool.threads} threads busy · ${pool.waiting} waiting · ` +
-      `${pool.encoded_total} encoded in threads, ${pool.inline_total} inline · mode ${pool.mode}`);
+      `${pool.encoded_total - pool.inline_total} encoded in threads, ${pool.inline_total} inline · mode ${pool.mode}`);
     setText("t-pool", `${pool.busy} / ${pool.threads}`, share >= 1);
     const hist = state.history;
     const top = niceCeil(Math.max(pool.threads, ...hist.map((h) => Math.max(h.busy, h.queued))) * 1.15);
@@ -349,6 +351,17 @@
     $("workers").tBodies[0].replaceChildren(...rows);
   }
 
+  // What each cause means, under an opened stall (docs/observability.md, "Reading a stall record").
+  const CAUSES = {
+    loop: "this process's code ran or blocked on the loop",
+    gil: "another thread of this process held the GIL",
+    contention: "the host had no CPU for the loop: other work, not this code",
+  };
+
+  function pct(share) {
+    return share === null || share === undefined ? "unknown" : Math.round(share * 100) + "%";
+  }
+
   function stallRow(rec) {
     const stack = rec.stack || [];
     const innermost = stack.length ? stack[stack.length - 1] : "(no stack sampled)";
@@ -357,9 +370,9 @@
       if (i === stack.length - 1) pre.append(el("span", { class: "inner" }, frame));
       else pre.append(frame + "\n");
     });
-    const busy = rec.loop_busy_fraction === null ? "unknown" : Math.round(rec.loop_busy_fraction * 100) + "%";
     const detail = (rec.sampled ? "stack sampled during the stall" : "stack: where the task next awaited (not sampled)") +
-      ` · loop thread busy ${busy} of the stall`;
+      ` · loop thread busy ${pct(rec.loop_busy_fraction)} of the stall, waiting for a CPU ${pct(rec.cpu_wait_fraction)}` +
+      ` · host CPU pressure ${pct(rec.cpu_pressure)}` + (CAUSES[rec.cause] ? ` · ${CAUSES[rec.cause]}` : "");
     return el("li", { class: "stall", "data-started-at": rec.started_at, "data-cause": rec.cause },
       el("details", {},
         el("summary", {},
@@ -382,7 +395,8 @@
       setText("t-stalls", "off");
     } else {
       setText("stall-stats", `${stats.stalls_total} stalls (${stats.loop_stalls_total} loop, ` +
-        `${stats.gil_stalls_total} gil) · longest ${fmtSeconds(stats.max_duration_s)} · ` +
+        `${stats.gil_stalls_total} gil, ${stats.contention_stalls_total || 0} host CPU contention) · ` +
+        `longest ${fmtSeconds(stats.max_duration_s)} · ` +
         `last ${fmtSeconds(stats.last_duration_s)} · ` +
         (stats.tracking ? "detector tracking" : "detector NOT tracking"));
     }
@@ -425,11 +439,52 @@
     node.textContent = text;
   }
 
+  // -- the API key (a server started with --api-key) ---------------------------------------
+  // The page itself is open; its data is not. The key the user types is kept in this tab's
+  // sessionStorage and sent in the Authorization header: never in a URL, where logs,
+  // history and the Referer would keep it.
+
+  const KEY_ITEM = "headwater.dashboard.apiKey";
+
+  function storedKey() {
+    try { return sessionStorage.getItem(KEY_ITEM); } catch (err) { return null; }
+  }
+
+  function askForKey(message) {
+    $("key-error").textContent = message;
+    $("key-form").hidden = false;
+    setStatus("wait", "API key needed");
+    $("key-input").focus();
+  }
+
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const key = $("key-input").value.trim();
+    if (!key) return;
+    try { sessionStorage.setItem(KEY_ITEM, key); } catch (err) { /* storage off: this page only */ }
+    state.key = key;
+    $("key-input").value = "";
+    $("key-form").hidden = true;
+    setStatus("wait", "connecting…");
+    if (!state.polling) poll();
+  });
+
   async function poll() {
     let url = "/dashboard/data";
     if (state.stallsAfter !== null) url += "?stalls_after=" + encodeURIComponent(String(state.stallsAfter));
+    const headers = { Accept: "application/json" };
+    const key = state.key || storedKey();
+    if (key) headers.Authorization = "Bearer " + key;
+    state.polling = true;
     try {
-      const response = await fetch(url, { cache: "no-store", headers: { Accept: "application/json" } });
+      const response = await fetch(url, { cache: "no-store", headers });
+      if (response.status === 401) {
+        try { sessionStorage.removeItem(KEY_ITEM); } catch (err) { /* storage off */ }
+        state.key = null;
+        state.polling = false;
+        askForKey(key ? "That key was refused." : "");
+        return; // polling resumes when a key is given
+      }
       if (!response.ok) throw new Error("HTTP " + response.status);
       const data = await response.json();
       state.last = data;
@@ -440,9 +495,8 @@
       setText("updated", "updated " + fmtClock(data.now));
     } catch (err) {
       setStatus("down", "disconnected (" + (err && err.message ? err.message : "error") + ")");
-    } finally {
-      setTimeout(poll, document.hidden ? HIDDEN_POLL_MS : POLL_MS);
     }
+    setTimeout(poll, document.hidden ? HIDDEN_POLL_MS : POLL_MS);
   }
 
   window.addEventListener("resize", () => {
