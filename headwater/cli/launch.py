@@ -58,6 +58,7 @@ from headwater.cli.options import (
     non_negative_int,
     restart_policy_from_args,
 )
+from headwater.cli.preflight import check_engine, check_port
 from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
     ETCD_BIN_ENV,
@@ -151,6 +152,10 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
     engine_config = config_from_args(registry.config_type(args.engine), args)
+    # Before anything starts (etcd, workers, a model server each): the frontend's port,
+    # the engine's own checks.
+    check_port("127.0.0.1", args.port, "--port")
+    check_engine(engine_config)
     serve_args += _frontend_defaults(engine_config, serve_args)
     # A worker is up once its engine is: a model server's start-up counts.
     start_within = max(args.start_timeout, getattr(engine_config, "vllm_start_timeout", 0.0) + 30)
@@ -189,7 +194,9 @@ def _frontend_defaults(engine_config: object, serve_args: list[str]) -> list[str
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options."""
+    """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options and
+    on what the start-up checks find (the frontend's port in use, the engine's model or
+    server not there)."""
     configure_logging(args.log_level)
     try:
         plan = plan_from_args(args)

@@ -8,6 +8,7 @@ the real DeepSeek-V4 tokenizer and an in-process prefill + decode pair of simula
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ from headwater.cli.options import (
     positive_int,
     restart_policy_from_args,
 )
+from headwater.cli.preflight import check_engine, check_port
 from headwater.machine import usable_cpus
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from workers.engines import registry
@@ -284,10 +286,23 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a signal (once drained); 1 if a frontend process or an
     in-process engine failed, or a second signal cut the drain short; 2 on bad options
-    (a tokenizer that is not the model's included)."""
+    (a tokenizer that is not the model's included) and on what the start-up checks find
+    (headwater.cli.preflight: the port in use, no tokenizer at --tokenizer, the engine's
+    model or server not there)."""
+    from frontend.preprocess.tokenizer import TokenizerLoadError, find_tokenizer_files
+
     try:
         config = frontend_config_from_args(args)
         restart = restart_policy_from_args(args)
+        # Before anything slow (the tokenizer, a group's fork, a model server's start).
+        if config.listen_fd is None:
+            check_port(config.host, config.port, "--host, --port")
+        try:
+            find_tokenizer_files(config.tokenizer)
+        except TokenizerLoadError as exc:
+            raise ValueError(f"--tokenizer: {exc}" if args.tokenizer else str(exc)) from exc
+        if not config.workers and not config.discovery:
+            check_engine(config.engine_config)
     except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
@@ -296,19 +311,34 @@ def main(args: argparse.Namespace) -> int:
         from headwater.cluster.frontend_group import run_group
 
         return run_group(config, args.argv, restart)
-    from frontend.preprocess.tokenizer import TokenizerLoadError
-
     try:
         return trio.run(serve_until_signalled, config)
     except TokenizerLoadError as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
-    except (EngineFailed, BaseExceptionGroup) as exc:
-        failed = exc.subgroup(EngineFailed) if isinstance(exc, BaseExceptionGroup) else exc
-        if failed is None:
+    except (EngineFailed, OSError, BaseExceptionGroup) as exc:
+        if (failed := _only(exc, EngineFailed)) is not None:
+            print(f"headwater serve: an in-process engine failed: {_first(failed)}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        unbound = _first(_only(exc, OSError) or exc)
+        if not isinstance(unbound, OSError) or unbound.errno not in _BIND_ERRORS:
             raise
-        print(f"headwater serve: an in-process engine failed: {_first(failed)}", file=sys.stderr)
+        # The port taken between the check and the bind: still one line.
+        print(f"headwater serve: cannot listen on {config.host}:{config.port} (--host, "
+              f"--port): {unbound.strerror}", file=sys.stderr)  # fmt: skip
         return 1
+
+
+#: What a bind of the HTTP port fails with when the port is taken or not ours.
+_BIND_ERRORS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+
+
+def _only(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """*exc* if it is a *kind*, or the part of a group that is; else None."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(kind)
+    return exc if isinstance(exc, kind) else None
 
 
 def _first(exc: BaseException) -> BaseException:

@@ -35,6 +35,7 @@ from headwater.cli.options import (
     configure_logging,
     positive_float,
 )
+from headwater.cli.preflight import check_engine, check_port
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
 from headwater.malloc_tuning import keep_freed_heap
@@ -126,12 +127,16 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a drain; 1 on a forced stop, a bind failure, no etcd or an
     engine that failed (its model server would not start, or died for good); 2 on bad
-    options."""
+    options and on what the start-up checks find (headwater.cli.preflight: a port in
+    use, the engine's model or server not there)."""
     configure_logging(args.log_level)
     try:
         config = worker_config_from_args(args)
-        host = split_host_port(config.listen)[0]
+        host, port = split_host_port(config.listen)
         check_bind(host, config.secret)
+        # Before anything slow (a model server's start): the port, the engine's own.
+        check_port(host, port, "--listen")
+        check_engine(config.engine_config)
         if config.tls is not None:
             check_certificate(config.tls, advertised_host(config, host))
     except (ValueError, OSError) as exc:

@@ -10,8 +10,18 @@ from __future__ import annotations
 
 import json
 import shlex
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
+
+#: Why an engine without a vocabulary size is refused (here at start, and by the engine).
+NO_VOCABULARY = (
+    "the vllm engine needs the model's vocabulary size to refuse token ids vLLM would "
+    "crash on: --model with a local model directory (its config.json), or --vocab-size"
+)
+#: Seconds the start-up check gives an attached server's address to accept a connection.
+PROBE_TIMEOUT = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +120,35 @@ class VllmConfig:
             raise ValueError("restart_limit and vocab_size must be >= 0")
         shlex.split(self.vllm_args)  # ValueError for an unbalanced quote
         shlex.split(self.vllm_command)
+
+    def preflight(self) -> None:
+        """The checks a command runs before it starts anything slow (a vLLM that would
+        be waited for up to ``vllm_start_timeout``): a model directory that is there, a
+        vocabulary size, an attached server whose address accepts a connection (its
+        ``/health`` may still say it is starting: that is waited for). Raises ValueError
+        with one line naming the option."""
+        if not self.model and not self.vllm_url:
+            raise ValueError("the vllm engine needs --model PATH or --vllm-url URL")
+        if self.model and not self.vllm_url and not Path(self.model).is_dir():
+            raise ValueError(
+                f"--model {self.model}: no such directory (vLLM is started on a local model "
+                "directory; for a server running elsewhere pass --vllm-url URL)"
+            )
+        if self.vllm_url:
+            parts = urlsplit(self.vllm_url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                socket.create_connection((parts.hostname or "", port), PROBE_TIMEOUT).close()
+            except OSError as exc:
+                reason = exc.strerror or type(exc).__name__
+                if isinstance(exc, TimeoutError):
+                    reason = f"no answer within {PROBE_TIMEOUT:g} s"
+                raise ValueError(
+                    f"--vllm-url {self.vllm_url}: cannot connect ({reason}); is vLLM running "
+                    "there?"
+                ) from exc
+        if self.model_vocab_size() is None:
+            raise ValueError(NO_VOCABULARY)
 
     @property
     def attached(self) -> bool:

@@ -46,7 +46,7 @@ import trio
 from headwater.wire import Chunk, ErrorCode, FinishReason, GenerateRequest, KvHandle, Role
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
 from workers.engines.vllm import protocol
-from workers.engines.vllm.config import VllmConfig
+from workers.engines.vllm.config import NO_VOCABULARY, VllmConfig
 from workers.engines.vllm.protocol import (
     FINISH_REASONS,
     GENERATE_PATH,
@@ -122,11 +122,7 @@ class VllmEngine(Engine):
         self.transfer_address = transfer_address or f"memory://{worker_id}"
         vocab = vocab_size if vocab_size is not None else config.model_vocab_size()
         if vocab is None:
-            raise ValueError(
-                "the vllm engine needs the model's vocabulary size to refuse token ids "
-                "vLLM would crash on: --model with a local model directory "
-                "(its config.json), or --vocab-size"
-            )
+            raise ValueError(NO_VOCABULARY)
         self.vocab_size = vocab
         #: Set from vLLM's /v1/models once it is up (prompt + completion tokens).
         self.max_model_len = config.max_model_len
