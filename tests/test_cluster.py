@@ -134,11 +134,13 @@ def total(stats: Mapping[str, Mapping[str, Any]], key: str, ids: Sequence[str] =
 
 
 async def chat(url: str, model: str, *, stream: bool, tag: str = "") -> str:
-    """One chat completion; returns its text. Fails the test on anything but success."""
+    """One chat completion of exactly MAX_TOKENS tokens (``ignore_eos``); returns its
+    text. Fails the test on anything but success."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"Tell me about rivers {tag}"}],
         "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
         "stream": stream,
     }
     async with httpx.AsyncClient(timeout=30.0) as http:
