@@ -2,17 +2,26 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# The venv in two layers: what serving needs (`make serve`: the runtime dependencies
+# only), then the test, bench and browser extras on top (`make test`, `make bench`).
+STAMP     := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: serve test lint cluster bench soak vllm tiny-model clean
+.PHONY: venv venv-test serve test test-fast lint cluster bench soak vllm tiny-model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,browser]'
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench,browser]'
+	touch $(DEV_STAMP)
+
 venv: $(STAMP)
+
+venv-test: $(DEV_STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/headwater serve $(ARGS)
@@ -20,19 +29,24 @@ serve: $(STAMP)
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: $(STAMP)
+# The fast tier: no subprocess, no network beyond in-process loopback, no vLLM (the
+# `slow` and `vllm` markers: pyproject.toml); under 2 minutes. No lint: `make lint`.
+test-fast: $(DEV_STAMP)
+	$(PY) -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
+
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check frontend workers headwater tests scripts
 	$(VENV)/bin/mypy
 
 cluster: $(STAMP)
 	$(VENV)/bin/headwater launch --prefill 2 --decode 2 $(ARGS)
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(PY) -m scripts.bench.run $(ARGS)
 
 # The soak: 10 min of mixed load per target (serve, launch); fails on a leak or a lost
 # request (docs/reliability.md). Shorter: make soak ARGS="--duration 120".
-soak: $(STAMP)
+soak: $(DEV_STAMP)
 	$(PY) -m scripts.soak $(ARGS)
 
 # vLLM's CPU build (a community build: pinned exactly) and NIXL, into this venv, with the
