@@ -16,6 +16,7 @@ __all__ = [
 ]  # fmt: skip
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` deselected: ``-m "not vllm"`` starts none
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``vllm`` run last, and their vLLM servers start now, in the
     background, while the others run (tests/vllm_fixture.py)."""
