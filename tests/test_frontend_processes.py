@@ -221,13 +221,17 @@ async def test_processes_stop_when_the_supervisor_is_killed(
 
 
 async def test_children_that_cannot_start_fail_the_supervisor(tmp_path: Path) -> None:
+    # A tokenizer.json that is there (the start-up check passes) but cannot be loaded.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
     argv = [sys.executable, "-m", "headwater", "serve", *ARGS, "--processes", "2",
-            "--tokenizer", str(tmp_path / "missing")]  # fmt: skip
+            "--tokenizer", str(broken)]  # fmt: skip
     with trio.fail_after(60):
         proc = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
     assert proc.returncode == 1
     assert b"headwater: serving" not in proc.stdout
-    assert b"missing" in proc.stderr
+    assert b"broken" in proc.stderr
 
 
 @pytest.mark.slow
