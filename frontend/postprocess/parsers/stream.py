@@ -23,7 +23,8 @@ Rules common to every format:
 - A call is emitted whole when it closes: its first delta (index, id, name) and its
   arguments. A call still open at the end is completed when the answer ended normally
   and dropped when it was cut by ``max_tokens`` (``finish(truncated=True)``); so a cut
-  call is never shown, streaming or not.
+  call is never shown, streaming or not. A held-back partial marker is likewise
+  released as text at a normal end and dropped at a cut one.
 """
 
 from __future__ import annotations
@@ -173,7 +174,9 @@ class AnswerStream(AnswerParser):
 
     def finish(self, *, truncated: bool = False) -> AnswerDelta:
         held, self._held = self._held, ""
-        self._text(held)  # it never became a marker
+        if not truncated:
+            self._text(held)  # it never became a marker
+        # else a partial marker is the start of markup that max_tokens cut: not text
         if self._format is not None and not self._format.idle:
             self._format.finish(truncated, self._out)
         return self._out.take()
