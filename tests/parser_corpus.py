@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from frontend.postprocess.parsers import AnswerDelta, AnswerParser, make_parser
@@ -64,6 +65,8 @@ class Case:
     tools: list[dict[str, Any]] = field(default_factory=lambda: TOOLS)
     #: Text after the call block: headwater returns it as content, vLLM drops it.
     trailing: str = ""
+    #: Why vLLM's parse of this case is wrong ("": it is right).
+    vllm_wrong: str = ""
     #: Whether ``reasoning`` and ``content`` are known (not for a generated cut answer,
     #: where only the complete calls are).
     text_known: bool = True
@@ -248,6 +251,8 @@ def _hand() -> list[Case]:
             ),
             forced=False,
             calls=(("write_file", {"content": "<think>not reasoning</think> <｜DSM <|DS"}),),
+            vllm_wrong="vLLM takes <think>…</think> inside an argument for reasoning and cuts "
+            "it out of the value; headwater keeps a value as written",
         ),
         Case(
             "content before and after the block",
@@ -479,8 +484,11 @@ def dsv4_answers(draw: st.DrawFn, *, truncation: bool = True) -> Case:
         text = (reasoning + "</think>" if forced else "") + content
     calls = tuple((n, a) for n, _, a in invokes)
     case = Case("generated", text, forced, calls=calls, reasoning=reasoning, content=content)
-    if truncation and text and draw(st.integers(0, 5)) == 0:
-        cut = draw(st.integers(0, len(text) - 1))
+    if truncation and text and draw(st.sampled_from([False] * 4 + [True])):
+        # Cut near the end as often as near the start: inside the last call, after the
+        # complete ones, is the case that matters.
+        back = draw(st.integers(1, len(text)))
+        cut = len(text) - back if draw(st.booleans()) else back - 1
         # The calls whose invoke closed before the cut are complete.
         ends, at = [], 0
         for _ in calls:
@@ -502,3 +510,17 @@ def splits(text: str, cuts: list[int]) -> list[str]:
     """``text`` cut at the given offsets (any order, repeats allowed)."""
     points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     return [text[a:b] for a, b in itertools.pairwise(points)] or [""]
+
+
+def generated(n: int = 300) -> list[Case]:
+    """``n`` generated answers, the same on every run (hypothesis, derandomized)."""
+    cases: list[Case] = []
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(dsv4_answers())
+    def collect(case: Case) -> None:
+        cases.append(case)
+
+    collect()
+    return cases
