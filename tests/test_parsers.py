@@ -177,10 +177,14 @@ def _pieces(text: str) -> list[str]:
 
 
 def test_scan_per_piece_does_not_grow_with_the_text(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Counting: the text every search and hold-back check looks at, per piece, is the
-    piece plus the held tail, however long the answer already is."""
+    """Counting: the text every scan for markers looks at, per piece, is the piece plus
+    the held tail, however long the answer already is."""
     spans: list[int] = []
-    search, held_from = Markers.search, Markers.held_from
+    absent_from, search, held_from = Markers.absent_from, Markers.search, Markers.held_from
+
+    def counting_absent_from(self: Markers, text: str) -> bool:
+        spans.append(len(text))
+        return absent_from(self, text)
 
     def counting_search(self: Markers, text: str, pos: int) -> Any:
         spans.append(len(text) - pos)
@@ -190,6 +194,7 @@ def test_scan_per_piece_does_not_grow_with_the_text(monkeypatch: pytest.MonkeyPa
         spans.append(len(text) - pos)
         return held_from(self, text, pos)
 
+    monkeypatch.setattr(Markers, "absent_from", counting_absent_from)
     monkeypatch.setattr(Markers, "search", counting_search)
     monkeypatch.setattr(Markers, "held_from", counting_held_from)
     parser = make_parser("deepseek_v4", "deepseek_v4", tools=TOOLS, reasoning_forced=True)

@@ -52,22 +52,21 @@ class DeepSeekV31Format(ToolFormat):
     strays = frozenset({CALLS_END, CALL_END, SEP})
 
     def __init__(self) -> None:
-        self._state = _State.IDLE
+        self._go(_State.IDLE)
         self._in_block = False
         self._name: list[str] = []
         self._args: list[str] = []
 
-    @property
-    def idle(self) -> bool:
-        return self._state is _State.IDLE
-
-    def markers(self) -> Markers:
-        return _MARKERS[self._state]
+    def _go(self, state: _State) -> None:
+        self._state = state
+        self.idle = state is _State.IDLE
+        if not self.idle:
+            self.live = _MARKERS[state]
 
     def open(self, opener: str, out: Output) -> None:
         self._in_block = opener == CALLS_BEGIN
         if self._in_block:
-            self._state = _State.BLOCK
+            self._go(_State.BLOCK)
         else:
             self._start()
 
@@ -79,26 +78,26 @@ class DeepSeekV31Format(ToolFormat):
 
     def marker(self, marker: str, out: Output) -> None:
         if marker == SEP:
-            self._state = _State.ARGS
+            self._go(_State.ARGS)
             return
         if self._state in (_State.NAME, _State.ARGS):
             self._close(out)
         if marker == CALL_BEGIN:
             self._start()
         elif marker == CALL_END and self._in_block:
-            self._state = _State.BLOCK
+            self._go(_State.BLOCK)
         else:
-            self._state = _State.IDLE
+            self._go(_State.IDLE)
 
     def finish(self, truncated: bool, out: Output) -> None:
         if not truncated and self._state in (_State.NAME, _State.ARGS):
             self._close(out)
-        self._state = _State.IDLE
+        self._go(_State.IDLE)
 
     def _start(self) -> None:
         self._name.clear()
         self._args.clear()
-        self._state = _State.NAME
+        self._go(_State.NAME)
 
     def _close(self, out: Output) -> None:
         name = "".join(self._name).strip()

@@ -73,7 +73,7 @@ class DsmlFormat(ToolFormat):
         self.openers = bare | {SEPARATOR + m for m in bare}
         self.strays = self._block_close | self._invoke_end | self._param | self._param_end
         self._markers = _markers_for(wrappers, self)
-        self._state = _State.IDLE
+        self._go(_State.IDLE)
         self._in_block = False  # the invoke was opened inside a wrapper
         self._head: list[str] = []
         self._value: list[str] = []
@@ -82,18 +82,17 @@ class DsmlFormat(ToolFormat):
         self._param_string: bool | None = None
         self._args: dict[str, Any] = {}
 
-    @property
-    def idle(self) -> bool:
-        return self._state is _State.IDLE
-
-    def markers(self) -> Markers:
-        return self._markers[self._state]
+    def _go(self, state: _State) -> None:
+        self._state = state
+        self.idle = state is _State.IDLE
+        if not self.idle:
+            self.live = self._markers[state]
 
     def open(self, opener: str, out: Output) -> None:
         opener = opener.removeprefix(SEPARATOR)
         if opener in self._block_open:
             self._in_block = True
-            self._state = _State.BLOCK
+            self._go(_State.BLOCK)
         else:
             self._in_block = False
             self._start_invoke()
@@ -110,14 +109,14 @@ class DsmlFormat(ToolFormat):
         if state is _State.INVOKE_HEAD:  # marker is ">"
             self._name = _attribute(_NAME, "".join(self._head))
             self._head.clear()
-            self._state = _State.INVOKE if self._name else _State.SKIP
+            self._go(_State.INVOKE if self._name else _State.SKIP)
         elif state is _State.PARAM_HEAD:  # marker is ">"
             head = "".join(self._head)
             self._head.clear()
             self._param_name = _attribute(_NAME, head)
             hint = _STRING.search(head)
             self._param_string = hint.group(1).lower() == "true" if hint else None
-            self._state = _State.VALUE
+            self._go(_State.VALUE)
         elif marker in self._invoke:  # a new invoke; one left open ends here
             if state is not _State.BLOCK:
                 self._close_invoke(out)
@@ -125,27 +124,27 @@ class DsmlFormat(ToolFormat):
         elif marker in self._param:
             self._close_param()
             self._head.clear()
-            self._state = _State.PARAM_HEAD
+            self._go(_State.PARAM_HEAD)
         elif marker in self._param_end:
             self._close_param()
-            self._state = _State.INVOKE
+            self._go(_State.INVOKE)
         elif marker in self._invoke_end:
             self._close_invoke(out)
-            self._state = _State.BLOCK if self._in_block else _State.IDLE
+            self._go(_State.BLOCK if self._in_block else _State.IDLE)
         else:  # a wrapper's end; it also ends an invoke left open
             if state in (_State.INVOKE, _State.VALUE, _State.SKIP):
                 self._close_invoke(out)
-            self._state = _State.IDLE
+            self._go(_State.IDLE)
 
     def finish(self, truncated: bool, out: Output) -> None:
         if not truncated and self._state in (_State.INVOKE, _State.VALUE, _State.SKIP):
             self._close_invoke(out)
-        self._state = _State.IDLE
+        self._go(_State.IDLE)
 
     def _start_invoke(self) -> None:
         self._head.clear()
         self._args = {}
-        self._state = _State.INVOKE_HEAD
+        self._go(_State.INVOKE_HEAD)
 
     def _close_param(self) -> None:
         if self._state is not _State.VALUE:
@@ -155,7 +154,7 @@ class DsmlFormat(ToolFormat):
         if self._param_name:
             types = self._schemas.types(self._name, self._param_name)
             self._args[self._param_name] = type_value(text, self._param_string, types)
-        self._state = _State.INVOKE
+        self._go(_State.INVOKE)
 
     def _close_invoke(self, out: Output) -> None:
         if self._state is _State.SKIP:

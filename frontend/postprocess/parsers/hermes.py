@@ -32,21 +32,15 @@ class HermesFormat(ToolFormat):
 
     openers = frozenset({OPEN, SEPARATOR + OPEN})
     strays = frozenset({CLOSE})
+    live = _BODY
 
     def __init__(self) -> None:
-        self._open = False
+        self.idle = True
         self._separator = ""
         self._body: list[str] = []
 
-    @property
-    def idle(self) -> bool:
-        return not self._open
-
-    def markers(self) -> Markers:
-        return _BODY
-
     def open(self, opener: str, out: Output) -> None:
-        self._open = True
+        self.idle = False
         self._separator = opener.removesuffix(OPEN)
         self._body.clear()
 
@@ -59,10 +53,10 @@ class HermesFormat(ToolFormat):
     def finish(self, truncated: bool, out: Output) -> None:
         if not truncated:
             self._close(out)  # EOS before the closing tag: the body may be complete
-        self._open = False
+        self.idle = True
 
     def _close(self, out: Output) -> None:
-        self._open = False
+        self.idle = True
         body = "".join(self._body)
         self._body.clear()
         call = _call(body)

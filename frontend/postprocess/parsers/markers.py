@@ -48,6 +48,11 @@ class Markers:
         firsts = sorted({m[0] for m in names})
         self._first = re.compile("[" + "".join(map(re.escape, firsts)) + "]") if firsts else None
 
+    def absent_from(self, text: str) -> bool:
+        """No marker starts in ``text``, not even partly (the common piece: one
+        C-level scan, then the piece is plain text)."""
+        return self._first is None or self._first.search(text) is None
+
     def search(self, text: str, pos: int) -> re.Match[str] | None:
         """The leftmost complete marker in ``text[pos:]`` (the longest at that place)."""
         return self._search(text, pos) if self._search is not None else None

@@ -73,16 +73,17 @@ class Output:
         self._calls.append(ToolCallDelta(index, arguments=arguments))
 
     def take(self) -> AnswerDelta:
-        if not (self._content or self._reasoning or self._calls):
+        content, reasoning, calls = self._content, self._reasoning, self._calls
+        if not (content or reasoning or calls):
             return _EMPTY
         delta = AnswerDelta(
-            content="".join(self._content),
-            reasoning="".join(self._reasoning),
-            tool_calls=tuple(self._calls),
+            content=content[0] if len(content) == 1 else "".join(content),
+            reasoning=reasoning[0] if len(reasoning) == 1 else "".join(reasoning),
+            tool_calls=tuple(calls),
         )
-        self._content.clear()
-        self._reasoning.clear()
-        self._calls.clear()
+        content.clear()
+        reasoning.clear()
+        calls.clear()
         return delta
 
 
@@ -92,24 +93,19 @@ _EMPTY = AnswerDelta()
 class ToolFormat(abc.ABC):
     """One tool-call syntax, driven by :class:`AnswerStream`.
 
-    Between calls the format is *idle* and the stream looks for its :attr:`openers`
-    (and drops its :attr:`strays`); once opened, the stream hands it every piece of
-    text and every marker of :meth:`markers` until it is idle again.
+    Between calls the format is :attr:`idle` and the stream looks for its
+    :attr:`openers` (and drops its :attr:`strays`); once opened, the stream hands it
+    every piece of text and every marker of :attr:`live` until it is idle again.
     """
 
     #: Markers that open a call region from content or reasoning.
     openers: frozenset[str]
     #: The format's other markers, dropped when met outside a call region.
     strays: frozenset[str]
-
-    @property
-    @abc.abstractmethod
-    def idle(self) -> bool:
-        """Outside any call region."""
-
-    @abc.abstractmethod
-    def markers(self) -> Markers:
-        """The live markers of the current (non-idle) state."""
+    #: Outside any call region (set by the format on every transition).
+    idle: bool = True
+    #: The current state's markers while not idle (set by the format).
+    live: Markers
 
     @abc.abstractmethod
     def open(self, opener: str, out: Output) -> None:
@@ -121,12 +117,12 @@ class ToolFormat(abc.ABC):
 
     @abc.abstractmethod
     def marker(self, marker: str, out: Output) -> None:
-        """One of :meth:`markers` was found."""
+        """One of :attr:`live` was found."""
 
     @abc.abstractmethod
     def finish(self, truncated: bool, out: Output) -> None:
         """End of the answer inside the region: complete the open call, or drop it
-        when ``truncated``."""
+        when ``truncated``; the format is idle after."""
 
 
 class AnswerStream(AnswerParser):
@@ -156,12 +152,13 @@ class AnswerStream(AnswerParser):
         return self._out.calls_made
 
     def feed(self, text: str) -> AnswerDelta:
-        buf = self._held + text if self._held else text
+        if not self._held and self._live().absent_from(text):
+            self._text(text)  # the common piece: plain text in the current state
+            return self._out.take()
+        buf = self._held + text
         pos = 0
-        fmt = self._format
         while True:
-            inside = fmt is not None and not fmt.idle
-            markers = fmt.markers() if inside and fmt is not None else self._outside
+            markers = self._live()
             found = markers.search(buf, pos)
             if found is None:
                 cut = markers.held_from(buf, pos)
@@ -180,6 +177,10 @@ class AnswerStream(AnswerParser):
         if self._format is not None and not self._format.idle:
             self._format.finish(truncated, self._out)
         return self._out.take()
+
+    def _live(self) -> Markers:
+        fmt = self._format
+        return self._outside if fmt is None or fmt.idle else fmt.live
 
     def _text(self, text: str) -> None:
         if not text:
