@@ -13,8 +13,9 @@ Reading a prompt as text costs about 0.4 us per token. Prompts up to
 longer ones (an agent's 40k-token session: ~20 ms) in a thread, with a decode call that
 releases the GIL (HF ``decode_batch``; ``decode`` holds it), so the loop stays free.
 
-No KV: a prefill engine answers with a handle to nothing, and a decode engine ignores
-the handle it is given and reads the whole prompt, which every leg carries. A prompt
+No KV: a prefill engine answers with a handle to nothing (and loads neither script nor
+tokenizer), and a decode engine ignores the handle it is given and reads the whole
+prompt, which every leg carries. A prompt
 that no rule answers fails with ``invalid_request``: the client's 400, naming the
 script, and nothing counts against the worker.
 """
@@ -98,9 +99,12 @@ class ScriptedEngine(Engine):
     # ---- Engine API -------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Load the script and the tokenizer (in a thread), report ready, then wait
-        until cancelled. May be called once. Raises EngineFailed when the script or the
-        tokenizer cannot be loaded."""
+        """Load the script and the tokenizer (in a thread; a prefill engine needs
+        neither), report ready, then wait until cancelled. May be called once. Raises
+        EngineFailed when the script or the tokenizer cannot be loaded.
+
+        HF's tokenizer parser holds the GIL in long stretches: the loop may stall for
+        a few hundred ms here, at start, before the worker serves anything."""
         if self._started:
             raise RuntimeError("ScriptedEngine.run() may only be called once")
         self._started = True
