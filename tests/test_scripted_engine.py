@@ -21,7 +21,10 @@ import openai
 import pytest
 import trio
 
+from headwater.cli import build_parser
 from headwater.cli import main as headwater_main
+from headwater.cli.launch import plan_from_args
+from headwater.cli.serve import frontend_config_from_args
 from headwater.cluster.recipes import start_worker
 from headwater.plane.base import WorkerInstance
 from headwater.plane.client import connect_worker
@@ -399,6 +402,22 @@ def test_every_command_refuses_a_bad_script_at_start(
     err = capsys.readouterr().err.strip()
     assert err == f'headwater {command}: script {bad}, line 2: needs either "prompt_contains" ' \
                   'or "default": true'
+
+
+def test_one_tokenizer_option_serves_the_frontend_and_the_engine(script: str) -> None:
+    tok = str(Path(shared_tokenizer().files.tokenizer_json).parent)
+    given = ["--engine", "scripted", "--script", script, "--token-delay", "0.02"]
+    serve = build_parser("serve")
+    config = frontend_config_from_args(serve.parse_args([*given, "--tokenizer", tok]))
+    assert config.engine_config == ScriptedConfig(script=script, token_delay=0.02, tokenizer=tok)
+    assert config.tokenizer == tok
+    assert frontend_config_from_args(serve.parse_args(given)).tokenizer is None
+    # launch: the workers get the engine's options, the frontend the same tokenizer.
+    plan = plan_from_args(build_parser("launch").parse_args(
+        [*given, "--tokenizer", tok, "--agg", "1", "--discovery", "static"]))  # fmt: skip
+    assert plan.engine == "scripted"
+    assert plan.engine_args == ("--script", script, "--token-delay", "0.02", "--tokenizer", tok)
+    assert plan.serve_args == ("--tokenizer", tok)
 
 
 # -- over TCP: a worker process ---------------------------------------------------------------
