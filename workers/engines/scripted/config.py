@@ -26,7 +26,8 @@ class ScriptedConfig:
     #: The script: JSON Lines of ``{"prompt_contains": ..., "text": ...}`` and at most
     #: one ``{"default": true, "text": ...}`` (:mod:`workers.engines.scripted.script`).
     script: str = field(
-        default="", metadata={"help": "JSON Lines file of prompt_contains/default → text"}
+        default="",
+        metadata={"help": "the answers: JSON Lines of prompt_contains (or default) and text"},
     )
     #: Seconds between two output tokens (and before the first): slow enough for a
     #: stream to be watched, 0 for as fast as the loop goes.
