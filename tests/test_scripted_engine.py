@@ -98,12 +98,16 @@ def test_the_first_matching_line_answers_else_the_default() -> None:
         "s.jsonl",
     )
     assert [r.line for r in script.rules] == [1, 3, 4]
-    match = script.match
-    assert match("the weather, please").text == "call the tool"  # type: ignore[union-attr]
+
+    def answer(prompt: str) -> str | None:
+        rule = script.match(prompt)
+        return None if rule is None else rule.text
+
+    assert answer("the weather, please") == "call the tool"
     # Both occur: the earlier line wins, wherever the default line is.
-    assert match("weather <tool_result>22</tool_result>").text == "after the tool"  # type: ignore[union-attr]
-    assert match("nothing known").text == "fallback"  # type: ignore[union-attr]
-    assert match("WEATHER") .text == "fallback"  # type: ignore[union-attr]  # case counts
+    assert answer("weather <tool_result>22</tool_result>") == "after the tool"
+    assert answer("nothing known") == "fallback"
+    assert answer("WEATHER") == "fallback"  # a case-sensitive match
     no_default = parse_script(b'{"prompt_contains": "a", "text": "b"}', "s")
     assert no_default.match("xyz") is None
 
@@ -228,19 +232,24 @@ async def test_tokens_come_one_per_delay_on_the_mock_clock(
     assert engine.counters.output_tokens == len(expected)
 
 
-async def test_a_closed_stream_is_counted_cancelled_and_leaves_nothing(
+async def test_a_cancelled_or_closed_stream_is_counted_cancelled_and_leaves_nothing(
     script: str, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     engine = await started_engine(nursery, script, token_delay=1.0)
     stream = engine.generate(request("hi", max_tokens=1000, ignore_eos=True))
-    await stream.__anext__()
+    await stream.__anext__()  # at 1.0
     assert engine.statistics().active_requests == 1
-    with trio.move_on_after(5):  # cancelled while it waits for its next token
-        await stream.__anext__()
-        await stream.__anext__()
-    await stream.aclose()
+    with trio.move_on_after(1.5):  # cancelled while it waits for its third token (3.0)
+        while True:
+            await stream.__anext__()
+    assert trio.current_time() == 2.5
     assert engine.statistics().active_requests == 0
     assert engine.counters.requests_cancelled == 1
+    closed = engine.generate(request("hi", max_tokens=1000, ignore_eos=True, rid="r2"))
+    await closed.__anext__()
+    await closed.aclose()  # the consumer leaves between two tokens
+    assert engine.statistics().active_requests == 0
+    assert engine.counters.requests_cancelled == 2
     assert engine.counters.requests_finished == engine.counters.requests_failed == 0
 
 
@@ -249,7 +258,21 @@ async def test_a_long_prompt_is_read_beside_the_loop(script: str, nursery: trio.
     filler = "All work and no play makes Jack a dull boy. " * 400
     long = request(filler + "Now, the weather?")
     assert len(long.token_ids) > 10 * INLINE_MAX_TOKENS
-    tokens = [t async for c in engine.generate(long) for t in c.token_ids]
+    tokens: list[int] = []
+    done = trio.Event()
+
+    async def consume() -> None:
+        tokens.extend([t async for c in engine.generate(long) for t in c.token_ids])
+        done.set()
+
+    nursery.start_soon(consume)
+    seen_reading = False
+    with trio.fail_after(30):
+        while not done.is_set():
+            # Read on the loop, the prompt would be read between two of these looks.
+            seen_reading |= engine.statistics().waiting_requests == 1
+            await trio.lowlevel.checkpoint()
+    assert seen_reading  # the loop went on while the prompt was read
     assert tokens == [*ids(WEATHER), EOS]
     assert engine.statistics().waiting_requests == 0
 
