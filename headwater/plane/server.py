@@ -18,6 +18,11 @@ TLS: with a :class:`~headwater.plane.tls.TlsConfig` every connection is a
 is part of ``handshake_timeout``, and a failed one is logged and counted
 (``tls_failures_total``). The secret's handshake follows, inside TLS.
 
+Session binding: with a secret, every frame after the handshake is authenticated with
+the session's keys (:mod:`headwater.wire.session`); one that fails (a relay's injected,
+replayed or altered frame) closes the connection like any protocol error, and counts as
+an auth failure.
+
 Isolation: a connection that sends garbage, an oversize or unknown frame gets an
 error frame and is closed; its requests are cancelled and every other connection
 carries on. A peer that vanishes (EOF, reset, stops reading for ``write_timeout``,
@@ -71,6 +76,7 @@ from headwater.wire.frames import (
     Stats,
 )
 from headwater.wire.handshake import ServerHandshake
+from headwater.wire.session import FrameMac
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +323,7 @@ class _Connection:
         self.peer_name = _peer_name(stream)
         cfg = server.config
         self.decoder = FrameDecoder(min(cfg.max_frame, HANDSHAKE_MAX_FRAME))  # until hello_ok
+        self._mac: FrameMac | None = None  # signs what this end sends, with a secret
         # Unbounded queue of (frame, budget it holds a token of): reply and KV frames
         # take a token first, so only tiny control frames (pong, stats, goaway,
         # refusals) bypass the bound; the writer returns tokens as it takes frames.
@@ -341,8 +348,7 @@ class _Connection:
         fault: Fault | None = None
         try:
             with self._scope:
-                frames = await self._handshake()
-                if frames is None:
+                if not await self._handshake():
                     return
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
@@ -352,10 +358,12 @@ class _Connection:
                     if self.server.draining:
                         self.goaway("shutting down")
                     try:
-                        for frame in frames:
+                        for frame in self.decoder.feed(b""):  # sent right after the auth
                             self._dispatch(frame)
                         await self._read_loop()
                     except ProtocolError as exc:
+                        if exc.code == "unauthorized":
+                            self.server._auth_failures += 1
                         fault = self._protocol_error(exc)
                     self._cancel_work()
                     if fault is not None:
@@ -397,23 +405,27 @@ class _Connection:
         log.warning("closing connection from %s: %s", self.peer_name, exc.message)
         return Fault(exc.code, exc.message)
 
-    async def _handshake(self) -> list[Frame] | None:
-        """The frames after the handshake, or None if the peer failed or left."""
+    async def _handshake(self) -> bool:
+        """Whether the peer completed the handshake (False: it failed or left).
+
+        Frames are read one at a time, so that whatever follows the auth is read only
+        once the session's key is set, and checked with it."""
         server = self.server
         handshake = ServerHandshake(server.identity, secret=server.secret)
-        frames: list[Frame] = []
         with trio.move_on_after(server.config.handshake_timeout):
             if isinstance(self.stream, trio.SSLStream) and not await self._tls_handshake():
-                return None
+                return False
             try:
+                data = b""
                 while handshake.peer is None:
+                    frames = self.decoder.feed(data, limit=1)
                     if not frames:
                         data = await self.stream.receive_some(server.config.receive_size)
                         if not data:
-                            return None
-                        frames = self.decoder.feed(data)
+                            return False
                         continue
-                    reply = handshake.receive(frames.pop(0))
+                    data = b""
+                    reply = handshake.receive(frames[0])
                     await self.stream.send_all(encode(reply))
             except ProtocolError as exc:
                 if exc.code == "unauthorized":
@@ -421,16 +433,19 @@ class _Connection:
                 fault = self._protocol_error(exc)
                 with trio.move_on_after(_FAULT_GRACE), suppress(trio.BrokenResourceError):
                     await self.stream.send_all(encode(fault))
-                return None
+                return False
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return None
+                return False
             self.peer = handshake.peer
             self.decoder.max_frame = server.config.max_frame
+            if handshake.session is not None:
+                self.decoder.mac = handshake.session.receive
+                self._mac = handshake.session.send
             log.debug("%s connected from %s as %s", self.peer.peer_id, self.peer_name,
                       self.peer.role)
-            return frames
+            return True
         log.info("handshake from %s timed out", self.peer_name)
-        return None
+        return False
 
     async def _tls_handshake(self) -> bool:
         """Whether the client's TLS handshake, its certificate checked, succeeded."""
@@ -490,13 +505,14 @@ class _Connection:
         if budget is not None:
             budget.release()
         try:
-            return encode_parts(frame, self.server.config.max_frame)
+            return encode_parts(frame, self.server.config.max_frame, self._mac)
         except (ValueError, ProtocolError) as exc:
             # The engine produced something unsendable: fail that request alone.
             rid = str(getattr(frame, "request_id", None) or getattr(frame, "transfer_id", "?"))
             log.error("cannot encode %s for %s: %s", type(frame).__name__, rid, exc)
             self.server.runtime.cancel(rid)
-            return [encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))]
+            error = Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}")
+            return [encode(error, self.server.config.max_frame, self._mac)]
 
     async def queue_reply(self, frame: Frame) -> None:
         """Queue a reply, waiting only when the budget is spent.

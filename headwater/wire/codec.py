@@ -1,8 +1,11 @@
 """The request plane's frames as bytes and back, without any I/O.
 
 A frame is a 4-byte big-endian body length followed by a msgpack map whose ``"k"``
-names the kind. :func:`encode` and :class:`FrameDecoder` turn the frames of
-``headwater.wire.frames`` into such bytes and back; the trio shells
+names the kind; on a connection whose handshake used a secret, a 16-byte tag follows
+the map, inside the length (:mod:`headwater.wire.session`: the frame's HMAC under
+the session's key for its direction and its place in the stream). :func:`encode` and
+:class:`FrameDecoder` turn the frames of ``headwater.wire.frames`` into such bytes and
+back; the trio shells
 (``headwater.plane.connection``, ``headwater.plane.server``) only move the bytes.
 
 Kinds and their frame types::
@@ -93,6 +96,7 @@ from headwater.wire.messages import (
     SamplingParams,
     WorkerLoad,
 )
+from headwater.wire.session import TAG_BYTES, FrameMac
 from headwater.wire.tokens import from_uint32_le, to_uint32_le
 
 #: Largest encoded ``KvHandle.params`` (bytes). What engines put there (vLLM's
@@ -217,23 +221,29 @@ def _check_json_like(container: dict[Any, Any] | list[Any], depth: int) -> None:
 # ---- encoding -----------------------------------------------------------------------
 
 
-def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    """*frame* as length-prefixed bytes.
+def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None) -> bytes:
+    """*frame* as length-prefixed bytes, tagged with *mac* (a session's sending side).
 
-    Raises :class:`FrameTooLarge` if the body exceeds *max_frame* (the peer would
-    refuse it and drop the whole connection), ValueError on unencodable fields.
+    Raises :class:`FrameTooLarge` if the body (and tag) exceed *max_frame* (the peer
+    would refuse it and drop the whole connection), ValueError on unencodable fields;
+    either way nothing was signed, so the session's count is unchanged.
     """
     body: bytes = msgpack.packb(_body(frame), use_bin_type=True)
-    if len(body) > max_frame:
-        raise FrameTooLarge(len(body), max_frame)
-    return _HEADER.pack(len(body)) + body
+    size = len(body) + (TAG_BYTES if mac is not None else 0)
+    if size > max_frame:
+        raise FrameTooLarge(size, max_frame)
+    if mac is None:
+        return _HEADER.pack(size) + body
+    return _HEADER.pack(size) + body + mac.sign(body)
 
 
 #: A ``kv_data`` piece at least this large is encoded around its payload, not through it.
 _SPLICE_ABOVE: Final = 64 * 1024
 
 
-def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes | memoryview]:
+def encode_parts(
+    frame: Frame, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None
+) -> list[bytes | memoryview]:
     """*frame* as :func:`encode` has it, in pieces whose concatenation is exactly
     ``encode(frame)``: for a large ``kv_data`` piece, the bytes before its payload, the
     payload's own buffer and the bytes after it; one piece for any other frame.
@@ -244,7 +254,7 @@ def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes
     kernel. Raises what :func:`encode` raises.
     """
     if not isinstance(frame, KvData) or len(frame.data) < _SPLICE_ABOVE:
-        return [encode(frame, max_frame)]
+        return [encode(frame, max_frame, mac)]
     size = len(frame.data)
     # The map _body builds, field by field in its order, with the bin's header written
     # as msgpack writes it: from 64 KiB on, a bin 32.
@@ -255,10 +265,13 @@ def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes
         msgpack.packb("data"), b"\xc6", _HEADER.pack(size),
     ))  # fmt: skip
     tail = msgpack.packb("last") + msgpack.packb(frame.last)
-    body_size = len(head) + size + len(tail)
+    payload = memoryview(frame.data).cast("B")
+    body_size = len(head) + size + len(tail) + (TAG_BYTES if mac is not None else 0)
     if body_size > max_frame:
         raise FrameTooLarge(body_size, max_frame)
-    return [_HEADER.pack(body_size) + head, memoryview(frame.data).cast("B"), tail]
+    if mac is not None:
+        tail += mac.sign(head, payload, tail)
+    return [_HEADER.pack(body_size) + head, payload, tail]
 
 
 def _body(frame: Frame) -> _Map:
@@ -368,10 +381,15 @@ class FrameDecoder:
     Frames may be split across feeds at any byte. After a :class:`ProtocolError`
     the decoder stays failed (every later feed raises again): resynchronising a
     length-prefixed stream is not possible.
+
+    With *mac* (a session's receiving side, set when the handshake completes) every
+    frame's tag is checked before its body is unpacked: a frame that fails it raises
+    :class:`~headwater.wire.errors.AuthError` and nothing of it is read.
     """
 
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None) -> None:
         self.max_frame = max_frame
+        self.mac = mac
         self._buffer = bytearray()
         self._failure: ProtocolError | None = None
         self._wanted = 0
@@ -388,8 +406,12 @@ class FrameDecoder:
         ask of its socket at once (:func:`read_size`)."""
         return self._wanted
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        """Add *data*; return the frames it completed, in order.
+    def feed(self, data: bytes | bytearray | memoryview, limit: int = 0) -> list[Frame]:
+        """Add *data*; return the frames it completed, in order: at most *limit* of them
+        when it is set, leaving the rest buffered for the next call (``feed(b"")``).
+
+        A handshake reads one frame at a time, so that the frames after it are read
+        only once the session's :attr:`mac` is set.
 
         Raises ProtocolError (frames completed earlier in the same call are lost,
         as the connection is closed anyway).
@@ -401,12 +423,14 @@ class FrameDecoder:
         frames: list[Frame] = []
         pos = 0
         self._wanted = 0
+        mac = self.mac
+        tag = TAG_BYTES if mac is not None else 0
         try:
-            while len(buf) - pos >= 4:
+            while len(buf) - pos >= 4 and (not limit or len(frames) < limit):
                 (size,) = _HEADER.unpack_from(buf, pos)
                 if size > self.max_frame:
                     raise FrameTooLarge(size, self.max_frame)
-                if size == 0:
+                if size <= tag:
                     raise ProtocolError("empty frame")
                 end = pos + 4 + size
                 if len(buf) < end:
@@ -414,7 +438,9 @@ class FrameDecoder:
                     break
                 # Both views are released on exit, even when a traceback holds them,
                 # so the buffer can be resized afterwards. unpackb copies what it keeps.
-                with memoryview(buf) as view, view[pos + 4 : end] as body:
+                with memoryview(buf) as view, view[pos + 4 : end - tag] as body:
+                    if mac is not None:
+                        mac.verify(body, buf[end - tag : end])  # a copy: no export
                     frames.append(decode_body(body, self.max_frame))
                 pos = end
         except ProtocolError as exc:

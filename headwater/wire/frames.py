@@ -26,7 +26,9 @@ from headwater.wire.messages import (
     WorkerLoad,
 )
 
-PROTOCOL_VERSION = 1
+#: 2: with a secret, every frame after the handshake carries a tag
+#: (``headwater.wire.session``); a version-1 peer is refused as ``unsupported_version``.
+PROTOCOL_VERSION = 2
 #: Length of each side's handshake nonce (bytes).
 NONCE_BYTES = 32
 #: Largest frame body either side accepts (bytes). A bigger length header is an error

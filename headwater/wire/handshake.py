@@ -15,6 +15,12 @@ objects (``headwater.wire.frames``), never on bytes, so it is tested without a s
 recorded exchange never replays, and the labels stop one side's proof from being
 reflected back as the other's. The server proves first; the secret is never sent.
 
+With a secret, the handshake ends in a :class:`~headwater.wire.session.Session` on both
+sides (:attr:`ClientHandshake.session`, :attr:`ServerHandshake.session`): keys derived
+from the secret both proved, both nonces, the hello and the hello_ok, with which every
+later frame is authenticated, so that a relay that forwarded the handshake cannot add,
+replay or alter a frame (:mod:`headwater.wire.session`).
+
 Rotation: a secret may carry earlier ones it still accepts (:class:`PlaneSecret`, from a
 secret file of several lines). The server proves with its current secret; the client
 accepts a proof made with any of its secrets and answers with the one that matched; the
@@ -42,6 +48,7 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
 )
+from headwater.wire.session import Session, derive_session
 
 #: Environment variable holding the shared plane secret itself.
 SECRET_ENV = "HEADWATER_PLANE_SECRET"
@@ -100,7 +107,11 @@ class ClientHandshake:
         self._hello = Hello(PROTOCOL_VERSION, role, peer_id, model, nonce)
         self._secret = secret
         self._server_proved = False
+        self._shared = b""  # the secret the worker proved
+        self._server_nonce = b""
         self.peer: HelloOk | None = None
+        #: The session's keys once the handshake is done with a secret; else None.
+        self.session: Session | None = None
 
     def start(self) -> Hello:
         return self._hello
@@ -120,6 +131,7 @@ class ClientHandshake:
                 if shared is None:
                     raise AuthError("the worker does not know the plane secret")
                 self._server_proved = True
+                self._shared, self._server_nonce = shared, frame.nonce
                 # Answer with the secret the worker proved: it is one the worker holds.
                 return Auth(proof(shared, "client", self._hello.nonce, frame.nonce))
             case HelloOk():
@@ -130,6 +142,13 @@ class ClientHandshake:
                         f"worker speaks protocol {frame.version}", "unsupported_version"
                     )
                 self.peer = frame
+                if self._secret is not None:
+                    hello = self._hello
+                    self.session = derive_session(
+                        self._shared, "client", hello.nonce, self._server_nonce,
+                        (hello.role, hello.peer_id, hello.model),
+                        (frame.role, frame.worker_id, frame.model),
+                    )  # fmt: skip
                 return None
             case Fault():
                 if frame.code == "unauthorized":
@@ -151,6 +170,8 @@ class ServerHandshake:
         self._hello: Hello | None = None
         self._nonce = b""
         self.peer: Hello | None = None
+        #: The session's keys once the handshake is done with a secret; else None.
+        self.session: Session | None = None
 
     def receive(self, frame: Frame) -> Frame:
         if self.peer is not None:
@@ -173,10 +194,16 @@ class ServerHandshake:
             return Challenge(self._nonce, proof(current, "server", frame.nonce, self._nonce))
         if not isinstance(frame, Auth) or self._secret is None:
             raise ProtocolError(f"expected auth, got {type(frame).__name__}")
-        if _matching(self._secret, "client", self._hello.nonce, self._nonce, frame.proof) is None:
+        shared = _matching(self._secret, "client", self._hello.nonce, self._nonce, frame.proof)
+        if shared is None:
             raise AuthError("wrong plane secret")
-        self.peer = self._hello
-        return self._identity
+        hello, identity = self._hello, self._identity
+        self.session = derive_session(
+            shared, "server", hello.nonce, self._nonce, (hello.role, hello.peer_id, hello.model),
+            (identity.role, identity.worker_id, identity.model),
+        )  # fmt: skip
+        self.peer = hello
+        return identity
 
 
 def load_secret(secret_file: str | None = None) -> PlaneSecret | None:
