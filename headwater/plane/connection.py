@@ -68,8 +68,8 @@ from headwater.wire import (
     WorkerLoad,
 )
 from headwater.wire.addresses import parse_tcp_address
-from headwater.wire.codec import FrameDecoder, encode, read_size
-from headwater.wire.errors import AuthError, FrameTooLarge, ProtocolError
+from headwater.wire.codec import FrameDecoder, encode, encode_checked, read_size
+from headwater.wire.errors import AuthError, ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
     HANDSHAKE_MAX_FRAME,
@@ -291,11 +291,17 @@ class PlaneConnection:
     # -- sending --
 
     def send_frame(self, frame: Frame) -> None:
-        """Queue *frame*; never blocks. Raises FrameTooLarge, Disconnected if closed.
+        """Queue *frame*; never blocks. Raises FrameTooLarge, Disconnected if closed; for a
+        request the worker could not read, ProtocolError or ValueError (nothing sent).
 
         Frames are signed here, as they are queued: the writer sends them in this order,
-        which is the order the worker counts them in."""
-        data = encode(frame, self.config.max_frame, self._mac)
+        which is the order the worker counts them in. A request is checked first against
+        the worker's own decoder (:func:`~headwater.wire.codec.encode_checked`): one the
+        worker would refuse must fail alone, here, not close the connection there."""
+        if isinstance(frame, GenerateRequest):
+            data = encode_checked(frame, self.config.max_frame, self._mac)
+        else:
+            data = encode(frame, self.config.max_frame, self._mac)
         try:
             self._out_send.send_nowait(data)
         except trio.ClosedResourceError:
@@ -452,17 +458,21 @@ class PlaneConnection:
     async def route(self, key: str | tuple[str, int], opening: Frame) -> AsyncIterator[_Route]:
         """Open the route for *key*, send *opening* on it, and yield the route.
 
-        Raises CannotConnect (the connection is closing or lost), WorkerError (the
-        frame is too large, or *key* is in use). Leaving the block before the route's
-        exchange is ``done`` sends a cancel for a request or KV pull.
+        Raises CannotConnect (the connection is closing or lost), WorkerError
+        (``invalid_request``: the frame is too large, or the worker could not read it;
+        *key* is in use). Leaving the block before the route's exchange is ``done`` sends
+        a cancel for a request or KV pull.
         """
         route = self._open_route(key)
         try:
             try:
                 self.send_frame(opening)
-            except FrameTooLarge as exc:
+            except (ProtocolError, ValueError) as exc:
                 route.done = True  # never sent: nothing to cancel
-                raise WorkerError(ErrorCode.INVALID_REQUEST, exc.message) from exc
+                message = exc.message if isinstance(exc, ProtocolError) else str(exc)
+                raise WorkerError(
+                    ErrorCode.INVALID_REQUEST, f"the request cannot go to a worker: {message}"
+                ) from exc
             except Disconnected as exc:
                 route.done = True
                 raise CannotConnect(str(exc)) from exc

@@ -23,11 +23,14 @@ the session's keys (:mod:`headwater.wire.session`); one that fails (a relay's in
 replayed or altered frame) closes the connection like any protocol error, and counts as
 an auth failure.
 
-Isolation: a connection that sends garbage, an oversize or unknown frame gets an
-error frame and is closed; its requests are cancelled and every other connection
-carries on. A peer that vanishes (EOF, reset, stops reading for ``write_timeout``,
-or sends nothing at all for ``heartbeat_timeout``) has its requests and KV pulls
-cancelled the same way, which frees their KV.
+Isolation: a request frame that arrived whole but does not read, while its id does,
+fails that request alone (an ``error`` with ``invalid_request``, counted in
+``requests_refused_total``): the connection and its other requests go on. A connection
+that sends garbage, an oversize or unknown frame gets an error frame and is closed;
+its requests are cancelled and every other connection carries on. A peer that
+vanishes (EOF, reset, stops reading for ``write_timeout``, or sends nothing at all for
+``heartbeat_timeout``) has its requests and KV pulls cancelled the same way, which
+frees their KV.
 
 Liveness: every client of the plane (:class:`~headwater.plane.connection.PlaneConnection`:
 frontends and KV-pulling workers alike) pings every ``heartbeat_interval`` (5 s),
@@ -74,6 +77,7 @@ from headwater.wire.frames import (
     Ping,
     Pong,
     Stats,
+    Unreadable,
 )
 from headwater.wire.handshake import ServerHandshake
 from headwater.wire.session import FrameMac
@@ -139,6 +143,9 @@ class ServerStats:
     connections_total: int
     protocol_errors_total: int
     auth_failures_total: int
+    #: Request frames that arrived whole but did not read (their id did): each failed
+    #: alone, the connection kept.
+    requests_refused_total: int
     #: TLS handshakes that failed (no or a refused client certificate, not TLS at all).
     tls_failures_total: int
     #: Connections dropped because nothing arrived for ``heartbeat_timeout``.
@@ -195,6 +202,7 @@ class PlaneServer:
         self._connections_total = 0
         self._protocol_errors = 0
         self._auth_failures = 0
+        self._requests_refused = 0
         self._tls_failures = 0
         self._peer_timeouts = 0
         self._write_timeouts = 0
@@ -261,6 +269,7 @@ class PlaneServer:
             connections_total=self._connections_total,
             protocol_errors_total=self._protocol_errors,
             auth_failures_total=self._auth_failures,
+            requests_refused_total=self._requests_refused,
             tls_failures_total=self._tls_failures,
             peer_timeouts_total=self._peer_timeouts,
             write_timeouts_total=self._write_timeouts,
@@ -579,6 +588,8 @@ class _Connection:
         match frame:
             case GenerateRequest():
                 self._submit(frame)
+            case Unreadable():
+                self._refuse(frame)
             case Cancel():
                 if frame.request_id in self._requests:
                     self.server.runtime.cancel(frame.request_id)
@@ -611,6 +622,17 @@ class _Connection:
         except RuntimeError as exc:
             del self._requests[rid]
             self.send_control(Error(rid, ErrorCode.SHUTTING_DOWN, str(exc)))
+
+    def _refuse(self, frame: Unreadable) -> None:
+        """Fail a request whose frame did not read; the connection goes on."""
+        self.server._requests_refused += 1
+        log.warning("refusing request %s from %s: %s", frame.request_id, self.peer_name,
+                    frame.reason)  # fmt: skip
+        if frame.request_id in self._requests:  # not ours to end: the peer reused an id
+            message = "duplicate request id"
+        else:
+            message = f"the worker could not read this request: {frame.reason}"
+        self.send_control(Error(frame.request_id, ErrorCode.INVALID_REQUEST, message))
 
     def request_done(self, channel: _ReplyChannel) -> None:
         if self._requests.get(channel.request_id) is channel:

@@ -147,7 +147,19 @@ class GoAway:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """Not a frame on the wire: what the decoder yields for a ``request`` frame that
+    arrived whole but could not be read, when its request id could (its frame's length
+    kept the stream in step). The receiver fails that request alone
+    (``headwater.wire.codec.decode_body``)."""
+
+    request_id: str
+    reason: str
+
+
 Frame = (
     Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
     | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | GoAway
+    | Unreadable
 )
