@@ -33,6 +33,7 @@ from headwater.cli.options import (
     add_config_options,
     config_from_args,
     configure_logging,
+    non_negative_int,
     positive_float,
 )
 from headwater.etcd.client import EtcdError, etcd_endpoints
@@ -72,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--peer-timeout", type=positive_float, default=d.server.heartbeat_timeout,
       help="seconds a plane connection may stay silent (peers ping every 5 s) before "
       "the worker closes it and cancels its requests")
+    a("--max-connections-per-address", type=non_negative_int,
+      default=d.server.max_connections_per_address,
+      help="plane connections open at once per peer IP address; one more is closed as soon "
+      "as it is accepted (0: no limit)")
+    a("--max-connections", type=non_negative_int, default=None,
+      help="plane connections open at once in all (default: half the process's file "
+      "descriptor limit, at most 4096; 0: no limit)")
     a("--plane-secret-file", default=None,
       help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
       "to listen beyond loopback")
@@ -114,7 +122,11 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model_name=args.model_name,
         worker_id=args.worker_id,
         drain_timeout=args.drain_timeout,
-        server=ServerConfig(heartbeat_timeout=args.peer_timeout),
+        server=ServerConfig(
+            heartbeat_timeout=args.peer_timeout,
+            max_connections_per_address=args.max_connections_per_address,
+            max_connections=args.max_connections,
+        ),
         secret=load_secret(args.plane_secret_file),
         tls=tls_config(args.plane_tls_certfile, args.plane_tls_keyfile, args.plane_tls_ca_file),
         metrics_port=args.metrics_port,

@@ -32,6 +32,14 @@ vanishes (EOF, reset, stops reading for ``write_timeout``, or sends nothing at a
 ``heartbeat_timeout``) has its requests and KV pulls cancelled the same way, which
 frees their KV.
 
+Connections: at most ``max_connections_per_address`` per peer IP address and
+``max_connections`` in all (by default half the process's descriptor limit, at most
+4096); one more is closed as soon as it is accepted, before TLS or a byte is read, and
+counted (``connections_refused_total``). A connection that has not completed the
+handshake within ``handshake_timeout`` is closed. So a stranger's silent connections
+can neither exhaust the worker's descriptors nor, from one address, crowd out the
+frontends.
+
 Liveness: every client of the plane (:class:`~headwater.plane.connection.PlaneConnection`:
 frontends and KV-pulling workers alike) pings every ``heartbeat_interval`` (5 s),
 so a live peer is never silent for long. A peer that vanished without closing (its
@@ -47,6 +55,8 @@ connection whose peer reads slowly slows its own requests, nobody else's.
 from __future__ import annotations
 
 import logging
+import resource
+from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import asdict, dataclass
@@ -135,12 +145,35 @@ class ServerConfig:
     kv_piece_bytes: int = 1024 * 1024
     #: Bytes asked of the socket per read.
     receive_size: int = 64 * 1024
+    #: Connections open at once from one peer IP address; one more is closed as soon
+    #: as it is accepted. A frontend host opens one per frontend process, a decode
+    #: worker one per prefill worker: 64 leaves room, and keeps one address (a
+    #: stranger's) from taking the worker's descriptors. 0: no limit.
+    max_connections_per_address: int = 64
+    #: Connections open at once in all; None: half the process's descriptor limit
+    #: (RLIMIT_NOFILE), at most 4096, so that the engine, its logs and children keep
+    #: theirs. 0: no limit.
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_connections_per_address < 0 or (self.max_connections or 0) < 0:
+            raise ValueError("connection limits must be >= 0 (0: no limit)")
+
+    def connection_limit(self) -> int:
+        """``max_connections``, resolved (0: no limit)."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return 4096 if soft == resource.RLIM_INFINITY else max(1, min(4096, soft // 2))
 
 
 @dataclass(frozen=True, slots=True)
 class ServerStats:
     connections: int
     connections_total: int
+    #: Connections closed at once on accept: over ``max_connections_per_address`` or
+    #: ``max_connections``.
+    connections_refused_total: int
     protocol_errors_total: int
     auth_failures_total: int
     #: Request frames that arrived whole but did not read (their id did): each failed
@@ -200,6 +233,10 @@ class PlaneServer:
         self.draining = False
         self._connections: set[_Connection] = set()
         self._connections_total = 0
+        self._per_address: Counter[str] = Counter()
+        self._open = 0  # accepted and not yet closed, refused ones aside
+        self._refused = 0
+        self._refusal_logged_at = -float("inf")
         self._protocol_errors = 0
         self._auth_failures = 0
         self._requests_refused = 0
@@ -228,17 +265,49 @@ class PlaneServer:
             task_status.started(listeners)
 
     async def handle_stream(self, stream: trio.abc.Stream) -> None:
-        """Serve one connection until it ends. Never raises (except Cancelled)."""
-        unthrottle(stream)
-        conn = _Connection(self, stream)
-        self._connections.add(conn)
-        self._connections_total += 1
+        """Serve one connection until it ends (or close it at once, over a connection
+        limit). Never raises (except Cancelled)."""
+        address = _peer_host(stream)
+        if not self._admit(address):
+            await trio.aclose_forcefully(stream)
+            return
+        self._open += 1
+        self._per_address[address] += 1
         try:
-            await conn.run()
-        except Exception:
-            log.exception("connection from %s failed", conn.peer_name)
+            unthrottle(stream)
+            conn = _Connection(self, stream)
+            self._connections.add(conn)
+            self._connections_total += 1
+            try:
+                await conn.run()
+            except Exception:
+                log.exception("connection from %s failed", conn.peer_name)
+            finally:
+                self._connections.discard(conn)
         finally:
-            self._connections.discard(conn)
+            self._open -= 1
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
+
+    def _admit(self, address: str) -> bool:
+        """Whether one more connection from *address* is within the limits; counts and
+        logs (at most once a second) a refusal."""
+        cfg = self.config
+        per_address, total = cfg.max_connections_per_address, cfg.connection_limit()
+        if (not per_address or not address or self._per_address[address] < per_address) and (
+            not total or self._open < total
+        ):
+            return True
+        self._refused += 1
+        now = trio.current_time()
+        if now - self._refusal_logged_at >= 1.0:
+            self._refusal_logged_at = now
+            log.warning("refusing a plane connection from %s: %d open from it, %d in all "
+                        "(limits %s and %s; %d refused so far)", address,
+                        self._per_address[address], self._open, per_address or "none",
+                        total or "none", self._refused)  # fmt: skip
+        return False
 
     def goaway(self, reason: str = "shutting down") -> None:
         """Tell every peer, now and from now on, to send no new requests here.
@@ -267,6 +336,7 @@ class PlaneServer:
         return ServerStats(
             connections=len(self._connections),
             connections_total=self._connections_total,
+            connections_refused_total=self._refused,
             protocol_errors_total=self._protocol_errors,
             auth_failures_total=self._auth_failures,
             requests_refused_total=self._requests_refused,
@@ -658,6 +728,19 @@ class _Connection:
             pass  # the connection is closing; the peer sees its pull fail
         finally:
             del self._pulls[transfer_id]
+
+
+def _peer_host(stream: trio.abc.Stream) -> str:
+    """The peer's IP address ("" when the stream has none: a memory stream, a Unix
+    socket), what the per-address limit counts."""
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    sock = getattr(stream, "socket", None)
+    try:
+        peer = sock.getpeername() if sock is not None else None
+    except (OSError, ValueError, TypeError):
+        return ""
+    return str(peer[0]) if isinstance(peer, tuple) else ""
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:
