@@ -34,8 +34,10 @@ from headwater.cli.options import (
     positive_int,
     restart_policy_from_args,
 )
+from headwater.cli.secret_args import hide_in_cmdline
 from headwater.machine import usable_cpus
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
+from headwater.wire.handshake import load_secret
 from workers.engines import registry
 from workers.engines.base import EngineFailed
 
@@ -95,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="KEY", help="accept this API key (repeatable); with keys, every "
                    "route but /live and /health needs 'Authorization: Bearer KEY' "
                    "(also HEADWATER_API_KEYS, comma-separated)")
-    h.add_argument("--api-keys-file", default=None,
+    h.add_argument("--api-keys-file", "--api-key-file", default=None,
                    help="a file of API keys, one per line (# comments); re-read when it changes, "
                         "so keys rotate without a restart")
     h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
@@ -285,13 +287,20 @@ def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a signal (once drained); 1 if a frontend process or an
     in-process engine failed, or a second signal cut the drain short; 2 on bad options
     (a tokenizer that is not the model's included)."""
+    if args.api_key:  # every user of the machine reads a command line: hide them there
+        hide_in_cmdline(args.api_key)
     try:
         config = frontend_config_from_args(args)
         restart = restart_policy_from_args(args)
+        load_secret()  # the plane secret, checked now: a weak one is a bad option
     except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
+    if args.api_key:
+        logging.getLogger(__name__).warning(
+            "--api-key puts a key in the command line, which every user of this machine can "
+            "read until it is hidden at start: use --api-keys-file or %s", API_KEYS_ENV)
     if config.processes > 1:
         from headwater.cluster.frontend_group import run_group
 

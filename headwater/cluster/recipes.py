@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
+from headwater.cli.secret_args import without_secrets
 from headwater.cluster.children import (
     KILL_TIMEOUT,
     ChildProcess,
@@ -161,7 +162,7 @@ async def start_etcd(
         ]
         child = await spawn(
             EtcdProcess, nursery, name, argv, workdir / f"{name}.log",
-            env=child_env(), stdout=False,
+            env=without_secrets(child_env()), stdout=False,  # etcd needs none of ours
         )  # fmt: skip
         child.address, child.peer_port, child.data_dir = client, peer_port, data
         try:

@@ -31,6 +31,7 @@ in rolling restarts, every pair of ends sharing at least one secret throughout
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -52,6 +53,13 @@ from headwater.wire.session import Session, derive_session
 
 #: Environment variable holding the shared plane secret itself.
 SECRET_ENV = "HEADWATER_PLANE_SECRET"
+#: The weakest secret accepted: this many bytes, of at least MIN_SECRET_DISTINCT values.
+#: One recorded handshake lets an attacker test guesses offline, as fast as HMAC runs:
+#: a short or repetitive secret (``a``, a word) falls at once. 16 characters of a
+#: random alphabet are beyond reach (16 hex digits: 2**64 guesses); what is checked is
+#: the length and variety, not the randomness, so make one with :func:`generate_secret`.
+MIN_SECRET_BYTES = 16
+MIN_SECRET_DISTINCT = 8
 
 
 class PlaneSecret(bytes):
@@ -206,14 +214,33 @@ class ServerHandshake:
         return identity
 
 
+def generate_secret() -> str:
+    """A new plane secret: 32 random bytes, base64 (what ``head -c 32 /dev/urandom |
+    base64`` prints)."""
+    return base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def check_secret_strength(secret: bytes, source: str = "the plane secret") -> None:
+    """Raise ValueError unless *secret* is at least :data:`MIN_SECRET_BYTES` long and
+    holds :data:`MIN_SECRET_DISTINCT` different bytes; the message says how to make one
+    and never quotes the secret."""
+    if len(secret) < MIN_SECRET_BYTES or len(set(secret)) < MIN_SECRET_DISTINCT:
+        raise ValueError(
+            f"{source} is too weak: it needs at least {MIN_SECRET_BYTES} characters, of "
+            f"at least {MIN_SECRET_DISTINCT} different ones (one recorded handshake lets a "
+            "guess be tested offline); make one with: head -c 32 /dev/urandom | base64"
+        )
+
+
 def load_secret(secret_file: str | None = None) -> PlaneSecret | None:
     """The shared plane secret: *secret_file*'s content, else ``$HEADWATER_PLANE_SECRET``.
 
     One secret per line (blank lines skipped, each line's surrounding whitespace
     stripped): the first is the one this end proves itself with, the others are earlier
     secrets still accepted from peers while a rotation is under way. Returns None when
-    neither is set; raises ValueError for an empty secret and OSError for an unreadable
-    file. Called once at startup, never on the event loop's hot path.
+    neither is set; raises ValueError for an empty secret or a weak one (any line:
+    :func:`check_secret_strength`) and OSError for an unreadable file. Called at
+    startup, never on the event loop's hot path.
     """
     if secret_file:
         with open(secret_file, "rb") as f:
@@ -227,4 +254,7 @@ def load_secret(secret_file: str | None = None) -> PlaneSecret | None:
     lines = [line.strip() for line in raw.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"the plane secret from {source} is empty")
+    for number, line in enumerate(lines, 1):
+        which = "the plane secret" if number == 1 else f"line {number} (an earlier secret)"
+        check_secret_strength(line, f"{which} from {source}")
     return PlaneSecret(lines[0], lines[1:])
