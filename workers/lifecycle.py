@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from headwater.etcd.client import etcd_endpoints
+from headwater.etcd.client import EtcdCredentials, etcd_endpoints
 from headwater.plane.connection import PlaneConfig
 from headwater.plane.kv import KvSource, TcpKvTransfer, open_kv_transfer
 from headwater.plane.server import PlaneServer, ServerConfig, check_bind
@@ -81,6 +81,8 @@ class WorkerConfig:
     #: Seconds the etcd lease outlives the last keep-alive: how long a crashed worker
     #: stays registered. etcd raises values below its minimum (~2 s).
     lease_ttl: int = 10
+    #: How to authenticate to etcd (user and password, TLS); None: etcd is open.
+    etcd: EtcdCredentials | None = field(default=None, repr=False)
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 

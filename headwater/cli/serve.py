@@ -25,10 +25,12 @@ from frontend.limits import RequestLimits
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_etcd_options,
     add_restart_options,
     config_from_args,
     configure_logging,
     engine_frontend_defaults,
+    etcd_credentials_from_args,
     non_negative_int,
     positive_float,
     positive_int,
@@ -115,6 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for its children)")
     h.add_argument("--group-url", default=None, help=argparse.SUPPRESS)  # set for children
     add_restart_options(h, "all of them (with --processes N)")
+    add_etcd_options(p)
 
     m = p.add_argument_group("model and tokenization")
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
@@ -254,7 +257,9 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     With in-process workers, what the engine knows of its model (its directory's
     tokenizer, its vocabulary size and context length) fills the options not given.
     """
-    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
+    names = {f.name for f in fields(FrontendConfig)} - {
+        "engine_config", "api_keys", "limits", "etcd_credentials"
+    }
     engine_config = config_from_args(registry.config_type(args.engine), args)
     limits = config_from_args(RequestLimits, args)
     api_keys = load_api_keys(args.api_key or (), env=os.environ.get(API_KEYS_ENV))
@@ -268,6 +273,7 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
         defaults = engine_frontend_defaults(engine_config)
     config = FrontendConfig(
         **{**defaults, **given}, engine_config=engine_config, api_keys=api_keys, limits=limits,
+        etcd_credentials=etcd_credentials_from_args(args),
     )  # fmt: skip
     # The files are read now, not at the first connection: a bad one is a bad option.
     if config.ssl_certfile and config.ssl_keyfile:

@@ -31,8 +31,10 @@ import trio
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_etcd_options,
     config_from_args,
     configure_logging,
+    etcd_credentials_from_args,
     non_negative_int,
     positive_float,
 )
@@ -105,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds a crashed worker stays registered in etcd (lease TTL)")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="log level (debug also shows every etcd call)")
+    add_etcd_options(parser)
     for name in registry.names():
         spec = registry.spec(name)
         group = parser.add_argument_group(f"engine {name}", spec.summary)
@@ -132,6 +135,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         metrics_port=args.metrics_port,
         discovery=args.discovery,
         lease_ttl=args.lease_ttl,
+        etcd=etcd_credentials_from_args(args),
     )
 
 
@@ -184,6 +188,8 @@ async def _run(config: WorkerConfig) -> int:
                 model=config.model_name,
                 capacity=config.capacity,
                 ttl=config.lease_ttl,
+                secret=config.secret,  # signs its record: frontends check it
+                credentials=config.etcd,
             )
         nursery.start_soon(_watch_signals, stop, forced, nursery.cancel_scope)
         if (supervisor := supervisor_pid()) is not None:  # under headwater launch

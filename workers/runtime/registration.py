@@ -40,6 +40,7 @@ import trio
 from headwater.backoff import Backoff
 from headwater.etcd.client import (
     EtcdClient,
+    EtcdCredentials,
     EtcdError,
     EtcdLeaseNotFound,
     EtcdUnavailable,
@@ -75,7 +76,11 @@ class EtcdRegistration:
         backoff: Backoff | None = None,
         pid: int | None = None,
         started_at: float | None = None,  # unix time; default: now
+        secret: bytes | None = None,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
+        """*secret* (the plane secret) signs the record, so frontends trust it
+        (:mod:`headwater.etcd.records`); *credentials* authenticate to etcd."""
         if ttl < 1:
             raise ValueError("ttl must be at least 1 second")
         self.endpoints = endpoints
@@ -89,6 +94,8 @@ class EtcdRegistration:
             started_at=time.time() if started_at is None else started_at,
         )
         self._client = client
+        self._secret = secret
+        self._credentials = credentials
         self._active: EtcdClient | None = None
         self._backoff = backoff or Backoff(0.1, max(0.2, ttl / 3))
         self._lease: Lease | None = None
@@ -100,6 +107,10 @@ class EtcdRegistration:
     @property
     def key(self) -> str:
         return self._record.key(self.prefix)
+
+    def _value(self) -> bytes:
+        """The record as stored: signed with the plane secret, when there is one."""
+        return self._record.to_json(self._secret)
 
     @property
     def record(self) -> InstanceRecord:
@@ -120,7 +131,9 @@ class EtcdRegistration:
         """
         if self._scope is not None:
             raise RuntimeError("EtcdRegistration.run() is already running")
-        client = self._client or EtcdClient(self.endpoints, timeout=self.timeout)
+        client = self._client or EtcdClient(
+            self.endpoints, timeout=self.timeout, credentials=self._credentials
+        )
         self._active = client
         try:
             with trio.CancelScope() as self._scope:
@@ -172,17 +185,17 @@ class EtcdRegistration:
             await self._register(client)
             return
         kv = await client.get(self.key)
-        if kv is None or kv.lease != self._lease.id or kv.value != self._record.to_json():
+        if kv is None or kv.lease != self._lease.id or kv.value != self._value():
             log.warning("etcd key %s was deleted or changed; writing it again", self.key)
             try:
-                await client.put(self.key, self._record.to_json(), lease=self._lease.id)
+                await client.put(self.key, self._value(), lease=self._lease.id)
             except EtcdLeaseNotFound:
                 await self._register(client)
 
     async def _register(self, client: EtcdClient) -> None:
         lease = await client.lease_grant(self.ttl)
         self._lease = lease
-        await client.put(self.key, self._record.to_json(), lease=lease.id)
+        await client.put(self.key, self._value(), lease=lease.id)
         self.registrations += 1
         log.info("registered %s in etcd (lease %x, ttl %d s)", self.key, lease.id, lease.ttl)
 
@@ -211,7 +224,7 @@ class EtcdRegistration:
         try:
             async with self._lock:
                 if self._lease is not None:
-                    await client.put(self.key, self._record.to_json(), lease=self._lease.id)
+                    await client.put(self.key, self._value(), lease=self._lease.id)
         except EtcdError as exc:
             log.warning("publishing draining for %s: %s; will retry", self.key, exc)
 
@@ -286,8 +299,12 @@ class RegistrationHooks:
         capacity: int = 256,
         ttl: int = 10,  # seconds
         register_timeout: float = 30.0,  # seconds
+        secret: bytes | None = None,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         self.endpoints = endpoints
+        self.secret = secret
+        self.credentials = credentials
         self.worker_id = worker_id
         self.role = role
         self.model = model
@@ -301,7 +318,10 @@ class RegistrationHooks:
         instance = WorkerInstance(
             self.worker_id, Role(self.role), self.model, address, capacity=self.capacity
         )
-        registration = EtcdRegistration(self.endpoints, instance, ttl=self.ttl)
+        registration = EtcdRegistration(
+            self.endpoints, instance, ttl=self.ttl, secret=self.secret,
+            credentials=self.credentials,
+        )  # fmt: skip
         with trio.move_on_after(self.register_timeout) as scope:
             await self._nursery.start(registration.run)
         if scope.cancelled_caught:
