@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
                    help="the CA that every peer's certificate (frontends, other workers) "
                         "must chain to; nothing else is trusted")
+    a("--kv-peers", default="",
+      help="comma-separated tcp://host:port of the prefill workers a decode worker may pull "
+      "KV from, besides those registered in etcd (--discovery); with neither, a worker "
+      "listening on loopback pulls from loopback ones. A KV handle naming any other "
+      "address is refused")
     a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
     a("--discovery", default="",
       help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
@@ -136,6 +141,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         discovery=args.discovery,
         lease_ttl=args.lease_ttl,
         etcd=etcd_credentials_from_args(args),
+        kv_peers=tuple(p.strip() for p in args.kv_peers.split(",") if p.strip()),
     )
 
 

@@ -44,10 +44,12 @@ from headwater.etcd.client import (
     EtcdError,
     EtcdLeaseNotFound,
     EtcdUnavailable,
+    EventType,
     Lease,
 )
-from headwater.etcd.records import KEY_PREFIX, InstanceRecord, InstanceState
+from headwater.etcd.records import KEY_PREFIX, InstanceRecord, InstanceState, model_prefix
 from headwater.plane.base import WorkerInstance
+from headwater.plane.kv import KvPeers
 from headwater.wire import Role
 
 log = logging.getLogger(__name__)
@@ -339,3 +341,65 @@ class RegistrationHooks:
         """Revoke the lease (idempotent; bounded and shielded, see EtcdRegistration)."""
         if self.registration is not None:
             await self.registration.deregister()
+
+
+async def follow_prefill_workers(
+    endpoints: str | Sequence[str],
+    model: str,
+    peers: KvPeers,
+    *,
+    secret: bytes | None = None,
+    credentials: EtcdCredentials | None = None,
+    prefix: str = KEY_PREFIX,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep *peers* to the prefill workers of *model* registered in etcd, until cancelled:
+    a decode worker pulls KV only from those (the SSRF bound of
+    :class:`~headwater.plane.kv.KvPeers`). A record counts as the frontends' do: signed
+    with *secret* when there is one, under its own key. Reports started after the first
+    range (or at once if etcd is down: it retries with backoff meanwhile)."""
+    watched = f"{model_prefix(model, prefix)}prefill/"
+    by_key: dict[bytes, str] = {}  # key → worker id
+
+    def apply(key: bytes, value: bytes | None) -> None:
+        if (old := by_key.pop(key, None)) is not None:
+            peers.unregister(old)
+        if value is None:
+            return
+        try:
+            rec = InstanceRecord.from_json(value, secret)
+            if rec.key(prefix).encode() != key:
+                raise ValueError("stored under another key than its own")
+        except ValueError as exc:
+            log.warning("not a KV peer: etcd key %r: %s", key, exc)
+            return
+        by_key[key] = rec.worker_id
+        peers.register(rec.worker_id, rec.address)
+
+    backoff = Backoff(0.1, 5.0)
+    started = False
+    async with EtcdClient(endpoints, credentials=credentials) as client:
+        while True:
+            try:
+                snapshot = await client.range(watched, prefix=True)
+                for key in list(by_key):
+                    apply(key, None)
+                for kv in snapshot.kvs:
+                    apply(kv.key, kv.value)
+                if not started:
+                    started = True
+                    task_status.started()
+                async with client.watch(
+                    watched, prefix=True, start_revision=snapshot.revision + 1
+                ) as events:
+                    backoff.reset()
+                    async for event in events:
+                        apply(event.kv.key, event.kv.value if event.type is EventType.PUT else None)
+            except EtcdError as exc:
+                if not started:
+                    started = True
+                    task_status.started()
+                delay = backoff.next()
+                log.warning("following prefill workers in etcd: %s; retrying in %.2f s",
+                            exc, delay)  # fmt: skip
+                await trio.sleep(delay)
