@@ -23,12 +23,13 @@ import trio
 
 from frontend.config import FrontendConfig
 from frontend.server import Frontend
-from headwater.cli.secret_args import SECRET_ENV_VARS, api_keys_to_env, hide_in_cmdline
+from headwater.cli.secret_args import api_keys_to_env, hide_in_cmdline
 from headwater.cluster.launch import Cluster, ClusterPlan
 from headwater.cluster.recipes import start_etcd
 from headwater.plane.base import CannotConnect, WorkerInstance
 from headwater.plane.client import connect_worker
 from headwater.plane.connection import HandshakeFailed
+from headwater.secret_env import SECRET_ENV_VARS
 from headwater.wire import Role
 from headwater.wire.handshake import (
     SECRET_ENV,

@@ -11,10 +11,8 @@ command line all the same:
   memory the kernel reads it from), at start, before any fork; ``ps`` shows ``*`` in
   their place from then on (a short window at start remains: use the file);
 * :func:`api_keys_to_env` takes them out of a child's command line and into its
-  environment, which only the same user (and root) can read;
-* :func:`without_secrets` is the environment for a child that needs none of them (etcd,
-  a vLLM server): what it does not hold, it cannot leak (its logs, its crash reports,
-  its own children).
+  environment, which only the same user (and root) can read; a child that needs none of
+  them gets none (:mod:`headwater.secret_env`).
 """
 
 from __future__ import annotations
@@ -23,13 +21,11 @@ import ctypes
 import logging
 from collections.abc import Iterable, Sequence
 
+from headwater.secret_env import API_KEYS_ENV
+
 log = logging.getLogger(__name__)
 
-#: The environment variable the frontend reads API keys from (comma-separated).
-API_KEYS_ENV = "HEADWATER_API_KEYS"
-#: Every variable that carries one of headwater's secrets: API keys, the plane secret,
-#: etcd's password.
-SECRET_ENV_VARS = (API_KEYS_ENV, "HEADWATER_PLANE_SECRET", "HEADWATER_ETCD_PASSWORD")
+__all__ = ["API_KEYS_ENV", "api_keys_to_env", "hide_in_cmdline"]
 _API_KEY_OPTION = "--api-key"
 
 
@@ -100,7 +96,3 @@ def api_keys_to_env(argv: Sequence[str], env: dict[str, str]) -> list[str]:
         env[API_KEYS_ENV] = ",".join([*present, *keys])
     return out
 
-
-def without_secrets(env: dict[str, str]) -> dict[str, str]:
-    """*env* without :data:`SECRET_ENV_VARS`, for a child that needs none of them."""
-    return {k: v for k, v in env.items() if k not in SECRET_ENV_VARS}

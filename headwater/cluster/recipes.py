@@ -38,7 +38,6 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
-from headwater.cli.secret_args import without_secrets
 from headwater.cluster.children import (
     KILL_TIMEOUT,
     ChildProcess,
@@ -50,6 +49,7 @@ from headwater.cluster.children import (
     spawn,
 )
 from headwater.ports import free_port
+from headwater.secret_env import without_secrets
 from headwater.wire.addresses import parse_tcp_address
 from workers.lifecycle import READY_PREFIX as WORKER_READY_PREFIX
 

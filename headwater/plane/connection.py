@@ -566,7 +566,7 @@ async def open_connection(
         handshake = ClientHandshake(role=role, peer_id=peer_id, model=expect_model, secret=secret)
         decoder = FrameDecoder(min(config.max_frame, HANDSHAKE_MAX_FRAME))
         await stream.send_all(encode(handshake.start()))
-        data = b""
+        data: bytes | bytearray = b""
         while handshake.peer is None:
             frames = decoder.feed(data, limit=1)
             data = b""

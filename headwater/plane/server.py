@@ -495,7 +495,7 @@ class _Connection:
             if isinstance(self.stream, trio.SSLStream) and not await self._tls_handshake():
                 return False
             try:
-                data = b""
+                data: bytes | bytearray = b""
                 while handshake.peer is None:
                     frames = self.decoder.feed(data, limit=1)
                     if not frames:

@@ -72,7 +72,7 @@ class FrameMac:
         """The tag of the next frame sent, whose body is *parts* joined."""
         return self._tag(parts)
 
-    def verify(self, body: bytes | bytearray | memoryview, tag: bytes | memoryview) -> None:
+    def verify(self, body: bytes | bytearray | memoryview, tag: bytes | bytearray) -> None:
         """Check the next frame received; raises :class:`AuthError` if its tag is wrong."""
         if not hmac.compare_digest(self._tag((body,)), bytes(tag)):
             raise AuthError(f"frame {self.seq - 1} failed authentication (injected, replayed, "

@@ -27,9 +27,9 @@ from typing import IO
 import httpx
 import trio
 
-from headwater.cli.secret_args import without_secrets
 from headwater.orphans import supervisor_env
 from headwater.ports import free_port
+from headwater.secret_env import without_secrets
 from headwater.sessions import keep_niceness
 from headwater.wire import Role
 from workers.engines.vllm.config import VllmConfig
