@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.limits import RequestLimits
+from headwater.etcd.client import EtcdCredentials
 from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
 from headwater.plane.tls import TlsConfig, tls_config
@@ -117,6 +118,8 @@ class FrontendConfig:
     plane_tls_certfile: str | None = None
     plane_tls_keyfile: str | None = None
     plane_tls_ca_file: str | None = None
+    # etcd's credentials for --discovery (headwater/etcd/client.py); None: etcd is open.
+    etcd_credentials: EtcdCredentials | None = field(default=None, repr=False)
     migration_limit: int = 3  # times a broken stream may move to another worker
     route_attempts: int = 3  # workers tried when one cannot be reached
 

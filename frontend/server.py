@@ -183,8 +183,9 @@ class Frontend:
         hc = ServerConfig()
         if cfg.listen_fd is None:
             hc.bind = [f"{cfg.host}:{cfg.port}"]
-        else:  # one of several processes: the shared socket, then a port of its own
-            hc.bind = [f"fd://{cfg.listen_fd}", f"{cfg.host}:0"]
+        else:  # one of several processes: the shared socket, then a port of its own,
+            # on loopback whatever --host is: only the supervisor and this host use it
+            hc.bind = [f"fd://{cfg.listen_fd}", "127.0.0.1:0"]
         hc.certfile, hc.keyfile = cfg.ssl_certfile, cfg.ssl_keyfile  # both bound over TLS
         hc.keep_alive_timeout = cfg.keep_alive_timeout
         hc.graceful_timeout = cfg.graceful_timeout
