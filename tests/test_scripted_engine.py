@@ -537,7 +537,6 @@ TOOLS: list[Any] = [{
     },
 }]  # fmt: skip
 QUESTION = "What is the weather in Paris?"
-PARSERS_PENDING = pytest.mark.xfail(strict=True, reason="parsers not wired yet")
 
 
 async def tool_frontend(tmp_path: Path, nursery: trio.Nursery) -> str:
@@ -581,7 +580,6 @@ async def ask(
     return "".join(parts), list(slots.values()), finish
 
 
-@PARSERS_PENDING
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
 async def test_the_openai_sdk_drives_a_tool_call_loop(
     tmp_path: Path, nursery: trio.Nursery, stream: bool
@@ -624,7 +622,6 @@ def agents_sdk() -> Any:
     return agents
 
 
-@PARSERS_PENDING
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
 async def test_the_agents_sdk_runs_an_agent_with_a_tool(
     tmp_path: Path, nursery: trio.Nursery, agents_sdk: Any, stream: bool
