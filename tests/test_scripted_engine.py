@@ -1,10 +1,12 @@
 """The scripted engine: its script, its answers, and the whole path in front of it.
 
 Test policy: scripts are written to the test's tmp_path; frontends bind 127.0.0.1 port 0
-in the test's nursery (tests/frontend_fixture.py); the one worker process binds
-127.0.0.1 port 0 and gets 20 s to start. Engine timing is checked on trio's MockClock;
-everything else runs with a token delay of 0 or 1 ms, so each test takes well under a
-second once the tokenizer is loaded (once per session).
+in the test's nursery (tests/frontend_fixture.py); the one worker process binds 127.0.0.1
+port 0 and gets 60 s to start (its tokenizer loads in ~1 s, far longer on a loaded
+machine). Engine timing is checked on trio's MockClock; everything else runs with a token
+delay of 0 or 1 ms, so each test takes well under a second once the tokenizer is loaded
+(once per session). The agents SDK runs on asyncio, in a thread, against the same
+loopback frontend.
 """
 
 from __future__ import annotations
@@ -452,7 +454,7 @@ async def test_a_worker_process_answers_over_tcp(
 ) -> None:
     worker = await start_worker(
         nursery, "agg", log_dir=tmp_path, model=MODEL, engine="scripted",
-        engine_args=["--script", script, "--token-delay", "0"], ready_within=20,
+        engine_args=["--script", script, "--token-delay", "0"], ready_within=60,
     )  # fmt: skip
     _, url, _ = await start_frontend(nursery, workers=worker.static_url(MODEL))
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
