@@ -1,526 +1,177 @@
-"""DeepSeek-V4 answers for the parser tests: hand-written edge cases and a generator.
+"""A corpus of DeepSeek-V4 answers for the parse stage's tests: hand-written edge cases
+and generated ones (seeded: the same corpus every run).
 
-Each :class:`Case` carries what a correct parse gives (the calls, reasoning and content
-the answer was built from), so the generated corpus checks headwater's parser against
-its own construction and, in tests/test_parsers_vllm.py, against vLLM's parsers.
-Answers are laid out as DeepSeek-V4's chat template teaches (frontend/preprocess/deepseek_v4.py):
-``{reasoning}</think>{content}\\n\\n<｜DSML｜tool_calls>\\n<｜DSML｜invoke ...``.
+Each :class:`Case` is the answer's text as the model wrote it, whether the prompt forced
+reasoning, whether it was cut (``max_tokens``), the request's tools, and what a correct
+parse gives: ``reasoning``, ``content`` and ``calls`` as (name, arguments as an object).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-
-from frontend.postprocess.parsers import AnswerDelta, AnswerParser, make_parser
-
 D = "｜DSML｜"
+BLOCK = f"<{D}tool_calls>"
+BLOCK_END = f"</{D}tool_calls>"
 
-#: The tools every case is parsed with (their schemas type DSML values).
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {
             "city": {"type": "string"}, "days": {"type": "integer"},
-            "units": {"type": "string", "enum": ["c", "f"]}}}}},
+            "units": {"type": "array", "items": {"type": "string"}}}}}},
     {"type": "function", "function": {"name": "write_file", "parameters": {
         "type": "object", "properties": {
             "path": {"type": "string"}, "content": {"type": "string"},
-            "append": {"type": "boolean"}}}}},
-    {"type": "function", "function": {"name": "search", "parameters": {
-        "type": "object", "properties": {
-            "query": {"type": "string"}, "filters": {"type": "object"},
-            "tags": {"type": "array", "items": {"type": "string"}},
-            "threshold": {"type": "number"}, "limit": {"type": "integer"}}}}},
+            "options": {"type": "object"}, "overwrite": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {
+        "type": "object", "properties": {}}}},
 ]  # fmt: skip
-_TYPES = {
-    t["function"]["name"]: {
-        k: v["type"] for k, v in t["function"]["parameters"]["properties"].items()
-    }
-    for t in TOOLS
-}
-UNLISTED = "run_shell"  # a tool the request did not declare: no schema types its values
-
-#: Every marker of the deepseek_v4 parsers, any spelling: none may reach content/reasoning.
-MARKUP = (
-    "<think>", "</think>", f"<{D}", f"</{D}", "<|DSML|", "</|DSML|",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Case:
-    """A model answer and what parsing it must give."""
-
-    name: str
-    text: str
-    forced: bool  # the prompt ended in <think>
-    calls: tuple[tuple[str, Any], ...] = ()  # (name, arguments object), in order
-    reasoning: str = ""
-    content: str = ""
-    truncated: bool = False  # cut by max_tokens
-    tools: list[dict[str, Any]] = field(default_factory=lambda: TOOLS)
-    #: Text after the call block: headwater returns it as content, vLLM drops it.
-    trailing: str = ""
-    #: Why vLLM's parse of this case is wrong ("": it is right).
-    vllm_wrong: str = ""
-    #: Whether ``reasoning`` and ``content`` are known (not for a generated cut answer,
-    #: where only the complete calls are).
-    text_known: bool = True
-
-    def parser(self) -> AnswerParser:
-        return make_parser(
-            "deepseek_v4", "deepseek_v4", tools=self.tools, reasoning_forced=self.forced
-        )
+TYPES = {t["function"]["name"]: t["function"]["parameters"]["properties"] for t in TOOLS}
 
 
 @dataclass
-class Parsed:
-    """Everything a stream of deltas said, joined, plus the deltas themselves."""
-
-    content: str
-    reasoning: str
-    calls: list[tuple[str, str]]  # (name, arguments JSON)
-    ids: list[str]
-    deltas: list[AnswerDelta]
-
-    def call_objects(self) -> list[tuple[str, Any]]:
-        return [(name, json.loads(args)) for name, args in self.calls]
+class Case:
+    name: str
+    text: str
+    forced: bool = False
+    truncated: bool = False
+    reasoning: str = ""
+    content: str = ""
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
-def parse(parser: AnswerParser, pieces: list[str], *, truncated: bool = False) -> Parsed:
-    """Feed ``pieces``, finish, and join the deltas, checking OpenAI's incremental shape:
-    a call's first delta has its index (0, 1, ... in order), id and name; the later
-    ones only argument fragments."""
-    deltas = [parser.feed(piece) for piece in pieces]
-    deltas.append(parser.finish(truncated=truncated))
-    names: dict[int, str] = {}
-    args: dict[int, list[str]] = {}
-    ids: list[str] = []
-    for delta in deltas:
-        for step in delta.tool_calls:
-            if step.index not in names:
-                assert step.index == len(names), "call indexes go 0, 1, ... in order"
-                assert step.id is not None, "a call's first delta has its id"
-                assert step.name, "a call's first delta names it"
-                names[step.index] = step.name
-                ids.append(step.id)
-                args[step.index] = [step.arguments]
-            else:
-                assert step.id is None, "only the first delta has the id"
-                assert step.name is None, "only the first delta names"
-                args[step.index].append(step.arguments)
-    assert len(names) == parser.tool_calls_made
-    return Parsed(
-        content="".join(d.content for d in deltas),
-        reasoning="".join(d.reasoning for d in deltas),
-        calls=[(names[i], "".join(args[i])) for i in range(len(names))],
-        ids=ids,
-        deltas=deltas,
-    )
-
-
-def unary(case: Case) -> Parsed:
-    return parse(case.parser(), [case.text], truncated=case.truncated)
-
-
-# -- rendering ----------------------------------------------------------------------------
-
-
-def param(name: str, raw: str, string: str | None) -> str:
+def param(name: str, value: Any, string: str | None = "auto") -> str:
+    """One DSML parameter; *string* "auto": the attribute as the renderer writes it;
+    None: the attribute left out (as models sometimes do)."""
+    if string == "auto":
+        string = "true" if isinstance(value, str) else "false"
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     attr = "" if string is None else f' string="{string}"'
-    return f'<{D}parameter name="{name}"{attr}>{raw}</{D}parameter>'
+    return f'<{D}parameter name="{name}"{attr}>{text}</{D}parameter>'
 
 
-def block(
-    invokes: list[tuple[str, list[str]]], *, wrapper: str = "tool_calls", nl: str = "\n"
-) -> str:
-    """A DSML call block as the template lays it out (``nl=""``: all on one line)."""
-    body = nl.join(
-        f'<{D}invoke name="{name}">{nl}' + nl.join(params) + f"{nl}</{D}invoke>"
-        for name, params in invokes
-    )
-    return f"<{D}{wrapper}>{nl}{body}{nl}</{D}{wrapper}>"
+def invoke(name: str, params: list[str]) -> str:
+    return f'<{D}invoke name="{name}">\n' + "\n".join(params) + f"\n</{D}invoke>"
 
 
-# -- hand-written cases ---------------------------------------------------------------------
-
-_W = [param("city", "Paris", "true"), param("days", "3", "false")]
-HTML = "<html lang=\"en\">\n  <p class='x'>1 < 2 && 3 > 2</p>\n</html>\n"
+def block(invokes: list[str], start: str = BLOCK) -> str:
+    return f"{start}\n" + "\n".join(invokes) + f"\n{BLOCK_END}"
 
 
-def _hand() -> list[Case]:
-    nested = {"a": [1, {"b": None, "c": "ü"}], "d": {"e": True}}
+CODE = 'if a < b and "q" > \'r\':\n    print("<tag>")\n'
+
+
+def hand_written() -> list[Case]:
+    w = {"city": "Paris", "days": 3}
+    w_call = invoke("get_weather", [param("city", "Paris"), param("days", 3)])
     return [
-        Case(
-            "one call, content before",
-            f"Sure.\n\n{block([('get_weather', _W)])}",
-            forced=False,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-            content="Sure.",
-        ),
-        Case(
-            "reasoning then one call",
-            f"Need weather.\n</think>\n\n{block([('get_weather', _W)])}",
-            forced=True,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-            reasoning="Need weather.\n",
-        ),
-        Case(
-            "several calls in one block",
-            "</think>"
-            + block(
-                [
-                    ("get_weather", _W),
-                    (
-                        "write_file",
-                        [param("path", "/tmp/a b.txt", "true"), param("append", "true", "false")],
-                    ),
-                    ("search", [param("query", "x", "true"), param("limit", "10", "false")]),
-                ]
-            ),
-            forced=True,
-            calls=(
-                ("get_weather", {"city": "Paris", "days": 3}),
-                ("write_file", {"path": "/tmp/a b.txt", "append": True}),
-                ("search", {"query": "x", "limit": 10}),
-            ),
-        ),
-        Case(
-            "unicode and nested JSON arguments",
-            block(
-                [
-                    (
-                        "search",
-                        [
-                            param("query", "天气 ☀️ in Zürich — “quoted”", "true"),
-                            param("filters", json.dumps(nested, ensure_ascii=False), "false"),
-                            param("tags", '["a", "日本"]', "false"),
-                        ],
-                    )
-                ]
-            ),
-            forced=False,
-            calls=(
-                (
-                    "search",
-                    {
-                        "query": "天气 ☀️ in Zürich — “quoted”",
-                        "filters": nested,
-                        "tags": ["a", "日本"],
-                    },
-                ),
-            ),
-        ),
-        Case(
-            "< > and quotes in values",
-            block(
-                [
-                    (
-                        "write_file",
-                        [
-                            param("path", 'a"b<c>.html', "true"),
-                            param("content", HTML, "true"),
-                        ],
-                    )
-                ]
-            ),
-            forced=False,
-            calls=(
-                (
-                    "write_file",
-                    {
-                        "path": 'a"b<c>.html',
-                        "content": HTML,
-                    },
-                ),
-            ),
-        ),
-        Case(
-            "a value holding <think> and a DSML-like prefix",
-            block(
-                [
-                    (
-                        "write_file",
-                        [param("content", "<think>not reasoning</think> <｜DSM <|DS", "true")],
-                    )
-                ]
-            ),
-            forced=False,
-            calls=(("write_file", {"content": "<think>not reasoning</think> <｜DSM <|DS"}),),
-            vllm_wrong="vLLM takes <think>…</think> inside an argument for reasoning and cuts "
-            "it out of the value; headwater keeps a value as written",
-        ),
-        Case(
-            "content before and after the block",
-            f"Checking.\n\n{block([('get_weather', _W)])}\nDone.",
-            forced=False,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-            content="Checking.\nDone.",
-            trailing="\nDone.",
-        ),
-        Case(
-            "reasoning only (cut by max_tokens)",
-            "Let me think about <this> and 1 < 2",
-            forced=True,
-            reasoning="Let me think about <this> and 1 < 2",
-            truncated=True,
-        ),
-        Case(
-            "reasoning and answer, no tools",
-            "Hmm.</think>The answer is 42.",
-            forced=True,
-            reasoning="Hmm.",
-            content="The answer is 42.",
-        ),
-        Case(
-            "no thinking mode, plain answer with < and a stray </think>",
-            "a < b </think>and <thin c",
-            forced=False,
-            content="a < b and <thin c",
-        ),
-        Case(
-            "thinking opened by the model itself",
-            "<think>hm</think>ok",
-            forced=False,
-            reasoning="hm",
-            content="ok",
-        ),
-        Case(
-            "cut by max_tokens inside the second call",
-            "</think>"
-            + block([("get_weather", _W), ("search", [param("query", "x", "true")])])[:-60],
-            forced=True,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-            truncated=True,
-        ),
-        Case(
-            "cut by max_tokens inside the opener",
-            f"Sure.\n\n<{D}tool_ca",
-            forced=False,
-            content="Sure.",
-            truncated=True,
-        ),
-        Case(
-            "cut by max_tokens right after a complete invoke",
-            "</think>" + block([("get_weather", _W)]).removesuffix(f"\n</{D}tool_calls>"),
-            forced=True,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-            truncated=True,
-        ),
-        Case(
-            "spelling variant <｜DSML｜toolcalls>",
-            block([("get_weather", _W)], wrapper="toolcalls"),
-            forced=False,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-        ),
-        Case(
-            "spelling variant <｜DSML｜tool>",
-            block([("get_weather", _W)], wrapper="tool"),
-            forced=False,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-        ),
-        Case(
-            "missing string attribute",
-            block(
-                [
-                    (
-                        "search",
-                        [
-                            param("query", "plain words", None),
-                            param("limit", "5", None),
-                            param("filters", '{"k": [1, 2]}', None),
-                            param("threshold", "0.5", None),
-                        ],
-                    )
-                ]
-            ),
-            forced=False,
-            calls=(
-                (
-                    "search",
-                    {
-                        "query": "plain words",
-                        "limit": 5,
-                        "filters": {"k": [1, 2]},
-                        "threshold": 0.5,
-                    },
-                ),
-            ),
-        ),
-        Case(
-            "string hint wrong way round, schema decides",
-            block([("get_weather", [param("city", "123", "false"), param("days", "7", "true")])]),
-            forced=False,
-            calls=(("get_weather", {"city": "123", "days": 7}),),
-        ),
-        Case(
-            "an undeclared tool: the string hint decides",
-            block(
-                [
-                    (
-                        UNLISTED,
-                        [
-                            param("cmd", "ls -la", "true"),
-                            param("timeout", "30", "false"),
-                            param("raw", "[1]", "true"),
-                        ],
-                    )
-                ]
-            ),
-            forced=False,
-            calls=((UNLISTED, {"cmd": "ls -la", "timeout": 30, "raw": "[1]"}),),
-        ),
-        Case(
-            "call without </think>: the block ends the reasoning",
-            f"I will call it.\n\n{block([('get_weather', _W)])}",
-            forced=True,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),),
-            reasoning="I will call it.",
-        ),
-        Case(
-            "one-line layout",
-            "</think>" + block([("get_weather", _W), ("get_weather", _W)], nl=""),
-            forced=True,
-            calls=(("get_weather", {"city": "Paris", "days": 3}),) * 2,
-        ),
-        Case(
-            "empty parameters",
-            block([("get_weather", [])]),
-            forced=False,
-            calls=(("get_weather", {}),),
-        ),
-        Case("empty answer", "", forced=True),
-    ]
+        Case("plain", "Hello, world.", content="Hello, world."),
+        Case("reasoning only, forced", "Let me think about it.", forced=True,
+             reasoning="Let me think about it."),
+        Case("reasoning then answer, forced", "Hmm.</think>The answer is 4.", forced=True,
+             reasoning="Hmm.", content="The answer is 4."),
+        Case("reasoning tags in the answer", "<think>Hmm.</think>Four.", reasoning="Hmm.",
+             content="Four."),
+        Case("one call", block([w_call]), calls=[("get_weather", w)]),
+        Case("content before a call", "Let me check.\n\n" + block([w_call]),
+             content="Let me check.\n\n", calls=[("get_weather", w)]),
+        Case("reasoning, content, two calls",
+             "I need the weather.</think>Checking." + block([w_call, invoke("noop", [])]),
+             forced=True, reasoning="I need the weather.", content="Checking.",
+             calls=[("get_weather", w), ("noop", {})]),
+        Case("unicode and markup in a string", block([invoke("write_file", [
+            param("path", "/tmp/ünï 文件.txt"),
+            param("content", CODE),
+        ])]), calls=[("write_file", {"path": "/tmp/ünï 文件.txt", "content": CODE})]),
+        Case("nested JSON argument", block([invoke("write_file", [
+            param("path", "a"), param("options", {"mode": [1, {"x": None}], "é": True}),
+            param("overwrite", False)])]),
+            calls=[("write_file", {"path": "a", "options": {"mode": [1, {"x": None}], "é": True},
+                                   "overwrite": False})]),
+        Case("missing string attribute", block([invoke("get_weather", [
+            param("city", "Paris", string=None), param("days", 3, string=None)])]),
+            calls=[("get_weather", w)]),
+        Case("spelling variant toolcalls", block([w_call], start=f"<{D}toolcalls>"),
+             calls=[("get_weather", w)]),
+        Case("spelling variant tool", block([w_call], start=f"<{D}tool>"),
+             calls=[("get_weather", w)]),
+        Case("a call inside the reasoning", "Calling now." + block([w_call]), forced=True,
+             reasoning="Calling now.", calls=[("get_weather", w)]),
+        Case("cut inside the second call",
+             block([w_call, invoke("write_file", [param("path", "a")])])[:-40],
+             truncated=True, calls=[("get_weather", w)]),
+        Case("cut inside the first call", block([w_call])[:60], truncated=True),
+        Case("cut inside a marker", "Let me check." + BLOCK[:5], truncated=True,
+             content="Let me check." + BLOCK[:5]),
+        Case("a lone less-than", "a < b, and <thinking> is not a tag",
+             content="a < b, and <thinking> is not a tag"),
+    ]  # fmt: skip
 
 
-HAND = _hand()
+_WORDS = ["the", "weather", "is", "Paris", "文件", "naïve", "<", ">", '"', "'", "&", "\\",
+          "{", "}", "[", "]", ":", "\n", "  ", "é", "😀", "<b>", "</", "=", "DSML", "｜"]
 
 
-# -- generated cases ------------------------------------------------------------------------
-
-_ALPHABET = st.sampled_from(
-    list("abcxyz XYZ019.,;:!?-_()[]{}\\/'\"&%$#@*+=~`|^<>\n\t") + list("éü中文日本語☀️🙂—“”｜")
-)
-_TEXT = st.text(_ALPHABET, max_size=40).filter(lambda s: not any(m in s for m in MARKUP))
-_JSON_LEAF = st.one_of(
-    st.none(), st.booleans(), st.integers(-10**6, 10**6),
-    st.floats(allow_nan=False, allow_infinity=False, width=32), _TEXT,
-)  # fmt: skip
-_JSON = st.recursive(
-    _JSON_LEAF,
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(_TEXT, inner, max_size=3)),
-    max_leaves=6,
-)
-_VALUES = {
-    "string": _TEXT,
-    "integer": st.integers(-10**9, 10**9),
-    "number": st.floats(allow_nan=False, allow_infinity=False),
-    "boolean": st.booleans(),
-    "object": st.dictionaries(_TEXT, _JSON, max_size=3),
-    "array": st.lists(_TEXT, max_size=3),
-}  # fmt: skip
+def _words(rng: random.Random, low: int, high: int) -> str:
+    count = rng.randint(low, high)
+    return "".join(rng.choice(_WORDS) + rng.choice(["", " "]) for _ in range(count))
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+def _value(rng: random.Random, kind: str) -> Any:
+    if kind == "string":
+        return _words(rng, 1, 12).strip() or "x"
+    if kind == "integer":
+        return rng.randint(-1000, 10**6)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array":
+        return [_words(rng, 1, 3).strip() or "y" for _ in range(rng.randint(0, 3))]
+    return {"k": rng.randint(0, 9), "nested": {"list": [1.5, None, "z"], "s": _words(rng, 0, 3)}}
 
 
-@st.composite
-def _invoke(draw: st.DrawFn) -> tuple[str, list[str], dict[str, Any]]:
-    """One invoke: (tool name, rendered parameters, the arguments they mean)."""
-    name = draw(st.sampled_from([*_TYPES, UNLISTED]))
-    schema = _TYPES.get(name) or {"cmd": "string", "count": "integer", "opts": "object"}
-    keys = draw(st.lists(st.sampled_from(sorted(schema)), unique=True, max_size=len(schema)))
-    params, args = [], {}
-    for key in keys:
-        kind = schema[key]
-        value = draw(_VALUES[kind])
-        if kind == "string":
-            raw, hint = value, "true"
-            # Leaving the hint out keeps a string only where the text is no JSON.
-            if name in _TYPES and not _is_json(raw) and draw(st.booleans()):
-                hint = None
-        else:
-            raw = json.dumps(value, ensure_ascii=draw(st.booleans()))
-            hint = draw(st.sampled_from(["false", "false", None]))
-        params.append(param(key, raw, hint))
-        args[key] = value
-    return name, params, args
+def _call(rng: random.Random) -> tuple[str, dict[str, Any], str]:
+    tool = rng.choice(list(TYPES))
+    args: dict[str, Any] = {}
+    params = []
+    for name, spec in TYPES[tool].items():
+        if rng.random() < 0.3:
+            continue
+        value = _value(rng, spec.get("type", "object"))
+        args[name] = value
+        # A missing attribute now and then: the schema types it.
+        params.append(param(name, value, string=None if rng.random() < 0.15 else "auto"))
+    return tool, args, invoke(tool, params)
 
 
-@st.composite
-def dsv4_answers(draw: st.DrawFn, *, truncation: bool = True) -> Case:
-    """A DeepSeek-V4 answer: maybe reasoning, maybe content, maybe a call block, maybe
-    cut short; the template's layout or a compact one, the wrapper's spelling variants."""
-    forced = draw(st.booleans())
-    reasoning = draw(_TEXT) if forced else ""
-    content = draw(_TEXT)
-    invokes = draw(st.lists(_invoke(), max_size=3))
-    text = ""
-    if invokes:
-        sep = draw(st.sampled_from(["\n\n", "\n\n", "", "\n"]))
-        wrapper = draw(
-            st.sampled_from(["tool_calls", "tool_calls", "tool_calls", "toolcalls", "tool"])
-        )
-        nl = draw(st.sampled_from(["\n", "\n", ""]))
-        calls_text = block([(n, p) for n, p, _ in invokes], wrapper=wrapper, nl=nl)
-        omit_think_end = forced and draw(st.integers(0, 4)) == 0
-        if omit_think_end:  # everything before the block is reasoning
-            reasoning, content = reasoning + content, ""
-            text = reasoning + sep + calls_text
-            reasoning = _cut_separator(reasoning + sep)
-        else:
-            text = (reasoning + "</think>" if forced else "") + content + sep + calls_text
-            content = _cut_separator(content + sep)
-    else:
+def generated(n: int, seed: int = 20261203) -> list[Case]:
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        forced = rng.random() < 0.5
+        reasoning = _words(rng, 0, 20) if forced else ""
+        reasoning = reasoning.replace("<", "(")  # reasoning text without markers
+        content = _words(rng, 0, 15).replace("<", "(") if rng.random() < 0.6 else ""
+        calls = [_call(rng) for _ in range(rng.choice([0, 0, 1, 1, 2, 3]))]
         text = (reasoning + "</think>" if forced else "") + content
-    calls = tuple((n, a) for n, _, a in invokes)
-    case = Case("generated", text, forced, calls=calls, reasoning=reasoning, content=content)
-    if truncation and text and draw(st.sampled_from([False] * 4 + [True])):
-        # Cut near the end as often as near the start: inside the last call, after the
-        # complete ones, is the case that matters.
-        back = draw(st.integers(1, len(text)))
-        cut = len(text) - back if draw(st.booleans()) else back - 1
-        # The calls whose invoke closed before the cut are complete.
-        ends, at = [], 0
-        for _ in calls:
-            at = text.index(f"</{D}invoke>", at) + len(f"</{D}invoke>")
-            ends.append(at)
-        complete = tuple(c for c, end in zip(calls, ends, strict=True) if end <= cut)
-        case = Case(
-            "generated, cut", text[:cut], forced, calls=complete, truncated=True, text_known=False
-        )
-    return case
-
-
-def _cut_separator(text: str) -> str:
-    """Content before a call block loses the template's separator (it is the opener's)."""
-    return text.removesuffix("\n\n")
-
-
-def splits(text: str, cuts: list[int]) -> list[str]:
-    """``text`` cut at the given offsets (any order, repeats allowed)."""
-    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    return [text[a:b] for a, b in itertools.pairwise(points)] or [""]
-
-
-def generated(n: int = 300) -> list[Case]:
-    """``n`` generated answers, the same on every run (hypothesis, derandomized)."""
-    cases: list[Case] = []
-
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(dsv4_answers())
-    def collect(case: Case) -> None:
+        if calls:
+            start = rng.choice([BLOCK, BLOCK, BLOCK, f"<{D}toolcalls>", f"<{D}tool>"])
+            text += "\n\n" + block([c[2] for c in calls], start=start)
+        # What a parse gives: the reasoning without its trailing whitespace (as vLLM's),
+        # the content with the blank line before the calls, unless it is only whitespace.
+        said = content + "\n\n" if calls else content
+        case = Case(f"generated {i}", text, forced=forced, reasoning=reasoning.rstrip(),
+                    content="" if calls and not said.strip() else said,
+                    calls=[(c[0], c[1]) for c in calls])
+        if calls and rng.random() < 0.2:  # cut by max_tokens inside the last call
+            last = text.rindex(f'<{D}invoke name="')
+            cut = rng.randint(last + 1, len(text) - len(BLOCK_END) - len(f"</{D}invoke>") - 2)
+            case.text, case.truncated, case.calls = text[:cut], True, case.calls[:-1]
         cases.append(case)
-
-    collect()
     return cases
+
+
+def corpus() -> list[Case]:
+    return hand_written() + generated(320)
