@@ -39,7 +39,7 @@ from werkzeug.exceptions import HTTPException
 from frontend.deadline import Deadline
 from frontend.errors import FrontendError, NoWorkers, UnknownModel
 from frontend.http.admission import Admission
-from frontend.http.errors import ApiError, api_error, bad_request
+from frontend.http.errors import ApiError, api_error, bad_request, loggable
 from frontend.http.models import REQUEST_MODELS
 from frontend.http.openapi import OPENAPI_PATH, openapi_json
 from frontend.http.responses import D, OpenAIFormat, ResponseFormat, TokenFormat
@@ -132,7 +132,7 @@ def create_app(
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s", loggable(request.method), loggable(request.path))
         return error_response(ApiError(500, "Internal server error"))
 
     @app.get("/live")
