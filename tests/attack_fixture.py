@@ -93,3 +93,32 @@ def post(path: str, body: bytes, *, headers: bytes = b"", length: int | None = N
         f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
         f"Content-Length: {size}\r\n".encode() + headers + b"\r\n" + body
     )
+
+
+class LoopGaps:
+    """The longest the trio loop went without running a ticker that asks to run every
+    *period* s: what a stall of the loop (a frontend served in the same loop) costs.
+    Use as ``async with LoopGaps() as gaps: ...; gaps.worst``."""
+
+    def __init__(self, period: float = 0.002) -> None:
+        self.period = period
+        self.worst = 0.0
+        self._nursery: trio.Nursery | None = None
+        self._manager: object = None
+
+    async def _tick(self) -> None:
+        while True:
+            start = trio.current_time()
+            await trio.sleep(self.period)
+            self.worst = max(self.worst, trio.current_time() - start - self.period)
+
+    async def __aenter__(self) -> LoopGaps:
+        self._manager = trio.open_nursery()
+        self._nursery = await self._manager.__aenter__()  # type: ignore[attr-defined]
+        self._nursery.start_soon(self._tick)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._nursery is not None
+        self._nursery.cancel_scope.cancel()
+        await self._manager.__aexit__(None, None, None)  # type: ignore[attr-defined]

@@ -272,8 +272,10 @@ def _bound_text(schemas: dict[str, Any], roots: list[dict[str, Any]], chars: int
 
 
 def _branches(schema: dict[str, Any]) -> list[dict[str, Any]]:
-    branches: list[dict[str, Any]] = schema.get("anyOf", [schema])
-    return branches
+    """The alternatives of *schema*, nested ``anyOf`` flattened."""
+    if "anyOf" not in schema:
+        return [schema]
+    return [leaf for branch in schema["anyOf"] for leaf in _branches(branch)]
 
 
 def _bound(schema: dict[str, Any], **by_type: dict[str, Any]) -> None:

@@ -108,6 +108,8 @@ def decode(body: bytes | bytearray | memoryview | Any, model: type[msgspec.Struc
         raise validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Malformed JSON body: {exc}") from None
+    except RecursionError:  # msgspec's own bound on nesting, far above the models'
+        raise bad_request("the request body is nested too deep") from None
     finally:
         if collecting:
             gc.enable()
