@@ -26,13 +26,13 @@ from typing import Any
 
 import trio
 
-from headwater.etcd.client import etcd_endpoints
+from headwater.etcd.client import EtcdCredentials, etcd_endpoints
 from headwater.plane.connection import PlaneConfig
-from headwater.plane.kv import KvSource, TcpKvTransfer, open_kv_transfer
+from headwater.plane.kv import KvPeers, KvSource, TcpKvTransfer, open_kv_transfer
 from headwater.plane.server import PlaneServer, ServerConfig, check_bind
 from headwater.plane.tls import TlsConfig, check_certificate
 from headwater.wire import Role
-from headwater.wire.addresses import format_tcp_address
+from headwater.wire.addresses import format_tcp_address, is_loopback
 from workers.engines import registry
 from workers.engines.base import Engine, EngineContext
 from workers.runtime.runtime import WorkerRuntime, load_of, open_runtime
@@ -81,6 +81,12 @@ class WorkerConfig:
     #: Seconds the etcd lease outlives the last keep-alive: how long a crashed worker
     #: stays registered. etcd raises values below its minimum (~2 s).
     lease_ttl: int = 10
+    #: Prefill workers' plane addresses (``tcp://host:port``) a decode or agg worker may
+    #: pull KV from, besides those registered in etcd (``discovery``); with neither, a
+    #: worker listening on loopback pulls from loopback ones. Any other is refused.
+    kv_peers: tuple[str, ...] = ()
+    #: How to authenticate to etcd (user and password, TLS); None: etcd is open.
+    etcd: EtcdCredentials | None = field(default=None, repr=False)
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -174,11 +180,24 @@ async def _open_engine(
     if config.role is Role.PREFILL:
         yield _build(config, address, None), None
         return
-    async with open_kv_transfer(
+    # Where it may pull from: the prefill workers registered in etcd, --kv-peers; with
+    # neither, on a worker listening on loopback (a one-host cluster), loopback ones.
+    one_host = is_loopback(split_host_port(config.listen)[0])
+    peers = KvPeers(config.kv_peers,
+                    loopback=one_host and not config.kv_peers and not config.discovery)
+    async with trio.open_nursery() as nursery, open_kv_transfer(
         peer_id=config.worker_id, role=str(config.role), secret=config.secret,
-        config=replace(config.plane, tls=config.tls),
+        config=replace(config.plane, tls=config.tls), peers=peers,
     ) as kv_transfer:  # fmt: skip
+        if config.discovery:
+            from workers.runtime.registration import follow_prefill_workers
+
+            await nursery.start(partial(
+                follow_prefill_workers, etcd_endpoints(config.discovery), config.model_name,
+                peers, secret=config.secret, credentials=config.etcd,
+            ))  # fmt: skip
         yield _build(config, address, kv_transfer), kv_transfer
+        nursery.cancel_scope.cancel()
 
 
 def _build(config: WorkerConfig, address: str, kv_transfer: TcpKvTransfer | None) -> Engine:

@@ -178,6 +178,21 @@ class Tool(Struct, kw_only=True):
     type: Name | None = None
 
 
+class ToolChoiceFunction(Struct, kw_only=True):
+    name: Name
+
+
+ToolChoiceMode = Annotated[str, Meta(max_length=MAX_NAME_CHARS,
+                                     description='"none", "auto" or "required"')]  # fmt: skip
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    """A ``tool_choice`` that names the function to call."""
+
+    function: ToolChoiceFunction
+    type: Name | None = None
+
+
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     """The body of ``POST /v1/chat/completions``. Fields not listed are ignored."""
 
@@ -185,6 +200,7 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: Annotated[bool, Meta(description="not supported: only false")] | None = None
     tools: list[Tool] | None = None
+    tool_choice: ToolChoiceMode | NamedToolChoice | None = None
     chat_template_kwargs: FreeFormObject | UnsetType = UNSET
 
 

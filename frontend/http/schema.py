@@ -263,6 +263,14 @@ def _chat_text(req: ChatCompletionRequest, limits: RequestLimits) -> ChatText:
     return messages, tools, kwargs, chars
 
 
+def _tool_choice(req: ChatCompletionRequest | CompletionRequest) -> Any:
+    """OpenAI's ``tool_choice`` as the client sent it: a string, or the named function."""
+    choice = getattr(req, "tool_choice", None)
+    if choice is None or isinstance(choice, str):
+        return choice
+    return {"function": {"name": choice.function.name}} | _set(type=choice.type)
+
+
 #: Each message model's role.
 _ROLES = {cls: cls.__struct_config__.tag for cls in get_args(ChatMessage)}
 
@@ -337,6 +345,7 @@ def parse_request(
         user=req.user,
         chat_template_kwargs=kwargs,
         tools=tools,
+        tool_choice=_tool_choice(req) if tools else None,
         text_chars=text_chars,
     )
 

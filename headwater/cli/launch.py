@@ -58,6 +58,7 @@ from headwater.cli.options import (
     non_negative_int,
     restart_policy_from_args,
 )
+from headwater.cli.secret_args import API_KEYS_ENV, api_keys_to_env, hide_in_cmdline
 from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
     ETCD_BIN_ENV,
@@ -188,9 +189,18 @@ def _frontend_defaults(engine_config: object, serve_args: list[str]) -> list[str
     return argv
 
 
+def _api_keys(argv: list[str]) -> list[str]:
+    """The keys of the ``--api-key`` options in *argv*."""
+    env: dict[str, str] = {}
+    api_keys_to_env(argv, env)
+    return [k for k in env.get(API_KEYS_ENV, "").split(",") if k]
+
+
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options."""
     configure_logging(args.log_level)
+    # API keys for the frontend, after --: hidden from this process's command line too.
+    hide_in_cmdline(_api_keys(args.serve_args))
     try:
         plan = plan_from_args(args)
     except ValueError as exc:

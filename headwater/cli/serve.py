@@ -25,17 +25,21 @@ from frontend.limits import RequestLimits
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_etcd_options,
     add_restart_options,
     config_from_args,
     configure_logging,
     engine_frontend_defaults,
+    etcd_credentials_from_args,
     non_negative_int,
     positive_float,
     positive_int,
     restart_policy_from_args,
 )
+from headwater.cli.secret_args import hide_in_cmdline
 from headwater.machine import usable_cpus
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
+from headwater.wire.handshake import load_secret
 from workers.engines import registry
 from workers.engines.base import EngineFailed
 
@@ -95,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="KEY", help="accept this API key (repeatable); with keys, every "
                    "route but /live and /health needs 'Authorization: Bearer KEY' "
                    "(also HEADWATER_API_KEYS, comma-separated)")
-    h.add_argument("--api-keys-file", default=None,
+    h.add_argument("--api-keys-file", "--api-key-file", default=None,
                    help="a file of API keys, one per line (# comments); re-read when it changes, "
                         "so keys rotate without a restart")
     h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
@@ -113,6 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for its children)")
     h.add_argument("--group-url", default=None, help=argparse.SUPPRESS)  # set for children
     add_restart_options(h, "all of them (with --processes N)")
+    add_etcd_options(p)
 
     m = p.add_argument_group("model and tokenization")
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
@@ -146,6 +151,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--inline-max-chars", type=int, default=None,
                    help="prompts this short encode on the loop, where that is cheaper than "
                         "a thread hop (default: 8192 with fastokens, 256 with hf)")
+    m.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="tool calls out of chat answers: deepseek_v4, deepseek_v32, "
+                        "deepseek_v31, hermes or none (default: the model's; deepseek_v4 "
+                        "for the built-in DeepSeek-V4 template, else none)")
+    m.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="reasoning (<think>...</think>) out of chat answers: deepseek_v4, "
+                        "deepseek_r1 or none (default: as --tool-call-parser)")
+    m.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning"],
+                   default=_D.reasoning_field,
+                   help="the message field reasoning goes in")
 
     w = p.add_argument_group("workers and routing")
     w.add_argument("--engine", choices=registry.names(), default=_D.engine,
@@ -252,7 +267,9 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     With in-process workers, what the engine knows of its model (its directory's
     tokenizer, its vocabulary size and context length) fills the options not given.
     """
-    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
+    names = {f.name for f in fields(FrontendConfig)} - {
+        "engine_config", "api_keys", "limits", "etcd_credentials"
+    }
     engine_config = config_from_args(registry.config_type(args.engine), args)
     limits = config_from_args(RequestLimits, args)
     api_keys = load_api_keys(args.api_key or (), env=os.environ.get(API_KEYS_ENV))
@@ -266,6 +283,7 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
         defaults = engine_frontend_defaults(engine_config)
     config = FrontendConfig(
         **{**defaults, **given}, engine_config=engine_config, api_keys=api_keys, limits=limits,
+        etcd_credentials=etcd_credentials_from_args(args),
     )  # fmt: skip
     # The files are read now, not at the first connection: a bad one is a bad option.
     if config.ssl_certfile and config.ssl_keyfile:
@@ -285,13 +303,20 @@ def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a signal (once drained); 1 if a frontend process or an
     in-process engine failed, or a second signal cut the drain short; 2 on bad options
     (a tokenizer that is not the model's included)."""
+    if args.api_key:  # every user of the machine reads a command line: hide them there
+        hide_in_cmdline(args.api_key)
     try:
         config = frontend_config_from_args(args)
         restart = restart_policy_from_args(args)
+        load_secret()  # the plane secret, checked now: a weak one is a bad option
     except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
+    if args.api_key:
+        logging.getLogger(__name__).warning(
+            "--api-key puts a key in the command line, which every user of this machine can "
+            "read until it is hidden at start: use --api-keys-file or %s", API_KEYS_ENV)
     if config.processes > 1:
         from headwater.cluster.frontend_group import run_group
 

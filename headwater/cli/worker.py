@@ -31,8 +31,11 @@ import trio
 from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
+    add_etcd_options,
     config_from_args,
     configure_logging,
+    etcd_credentials_from_args,
+    non_negative_int,
     positive_float,
 )
 from headwater.etcd.client import EtcdError, etcd_endpoints
@@ -72,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--peer-timeout", type=positive_float, default=d.server.heartbeat_timeout,
       help="seconds a plane connection may stay silent (peers ping every 5 s) before "
       "the worker closes it and cancels its requests")
+    a("--max-connections-per-address", type=non_negative_int,
+      default=d.server.max_connections_per_address,
+      help="plane connections open at once per peer IP address; one more is closed as soon "
+      "as it is accepted (0: no limit)")
+    a("--max-connections", type=non_negative_int, default=None,
+      help="plane connections open at once in all (default: half the process's file "
+      "descriptor limit, at most 4096; 0: no limit)")
     a("--plane-secret-file", default=None,
       help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
       "to listen beyond loopback")
@@ -89,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
                    help="the CA that every peer's certificate (frontends, other workers) "
                         "must chain to; nothing else is trusted")
+    a("--kv-peers", default="",
+      help="comma-separated tcp://host:port of the prefill workers a decode worker may pull "
+      "KV from, besides those registered in etcd (--discovery); with neither, a worker "
+      "listening on loopback pulls from loopback ones. A KV handle naming any other "
+      "address is refused")
     a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
     a("--discovery", default="",
       help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
@@ -97,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds a crashed worker stays registered in etcd (lease TTL)")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="log level (debug also shows every etcd call)")
+    add_etcd_options(parser)
     for name in registry.names():
         spec = registry.spec(name)
         group = parser.add_argument_group(f"engine {name}", spec.summary)
@@ -114,12 +130,18 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model_name=args.model_name,
         worker_id=args.worker_id,
         drain_timeout=args.drain_timeout,
-        server=ServerConfig(heartbeat_timeout=args.peer_timeout),
+        server=ServerConfig(
+            heartbeat_timeout=args.peer_timeout,
+            max_connections_per_address=args.max_connections_per_address,
+            max_connections=args.max_connections,
+        ),
         secret=load_secret(args.plane_secret_file),
         tls=tls_config(args.plane_tls_certfile, args.plane_tls_keyfile, args.plane_tls_ca_file),
         metrics_port=args.metrics_port,
         discovery=args.discovery,
         lease_ttl=args.lease_ttl,
+        etcd=etcd_credentials_from_args(args),
+        kv_peers=tuple(p.strip() for p in args.kv_peers.split(",") if p.strip()),
     )
 
 
@@ -172,6 +194,8 @@ async def _run(config: WorkerConfig) -> int:
                 model=config.model_name,
                 capacity=config.capacity,
                 ttl=config.lease_ttl,
+                secret=config.secret,  # signs its record: frontends check it
+                credentials=config.etcd,
             )
         nursery.start_soon(_watch_signals, stop, forced, nursery.cancel_scope)
         if (supervisor := supervisor_pid()) is not None:  # under headwater launch

@@ -26,7 +26,9 @@ from headwater.wire.messages import (
     WorkerLoad,
 )
 
-PROTOCOL_VERSION = 1
+#: 2: with a secret, every frame after the handshake carries a tag
+#: (``headwater.wire.session``); a version-1 peer is refused as ``unsupported_version``.
+PROTOCOL_VERSION = 2
 #: Length of each side's handshake nonce (bytes).
 NONCE_BYTES = 32
 #: Largest frame body either side accepts (bytes). A bigger length header is an error
@@ -145,7 +147,19 @@ class GoAway:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """Not a frame on the wire: what the decoder yields for a ``request`` frame that
+    arrived whole but could not be read, when its request id could (its frame's length
+    kept the stream in step). The receiver fails that request alone
+    (``headwater.wire.codec.decode_body``)."""
+
+    request_id: str
+    reason: str
+
+
 Frame = (
     Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
     | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | GoAway
+    | Unreadable
 )

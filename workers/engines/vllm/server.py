@@ -29,6 +29,7 @@ import trio
 
 from headwater.orphans import supervisor_env
 from headwater.ports import free_port
+from headwater.secret_env import without_secrets
 from headwater.sessions import keep_niceness
 from headwater.wire import Role
 from workers.engines.vllm.config import VllmConfig
@@ -85,8 +86,10 @@ def serve_argv(config: VllmConfig, role: Role, port: int) -> list[str]:
 
 def serve_env(config: VllmConfig, role: Role, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a started server: *base* (default: this process's) plus what
-    vLLM needs here. Loopback only; the NIXL side channel on a port of its own."""
-    env = dict(os.environ if base is None else base)
+    vLLM needs here, less headwater's secrets (the plane secret, API keys: vLLM serves
+    its worker on loopback and needs none). Loopback only; the NIXL side channel on a
+    port of its own."""
+    env = without_secrets(dict(os.environ if base is None else base))
     env.update({
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_NO_USAGE_STATS": "1",
