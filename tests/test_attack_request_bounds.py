@@ -170,4 +170,6 @@ async def test_the_largest_body_the_bounds_allow_does_not_stall_the_loop() -> No
         async with LoopGaps() as gaps:
             r = await client.post("/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200, r.text
-        assert gaps.worst < 0.3, gaps.worst  # the template walks 2,048 messages on the loop
+        # The template walks the 2,048 messages on the loop (a short conversation is
+        # rendered there); the parse itself takes a few ms. Generous: a loaded machine.
+        assert gaps.worst < 0.5, gaps.worst
