@@ -75,7 +75,7 @@ async def test_the_key_check_refuses_a_websocket_scope() -> None:
         (b"authorization", f"Bearer {KEY}".encode())]}  # fmt: skip
     await keyed(scope, receive, send)  # type: ignore[arg-type]
     assert reached == []
-    assert sent == [{"type": "websocket.close", "code": 1008}]
+    assert sent == [{"type": "websocket.close", "code": 1008, "reason": None}]
 
 
 def test_a_logged_value_cannot_begin_a_line() -> None:

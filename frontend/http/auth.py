@@ -49,7 +49,13 @@ from frontend.metrics import FrontendMetrics
 from headwater.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
-    from hypercorn.typing import ASGIFramework, ASGIReceiveCallable, ASGISendCallable, Scope
+    from hypercorn.typing import (
+        ASGIFramework,
+        ASGIReceiveCallable,
+        ASGISendCallable,
+        Scope,
+        WebsocketCloseEvent,
+    )
 
 #: The environment variable of comma-separated keys (``headwater serve``).
 API_KEYS_ENV = "HEADWATER_API_KEYS"
@@ -207,7 +213,8 @@ class RequireApiKey:
             await self.app(scope, receive, send)
             return
         if scope["type"] != "http":  # a websocket: this server serves none
-            await send({"type": "websocket.close", "code": 1008})  # policy violation
+            close: WebsocketCloseEvent = {"type": "websocket.close", "code": 1008, "reason": None}
+            await send(close)  # 1008: policy violation
             return
         if not self.keys or scope["path"] in self.open:
             await self.app(scope, receive, send)

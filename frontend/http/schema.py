@@ -224,7 +224,7 @@ def _chat_text(req: ChatCompletionRequest, limits: RequestLimits) -> ChatText:
                     function: dict[str, Any] = {"name": call.function.name}
                     calls.append({"function": function} | _set(id=call.id, type=call.type))
                     raw = call.function.arguments
-                    if memoryview(raw)[:1] == b'"':  # OpenAI's form, a string: no containers
+                    if bytes(memoryview(raw)[:1]) == b'"':  # OpenAI's form, a string: no containers
                         function["arguments"] = text = msgspec.json.decode(raw, type=str)
                         chars += len(text)
                     else:  # an object: its JSON text counts, then it is decoded

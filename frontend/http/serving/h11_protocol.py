@@ -38,6 +38,7 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import h11
+from hypercorn.config import Config
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.h11 import H11Protocol
@@ -83,7 +84,7 @@ class HeadWithBodyH11Protocol(H11Protocol):
     def __init__(
         self,
         app: AppWrapper,
-        config: ServerConfig,
+        config: Config,
         context: WorkerContext,
         task_group: TaskGroup,
         connection_state: ConnectionState,

@@ -231,9 +231,10 @@ class HeadwaterTCPServer(TCPServer):
             self._linger_until = trio.current_time() + self.config.linger_timeout
             if self._read_scope is not None:
                 self._read_scope.deadline = min(self._read_scope.deadline, self._linger_until)
-            if type(self.stream) is trio.SocketStream:  # TLS cannot half-close
+            stream: HttpStream = self.stream
+            if isinstance(stream, trio.SocketStream):  # TLS cannot half-close
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await self.stream.send_eof()
+                    await stream.send_eof()
             return
         await super()._close()
 
