@@ -64,13 +64,18 @@ async def test_an_authenticated_client_that_expects_100_continue_gets_it() -> No
         await stream.aclose()
 
 
-async def test_a_refused_request_with_a_short_body_keeps_its_connection() -> None:
-    # A body that arrived whole before the answer: h11 read it, the connection is reused.
+async def test_a_refused_request_says_its_connection_closes() -> None:
+    # Answered before its body was read, the connection closes after the 401, and the
+    # 401 says so: a client does not send its next request on it.
     async with serve_frontend(api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
-        buffered = bytearray()
-        await stream.send_all(post("/v1/chat/completions", CHAT))
-        assert (await read_answer(stream, buffered)).status == 401
+        await stream.send_all(post("/v1/chat/completions", b"", length=len(CHAT)))
+        answer = await read_answer(stream)
+        assert answer.status == 401
+        assert answer.header("connection") == "close"
+        await stream.send_all(CHAT)
+        assert await until_closed(stream, within=6) == b""
+        stream = await open_raw(url)
         await stream.send_all(post("/v1/chat/completions", CHAT, headers=AUTH))
-        assert (await read_answer(stream, buffered)).status == 200
+        assert (await read_answer(stream)).status == 200
         await stream.aclose()

@@ -163,9 +163,16 @@ class HeadWithBodyH11Protocol(H11Protocol):
 
     async def _send_h11_event(self, event: H11SendableEvent) -> None:
         """hypercorn's ``H11Protocol._send_h11_event``, holding a known-length head back
-        until the body's first bytes (or its end) go out with it."""
+        until the body's first bytes (or its end) go out with it, and closing the
+        connection after a response that starts before its request's body has ended."""
         held = self._held_head
         data: bytes | None
+        if type(event) is h11.Response and self.connection.their_state is h11.SEND_BODY:
+            # Answered before its body ended (a 401 reads none): the connection closes
+            # after this response (lingering, HeadwaterTCPServer._close), and says so.
+            headers = [*event.headers.raw_items(), (b"connection", b"close")]
+            event = h11.Response(status_code=event.status_code, reason=event.reason,
+                                 headers=headers)  # fmt: skip
         try:
             data = self.connection.send(event)
         except h11.LocalProtocolError:
