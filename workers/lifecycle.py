@@ -85,6 +85,8 @@ class WorkerConfig:
     #: pull KV from, besides those registered in etcd (``discovery``); with neither, a
     #: worker listening on loopback pulls from loopback ones. Any other is refused.
     kv_peers: tuple[str, ...] = ()
+    #: OTLP/HTTP collector to send this worker's traces to; "" = tracing off.
+    otlp_endpoint: str = ""
     #: How to authenticate to etcd (user and password, TLS); None: etcd is open.
     etcd: EtcdCredentials | None = field(default=None, repr=False)
     plane: PlaneConfig = field(default_factory=PlaneConfig)
