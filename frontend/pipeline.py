@@ -370,10 +370,7 @@ class Pipeline:
             special_ids=self.tokenizer.special_ids,
         )
         parse = _ParseStage(self._parser(prep))
-        # One span for the whole detokenize-and-parse stage, its CPU time summed.
-        with tracer().span("postprocess", parent=current_trace().span) as span, aclosing(
-            _timed(self.tokens(prep), span) if span.recording else self.tokens(prep)
-        ) as steps:
+        async with aclosing(_postprocess_span(self.tokens(prep))) as steps:
             async for step in steps:
                 delta = post.step(step.token_ids)
                 if delta.stopped:
@@ -452,20 +449,28 @@ def plane_request_id() -> str:
     return f"{ctx.request_id}-{suffix[:8]}" if ctx is not None else suffix
 
 
-async def _timed(
-    steps: AsyncGenerator[TokenDelta, None], span: Span
+def _postprocess_span(
+    steps: AsyncGenerator[TokenDelta, None],
 ) -> AsyncGenerator[TokenDelta, None]:
-    """*steps*, and on *span* the CPU seconds this thread spent between them: the
-    stages downstream of the plane (detokenize, parse, the response's formatting)."""
+    """*steps* itself when the request is not traced; else *steps* inside one
+    "postprocess" span, which sums the CPU seconds this thread spent between two steps:
+    the stages downstream of the plane (detokenize, parse, the response's formatting)."""
+    parent = current_trace().span
+    return _timed(steps, parent) if parent.recording else steps
+
+
+async def _timed(steps: AsyncGenerator[TokenDelta, None], parent: Span
+                 ) -> AsyncGenerator[TokenDelta, None]:  # fmt: skip
     spent = 0.0
-    try:
-        async with aclosing(steps):
-            async for step in steps:
-                t0 = time.thread_time()
-                yield step
-                spent += time.thread_time() - t0
-    finally:
-        span.set("headwater.postprocess.cpu_seconds", spent)
+    with tracer().span("postprocess", parent=parent) as span:
+        try:
+            async with aclosing(steps):
+                async for step in steps:
+                    t0 = time.thread_time()
+                    yield step
+                    spent += time.thread_time() - t0
+        finally:
+            span.set("headwater.postprocess.cpu_seconds", spent)
 
 
 def _approx_chars(messages: list[Any] | None) -> int:

@@ -41,6 +41,7 @@ from headwater.cli.options import (
 )
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
+from headwater.logs import set_process_worker
 from headwater.malloc_tuning import keep_freed_heap
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from headwater.plane.server import ServerConfig, check_bind
@@ -166,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"headwater worker: {exc}", file=sys.stderr)
         return 2
+    set_process_worker(config.worker_id)  # every log line of this process names it
     tune_gc()  # its requests carry the same long token lists as the frontend's
     keep_freed_heap()  # its large plane buffers are freed and allocated per request
     try:

@@ -6,7 +6,12 @@ and :func:`current_trace`; OpenTelemetry itself is imported only by
 """
 
 from headwater.tracing.context import TraceContext, current_trace, trace_context
-from headwater.tracing.export import TraceCollector, open_tracing, traces_url
+from headwater.tracing.export import (
+    TraceCollector,
+    open_tracing,
+    process_trace_statistics,
+    traces_url,
+)
 from headwater.tracing.spans import NULL_SPAN, Span, SpanKind, Tracer, set_tracer, tracer
 from headwater.tracing.w3c import MAX_TRACESTATE, TraceParent, valid_tracestate
 
@@ -21,6 +26,7 @@ __all__ = [
     "Tracer",
     "current_trace",
     "open_tracing",
+    "process_trace_statistics",
     "set_tracer",
     "trace_context",
     "tracer",

@@ -69,13 +69,24 @@ async def open_tracing(
     processor = QueueSpanProcessor(exporter)
     provider.add_span_processor(processor)
     previous = set_tracer(OtelTracer(provider.get_tracer("headwater")))
+    global _statistics
+    _statistics = processor.statistics
     try:
         yield processor.statistics
     finally:
         set_tracer(previous)
+        _statistics = None
         with trio.move_on_after(export_timeout_s * 2, shield=True):
             # Abandoned on a timeout: the thread is a daemon, the spans are lost.
             await trio.to_thread.run_sync(provider.shutdown, abandon_on_cancel=True)
+
+
+_statistics: Callable[[], TraceStatistics] | None = None
+
+
+def process_trace_statistics() -> Callable[[], TraceStatistics] | None:
+    """The statistics of this process's open tracing, None while it traces nothing."""
+    return _statistics
 
 
 class TraceCollector(Collector):
