@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from frontend_fixture import serve_frontend
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -26,6 +25,8 @@ from headwater.wire import GenerateRequest, SamplingParams
 from headwater.wire.codec import decode_body, encode
 from headwater.wire.frames import Unreadable
 from headwater.wire.tokens import token_array
+
+from frontend_fixture import serve_frontend
 
 MODEL = "deepseek-v4"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Rivers?"}], "max_tokens": 5}
@@ -81,7 +82,8 @@ def test_a_malformed_trace_context_fails_its_request(trace: dict[str, str]) -> N
     frame = encode(_request(**trace))  # the sender does not check: the receiver must
     got = decode_body(frame[4:], len(frame))
     # That request alone is refused: the frame was whole, the connection goes on.
-    assert isinstance(got, Unreadable) and got.request_id == "r1"
+    assert isinstance(got, Unreadable)
+    assert got.request_id == "r1"
     assert "trace" in got.reason
 
 
@@ -115,9 +117,12 @@ def test_json_logs_are_one_object_a_line_with_the_request() -> None:
     lines = _log_line(JsonFormatter(), request_id="abc", trace_id="t" * 32).splitlines()
     assert len(lines) == 2  # the traceback stays inside its line
     first, second = map(orjson.loads, lines)
-    assert first["message"] == "hello there" and first["level"] == "warning"
-    assert first["request_id"] == "abc" and first["trace_id"] == "t" * 32
-    assert first["logger"] == "headwater.test_tracing" and first["time"].endswith("+00:00")
+    assert first["message"] == "hello there"
+    assert first["level"] == "warning"
+    assert first["request_id"] == "abc"
+    assert first["trace_id"] == "t" * 32
+    assert first["logger"] == "headwater.test_tracing"
+    assert first["time"].endswith("+00:00")
     assert "request_id" not in second  # made outside the request's context
     assert "ValueError: boom" in second["exception"]
 
@@ -138,10 +143,12 @@ async def test_request_ids_are_echoed_generated_and_validated() -> None:
         assert r.json()["id"].startswith("chatcmpl-my-id.1-")  # in the body's id too
         r = await c.get("/v1/models")
         generated = r.headers["x-request-id"]
-        assert len(generated) == 32 and int(generated, 16) >= 0
+        assert len(generated) == 32
+        assert int(generated, 16) >= 0
         assert (await c.get("/v1/models")).headers["x-request-id"] != generated
         r = await c.get("/nowhere", headers={"X-Request-Id": "on-a-404"})
-        assert r.status_code == 404 and r.headers["x-request-id"] == "on-a-404"
+        assert r.status_code == 404
+        assert r.headers["x-request-id"] == "on-a-404"
         for bad in ("x" * 129, "has space", "quote\"d"):
             r = await c.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": bad})
             assert r.status_code == 400, bad
@@ -185,8 +192,9 @@ def tree(spans: list[ReadableSpan]) -> dict[str, Any]:
 
 
 async def test_one_request_is_one_trace_from_the_root_to_the_engine() -> None:
-    async with traced() as exporter:
-        async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
+    async with traced() as exporter, serve_frontend() as (_, url), httpx.AsyncClient(
+        base_url=url
+    ) as c:
             r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True},
                              headers={"X-Request-Id": "trace-me"})  # fmt: skip
             assert r.status_code == 200
@@ -226,8 +234,9 @@ def tree_parent(spans: tuple[ReadableSpan, ...], span: ReadableSpan) -> str:
 
 
 async def test_a_client_traceparent_is_continued() -> None:
-    async with traced() as exporter:
-        async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
+    async with traced() as exporter, serve_frontend() as (_, url), httpx.AsyncClient(
+        base_url=url
+    ) as c:
             headers = {"traceparent": PARENT, "tracestate": "congo=t61rcWkgMzE"}
             r = await c.post("/v1/completions", headers=headers,
                              json={"model": MODEL, "prompt": "hi", "max_tokens": 3})  # fmt: skip
@@ -241,9 +250,11 @@ async def test_a_client_traceparent_is_continued() -> None:
     assert len(roots) == 2
     continued, fresh = roots
     assert f"{continued.context.trace_id:032x}" == PARENT.split("-")[1]
-    assert continued.parent is not None and f"{continued.parent.span_id:016x}" == PARENT[36:52]
+    assert continued.parent is not None
+    assert f"{continued.parent.span_id:016x}" == PARENT[36:52]
     assert continued.context.trace_state.get("congo") == "t61rcWkgMzE"
-    assert fresh.parent is None and fresh.context.trace_id != continued.context.trace_id
+    assert fresh.parent is None
+    assert fresh.context.trace_id != continued.context.trace_id
     same = [s for s in spans if s.context.trace_id == continued.context.trace_id]
     assert {"dispatch", "worker.request", "engine.decode"} <= {s.name for s in same}
 
@@ -254,4 +265,5 @@ async def test_tracing_off_makes_no_span() -> None:
         assert span is NULL_SPAN
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
         r = await c.post("/v1/chat/completions", json=CHAT)
-        assert r.status_code == 200 and "traceparent" not in r.headers
+        assert r.status_code == 200
+        assert "traceparent" not in r.headers

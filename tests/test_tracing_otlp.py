@@ -18,13 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from frontend_fixture import eventually, serve_frontend
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
 from headwater.cluster.recipes import start_worker
+
+from frontend_fixture import eventually, serve_frontend
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +123,8 @@ async def test_one_trace_across_the_frontend_and_a_worker_process(tmp_path: Path
         nursery.cancel_scope.cancel()
     spans = receiver.spans
     root = next(s for s in spans if s.name == "POST /v1/chat/completions")
-    assert root.service == "headwater-frontend" and root.parent_id == ""
+    assert root.service == "headwater-frontend"
+    assert root.parent_id == ""
     assert root.attributes["headwater.request_id"] == "otlp-1"
     same = [s for s in spans if s.trace_id == root.trace_id]
     by_name = {s.name: s for s in same}
