@@ -318,7 +318,7 @@ def _body(frame: Frame) -> _Map:
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
     match frame:
         case GenerateRequest():
-            body = {
+            body: _Map = {
                 "request_id": frame.request_id,
                 "model": frame.model,
                 "token_ids": pack_token_ids(frame.token_ids),
