@@ -241,3 +241,53 @@ def test_index_agrees_with_each_mockers_cache_after_random_traffic() -> None:
             for w, c in workers.items():
                 assert found.get(w, 0) == c.cached_prefix(probe), (w, probe[:3])
     assert dumps >= 3  # every worker dumped once at least (a small ring may force more)
+
+
+# -- end to end: the router follows real workers over both transports ---------------------
+
+
+async def test_router_follows_workers_events_over_tcp_and_memory(nursery: trio.Nursery) -> None:
+    from functools import partial
+
+    from headwater.plane.client import connect_worker
+    from headwater.plane.memory import MemoryWorkerClient
+    from headwater.wire import GenerateRequest, SamplingParams
+    from workers.engines.mocker import MockerConfig, MockerEngine
+    from workers.lifecycle import WorkerConfig, serve_worker
+
+    from helpers import start_runtime
+
+    fast = MockerConfig(speedup_ratio=100_000.0)
+    worker = await nursery.start(partial(serve_worker, WorkerConfig(role=Role.AGG,
+                                                                    engine_config=fast)))
+    tcp = await connect_worker(
+        WorkerInstance(worker.worker_id, Role.AGG, worker.model, worker.address), nursery
+    )
+    runtime = await start_runtime(nursery, MockerEngine(fast, Role.AGG, "mem"), "mem")
+    mem = MemoryWorkerClient(WorkerInstance("mem", Role.AGG, worker.model, "memory://mem"),
+                             runtime)
+    router = Router("kv", kv=KvConfig(poll_interval=0.01))
+    router.add(tcp)
+    router.add(mem)
+    await nursery.start(router.run)
+    prompts = {tcp: tokens(200, 5000), mem: tokens(300, 9000)}
+    for client, toks in prompts.items():
+        req = GenerateRequest(f"r-{client.instance.worker_id}", worker.model, toks,
+                              SamplingParams(max_tokens=2, ignore_eos=True))
+        async with client.stream(req) as chunks:
+            async for _ in chunks:
+                pass
+    want = {tcp: 3, mem: 4}  # full blocks of 64 among the prompt's tokens
+    with trio.fail_after(10):
+        while any(router.kv_index.overlaps(prompt_hashes(t, 64)).get(c.instance.worker_id)
+                  != want[c] for c, t in prompts.items()):  # fmt: skip
+            await trio.sleep(0.01)
+    p = Prompt(300, prompt_hashes(prompts[mem], 64))
+    assert router.pick(Role.AGG, worker.model, prompt=p) is mem
+    stats = router.kv_statistics()
+    assert stats.dumps >= 2
+    assert stats.events >= 2
+    router.remove(mem.instance.worker_id)
+    with trio.fail_after(5):
+        while router.kv_index.blocks_of("mem"):
+            await trio.sleep(0.01)
