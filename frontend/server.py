@@ -103,6 +103,8 @@ class Frontend:
         self.metrics = FrontendMetrics()
         for reason in REFUSAL_REASONS:  # every series from 0
             self.metrics.rejected_requests_total.labels(reason)
+        for kind in ("new_request", "ongoing_request"):  # Dynamo's migration kinds
+            self.metrics.model_migration_total.labels(kind)
         self.router = Router(
             config.router,
             health=HealthConfig(
