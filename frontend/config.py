@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.limits import RequestLimits
+from frontend.postprocess.parsers import check_names
+from headwater.etcd.client import EtcdCredentials
 from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
 from headwater.plane.tls import TlsConfig, tls_config
@@ -100,6 +102,15 @@ class FrontendConfig:
     # Prompts up to this many characters encode on the loop, where that is cheaper than
     # the thread hop; None picks the backend's measured default (docs/tokenization.md).
     inline_max_chars: int | None = None
+    # The parse stage (frontend/postprocess/parsers; docs/api.md, "Parsers"), by vLLM's
+    # names: tool calls (deepseek_v4, deepseek_v32, deepseek_v31, hermes, none) and
+    # reasoning (deepseek_v4, deepseek_r1, none) out of a chat answer's text. None: the
+    # model's own, deepseek_v4 for the built-in DeepSeek-V4 template, else none.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # The message field reasoning goes in: "reasoning_content" (DeepSeek's and vLLM's
+    # name) or "reasoning" (what some clients read).
+    reasoning_field: str = "reasoning_content"
 
     # -- workers and routing ----------------------------------------------------------
     engine: str = "mocker"  # engine of the in-process workers (workers.engines.registry)
@@ -109,7 +120,16 @@ class FrontendConfig:
     mode: str = "disagg"  # "disagg": in-process prefill + decode pair; "agg": one worker
     workers: str | None = None  # static remote workers: "tcp://host:port?role=...,..."
     discovery: str | None = None  # "etcd://127.0.0.1:2379": find workers there
-    router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c"
+    router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c" | "kv"
+    # --router kv (frontend/router/kv_routing.py; docs/routing.md): the engines' block
+    # size (tokens), the weight of uncached prefill blocks against blocks in flight, the
+    # softmax temperature (0: lowest cost), the workers' KV events or approximate mode,
+    # and how long approximate mode remembers a routed prefix (seconds).
+    kv_block_size: int = 64
+    kv_prefill_load_scale: float = 1.0
+    kv_temperature: float = 0.0
+    kv_events: str = "on"  # "on" | "off"
+    kv_approx_ttl: float = 120.0
     ack_timeout: float = 5.0  # seconds a worker has to ACK a request (as Dynamo)
     # Mutual TLS to remote workers (headwater/plane/tls.py): this frontend's certificate
     # and key, and the CA the workers' certificates must chain to (their advertised
@@ -117,6 +137,8 @@ class FrontendConfig:
     plane_tls_certfile: str | None = None
     plane_tls_keyfile: str | None = None
     plane_tls_ca_file: str | None = None
+    # etcd's credentials for --discovery (headwater/etcd/client.py); None: etcd is open.
+    etcd_credentials: EtcdCredentials | None = field(default=None, repr=False)
     migration_limit: int = 3  # times a broken stream may move to another worker
     route_attempts: int = 3  # workers tried when one cannot be reached
 
@@ -147,6 +169,9 @@ class FrontendConfig:
     # detector and the dashboard); off in production, where that route is a 404.
     debug_endpoints: bool = False
     log_level: str = "info"
+    log_format: str = "text"  # "text" or "json" (headwater/logs.py)
+    # OTLP/HTTP collector to send traces to (``http://host:4318``); "" = tracing off.
+    otlp_endpoint: str = ""
 
     @property
     def plane_tls(self) -> TlsConfig | None:
@@ -182,6 +207,11 @@ class FrontendConfig:
         if self.max_connections_per_client < 0:
             raise ValueError("max_connections_per_client must be >= 0 (0: no limit), got "
                              f"{self.max_connections_per_client}")
+        if self.reasoning_field not in ("reasoning_content", "reasoning"):
+            raise ValueError("reasoning_field must be 'reasoning_content' or 'reasoning', "
+                             f"got {self.reasoning_field!r}")
+        # ValueError naming the known parsers for an unknown one.
+        check_names(self.tool_call_parser or "none", self.reasoning_parser or "none")
         cls = registry.config_type(self.engine)  # ValueError for an unknown engine
         if self.engine_config is None:
             object.__setattr__(self, "engine_config", cls())

@@ -2,8 +2,10 @@
 
 ``preprocess`` (chat template, tokenizer pool) → ``route`` and ``plane`` (the
 dispatcher, :mod:`frontend.router.dispatch`: workers picked per leg, retried,
-migrated) → ``postprocess`` (incremental detokenizer, stop strings). The same stage
-names appear in metrics (``*_seconds``), logs and this code.
+migrated) → ``postprocess`` (incremental detokenizer, stop strings) → ``parse``
+(chat only: reasoning and tool calls out of the answer's text,
+:mod:`frontend.postprocess.parsers`). The same stage names appear in metrics
+(``*_seconds``), logs and this code.
 
 Two kinds of request take that path (:mod:`frontend.request`)::
 
@@ -45,11 +47,14 @@ from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
 from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
+from frontend.postprocess.parsers import AnswerParser, ToolCallDelta, check_names, make_parser
 from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
+from headwater.logs import current_request
+from headwater.tracing import Span, current_trace, tracer
 from headwater.wire import GenerateRequest, SamplingParams
 from headwater.wire.tokens import token_array
 
@@ -58,6 +63,9 @@ log = logging.getLogger(__name__)
 #: Templates for prompts longer than this render in a thread (they are pure string
 #: work, but a 40k-token conversation is a few hundred kB to join).
 TEMPLATE_OFFLOAD_CHARS = 256 * 1024
+
+#: A rendered chat prompt ending in this opened the model's reasoning itself.
+THINK_OPEN = "<think>"
 
 
 #: The request a :class:`Prepared` came from: an OpenAI one or a token-in one.
@@ -77,6 +85,9 @@ class Prepared(Generic[R]):
     sampling: SamplingParams
     created: float  # unix time, for the response's "created"
     started: float  # trio.current_time() at arrival, for TTFT
+    # The rendered prompt ends inside the model's reasoning (``<think>``: DeepSeek-V4's
+    # thinking mode), so the answer starts as reasoning, before any ``</think>``.
+    reasoning_forced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +109,38 @@ class TokenDelta:
 @dataclass(frozen=True, slots=True)
 class Delta:
     """What :meth:`Pipeline.generate` yields: new text of the response, tokens so far,
-    and ``finish_reason`` on the last one."""
+    and ``finish_reason`` on the last one.
+
+    With the parse stage on (chat, :class:`ParserChoice`), ``text`` is the answer's
+    content only; its reasoning and tool-call steps come apart in ``reasoning`` and
+    ``tool_calls``, and ``finish_reason`` is "tool_calls" when the model called one.
+    """
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
     cached_tokens: int = 0
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ParserChoice:
+    """The parse stage's parsers, by vLLM's names (``--tool-call-parser``,
+    ``--reasoning-parser``); "none" leaves the answer as the model wrote it. Tool calls
+    are parsed only for a request that offered tools (and did not say
+    ``tool_choice: "none"``), as vLLM does: a model's text that merely looks like a
+    call is content when no tool was offered."""
+
+    tool_call_parser: str = "none"
+    reasoning_parser: str = "none"
+    # The message field reasoning goes in: DeepSeek's and vLLM's "reasoning_content",
+    # or "reasoning" (what OpenRouter-style clients read).
+    reasoning_field: str = "reasoning_content"
+
+    @property
+    def active(self) -> bool:
+        return self.tool_call_parser != "none" or self.reasoning_parser != "none"
 
 
 class Pipeline:
@@ -120,8 +157,11 @@ class Pipeline:
         metrics: FrontendMetrics,
         dispatch: DispatchConfig | None = None,
         limits: RequestLimits | None = None,
+        parsers: ParserChoice | None = None,
     ) -> None:
         self.model_name = model_name
+        self.parsers = parsers or ParserChoice()
+        check_names(self.parsers.tool_call_parser, self.parsers.reasoning_parser)
         #: The request limits; the pipeline applies the cap on max_tokens to a request
         #: that asked none (the HTTP layer checks those that did, before any work).
         self.limits = limits or RequestLimits()
@@ -154,27 +194,34 @@ class Pipeline:
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
+        root = current_trace().span
         try:
-            if parsed.endpoint == "chat":
-                text_or_ids = await self._render(parsed)
-            else:
-                text_or_ids = completion_prompt(parsed.prompt)
+            with tracer().span("preprocess.template", parent=root):
+                if parsed.endpoint == "chat":
+                    text_or_ids = await self._render(parsed)
+                else:
+                    text_or_ids = completion_prompt(parsed.prompt)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param=param) from exc
         t1 = time.perf_counter()
         self.metrics.template_seconds.observe(t1 - t0)
         if isinstance(text_or_ids, str):
-            prompt_ids = await self.pool.encode(text_or_ids)
+            with tracer().span("preprocess.tokenize", parent=root) as span:
+                prompt_ids = await self.pool.encode(text_or_ids)
+                span.set_many({"headwater.prompt_chars": len(text_or_ids),
+                               "gen_ai.usage.input_tokens": len(prompt_ids)})  # fmt: skip
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
         return Prepared(
-            request_id=uuid.uuid4().hex,
+            request_id=plane_request_id(),
             parsed=parsed,
             prompt_ids=prompt_ids,
             sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
             created=time.time(),
             started=started,
+            reasoning_forced=(parsed.endpoint == "chat" and isinstance(text_or_ids, str)
+                              and text_or_ids.rstrip().endswith(THINK_OPEN)),
         )
 
     async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
@@ -188,7 +235,7 @@ class Pipeline:
         started = trio.current_time()
         prompt_ids = self._token_ids(request.token_ids, "token_ids")
         return Prepared(
-            request_id=uuid.uuid4().hex,
+            request_id=plane_request_id(),
             parsed=request,
             prompt_ids=prompt_ids,
             sampling=self._sampling(request.sampling, len(prompt_ids), "token_ids"),
@@ -213,7 +260,10 @@ class Pipeline:
     async def _render(self, parsed: ParsedRequest) -> str:
         render = self.template.render
         kwargs = parsed.chat_template_kwargs
-        if _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS:
+        # The parser's count has the tools and their arguments too: a large one renders
+        # off the loop like a long conversation.
+        chars = parsed.text_chars
+        if (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS:
             return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
 
         def work() -> str:
@@ -295,6 +345,13 @@ class Pipeline:
                 cached = max(cached, chunk.cached_tokens)
                 if chunk.finish_reason is not None:
                     reason = chunk.finish_reason.value
+                    current_trace().span.set_many({
+                        "gen_ai.request.model": self.model_name,
+                        "gen_ai.usage.input_tokens": len(prep.prompt_ids),
+                        "gen_ai.usage.output_tokens": generated,
+                        "headwater.cached_tokens": cached,
+                        "gen_ai.response.finish_reasons": reason,
+                    })  # fmt: skip
                     yield TokenDelta(chunk.token_ids, generated, reason, cached)
                     return
                 if chunk.token_ids:
@@ -302,8 +359,9 @@ class Pipeline:
         raise WorkerFailed("the worker ended the stream without a finish reason")
 
     async def generate(self, prep: Prepared[ParsedRequest]) -> AsyncGenerator[Delta, None]:
-        """Postprocess on top of :meth:`tokens`: stream text deltas; the last one carries
-        ``finish_reason`` ("stop" also when a stop string matched). Raises what
+        """Postprocess and parse on top of :meth:`tokens`: stream deltas of the answer;
+        the last one carries ``finish_reason`` ("stop" also when a stop string matched,
+        "tool_calls" when the parse stage found a complete call). Raises what
         :meth:`tokens` raises. A matched stop string closes :meth:`tokens`, which
         cancels the rest of the generation on the worker.
         """
@@ -311,21 +369,108 @@ class Pipeline:
             self.tokenizer.decode, stops=prep.parsed.stop,
             special_ids=self.tokenizer.special_ids,
         )
-        async with aclosing(self.tokens(prep)) as steps:
+        parse = _ParseStage(self._parser(prep))
+        async with aclosing(_postprocess_span(self.tokens(prep))) as steps:
             async for step in steps:
                 delta = post.step(step.token_ids)
                 if delta.stopped:
-                    yield Delta(delta.text, post.completion_tokens, "stop", step.cached_tokens)
+                    yield parse.last(delta.text, post.completion_tokens, "stop",
+                                     step.cached_tokens, cut=True)  # fmt: skip
                     return
                 if step.finish_reason is not None:
                     tail = delta.text + post.finish()
                     # A stop string can complete in the held-back tail released by finish().
                     reason = "stop" if post.stopped else step.finish_reason
-                    yield Delta(tail, post.completion_tokens, reason, step.cached_tokens)
+                    yield parse.last(tail, post.completion_tokens, reason,
+                                     step.cached_tokens, cut=post.stopped)  # fmt: skip
                     return
                 if delta.text:
-                    yield Delta(delta.text, post.completion_tokens, None, step.cached_tokens)
+                    out = parse.step(delta.text, post.completion_tokens, step.cached_tokens)
+                    if out is not None:
+                        yield out
         raise AssertionError("tokens() ends with a finishing delta or raises")
+
+    def _parser(self, prep: Prepared[ParsedRequest]) -> AnswerParser | None:
+        """This request's parse stage: chat only (``/v1/completions`` stays raw, as
+        OpenAI's does), tool calls only when tools were offered."""
+        parsed, choice = prep.parsed, self.parsers
+        if parsed.endpoint != "chat" or not choice.active:
+            return None
+        offered = bool(parsed.tools) and parsed.tool_choice != "none"
+        tool_parser = choice.tool_call_parser if offered else "none"
+        if tool_parser == "none" and choice.reasoning_parser == "none":
+            return None
+        return make_parser(
+            tool_parser, choice.reasoning_parser,
+            tools=parsed.tools if offered else None, reasoning_forced=prep.reasoning_forced,
+        )  # fmt: skip
+
+
+class _ParseStage:
+    """The parse stage of one response stream: each text piece through the request's
+    :class:`AnswerParser`, or as it is when it has none."""
+
+    __slots__ = ("_parser",)
+
+    def __init__(self, parser: AnswerParser | None) -> None:
+        self._parser = parser
+
+    def step(self, text: str, tokens: int, cached: int) -> Delta | None:
+        """The delta for a piece of text mid-stream; None when all of it is held back."""
+        if self._parser is None:
+            return Delta(text, tokens, None, cached)
+        out = self._parser.feed(text)
+        if not out:
+            return None
+        return Delta(out.content, tokens, None, cached, out.reasoning, out.tool_calls)
+
+    def last(self, text: str, tokens: int, reason: str, cached: int, *, cut: bool) -> Delta:
+        """The stream's last delta. ``cut``: a stop string ended the text, so, like
+        ``max_tokens`` ("length"), it may have cut a tool call, which is dropped."""
+        parser = self._parser
+        if parser is None:
+            return Delta(text, tokens, reason, cached)
+        head = parser.feed(text) if text else None
+        tail = parser.finish(truncated=cut or reason == "length")
+        if parser.tool_calls_made and reason == "stop":
+            reason = "tool_calls"
+        content = (head.content if head else "") + tail.content
+        reasoning = (head.reasoning if head else "") + tail.reasoning
+        calls = (head.tool_calls if head else ()) + tail.tool_calls
+        return Delta(content, tokens, reason, cached, reasoning, calls)
+
+
+def plane_request_id() -> str:
+    """A request's id on the request plane: the HTTP request's id (the client's
+    ``X-Request-Id``, or generated) and 8 random hex digits, since two requests may
+    bring the same id and the plane's must be unique; fully random outside one."""
+    ctx = current_request()
+    suffix = uuid.uuid4().hex
+    return f"{ctx.request_id}-{suffix[:8]}" if ctx is not None else suffix
+
+
+def _postprocess_span(
+    steps: AsyncGenerator[TokenDelta, None],
+) -> AsyncGenerator[TokenDelta, None]:
+    """*steps* itself when the request is not traced; else *steps* inside one
+    "postprocess" span, which sums the CPU seconds this thread spent between two steps:
+    the stages downstream of the plane (detokenize, parse, the response's formatting)."""
+    parent = current_trace().span
+    return _timed(steps, parent) if parent.recording else steps
+
+
+async def _timed(steps: AsyncGenerator[TokenDelta, None], parent: Span
+                 ) -> AsyncGenerator[TokenDelta, None]:  # fmt: skip
+    spent = 0.0
+    with tracer().span("postprocess", parent=parent) as span:
+        try:
+            async with aclosing(steps):
+                async for step in steps:
+                    t0 = time.thread_time()
+                    yield step
+                    spent += time.thread_time() - t0
+        finally:
+            span.set("headwater.postprocess.cpu_seconds", spent)
 
 
 def _approx_chars(messages: list[Any] | None) -> int:

@@ -46,6 +46,12 @@ class ParsedRequest:
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[Any] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    # None: not given ("auto" when there are tools, as OpenAI's)
+    tool_choice: Any = None
+    #: Characters of text counted against --max-prompt-chars (messages, tools, template
+    #: kwargs; or the prompt); None: not counted (a request built without the parser).
+    text_chars: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

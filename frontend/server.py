@@ -15,6 +15,8 @@ else is cancelled.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 
 import trio
@@ -28,19 +30,22 @@ from frontend.http.group import GroupRelay
 from frontend.http.middleware import CountResponses, MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes, is_own_view
 from frontend.http.observed import Observed
+from frontend.http.request_ids import RequestIds
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
 from frontend.metrics import FrontendMetrics
-from frontend.pipeline import Pipeline
+from frontend.pipeline import ParserChoice, Pipeline
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_tokenizer_files
 from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router, WorkerState
 from frontend.router.health import Transition
+from frontend.router.kv_routing import KvConfig
 from frontend.warmup import warm_up
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 from headwater.procmem import trim_heap
+from headwater.tracing import TraceCollector, open_tracing
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,20 @@ def check_vocabulary(tokenizer: Tokenizer, model_vocab_size: int) -> None:
             f"ids but the model's vocabulary is {model_vocab_size}: not this model's "
             "tokenizer (pass --tokenizer with the model's own)"
         )
+
+
+def parser_choice(config: FrontendConfig, template: ChatTemplate) -> ParserChoice:
+    """The parse stage's parsers: those configured, else the model's own (DeepSeek-V4's
+    for the built-in template, whose answers are DSML tool calls and ``<think>``
+    reasoning), else none: an unknown model's text is passed on as it came."""
+    from frontend.preprocess.deepseek_v4 import DeepSeekV4ChatTemplate
+
+    own = "deepseek_v4" if isinstance(template, DeepSeekV4ChatTemplate) else "none"
+    return ParserChoice(
+        tool_call_parser=config.tool_call_parser or own,
+        reasoning_parser=config.reasoning_parser or own,
+        reasoning_field=config.reasoning_field,
+    )
 
 
 class Frontend:
@@ -85,6 +104,8 @@ class Frontend:
         self.metrics = FrontendMetrics()
         for reason in REFUSAL_REASONS:  # every series from 0
             self.metrics.rejected_requests_total.labels(reason)
+        for kind in ("new_request", "ongoing_request"):  # Dynamo's migration kinds
+            self.metrics.model_migration_total.labels(kind)
         self.router = Router(
             config.router,
             health=HealthConfig(
@@ -95,6 +116,13 @@ class Frontend:
             ),
             busy=BusyThresholds(kv_usage=config.busy_kv_usage, waiting=config.busy_waiting),
             on_transition=self._count_transition,
+            kv=KvConfig(
+                block_size=config.kv_block_size,
+                prefill_load_scale=config.kv_prefill_load_scale,
+                temperature=config.kv_temperature,
+                events=config.kv_events == "on",
+                approx_ttl=config.kv_approx_ttl,
+            ),
         )
         self.pipeline = Pipeline(
             model_name=config.model_name,
@@ -110,6 +138,7 @@ class Frontend:
                 queue_size=config.queue_size,
             ),
             limits=config.limits,
+            parsers=parser_choice(config, self.template),
         )
         # HTTP requests in flight: the loop monitor rests while there are none.
         self.activity = Activity()
@@ -188,8 +217,9 @@ class Frontend:
         hc = ServerConfig()
         if cfg.listen_fd is None:
             hc.bind = [f"{cfg.host}:{cfg.port}"]
-        else:  # one of several processes: the shared socket, then a port of its own
-            hc.bind = [f"fd://{cfg.listen_fd}", f"{cfg.host}:0"]
+        else:  # one of several processes: the shared socket, then a port of its own,
+            # on loopback whatever --host is: only the supervisor and this host use it
+            hc.bind = [f"fd://{cfg.listen_fd}", "127.0.0.1:0"]
         hc.certfile, hc.keyfile = cfg.ssl_certfile, cfg.ssl_keyfile  # both bound over TLS
         hc.keep_alive_timeout = cfg.keep_alive_timeout
         hc.graceful_timeout = cfg.graceful_timeout
@@ -209,7 +239,7 @@ class Frontend:
                   ) -> None:
         """Serve until :attr:`shutdown` is set; reports the listening URLs."""
         cfg = self.config
-        async with trio.open_nursery() as nursery:
+        async with self._tracing(), trio.open_nursery() as nursery:
             # Warm-up first: its one-off initialisation costs (thread creation, the
             # encoder's lazy set-up, each loop-side path's first call) are not stalls
             # of the serving loop (frontend/warmup.py).
@@ -238,7 +268,10 @@ class Frontend:
                 metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
             )  # fmt: skip
             counted = CountResponses(keyed, self._count_answer, skip=is_own_view)
-            app = MarkActivity(ShieldFinalSend(counted, deadline=cfg.write_timeout), self.activity)
+            app = RequestIds(
+                MarkActivity(ShieldFinalSend(counted, deadline=cfg.write_timeout), self.activity),
+                traced_paths=GENERATION_PATHS, max_body_bytes=cfg.max_body_bytes,
+            )  # fmt: skip
             if (warning := exposure_warning(cfg.host, keys)) is not None:
                 log.warning("%s", warning)
             async with trio.open_nursery() as http:
@@ -250,6 +283,24 @@ class Frontend:
             # serve() returned: the drain ended and what was left had its
             # graceful_timeout. Now stop the workers and the monitor.
             nursery.cancel_scope.cancel()
+
+    @asynccontextmanager
+    async def _tracing(self) -> AsyncIterator[None]:
+        """Tracing on for the block when ``otlp_endpoint`` is set (its counters in
+        /metrics), else nothing."""
+        if not self.config.otlp_endpoint:
+            yield
+            return
+        async with open_tracing(
+            self.config.otlp_endpoint, "headwater-frontend",
+            attributes={"headwater.model": self.config.model_name},
+        ) as statistics:  # fmt: skip
+            collector = TraceCollector("headwater_frontend_", statistics)
+            self.metrics.registry.register(collector)
+            try:
+                yield
+            finally:
+                self.metrics.registry.unregister(collector)
 
     async def _drain(self) -> None:
         """The HTTP server's shutdown trigger: once :meth:`stop` is called, refuse new

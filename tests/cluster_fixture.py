@@ -25,6 +25,7 @@ from headwater.cluster.recipes import WorkerProcess
 from headwater.plane.base import WorkerInstance
 from headwater.plane.client import connect_worker
 from headwater.wire import Role
+from headwater.wire.handshake import generate_secret
 
 FAST = 100.0  # mocker speedup
 FRONTEND_ARGS = ("--tokenizer-backend", "hf", "--log-level", "warning")
@@ -69,6 +70,11 @@ class Launched:
         return int(found[-1]) if found else None
 
 
+#: The plane secret :func:`launch` gives its cluster (launch makes one per run when the
+#: caller has none; the tests that talk to its workers need to know it).
+LAUNCH_SECRET = generate_secret().encode()
+
+
 @asynccontextmanager
 async def launch(tmp_path: Path, *args: str, speedup: float = FAST) -> AsyncIterator[Launched]:
     """``headwater launch --port 0 --speedup-ratio SPEEDUP ARGS`` until the block ends
@@ -79,7 +85,8 @@ async def launch(tmp_path: Path, *args: str, speedup: float = FAST) -> AsyncIter
             [sys.executable, "-m", "headwater", "launch", "--port", "0",
              "--speedup-ratio", f"{speedup:g}", "--workdir", str(workdir), *args],
             stdout=subprocess.PIPE, stderr=log,
-            env={k: v for k, v in os.environ.items() if not k.startswith("HEADWATER_")},
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("HEADWATER_")},
+                 "HEADWATER_PLANE_SECRET": LAUNCH_SECRET.decode()},
         )  # fmt: skip
     try:
         assert launcher.stdout is not None
@@ -130,14 +137,15 @@ class Worker:
 
 
 async def worker_stats(
-    workers: Sequence[WorkerProcess | Worker], model: str
+    workers: Sequence[WorkerProcess | Worker], model: str, secret: bytes | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Each worker's own counters, over a plane connection of the test's."""
+    """Each worker's own counters, over a plane connection of the test's (with *secret*:
+    :data:`LAUNCH_SECRET` for the workers of :func:`launch`)."""
     out: dict[str, dict[str, Any]] = {}
     async with trio.open_nursery() as nursery:
         for w in workers:
             instance = WorkerInstance(w.worker_id, Role(w.role), model, w.address)
-            client = await connect_worker(instance, nursery, secret=None)
+            client = await connect_worker(instance, nursery, secret=secret)
             out[w.worker_id] = await client.fetch_stats()
             await client.aclose()
     return out

@@ -54,6 +54,7 @@ from workers.lifecycle import READY_PREFIX
 from cluster_fixture import (
     FAST,
     FRONTEND_ARGS,
+    LAUNCH_SECRET,
     Worker,
     alive,
     children_of,
@@ -423,12 +424,12 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
             Worker(view[cluster.addresses[name]]["worker_id"], "decode", cluster.addresses[name])
             for name in ("decode-0", "decode-1")
         )  # fmt: skip
-        before = await worker_stats([survivor], model)
+        before = await worker_stats([survivor], model, LAUNCH_SECRET)
 
         os.kill(cluster.children["decode-1"], signal.SIGKILL)
         await wait_dead(cluster.children["decode-1"])
         await send(cluster.url, model, 8, concurrency=4)  # right after the kill: all succeed
-        after = await worker_stats([survivor], model)
+        after = await worker_stats([survivor], model, LAUNCH_SECRET)
         assert total(after, "served_total") - total(before, "served_total") == 8
 
         with trio.fail_after(30):
@@ -438,7 +439,9 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
         assert pid in children_of(cluster.process.pid)
         # Same port and id: the plane's handshake at the old address checks the id.
         with trio.fail_after(30):  # the router retries it once its inhibition is over
-            while not (await worker_stats([victim], model))[victim.worker_id]["served_total"]:
+            while not (await worker_stats([victim], model, LAUNCH_SECRET))[victim.worker_id][
+                "served_total"
+            ]:
                 await send(cluster.url, model, 4, concurrency=2)
         view = await debug_workers(cluster.url)
         assert view[victim.address]["worker_id"] == victim.worker_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import struct
 from typing import Any
 
@@ -56,6 +57,7 @@ from headwater.wire.frames import (
     Ping,
     Pong,
     Stats,
+    Unreadable,
 )
 from headwater.wire.handshake import (
     ClientHandshake,
@@ -327,6 +329,16 @@ def _hashed_chunk(**handle: object) -> dict[str, object]:
     ],
 )
 def test_bad_fields_are_protocol_errors(body: object, match: str) -> None:
+    if isinstance(body, dict) and body.get("k") == "request":
+        # A request whose id reads fails alone (tests/test_attack_plane_frames.py): the
+        # decoder yields it as Unreadable, with the reason the strict decode gives.
+        (refused,) = FrameDecoder().feed(_body(body))
+        assert isinstance(refused, Unreadable)
+        assert refused.request_id == body["request_id"]
+        assert re.search(match, refused.reason)
+        with pytest.raises(ProtocolError, match=match):
+            decode_body(_body(body)[4:], lenient=False)
+        return
     with pytest.raises(ProtocolError, match=match):
         FrameDecoder().feed(_body(body))
 
@@ -484,7 +496,7 @@ def test_garbled_and_truncated_frames_only_raise_protocol_error(
         frames = decoder.feed(bytes(data))
     except ProtocolError:
         return
-    assert all(type(f) in {type(e) for e in EXAMPLES} for f in frames)
+    assert all(type(f) in {type(e) for e in EXAMPLES} | {Unreadable} for f in frames)
 
 
 # ---- handshake --------------------------------------------------------------------------
@@ -633,19 +645,21 @@ def test_addresses() -> None:
 def test_load_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HEADWATER_PLANE_SECRET", raising=False)
     assert load_secret(None) is None
-    monkeypatch.setenv("HEADWATER_PLANE_SECRET", " from-env \n")
-    assert load_secret(None) == b"from-env"
+    monkeypatch.setenv("HEADWATER_PLANE_SECRET", " secret-from-env-1 \n")
+    assert load_secret(None) == b"secret-from-env-1"
     path = tmp_path / "secret"
-    path.write_bytes(b"from-file\n")
-    assert load_secret(str(path)) == b"from-file"  # the file wins
+    path.write_bytes(b"secret-from-file-1\n")
+    assert load_secret(str(path)) == b"secret-from-file-1"  # the file wins
     path.write_bytes(b"  \n")
     with pytest.raises(ValueError, match="empty"):
         load_secret(str(path))
     # A rotation: the first line proves, every line is accepted.
-    path.write_bytes(b"new-one\n\n  old-one \n")
+    path.write_bytes(b"the-new-secret-one\n\n  the-old-secret-one \n")
     secret = load_secret(str(path))
-    assert secret == b"new-one"
+    assert secret == b"the-new-secret-one"
     assert secret is not None
-    assert secret.accepted == (b"new-one", b"old-one")
-    monkeypatch.setenv("HEADWATER_PLANE_SECRET", "new-one\nold-one")
-    assert load_secret(None).accepted == (b"new-one", b"old-one")  # type: ignore[union-attr]
+    assert secret.accepted == (b"the-new-secret-one", b"the-old-secret-one")
+    monkeypatch.setenv("HEADWATER_PLANE_SECRET", "the-new-secret-one\nthe-old-secret-one")
+    assert load_secret(None).accepted == (  # type: ignore[union-attr]
+        b"the-new-secret-one", b"the-old-secret-one"
+    )

@@ -67,6 +67,7 @@ from headwater.wire.frames import (
     Stats,
 )
 from headwater.wire.handshake import ServerHandshake, proof
+from headwater.wire.session import TAG_BYTES, FrameMac, Session, derive_session
 from workers.engines.mocker import MockerConfig
 from workers.lifecycle import RunningWorker, WorkerConfig, serve_worker
 
@@ -77,6 +78,24 @@ FAST = 100_000.0
 async def start_worker(nursery: trio.Nursery, **kw: object) -> RunningWorker:
     config = WorkerConfig(engine_config=MockerConfig(speedup_ratio=FAST), **kw)  # type: ignore[arg-type]
     return await nursery.start(partial(serve_worker, config))
+
+
+def seal(data: bytes, mac: FrameMac | None) -> bytes:
+    """*data* as a session's sender would put it: each complete frame it holds gets its
+    tag (its length grows by it), and what is left (a partial or oversize frame) goes as
+    it is. So the worker, checking tags, reads what it would read of *data* without a
+    session: what the oracle predicts."""
+    if mac is None:
+        return data
+    out, pos = bytearray(), 0
+    while len(data) - pos >= 4:
+        (size,) = struct.unpack_from(">I", data, pos)
+        if size > DEFAULT_MAX_FRAME - TAG_BYTES or len(data) - pos - 4 < size:
+            break
+        body = data[pos + 4 : pos + 4 + size]
+        out += struct.pack(">I", size + TAG_BYTES) + body + mac.sign(body)
+        pos += 4 + size
+    return bytes(out + data[pos:])
 
 
 async def read_until_closed(stream: trio.abc.Stream, limit: float) -> list[Frame]:
@@ -319,9 +338,11 @@ async def run_script(address: str, secret: bytes | None, script: Script) -> Seen
     stream = await trio.open_tcp_stream(*parse_tcp_address(address))
     decoder = FrameDecoder()
     open_ = True
+    server_nonce = b""
+    session: Session | None = None
 
     async def read_more() -> bool:
-        nonlocal open_
+        nonlocal open_, session
         try:
             data = await stream.receive_some(65536)
         except trio.BrokenResourceError:
@@ -330,7 +351,17 @@ async def run_script(address: str, secret: bytes | None, script: Script) -> Seen
         if not data:
             open_ = False
             return False
-        seen.frames.extend(decoder.feed(data))  # the worker must send only sound frames
+        # The worker must send only sound frames (tagged after its hello_ok, with a secret).
+        while frames := decoder.feed(data, limit=1):
+            data = b""
+            seen.frames += frames
+            if isinstance(frames[0], HelloOk) and secret is not None:
+                hello_ok = frames[0]
+                session = derive_session(
+                    secret, "client", NONCE, server_nonce, ("frontend", "fuzzer", ""),
+                    (hello_ok.role, hello_ok.worker_id, hello_ok.model),
+                )  # fmt: skip
+                decoder.mac = session.receive
         return True
 
     async def wait_for(kind: type[Frame]) -> Frame | None:
@@ -358,6 +389,7 @@ async def run_script(address: str, secret: bytes | None, script: Script) -> Seen
             if secret is not None:
                 challenge = await wait_for(Challenge)
                 if isinstance(challenge, Challenge):
+                    server_nonce = challenge.nonce
                     await send(script.mid)
                     if script.auth is not None:
                         key = secret if script.auth == "good" else b"a guess"
@@ -366,12 +398,13 @@ async def run_script(address: str, secret: bytes | None, script: Script) -> Seen
             if script.auth is not None or secret is None:
                 seen.handshaken = await wait_for(HelloOk) is not None
             if seen.handshaken:
+                post = seal(script.post, session.send if session is not None else None)
                 if script.cut is not None:
-                    await send(script.post[: script.cut], script.trickle)
+                    await send(post[: script.cut], script.trickle)
                     seen.closed_by_us = True
                     await trio.aclose_forcefully(stream)
                     return seen
-                await send(script.post, script.trickle)
+                await send(post, script.trickle)
     except trio.BrokenResourceError:
         pass  # the worker closed while we sent: see what it said
     while open_:
@@ -711,17 +744,22 @@ class FakePrefill:
             decoder = FrameDecoder()
             handshake = ServerHandshake(self.identity, secret=self.secret)
             send_lock = trio.Lock()
+            keys: list[Session] = []  # the session, once the handshake's frames are out
 
             async def send(data: bytes) -> None:
-                async with send_lock:
-                    await stream.send_all(data)
+                async with send_lock:  # signed in the order sent
+                    await stream.send_all(seal(data, keys[0].send if keys else None))
 
             with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 while data := await stream.receive_some(65536):
-                    for frame in decoder.feed(data):
+                    while frames := decoder.feed(data, limit=1):
+                        data, frame = b"", frames[0]
                         if handshake.peer is None:
                             if not await self._greet(send, handshake, frame):
                                 return
+                            if handshake.session is not None:
+                                keys.append(handshake.session)
+                                decoder.mac = handshake.session.receive
                         elif isinstance(frame, Ping):
                             await send(encode(Pong(frame.seq)))
                         elif isinstance(frame, KvPull):

@@ -35,7 +35,7 @@ from helpers import start_runtime
 from tls_fixture import Pem, issue
 
 MODEL = "deepseek-v4"
-SECRET = b"correct horse"  # the secret's handshake runs inside TLS too
+SECRET = b"correct horse battery"  # the secret's handshake runs inside TLS too
 CONNECT = 2.0  # connect_timeout: every refusal must come well before it
 
 

@@ -26,13 +26,14 @@ from typing import Any
 
 import trio
 
-from headwater.etcd.client import etcd_endpoints
+from headwater.etcd.client import EtcdCredentials, etcd_endpoints
 from headwater.plane.connection import PlaneConfig
-from headwater.plane.kv import KvSource, TcpKvTransfer, open_kv_transfer
+from headwater.plane.kv import KvPeers, KvSource, TcpKvTransfer, open_kv_transfer
 from headwater.plane.server import PlaneServer, ServerConfig, check_bind
 from headwater.plane.tls import TlsConfig, check_certificate
+from headwater.tracing import open_tracing
 from headwater.wire import Role
-from headwater.wire.addresses import format_tcp_address
+from headwater.wire.addresses import format_tcp_address, is_loopback
 from workers.engines import registry
 from workers.engines.base import Engine, EngineContext
 from workers.runtime.runtime import WorkerRuntime, load_of, open_runtime
@@ -81,6 +82,14 @@ class WorkerConfig:
     #: Seconds the etcd lease outlives the last keep-alive: how long a crashed worker
     #: stays registered. etcd raises values below its minimum (~2 s).
     lease_ttl: int = 10
+    #: Prefill workers' plane addresses (``tcp://host:port``) a decode or agg worker may
+    #: pull KV from, besides those registered in etcd (``discovery``); with neither, a
+    #: worker listening on loopback pulls from loopback ones. Any other is refused.
+    kv_peers: tuple[str, ...] = ()
+    #: OTLP/HTTP collector to send this worker's traces to; "" = tracing off.
+    otlp_endpoint: str = ""
+    #: How to authenticate to etcd (user and password, TLS); None: etcd is open.
+    etcd: EtcdCredentials | None = field(default=None, repr=False)
     plane: PlaneConfig = field(default_factory=PlaneConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -154,9 +163,9 @@ async def serve_worker(
     bound_port = listeners[0].socket.getsockname()[1]
     address = format_tcp_address(advertised, bound_port)
     try:
-        async with _open_engine(config, address) as (engine, kv_transfer), open_runtime(
-            engine, config.worker_id
-        ) as runtime:
+        async with _tracing(config), _open_engine(config, address) as (
+            engine, kv_transfer
+        ), open_runtime(engine, config.worker_id) as runtime:
             await _serve(
                 config, address, listeners, runtime, kv_transfer,
                 shutdown_trigger, on_ready, on_stop, task_status,
@@ -167,6 +176,19 @@ async def serve_worker(
 
 
 @asynccontextmanager
+async def _tracing(config: WorkerConfig) -> AsyncIterator[None]:
+    """This worker's traces to ``otlp_endpoint`` for the block, if set."""
+    if not config.otlp_endpoint:
+        yield
+        return
+    async with open_tracing(
+        config.otlp_endpoint, "headwater-worker",
+        attributes={"headwater.worker.id": config.worker_id, "headwater.role": str(config.role)},
+    ):  # fmt: skip
+        yield
+
+
+@asynccontextmanager
 async def _open_engine(
     config: WorkerConfig, address: str
 ) -> AsyncIterator[tuple[Engine, TcpKvTransfer | None]]:
@@ -174,15 +196,29 @@ async def _open_engine(
     if config.role is Role.PREFILL:
         yield _build(config, address, None), None
         return
-    async with open_kv_transfer(
+    # Where it may pull from: the prefill workers registered in etcd, --kv-peers; with
+    # neither, on a worker listening on loopback (a one-host cluster), loopback ones.
+    one_host = is_loopback(split_host_port(config.listen)[0])
+    peers = KvPeers(config.kv_peers,
+                    loopback=one_host and not config.kv_peers and not config.discovery)
+    async with trio.open_nursery() as nursery, open_kv_transfer(
         peer_id=config.worker_id, role=str(config.role), secret=config.secret,
-        config=replace(config.plane, tls=config.tls),
+        config=replace(config.plane, tls=config.tls), peers=peers,
     ) as kv_transfer:  # fmt: skip
+        if config.discovery:
+            from workers.runtime.registration import follow_prefill_workers
+
+            await nursery.start(partial(
+                follow_prefill_workers, etcd_endpoints(config.discovery), config.model_name,
+                peers, secret=config.secret, credentials=config.etcd,
+            ))  # fmt: skip
         yield _build(config, address, kv_transfer), kv_transfer
+        nursery.cancel_scope.cancel()
 
 
 def _build(config: WorkerConfig, address: str, kv_transfer: TcpKvTransfer | None) -> Engine:
-    context = EngineContext(config.role, config.worker_id, kv_transfer, address)
+    context = EngineContext(config.role, config.worker_id, kv_transfer, address,
+                            otlp_endpoint=config.otlp_endpoint)  # fmt: skip
     return registry.build(config.engine, config.engine_config, context)
 
 

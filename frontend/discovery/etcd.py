@@ -24,6 +24,7 @@ from headwater.backoff import Backoff
 from headwater.etcd.client import (
     EtcdClient,
     EtcdCompacted,
+    EtcdCredentials,
     EtcdError,
     EventType,
     KeyValue,
@@ -43,6 +44,11 @@ class EtcdDiscovery(Discovery):
     ``trio.fail_after`` if that matters), then follows a watch. A lost watch is
     retried with backoff; a malformed record is logged and treated as absent.
     The client is created per ``run`` unless one is passed in.
+
+    With *secret* (the plane secret) a record counts only if it is signed with it and
+    stored under the key its own fields name: whoever can write to etcd without the
+    secret cannot add a worker, or send a known worker's traffic elsewhere
+    (:mod:`headwater.etcd.records`). *credentials* authenticate to etcd.
     """
 
     def __init__(
@@ -54,8 +60,12 @@ class EtcdDiscovery(Discovery):
         timeout: float = 5.0,  # seconds per etcd request
         client: EtcdClient | None = None,
         backoff: Backoff | None = None,
+        secret: bytes | None = None,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         self.endpoints = endpoints
+        self.secret = secret
+        self.credentials = credentials
         self.model = model
         self.prefix = prefix
         self.timeout = timeout
@@ -73,8 +83,10 @@ class EtcdDiscovery(Discovery):
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        client = self._client or EtcdClient(self.endpoints, timeout=self.timeout)
-        members = _Members(sink, self.model)
+        client = self._client or EtcdClient(
+            self.endpoints, timeout=self.timeout, credentials=self.credentials
+        )
+        members = _Members(sink, self.model, self.secret, self.prefix)
         started = False
         try:
             while True:
@@ -107,10 +119,16 @@ class EtcdDiscovery(Discovery):
 class _Members:
     """What the sink was told, by key, so that a resync reports only differences."""
 
-    def __init__(self, sink: DiscoverySink, model: str | None) -> None:
+    def __init__(
+        self, sink: DiscoverySink, model: str | None, secret: bytes | None = None,
+        prefix: str = KEY_PREFIX,
+    ) -> None:  # fmt: skip
         self.sink = sink
         self.model = model
+        self.secret = secret
+        self.prefix = prefix
         self.known: dict[bytes, InstanceRecord] = {}
+        self.refused = 0  # records ignored: malformed, unsigned, forged or misplaced
 
     def resync(self, kvs: Sequence[KeyValue]) -> None:
         fresh = {kv.key: rec for kv in kvs if (rec := self._parse(kv)) is not None}
@@ -125,8 +143,11 @@ class _Members:
 
     def _parse(self, kv: KeyValue) -> InstanceRecord | None:
         try:
-            rec = InstanceRecord.from_json(kv.value)
+            rec = InstanceRecord.from_json(kv.value, self.secret)
+            if rec.key(self.prefix).encode() != kv.key:  # a signed record copied elsewhere
+                raise ValueError(f"stored under another key than its own, {rec.key(self.prefix)}")
         except ValueError as exc:
+            self.refused += 1
             log.warning("ignoring etcd key %r: %s", kv.key, exc)
             return None
         if self.model is not None and rec.model != self.model:

@@ -37,7 +37,12 @@ def discovery_from_config(config: FrontendConfig) -> Discovery:
     if config.workers:
         return StaticDiscovery.from_spec(config.workers, default_model=config.model_name)
     if config.discovery:
-        return EtcdDiscovery(etcd_endpoints(config.discovery), model=config.model_name)
+        from headwater.wire.handshake import load_secret
+
+        return EtcdDiscovery(
+            etcd_endpoints(config.discovery), model=config.model_name,
+            secret=load_secret(), credentials=config.etcd_credentials,
+        )  # fmt: skip
     return LocalCluster(
         model=config.model_name, mode=config.mode, engine=config.engine,
         engine_config=config.engine_config, ack_timeout=config.ack_timeout,

@@ -48,6 +48,7 @@ from pathlib import Path
 import trio
 
 from headwater.cli.options import (
+    LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
     add_restart_options,
@@ -59,6 +60,7 @@ from headwater.cli.options import (
     restart_policy_from_args,
 )
 from headwater.cli.preflight import check_engine, check_port
+from headwater.cli.secret_args import API_KEYS_ENV, api_keys_to_env, hide_in_cmdline
 from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
     ETCD_BIN_ENV,
@@ -113,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_restart_options(parser, "the cluster")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="the launcher's log level")
+    a("--log-format", default="text", choices=LOG_FORMATS,
+      help="text lines, or one JSON object a line: the launcher's and every child's")
+    a("--otlp-endpoint", default="",
+      help="send every process's OpenTelemetry traces over OTLP/HTTP here (default: none)")
     a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
       help="options passed to headwater serve, after a -- separator")
     for name in registry.names():
@@ -157,6 +163,11 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     check_port("127.0.0.1", args.port, "--port")
     check_engine(engine_config)
     serve_args += _frontend_defaults(engine_config, serve_args)
+    # Every child logs and traces as the launcher was told to.
+    shared = [f"--log-format={args.log_format}"] if args.log_format != "text" else []
+    if args.otlp_endpoint:
+        shared.append(f"--otlp-endpoint={args.otlp_endpoint}")
+    serve_args += shared
     # A worker is up once its engine is: a model server's start-up counts.
     start_within = max(args.start_timeout, getattr(engine_config, "vllm_start_timeout", 0.0) + 30)
     return ClusterPlan(
@@ -171,7 +182,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         model=args.model_name,
         lease_ttl=args.lease_ttl,
         drain_timeout=args.drain_timeout,
-        worker_args=tuple(shlex.split(args.worker_args)),
+        worker_args=(*shlex.split(args.worker_args), *shared),
         worker_metrics=args.worker_metrics,
         serve_args=tuple(serve_args),
         workdir=Path(args.workdir) if args.workdir else None,
@@ -193,11 +204,20 @@ def _frontend_defaults(engine_config: object, serve_args: list[str]) -> list[str
     return argv
 
 
+def _api_keys(argv: list[str]) -> list[str]:
+    """The keys of the ``--api-key`` options in *argv*."""
+    env: dict[str, str] = {}
+    api_keys_to_env(argv, env)
+    return [k for k in env.get(API_KEYS_ENV, "").split(",") if k]
+
+
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options and
     on what the start-up checks find (the frontend's port in use, the engine's model or
     server not there)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
+    # API keys for the frontend, after --: hidden from this process's command line too.
+    hide_in_cmdline(_api_keys(args.serve_args))
     try:
         plan = plan_from_args(args)
     except ValueError as exc:

@@ -12,32 +12,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
-import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+# Re-exported: the subcommands take their logging from here.
+from headwater.logs import LOG_FORMATS as LOG_FORMATS
+from headwater.logs import configure_logging as configure_logging
+
 if TYPE_CHECKING:
     from headwater.cluster.supervisor import RestartPolicy
+    from headwater.etcd.client import EtcdCredentials
 
 ENV_PREFIX = "HEADWATER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def configure_logging(level: str) -> None:
-    """One log format for every command, on stderr, at *level* (one of LOG_LEVELS).
-
-    httpx logs every request at INFO (each etcd call, each health poll): that stays out
-    of a process's INFO output unless debug was asked for.
-    """
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def positive_int(text: str) -> int:
@@ -180,6 +168,36 @@ def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
     if callable(processes):
         defaults["processes"] = processes()
     return defaults
+
+
+def add_etcd_options(parser: argparse.ArgumentParser | Any) -> None:
+    """The options that authenticate to etcd (``--discovery``): a user and a password
+    file, TLS files. The password is never an option value (a command line is public):
+    ``--etcd-password-file`` or ``HEADWATER_ETCD_PASSWORD``."""
+    g = parser.add_argument_group(
+        "etcd authentication (docs/security.md; each also a HEADWATER_ETCD_* variable)"
+    )
+    g.add_argument("--etcd-username", default=None, help="etcd user (etcd's auth enabled)")
+    g.add_argument("--etcd-password-file", default=None,
+                   help="file holding that user's password (else HEADWATER_ETCD_PASSWORD)")
+    g.add_argument("--etcd-ca-file", default=None, metavar="PEM",
+                   help="CA of etcd's server certificate, for etcds:// endpoints (default: "
+                        "the system's store)")
+    g.add_argument("--etcd-cert-file", default=None, metavar="PEM",
+                   help="this end's client certificate (etcd's --client-cert-auth)")
+    g.add_argument("--etcd-key-file", default=None, metavar="PEM",
+                   help="the private key of --etcd-cert-file")
+
+
+def etcd_credentials_from_args(args: argparse.Namespace) -> EtcdCredentials | None:
+    """What :func:`add_etcd_options` declared; None when nothing is set. Raises
+    ValueError (half a pair), OSError (an unreadable password file)."""
+    from headwater.etcd.client import EtcdCredentials
+
+    return EtcdCredentials.load(
+        username=args.etcd_username, password_file=args.etcd_password_file,
+        ca_file=args.etcd_ca_file, cert_file=args.etcd_cert_file, key_file=args.etcd_key_file,
+    )  # fmt: skip
 
 
 def add_restart_options(parser: argparse.ArgumentParser | Any, stops: str) -> None:

@@ -24,20 +24,25 @@ from frontend.config import FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from frontend.limits import RequestLimits
 from headwater.cli.options import (
+    LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
+    add_etcd_options,
     add_restart_options,
     config_from_args,
     configure_logging,
     engine_frontend_defaults,
+    etcd_credentials_from_args,
     non_negative_int,
     positive_float,
     positive_int,
     restart_policy_from_args,
 )
 from headwater.cli.preflight import check_engine, check_port
+from headwater.cli.secret_args import hide_in_cmdline
 from headwater.machine import usable_cpus
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
+from headwater.wire.handshake import load_secret
 from workers.engines import registry
 from workers.engines.base import EngineFailed
 
@@ -97,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="KEY", help="accept this API key (repeatable); with keys, every "
                    "route but /live and /health needs 'Authorization: Bearer KEY' "
                    "(also HEADWATER_API_KEYS, comma-separated)")
-    h.add_argument("--api-keys-file", default=None,
+    h.add_argument("--api-keys-file", "--api-key-file", default=None,
                    help="a file of API keys, one per line (# comments); re-read when it changes, "
                         "so keys rotate without a restart")
     h.add_argument("--metrics-auth", action="store_true", default=_D.metrics_auth,
@@ -115,6 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for its children)")
     h.add_argument("--group-url", default=None, help=argparse.SUPPRESS)  # set for children
     add_restart_options(h, "all of them (with --processes N)")
+    add_etcd_options(p)
 
     m = p.add_argument_group("model and tokenization")
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
@@ -148,6 +154,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--inline-max-chars", type=int, default=None,
                    help="prompts this short encode on the loop, where that is cheaper than "
                         "a thread hop (default: 8192 with fastokens, 256 with hf)")
+    m.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="tool calls out of chat answers: deepseek_v4, deepseek_v32, "
+                        "deepseek_v31, hermes or none (default: the model's; deepseek_v4 "
+                        "for the built-in DeepSeek-V4 template, else none)")
+    m.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="reasoning (<think>...</think>) out of chat answers: deepseek_v4, "
+                        "deepseek_r1 or none (default: as --tool-call-parser)")
+    m.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning"],
+                   default=_D.reasoning_field,
+                   help="the message field reasoning goes in")
 
     w = p.add_argument_group("workers and routing")
     w.add_argument("--engine", choices=registry.names(), default=_D.engine,
@@ -160,8 +176,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tcp://host:port?role=prefill,tcp://host:port?role=decode")
     w.add_argument("--discovery", default=None,
                    help="find workers in etcd, e.g. etcd://127.0.0.1:2379")
-    w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c"],
-                   default=_D.router, help="how a worker is chosen per request")
+    w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c", "kv"],
+                   default=_D.router, help="how a worker is chosen per request (kv: where "
+                        "the prompt's prefix is cached; docs/routing.md)")
+    w.add_argument("--kv-block-size", type=positive_int, default=_D.kv_block_size,
+                   help="--router kv: tokens per block, the engines' block size")
+    w.add_argument("--kv-prefill-load-scale", type=float, default=_D.kv_prefill_load_scale,
+                   help="--router kv: weight of uncached prefill blocks against blocks in "
+                        "flight")
+    w.add_argument("--kv-temperature", type=float, default=_D.kv_temperature,
+                   help="--router kv: 0 picks the lowest cost; above, softmax sampling")
+    w.add_argument("--kv-events", choices=["on", "off"], default=_D.kv_events,
+                   help="--router kv: follow the workers' KV events, or (off) remember "
+                        "where prefixes were sent")
+    w.add_argument("--kv-approx-ttl", type=positive_float, default=_D.kv_approx_ttl,
+                   help="--router kv: seconds approximate mode remembers a routed prefix")
     w.add_argument("--ack-timeout", type=positive_float, default=_D.ack_timeout,
                    help="seconds a worker has to acknowledge a request")
     w.add_argument("--migration-limit", type=int, default=_D.migration_limit,
@@ -218,6 +247,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "purpose (testing only: never on a production frontend)")
     o.add_argument("--log-level", default=_D.log_level,
                    choices=LOG_LEVELS, help="log verbosity")
+    o.add_argument("--log-format", default=_D.log_format, choices=LOG_FORMATS,
+                   help="text lines, or one JSON object a line (docs/observability.md)")
+    o.add_argument("--otlp-endpoint", default=_D.otlp_endpoint,
+                   help="send OpenTelemetry traces over OTLP/HTTP here, e.g. "
+                        "http://127.0.0.1:4318 (default: no tracing)")
 
     for name in registry.names():
         group = p.add_argument_group(f"engine {name} (in-process workers)",
@@ -254,7 +288,9 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     With in-process workers, what the engine knows of its model (its directory's
     tokenizer, its vocabulary size and context length) fills the options not given.
     """
-    names = {f.name for f in fields(FrontendConfig)} - {"engine_config", "api_keys", "limits"}
+    names = {f.name for f in fields(FrontendConfig)} - {
+        "engine_config", "api_keys", "limits", "etcd_credentials"
+    }
     engine_config = config_from_args(registry.config_type(args.engine), args)
     limits = config_from_args(RequestLimits, args)
     api_keys = load_api_keys(args.api_key or (), env=os.environ.get(API_KEYS_ENV))
@@ -268,6 +304,7 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
         defaults = engine_frontend_defaults(engine_config)
     config = FrontendConfig(
         **{**defaults, **given}, engine_config=engine_config, api_keys=api_keys, limits=limits,
+        etcd_credentials=etcd_credentials_from_args(args),
     )  # fmt: skip
     # The files are read now, not at the first connection: a bad one is a bad option.
     if config.ssl_certfile and config.ssl_keyfile:
@@ -291,9 +328,12 @@ def main(args: argparse.Namespace) -> int:
     model or server not there)."""
     from frontend.preprocess.tokenizer import TokenizerLoadError, find_tokenizer_files
 
+    if args.api_key:  # every user of the machine reads a command line: hide them there
+        hide_in_cmdline(args.api_key)
     try:
         config = frontend_config_from_args(args)
         restart = restart_policy_from_args(args)
+        load_secret()  # the plane secret, checked now: a weak one is a bad option
         # Before anything slow (the tokenizer, a group's fork, a model server's start).
         if config.listen_fd is None:
             check_port(config.host, config.port, "--host, --port")
@@ -306,7 +346,11 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
+    if args.api_key:
+        logging.getLogger(__name__).warning(
+            "--api-key puts a key in the command line, which every user of this machine can "
+            "read until it is hidden at start: use --api-keys-file or %s", API_KEYS_ENV)
     if config.processes > 1:
         from headwater.cluster.frontend_group import run_group
 

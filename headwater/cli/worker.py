@@ -29,15 +29,20 @@ from collections.abc import Iterator
 import trio
 
 from headwater.cli.options import (
+    LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
+    add_etcd_options,
     config_from_args,
     configure_logging,
+    etcd_credentials_from_args,
+    non_negative_int,
     positive_float,
 )
 from headwater.cli.preflight import check_engine, check_port
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
+from headwater.logs import set_process_worker
 from headwater.malloc_tuning import keep_freed_heap
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from headwater.plane.server import ServerConfig, check_bind
@@ -73,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--peer-timeout", type=positive_float, default=d.server.heartbeat_timeout,
       help="seconds a plane connection may stay silent (peers ping every 5 s) before "
       "the worker closes it and cancels its requests")
+    a("--max-connections-per-address", type=non_negative_int,
+      default=d.server.max_connections_per_address,
+      help="plane connections open at once per peer IP address; one more is closed as soon "
+      "as it is accepted (0: no limit)")
+    a("--max-connections", type=non_negative_int, default=None,
+      help="plane connections open at once in all (default: half the process's file "
+      "descriptor limit, at most 4096; 0: no limit)")
     a("--plane-secret-file", default=None,
       help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
       "to listen beyond loopback")
@@ -90,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
                    help="the CA that every peer's certificate (frontends, other workers) "
                         "must chain to; nothing else is trusted")
+    a("--kv-peers", default="",
+      help="comma-separated tcp://host:port of the prefill workers a decode worker may pull "
+      "KV from, besides those registered in etcd (--discovery); with neither, a worker "
+      "listening on loopback pulls from loopback ones. A KV handle naming any other "
+      "address is refused")
     a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
     a("--discovery", default="",
       help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
@@ -98,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds a crashed worker stays registered in etcd (lease TTL)")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="log level (debug also shows every etcd call)")
+    a("--log-format", default="text", choices=LOG_FORMATS,
+      help="text lines, or one JSON object a line (docs/observability.md)")
+    a("--otlp-endpoint", default="",
+      help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+      "(default: no tracing)")
+    add_etcd_options(parser)
     for name in registry.names():
         spec = registry.spec(name)
         group = parser.add_argument_group(f"engine {name}", spec.summary)
@@ -115,12 +138,19 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         model_name=args.model_name,
         worker_id=args.worker_id,
         drain_timeout=args.drain_timeout,
-        server=ServerConfig(heartbeat_timeout=args.peer_timeout),
+        server=ServerConfig(
+            heartbeat_timeout=args.peer_timeout,
+            max_connections_per_address=args.max_connections_per_address,
+            max_connections=args.max_connections,
+        ),
         secret=load_secret(args.plane_secret_file),
         tls=tls_config(args.plane_tls_certfile, args.plane_tls_keyfile, args.plane_tls_ca_file),
         metrics_port=args.metrics_port,
         discovery=args.discovery,
         lease_ttl=args.lease_ttl,
+        etcd=etcd_credentials_from_args(args),
+        kv_peers=tuple(p.strip() for p in args.kv_peers.split(",") if p.strip()),
+        otlp_endpoint=args.otlp_endpoint,
     )
 
 
@@ -129,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
     engine that failed (its model server would not start, or died for good); 2 on bad
     options and on what the start-up checks find (headwater.cli.preflight: a port in
     use, the engine's model or server not there)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     try:
         config = worker_config_from_args(args)
         host, port = split_host_port(config.listen)
@@ -142,6 +172,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"headwater worker: {exc}", file=sys.stderr)
         return 2
+    set_process_worker(config.worker_id)  # every log line of this process names it
     tune_gc()  # its requests carry the same long token lists as the frontend's
     keep_freed_heap()  # its large plane buffers are freed and allocated per request
     try:
@@ -177,6 +208,8 @@ async def _run(config: WorkerConfig) -> int:
                 model=config.model_name,
                 capacity=config.capacity,
                 ttl=config.lease_ttl,
+                secret=config.secret,  # signs its record: frontends check it
+                credentials=config.etcd,
             )
         nursery.start_soon(_watch_signals, stop, forced, nursery.cancel_scope)
         if (supervisor := supervisor_pid()) is not None:  # under headwater launch

@@ -66,7 +66,8 @@ from trio_util import wait_any
 
 from frontend.config import FrontendConfig
 from frontend.http.serving.balance import AcceptShares
-from headwater.cluster.children import LaunchError, watch
+from headwater.cli.secret_args import api_keys_to_env
+from headwater.cluster.children import LaunchError, child_env, watch
 from headwater.cluster.group_view import GroupView, Member, private_port_tls
 from headwater.cluster.recipes import (
     FrontendProcess,
@@ -195,10 +196,11 @@ async def supervise(
     group_url = f"http://127.0.0.1:{view_sock.getsockname()[1]}"
     given_up = trio.Event()
     fd = sock.fileno()
-    argv_ = child_argv(argv, fd, group_url)
+    env = child_env()  # API keys given on the command line travel here instead
+    argv_ = child_argv(api_keys_to_env(argv, env), fd, group_url)
     children = [
         Supervised(
-            f"frontend process {i}", _starter(i, argv_, fd, zygote, shares), restart,
+            f"frontend process {i}", _starter(i, argv_, env, fd, zygote, shares), restart,
             on_give_up=lambda _process: given_up.set(),
             stop_grace=config.stop_timeout + STOP_MARGIN,
         )
@@ -255,7 +257,7 @@ async def supervise(
     return status
 
 
-def _starter(i: int, argv: list[str], fd: int, zygote: Zygote | None,
+def _starter(i: int, argv: list[str], env: dict[str, str], fd: int, zygote: Zygote | None,
              shares: AcceptShares) -> Starter[FrontendProcess]:  # fmt: skip
     """How process *i* is started, and started again: forked by the zygote while it
     lives, else as a program; the same socket either way. A restart announces the
@@ -274,7 +276,7 @@ def _starter(i: int, argv: list[str], fd: int, zygote: Zygote | None,
                           (f"(forked by the zygote, pid {zygote.pid})",))  # fmt: skip
             child = await frontend_announced(child, nursery, ready_within=READY_WITHIN)
         else:
-            child = await spawn_frontend(nursery, argv, name=name, log_path=None,
+            child = await spawn_frontend(nursery, argv, name=name, log_path=None, env=env,
                                          pass_fds=(fd,), ready_within=READY_WITHIN)  # fmt: skip
         if previous is not None:
             print(member_line(i, child.pid, child.urls[-1]), flush=True)

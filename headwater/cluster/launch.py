@@ -14,6 +14,12 @@ restarts per window): a worker with its id and port, so static ``--workers`` lis
 and etcd keys still name it; the frontend with its port; etcd with its ports and
 data. A process that cannot start at launch fails the launch instead.
 
+The plane between the frontend and the workers is authenticated: the cluster's secret
+is ``$HEADWATER_PLANE_SECRET`` when set, else one made for this run
+(:func:`~headwater.wire.handshake.generate_secret`), held in memory and given to the
+workers and the frontend in their environment, never on a command line or in a file.
+API keys given after ``--`` go to the frontend the same way.
+
 Ctrl-C or SIGTERM stops the frontend first (its in-flight requests finish), then the
 workers (SIGTERM: they drain), then etcd; a second signal kills whatever is left.
 A process that exhausts its restart budget stops the cluster the same way, after
@@ -36,7 +42,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from headwater.cluster.children import ChildProcess, LaunchError
+from headwater.cli.secret_args import api_keys_to_env
+from headwater.cluster.children import ChildProcess, LaunchError, child_env
 from headwater.cluster.recipes import (
     DEFAULT_MODEL,
     EtcdProcess,
@@ -49,6 +56,7 @@ from headwater.cluster.recipes import (
 )
 from headwater.cluster.supervisor import RestartPolicy, Starter, Supervised
 from headwater.ports import free_port
+from headwater.wire.handshake import SECRET_ENV, generate_secret
 
 log = logging.getLogger("headwater.launch")  # the name users see in its log lines
 
@@ -125,6 +133,12 @@ class Cluster:
         self.frontend: Supervised[FrontendProcess] | None = None
         self.failure: str | None = None
         self._run_scope = run_scope
+        #: The workers' and the frontend's environment: the plane secret (the caller's
+        #: $HEADWATER_PLANE_SECRET, else one made for this run) is given there.
+        self.env = child_env({SECRET_ENV: os.environ.get(SECRET_ENV) or generate_secret()})
+        #: The frontend's options, its API keys moved to its environment.
+        self.frontend_env = dict(self.env)
+        self.serve_args = api_keys_to_env(plan.serve_args, self.frontend_env)
 
     @property
     def discovery_url(self) -> str:
@@ -188,7 +202,7 @@ class Cluster:
                 discovery=self.discovery_url, model=plan.model, engine=plan.engine,
                 engine_args=plan.engine_args, lease_ttl=plan.lease_ttl,
                 drain_timeout=plan.drain_timeout, extra_args=plan.worker_args,
-                ready_within=plan.start_within,
+                ready_within=plan.start_within, env=self.env,
             )  # fmt: skip
 
         return start
@@ -203,8 +217,8 @@ class Cluster:
         return await start_frontend(
             nursery, log_dir=self.workdir, port=previous.port if previous else plan.port,
             discovery=self.discovery_url, workers=static, model=plan.model,
-            extra_args=("--drain-timeout", f"{plan.drain_timeout:g}", *plan.serve_args),
-            ready_within=plan.start_within,
+            extra_args=("--drain-timeout", f"{plan.drain_timeout:g}", *self.serve_args),
+            ready_within=plan.start_within, env=self.frontend_env,
         )  # fmt: skip
 
     async def _start_workers(self, nursery: trio.Nursery) -> None:

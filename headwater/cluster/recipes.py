@@ -49,6 +49,7 @@ from headwater.cluster.children import (
     spawn,
 )
 from headwater.ports import free_port
+from headwater.secret_env import without_secrets
 from headwater.wire.addresses import parse_tcp_address
 from workers.lifecycle import READY_PREFIX as WORKER_READY_PREFIX
 
@@ -161,7 +162,7 @@ async def start_etcd(
         ]
         child = await spawn(
             EtcdProcess, nursery, name, argv, workdir / f"{name}.log",
-            env=child_env(), stdout=False,
+            env=without_secrets(child_env()), stdout=False,  # etcd needs none of ours
         )  # fmt: skip
         child.address, child.peer_port, child.data_dir = client, peer_port, data
         try:

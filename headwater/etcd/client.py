@@ -9,6 +9,14 @@ Shared by the frontend's discovery (``frontend.discovery.etcd``, which watches) 
 the workers' registration (``workers.runtime.registration``, which holds a lease);
 what they store is :mod:`headwater.etcd.records`.
 
+Authentication (:class:`EtcdCredentials`): a user and password (etcd's ``auth
+enable``; the client asks ``/v3/auth/authenticate`` for a token, sends it with every
+request and asks again when etcd says it expired), and/or TLS with a client certificate
+(``etcds://`` or ``https://`` endpoints; the server checked against a CA file of the
+operator's, or the system's store). The password comes from a file or the
+environment, never a command line. Without credentials etcd must be open to whoever
+reaches it: keep it on a private network (docs/security.md).
+
 Errors, grouped by what the caller can do::
 
     EtcdError               root; the server refused (``code`` = gRPC status, if any)
@@ -23,9 +31,11 @@ import base64
 import collections
 import enum
 import json
+import os
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -160,6 +170,75 @@ class Lease:
     ttl: int  # seconds, as granted (etcd may raise a too-short TTL)
 
 
+# -- credentials -----------------------------------------------------------------
+
+#: The environment variables :meth:`EtcdCredentials.from_env` reads (each also a
+#: ``--etcd-*`` option of ``headwater worker`` and ``headwater serve``).
+USERNAME_ENV = "HEADWATER_ETCD_USERNAME"
+PASSWORD_ENV = "HEADWATER_ETCD_PASSWORD"  # the password itself
+PASSWORD_FILE_ENV = "HEADWATER_ETCD_PASSWORD_FILE"
+CA_FILE_ENV = "HEADWATER_ETCD_CA_FILE"
+CERT_FILE_ENV = "HEADWATER_ETCD_CERT_FILE"
+KEY_FILE_ENV = "HEADWATER_ETCD_KEY_FILE"
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdCredentials:
+    """How to authenticate to etcd: a user and password, a client certificate, the CA
+    that signs the server's certificate; any of them, or none."""
+
+    username: str = ""
+    password: str = field(default="", repr=False)
+    #: PEM of the CA the servers' certificates chain to (default: the system's store).
+    ca_file: str = ""
+    #: This end's client certificate and key (etcd's ``--client-cert-auth``).
+    cert_file: str = ""
+    key_file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.username) != bool(self.password):
+            raise ValueError("etcd credentials need both a username and a password")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("an etcd client certificate needs both its file and its key")
+
+    @classmethod
+    def load(
+        cls,
+        username: str | None = None,
+        password_file: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+    ) -> EtcdCredentials | None:
+        """Credentials from the options given, each else its ``HEADWATER_ETCD_*``
+        variable; the password from *password_file*, else ``$HEADWATER_ETCD_PASSWORD``.
+        None when nothing is set. Raises ValueError (half a pair), OSError (unreadable
+        password file). Reads files: call at start-up."""
+        env = os.environ.get
+        password_file = password_file or env(PASSWORD_FILE_ENV)
+        if password_file:
+            with open(password_file, encoding="utf-8") as f:
+                password = f.read().strip()
+        else:
+            password = env(PASSWORD_ENV, "")
+        credentials = cls(
+            username=username or env(USERNAME_ENV, ""), password=password,
+            ca_file=ca_file or env(CA_FILE_ENV, ""), cert_file=cert_file or env(CERT_FILE_ENV, ""),
+            key_file=key_file or env(KEY_FILE_ENV, ""),
+        )  # fmt: skip
+        return credentials if credentials != cls() else None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context for ``https`` endpoints when a CA or a client certificate is
+        given (None: httpx's default, the system's store). Raises OSError, ssl.SSLError."""
+        if not (self.ca_file or self.cert_file):
+            return None
+        context = ssl.create_default_context(cafile=self.ca_file or None)
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+
 # -- client ----------------------------------------------------------------------
 
 
@@ -172,7 +251,8 @@ class EtcdClient:
     :class:`EtcdUnavailable` past it. Cancellation is safe at any await: a
     cancelled write may or may not have been applied. Close with :meth:`aclose`
     (or ``async with``) unless an *http* client was passed in, which stays the
-    caller's to close.
+    caller's to close. *credentials* (default: :meth:`EtcdCredentials.load` from the
+    environment) authenticate it.
     """
 
     def __init__(
@@ -181,15 +261,21 @@ class EtcdClient:
         *,
         timeout: float = 5.0,  # seconds per unary request
         http: httpx.AsyncClient | None = None,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         urls = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
         self.endpoints = [_normalize_url(u) for u in urls if u.strip()]
         if not self.endpoints:
             raise ValueError("no etcd endpoint given")
         self.timeout = timeout
+        self.credentials = credentials or EtcdCredentials.load()
+        self._token = ""  # etcd's auth token, once authenticated with a password
         self._current = 0
         self._owns_http = http is None
-        self._http = http or httpx.AsyncClient(timeout=timeout)
+        verify = self.credentials.ssl_context() if self.credentials else None
+        self._http = http or httpx.AsyncClient(
+            timeout=timeout, verify=verify if verify is not None else True
+        )
 
     async def __aenter__(self) -> EtcdClient:
         return self
@@ -209,10 +295,37 @@ class EtcdClient:
     def _failover(self) -> None:
         self._current = (self._current + 1) % len(self.endpoints)
 
+    async def _headers(self, *, renew: bool = False) -> dict[str, str]:
+        """The auth header for the next request: a token from ``/v3/auth/authenticate``
+        when there is a password (asked once, and again with *renew*)."""
+        credentials = self.credentials
+        if credentials is None or not credentials.username:
+            return {}
+        if renew or not self._token:
+            d = await self._post("/v3/auth/authenticate",
+                                 {"name": credentials.username, "password": credentials.password},
+                                 {})  # fmt: skip
+            token = d.get("token")
+            if not isinstance(token, str) or not token:
+                raise EtcdError("etcd /v3/auth/authenticate: no token in the answer")
+            self._token = token
+        return {"Authorization": self._token}
+
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._post(path, body, await self._headers())
+        except EtcdError as exc:
+            if not (self._token and _token_expired(exc)):
+                raise
+        # The token expired (etcd's --auth-token-ttl) or etcd restarted: authenticate again.
+        return await self._post(path, body, await self._headers(renew=True))
+
+    async def _post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any]:
         url = self.endpoint + path
         try:
-            resp = await self._http.post(url, json=body)
+            resp = await self._http.post(url, json=body, headers=headers)
         except httpx.RequestError as exc:
             self._failover()
             raise EtcdUnavailable(f"etcd {path} at {url}: {exc!r}") from exc
@@ -324,6 +437,7 @@ class EtcdClient:
             "POST",
             url,
             json={"create_request": create},
+            headers=await self._headers(),
             timeout=httpx.Timeout(self.timeout, read=None),
         )
         response: httpx.Response | None = None
@@ -419,6 +533,11 @@ class WatchStream:
             if not isinstance(result, dict):
                 raise EtcdError(f"etcd sent a watch result that is not an object: {result!r}")
             return result
+
+
+def _token_expired(exc: EtcdError) -> bool:
+    """Whether *exc* is etcd refusing a token it no longer knows."""
+    return "invalid auth token" in str(exc) or ("token" in str(exc) and exc.code == 16)
 
 
 def _normalize_url(url: str) -> str:

@@ -13,17 +13,29 @@ whose value is the JSON of an :class:`InstanceRecord`::
 
 Written by the workers (``workers.runtime.registration``), read by the frontends
 (``frontend.discovery.etcd``); the contract is docs/discovery.md.
+
+**Signed.** Whoever can write to etcd could register a worker of their own, or point a
+worker's key at their address, and frontends would route requests there. So with a
+plane secret a record carries ``"sig"``: HMAC-SHA256 under the secret over its other
+fields (canonical JSON), and a reader with the secret takes only a record signed with
+one of its accepted secrets and stored under the key its fields name (:meth:`from_json`
+with ``secret``, :meth:`InstanceRecord.key`). A record from a writer without the secret
+is ignored and logged. Without a secret (a loopback-only cluster) records are unsigned.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
+import hmac
 import json
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 from headwater.plane.base import WorkerInstance
 from headwater.wire import Role
+from headwater.wire.handshake import accepted_secrets
 
 #: Where instance keys live; one more segment per model, role and worker id.
 KEY_PREFIX = "headwater/v1/instances/"
@@ -91,28 +103,33 @@ class InstanceRecord:
             metadata={"pid": str(self.pid), "started_at": repr(self.started_at)},
         )
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "worker_id": self.worker_id,
-                "role": self.role.value,
-                "model": self.model,
-                "address": self.address,
-                "capacity": self.capacity,
-                "state": self.state.value,
-                "pid": self.pid,
-                "started_at": self.started_at,
-            },
-            separators=(",", ":"),
-        ).encode()
+    def to_json(self, secret: bytes | None = None) -> bytes:
+        """The stored value; signed with *secret* (the plane secret) when given."""
+        fields: dict[str, Any] = {
+            "worker_id": self.worker_id,
+            "role": self.role.value,
+            "model": self.model,
+            "address": self.address,
+            "capacity": self.capacity,
+            "state": self.state.value,
+            "pid": self.pid,
+            "started_at": self.started_at,
+        }
+        if secret is not None:
+            fields["sig"] = _signature(secret, fields)
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> InstanceRecord:
-        """Parse a stored value; unknown fields are ignored. Raises ValueError."""
+    def from_json(cls, data: bytes, secret: bytes | None = None) -> InstanceRecord:
+        """Parse a stored value; unknown fields are ignored. With *secret*, the record
+        must be signed with one of its accepted secrets (a rotation's earlier ones too).
+        Raises ValueError."""
         try:
             d = json.loads(data)
             if not isinstance(d, dict):
                 raise ValueError("not a JSON object")
+            if secret is not None:
+                _verify(secret, d)
             for name in ("worker_id", "model", "address"):
                 if not isinstance(d.get(name), str) or not d[name]:
                     raise ValueError(f"{name} must be a non-empty string")
@@ -128,3 +145,27 @@ class InstanceRecord:
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad instance record: {exc}") from None
+
+
+_SIGNED = "headwater-record/1|"
+
+
+def _signature(secret: bytes, fields: dict[str, Any]) -> str:
+    """HMAC-SHA256 of *fields* (``sig`` aside) as canonical JSON, base64."""
+    unsigned = {k: v for k, v in fields.items() if k != "sig"}
+    canonical = json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+    mac = hmac.digest(secret, _SIGNED.encode() + canonical, "sha256")
+    return base64.b64encode(mac).decode()
+
+
+def _verify(secret: bytes, fields: dict[str, Any]) -> None:
+    """Raise ValueError unless *fields* carry a signature by one of *secret*'s accepted
+    secrets; every candidate is compared, without stopping early."""
+    presented = fields.get("sig")
+    if not isinstance(presented, str):
+        raise ValueError("unsigned (its writer does not hold the plane secret)")
+    good = False
+    for candidate in accepted_secrets(secret):
+        good |= hmac.compare_digest(_signature(candidate, fields).encode(), presented.encode())
+    if not good:
+        raise ValueError("bad signature (not written with the plane secret)")

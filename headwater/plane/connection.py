@@ -68,22 +68,27 @@ from headwater.wire import (
     WorkerLoad,
 )
 from headwater.wire.addresses import parse_tcp_address
-from headwater.wire.codec import FrameDecoder, encode, read_size
-from headwater.wire.errors import AuthError, FrameTooLarge, ProtocolError
+from headwater.wire.codec import FrameDecoder, encode, encode_checked, read_size
+from headwater.wire.errors import AuthError, ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
+    HANDSHAKE_MAX_FRAME,
     Fault,
     Frame,
     GetStats,
     GoAway,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvRelease,
     Ping,
     Pong,
     Stats,
 )
 from headwater.wire.handshake import ClientHandshake
+from headwater.wire.kv_events import KvEventBatch
+from headwater.wire.session import FrameMac
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +217,16 @@ class PlaneConnection:
         stream: trio.abc.Stream,
         peer: HelloOk,
         decoder: FrameDecoder,
-        pending: list[Frame],
         config: PlaneConfig,
+        mac: FrameMac | None = None,
     ) -> None:
+        """*decoder* holds what arrived after the handshake, and checks the session's
+        tags when it has a ``mac``; *mac* signs what this end sends (None: no secret)."""
         self.peer = peer
         self.config = config
         self._stream = stream
         self._decoder = decoder
-        self._pending = pending  # frames that arrived with the end of the handshake
+        self._mac = mac
         # Unbounded on purpose: senders never block (cancels go out from `finally`),
         # and what is queued is bounded by the streams open on this connection.
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](math.inf)
@@ -230,6 +237,8 @@ class PlaneConnection:
         self._pong_seq = 0
         self._pong = trio.Event()
         self._stats_seq = 0
+        #: Whether the worker answers ``kv_poll`` (None: not asked yet).
+        self.kv_events: bool | None = None
         self._read_at = trio.current_time()  # when the reader's current batch arrived
         #: Excuses a missed ACK or heartbeat when our own loop stalled (None: never).
         self.attribution: StallAttribution | None = None
@@ -287,8 +296,17 @@ class PlaneConnection:
     # -- sending --
 
     def send_frame(self, frame: Frame) -> None:
-        """Queue *frame*; never blocks. Raises FrameTooLarge, Disconnected if closed."""
-        data = encode(frame, self.config.max_frame)
+        """Queue *frame*; never blocks. Raises FrameTooLarge, Disconnected if closed; for a
+        request the worker could not read, ProtocolError or ValueError (nothing sent).
+
+        Frames are signed here, as they are queued: the writer sends them in this order,
+        which is the order the worker counts them in. A request is checked first against
+        the worker's own decoder (:func:`~headwater.wire.codec.encode_checked`): one the
+        worker would refuse must fail alone, here, not close the connection there."""
+        if isinstance(frame, GenerateRequest):
+            data = encode_checked(frame, self.config.max_frame, self._mac)
+        else:
+            data = encode(frame, self.config.max_frame, self._mac)
         try:
             self._out_send.send_nowait(data)
         except trio.ClosedResourceError:
@@ -348,9 +366,13 @@ class PlaneConnection:
     # -- receiving --
 
     async def _reader(self) -> None:
-        for frame in self._pending:
+        try:
+            frames = self._decoder.feed(b"")  # what came with the end of the handshake
+        except ProtocolError as exc:
+            self._break(f"protocol error from the worker: {exc.message}")
+            return
+        for frame in frames:
             self._dispatch(frame)
-        self._pending = []
         while True:
             try:
                 data = await self._stream.receive_some(
@@ -389,6 +411,8 @@ class PlaneConnection:
                     self._pong.set()
             case Stats():
                 self._deliver(("stats", frame.seq), frame)
+            case KvEvents():
+                self._deliver(("kv", frame.seq), frame)
             case Ping():
                 self.send_frame(Pong(frame.seq))
             case GoAway():
@@ -441,17 +465,21 @@ class PlaneConnection:
     async def route(self, key: str | tuple[str, int], opening: Frame) -> AsyncIterator[_Route]:
         """Open the route for *key*, send *opening* on it, and yield the route.
 
-        Raises CannotConnect (the connection is closing or lost), WorkerError (the
-        frame is too large, or *key* is in use). Leaving the block before the route's
-        exchange is ``done`` sends a cancel for a request or KV pull.
+        Raises CannotConnect (the connection is closing or lost), WorkerError
+        (``invalid_request``: the frame is too large, or the worker could not read it;
+        *key* is in use). Leaving the block before the route's exchange is ``done`` sends
+        a cancel for a request or KV pull.
         """
         route = self._open_route(key)
         try:
             try:
                 self.send_frame(opening)
-            except FrameTooLarge as exc:
+            except (ProtocolError, ValueError) as exc:
                 route.done = True  # never sent: nothing to cancel
-                raise WorkerError(ErrorCode.INVALID_REQUEST, exc.message) from exc
+                message = exc.message if isinstance(exc, ProtocolError) else str(exc)
+                raise WorkerError(
+                    ErrorCode.INVALID_REQUEST, f"the request cannot go to a worker: {message}"
+                ) from exc
             except Disconnected as exc:
                 route.done = True
                 raise CannotConnect(str(exc)) from exc
@@ -519,6 +547,22 @@ class PlaneConnection:
             raise Disconnected(f"unexpected {type(msg).__name__} for a stats query")
         return msg.values
 
+    async def poll_kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The worker's KV events from *since* on (a dump when negative); None when it
+        publishes none. Asks its stats first, once per connection, so that an older
+        worker is never sent a ``kv_poll``. Raises CannotConnect, Disconnected."""
+        if self.kv_events is None:
+            self.kv_events = (await self.fetch_stats()).get("kv_events") is True
+        if not self.kv_events:
+            return None
+        self._stats_seq += 1
+        key = ("kv", self._stats_seq)
+        async with self.route(key, KvPoll(self._stats_seq, since, limit)) as route:
+            msg = await route.next()
+        if not isinstance(msg, KvEvents):
+            raise Disconnected(f"unexpected {type(msg).__name__} for a KV events poll")
+        return msg.batch
+
 
 async def open_connection(
     stream: trio.abc.Stream,
@@ -535,13 +579,20 @@ async def open_connection(
     Raises :class:`HandshakeFailed` (refused, wrong secret, not the expected worker;
     *stream* is closed then) and CannotConnect if the stream breaks. No timeout of
     its own: the caller bounds it (``connect_timeout``).
+
+    Until the worker has proved the secret its frames are capped at
+    ``HANDSHAKE_MAX_FRAME``, as the worker caps ours: a stranger posing as a worker
+    cannot make a client buffer ``max_frame``. Frames are read one at a time, so that
+    those after the hello_ok are read with the session's key set.
     """
     try:
         handshake = ClientHandshake(role=role, peer_id=peer_id, model=expect_model, secret=secret)
-        decoder = FrameDecoder(config.max_frame)
+        decoder = FrameDecoder(min(config.max_frame, HANDSHAKE_MAX_FRAME))
         await stream.send_all(encode(handshake.start()))
-        frames: list[Frame] = []
+        data: bytes | bytearray = b""
         while handshake.peer is None:
+            frames = decoder.feed(data, limit=1)
+            data = b""
             if not frames:
                 data = await stream.receive_some(config.receive_size)
                 if not data:
@@ -551,9 +602,8 @@ async def open_connection(
                     raise CannotConnect(
                         f"the worker closed the connection during the handshake{hint}"
                     )
-                frames = decoder.feed(data)
                 continue
-            reply = handshake.receive(frames.pop(0))
+            reply = handshake.receive(frames[0])
             if reply is not None:
                 await stream.send_all(encode(reply))
         peer = handshake.peer
@@ -566,7 +616,13 @@ async def open_connection(
                 f"worker {peer.worker_id} serves {peer.model!r}, expected {expect_model!r}",
                 "wrong_model",
             )
-        return PlaneConnection(stream, peer, decoder, frames, config)
+        decoder.max_frame = config.max_frame
+        session = handshake.session
+        if session is not None:
+            decoder.mac = session.receive
+        return PlaneConnection(
+            stream, peer, decoder, config, session.send if session is not None else None
+        )
     except BaseException as exc:
         await trio.aclose_forcefully(stream)
         if isinstance(exc, AuthError | ProtocolError):

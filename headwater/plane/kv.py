@@ -18,13 +18,19 @@ next leg pulls the KV straight from the prefill worker::
   on first use, shared by concurrent pulls, heartbeated like the frontend's, and
   dropped when it breaks (the next pull opens a new one). Its tasks live in the
   nursery of :func:`open_kv_transfer`.
+* :class:`KvPeers` is where it may pull from: a handle names an address, which the
+  decode worker dials, so without a check whoever can send it a request could make it
+  connect anywhere its network reaches (SSRF). It dials only the prefill workers it
+  knows: registered in etcd (``workers.runtime.registration.follow_prefill_workers``),
+  listed in ``--kv-peers``, or, with neither, for a worker that itself listens on
+  loopback (a one-host cluster), on loopback.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -40,6 +46,7 @@ from headwater.plane.connection import (
     tcp_connector,
 )
 from headwater.wire import Error, ErrorCode, KvHandle
+from headwater.wire.addresses import is_loopback, parse_tcp_address
 from headwater.wire.frames import Frame, KvData, KvPull
 
 log = logging.getLogger(__name__)
@@ -124,6 +131,51 @@ async def serve_pull(
             return size
 
 
+# ---- where a decode worker may pull from ------------------------------------------------
+
+
+class KvPeers:
+    """The prefill workers a decode worker may pull KV from.
+
+    A handle passes when its (worker id, address) is registered (:meth:`register`, from
+    etcd), or its address is in *static* (``--kv-peers``), or *loopback* is set (this
+    worker listens on loopback: a one-host cluster) and its host is a loopback address.
+    The worker id is checked again by the handshake (``expect_worker_id``), and the peer
+    must prove the secret; a refused handle is a failed pull, nothing is dialled.
+    """
+
+    def __init__(self, static: Sequence[str] = (), *, loopback: bool = False) -> None:
+        self.static = frozenset(static)
+        self.loopback = loopback
+        self._registered: dict[str, str] = {}  # worker id → address
+        self.refused_total = 0
+
+    def register(self, worker_id: str, address: str) -> None:
+        self._registered[worker_id] = address
+
+    def unregister(self, worker_id: str) -> None:
+        self._registered.pop(worker_id, None)
+
+    def check(self, handle: KvHandle) -> None:
+        """Raise WorkerError (``kv_transfer_failed``) unless *handle* names a known peer."""
+        if self._registered.get(handle.worker_id) == handle.address:
+            return
+        if handle.address in self.static:
+            return
+        if self.loopback:
+            try:
+                if is_loopback(parse_tcp_address(handle.address)[0]):
+                    return
+            except ValueError:
+                pass
+        self.refused_total += 1
+        raise WorkerError(
+            ErrorCode.KV_TRANSFER_FAILED,
+            f"refusing to pull KV from {handle.address} ({handle.worker_id}): not a known "
+            "prefill worker (registered in etcd, or in --kv-peers)",
+        )
+
+
 # ---- the decode worker's connections to prefill workers ---------------------------------
 
 
@@ -141,6 +193,8 @@ class TcpKvTransfer(KvTransfer):
     *peer_id* and *role* identify this worker in the handshake; *secret* must match
     the prefill workers', and so must the CA of ``config.tls`` (mutual TLS, the prefill
     workers' advertised hosts checked). *pull_timeout* bounds one pull, connect included.
+    *peers* says which prefill workers it may dial (None: any, for tests and tools
+    that dial what they started themselves).
     """
 
     def __init__(
@@ -152,8 +206,10 @@ class TcpKvTransfer(KvTransfer):
         secret: bytes | None = None,
         config: PlaneConfig | None = None,
         pull_timeout: float = 30.0,
+        peers: KvPeers | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self.peers = peers
         self.role = role
         self.pull_timeout = pull_timeout
         self.config = config or PlaneConfig()
@@ -172,6 +228,8 @@ class TcpKvTransfer(KvTransfer):
         reached, refuses the transfer, breaks off, or takes over ``pull_timeout``.
         """
         try:
+            if self.peers is not None:
+                self.peers.check(handle)
             with trio.fail_after(self.pull_timeout):
                 conn = await self._connection(handle)
                 received = await pull_kv(conn, handle.transfer_id)
@@ -242,11 +300,12 @@ async def open_kv_transfer(
     secret: bytes | None = None,
     config: PlaneConfig | None = None,
     pull_timeout: float = 30.0,
+    peers: KvPeers | None = None,
 ) -> AsyncIterator[TcpKvTransfer]:
     """A :class:`TcpKvTransfer` whose connections live until the block ends."""
     async with trio.open_nursery() as nursery:
         yield TcpKvTransfer(
             nursery, peer_id=peer_id, role=role, secret=secret, config=config,
-            pull_timeout=pull_timeout,
+            pull_timeout=pull_timeout, peers=peers,
         )  # fmt: skip
         nursery.cancel_scope.cancel()

@@ -18,11 +18,27 @@ TLS: with a :class:`~headwater.plane.tls.TlsConfig` every connection is a
 is part of ``handshake_timeout``, and a failed one is logged and counted
 (``tls_failures_total``). The secret's handshake follows, inside TLS.
 
-Isolation: a connection that sends garbage, an oversize or unknown frame gets an
-error frame and is closed; its requests are cancelled and every other connection
-carries on. A peer that vanishes (EOF, reset, stops reading for ``write_timeout``,
-or sends nothing at all for ``heartbeat_timeout``) has its requests and KV pulls
-cancelled the same way, which frees their KV.
+Session binding: with a secret, every frame after the handshake is authenticated with
+the session's keys (:mod:`headwater.wire.session`); one that fails (a relay's injected,
+replayed or altered frame) closes the connection like any protocol error, and counts as
+an auth failure.
+
+Isolation: a request frame that arrived whole but does not read, while its id does,
+fails that request alone (an ``error`` with ``invalid_request``, counted in
+``requests_refused_total``): the connection and its other requests go on. A connection
+that sends garbage, an oversize or unknown frame gets an error frame and is closed;
+its requests are cancelled and every other connection carries on. A peer that
+vanishes (EOF, reset, stops reading for ``write_timeout``, or sends nothing at all for
+``heartbeat_timeout``) has its requests and KV pulls cancelled the same way, which
+frees their KV.
+
+Connections: at most ``max_connections_per_address`` per peer IP address and
+``max_connections`` in all (by default half the process's descriptor limit, at most
+4096); one more is closed as soon as it is accepted, before TLS or a byte is read, and
+counted (``connections_refused_total``). A connection that has not completed the
+handshake within ``handshake_timeout`` is closed. So a stranger's silent connections
+can neither exhaust the worker's descriptors nor, from one address, crowd out the
+frontends.
 
 Liveness: every client of the plane (:class:`~headwater.plane.connection.PlaneConnection`:
 frontends and KV-pulling workers alike) pings every ``heartbeat_interval`` (5 s),
@@ -39,6 +55,8 @@ connection whose peer reads slowly slows its own requests, nobody else's.
 from __future__ import annotations
 
 import logging
+import resource
+from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import asdict, dataclass
@@ -64,15 +82,26 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvPull,
     KvRelease,
     Ping,
     Pong,
     Stats,
+    Unreadable,
 )
 from headwater.wire.handshake import ServerHandshake
+from headwater.wire.kv_events import KvEventBatch
+from headwater.wire.session import FrameMac
 
 log = logging.getLogger(__name__)
+
+#: A KV event number far past any real one: reading there answers a gap, or None when
+#: the runtime publishes no events.
+_NO_EVENT = 1 << 62
+#: Most KV events one ``kv_events`` frame carries, whatever the poll asks.
+_POLL_LIMIT = 4096
 
 _COALESCE_BYTES = 256 * 1024
 _SEND_ALONE_BYTES = 64 * 1024  # a part this large is sent as it is, not joined
@@ -125,14 +154,40 @@ class ServerConfig:
     kv_piece_bytes: int = 1024 * 1024
     #: Bytes asked of the socket per read.
     receive_size: int = 64 * 1024
+    #: Connections open at once from one peer IP address; one more is closed as soon
+    #: as it is accepted. A frontend host opens one per frontend process, a decode
+    #: worker one per prefill worker: 64 leaves room, and keeps one address (a
+    #: stranger's) from taking the worker's descriptors. 0: no limit.
+    max_connections_per_address: int = 64
+    #: Connections open at once in all; None: half the process's descriptor limit
+    #: (RLIMIT_NOFILE), at most 4096, so that the engine, its logs and children keep
+    #: theirs. 0: no limit.
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_connections_per_address < 0 or (self.max_connections or 0) < 0:
+            raise ValueError("connection limits must be >= 0 (0: no limit)")
+
+    def connection_limit(self) -> int:
+        """``max_connections``, resolved (0: no limit)."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return 4096 if soft == resource.RLIM_INFINITY else max(1, min(4096, soft // 2))
 
 
 @dataclass(frozen=True, slots=True)
 class ServerStats:
     connections: int
     connections_total: int
+    #: Connections closed at once on accept: over ``max_connections_per_address`` or
+    #: ``max_connections``.
+    connections_refused_total: int
     protocol_errors_total: int
     auth_failures_total: int
+    #: Request frames that arrived whole but did not read (their id did): each failed
+    #: alone, the connection kept.
+    requests_refused_total: int
     #: TLS handshakes that failed (no or a refused client certificate, not TLS at all).
     tls_failures_total: int
     #: Connections dropped because nothing arrived for ``heartbeat_timeout``.
@@ -187,8 +242,13 @@ class PlaneServer:
         self.draining = False
         self._connections: set[_Connection] = set()
         self._connections_total = 0
+        self._per_address: Counter[str] = Counter()
+        self._open = 0  # accepted and not yet closed, refused ones aside
+        self._refused = 0
+        self._refusal_logged_at = -float("inf")
         self._protocol_errors = 0
         self._auth_failures = 0
+        self._requests_refused = 0
         self._tls_failures = 0
         self._peer_timeouts = 0
         self._write_timeouts = 0
@@ -214,17 +274,49 @@ class PlaneServer:
             task_status.started(listeners)
 
     async def handle_stream(self, stream: trio.abc.Stream) -> None:
-        """Serve one connection until it ends. Never raises (except Cancelled)."""
-        unthrottle(stream)
-        conn = _Connection(self, stream)
-        self._connections.add(conn)
-        self._connections_total += 1
+        """Serve one connection until it ends (or close it at once, over a connection
+        limit). Never raises (except Cancelled)."""
+        address = _peer_host(stream)
+        if not self._admit(address):
+            await trio.aclose_forcefully(stream)
+            return
+        self._open += 1
+        self._per_address[address] += 1
         try:
-            await conn.run()
-        except Exception:
-            log.exception("connection from %s failed", conn.peer_name)
+            unthrottle(stream)
+            conn = _Connection(self, stream)
+            self._connections.add(conn)
+            self._connections_total += 1
+            try:
+                await conn.run()
+            except Exception:
+                log.exception("connection from %s failed", conn.peer_name)
+            finally:
+                self._connections.discard(conn)
         finally:
-            self._connections.discard(conn)
+            self._open -= 1
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
+
+    def _admit(self, address: str) -> bool:
+        """Whether one more connection from *address* is within the limits; counts and
+        logs (at most once a second) a refusal."""
+        cfg = self.config
+        per_address, total = cfg.max_connections_per_address, cfg.connection_limit()
+        if (not per_address or not address or self._per_address[address] < per_address) and (
+            not total or self._open < total
+        ):
+            return True
+        self._refused += 1
+        now = trio.current_time()
+        if now - self._refusal_logged_at >= 1.0:
+            self._refusal_logged_at = now
+            log.warning("refusing a plane connection from %s: %d open from it, %d in all "
+                        "(limits %s and %s; %d refused so far)", address,
+                        self._per_address[address], self._open, per_address or "none",
+                        total or "none", self._refused)  # fmt: skip
+        return False
 
     def goaway(self, reason: str = "shutting down") -> None:
         """Tell every peer, now and from now on, to send no new requests here.
@@ -253,8 +345,10 @@ class PlaneServer:
         return ServerStats(
             connections=len(self._connections),
             connections_total=self._connections_total,
+            connections_refused_total=self._refused,
             protocol_errors_total=self._protocol_errors,
             auth_failures_total=self._auth_failures,
+            requests_refused_total=self._requests_refused,
             tls_failures_total=self._tls_failures,
             peer_timeouts_total=self._peer_timeouts,
             write_timeouts_total=self._write_timeouts,
@@ -288,7 +382,16 @@ class PlaneServer:
                 log.exception("stats provider failed; disabled")
                 self.stats = None
         values.update({f"plane_{k}": v for k, v in asdict(self.statistics()).items()})
+        # Whether ``kv_poll`` is answered: a frontend asks before polling, so that it
+        # never sends an older worker a frame kind it would refuse.
+        values["kv_events"] = self.kv_events(_NO_EVENT, 1) is not None
         return values
+
+    def kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The runtime's KV events (None: its engine publishes none, or the runtime
+        predates them)."""
+        read = getattr(self.runtime, "kv_events", None)
+        return read(since, limit) if read is not None else None
 
 
 class _ReplyChannel(trio.abc.SendChannel[Reply]):
@@ -317,6 +420,7 @@ class _Connection:
         self.peer_name = _peer_name(stream)
         cfg = server.config
         self.decoder = FrameDecoder(min(cfg.max_frame, HANDSHAKE_MAX_FRAME))  # until hello_ok
+        self._mac: FrameMac | None = None  # signs what this end sends, with a secret
         # Unbounded queue of (frame, budget it holds a token of): reply and KV frames
         # take a token first, so only tiny control frames (pong, stats, goaway,
         # refusals) bypass the bound; the writer returns tokens as it takes frames.
@@ -341,8 +445,7 @@ class _Connection:
         fault: Fault | None = None
         try:
             with self._scope:
-                frames = await self._handshake()
-                if frames is None:
+                if not await self._handshake():
                     return
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
@@ -352,10 +455,12 @@ class _Connection:
                     if self.server.draining:
                         self.goaway("shutting down")
                     try:
-                        for frame in frames:
+                        for frame in self.decoder.feed(b""):  # sent right after the auth
                             self._dispatch(frame)
                         await self._read_loop()
                     except ProtocolError as exc:
+                        if exc.code == "unauthorized":
+                            self.server._auth_failures += 1
                         fault = self._protocol_error(exc)
                     self._cancel_work()
                     if fault is not None:
@@ -397,23 +502,27 @@ class _Connection:
         log.warning("closing connection from %s: %s", self.peer_name, exc.message)
         return Fault(exc.code, exc.message)
 
-    async def _handshake(self) -> list[Frame] | None:
-        """The frames after the handshake, or None if the peer failed or left."""
+    async def _handshake(self) -> bool:
+        """Whether the peer completed the handshake (False: it failed or left).
+
+        Frames are read one at a time, so that whatever follows the auth is read only
+        once the session's key is set, and checked with it."""
         server = self.server
         handshake = ServerHandshake(server.identity, secret=server.secret)
-        frames: list[Frame] = []
         with trio.move_on_after(server.config.handshake_timeout):
             if isinstance(self.stream, trio.SSLStream) and not await self._tls_handshake():
-                return None
+                return False
             try:
+                data: bytes | bytearray = b""
                 while handshake.peer is None:
+                    frames = self.decoder.feed(data, limit=1)
                     if not frames:
                         data = await self.stream.receive_some(server.config.receive_size)
                         if not data:
-                            return None
-                        frames = self.decoder.feed(data)
+                            return False
                         continue
-                    reply = handshake.receive(frames.pop(0))
+                    data = b""
+                    reply = handshake.receive(frames[0])
                     await self.stream.send_all(encode(reply))
             except ProtocolError as exc:
                 if exc.code == "unauthorized":
@@ -421,16 +530,19 @@ class _Connection:
                 fault = self._protocol_error(exc)
                 with trio.move_on_after(_FAULT_GRACE), suppress(trio.BrokenResourceError):
                     await self.stream.send_all(encode(fault))
-                return None
+                return False
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return None
+                return False
             self.peer = handshake.peer
             self.decoder.max_frame = server.config.max_frame
+            if handshake.session is not None:
+                self.decoder.mac = handshake.session.receive
+                self._mac = handshake.session.send
             log.debug("%s connected from %s as %s", self.peer.peer_id, self.peer_name,
                       self.peer.role)
-            return frames
+            return True
         log.info("handshake from %s timed out", self.peer_name)
-        return None
+        return False
 
     async def _tls_handshake(self) -> bool:
         """Whether the client's TLS handshake, its certificate checked, succeeded."""
@@ -490,13 +602,14 @@ class _Connection:
         if budget is not None:
             budget.release()
         try:
-            return encode_parts(frame, self.server.config.max_frame)
+            return encode_parts(frame, self.server.config.max_frame, self._mac)
         except (ValueError, ProtocolError) as exc:
             # The engine produced something unsendable: fail that request alone.
             rid = str(getattr(frame, "request_id", None) or getattr(frame, "transfer_id", "?"))
             log.error("cannot encode %s for %s: %s", type(frame).__name__, rid, exc)
             self.server.runtime.cancel(rid)
-            return [encode(Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}"))]
+            error = Error(rid, ErrorCode.INTERNAL, f"unencodable reply: {exc}")
+            return [encode(error, self.server.config.max_frame, self._mac)]
 
     async def queue_reply(self, frame: Frame) -> None:
         """Queue a reply, waiting only when the budget is spent.
@@ -563,6 +676,8 @@ class _Connection:
         match frame:
             case GenerateRequest():
                 self._submit(frame)
+            case Unreadable():
+                self._refuse(frame)
             case Cancel():
                 if frame.request_id in self._requests:
                     self.server.runtime.cancel(frame.request_id)
@@ -580,6 +695,13 @@ class _Connection:
                 self.server.runtime.release_kv(frame.transfer_id)
             case GetStats():
                 self.send_control(Stats(frame.seq, self.server.stats_values()))
+            case KvPoll():
+                # Answered from the engine's bounded ring, at once: a poll never waits
+                # for the engine, and the engine never waits for a poll.
+                batch = self.server.kv_events(frame.since, min(frame.limit, _POLL_LIMIT))
+                if batch is None:
+                    batch = KvEventBatch(frame.since, frame.since, gap=True)
+                self.send_control(KvEvents(frame.seq, batch))
             case _:
                 raise ProtocolError(f"unexpected {type(frame).__name__} from a client")
 
@@ -595,6 +717,17 @@ class _Connection:
         except RuntimeError as exc:
             del self._requests[rid]
             self.send_control(Error(rid, ErrorCode.SHUTTING_DOWN, str(exc)))
+
+    def _refuse(self, frame: Unreadable) -> None:
+        """Fail a request whose frame did not read; the connection goes on."""
+        self.server._requests_refused += 1
+        log.warning("refusing request %s from %s: %s", frame.request_id, self.peer_name,
+                    frame.reason)  # fmt: skip
+        if frame.request_id in self._requests:  # not ours to end: the peer reused an id
+            message = "duplicate request id"
+        else:
+            message = f"the worker could not read this request: {frame.reason}"
+        self.send_control(Error(frame.request_id, ErrorCode.INVALID_REQUEST, message))
 
     def request_done(self, channel: _ReplyChannel) -> None:
         if self._requests.get(channel.request_id) is channel:
@@ -620,6 +753,19 @@ class _Connection:
             pass  # the connection is closing; the peer sees its pull fail
         finally:
             del self._pulls[transfer_id]
+
+
+def _peer_host(stream: trio.abc.Stream) -> str:
+    """The peer's IP address ("" when the stream has none: a memory stream, a Unix
+    socket), what the per-address limit counts."""
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    sock = getattr(stream, "socket", None)
+    try:
+        peer = sock.getpeername() if sock is not None else None
+    except (OSError, ValueError, TypeError):
+        return ""
+    return str(peer[0]) if isinstance(peer, tuple) else ""
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:

@@ -1,8 +1,11 @@
 """The request plane's frames as bytes and back, without any I/O.
 
 A frame is a 4-byte big-endian body length followed by a msgpack map whose ``"k"``
-names the kind. :func:`encode` and :class:`FrameDecoder` turn the frames of
-``headwater.wire.frames`` into such bytes and back; the trio shells
+names the kind; on a connection whose handshake used a secret, a 16-byte tag follows
+the map, inside the length (:mod:`headwater.wire.session`: the frame's HMAC under
+the session's key for its direction and its place in the stream). :func:`encode` and
+:class:`FrameDecoder` turn the frames of ``headwater.wire.frames`` into such bytes and
+back; the trio shells
 (``headwater.plane.connection``, ``headwater.plane.server``) only move the bytes.
 
 Kinds and their frame types::
@@ -17,6 +20,7 @@ Kinds and their frame types::
     kv_pull    KvPull       kv_data: KvData (a transfer's payload, in pieces)
     kv_release KvRelease    client → prefill worker: free a transfer never pulled (no answer)
     get_stats  GetStats     stats: Stats (the worker's counters, flat)
+    kv_poll    KvPoll       kv_events: KvEvents (the worker's KV cache events, a batch)
     goaway     GoAway       server → client: no new requests on this connection
 
 **One serializer.** This module is the only place that knows how any frame looks on
@@ -33,8 +37,13 @@ The decoder trusts nothing: msgpack is unpacked with ``strict_map_key`` and size
 limits, a body over 4 KiB counting its items (at most :data:`MAX_ITEMS`: a frame of
 empty lists must not cost 70 bytes of memory per byte received), every field is
 type-checked, and anything wrong raises :class:`ProtocolError` (nothing else), after
-which the connection is unusable. A field that cannot be encoded raises ValueError; a
-frame over the size limit, :class:`FrameTooLarge`.
+which the connection is unusable, with one exception: a ``request`` frame that arrived
+whole, but whose body does not read, while its request id does, decodes as
+:class:`~headwater.wire.frames.Unreadable`, and the receiver fails that request alone
+(the frame's length kept the stream in step, and the connection carries other
+requests). A field that cannot be encoded raises ValueError; a frame over the size
+limit, :class:`FrameTooLarge`; :func:`encode_checked` also refuses, before anything is
+sent, a frame the peer's decoder would not read.
 
 What keeps it fast:
 
@@ -61,6 +70,7 @@ from typing import Any, Final, TypeVar, overload
 
 import msgpack
 
+from headwater.tracing.w3c import TraceParent, valid_tracestate
 from headwater.wire.errors import FrameTooLarge, ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -74,11 +84,21 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvPull,
     KvRelease,
     Ping,
     Pong,
     Stats,
+    Unreadable,
+)
+from headwater.wire.kv_events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
 )
 from headwater.wire.messages import (
     Ack,
@@ -93,6 +113,7 @@ from headwater.wire.messages import (
     SamplingParams,
     WorkerLoad,
 )
+from headwater.wire.session import TAG_BYTES, FrameMac
 from headwater.wire.tokens import from_uint32_le, to_uint32_le
 
 #: Largest encoded ``KvHandle.params`` (bytes). What engines put there (vLLM's
@@ -217,23 +238,61 @@ def _check_json_like(container: dict[Any, Any] | list[Any], depth: int) -> None:
 # ---- encoding -----------------------------------------------------------------------
 
 
-def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    """*frame* as length-prefixed bytes.
+def encode(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None) -> bytes:
+    """*frame* as length-prefixed bytes, tagged with *mac* (a session's sending side).
 
-    Raises :class:`FrameTooLarge` if the body exceeds *max_frame* (the peer would
-    refuse it and drop the whole connection), ValueError on unencodable fields.
+    Raises :class:`FrameTooLarge` if the body (and tag) exceed *max_frame* (the peer
+    would refuse it and drop the whole connection), ValueError on unencodable fields;
+    either way nothing was signed, so the session's count is unchanged.
     """
-    body: bytes = msgpack.packb(_body(frame), use_bin_type=True)
+    return _framed(_pack(frame), max_frame, mac)
+
+
+def encode_checked(
+    frame: Frame, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None
+) -> bytes:
+    """:func:`encode`, once the peer's decoder has read the body back as this end would:
+    the frame is sent only if the peer can read it, with the same bounds (the frame size,
+    :data:`MAX_ITEMS`, every field's type and range), checked by the same code.
+
+    For the frames a client builds from what its own clients asked (a request: its stop
+    token ids, its sampling parameters), so that no request can make the worker refuse a
+    frame, which would close the connection and every request on it. Raises
+    :class:`ProtocolError` (what the peer would have said: :class:`FrameTooLarge`, a
+    field's fault) or ValueError, with nothing signed. Costs a decode (~10 µs for a
+    short request, ~20 µs for a 40k-token one: its ids are one packed copy).
+    """
+    body = _pack(frame)
     if len(body) > max_frame:
         raise FrameTooLarge(len(body), max_frame)
-    return _HEADER.pack(len(body)) + body
+    decode_body(body, max_frame, lenient=False)
+    return _framed(body, max_frame, mac)
+
+
+def _pack(frame: Frame) -> bytes:
+    try:
+        body: bytes = msgpack.packb(_body(frame), use_bin_type=True)
+    except OverflowError as exc:  # msgpack: an int beyond 64 bits
+        raise ValueError(f"cannot encode {type(frame).__name__}: {exc}") from exc
+    return body
+
+
+def _framed(body: bytes, max_frame: int, mac: FrameMac | None) -> bytes:
+    size = len(body) + (TAG_BYTES if mac is not None else 0)
+    if size > max_frame:
+        raise FrameTooLarge(size, max_frame)
+    if mac is None:
+        return _HEADER.pack(size) + body
+    return _HEADER.pack(size) + body + mac.sign(body)
 
 
 #: A ``kv_data`` piece at least this large is encoded around its payload, not through it.
 _SPLICE_ABOVE: Final = 64 * 1024
 
 
-def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes | memoryview]:
+def encode_parts(
+    frame: Frame, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None
+) -> list[bytes | memoryview]:
     """*frame* as :func:`encode` has it, in pieces whose concatenation is exactly
     ``encode(frame)``: for a large ``kv_data`` piece, the bytes before its payload, the
     payload's own buffer and the bytes after it; one piece for any other frame.
@@ -244,7 +303,7 @@ def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes
     kernel. Raises what :func:`encode` raises.
     """
     if not isinstance(frame, KvData) or len(frame.data) < _SPLICE_ABOVE:
-        return [encode(frame, max_frame)]
+        return [encode(frame, max_frame, mac)]
     size = len(frame.data)
     # The map _body builds, field by field in its order, with the bin's header written
     # as msgpack writes it: from 64 KiB on, a bin 32.
@@ -255,10 +314,13 @@ def encode_parts(frame: Frame, max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes
         msgpack.packb("data"), b"\xc6", _HEADER.pack(size),
     ))  # fmt: skip
     tail = msgpack.packb("last") + msgpack.packb(frame.last)
-    body_size = len(head) + size + len(tail)
+    payload = memoryview(frame.data).cast("B")
+    body_size = len(head) + size + len(tail) + (TAG_BYTES if mac is not None else 0)
     if body_size > max_frame:
         raise FrameTooLarge(body_size, max_frame)
-    return [_HEADER.pack(body_size) + head, memoryview(frame.data).cast("B"), tail]
+    if mac is not None:
+        tail += mac.sign(head, payload, tail)
+    return [_HEADER.pack(body_size) + head, payload, tail]
 
 
 def _body(frame: Frame) -> _Map:
@@ -266,15 +328,20 @@ def _body(frame: Frame) -> _Map:
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
     match frame:
         case GenerateRequest():
-            return {
+            body: _Map = {
                 "request_id": frame.request_id,
                 "model": frame.model,
                 "token_ids": pack_token_ids(frame.token_ids),
                 "sampling": _sampling_body(frame.sampling),
                 "kv_handle": _handle_body(frame.kv_handle),
                 "eos_token_ids": list(frame.eos_token_ids),
-                "k": "request",
             }
+            if frame.traceparent:  # only when traced: an untraced frame is unchanged
+                body["traceparent"] = frame.traceparent
+                if frame.tracestate:
+                    body["tracestate"] = frame.tracestate
+            body["k"] = "request"
+            return body
         case Chunk():
             return {
                 "request_id": frame.request_id,
@@ -324,6 +391,13 @@ def _body(frame: Frame) -> _Map:
         case KvData():
             return {"k": "kv_data", "transfer_id": frame.transfer_id, "data": frame.data,
                     "last": frame.last}
+        case KvPoll():
+            return {"k": "kv_poll", "seq": frame.seq, "since": frame.since,
+                    "limit": frame.limit}
+        case KvEvents():
+            b = frame.batch
+            return {"k": "kv_events", "seq": frame.seq, "start": b.start, "end": b.end,
+                    "dump": b.dump, "gap": b.gap, "events": [_event_body(e) for e in b.events]}
         case GoAway():
             return {"k": "goaway", "reason": frame.reason}
     raise TypeError(f"not a frame: {type(frame).__name__}")
@@ -368,10 +442,15 @@ class FrameDecoder:
     Frames may be split across feeds at any byte. After a :class:`ProtocolError`
     the decoder stays failed (every later feed raises again): resynchronising a
     length-prefixed stream is not possible.
+
+    With *mac* (a session's receiving side, set when the handshake completes) every
+    frame's tag is checked before its body is unpacked: a frame that fails it raises
+    :class:`~headwater.wire.errors.AuthError` and nothing of it is read.
     """
 
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None) -> None:
         self.max_frame = max_frame
+        self.mac = mac
         self._buffer = bytearray()
         self._failure: ProtocolError | None = None
         self._wanted = 0
@@ -388,8 +467,12 @@ class FrameDecoder:
         ask of its socket at once (:func:`read_size`)."""
         return self._wanted
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
-        """Add *data*; return the frames it completed, in order.
+    def feed(self, data: bytes | bytearray | memoryview, limit: int = 0) -> list[Frame]:
+        """Add *data*; return the frames it completed, in order: at most *limit* of them
+        when it is set, leaving the rest buffered for the next call (``feed(b"")``).
+
+        A handshake reads one frame at a time, so that the frames after it are read
+        only once the session's :attr:`mac` is set.
 
         Raises ProtocolError (frames completed earlier in the same call are lost,
         as the connection is closed anyway).
@@ -401,12 +484,14 @@ class FrameDecoder:
         frames: list[Frame] = []
         pos = 0
         self._wanted = 0
+        mac = self.mac
+        tag = TAG_BYTES if mac is not None else 0
         try:
-            while len(buf) - pos >= 4:
+            while len(buf) - pos >= 4 and (not limit or len(frames) < limit):
                 (size,) = _HEADER.unpack_from(buf, pos)
                 if size > self.max_frame:
                     raise FrameTooLarge(size, self.max_frame)
-                if size == 0:
+                if size <= tag:
                     raise ProtocolError("empty frame")
                 end = pos + 4 + size
                 if len(buf) < end:
@@ -414,7 +499,9 @@ class FrameDecoder:
                     break
                 # Both views are released on exit, even when a traceback holds them,
                 # so the buffer can be resized afterwards. unpackb copies what it keeps.
-                with memoryview(buf) as view, view[pos + 4 : end] as body:
+                with memoryview(buf) as view, view[pos + 4 : end - tag] as body:
+                    if mac is not None:
+                        mac.verify(body, buf[end - tag : end])  # a copy: no export
                     frames.append(decode_body(body, self.max_frame))
                 pos = end
         except ProtocolError as exc:
@@ -466,8 +553,56 @@ class _ItemBudget:
         return items
 
 
-def decode_body(body: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
-    """One frame body (without its length prefix) → a frame. Raises ProtocolError."""
+def decode_body(
+    body: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME, *, lenient: bool = True
+) -> Frame:
+    """One frame body (without its length prefix) → a frame. Raises ProtocolError.
+
+    A ``request`` body that does not read (a field's type or range, too many items,
+    bytes that do not unpack) but whose request id does is, with *lenient*, an
+    :class:`~headwater.wire.frames.Unreadable` for that id instead: the whole frame
+    arrived, so the stream is still in step, and the receiver fails that request alone.
+    """
+    try:
+        return _decode_body(body, max_frame)
+    except ProtocolError as exc:
+        request_id = _unreadable_request_id(body) if lenient else None
+        if request_id is None:
+            raise
+        return Unreadable(request_id, exc.message)
+
+
+#: Longest request id read from a request body that does not read otherwise.
+_MAX_ID_CHARS = 1024
+
+
+def _unreadable_request_id(body: bytes | memoryview) -> str | None:
+    """The ``request_id`` of a body whose ``k`` is ``request``, read entry by entry with
+    every other value skipped (never built), or None. Only for a body that failed to
+    decode, so its cost (a copy of the body, a walk over its top-level map) is paid on
+    that path alone."""
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=True, max_buffer_size=max(len(body), 1), max_ext_len=0,
+        max_map_len=_MAX_MAP_LEN,
+    )  # fmt: skip
+    try:
+        unpacker.feed(body)
+        found: dict[str, object] = {}
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in ("k", "request_id") and key not in found:
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception:  # anything msgpack raises on bytes it cannot walk
+        return None
+    rid = found.get("request_id")
+    if found.get("k") != "request" or type(rid) is not str or not 0 < len(rid) <= _MAX_ID_CHARS:
+        return None
+    return rid
+
+
+def _decode_body(body: bytes | memoryview, max_frame: int) -> Frame:
     budget = _ItemBudget() if len(body) > _COUNT_ABOVE else None
     try:
         obj = msgpack.unpackb(
@@ -597,7 +732,19 @@ def _parse_request(d: _Map) -> GenerateRequest:
         sampling=checked,
         kv_handle=_kv_handle(d),
         eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
+        **_trace_fields(d),
     )
+
+
+def _trace_fields(d: _Map) -> dict[str, str]:
+    """A request's optional ``traceparent`` and ``tracestate``, W3C-valid and bounded."""
+    parent = _field(d, "traceparent", str, "")
+    state = _field(d, "tracestate", str, "")
+    if parent and TraceParent.parse(parent) is None:
+        raise ProtocolError("request: malformed traceparent")
+    if state and (not parent or not valid_tracestate(state)):
+        raise ProtocolError("request: malformed tracestate")
+    return {"traceparent": parent, "tracestate": state} if parent else {}
 
 
 def _parse_chunk(d: _Map) -> Chunk:
@@ -639,6 +786,56 @@ def _load(d: _Map) -> WorkerLoad | None:
     return WorkerLoad(active, waiting, float(usage))  # type: ignore[arg-type]
 
 
+def _event_body(event: KvEvent) -> _Map:
+    """One KV event: block ids as packed int64, tokens as packed uint32."""
+    match event:
+        case BlockStored():
+            return {"t": "stored", "ids": pack_block_hashes(event.block_ids),
+                    "parent": event.parent, "pos": event.position,
+                    "tokens": pack_token_ids(event.token_ids), "bs": event.block_size}
+        case BlockRemoved():
+            return {"t": "removed", "ids": pack_block_hashes(event.block_ids)}
+        case AllCleared():
+            return {"t": "cleared"}
+    raise TypeError(f"not a KV event: {type(event).__name__}")
+
+
+def _parse_event(d: _Map) -> KvEvent:
+    kind = _field(d, "t", str)
+    if kind == "cleared":
+        return AllCleared()
+    ids = unpack_block_hashes(_field(d, "ids", bytes))
+    if kind == "removed":
+        return BlockRemoved(ids)
+    if kind != "stored":
+        raise ProtocolError(f"kv_events: unknown event {kind!r}")
+    parent = _field(d, "parent", int, None)
+    block_size = _nonneg(d, "bs")
+    tokens = unpack_token_ids(_field(d, "tokens", bytes))
+    if not ids or block_size < 1 or len(tokens) != len(ids) * block_size:
+        raise ProtocolError(
+            f"kv_events: {len(ids)} stored blocks of {block_size} with {len(tokens)} tokens"
+        )
+    return BlockStored(ids, parent, _nonneg(d, "pos"), tokens, block_size)
+
+
+def _parse_kv_events(d: _Map) -> KvEvents:
+    raw: list[object] = _field(d, "events", list)
+    if not all(isinstance(e, dict) for e in raw):
+        raise ProtocolError("kv_events: every event must be a map")
+    events = tuple(_parse_event(e) for e in raw)  # type: ignore[arg-type]
+    start, end = _nonneg(d, "start"), _nonneg(d, "end")
+    dump, gap = _field(d, "dump", bool, False), _field(d, "gap", bool, False)
+    if not dump and not gap and end - start != len(events):
+        raise ProtocolError(f"kv_events: {len(events)} events numbered {start} to {end}")
+    return KvEvents(_nonneg(d, "seq"), KvEventBatch(start, end, events, dump, gap))
+
+
+def _parse_kv_poll(d: _Map) -> KvPoll:
+    since = _field(d, "since", int)
+    return KvPoll(_nonneg(d, "seq"), since, _nonneg(d, "limit"))
+
+
 def _parse_stats(d: _Map) -> Stats:
     values: dict[str, int | float | str | bool] = _field(d, "values", dict)
     if not all(type(k) is str and type(v) in (int, float, str, bool) for k, v in values.items()):
@@ -672,6 +869,8 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     ),
     "get_stats": lambda d: GetStats(_nonneg(d, "seq")),
     "stats": _parse_stats,
+    "kv_poll": _parse_kv_poll,
+    "kv_events": _parse_kv_events,
     "goaway": lambda d: GoAway(_field(d, "reason", str, "")),
 }
 

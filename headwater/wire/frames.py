@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headwater.wire.kv_events import KvEventBatch
 from headwater.wire.messages import (
     Ack,
     Cancel,
@@ -26,7 +27,9 @@ from headwater.wire.messages import (
     WorkerLoad,
 )
 
-PROTOCOL_VERSION = 1
+#: 2: with a secret, every frame after the handshake carries a tag
+#: (``headwater.wire.session``); a version-1 peer is refused as ``unsupported_version``.
+PROTOCOL_VERSION = 2
 #: Length of each side's handshake nonce (bytes).
 NONCE_BYTES = 32
 #: Largest frame body either side accepts (bytes). A bigger length header is an error
@@ -139,13 +142,45 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class KvPoll:
+    """The frontend asks for the worker's KV events from number ``since`` on (a dump
+    when negative), at most ``limit``; answered by :class:`KvEvents` with the same
+    ``seq`` (``headwater.wire.kv_events``)."""
+
+    seq: int
+    since: int
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvents:
+    """The answer to the :class:`KvPoll` with the same ``seq``."""
+
+    seq: int
+    batch: KvEventBatch
+
+
+@dataclass(frozen=True, slots=True)
 class GoAway:
     """The server takes no new requests on this connection (it is draining)."""
 
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """Not a frame on the wire: what the decoder yields for a ``request`` frame that
+    arrived whole but could not be read, when its request id could (its frame's length
+    kept the stream in step). The receiver fails that request alone
+    (``headwater.wire.codec.decode_body``)."""
+
+    request_id: str
+    reason: str
+
+
 Frame = (
     Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
-    | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | GoAway
+    | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | KvPoll | KvEvents
+    | GoAway
+    | Unreadable
 )

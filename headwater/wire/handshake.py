@@ -15,6 +15,12 @@ objects (``headwater.wire.frames``), never on bytes, so it is tested without a s
 recorded exchange never replays, and the labels stop one side's proof from being
 reflected back as the other's. The server proves first; the secret is never sent.
 
+With a secret, the handshake ends in a :class:`~headwater.wire.session.Session` on both
+sides (:attr:`ClientHandshake.session`, :attr:`ServerHandshake.session`): keys derived
+from the secret both proved, both nonces, the hello and the hello_ok, with which every
+later frame is authenticated, so that a relay that forwarded the handshake cannot add,
+replay or alter a frame (:mod:`headwater.wire.session`).
+
 Rotation: a secret may carry earlier ones it still accepts (:class:`PlaneSecret`, from a
 secret file of several lines). The server proves with its current secret; the client
 accepts a proof made with any of its secrets and answers with the one that matched; the
@@ -25,6 +31,7 @@ in rolling restarts, every pair of ends sharing at least one secret throughout
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -42,9 +49,17 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
 )
+from headwater.wire.session import Session, derive_session
 
 #: Environment variable holding the shared plane secret itself.
 SECRET_ENV = "HEADWATER_PLANE_SECRET"
+#: The weakest secret accepted: this many bytes, of at least MIN_SECRET_DISTINCT values.
+#: One recorded handshake lets an attacker test guesses offline, as fast as HMAC runs:
+#: a short or repetitive secret (``a``, a word) falls at once. 16 characters of a
+#: random alphabet are beyond reach (16 hex digits: 2**64 guesses); what is checked is
+#: the length and variety, not the randomness, so make one with :func:`generate_secret`.
+MIN_SECRET_BYTES = 16
+MIN_SECRET_DISTINCT = 8
 
 
 class PlaneSecret(bytes):
@@ -100,7 +115,11 @@ class ClientHandshake:
         self._hello = Hello(PROTOCOL_VERSION, role, peer_id, model, nonce)
         self._secret = secret
         self._server_proved = False
+        self._shared = b""  # the secret the worker proved
+        self._server_nonce = b""
         self.peer: HelloOk | None = None
+        #: The session's keys once the handshake is done with a secret; else None.
+        self.session: Session | None = None
 
     def start(self) -> Hello:
         return self._hello
@@ -120,6 +139,7 @@ class ClientHandshake:
                 if shared is None:
                     raise AuthError("the worker does not know the plane secret")
                 self._server_proved = True
+                self._shared, self._server_nonce = shared, frame.nonce
                 # Answer with the secret the worker proved: it is one the worker holds.
                 return Auth(proof(shared, "client", self._hello.nonce, frame.nonce))
             case HelloOk():
@@ -130,6 +150,13 @@ class ClientHandshake:
                         f"worker speaks protocol {frame.version}", "unsupported_version"
                     )
                 self.peer = frame
+                if self._secret is not None:
+                    hello = self._hello
+                    self.session = derive_session(
+                        self._shared, "client", hello.nonce, self._server_nonce,
+                        (hello.role, hello.peer_id, hello.model),
+                        (frame.role, frame.worker_id, frame.model),
+                    )  # fmt: skip
                 return None
             case Fault():
                 if frame.code == "unauthorized":
@@ -151,6 +178,8 @@ class ServerHandshake:
         self._hello: Hello | None = None
         self._nonce = b""
         self.peer: Hello | None = None
+        #: The session's keys once the handshake is done with a secret; else None.
+        self.session: Session | None = None
 
     def receive(self, frame: Frame) -> Frame:
         if self.peer is not None:
@@ -173,10 +202,34 @@ class ServerHandshake:
             return Challenge(self._nonce, proof(current, "server", frame.nonce, self._nonce))
         if not isinstance(frame, Auth) or self._secret is None:
             raise ProtocolError(f"expected auth, got {type(frame).__name__}")
-        if _matching(self._secret, "client", self._hello.nonce, self._nonce, frame.proof) is None:
+        shared = _matching(self._secret, "client", self._hello.nonce, self._nonce, frame.proof)
+        if shared is None:
             raise AuthError("wrong plane secret")
-        self.peer = self._hello
-        return self._identity
+        hello, identity = self._hello, self._identity
+        self.session = derive_session(
+            shared, "server", hello.nonce, self._nonce, (hello.role, hello.peer_id, hello.model),
+            (identity.role, identity.worker_id, identity.model),
+        )  # fmt: skip
+        self.peer = hello
+        return identity
+
+
+def generate_secret() -> str:
+    """A new plane secret: 32 random bytes, base64 (what ``head -c 32 /dev/urandom |
+    base64`` prints)."""
+    return base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def check_secret_strength(secret: bytes, source: str = "the plane secret") -> None:
+    """Raise ValueError unless *secret* is at least :data:`MIN_SECRET_BYTES` long and
+    holds :data:`MIN_SECRET_DISTINCT` different bytes; the message says how to make one
+    and never quotes the secret."""
+    if len(secret) < MIN_SECRET_BYTES or len(set(secret)) < MIN_SECRET_DISTINCT:
+        raise ValueError(
+            f"{source} is too weak: it needs at least {MIN_SECRET_BYTES} characters, of "
+            f"at least {MIN_SECRET_DISTINCT} different ones (one recorded handshake lets a "
+            "guess be tested offline); make one with: head -c 32 /dev/urandom | base64"
+        )
 
 
 def load_secret(secret_file: str | None = None) -> PlaneSecret | None:
@@ -185,8 +238,9 @@ def load_secret(secret_file: str | None = None) -> PlaneSecret | None:
     One secret per line (blank lines skipped, each line's surrounding whitespace
     stripped): the first is the one this end proves itself with, the others are earlier
     secrets still accepted from peers while a rotation is under way. Returns None when
-    neither is set; raises ValueError for an empty secret and OSError for an unreadable
-    file. Called once at startup, never on the event loop's hot path.
+    neither is set; raises ValueError for an empty secret or a weak one (any line:
+    :func:`check_secret_strength`) and OSError for an unreadable file. Called at
+    startup, never on the event loop's hot path.
     """
     if secret_file:
         with open(secret_file, "rb") as f:
@@ -200,4 +254,7 @@ def load_secret(secret_file: str | None = None) -> PlaneSecret | None:
     lines = [line.strip() for line in raw.splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"the plane secret from {source} is empty")
+    for number, line in enumerate(lines, 1):
+        which = "the plane secret" if number == 1 else f"line {number} (an earlier secret)"
+        check_secret_strength(line, f"{which} from {source}")
     return PlaneSecret(lines[0], lines[1:])

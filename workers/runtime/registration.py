@@ -40,13 +40,16 @@ import trio
 from headwater.backoff import Backoff
 from headwater.etcd.client import (
     EtcdClient,
+    EtcdCredentials,
     EtcdError,
     EtcdLeaseNotFound,
     EtcdUnavailable,
+    EventType,
     Lease,
 )
-from headwater.etcd.records import KEY_PREFIX, InstanceRecord, InstanceState
+from headwater.etcd.records import KEY_PREFIX, InstanceRecord, InstanceState, model_prefix
 from headwater.plane.base import WorkerInstance
+from headwater.plane.kv import KvPeers
 from headwater.wire import Role
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,11 @@ class EtcdRegistration:
         backoff: Backoff | None = None,
         pid: int | None = None,
         started_at: float | None = None,  # unix time; default: now
+        secret: bytes | None = None,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
+        """*secret* (the plane secret) signs the record, so frontends trust it
+        (:mod:`headwater.etcd.records`); *credentials* authenticate to etcd."""
         if ttl < 1:
             raise ValueError("ttl must be at least 1 second")
         self.endpoints = endpoints
@@ -89,6 +96,8 @@ class EtcdRegistration:
             started_at=time.time() if started_at is None else started_at,
         )
         self._client = client
+        self._secret = secret
+        self._credentials = credentials
         self._active: EtcdClient | None = None
         self._backoff = backoff or Backoff(0.1, max(0.2, ttl / 3))
         self._lease: Lease | None = None
@@ -100,6 +109,10 @@ class EtcdRegistration:
     @property
     def key(self) -> str:
         return self._record.key(self.prefix)
+
+    def _value(self) -> bytes:
+        """The record as stored: signed with the plane secret, when there is one."""
+        return self._record.to_json(self._secret)
 
     @property
     def record(self) -> InstanceRecord:
@@ -120,7 +133,9 @@ class EtcdRegistration:
         """
         if self._scope is not None:
             raise RuntimeError("EtcdRegistration.run() is already running")
-        client = self._client or EtcdClient(self.endpoints, timeout=self.timeout)
+        client = self._client or EtcdClient(
+            self.endpoints, timeout=self.timeout, credentials=self._credentials
+        )
         self._active = client
         try:
             with trio.CancelScope() as self._scope:
@@ -172,17 +187,17 @@ class EtcdRegistration:
             await self._register(client)
             return
         kv = await client.get(self.key)
-        if kv is None or kv.lease != self._lease.id or kv.value != self._record.to_json():
+        if kv is None or kv.lease != self._lease.id or kv.value != self._value():
             log.warning("etcd key %s was deleted or changed; writing it again", self.key)
             try:
-                await client.put(self.key, self._record.to_json(), lease=self._lease.id)
+                await client.put(self.key, self._value(), lease=self._lease.id)
             except EtcdLeaseNotFound:
                 await self._register(client)
 
     async def _register(self, client: EtcdClient) -> None:
         lease = await client.lease_grant(self.ttl)
         self._lease = lease
-        await client.put(self.key, self._record.to_json(), lease=lease.id)
+        await client.put(self.key, self._value(), lease=lease.id)
         self.registrations += 1
         log.info("registered %s in etcd (lease %x, ttl %d s)", self.key, lease.id, lease.ttl)
 
@@ -211,7 +226,7 @@ class EtcdRegistration:
         try:
             async with self._lock:
                 if self._lease is not None:
-                    await client.put(self.key, self._record.to_json(), lease=self._lease.id)
+                    await client.put(self.key, self._value(), lease=self._lease.id)
         except EtcdError as exc:
             log.warning("publishing draining for %s: %s; will retry", self.key, exc)
 
@@ -286,8 +301,12 @@ class RegistrationHooks:
         capacity: int = 256,
         ttl: int = 10,  # seconds
         register_timeout: float = 30.0,  # seconds
+        secret: bytes | None = None,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         self.endpoints = endpoints
+        self.secret = secret
+        self.credentials = credentials
         self.worker_id = worker_id
         self.role = role
         self.model = model
@@ -301,7 +320,10 @@ class RegistrationHooks:
         instance = WorkerInstance(
             self.worker_id, Role(self.role), self.model, address, capacity=self.capacity
         )
-        registration = EtcdRegistration(self.endpoints, instance, ttl=self.ttl)
+        registration = EtcdRegistration(
+            self.endpoints, instance, ttl=self.ttl, secret=self.secret,
+            credentials=self.credentials,
+        )  # fmt: skip
         with trio.move_on_after(self.register_timeout) as scope:
             await self._nursery.start(registration.run)
         if scope.cancelled_caught:
@@ -319,3 +341,65 @@ class RegistrationHooks:
         """Revoke the lease (idempotent; bounded and shielded, see EtcdRegistration)."""
         if self.registration is not None:
             await self.registration.deregister()
+
+
+async def follow_prefill_workers(
+    endpoints: str | Sequence[str],
+    model: str,
+    peers: KvPeers,
+    *,
+    secret: bytes | None = None,
+    credentials: EtcdCredentials | None = None,
+    prefix: str = KEY_PREFIX,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep *peers* to the prefill workers of *model* registered in etcd, until cancelled:
+    a decode worker pulls KV only from those (the SSRF bound of
+    :class:`~headwater.plane.kv.KvPeers`). A record counts as the frontends' do: signed
+    with *secret* when there is one, under its own key. Reports started after the first
+    range (or at once if etcd is down: it retries with backoff meanwhile)."""
+    watched = f"{model_prefix(model, prefix)}prefill/"
+    by_key: dict[bytes, str] = {}  # key → worker id
+
+    def apply(key: bytes, value: bytes | None) -> None:
+        if (old := by_key.pop(key, None)) is not None:
+            peers.unregister(old)
+        if value is None:
+            return
+        try:
+            rec = InstanceRecord.from_json(value, secret)
+            if rec.key(prefix).encode() != key:
+                raise ValueError("stored under another key than its own")
+        except ValueError as exc:
+            log.warning("not a KV peer: etcd key %r: %s", key, exc)
+            return
+        by_key[key] = rec.worker_id
+        peers.register(rec.worker_id, rec.address)
+
+    backoff = Backoff(0.1, 5.0)
+    started = False
+    async with EtcdClient(endpoints, credentials=credentials) as client:
+        while True:
+            try:
+                snapshot = await client.range(watched, prefix=True)
+                for key in list(by_key):
+                    apply(key, None)
+                for kv in snapshot.kvs:
+                    apply(kv.key, kv.value)
+                if not started:
+                    started = True
+                    task_status.started()
+                async with client.watch(
+                    watched, prefix=True, start_revision=snapshot.revision + 1
+                ) as events:
+                    backoff.reset()
+                    async for event in events:
+                        apply(event.kv.key, event.kv.value if event.type is EventType.PUT else None)
+            except EtcdError as exc:
+                if not started:
+                    started = True
+                    task_status.started()
+                delay = backoff.next()
+                log.warning("following prefill workers in etcd: %s; retrying in %.2f s",
+                            exc, delay)  # fmt: skip
+                await trio.sleep(delay)

@@ -66,6 +66,9 @@ class MockerConfig:
     output_length_sigma: float = field(
         default=1.0, metadata={"help": "spread of the lognormal answer length (0: all equal)"}
     )
+    #: Publish the KV cache's stored and evicted blocks for KV-aware routing
+    #: (``headwater.wire.kv_events``); every committed block is then hashed at once.
+    publish_kv_events: bool = True
 
     def __post_init__(self) -> None:
         if not self.speedup_ratio > 0:
