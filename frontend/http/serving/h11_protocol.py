@@ -149,6 +149,7 @@ class HeadWithBodyH11Protocol(H11Protocol):
         trusted to be where h11 would look for it. Written as bytes, past h11, which has
         not read the head yet (or would take the response for the request's own)."""
         self.config.refused(fault.reason)
+        self.config.answered(fault.status)
         body = _error_body(fault.reason, fault.message)
         head = [
             (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
