@@ -33,6 +33,10 @@ from frontend.limits import RequestLimits
 
 from frontend_fixture import frontend_in_thread
 
+# Long-running (a live frontend fed hundreds of generated bodies):
+# the full suite's, not `make test-fast`'s.
+pytestmark = pytest.mark.slow
+
 MODEL = "deepseek-v4"
 LIMITS = RequestLimits(max_tokens_cap=32)
 CONTEXT = 4096

@@ -164,6 +164,7 @@ async def enable_auth(url: str, password: str) -> None:
             assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
 async def test_etcd_with_auth_refuses_a_writer_without_credentials_and_serves_one_with(
     private_etcd: EtcdServer,
 ) -> None:

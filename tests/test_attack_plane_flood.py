@@ -16,6 +16,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import pytest
 import trio
 
 from headwater.cluster.recipes import start_worker as start_worker_process
@@ -57,6 +58,7 @@ async def flood(address: str, count: int) -> list[trio.SocketStream]:
     ]
 
 
+@pytest.mark.slow
 async def test_a_flood_from_one_address_leaves_room_for_the_frontends(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

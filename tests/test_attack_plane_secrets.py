@@ -79,6 +79,7 @@ def run_cli(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_worker_and_serve_exit_2_on_a_weak_secret(tmp_path: Path) -> None:
     weak = tmp_path / "weak"
     weak.write_text("hunter2\n")
@@ -94,6 +95,7 @@ def test_worker_and_serve_exit_2_on_a_weak_secret(tmp_path: Path) -> None:
 # ---- headwater launch makes a secret ------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_launch_gives_its_workers_a_secret_and_they_refuse_a_client_without_it(
     nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,6 +155,7 @@ def test_api_keys_leave_a_childs_command_line_for_its_environment() -> None:
     assert env == {}
 
 
+@pytest.mark.slow
 def test_hide_in_cmdline_overwrites_the_values_the_kernel_shows() -> None:
     code = (
         "import sys; from headwater.cli.secret_args import hide_in_cmdline; "
@@ -170,6 +173,7 @@ def test_hide_in_cmdline_overwrites_the_values_the_kernel_shows() -> None:
     assert hide_in_cmdline([]) == 0
 
 
+@pytest.mark.slow
 def test_serve_with_an_api_key_shows_it_in_no_process_of_its_group(tmp_path: Path) -> None:
     key = "sk-" + "q" * 40
     process = subprocess.Popen(
@@ -211,6 +215,7 @@ def test_a_vllm_server_gets_none_of_headwaters_secrets() -> None:
     assert env["PATH"] == "/usr/bin"
 
 
+@pytest.mark.slow
 async def test_etcd_gets_none_of_headwaters_secrets(
     nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

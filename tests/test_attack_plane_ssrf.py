@@ -95,6 +95,7 @@ def test_the_peers_a_decode_worker_knows() -> None:
     assert one_host.refused_total == 1
 
 
+@pytest.mark.slow
 async def test_the_prefill_workers_registered_in_etcd_are_the_peers(
     private_etcd: EtcdServer, nursery: trio.Nursery
 ) -> None:

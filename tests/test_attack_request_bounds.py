@@ -128,6 +128,7 @@ BOUNDS: dict[str, tuple[Any, int, str]] = {
 }  # fmt: skip
 
 
+@pytest.mark.slow  # ~10 s: a request at and past every bound
 @settings(max_examples=24, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(name=st.sampled_from(sorted(BOUNDS)), past=st.booleans())

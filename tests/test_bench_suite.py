@@ -415,6 +415,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 async def test_a_supervisors_start_up_lines_name_the_members(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         child = await processes.spawn_frontend(
@@ -749,6 +750,7 @@ RECORD_FIELDS = {
 }
 
 
+@pytest.mark.slow
 async def test_a_tiny_real_run_writes_complete_records(tmp_path: Path) -> None:
     cfg = suite.SuiteConfig(
         out_dir=tmp_path / "out", repo_root=bench.REPO_ROOT, scenarios=("short",),

@@ -416,6 +416,7 @@ def _check(result: LoadResult, bodies: list[bytes], stream: bool, max_tokens: in
     assert row.count("|") == markdown_header().splitlines()[0].count("|")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 async def test_run_load_end_to_end(endpoint: prompts.Endpoint) -> None:
     ps = prompts.make_prompts("short", 10, tokens=60)
@@ -435,6 +436,7 @@ async def test_run_load_end_to_end(endpoint: prompts.Endpoint) -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_streamed_requests_keep_their_connections() -> None:
     """The client reads each stream to its end after [DONE], as the OpenAI SDK does, so a
     connection serves request after request instead of one per streamed request."""
@@ -450,6 +452,7 @@ async def test_streamed_requests_keep_their_connections() -> None:
     assert len(set(API_CLIENTS)) <= 2
 
 
+@pytest.mark.slow
 async def test_run_load_counts_failures_and_cuts_off_at_the_time_limit() -> None:
     ps = prompts.make_prompts("short", 6, tokens=40)
     bodies = prompts.build_bodies(ps, stream=True, max_tokens=3)
@@ -481,6 +484,7 @@ async def test_run_load_counts_failures_and_cuts_off_at_the_time_limit() -> None
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 async def test_cli_prints_a_json_record_and_a_markdown_row() -> None:
     async with trio.open_nursery() as nursery:
         base = await _start_fake(nursery)

@@ -83,6 +83,7 @@ def test_bad_flags_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m_headwater_is_the_headwater_command() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "headwater", "serve", "--help"], capture_output=True, text=True,

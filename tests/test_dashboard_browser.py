@@ -131,6 +131,7 @@ def _overflow(page: Any) -> tuple[int, int]:
     return int(width), int(inner)
 
 
+@pytest.mark.slow
 async def test_injected_stall_appears_on_the_dashboard() -> None:
     sync_api = _require_browser()
     seen = Seen()
@@ -214,6 +215,7 @@ def drive_keyed_browser(sync_api: Any, base_url: str, seen: KeyedSeen) -> None:
             browser.close()
 
 
+@pytest.mark.slow
 async def test_with_an_api_key_the_page_asks_for_it_and_sends_it_in_a_header() -> None:
     sync_api = _require_browser()
     seen = KeyedSeen()

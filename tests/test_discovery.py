@@ -250,6 +250,7 @@ def test_prefix_range_end() -> None:
 # -- the etcd client --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_client_kv_leases_and_errors(etcd_url: str, etcd_prefix: str) -> None:
     async with EtcdClient(etcd_url) as etcd:
         await etcd.put(etcd_prefix + "a", b"1")
@@ -290,6 +291,7 @@ async def test_client_unreachable_is_unavailable() -> None:
                 pass
 
 
+@pytest.mark.slow
 async def test_client_watch_and_compaction(etcd_url: str, etcd_prefix: str) -> None:
     async with EtcdClient(etcd_url) as etcd:
         first = await etcd.put(etcd_prefix + "k", b"1")
@@ -318,6 +320,7 @@ async def test_client_watch_and_compaction(etcd_url: str, etcd_prefix: str) -> N
 # -- registration + discovery against etcd ---------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_register_seen_then_deregister_removed(etcd_url: str, etcd_prefix: str) -> None:
     sink = RecordingSink()
     worker = inst("w1", Role.PREFILL, port=7101)
@@ -337,6 +340,7 @@ async def test_register_seen_then_deregister_removed(etcd_url: str, etcd_prefix:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_registration_context_propagates_body_error(etcd_url: str, etcd_prefix: str) -> None:
     registration = EtcdRegistration(etcd_url, inst("w1"), ttl=2, prefix=etcd_prefix)
     with pytest.raises(KeyError, match="boom"):
@@ -346,6 +350,7 @@ async def test_registration_context_propagates_body_error(etcd_url: str, etcd_pr
         assert await etcd.get(registration.key) is None
 
 
+@pytest.mark.slow
 async def test_draining_reaches_router(etcd_url: str, etcd_prefix: str) -> None:
     router = Router()
     connect = FakeConnect()
@@ -387,6 +392,7 @@ _KILLABLE_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 async def test_lease_expires_when_worker_is_killed(etcd_url: str, etcd_prefix: str) -> None:
     ttl = 2
     sink = RecordingSink()
@@ -421,6 +427,7 @@ async def test_lease_expires_when_worker_is_killed(etcd_url: str, etcd_prefix: s
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_reregisters_after_lease_revoked_behind_its_back(
     etcd_url: str, etcd_prefix: str
 ) -> None:
@@ -454,6 +461,7 @@ async def test_reregisters_after_lease_revoked_behind_its_back(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_watch_follows_changes_made_in_etcd(etcd_url: str, etcd_prefix: str) -> None:
     sink = RecordingSink()
     a = InstanceRecord.from_instance(inst("a", model="m1", port=7201))
@@ -493,6 +501,7 @@ async def test_watch_follows_changes_made_in_etcd(etcd_url: str, etcd_prefix: st
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_two_watchers_see_the_same_set(etcd_url: str, etcd_prefix: str) -> None:
     sinks = [RecordingSink(), RecordingSink()]
     workers = [inst(f"w{i}", role, port=7300 + i) for i, role in enumerate(Role)]
@@ -519,6 +528,7 @@ async def test_two_watchers_see_the_same_set(etcd_url: str, etcd_prefix: str) ->
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_discovery_and_registration_survive_etcd_wipe(
     private_etcd: EtcdServer, etcd_prefix: str
 ) -> None:

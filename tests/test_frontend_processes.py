@@ -58,6 +58,7 @@ def test_a_child_is_the_same_command_with_the_shared_socket() -> None:
     assert grouped[-2:] == ["--group-url", "http://127.0.0.1:9"]
 
 
+@pytest.mark.slow  # ~10 s: the tokenizer loaded twice
 def test_the_shared_tokenizer_is_loaded_with_the_groups_options() -> None:
     # The zygote's tokenizer is every process's: it must carry --tokenizer-cache-mb.
     config = FrontendConfig(tokenizer_backend="fastokens", tokenizer_cache_mb=0)
@@ -220,6 +221,7 @@ async def test_processes_stop_when_the_supervisor_is_killed(
             await trio.sleep(0.2)
 
 
+@pytest.mark.slow
 async def test_children_that_cannot_start_fail_the_supervisor(tmp_path: Path) -> None:
     # A tokenizer.json that is there (the start-up check passes) but cannot be loaded.
     broken = tmp_path / "broken"
@@ -293,6 +295,7 @@ async def test_the_shared_port_shows_the_group_and_keeps_counting_across_a_resta
     assert not alive(second.pid)
 
 
+@pytest.mark.slow
 async def test_a_groups_keys_file_rotates_on_every_process_and_on_the_shared_view(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:

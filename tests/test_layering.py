@@ -225,6 +225,7 @@ _IMPORT_LAYER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wanted", ["core", "workers", "frontend"])
 def test_importing_a_layer_loads_nothing_it_may_not_import(wanted: str) -> None:
     package = {"core": "headwater", "workers": "workers", "frontend": "frontend"}[wanted]

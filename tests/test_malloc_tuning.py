@@ -32,6 +32,7 @@ def _faults(mode: str) -> int:
     return int(out.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_freed_heap_is_kept_for_the_next_request() -> None:
     # Untuned, glibc trims the 3 MiB it got back and faults them in again: ~768 pages

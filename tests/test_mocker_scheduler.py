@@ -395,6 +395,7 @@ def test_output_lengths_are_lognormal_of_the_configured_mean() -> None:
 # ---- no trio -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_scheduler_and_its_helpers_import_no_trio() -> None:
     # The package's __init__ imports the trio shell, so it is stubbed out: what is
     # checked is what these modules themselves pull in.

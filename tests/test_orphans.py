@@ -78,6 +78,7 @@ def wait_until(condition: Callable[[], object], within: float) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_guard_stops_its_program_when_the_supervisor_is_killed() -> None:
     with subprocess.Popen([sys.executable, "-c", GUARDED], stdout=subprocess.PIPE) as supervisor:
         try:
@@ -96,11 +97,13 @@ def test_the_guard_stops_its_program_when_the_supervisor_is_killed() -> None:
 @pytest.mark.parametrize(("script", "status"), [
     ("exit 3", 3), ("kill -TERM $$", -signal.SIGTERM), ("kill -KILL $$", -signal.SIGKILL),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_the_guard_exits_as_its_program_did(script: str, status: int) -> None:
     guard = [sys.executable, "-m", "headwater.cluster.guard", "sh", "-c", script]
     assert subprocess.run(guard, timeout=30).returncode == status
 
 
+@pytest.mark.slow
 def test_the_guard_passes_a_stop_on_and_names_a_missing_program() -> None:
     with subprocess.Popen([sys.executable, "-m", "headwater.cluster.guard", "sleep", "60"]
                           ) as guard:  # fmt: skip
@@ -150,6 +153,7 @@ child.wait()
 """
 
 
+@pytest.mark.slow
 def test_a_process_vllm_started_stops_once_the_api_server_is_gone() -> None:
     with subprocess.Popen([sys.executable, "-c", VLLM_PROCESS], stdout=subprocess.PIPE,
                           cwd=Path(__file__).parent.parent) as api_server:  # fmt: skip

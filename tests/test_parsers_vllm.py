@@ -38,6 +38,9 @@ from tests.parser_corpus import BLOCK, BLOCK_END, TOOLS, Case, D, block, corpus,
 from tests.test_parsers import run
 from tests.vllm_fixture import ensure_tiny_model, require_vllm
 
+# vLLM's import (~10 s) and the tiny model's build (a subprocess): not the fast tier.
+pytestmark = pytest.mark.slow
+
 
 class _VocabOnce:
     """The tokenizer, its vocabulary read once: vLLM's parser reads it per instance

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import msgpack
+import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, Phase, given, settings
@@ -70,6 +71,10 @@ from headwater.wire.handshake import ServerHandshake, proof
 from headwater.wire.session import TAG_BYTES, FrameMac, Session, derive_session
 from workers.engines.mocker import MockerConfig
 from workers.lifecycle import RunningWorker, WorkerConfig, serve_worker
+
+# Long-running (live workers fed hundreds of generated frames):
+# the full suite's, not `make test-fast`'s.
+pytestmark = pytest.mark.slow
 
 SECRET = b"correct horse battery staple"
 FAST = 100_000.0

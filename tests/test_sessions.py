@@ -33,6 +33,7 @@ def _autogroups() -> None:
         pytest.skip(why)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nice", "want"), [(7, "7"), (0, "0")])
 def test_a_new_sessions_group_gets_the_parents_nice(nice: int, want: str) -> None:
     _autogroups()

@@ -82,6 +82,7 @@ async def _least_lag(tokenizer: Tokenizer, mode: str, seed: int, runs: int = 3) 
     return min([await _max_lag_while_tokenizing(tokenizer, mode, seed + i) for i in range(runs)])
 
 
+@pytest.mark.slow  # ~10 s of long prompts through HF's encoder, several runs
 async def test_thread_mode_keeps_the_loop_free_with_hf(hf_tokenizer: Tokenizer) -> None:
     inline = await _max_lag_while_tokenizing(hf_tokenizer, "inline", seed=1)
     gil = await _max_lag_while_tokenizing(hf_tokenizer, "thread-gil", seed=2)

@@ -39,6 +39,10 @@ from headwater.wire.handshake import ClientHandshake, ServerHandshake, proof
 
 from test_framing import EXAMPLES
 
+# Long-running (hundreds of examples per property):
+# the full suite's, not `make test-fast`'s.
+pytestmark = pytest.mark.slow
+
 FRAME_TYPES = {type(f) for f in EXAMPLES}
 #: Each EXAMPLES frame as the map its body unpacks to: what the mutations start from.
 MAPS: list[dict[Any, Any]] = [msgpack.unpackb(encode(f)[4:], raw=False) for f in EXAMPLES]
