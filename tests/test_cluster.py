@@ -49,7 +49,7 @@ from headwater.etcd import EtcdClient, EventType, InstanceRecord, InstanceState,
 from headwater.plane.base import WorkerInstance
 from headwater.plane.client import connect_worker
 from headwater.wire import GenerateRequest, Role, SamplingParams
-from workers.lifecycle import READY_PREFIX
+from workers.lifecycle import READY_PREFIX, ready_line
 
 from cluster_fixture import (
     FAST,
@@ -368,8 +368,12 @@ async def runtime_pid(metrics_url: str) -> int:
     return int(r.json()["pid"])
 
 
-def test_launcher_reads_the_line_workers_print() -> None:
-    assert WORKER_READY_PREFIX == READY_PREFIX
+@pytest.mark.parametrize("role", list(Role))
+def test_launcher_reads_the_line_workers_print(role: Role) -> None:
+    # What `headwater worker` prints, as the launcher and the test fixtures parse it.
+    line = ready_line("tcp://[::1]:7001", f"{role.value}-0a1b2c3d", role)
+    assert parse_worker_ready(line) == ("tcp://[::1]:7001", f"{role.value}-0a1b2c3d", role.value)
+    assert line.startswith(WORKER_READY_PREFIX + " ")
 
 
 

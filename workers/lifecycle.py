@@ -42,6 +42,13 @@ log = logging.getLogger("workers")
 
 #: First word of the line ``headwater worker`` prints once it accepts connections.
 READY_PREFIX = "HEADWATER_WORKER_READY"
+
+
+def ready_line(address: str, worker_id: str, role: Role) -> str:
+    """The line ``headwater worker`` prints once it accepts connections; supervisors
+    read it back (``headwater.cluster.recipes.parse_worker_ready``)."""
+    return f"{READY_PREFIX} {address} {worker_id} {role.value}"
+
 _HOOK_TIMEOUT = 10.0  # s for each on-stop hook
 _FLUSH_TIMEOUT = 5.0  # s to send replies still queued when the drain ends
 

@@ -52,10 +52,10 @@ from headwater.wire.handshake import load_secret
 from workers.engines import registry
 from workers.engines.base import EngineFailed
 from workers.lifecycle import (
-    READY_PREFIX,
     RunningWorker,
     WorkerConfig,
     advertised_host,
+    ready_line,
     serve_worker,
     split_host_port,
 )
@@ -217,7 +217,7 @@ async def _run(config: WorkerConfig) -> int:
         worker: RunningWorker = await nursery.start(
             _serve, config, stop, nursery.cancel_scope, hooks
         )
-        print(f"{READY_PREFIX} {worker.address} {worker.worker_id} {worker.role}", flush=True)
+        print(ready_line(worker.address, worker.worker_id, worker.role), flush=True)
     return 1 if forced.is_set() else 0
 
 
