@@ -187,16 +187,17 @@ def snapshot(inflight: int, ok: int, delays: list[list[float]], p99: float) -> d
         "loop": {"threshold_s": 0.02, "window_s": 60.0, "bucket_s": 0.25, "delays": delays,
                  "max_delay_s": max(d for _, d in delays), "instrumented": True},
         "stalls": {"records": [{"started_at": delays[0][0], "duration_s": 0.03}],
-                   "statistics": {"stalls_total": 1, "loop_stalls_total": 1,
-                                  "gil_stalls_total": 0, "last_duration_s": 0.03,
-                                  "max_duration_s": 0.03, "tracking": True}},
+                   "statistics": {"stalls_total": 2, "loop_stalls_total": 1,
+                                  "gil_stalls_total": 0, "contention_stalls_total": 1,
+                                  "last_duration_s": 0.03, "max_duration_s": 0.03,
+                                  "tracking": True}},
         "pool": {"mode": "thread", "threads": 2, "busy": 1, "waiting": 0, "encoded_total": 5,
                  "inline_total": 3,
                  "segment_cache": {"hits": ok, "misses": 1, "hit_bytes": 100 * ok,
                                    "miss_bytes": 10, "entries": 2, "bytes": 110,
                                    "max_bytes": 1 << 20}},
         "requests": {"inflight": inflight, "queued": 0, "by_status": {"success": ok},
-                     "disconnected_clients": 0},
+                     "by_code": {"200": ok, "404": 1}, "disconnected_clients": 0},
         "history": {"fields": [], "points": []},
         "latency": {"ttft": window, "itl": window},
         "workers": [{"worker_id": "local-prefill-0"}],
@@ -216,6 +217,7 @@ def test_dashboards_merge_into_the_group_with_every_process_kept() -> None:
     assert data["group"] == {"processes": 3, "up": 2}
     assert data["requests"]["inflight"] == 3
     assert data["requests"]["by_status"] == {"success": 12}
+    assert data["requests"]["by_code"] == {"200": 12, "404": 2}
     assert data["pool"]["threads"] == 4
     assert data["pool"]["encoded_total"] == 10
     cache = data["pool"]["segment_cache"]  # every process's own, added up
@@ -224,7 +226,8 @@ def test_dashboards_merge_into_the_group_with_every_process_kept() -> None:
     assert [p["process"] for p in data["loop"]["processes"]] == [0, 1]
     assert data["latency"]["ttft"]["p99"] == 0.5
     assert data["latency"]["ttft"]["count"] == 20
-    assert data["stalls"]["statistics"]["stalls_total"] == 2
+    assert data["stalls"]["statistics"]["stalls_total"] == 4
+    assert data["stalls"]["statistics"]["contention_stalls_total"] == 2
     assert [r["process"] for r in data["stalls"]["records"]] == [1, 0]  # newest first
     assert [w["process"] for w in data["workers"]] == [0, 1]
     rows = data["processes"]
