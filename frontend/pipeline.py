@@ -45,6 +45,7 @@ from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
 from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
+from frontend.postprocess.parsers import ToolCallDelta
 from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
@@ -98,12 +99,19 @@ class TokenDelta:
 @dataclass(frozen=True, slots=True)
 class Delta:
     """What :meth:`Pipeline.generate` yields: new text of the response, tokens so far,
-    and ``finish_reason`` on the last one."""
+    and ``finish_reason`` on the last one.
+
+    ``reasoning`` and ``tool_calls`` are what the parse stage took out of the text
+    (:mod:`frontend.postprocess.parsers`); ``stop_sequence`` is the stop string that
+    ended the response, on the last delta (Anthropic's API reports it)."""
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
     cached_tokens: int = 0
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    stop_sequence: str | None = None
 
 
 class Pipeline:
@@ -151,6 +159,21 @@ class Pipeline:
     async def preprocess(self, parsed: ParsedRequest) -> Prepared[ParsedRequest]:
         """Template and tokenize; validate lengths. Raises InvalidRequest."""
         started = trio.current_time()
+        param = "messages" if parsed.endpoint == "chat" else "prompt"
+        prompt_ids = await self.encode_prompt(parsed)
+        return Prepared(
+            request_id=uuid.uuid4().hex,
+            parsed=parsed,
+            prompt_ids=prompt_ids,
+            sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
+            created=time.time(),
+            started=started,
+        )
+
+    async def encode_prompt(self, parsed: ParsedRequest) -> array[int]:
+        """The prompt's ids: the chat template rendered (chat) or the prompt normalised
+        (completions), then tokenized in the pool; no length is checked (``/tokenize``
+        reports a prompt of any length). Raises InvalidRequest."""
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
@@ -168,14 +191,7 @@ class Pipeline:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
-        return Prepared(
-            request_id=uuid.uuid4().hex,
-            parsed=parsed,
-            prompt_ids=prompt_ids,
-            sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
-            created=time.time(),
-            started=started,
-        )
+        return prompt_ids
 
     async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
         """The preprocess stage of a token-in request, which has neither a template nor
@@ -211,13 +227,14 @@ class Pipeline:
         return token_array(ids)
 
     async def _render(self, parsed: ParsedRequest) -> str:
-        render = self.template.render
-        kwargs = parsed.chat_template_kwargs
-        if _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS:
-            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
-
         def work() -> str:
-            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
+            return self.template.render(
+                parsed.messages or [], add_generation_prompt=parsed.add_generation_prompt,
+                chat_template_kwargs=parsed.chat_template_kwargs, tools=parsed.tools,
+            )  # fmt: skip
+
+        if _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS:
+            return work()
 
         return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
 
@@ -315,13 +332,15 @@ class Pipeline:
             async for step in steps:
                 delta = post.step(step.token_ids)
                 if delta.stopped:
-                    yield Delta(delta.text, post.completion_tokens, "stop", step.cached_tokens)
+                    yield Delta(delta.text, post.completion_tokens, "stop", step.cached_tokens,
+                                stop_sequence=post.stop_string)  # fmt: skip
                     return
                 if step.finish_reason is not None:
                     tail = delta.text + post.finish()
                     # A stop string can complete in the held-back tail released by finish().
                     reason = "stop" if post.stopped else step.finish_reason
-                    yield Delta(tail, post.completion_tokens, reason, step.cached_tokens)
+                    yield Delta(tail, post.completion_tokens, reason, step.cached_tokens,
+                                stop_sequence=post.stop_string)  # fmt: skip
                     return
                 if delta.text:
                     yield Delta(delta.text, post.completion_tokens, None, step.cached_tokens)

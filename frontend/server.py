@@ -22,7 +22,7 @@ import trio
 from frontend.config import FrontendConfig
 from frontend.discovery import start_discovery
 from frontend.http.admission import Admission, AdmissionControl
-from frontend.http.app import GENERATION_PATHS, create_app
+from frontend.http.app import ADMITTED_PATHS, create_app
 from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning, watch_keys_file
 from frontend.http.group import GroupRelay
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
@@ -219,7 +219,7 @@ class Frontend:
             await nursery.start(self.monitor.run)
             await self._start_workers(nursery)
             admitted = AdmissionControl(
-                self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,
+                self.app, self.admission, paths=ADMITTED_PATHS, metrics=self.metrics,
                 max_body_bytes=cfg.max_body_bytes,
             )  # fmt: skip
             keys = ApiKeys(cfg.api_keys)

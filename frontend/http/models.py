@@ -209,12 +209,48 @@ class GenerateRequest(Struct, kw_only=True):
     )] | None = None  # fmt: skip
 
 
+# -- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """The body of ``POST /tokenize``: a ``prompt`` (vLLM's ``TokenizeCompletionRequest``)
+    or chat ``messages`` (its ``TokenizeChatRequest``, the chat template applied), one of
+    the two. Fields not listed are ignored."""
+
+    model: NonEmptyStr | None = None
+    prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, description=(
+        "a conversation, rendered by the chat template, then tokenized (or send prompt)"
+    ))] | None = None  # fmt: skip
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "add the tokenizer's special tokens around the text (true for a prompt, false "
+        "for messages, whose template writes them)"))] | None = None  # fmt: skip
+    return_token_strs: Annotated[bool, Meta(description="also return each token's string"
+                                            )] | None = None  # fmt: skip
+    add_generation_prompt: Annotated[bool, Meta(description=(
+        "messages: open the assistant's turn after the last message (true)"))] | None = None
+    continue_final_message: Annotated[bool, Meta(description="not supported: only false"
+                                                 )] | None = None  # fmt: skip
+    chat_template: Annotated[str, Meta(description="not supported: only null")] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    """The body of ``POST /detokenize``: token ids back to text (special tokens kept)."""
+
+    tokens: list[TokenId]
+    model: NonEmptyStr | None = None
+
+
 #: The model each POST route validates its body with, by endpoint; read by the parser
 #: and by the OpenAPI document alike.
 REQUEST_MODELS: dict[str, type[Struct]] = {
     "chat": ChatCompletionRequest,
     "completions": CompletionRequest,
     "generate": GenerateRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
 }
 
 
@@ -320,6 +356,19 @@ class GenerateResponse(Struct, kw_only=True):
     request_id: str
     choices: list[TokenChoice]
     usage: TokenUsage | None = None
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    """``/tokenize``'s answer: the ids, their count, and the model's context length."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    prompt: str
 
 
 class ModelCard(Struct, kw_only=True):

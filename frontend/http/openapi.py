@@ -44,6 +44,7 @@ ERROR_STATUSES: Mapping[int, str] = {
     504: "The request did not complete within the server's --request-timeout",
 }  # fmt: skip
 _GENERATION_ERRORS = (400, 404, 413, 415, 429, 500, 502, 503)
+_TOKENIZER_ERRORS = (400, 404, 413, 415, 429, 500, 503)  # 503: draining
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,11 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/inference/v1/generate", "generateTokens",
               "Token ids in, token ids out, unary or streamed (vLLM's shape)",
               m.GenerateResponse, _GENERATION_ERRORS, "generate", m.GenerateResponse),
+    Operation("post", "/tokenize", "tokenize",
+              "A prompt or chat messages to token ids, the chat template applied (vLLM's "
+              "shape)", m.TokenizeResponse, _TOKENIZER_ERRORS, "tokenize"),
+    Operation("post", "/detokenize", "detokenize", "Token ids to text (vLLM's shape)",
+              m.DetokenizeResponse, _TOKENIZER_ERRORS, "detokenize"),
     Operation("get", "/v1/models", "listModels", "The served model", m.ModelList),
     Operation("get", "/v1/models/{model_id}", "retrieveModel", "One model by name",
               m.ModelCard, (404, 500), path_params=("model_id",)),

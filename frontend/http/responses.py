@@ -14,7 +14,9 @@ from abc import ABC, abstractmethod
 from typing import Any, Generic, TypeVar
 
 import orjson
+from quart import Response
 
+from frontend.http.errors import ApiError
 from frontend.pipeline import Delta, Prepared, TokenDelta
 from frontend.request import ParsedRequest, TokenRequest
 
@@ -26,6 +28,15 @@ D = TypeVar("D", Delta, TokenDelta)
 TOKEN_RESPONSE_PREFIX = "generate-tokens-"
 
 
+JSON = "application/json"
+
+
+def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
+    """A JSON body (*body* as bytes already, or to serialize) with its content type."""
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    return Response(data, status=status, content_type=JSON)
+
+
 def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
@@ -33,7 +44,8 @@ def _event(body: dict[str, Any]) -> bytes:
 class ResponseFormat(ABC, Generic[D]):
     """How one API answers one request: the body of a unary response, and the events
     of a streaming one (the caller sends ``opening()`` with the first event, one
-    ``event()`` per delta, ``usage()`` when the client asked for it, then ``DONE``)."""
+    ``event()`` per delta, ``usage()`` when the client asked for it, then ``DONE``:
+    OpenAI's end marker, which other APIs' streams leave out)."""
 
     DONE = b"data: [DONE]\n\n"
 
@@ -54,10 +66,9 @@ class ResponseFormat(ABC, Generic[D]):
     def usage(self, last: D) -> bytes:
         """The SSE event with the request's token counts, after the last delta."""
 
-    @staticmethod
-    def error(body: dict[str, Any]) -> bytes:
+    def error(self, err: ApiError) -> bytes:
         """An error after the stream started: an event whose data is the error body."""
-        return _event(body)
+        return _event(err.body())
 
 
 class OpenAIFormat(ResponseFormat[Delta]):

@@ -70,7 +70,9 @@ def validation_error(exc: msgspec.ValidationError) -> ApiError:
     return bad_request(f"Invalid value for '{where}': {detail}", param)
 
 
-def _convert(body: Any, model: type[msgspec.Struct]) -> Any:
+def convert_body(body: Any, model: type[msgspec.Struct]) -> Any:
+    """*body* (decoded JSON) as an instance of *model*, or the 400 that says where it is
+    not one."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
@@ -111,7 +113,7 @@ def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestL
     return max_tokens
 
 
-def _message_chars(messages: list[ChatMessage]) -> int:
+def message_chars(messages: list[ChatMessage]) -> int:
     """The characters of text in *messages*: contents, reasoning, tool-call arguments."""
     total = 0
     for m in messages:
@@ -140,12 +142,12 @@ def parse_request(
     *limits*. Raises :class:`ApiError` (400) or
     :class:`~frontend.errors.LimitExceeded`."""
     req = cast(ChatCompletionRequest | CompletionRequest,
-               _convert(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
+               convert_body(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
     messages = prompt = tools = None
     kwargs: dict[str, Any] = {}
     if isinstance(req, ChatCompletionRequest):
         limits.check_messages(len(req.messages))
-        limits.check_prompt_chars(_message_chars(req.messages), "messages")
+        limits.check_prompt_chars(message_chars(req.messages), "messages")
         # The client's own dicts: a template may read fields the model does not declare.
         messages = body["messages"]
         tools = body.get("tools")
@@ -202,7 +204,7 @@ def parse_generate_request(
     level): there is no text to match them on. ``null`` or ``[]`` ask for none of
     these and pass (a client that serializes a whole vLLM ``SamplingParams`` sends them).
     """
-    req = cast(GenerateRequest, _convert(body, model or REQUEST_MODELS["generate"]))
+    req = cast(GenerateRequest, convert_body(body, model or REQUEST_MODELS["generate"]))
     p = SAMPLING_PARAMS
     params = req.sampling_params or _NO_PARAMS
     for name in ("logprobs", "prompt_logprobs"):
