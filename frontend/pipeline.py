@@ -2,8 +2,10 @@
 
 ``preprocess`` (chat template, tokenizer pool) → ``route`` and ``plane`` (the
 dispatcher, :mod:`frontend.router.dispatch`: workers picked per leg, retried,
-migrated) → ``postprocess`` (incremental detokenizer, stop strings). The same stage
-names appear in metrics (``*_seconds``), logs and this code.
+migrated) → ``postprocess`` (incremental detokenizer, stop strings) → ``parse``
+(chat only: reasoning and tool calls out of the answer's text,
+:mod:`frontend.postprocess.parsers`). The same stage names appear in metrics
+(``*_seconds``), logs and this code.
 
 Two kinds of request take that path (:mod:`frontend.request`)::
 
@@ -45,7 +47,7 @@ from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
 from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
-from frontend.postprocess.parsers import ToolCallDelta
+from frontend.postprocess.parsers import AnswerParser, ToolCallDelta, check_names, make_parser
 from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
@@ -59,6 +61,9 @@ log = logging.getLogger(__name__)
 #: Templates for prompts longer than this render in a thread (they are pure string
 #: work, but a 40k-token conversation is a few hundred kB to join).
 TEMPLATE_OFFLOAD_CHARS = 256 * 1024
+
+#: A rendered chat prompt ending in this opened the model's reasoning itself.
+THINK_OPEN = "<think>"
 
 
 #: The request a :class:`Prepared` came from: an OpenAI one or a token-in one.
@@ -78,6 +83,9 @@ class Prepared(Generic[R]):
     sampling: SamplingParams
     created: float  # unix time, for the response's "created"
     started: float  # trio.current_time() at arrival, for TTFT
+    # The rendered prompt ends inside the model's reasoning (``<think>``: DeepSeek-V4's
+    # thinking mode), so the answer starts as reasoning, before any ``</think>``.
+    reasoning_forced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +109,12 @@ class Delta:
     """What :meth:`Pipeline.generate` yields: new text of the response, tokens so far,
     and ``finish_reason`` on the last one.
 
-    ``reasoning`` and ``tool_calls`` are what the parse stage took out of the text
-    (:mod:`frontend.postprocess.parsers`); ``stop_sequence`` is the stop string that
-    ended the response, on the last delta (Anthropic's API reports it)."""
+    With the parse stage on (chat, :class:`ParserChoice`), ``text`` is the answer's
+    content only; its reasoning and tool-call steps come apart in ``reasoning`` and
+    ``tool_calls``, and ``finish_reason`` is "tool_calls" when the model called one.
+    ``stop_sequence`` is the stop string that ended the response, on the last delta
+    (Anthropic's API reports it).
+    """
 
     text: str
     completion_tokens: int
@@ -112,6 +123,25 @@ class Delta:
     reasoning: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     stop_sequence: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParserChoice:
+    """The parse stage's parsers, by vLLM's names (``--tool-call-parser``,
+    ``--reasoning-parser``); "none" leaves the answer as the model wrote it. Tool calls
+    are parsed only for a request that offered tools (and did not say
+    ``tool_choice: "none"``), as vLLM does: a model's text that merely looks like a
+    call is content when no tool was offered."""
+
+    tool_call_parser: str = "none"
+    reasoning_parser: str = "none"
+    # The message field reasoning goes in: DeepSeek's and vLLM's "reasoning_content",
+    # or "reasoning" (what OpenRouter-style clients read).
+    reasoning_field: str = "reasoning_content"
+
+    @property
+    def active(self) -> bool:
+        return self.tool_call_parser != "none" or self.reasoning_parser != "none"
 
 
 class Pipeline:
@@ -128,8 +158,11 @@ class Pipeline:
         metrics: FrontendMetrics,
         dispatch: DispatchConfig | None = None,
         limits: RequestLimits | None = None,
+        parsers: ParserChoice | None = None,
     ) -> None:
         self.model_name = model_name
+        self.parsers = parsers or ParserChoice()
+        check_names(self.parsers.tool_call_parser, self.parsers.reasoning_parser)
         #: The request limits; the pipeline applies the cap on max_tokens to a request
         #: that asked none (the HTTP layer checks those that did, before any work).
         self.limits = limits or RequestLimits()
@@ -160,7 +193,7 @@ class Pipeline:
         """Template and tokenize; validate lengths. Raises InvalidRequest."""
         started = trio.current_time()
         param = "messages" if parsed.endpoint == "chat" else "prompt"
-        prompt_ids = await self.encode_prompt(parsed)
+        prompt_ids, reasoning_forced = await self._prompt(parsed)
         return Prepared(
             request_id=uuid.uuid4().hex,
             parsed=parsed,
@@ -168,12 +201,19 @@ class Pipeline:
             sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
             created=time.time(),
             started=started,
+            reasoning_forced=reasoning_forced,
         )
 
     async def encode_prompt(self, parsed: ParsedRequest) -> array[int]:
         """The prompt's ids: the chat template rendered (chat) or the prompt normalised
         (completions), then tokenized in the pool; no length is checked (``/tokenize``
         reports a prompt of any length). Raises InvalidRequest."""
+        prompt_ids, _ = await self._prompt(parsed)
+        return prompt_ids
+
+    async def _prompt(self, parsed: ParsedRequest) -> tuple[array[int], bool]:
+        """:meth:`encode_prompt`, and whether the rendered prompt opened the model's
+        reasoning itself (it ends in ``<think>``)."""
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
@@ -191,7 +231,8 @@ class Pipeline:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
-        return prompt_ids
+        forced = isinstance(text_or_ids, str) and text_or_ids.rstrip().endswith(THINK_OPEN)
+        return prompt_ids, parsed.endpoint == "chat" and forced
 
     async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
         """The preprocess stage of a token-in request, which has neither a template nor
@@ -319,8 +360,9 @@ class Pipeline:
         raise WorkerFailed("the worker ended the stream without a finish reason")
 
     async def generate(self, prep: Prepared[ParsedRequest]) -> AsyncGenerator[Delta, None]:
-        """Postprocess on top of :meth:`tokens`: stream text deltas; the last one carries
-        ``finish_reason`` ("stop" also when a stop string matched). Raises what
+        """Postprocess and parse on top of :meth:`tokens`: stream deltas of the answer;
+        the last one carries ``finish_reason`` ("stop" also when a stop string matched,
+        "tool_calls" when the parse stage found a complete call). Raises what
         :meth:`tokens` raises. A matched stop string closes :meth:`tokens`, which
         cancels the rest of the generation on the worker.
         """
@@ -328,23 +370,76 @@ class Pipeline:
             self.tokenizer.decode, stops=prep.parsed.stop,
             special_ids=self.tokenizer.special_ids,
         )
+        parse = _ParseStage(self._parser(prep))
         async with aclosing(self.tokens(prep)) as steps:
             async for step in steps:
                 delta = post.step(step.token_ids)
                 if delta.stopped:
-                    yield Delta(delta.text, post.completion_tokens, "stop", step.cached_tokens,
-                                stop_sequence=post.stop_string)  # fmt: skip
+                    yield parse.last(delta.text, post.completion_tokens, "stop",
+                                     step.cached_tokens, cut=True, stop_sequence=post.stop_string)
                     return
                 if step.finish_reason is not None:
                     tail = delta.text + post.finish()
                     # A stop string can complete in the held-back tail released by finish().
                     reason = "stop" if post.stopped else step.finish_reason
-                    yield Delta(tail, post.completion_tokens, reason, step.cached_tokens,
-                                stop_sequence=post.stop_string)  # fmt: skip
+                    yield parse.last(tail, post.completion_tokens, reason, step.cached_tokens,
+                                     cut=post.stopped, stop_sequence=post.stop_string)
                     return
                 if delta.text:
-                    yield Delta(delta.text, post.completion_tokens, None, step.cached_tokens)
+                    out = parse.step(delta.text, post.completion_tokens, step.cached_tokens)
+                    if out is not None:
+                        yield out
         raise AssertionError("tokens() ends with a finishing delta or raises")
+
+    def _parser(self, prep: Prepared[ParsedRequest]) -> AnswerParser | None:
+        """This request's parse stage: chat only (``/v1/completions`` stays raw, as
+        OpenAI's does), tool calls only when tools were offered."""
+        parsed, choice = prep.parsed, self.parsers
+        if parsed.endpoint != "chat" or not choice.active:
+            return None
+        offered = bool(parsed.tools) and parsed.tool_choice != "none"
+        tool_parser = choice.tool_call_parser if offered else "none"
+        if tool_parser == "none" and choice.reasoning_parser == "none":
+            return None
+        return make_parser(
+            tool_parser, choice.reasoning_parser,
+            tools=parsed.tools if offered else None, reasoning_forced=prep.reasoning_forced,
+        )  # fmt: skip
+
+
+class _ParseStage:
+    """The parse stage of one response stream: each text piece through the request's
+    :class:`AnswerParser`, or as it is when it has none."""
+
+    __slots__ = ("_parser",)
+
+    def __init__(self, parser: AnswerParser | None) -> None:
+        self._parser = parser
+
+    def step(self, text: str, tokens: int, cached: int) -> Delta | None:
+        """The delta for a piece of text mid-stream; None when all of it is held back."""
+        if self._parser is None:
+            return Delta(text, tokens, None, cached)
+        out = self._parser.feed(text)
+        if not out:
+            return None
+        return Delta(out.content, tokens, None, cached, out.reasoning, out.tool_calls)
+
+    def last(self, text: str, tokens: int, reason: str, cached: int, *, cut: bool,
+             stop_sequence: str | None = None) -> Delta:
+        """The stream's last delta. ``cut``: a stop string ended the text, so, like
+        ``max_tokens`` ("length"), it may have cut a tool call, which is dropped."""
+        parser = self._parser
+        if parser is None:
+            return Delta(text, tokens, reason, cached, stop_sequence=stop_sequence)
+        head = parser.feed(text) if text else None
+        tail = parser.finish(truncated=cut or reason == "length")
+        if parser.tool_calls_made and reason == "stop":
+            reason = "tool_calls"
+        content = (head.content if head else "") + tail.content
+        reasoning = (head.reasoning if head else "") + tail.reasoning
+        calls = (head.tool_calls if head else ()) + tail.tool_calls
+        return Delta(content, tokens, reason, cached, reasoning, calls, stop_sequence)
 
 
 def _approx_chars(messages: list[Any] | None) -> int:

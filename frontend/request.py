@@ -46,8 +46,9 @@ class ParsedRequest:
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[Any] | None = None
-    # OpenAI's shape: "none", "auto", "required" or {"type": "function", "function": {...}}
-    tool_choice: str | dict[str, Any] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    # None: not given ("auto" when there are tools, as OpenAI's)
+    tool_choice: Any = None
     add_generation_prompt: bool = True  # chat: open the assistant's turn after the last one
 
 

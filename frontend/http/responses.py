@@ -11,6 +11,7 @@ Kept apart from the routes so the shapes can be read (and tested) in one place; 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
 import orjson
@@ -18,6 +19,7 @@ from quart import Response
 
 from frontend.http.errors import ApiError
 from frontend.pipeline import Delta, Prepared, TokenDelta
+from frontend.postprocess.parsers import ToolCallDelta
 from frontend.request import ParsedRequest, TokenRequest
 
 #: What the pipeline yields for one request: text deltas or token deltas.
@@ -74,11 +76,19 @@ class ResponseFormat(ABC, Generic[D]):
 class OpenAIFormat(ResponseFormat[Delta]):
     """OpenAI's chat completion and text completion objects, and their chunks.
 
-    The fixed parts of every chunk are built once; each event is one ``bytes``.
+    The fixed parts of every chunk are built once; each event is one ``bytes``. What the
+    parse stage took apart goes where OpenAI's clients read it: reasoning in
+    ``reasoning_field`` (``reasoning_content`` by default: DeepSeek's and vLLM's name;
+    some clients read ``reasoning``), tool calls in ``tool_calls`` (streamed as OpenAI
+    does: a call's first delta has its index, id, type and name, later ones add
+    ``arguments`` fragments).
     """
 
-    def __init__(self, prep: Prepared[ParsedRequest]) -> None:
+    def __init__(
+        self, prep: Prepared[ParsedRequest], *, reasoning_field: str = "reasoning_content"
+    ) -> None:
         self.prep = prep
+        self.reasoning_field = reasoning_field
         self.chat = prep.parsed.endpoint == "chat"
         self._id = ("chatcmpl-" if self.chat else "cmpl-") + prep.request_id
         self._head = self._fixed("chat.completion.chunk" if self.chat else "text_completion")
@@ -102,7 +112,14 @@ class OpenAIFormat(ResponseFormat[Delta]):
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
                                   "logprobs": None}  # fmt: skip
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reasoning = "".join(d.reasoning for d in deltas)
+            if reasoning:
+                message[self.reasoning_field] = reasoning
+            if calls := _whole_calls(d.tool_calls for d in deltas):
+                message["tool_calls"] = calls
+                message["content"] = text or None  # OpenAI's: null beside tool calls
+            choice["message"] = message
         else:
             choice["text"] = text
         head = self._fixed("chat.completion" if self.chat else "text_completion")
@@ -123,13 +140,48 @@ class OpenAIFormat(ResponseFormat[Delta]):
         choice: dict[str, Any] = {"index": 0, "finish_reason": delta.finish_reason,
                                   "logprobs": None}  # fmt: skip
         if self.chat:
-            choice["delta"] = {"content": delta.text} if delta.text else {}
+            body: dict[str, Any] = {}
+            if delta.reasoning:
+                body[self.reasoning_field] = delta.reasoning
+            if delta.text:
+                body["content"] = delta.text
+            if delta.tool_calls:
+                body["tool_calls"] = [_call_step(c) for c in delta.tool_calls]
+            choice["delta"] = body
         else:
             choice["text"] = delta.text
         return self._chunk([choice])
 
     def usage(self, last: Delta) -> bytes:
         return self._chunk([], usage=self._usage(last))
+
+
+def _call_step(call: ToolCallDelta) -> dict[str, Any]:
+    """One tool-call step of a chat chunk, in OpenAI's streamed shape."""
+    function: dict[str, Any] = {"arguments": call.arguments}
+    step: dict[str, Any] = {"index": call.index, "function": function}
+    if call.id is not None:
+        step["id"] = call.id
+        step["type"] = "function"
+    if call.name is not None:
+        function["name"] = call.name
+    return step
+
+
+def _whole_calls(steps: Iterable[tuple[ToolCallDelta, ...]]) -> list[dict[str, Any]]:
+    """The tool calls a unary answer made, each put together from its steps."""
+    calls: dict[int, dict[str, Any]] = {}
+    for batch in steps:
+        for step in batch:
+            call = calls.setdefault(
+                step.index, {"id": "", "type": "function",
+                             "function": {"name": "", "arguments": ""}})  # fmt: skip
+            if step.id is not None:
+                call["id"] = step.id
+            if step.name is not None:
+                call["function"]["name"] = step.name
+            call["function"]["arguments"] += step.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 class TokenFormat(ResponseFormat[TokenDelta]):
