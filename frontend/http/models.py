@@ -37,6 +37,8 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from frontend.http.anthropic import models as anthropic
+
 # -- shared pieces ------------------------------------------------------------------------
 
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
@@ -251,6 +253,8 @@ REQUEST_MODELS: dict[str, type[Struct]] = {
     "generate": GenerateRequest,
     "tokenize": TokenizeRequest,
     "detokenize": DetokenizeRequest,
+    "messages": anthropic.MessagesRequest,
+    "count_tokens": anthropic.CountTokensRequest,
 }
 
 

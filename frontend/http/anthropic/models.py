@@ -162,7 +162,7 @@ System = str | list[TextBlock]
 # -- requests -----------------------------------------------------------------------------
 
 
-class _Conversation(Struct, kw_only=True):
+class Conversation(Struct, kw_only=True):
     """What both routes read: the conversation and what is rendered with it."""
 
     model: Annotated[str, Meta(min_length=1, description="the served model's name")]
@@ -174,7 +174,7 @@ class _Conversation(Struct, kw_only=True):
     output_config: OutputConfig | None = None
 
 
-class MessagesRequest(_Conversation, kw_only=True):
+class MessagesRequest(Conversation, kw_only=True):
     """The body of ``POST /v1/messages``. Fields not listed are ignored."""
 
     max_tokens: Annotated[int, Meta(ge=1, description="required, as Anthropic requires")]
@@ -186,26 +186,23 @@ class MessagesRequest(_Conversation, kw_only=True):
     stream: bool | None = None
 
 
-class CountTokensRequest(_Conversation, kw_only=True):
+class CountTokensRequest(Conversation, kw_only=True):
     """The body of ``POST /v1/messages/count_tokens``: a Messages request's prompt."""
 
 
 # -- responses (documentation: frontend.http.anthropic.format builds them) ---------------
 
 
-class OutTextBlock(Struct, kw_only=True):
-    type: Literal["text"]
+class OutTextBlock(Struct, kw_only=True, tag_field="type", tag="text"):
     text: str
 
 
-class OutThinkingBlock(Struct, kw_only=True):
-    type: Literal["thinking"]
+class OutThinkingBlock(Struct, kw_only=True, tag_field="type", tag="thinking"):
     thinking: str
     signature: str
 
 
-class OutToolUseBlock(Struct, kw_only=True):
-    type: Literal["tool_use"]
+class OutToolUseBlock(Struct, kw_only=True, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
@@ -307,5 +304,7 @@ class PingEvent(Struct, kw_only=True, tag_field="type", tag="ping"):
 
 
 #: One event of a Messages stream (its SSE ``event:`` line names its ``type``).
-StreamEvent = (MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent
-               | ContentBlockStopEvent | MessageDeltaEvent | MessageStopEvent | PingEvent)  # fmt: skip
+StreamEvent = (
+    MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+    | MessageDeltaEvent | MessageStopEvent | PingEvent
+)
