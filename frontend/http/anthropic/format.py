@@ -79,8 +79,9 @@ class MessagesFormat(ResponseFormat[Delta]):
 
     DONE = b""  # an Anthropic stream ends with message_stop
 
-    def __init__(self, prep: Prepared[ParsedRequest], *, max_tool_calls: int | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(self, prep: Prepared[ParsedRequest], *, max_tool_calls: int | None = None,
+                 show_thinking: bool = True) -> None:  # fmt: skip
+        self.show_thinking = show_thinking
         self.id = MESSAGE_PREFIX + prep.request_id
         self.model = prep.parsed.model
         self.prompt_tokens = len(prep.prompt_ids)
@@ -108,7 +109,8 @@ class MessagesFormat(ResponseFormat[Delta]):
     def unary(self, deltas: list[Delta]) -> bytes:
         for d in deltas:
             self.tracker.feed(d)
-        content = [_whole(b) for b in self.tracker.blocks] or [{"type": "text", "text": ""}]
+        content = [self._whole(b) for b in self.tracker.blocks] or [{"type": "text",
+                                                                     "text": ""}]
         return orjson.dumps(self._message(content, deltas[-1], done=True))
 
     # -- stream ------------------------------------------------------------------------
@@ -127,7 +129,7 @@ class MessagesFormat(ResponseFormat[Delta]):
             if not self.tracker.blocks:  # the empty answer's one empty text block
                 empty = Block(0, "text", closed=True)
                 events += [Opened(empty), Closed(empty)]
-        out += b"".join(map(_event, events))
+        out += b"".join(map(self._event, events))
         if delta.finish_reason is not None:
             out += sse("message_delta", {
                 "type": "message_delta",
@@ -145,14 +147,20 @@ class MessagesFormat(ResponseFormat[Delta]):
         return sse("error", anthropic_error_body(err))
 
 
-def _whole(block: Block) -> dict[str, Any]:
-    """A block of a unary Message."""
-    if block.kind == "reasoning":
-        return {"type": "thinking", "thinking": block.text, "signature": ""}
-    if block.kind == "text":
-        return {"type": "text", "text": block.text}
-    return {"type": "tool_use", "id": block.call_id, "name": block.name,
-            "input": tool_input(block)}  # fmt: skip
+    def _whole(self, block: Block) -> dict[str, Any]:
+        """A block of a unary Message."""
+        if block.kind == "reasoning":
+            text = block.text if self.show_thinking else ""
+            return {"type": "thinking", "thinking": text, "signature": ""}
+        if block.kind == "text":
+            return {"type": "text", "text": block.text}
+        return {"type": "tool_use", "id": block.call_id, "name": block.name,
+                "input": tool_input(block)}  # fmt: skip
+
+    def _event(self, e: Event) -> bytes:
+        if isinstance(e, Added) and e.block.kind == "reasoning" and not self.show_thinking:
+            return b""
+        return _event(e)
 
 
 def _event(e: Event) -> bytes:

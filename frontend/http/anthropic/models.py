@@ -125,11 +125,15 @@ class _Thinking(Struct, kw_only=True, tag_field="type"):
     pass
 
 
+Display = Annotated[Literal["summarized", "omitted"], Meta(description=(
+    "omitted: thinking blocks come without their text"))]  # fmt: skip
+
+
 class ThinkingEnabled(_Thinking, kw_only=True, tag="enabled"):
     budget_tokens: Annotated[int, Meta(ge=1024, description=(
         "at least 1024 and below max_tokens, as Anthropic requires; max_tokens bounds "
         "the reasoning and the answer together"))]  # fmt: skip
-    display: str | None = None
+    display: Display | None = None
 
 
 class ThinkingDisabled(_Thinking, kw_only=True, tag="disabled"):
@@ -137,10 +141,16 @@ class ThinkingDisabled(_Thinking, kw_only=True, tag="disabled"):
 
 
 class ThinkingAdaptive(_Thinking, kw_only=True, tag="adaptive"):
-    display: str | None = None
+    display: Display | None = None
 
 
-Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
+class ThinkingBetweenTools(_Thinking, kw_only=True, tag="between_tools"):
+    """Thinking mode on: DeepSeek-V4 reasons at every turn, between tool calls too."""
+
+    display: Display | None = None
+
+
+Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | ThinkingBetweenTools
 
 Effort = Literal["low", "medium", "high", "xhigh", "max"]
 

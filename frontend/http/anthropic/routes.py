@@ -43,7 +43,8 @@ def add_messages_routes(app: QuartTrio, api: ApiContext) -> None:
         out = translate(req, api.limits)
         return await api.serve(
             "messages", out.parsed.stream, partial(pipeline.preprocess, out.parsed),
-            pipeline.generate, partial(MessagesFormat, max_tool_calls=out.max_tool_calls),
+            pipeline.generate, partial(MessagesFormat, max_tool_calls=out.max_tool_calls,
+                                       show_thinking=out.show_thinking),
         )  # fmt: skip
 
     @app.post(COUNT_TOKENS_PATH)

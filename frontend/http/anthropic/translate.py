@@ -16,8 +16,9 @@ The mapping (docs/api.md, "Anthropic Messages", has the whole table):
 - ``tools`` are function tools with ``input_schema`` as their parameters;
   ``tool_choice`` ``auto``/``any``/``tool``/``none`` is OpenAI's ``auto``/``required``/
   a named function/``none``; ``disable_parallel_tool_use`` keeps the first call only.
-- ``thinking`` ``enabled`` or ``adaptive`` turns the template's thinking mode on
-  (``chat_template_kwargs.thinking``), ``disabled`` off; ``output_config.effort`` is
+- ``thinking`` ``enabled``, ``adaptive`` or ``between_tools`` turns the template's
+  thinking mode on (``chat_template_kwargs.thinking``), ``disabled`` off (``display:
+  omitted`` leaves the thinking blocks' text out of the answer); ``output_config.effort`` is
   the template's ``reasoning_effort`` (DeepSeek-V4: ``max``/``xhigh`` ask for its
   maximum effort).
 - ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``metadata.user_id``
@@ -44,8 +45,8 @@ from frontend.http.anthropic.models import (
     MessagesRequest,
     RedactedThinkingBlock,
     TextBlock,
-    ThinkingAdaptive,
     ThinkingBlock,
+    ThinkingDisabled,
     ThinkingEnabled,
     ToolChoice,
     ToolChoiceAny,
@@ -69,6 +70,7 @@ class Translated:
 
     parsed: ParsedRequest
     max_tool_calls: int | None  # 1 with disable_parallel_tool_use
+    show_thinking: bool  # False with thinking.display "omitted"
 
 
 def translate(req: Conversation, limits: RequestLimits) -> Translated:
@@ -83,7 +85,7 @@ def translate(req: Conversation, limits: RequestLimits) -> Translated:
     tool_choice, max_calls = _tool_choice(req.tool_choice, tools)
     kwargs: dict[str, Any] = {}
     if req.thinking is not None:
-        kwargs["thinking"] = isinstance(req.thinking, ThinkingEnabled | ThinkingAdaptive)
+        kwargs["thinking"] = not isinstance(req.thinking, ThinkingDisabled)
     output = req.output_config
     if output is not None and output.format is not None:
         raise bad_request("output_config.format (structured outputs) is not supported by this "
@@ -98,7 +100,8 @@ def translate(req: Conversation, limits: RequestLimits) -> Translated:
         endpoint="chat", model=req.model, messages=messages, tools=tools,
         tool_choice=tool_choice, chat_template_kwargs=kwargs, **fields,
     )  # fmt: skip
-    return Translated(parsed, max_calls)
+    display = getattr(req.thinking, "display", None)
+    return Translated(parsed, max_calls, show_thinking=display != "omitted")
 
 
 def _generation(req: MessagesRequest, limits: RequestLimits) -> dict[str, Any]:
