@@ -28,6 +28,7 @@ from frontend.http.group import GroupRelay
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
+from frontend.http.responses_api.store import ResponseStore
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
 from frontend.metrics import FrontendMetrics
@@ -146,6 +147,7 @@ class Frontend:
             self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
             admission=self.admission, limits=config.limits,
             api_keys=bool(config.api_keys or config.api_keys_file),
+            responses_store=ResponseStore(config.responses_store),
         )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router

@@ -27,7 +27,8 @@ CHAT = [{"role": "user", "content": "Write a haiku about rivers."}]
 PUBLIC = {
     "/v1/chat/completions": "post", "/v1/completions": "post",
     "/inference/v1/generate": "post", "/tokenize": "post", "/detokenize": "post",
-    "/v1/messages": "post", "/v1/messages/count_tokens": "post",
+    "/v1/messages": "post", "/v1/messages/count_tokens": "post", "/v1/responses": "post",
+    "/v1/responses/{response_id}": "get",
     "/v1/models": "get", "/v1/models/{model_id}": "get",
     "/health": "get", "/live": "get",
 }  # fmt: skip

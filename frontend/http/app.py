@@ -59,6 +59,8 @@ from frontend.http.responses import (
     TokenFormat,
     json_response,
 )
+from frontend.http.responses_api.routes import RESPONSES_PATH, add_responses_routes
+from frontend.http.responses_api.store import ResponseStore
 from frontend.http.routing import use_memo_matcher
 from frontend.http.schema import parse_generate_request, parse_request
 from frontend.http.tokenize import TOKENIZE_PATHS, add_tokenize_routes
@@ -75,7 +77,7 @@ GENERATE_PATH = "/inference/v1/generate"  # the token-in API
 #: The routes admission control guards: those that generate, and those that take the
 #: tokenizer pool's time without generating (``/tokenize``, ``count_tokens``).
 ADMITTED_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH, *TOKENIZE_PATHS,
-                            *MESSAGES_PATHS})  # fmt: skip
+                            *MESSAGES_PATHS, RESPONSES_PATH})  # fmt: skip
 
 
 def error_response(err: ApiError, path: str) -> Response:
@@ -94,12 +96,15 @@ def create_app(
     admission: Admission,
     limits: RequestLimits | None = None,
     api_keys: bool = False,
+    responses_store: ResponseStore | None = None,
 ) -> QuartTrio:
     """Build the app. The caller owns *pipeline* and serves the app with hypercorn,
     behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*
     (which this app reads for ``/health``), and behind
     :class:`~frontend.http.auth.RequireApiKey` if *api_keys* (which ``/openapi.json``
-    then declares). *limits* default to :class:`~frontend.limits.RequestLimits`'s."""
+    then declares). *limits* default to :class:`~frontend.limits.RequestLimits`'s;
+    *responses_store* keeps the Responses API's stored responses (default: a store of
+    the default bounds)."""
     lim = limits or RequestLimits()
     # The models the routes validate with, read once: the document describes these.
     bodies = dict(REQUEST_MODELS)
@@ -330,6 +335,7 @@ def create_app(
     api = ApiContext(pipeline, lim, bodies, metrics, _serve, _parse)
     add_tokenize_routes(app, api)
     add_messages_routes(app, api)
+    add_responses_routes(app, api, responses_store or ResponseStore())
     return app
 
 

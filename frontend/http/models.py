@@ -38,6 +38,7 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct
 
 from frontend.http.anthropic import models as anthropic
+from frontend.http.responses_api import models as responses_api
 
 # -- shared pieces ------------------------------------------------------------------------
 
@@ -255,6 +256,7 @@ REQUEST_MODELS: dict[str, type[Struct]] = {
     "detokenize": DetokenizeRequest,
     "messages": anthropic.MessagesRequest,
     "count_tokens": anthropic.CountTokensRequest,
+    "responses": responses_api.ResponsesRequest,
 }
 
 

@@ -25,6 +25,7 @@ import orjson
 
 from frontend.http import models as m
 from frontend.http.anthropic import models as am
+from frontend.http.responses_api import models as rm
 from frontend.limits import RequestLimits
 
 OPENAPI_PATH = "/openapi.json"
@@ -35,7 +36,7 @@ ERROR_STATUSES: Mapping[int, str] = {
     400: "Invalid request: malformed JSON, a wrong type or value, a missing field, or over "
          "a request limit (its `code` says which kind, its `param` which field)",
     401: "Missing or wrong API key",
-    404: "Unknown model",
+    404: "Unknown model (or, for a stored response, an unknown or evicted id)",
     413: "Request body over the server's --max-body-bytes",
     415: "Content-Type is not application/json",
     429: "The frontend serves its --max-inflight requests already; retry after Retry-After",
@@ -96,6 +97,15 @@ OPERATIONS: tuple[Operation, ...] = (
               "The prompt tokens of a Messages request (Anthropic's API)",
               am.CountTokensResponse, _ANTHROPIC_ERRORS, "count_tokens",
               error_body=am.AnthropicErrorResponse),
+    Operation("post", "/v1/responses", "createResponse",
+              "A response, unary or streamed (OpenAI's Responses API)", rm.Response,
+              _GENERATION_ERRORS, "responses", rm.ResponsesStreamEvent, sse_done=False),
+    Operation("get", "/v1/responses/{response_id}", "getResponse",
+              "A stored response (this process's store)", rm.Response, (404, 500),
+              path_params=("response_id",)),
+    Operation("delete", "/v1/responses/{response_id}", "deleteResponse",
+              "Forget a stored response", rm.DeletedResponse, (404, 500),
+              path_params=("response_id",)),
     Operation("get", "/v1/models", "listModels", "The served model", m.ModelList),
     Operation("get", "/v1/models/{model_id}", "retrieveModel", "One model by name",
               m.ModelCard, (404, 500), path_params=("model_id",)),

@@ -1,0 +1,309 @@
+"""The Responses API's bodies, as OpenAI documents them: what ``POST /v1/responses``
+validates with, and what ``/openapi.json`` publishes.
+
+As :mod:`frontend.http.models`: msgspec Structs, strict about types, lenient about
+unknown fields. Input items and content parts are tagged by ``type``; a message item
+may leave its ``type`` out (OpenAI's "easy" input message), which the route fills in
+before validation (:func:`frontend.http.responses_api.translate.normalize`). Items,
+parts and tools of kinds headwater cannot serve (images, files, hosted tools) validate
+and are refused by the translation with a message that says why, or fail validation
+naming the field.
+
+Names start with ``Responses`` or ``Out`` where other models have the same noun.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+# -- request: content parts and input items ------------------------------------------------
+
+
+class _Part(Struct, kw_only=True, tag_field="type"):
+    pass
+
+
+class InputText(_Part, kw_only=True, tag="input_text"):
+    text: str
+
+
+class InputImage(_Part, kw_only=True, tag="input_image"):
+    """Refused: no multimodal engine."""
+
+    image_url: str | None = None
+    file_id: str | None = None
+
+
+class InputFile(_Part, kw_only=True, tag="input_file"):
+    """Refused: no file engine."""
+
+    file_id: str | None = None
+    file_data: str | None = None
+
+
+class OutputText(_Part, kw_only=True, tag="output_text"):
+    """An earlier answer's text, sent back in an assistant message."""
+
+    text: str
+    annotations: list[Any] | None = None
+
+
+class Refusal(_Part, kw_only=True, tag="refusal"):
+    refusal: str
+
+
+InputContent = InputText | InputImage | InputFile | OutputText | Refusal
+
+
+class _Item(Struct, kw_only=True, tag_field="type"):
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageItem(_Item, kw_only=True, tag="message"):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputContent]
+
+
+class FunctionCallItem(_Item, kw_only=True, tag="function_call"):
+    """A call an earlier answer made."""
+
+    call_id: NonEmpty
+    name: NonEmpty
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item, kw_only=True, tag="function_call_output"):
+    """A call's result, for ``call_id``."""
+
+    call_id: NonEmpty
+    output: str | list[InputContent]
+
+
+class SummaryText(Struct, kw_only=True, tag_field="type", tag="summary_text"):
+    text: str
+
+
+class ReasoningText(Struct, kw_only=True, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningItem(_Item, kw_only=True, tag="reasoning"):
+    """An earlier answer's reasoning: its ``content`` (or, from headwater, its
+    ``encrypted_content``) is rendered back into the prompt."""
+
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+
+class ItemReference(_Item, kw_only=True, tag="item_reference"):
+    """Refused: send the item itself, or previous_response_id."""
+
+
+InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+             | ItemReference)  # fmt: skip
+
+
+# -- request: tools and options ---------------------------------------------------------------
+
+
+class FunctionTool(Struct, kw_only=True, tag_field="type", tag="function"):
+    """A function the model may call (the only kind of tool served: hosted tools such
+    as ``web_search`` fail validation)."""
+
+    name: NonEmpty
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(Struct, kw_only=True, tag_field="type", tag="function"):
+    name: NonEmpty
+
+
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class ReasoningOptions(Struct, kw_only=True):
+    effort: Annotated[Effort, Meta(description=(
+        "none: DeepSeek-V4's chat mode; minimal to high: its thinking mode; xhigh and "
+        "max: thinking at its maximum effort"))] | None = None  # fmt: skip
+    summary: Annotated[str, Meta(description=(
+        "accepted: the reasoning comes whole, as reasoning_text content, not summarized"
+    ))] | None = None  # fmt: skip
+    generate_summary: str | None = None
+
+
+class TextFormat(Struct, kw_only=True):
+    type: Annotated[Literal["text", "json_object", "json_schema"], Meta(description=(
+        "text; json_object and json_schema are refused: no engine here constrains its "
+        "output"))]  # fmt: skip
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextOptions(Struct, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    """The body of ``POST /v1/responses``. Fields not listed are ignored."""
+
+    model: Annotated[str, Meta(min_length=1, description="the served model's name")]
+    input: Annotated[str | list[InputItem], Meta(description=(
+        "a user message's text, or items: messages, function calls and their outputs, "
+        "reasoning"))]  # fmt: skip
+    instructions: str | None = None
+    previous_response_id: NonEmpty | None = None
+    store: Annotated[bool, Meta(description=(
+        "keep the response for previous_response_id and GET (true, as OpenAI's)"
+    ))] | None = None  # fmt: skip
+    stream: bool | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: Annotated[int, Meta(ge=1)] | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    reasoning: ReasoningOptions | None = None
+    text: TextOptions | None = None
+    include: list[str] | None = None
+    truncation: Annotated[Literal["disabled", "auto"], Meta(description=(
+        "disabled; auto is refused (a prompt over the context is a 400)"))] | None = None
+    background: Annotated[bool, Meta(description="not supported: only false")] | None = None
+    top_logprobs: Annotated[int, Meta(description="not supported: only null or 0")
+                            ] | None = None  # fmt: skip
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+# -- responses (documentation: frontend.http.responses_api.format builds them) -------------
+
+
+class OutReasoningItem(Struct, kw_only=True, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[SummaryText]
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+    encrypted_content: str | None = None
+
+
+class OutOutputText(Struct, kw_only=True, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutMessage(Struct, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutOutputText]
+
+
+class OutFunctionCall(Struct, kw_only=True, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutReasoningItem | OutMessage | OutFunctionCall
+
+
+class InputTokensDetails(Struct, kw_only=True):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(Struct, kw_only=True):
+    reasoning_tokens: Annotated[int, Meta(description=(
+        "tokens generated up to the reasoning's end (its closing tag included)"))]
+
+
+class ResponsesUsage(Struct, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(Struct, kw_only=True):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(Struct, kw_only=True):
+    code: str
+    message: str
+
+
+class Response(Struct, kw_only=True):
+    """A response: what ``POST /v1/responses`` answers (unary), ``GET`` returns, and
+    the lifecycle events of a stream carry."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    max_tool_calls: int | None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: dict[str, Any]
+    store: bool
+    temperature: float
+    text: dict[str, Any]
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    top_p: float
+    truncation: Literal["disabled"]
+    usage: ResponsesUsage | None
+    user: str | None
+    metadata: dict[str, str]
+
+
+class DeletedResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
+
+
+class ResponsesStreamEvent(Struct, kw_only=True):
+    """One event of a Responses stream (its SSE ``event:`` line names its ``type``):
+    ``response.created``, ``response.in_progress``, ``response.output_item.added``,
+    ``response.content_part.added``, ``response.output_text.delta``,
+    ``response.reasoning_text.delta``, ``response.function_call_arguments.delta``, their
+    ``.done`` events, ``response.output_item.done``, then ``response.completed`` (or
+    ``response.incomplete``; ``error`` and ``response.failed`` for a failure)."""
+
+    type: str
+    sequence_number: int
+    response: Response | None = None
+    output_index: int | None = None
+    item: OutputItem | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    part: OutOutputText | ReasoningText | None = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+    name: str | None = None
+    logprobs: list[Any] | None = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
