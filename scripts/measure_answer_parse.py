@@ -24,9 +24,10 @@ from frontend.preprocess.tokenizer import Tokenizer
 from scripts.bench.prompts import WORDS
 
 D = "｜DSML｜"
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object",
-          "properties": {"path": {"type": "string"}, "content": {"type": "string"},
-                         "lines": {"type": "array"}}}}} for n in ("read", "write", "grep")]  # fmt: skip
+PROPERTIES = {"path": {"type": "string"}, "content": {"type": "string"},
+              "lines": {"type": "array"}}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {
+    "type": "object", "properties": PROPERTIES}}} for n in ("read", "write", "grep")]
 
 
 def answer(rng: random.Random, reasoning_words: int) -> str:

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from tests.frontend_fixture import sse_events, start_frontend
-from tests.parser_corpus import BLOCK, BLOCK_END, D, TOOLS, invoke, param
+from tests.parser_corpus import BLOCK, BLOCK_END, TOOLS, D, invoke, param
 from workers.engines.scripted import ScriptedConfig
 
 CALL = "Let me look.\n\n" + BLOCK + "\n" + invoke("get_weather", [
@@ -79,10 +79,12 @@ async def test_a_stream_says_the_same_in_openais_incremental_shape(
         for step in delta.get("tool_calls", []):
             if "id" in step:  # a call's first step: index, id, type and name
                 assert step["index"] not in calls
-                assert step["type"] == "function" and step["function"]["name"]
+                assert step["type"] == "function"
+                assert step["function"]["name"]
                 calls[step["index"]] = {"name": step["function"]["name"], "arguments": ""}
             calls[step["index"]]["arguments"] += step["function"]["arguments"]
-        assert D not in (delta.get("content") or "") and "<think>" not in content
+        assert D not in (delta.get("content") or "")
+        assert "<think>" not in content
     message = unary["choices"][0]["message"]
     assert (reasoning, content) == (message["reasoning_content"], message["content"])
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
@@ -150,7 +152,8 @@ async def test_the_reasoning_field_and_the_parsers_are_options(
         assert "reasoning_content" not in message
         r = await client.post(raw + "/v1/chat/completions", json=chat("WEATHER-Q"))
         message = r.json()["choices"][0]["message"]
-        assert message["content"] == THOUGHT + CALL and "tool_calls" not in message
+        assert message["content"] == THOUGHT + CALL
+        assert "tool_calls" not in message
 
 
 async def test_completions_stay_raw(nursery: trio.Nursery, tmp_path: Path) -> None:
