@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from frontend.http.anthropic.models import (
@@ -202,14 +203,11 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
-def _unsupported(block: Any, where: str, container: str) -> ApiError:
-    kind = getattr(block, "type", None) or type(block).__name__
+def _unsupported(block: msgspec.Struct, where: str, container: str) -> ApiError:
+    kind = block.__struct_config__.tag  # the block's "type"
     if isinstance(block, ImageBlock | DocumentBlock):
-        kind = "image" if isinstance(block, ImageBlock) else "document"
         why = "this server serves a text-only model (no multimodal engine)"
     else:
-        kind = {ToolUseBlock: "tool_use", ToolResultBlock: "tool_result",
-                ThinkingBlock: "thinking"}.get(type(block), kind)  # fmt: skip
         why = f"it does not belong in {container}"
     return bad_request(f"{where}: a '{kind}' block is not supported here: {why}", "messages")
 

@@ -50,7 +50,8 @@ OnDone = Callable[[str, bytes, dict[str, Any]], None]
 
 
 def sse(data: dict[str, Any]) -> bytes:
-    return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    kind: str = data["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 class ResponsesFormat(ResponseFormat[Delta]):
@@ -218,7 +219,7 @@ class ResponsesFormat(ResponseFormat[Delta]):
             part = item["content"][0]
             done = ("response.output_text.done" if block.kind == "text"
                     else "response.reasoning_text.done")  # fmt: skip
-            extra = {"logprobs": []} if block.kind == "text" else {}
+            extra: dict[str, Any] = {"logprobs": []} if block.kind == "text" else {}
             out = self._sse({"type": done, **where, "content_index": 0, "text": block.text,
                              **extra})  # fmt: skip
             out += self._sse({"type": "response.content_part.done", **where,
