@@ -133,6 +133,9 @@ def openapi_document(
     types += [op.response for op in operations]
     types += [op.stream_event for op in operations if op.stream_event]
     _, schemas = msgspec.json.schema_components(types, ref_template=_REF)
+    for cls in rm.TAG_OPTIONAL:  # (a message item's `type`: the route fills it in)
+        if (component := schemas.get(cls.__name__)) is not None:
+            component["required"].remove(cls.__struct_config__.tag_field)
     for model in bodies.values():
         schema = schemas[model.__name__]
         _write_limits(schemas, schema, limits, context_length)

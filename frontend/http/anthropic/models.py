@@ -166,7 +166,16 @@ class Metadata(Struct, kw_only=True):
     user_id: str | None = None
 
 
-System = str | list[TextBlock]
+class SystemBlock(Struct, kw_only=True):
+    """A text block of ``system`` (its ``type`` required: a lone tagged Struct would
+    take a block without one)."""
+
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+
+
+System = str | list[SystemBlock]
 
 
 # -- requests -----------------------------------------------------------------------------

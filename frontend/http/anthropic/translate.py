@@ -45,6 +45,7 @@ from frontend.http.anthropic.models import (
     ImageBlock,
     MessagesRequest,
     RedactedThinkingBlock,
+    SystemBlock,
     TextBlock,
     ThinkingBlock,
     ThinkingDisabled,
@@ -129,7 +130,7 @@ def _generation(req: MessagesRequest, limits: RequestLimits) -> dict[str, Any]:
     }
 
 
-def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
+def _system(system: str | list[SystemBlock] | None) -> list[dict[str, Any]]:
     if system is None:
         return []
     if isinstance(system, str):

@@ -65,8 +65,15 @@ class _Item(Struct, kw_only=True, tag_field="type"):
 
 
 class MessageItem(_Item, kw_only=True, tag="message"):
+    """A message; its ``type`` may be left out (OpenAI's "easy" input message)."""
+
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputContent]
+
+
+#: Tagged Structs whose ``type`` a client may leave out (the route fills it in before
+#: validation); ``/openapi.json`` does not require it of them.
+TAG_OPTIONAL: tuple[type[Struct], ...] = (MessageItem,)
 
 
 class FunctionCallItem(_Item, kw_only=True, tag="function_call"):
@@ -84,11 +91,17 @@ class FunctionCallOutputItem(_Item, kw_only=True, tag="function_call_output"):
     output: str | list[InputContent]
 
 
-class SummaryText(Struct, kw_only=True, tag_field="type", tag="summary_text"):
+# Structs that are never in a union with another Struct have a required ``type`` field
+# rather than a tag: msgspec takes a lone tagged Struct without its tag.
+
+
+class SummaryText(Struct, kw_only=True):
+    type: Literal["summary_text"]
     text: str
 
 
-class ReasoningText(Struct, kw_only=True, tag_field="type", tag="reasoning_text"):
+class ReasoningText(Struct, kw_only=True):
+    type: Literal["reasoning_text"]
     text: str
 
 
@@ -112,17 +125,19 @@ InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | Reasoning
 # -- request: tools and options ---------------------------------------------------------------
 
 
-class FunctionTool(Struct, kw_only=True, tag_field="type", tag="function"):
+class FunctionTool(Struct, kw_only=True):
     """A function the model may call (the only kind of tool served: hosted tools such
     as ``web_search`` fail validation)."""
 
+    type: Literal["function"]
     name: NonEmpty
     parameters: dict[str, Any] | None = None
     description: str | None = None
     strict: bool | None = None
 
 
-class ToolChoiceFunction(Struct, kw_only=True, tag_field="type", tag="function"):
+class ToolChoiceFunction(Struct, kw_only=True):
+    type: Literal["function"]
     name: NonEmpty
 
 
@@ -298,7 +313,7 @@ class ResponsesStreamEvent(Struct, kw_only=True):
     item: OutputItem | None = None
     item_id: str | None = None
     content_index: int | None = None
-    part: OutOutputText | ReasoningText | None = None
+    part: dict[str, Any] | None = None  # an empty output_text or reasoning_text part
     delta: str | None = None
     text: str | None = None
     arguments: str | None = None
