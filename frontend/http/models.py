@@ -33,7 +33,7 @@ document states as ``maxItems``, ``maximum`` and so on from the same config.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
@@ -219,6 +219,9 @@ class TokenizeRequest(Struct, kw_only=True):
     """The body of ``POST /tokenize``: a ``prompt`` (vLLM's ``TokenizeCompletionRequest``)
     or chat ``messages`` (its ``TokenizeChatRequest``, the chat template applied), one of
     the two. Fields not listed are ignored."""
+
+    #: Exactly one of these fields is given (not null): /openapi.json says so.
+    one_of: ClassVar[tuple[str, ...]] = ("prompt", "messages")
 
     model: NonEmptyStr | None = None
     prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")] | None = None

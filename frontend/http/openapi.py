@@ -139,6 +139,13 @@ def openapi_document(
     for model in bodies.values():
         schema = schemas[model.__name__]
         _write_limits(schemas, schema, limits, context_length)
+        if one_of := getattr(model, "one_of", ()):  # exactly one of these fields, not null
+            schema["anyOf"] = [
+                {"required": [name], "properties": {
+                    other: {"not": {"type": "null"}} if other == name else {"type": "null"}
+                    for other in one_of}}
+                for name in one_of
+            ]  # fmt: skip
         if model_name is not None and "model" in schema.get("properties", {}):
             _bound(schema["properties"]["model"], string={"enum": [model_name]})
 
