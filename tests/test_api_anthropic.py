@@ -17,7 +17,6 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema_rs
-import msgspec
 import pytest
 import trio
 from parser_corpus import BLOCK, BLOCK_END, invoke, param
@@ -27,6 +26,7 @@ from frontend.http.anthropic.format import MessagesFormat
 from frontend.http.anthropic.models import MessagesRequest
 from frontend.http.anthropic.translate import translate
 from frontend.http.errors import ApiError
+from frontend.http.schema import decode
 from frontend.limits import RequestLimits
 from frontend.pipeline import Delta, Prepared
 from frontend.postprocess.parsers import ToolCallDelta
@@ -239,7 +239,7 @@ async def test_a_tool_use_loop_with_thinking_through_the_sdk(
         # The rendered history holds the call and its result, in DeepSeek-V4's terms.
         counted = await c.messages.count_tokens(model=MODEL, messages=history,
                                                 tools=[WEATHER_TOOL], thinking=ask["thinking"])
-        prompt = fe.template.render(translate(msgspec.convert(
+        prompt = fe.template.render(translate(decode(
             {**ask, "messages": history}, MessagesRequest), RequestLimits()).parsed.messages,
             tools=[{"type": "function", "function": {"name": "get_weather", "description":
                     WEATHER_TOOL["description"], "parameters": WEATHER_TOOL["input_schema"]}}],
@@ -455,7 +455,7 @@ def test_tool_use_and_tool_result_blocks_become_the_templates_calls_and_results(
         ]},
     ], "tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}, "stop_sequences": ["END"],
         "temperature": 0.5, "top_p": 0.9, "metadata": {"user_id": "u"}}  # fmt: skip
-    out = translate(msgspec.convert(body, MessagesRequest), RequestLimits())
+    out = translate(decode(body, MessagesRequest), RequestLimits())
     p = out.parsed
     assert p.messages == [
         {"role": "system", "content": "Be brief."},
@@ -489,7 +489,7 @@ def test_tool_use_and_tool_result_blocks_become_the_templates_calls_and_results(
 def test_limits_apply_to_the_translated_conversation() -> None:
     ok = {"model": MODEL, "max_tokens": 10, "messages": user("hi")}
     with pytest.raises(LimitExceeded, match="max_tokens"):
-        translate(msgspec.convert({**ok, "max_tokens": 100}, MessagesRequest),
+        translate(decode({**ok, "max_tokens": 100}, MessagesRequest),
                   RequestLimits(max_tokens_cap=50))  # fmt: skip
     limited = RequestLimits(max_messages=1, max_prompt_chars=10, max_stop_strings=1)
     for body, field, limit in (
@@ -498,7 +498,7 @@ def test_limits_apply_to_the_translated_conversation() -> None:
         ({**ok, "stop_sequences": ["a", "b"]}, "stop_sequences", "max_stop_strings"),
     ):
         with pytest.raises(LimitExceeded) as e:
-            translate(msgspec.convert(body, MessagesRequest), limited)
+            translate(decode(body, MessagesRequest), limited)
         assert (e.value.param, e.value.limit) == (field, limit)
 
 

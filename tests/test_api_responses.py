@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import jsonschema_rs
-import msgspec
 import openai
 import pytest
 import trio
@@ -24,9 +23,10 @@ from parser_corpus import BLOCK, BLOCK_END, invoke, param
 
 from frontend.http.errors import ApiError
 from frontend.http.responses_api.format import ResponsesFormat
-from frontend.http.responses_api.models import ResponsesRequest
+from frontend.http.responses_api.models import ResponsesWire
 from frontend.http.responses_api.store import ChainBroken, ResponseStore, StoreConfig
-from frontend.http.responses_api.translate import decrypt, encrypt, normalize, translate
+from frontend.http.responses_api.translate import decrypt, encrypt, translate
+from frontend.http.schema import decode
 from frontend.limits import RequestLimits
 from frontend.pipeline import Delta, Prepared
 from frontend.postprocess.parsers import ToolCallDelta
@@ -376,7 +376,7 @@ async def test_what_cannot_be_honoured_is_refused_the_openai_way(
 
 
 def test_input_items_become_the_templates_conversation() -> None:
-    body = normalize({"model": MODEL, "instructions": "Be brief.", "input": [
+    body = ({"model": MODEL, "instructions": "Be brief.", "input": [
         {"role": "developer", "content": "Use tools."},
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
                                      {"type": "input_text", "text": "Paris?"}]},
@@ -393,7 +393,7 @@ def test_input_items_become_the_templates_conversation() -> None:
         {"role": "user", "content": "Thanks"},
     ], "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"},
         "max_output_tokens": 50, "temperature": 0.2})  # fmt: skip
-    out = translate(msgspec.convert(body, ResponsesRequest), RequestLimits(), ResponseStore())
+    out = translate(decode(body, ResponsesWire), RequestLimits(), ResponseStore())
     assert out.parsed.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "developer", "content": "Use tools."},

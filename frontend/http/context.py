@@ -2,7 +2,8 @@
 every generation request is served.
 
 The app (:mod:`frontend.http.app`) owns the request path's common parts: reading a JSON
-body, the deadline, the metrics, errors before and after a stream started (``_serve``).
+body (bounded as it arrives), the deadline, the metrics, errors before and after a
+stream started (``_serve``).
 The route families that translate another API onto the pipeline (``/tokenize``,
 Anthropic's Messages, OpenAI's Responses) take them from an :class:`ApiContext`, so that
 each family is only its own schema, translation and response format.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import trio
@@ -52,8 +53,9 @@ class ApiContext:
     models: Mapping[str, type[msgspec.Struct]]
     metrics: FrontendMetrics
     serve: Serve
-    #: The request's JSON body, decoded (415 if it is not JSON, 400 if malformed).
-    read_json: Callable[[], Awaitable[Any]]
+    #: The request's JSON body as it arrived (415 if it is not JSON), its values counted
+    #: (``--max-json-values``): decode it with :func:`frontend.http.schema.decode`.
+    read_body: Callable[[], Awaitable[bytes]]
 
     async def answer(self, endpoint: str, work: Callable[[], Awaitable[Response]]) -> Response:
         """Run *work*, a request that does not generate (tokenize, count tokens), before

@@ -8,8 +8,8 @@ The ids are exactly those a chat or completions request with the same body would
 to the workers: the same template and the same encode, in the tokenizer pool
 (:meth:`~frontend.pipeline.Pipeline.encode_prompt`), never on the loop for a long text.
 
-Same limits as the other routes (the body size, ``--max-messages``,
-``--max-prompt-chars``, the deadline), the same API keys and admission control. A
+Same limits as the other routes (the body size and its JSON values, ``--max-messages``,
+``--max-prompt-chars``, ``--max-tools``, the deadline), the same API keys and admission control. A
 prompt longer than the context is counted, not refused: telling its length is the
 point. What vLLM's routes take and headwater cannot do (``chat_template`` from the
 request, ``continue_final_message``) is refused with a 400 naming the field.
@@ -18,7 +18,7 @@ request, ``continue_final_message``) is refused with a 400 naming the field.
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import cast
 
 import tokenizers
 import trio
@@ -29,7 +29,7 @@ from frontend.http.context import ApiContext
 from frontend.http.errors import bad_request
 from frontend.http.models import DetokenizeRequest, TokenizeRequest
 from frontend.http.responses import json_response
-from frontend.http.schema import convert_body, message_chars
+from frontend.http.schema import chat_text, decode
 from frontend.request import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,12 @@ def special_affixes(hf: tokenizers.Tokenizer) -> tuple[list[int], list[int]]:
     return [], []
 
 
-def parse_tokenize(body: Any, api: ApiContext) -> tuple[ParsedRequest | None, TokenizeRequest]:
+def parse_tokenize(body: bytes, api: ApiContext) -> tuple[ParsedRequest | None, TokenizeRequest]:
     """The chat or completions request whose prompt ``/tokenize`` encodes (None for an
-    empty prompt: no ids), and the validated body. Raises ApiError (400) or
-    LimitExceeded."""
-    req = cast(TokenizeRequest, convert_body(body, api.models["tokenize"]))
+    empty prompt: no ids), and the validated body. The messages, tools and template
+    kwargs are read, counted and bounded as a chat request's
+    (:func:`~frontend.http.schema.chat_text`). Raises ApiError (400) or LimitExceeded."""
+    req = cast(TokenizeRequest, decode(body, api.models["tokenize"]))
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send either 'prompt' or 'messages'",
                           "messages" if req.messages is not None else "prompt")  # fmt: skip
@@ -74,19 +75,18 @@ def parse_tokenize(body: Any, api: ApiContext) -> tuple[ParsedRequest | None, To
     model = req.model or api.pipeline.model_name
     if req.messages is not None:
         api.limits.check_messages(len(req.messages))
-        api.limits.check_prompt_chars(message_chars(req.messages), "messages")
-        add_generation_prompt = req.add_generation_prompt is not False
-        # The client's own dicts, as a chat request's: a template may read any field.
+        messages, tools, kwargs, chars = chat_text(req, api.limits)
         return ParsedRequest(
-            endpoint="chat", model=model, messages=body["messages"], tools=body.get("tools"),
-            chat_template_kwargs=body.get("chat_template_kwargs") or {},
-            add_generation_prompt=add_generation_prompt,
+            endpoint="chat", model=model, messages=messages, tools=tools,
+            chat_template_kwargs=kwargs, text_chars=chars,
+            add_generation_prompt=req.add_generation_prompt is not False,
         ), req  # fmt: skip
     assert req.prompt is not None
     api.limits.check_prompt_chars(len(req.prompt), "prompt")
     if not req.prompt:  # the completions path refuses an empty prompt; its ids are none
         return None, req
-    return ParsedRequest(endpoint="completions", model=model, prompt=req.prompt), req
+    return ParsedRequest(endpoint="completions", model=model, prompt=req.prompt,
+                         text_chars=len(req.prompt)), req  # fmt: skip
 
 
 def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
@@ -98,7 +98,7 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
     @app.post(TOKENIZE_PATH)
     async def tokenize() -> Response:
         async def work() -> Response:
-            parsed, req = parse_tokenize(await api.read_json(), api)
+            parsed, req = parse_tokenize(await api.read_body(), api)
             api.check_model(req.model)
             ids = list(await pipeline.encode_prompt(parsed)) if parsed is not None else []
             # vLLM's defaults: special tokens for a prompt, none for a conversation
@@ -117,9 +117,11 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
     @app.post(DETOKENIZE_PATH)
     async def detokenize() -> Response:
         async def work() -> Response:
-            req = cast(DetokenizeRequest, convert_body(await api.read_json(),
-                                                       api.models["detokenize"]))  # fmt: skip
+            req = cast(DetokenizeRequest, decode(await api.read_body(), api.models["detokenize"]))
             api.check_model(req.model)
+            if len(req.tokens) > pipeline.context_length:
+                raise bad_request(f"'tokens' holds {len(req.tokens)} ids; at most the context "
+                                  f"length, {pipeline.context_length}", "tokens")  # fmt: skip
             vocab = tokenizer.vocab_size
             if req.tokens and max(req.tokens) >= vocab:
                 bad = next(t for t in req.tokens if t >= vocab)

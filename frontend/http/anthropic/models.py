@@ -1,11 +1,14 @@
 """The Messages API's bodies, as Anthropic documents them: what ``/v1/messages`` and
 ``/v1/messages/count_tokens`` validate with, and what ``/openapi.json`` publishes.
 
-As :mod:`frontend.http.models`: msgspec Structs, strict about types and lenient about
-unknown fields (clients send many: ``cache_control``, ``container``, ``service_tier``,
-beta fields). Content blocks and choices are tagged by ``type``; a block of a type
-headwater cannot serve (``image``, ``document``) validates, and the translation refuses
-it with a message that says why (:mod:`frontend.http.anthropic.translate`).
+As :mod:`frontend.http.models`: msgspec Structs decoded straight from the body, strict
+about types and lenient about unknown fields (clients send many: ``cache_control``,
+``container``, ``service_tier``, beta fields: skipped unbuilt), every list, string and
+mapping bounded (:mod:`frontend.http.bounds`); free-form JSON (a tool's
+``input_schema``, a ``tool_use``'s ``input``) kept as its text until checked. Content
+blocks and choices are tagged by ``type``; a block of a type headwater cannot serve
+(``image``, ``document``) validates, and the translation refuses it with a message that
+says why (:mod:`frontend.http.anthropic.translate`).
 
 Names start with ``Anthropic`` where OpenAI's models have the same noun (``Tool``,
 ``Usage``): the document's components are named after the classes.
@@ -17,13 +20,16 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-NonEmptyStr = Annotated[str, Meta(min_length=1)]
+from frontend.http.bounds import FreeFormObject, Name, NonEmptyStr
+from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
+
+Parts = Meta(max_length=MAX_PARTS)
 
 # -- request: content blocks -------------------------------------------------------------
 
 
 class _Block(Struct, kw_only=True, tag_field="type"):
-    cache_control: dict[str, Any] | None = None  # accepted: prefix caching is automatic
+    pass  # cache_control is not declared: the engine's prefix cache is automatic
 
 
 class TextBlock(_Block, kw_only=True, tag="text"):
@@ -33,21 +39,21 @@ class TextBlock(_Block, kw_only=True, tag="text"):
 class ImageBlock(_Block, kw_only=True, tag="image"):
     """Refused: no multimodal engine."""
 
-    source: dict[str, Any]
+    source: FreeFormObject
 
 
 class DocumentBlock(_Block, kw_only=True, tag="document"):
     """Refused: no document engine."""
 
-    source: dict[str, Any]
+    source: FreeFormObject
 
 
 class ToolUseBlock(_Block, kw_only=True, tag="tool_use"):
     """A tool call the assistant made (in an assistant message)."""
 
-    id: str
-    name: str
-    input: dict[str, Any]
+    id: Name
+    name: Name
+    input: FreeFormObject
 
 
 ToolResultContent = TextBlock | ImageBlock | DocumentBlock
@@ -56,8 +62,8 @@ ToolResultContent = TextBlock | ImageBlock | DocumentBlock
 class ToolResultBlock(_Block, kw_only=True, tag="tool_result"):
     """A tool's result (in a user message), for the call ``tool_use_id``."""
 
-    tool_use_id: str
-    content: str | list[ToolResultContent] | None = None
+    tool_use_id: Name
+    content: str | Annotated[list[ToolResultContent], Parts] | None = None
     is_error: bool | None = None
 
 
@@ -80,7 +86,7 @@ ContentBlock = (TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResu
 
 class AnthropicMessage(Struct, kw_only=True):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Parts]
 
 
 # -- request: tools, choices, thinking --------------------------------------------------
@@ -91,10 +97,9 @@ class AnthropicTool(Struct, kw_only=True):
     server tools have no ``input_schema`` and are refused by validation.)"""
 
     name: NonEmptyStr
-    input_schema: dict[str, Any]
+    input_schema: FreeFormObject
     description: str | None = None
     type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None
 
 
 class _ToolChoice(Struct, kw_only=True, tag_field="type"):
@@ -159,11 +164,12 @@ class OutputConfig(Struct, kw_only=True):
     effort: Annotated[Effort, Meta(description=(
         "with thinking on: max and xhigh ask DeepSeek-V4 for its maximum effort"
     ))] | None = None  # fmt: skip
-    format: Annotated[dict[str, Any], Meta(description="not supported: only null")] | None = None
+    format: Annotated[FreeFormObject, Meta(description="not supported: only null")
+                      ] | None = None  # fmt: skip
 
 
 class Metadata(Struct, kw_only=True):
-    user_id: str | None = None
+    user_id: Name | None = None
 
 
 class SystemBlock(Struct, kw_only=True):
@@ -172,10 +178,9 @@ class SystemBlock(Struct, kw_only=True):
 
     type: Literal["text"]
     text: str
-    cache_control: dict[str, Any] | None = None
 
 
-System = str | list[SystemBlock]
+System = str | Annotated[list[SystemBlock], Parts]
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -184,7 +189,8 @@ System = str | list[SystemBlock]
 class Conversation(Struct, kw_only=True):
     """What both routes read: the conversation and what is rendered with it."""
 
-    model: Annotated[str, Meta(min_length=1, description="the served model's name")]
+    model: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS,
+                               description="the served model's name")]  # fmt: skip
     messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
     system: System | None = None
     tools: list[AnthropicTool] | None = None

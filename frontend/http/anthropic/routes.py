@@ -25,7 +25,7 @@ from frontend.http.anthropic.models import CountTokensRequest, MessagesRequest
 from frontend.http.anthropic.translate import translate
 from frontend.http.context import ApiContext
 from frontend.http.responses import json_response
-from frontend.http.schema import convert_body
+from frontend.http.schema import decode
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -38,7 +38,7 @@ def add_messages_routes(app: QuartTrio, api: ApiContext) -> None:
 
     @app.post(MESSAGES_PATH)
     async def messages() -> Response:
-        req = cast(MessagesRequest, convert_body(await api.read_json(), api.models["messages"]))
+        req = cast(MessagesRequest, decode(await api.read_body(), api.models["messages"]))
         api.check_model(req.model)
         out = translate(req, api.limits)
         return await api.serve(
@@ -50,8 +50,8 @@ def add_messages_routes(app: QuartTrio, api: ApiContext) -> None:
     @app.post(COUNT_TOKENS_PATH)
     async def count_tokens() -> Response:
         async def work() -> Response:
-            body = await api.read_json()
-            req = cast(CountTokensRequest, convert_body(body, api.models["count_tokens"]))
+            body = await api.read_body()
+            req = cast(CountTokensRequest, decode(body, api.models["count_tokens"]))
             api.check_model(req.model)
             ids = await pipeline.encode_prompt(translate(req, api.limits).parsed)
             return json_response({"input_tokens": len(ids)})

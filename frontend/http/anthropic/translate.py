@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import orjson
 
 from frontend.http.anthropic.models import (
     AnthropicMessage,
@@ -59,6 +58,7 @@ from frontend.http.anthropic.models import (
     ToolUseBlock,
 )
 from frontend.http.errors import ApiError, bad_request
+from frontend.http.schema import FreeForm
 from frontend.limits import RequestLimits
 from frontend.request import ParsedRequest, SamplingOptions
 
@@ -75,15 +75,31 @@ class Translated:
     show_thinking: bool  # False with thinking.display "omitted"
 
 
+#: A tool call's ``input`` waiting to be decoded: where it goes, its text, its place.
+_Pending = tuple[dict[str, Any], msgspec.Raw, str]
+
+
 def translate(req: Conversation, limits: RequestLimits) -> Translated:
     """*req* (a Messages or count_tokens request) as a chat request. Raises ApiError
-    (400) or LimitExceeded."""
+    (400) or LimitExceeded.
+
+    As a chat request's (:func:`frontend.http.schema.chat_text`), the text is counted
+    against ``--max-prompt-chars`` as it adds up, the conversation's under ``messages``,
+    the tools' under ``tools``, and free-form JSON (a ``tool_use``'s ``input``, a tool's
+    ``input_schema``) is decoded only once its text has counted."""
     limits.check_messages(len(req.messages))
     messages = _system(req.system)
+    pending: list[_Pending] = []
     for i, message in enumerate(req.messages):
-        messages += _message(message, i)
-    limits.check_prompt_chars(_chars(messages), "messages")
-    tools = _tools(req)
+        messages += _message(message, i, pending)
+    chars = _chars(messages) + sum(len(raw) for _, raw, _ in pending)
+    limits.check_prompt_chars(chars, "messages")
+    free = FreeForm()
+    for function, raw, where in pending:
+        function["arguments"] = value = free.decode(raw, "messages", where)
+        if not isinstance(value, dict):
+            raise bad_request(f"'{where}' must be an object", "messages")
+    tools, chars = _tools(req, limits, free, chars)
     tool_choice, max_calls = _tool_choice(req.tool_choice, tools)
     kwargs: dict[str, Any] = {}
     if req.thinking is not None:
@@ -100,7 +116,7 @@ def translate(req: Conversation, limits: RequestLimits) -> Translated:
         fields = _generation(req, limits)
     parsed = ParsedRequest(
         endpoint="chat", model=req.model, messages=messages, tools=tools,
-        tool_choice=tool_choice, chat_template_kwargs=kwargs, **fields,
+        tool_choice=tool_choice, chat_template_kwargs=kwargs, text_chars=chars, **fields,
     )  # fmt: skip
     display = getattr(req.thinking, "display", None)
     return Translated(parsed, max_calls, show_thinking=display != "omitted")
@@ -140,14 +156,16 @@ def _system(system: str | list[SystemBlock] | None) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}] if text else []
 
 
-def _message(message: AnthropicMessage, i: int) -> list[dict[str, Any]]:
-    """The chat messages one Messages message becomes."""
+def _message(message: AnthropicMessage, i: int, pending: list[_Pending]
+             ) -> list[dict[str, Any]]:  # fmt: skip
+    """The chat messages one Messages message becomes; its tool calls' inputs join
+    *pending*."""
     where = f"messages[{i}].content"
     content = message.content
     if isinstance(content, str):
         return [{"role": message.role, "content": content}]
     if message.role == "assistant":
-        return [_assistant(content, where)]
+        return [_assistant(content, where, pending)]
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     for j, block in enumerate(content):
@@ -166,7 +184,7 @@ def _message(message: AnthropicMessage, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
+def _assistant(blocks: list[Any], where: str, pending: list[_Pending]) -> dict[str, Any]:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -176,8 +194,9 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
-            calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name, "arguments": block.input}})  # fmt: skip
+            function = {"name": block.name}
+            calls.append({"id": block.id, "type": "function", "function": function})
+            pending.append((function, block.input, f"{where}[{j}].input"))
         elif not isinstance(block, RedactedThinkingBlock):
             raise _unsupported(block, f"{where}[{j}]", "an assistant message")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
@@ -213,17 +232,28 @@ def _unsupported(block: msgspec.Struct, where: str, container: str) -> ApiError:
     return bad_request(f"{where}: a '{kind}' block is not supported here: {why}", "messages")
 
 
-def _tools(req: Conversation) -> list[dict[str, Any]] | None:
+def _tools(req: Conversation, limits: RequestLimits, free: FreeForm, chars: int
+           ) -> tuple[list[dict[str, Any]] | None, int]:  # fmt: skip
+    """The tools as the template's function tools, and the text counted so far (*chars*
+    and theirs)."""
     if not req.tools:
-        return None
+        return None, chars
+    limits.check_tools(len(req.tools))
     names = [t.name for t in req.tools]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", "tools")
-    return [
-        {"type": "function", "function": {
-            "name": t.name, "description": t.description or "", "parameters": t.input_schema}}
-        for t in req.tools
-    ]  # fmt: skip
+    chars += sum(len(t.name) + len(t.description or "") + len(t.input_schema)
+                 for t in req.tools)  # fmt: skip
+    limits.check_prompt_chars(chars, "tools")
+    tools = []
+    for j, t in enumerate(req.tools):
+        where = f"tools[{j}].input_schema"
+        schema = free.decode(t.input_schema, "tools", where)
+        if not isinstance(schema, dict):
+            raise bad_request(f"'{where}' must be an object", "tools")
+        tools.append({"type": "function", "function": {
+            "name": t.name, "description": t.description or "", "parameters": schema}})
+    return tools, chars
 
 
 def _tool_choice(
@@ -247,11 +277,8 @@ def _tool_choice(
 
 
 def _chars(messages: list[dict[str, Any]]) -> int:
-    """The characters of text in the translated conversation (the prompt-size limit's
-    measure, as for a chat request)."""
-    total = 0
-    for m in messages:
-        total += len(m.get("content") or "") + len(m.get("reasoning_content") or "")
-        for call in m.get("tool_calls") or ():
-            total += len(orjson.dumps(call["function"]["arguments"]))
-    return total
+    """The characters of text in the translated conversation, its tool calls' inputs
+    aside (the prompt-size limit's measure, as for a chat request)."""
+    return sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "")
+               + sum(len(c["function"]["name"]) for c in m.get("tool_calls") or ())
+               for m in messages)  # fmt: skip

@@ -1,13 +1,14 @@
 """The Responses API's bodies, as OpenAI documents them: what ``POST /v1/responses``
 validates with, and what ``/openapi.json`` publishes.
 
-As :mod:`frontend.http.models`: msgspec Structs, strict about types, lenient about
-unknown fields. Input items and content parts are tagged by ``type``; a message item
-may leave its ``type`` out (OpenAI's "easy" input message), which the route fills in
-before validation (:func:`frontend.http.responses_api.translate.normalize`). Items,
-parts and tools of kinds headwater cannot serve (images, files, hosted tools) validate
-and are refused by the translation with a message that says why, or fail validation
-naming the field.
+As :mod:`frontend.http.models`: msgspec Structs decoded straight from the body, strict
+about types, lenient about unknown fields (skipped unbuilt), every list, string and
+mapping bounded (:mod:`frontend.http.bounds`). Input items and content parts are tagged
+by ``type``; a message item may leave its ``type`` out (OpenAI's "easy" input message):
+the route decodes each item on its own (:class:`ResponsesWire`), a message with no
+``type`` as a message. Items, parts and tools of kinds headwater cannot serve (images,
+files, hosted tools) validate and are refused by the translation with a message that
+says why, or fail validation naming the field.
 
 Names start with ``Responses`` or ``Out`` where other models have the same noun.
 """
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-NonEmpty = Annotated[str, Meta(min_length=1)]
+from frontend.http.bounds import FreeFormObject, Name, NonEmptyStr
+from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
+
+Parts = Meta(max_length=MAX_PARTS)
 
 # -- request: content parts and input items ------------------------------------------------
 
@@ -35,13 +39,13 @@ class InputImage(_Part, kw_only=True, tag="input_image"):
     """Refused: no multimodal engine."""
 
     image_url: str | None = None
-    file_id: str | None = None
+    file_id: Name | None = None
 
 
 class InputFile(_Part, kw_only=True, tag="input_file"):
     """Refused: no file engine."""
 
-    file_id: str | None = None
+    file_id: Name | None = None
     file_data: str | None = None
 
 
@@ -49,7 +53,6 @@ class OutputText(_Part, kw_only=True, tag="output_text"):
     """An earlier answer's text, sent back in an assistant message."""
 
     text: str
-    annotations: list[Any] | None = None
 
 
 class Refusal(_Part, kw_only=True, tag="refusal"):
@@ -57,18 +60,19 @@ class Refusal(_Part, kw_only=True, tag="refusal"):
 
 
 InputContent = InputText | InputImage | InputFile | OutputText | Refusal
+Contents = str | Annotated[list[InputContent], Parts]
 
 
 class _Item(Struct, kw_only=True, tag_field="type"):
-    id: str | None = None
-    status: str | None = None
+    id: Name | None = None
+    status: Name | None = None
 
 
 class MessageItem(_Item, kw_only=True, tag="message"):
     """A message; its ``type`` may be left out (OpenAI's "easy" input message)."""
 
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputContent]
+    content: Contents
 
 
 #: Tagged Structs whose ``type`` a client may leave out (the route fills it in before
@@ -79,16 +83,16 @@ TAG_OPTIONAL: tuple[type[Struct], ...] = (MessageItem,)
 class FunctionCallItem(_Item, kw_only=True, tag="function_call"):
     """A call an earlier answer made."""
 
-    call_id: NonEmpty
-    name: NonEmpty
+    call_id: NonEmptyStr
+    name: NonEmptyStr
     arguments: str
 
 
 class FunctionCallOutputItem(_Item, kw_only=True, tag="function_call_output"):
     """A call's result, for ``call_id``."""
 
-    call_id: NonEmpty
-    output: str | list[InputContent]
+    call_id: NonEmptyStr
+    output: Contents
 
 
 # Structs that are never in a union with another Struct have a required ``type`` field
@@ -109,8 +113,8 @@ class ReasoningItem(_Item, kw_only=True, tag="reasoning"):
     """An earlier answer's reasoning: its ``content`` (or, from headwater, its
     ``encrypted_content``) is rendered back into the prompt."""
 
-    summary: list[SummaryText] = []
-    content: list[ReasoningText] | None = None
+    summary: Annotated[list[SummaryText], Parts] = []
+    content: Annotated[list[ReasoningText], Parts] | None = None
     encrypted_content: str | None = None
 
 
@@ -122,6 +126,14 @@ InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | Reasoning
              | ItemReference)  # fmt: skip
 
 
+class ItemHead(Struct, kw_only=True):
+    """What an input item's kind is read from, before it is decoded whole (the rest of
+    it is skipped unbuilt)."""
+
+    type: Name | None = None
+    role: Name | None = None
+
+
 # -- request: tools and options ---------------------------------------------------------------
 
 
@@ -130,15 +142,15 @@ class FunctionTool(Struct, kw_only=True):
     as ``web_search`` fail validation)."""
 
     type: Literal["function"]
-    name: NonEmpty
-    parameters: dict[str, Any] | None = None
+    name: NonEmptyStr
+    parameters: FreeFormObject | UnsetType = UNSET  # a JSON Schema (null: none)
     description: str | None = None
     strict: bool | None = None
 
 
 class ToolChoiceFunction(Struct, kw_only=True):
     type: Literal["function"]
-    name: NonEmpty
+    name: NonEmptyStr
 
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
@@ -148,35 +160,36 @@ class ReasoningOptions(Struct, kw_only=True):
     effort: Annotated[Effort, Meta(description=(
         "none: DeepSeek-V4's chat mode; minimal to high: its thinking mode; xhigh and "
         "max: thinking at its maximum effort"))] | None = None  # fmt: skip
-    summary: Annotated[str, Meta(description=(
+    summary: Annotated[Name, Meta(description=(
         "accepted: the reasoning comes whole, as reasoning_text content, not summarized"
     ))] | None = None  # fmt: skip
-    generate_summary: str | None = None
+    generate_summary: Name | None = None
 
 
 class TextFormat(Struct, kw_only=True):
     type: Annotated[Literal["text", "json_object", "json_schema"], Meta(description=(
         "text; json_object and json_schema are refused: no engine here constrains its "
         "output"))]  # fmt: skip
-    name: str | None = None
-    schema: dict[str, Any] | None = None
+    name: Name | None = None
+    schema: FreeFormObject | UnsetType = UNSET
     strict: bool | None = None
 
 
 class TextOptions(Struct, kw_only=True):
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Name | None = None
 
 
 class ResponsesRequest(Struct, kw_only=True):
     """The body of ``POST /v1/responses``. Fields not listed are ignored."""
 
-    model: Annotated[str, Meta(min_length=1, description="the served model's name")]
+    model: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS,
+                               description="the served model's name")]  # fmt: skip
     input: Annotated[str | list[InputItem], Meta(description=(
         "a user message's text, or items: messages, function calls and their outputs, "
         "reasoning"))]  # fmt: skip
     instructions: str | None = None
-    previous_response_id: NonEmpty | None = None
+    previous_response_id: NonEmptyStr | None = None
     store: Annotated[bool, Meta(description=(
         "keep the response for previous_response_id and GET (true, as OpenAI's)"
     ))] | None = None  # fmt: skip
@@ -190,14 +203,22 @@ class ResponsesRequest(Struct, kw_only=True):
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     reasoning: ReasoningOptions | None = None
     text: TextOptions | None = None
-    include: list[str] | None = None
+    include: Annotated[list[Name], Parts] | None = None
     truncation: Annotated[Literal["disabled", "auto"], Meta(description=(
         "disabled; auto is refused (a prompt over the context is a 400)"))] | None = None
     background: Annotated[bool, Meta(description="not supported: only false")] | None = None
     top_logprobs: Annotated[int, Meta(description="not supported: only null or 0")
                             ] | None = None  # fmt: skip
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Annotated[dict[Name, str], Parts] | None = None
+    user: Name | None = None
+
+
+class ResponsesWire(ResponsesRequest, kw_only=True):
+    """:class:`ResponsesRequest` as the route decodes it: the input items kept as their
+    text, each then decoded on its own (an "easy" message has no ``type`` to be told
+    apart by: :func:`frontend.http.responses_api.translate.decode_items`)."""
+
+    input: str | list[Raw]  # type: ignore[assignment]
 
 
 # -- responses (documentation: frontend.http.responses_api.format builds them) -------------

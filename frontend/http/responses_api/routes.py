@@ -1,6 +1,6 @@
 """``POST /v1/responses``, ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}``.
 
-A request is validated (:mod:`.models`, after :func:`.translate.normalize`),
+A request is validated (:mod:`.models`, its input items one by one),
 translated into the chat pipeline's request with the conversation of its
 ``previous_response_id`` (:mod:`.translate`, :mod:`.store`), and served by the app's one
 request path; its deltas are answered as a response object or its events
@@ -21,10 +21,10 @@ from frontend.http.context import ApiContext
 from frontend.http.errors import ApiError
 from frontend.http.responses import json_response
 from frontend.http.responses_api.format import ResponsesFormat
-from frontend.http.responses_api.models import ResponsesRequest
+from frontend.http.responses_api.models import ResponsesWire
 from frontend.http.responses_api.store import ResponseStore
-from frontend.http.responses_api.translate import Translated, normalize, translate
-from frontend.http.schema import convert_body
+from frontend.http.responses_api.translate import Translated, translate
+from frontend.http.schema import decode
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -35,8 +35,9 @@ def add_responses_routes(app: QuartTrio, api: ApiContext, store: ResponseStore) 
 
     @app.post(RESPONSES_PATH)
     async def create() -> Response:
-        body = normalize(await api.read_json())
-        req = cast(ResponsesRequest, convert_body(body, api.models["responses"]))
+        # The published model, but with the input items kept as text: each is decoded on
+        # its own (translate.decode_items), an "easy" message having no type to go by.
+        req = cast(ResponsesWire, decode(await api.read_body(), ResponsesWire))
         api.check_model(req.model)
         out = translate(req, api.limits, store)
         on_done = partial(_keep, store, out) if out.echo["store"] else None

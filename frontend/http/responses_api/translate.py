@@ -32,21 +32,27 @@ import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from frontend.http.errors import ApiError, bad_request
 from frontend.http.responses_api.models import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputContent,
+    InputItem,
     InputText,
+    ItemHead,
     ItemReference,
     MessageItem,
     OutputText,
     ReasoningItem,
     Refusal,
     ResponsesRequest,
+    ResponsesWire,
     ToolChoiceFunction,
 )
 from frontend.http.responses_api.store import ChainBroken, ResponseStore
+from frontend.http.schema import FreeForm, validation_error
 from frontend.limits import RequestLimits
 from frontend.request import ParsedRequest, SamplingOptions
 
@@ -79,15 +85,27 @@ def decrypt(content: str, where: str) -> str:
                       "reasoning's content instead", "input")  # fmt: skip
 
 
-def normalize(body: Any) -> Any:
-    """*body* with each input message item's ``type`` filled in (OpenAI's "easy" input
-    messages leave it out), so that items validate as a tagged union."""
-    if isinstance(body, dict) and isinstance(body.get("input"), list):
-        items = [{"type": "message", **item}
-                 if isinstance(item, dict) and "type" not in item and "role" in item else item
-                 for item in body["input"]]  # fmt: skip
-        return {**body, "input": items}
-    return body
+def decode_items(raws: list[msgspec.Raw]) -> list[InputItem]:
+    """The input items, each decoded from its text on its own: an item with no
+    ``type`` but a ``role`` is a message (OpenAI's "easy" input message), any other by
+    its ``type``. Raises ApiError (400) naming the item's place."""
+    items: list[InputItem] = []
+    for i, raw in enumerate(raws):
+        try:
+            head = msgspec.json.decode(raw, type=ItemHead)
+            kind: Any = MessageItem if head.type is None and head.role is not None else InputItem
+            items.append(msgspec.json.decode(raw, type=kind))
+        except msgspec.ValidationError as exc:
+            raise validation_error(_within(exc, f"input[{i}]")) from None
+    return items
+
+
+def _within(exc: msgspec.ValidationError, where: str) -> msgspec.ValidationError:
+    """*exc*, an error of one item decoded on its own, with its path from the body's."""
+    text = str(exc)
+    if " - at `$" in text:
+        return msgspec.ValidationError(text.replace(" - at `$", f" - at `$.{where}", 1))
+    return msgspec.ValidationError(f"{text} - at `$.{where}`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,24 +119,26 @@ class Translated:
     echo: dict[str, Any] = field(default_factory=dict)  # the response's copy of the request
 
 
-def translate(req: ResponsesRequest, limits: RequestLimits, store: ResponseStore
+def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore
               ) -> Translated:  # fmt: skip
     """*req* as a chat request. Raises ApiError (400; 404 for an unknown
-    previous_response_id) or LimitExceeded."""
+    previous_response_id) or LimitExceeded.
+
+    The text is counted against ``--max-prompt-chars`` as a chat request's, the
+    conversation's (history included) under ``input``, the tools' under ``tools``; a
+    tool's ``parameters`` are decoded only once their text has counted."""
     _refuse_unsupported(req)
+    if isinstance(req.input, list):
+        limits.check_messages(len(req.input))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         history = _history(store, req.previous_response_id)
-    turn = _input(req.input)
-    items = len(req.input) if isinstance(req.input, list) else 1
-    limits.check_messages(items)
+    turn = _input(decode_items(req.input) if isinstance(req.input, list) else req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages = system + history + turn
-    limits.check_prompt_chars(_chars(messages), "input")
-    tools = [{"type": "function", "function": {
-        "name": t.name, "description": t.description or "",
-        "parameters": t.parameters or {"type": "object", "properties": {}}}}
-        for t in req.tools or ()] or None  # fmt: skip
+    chars = _chars(messages)
+    limits.check_prompt_chars(chars, "input")
+    tools, chars = _tools(req, limits, chars)
     tool_choice = _tool_choice(req, tools)
     caps = [n for n in (req.max_tool_calls, 1 if req.parallel_tool_calls is False else None)
             if n is not None]  # fmt: skip
@@ -138,6 +158,7 @@ def translate(req: ResponsesRequest, limits: RequestLimits, store: ResponseStore
             top_p=1.0 if req.top_p is None else req.top_p,
         ),
         user=req.user, chat_template_kwargs=kwargs, tools=tools, tool_choice=tool_choice,
+        text_chars=chars,
     )  # fmt: skip
     echo = {
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -156,6 +177,32 @@ def translate(req: ResponsesRequest, limits: RequestLimits, store: ResponseStore
     }  # fmt: skip
     return Translated(parsed, turn, min(caps) if caps else None,
                       ENCRYPTED_INCLUDE in (req.include or ()), echo)  # fmt: skip
+
+
+def _tools(req: ResponsesRequest, limits: RequestLimits, chars: int
+           ) -> tuple[list[dict[str, Any]] | None, int]:  # fmt: skip
+    """The function tools as the template's, and the text counted so far (*chars* and
+    theirs)."""
+    if not req.tools:
+        return None, chars
+    limits.check_tools(len(req.tools))
+    for t in req.tools:
+        params = 0 if t.parameters is msgspec.UNSET else len(t.parameters)
+        chars += len(t.name) + len(t.description or "") + params
+    limits.check_prompt_chars(chars, "tools")
+    free = FreeForm()
+    tools = []
+    for j, t in enumerate(req.tools):
+        schema = None
+        if t.parameters is not msgspec.UNSET:
+            where = f"tools[{j}].parameters"
+            schema = free.decode(t.parameters, "tools", where)
+            if not isinstance(schema, dict | None):
+                raise bad_request(f"'{where}' must be an object", "tools")
+        tools.append({"type": "function", "function": {
+            "name": t.name, "description": t.description or "",
+            "parameters": schema or {"type": "object", "properties": {}}}})
+    return tools, chars
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
@@ -190,7 +237,7 @@ def _history(store: ResponseStore, previous_id: str) -> list[dict[str, Any]]:
                        code="previous_response_not_found") from None  # fmt: skip
 
 
-def _input(value: str | list[Any]) -> list[dict[str, Any]]:
+def _input(value: str | list[InputItem]) -> list[dict[str, Any]]:
     """The input as chat messages (see the module docstring)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
