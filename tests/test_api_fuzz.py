@@ -69,6 +69,9 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[1]
         return st.deferred(lambda: from_schema(SCHEMAS[name]))
+    if "anyOf" in schema and "properties" in schema:  # an object, refined by each branch
+        base = {k: v for k, v in schema.items() if k != "anyOf"}
+        return st.one_of([from_schema(_refined(base, b)) for b in schema["anyOf"]])
     if "anyOf" in schema:
         return st.one_of([from_schema(b) for b in schema["anyOf"]])
     if "enum" in schema:
@@ -102,6 +105,14 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if kind == "null":
         return st.none()
     return JSON
+
+
+def _refined(base: dict[str, Any], branch: dict[str, Any]) -> dict[str, Any]:
+    """An object's schema *base* with an ``anyOf`` branch's requirements: its required
+    fields, and the schemas it gives its fields."""
+    properties = {**base["properties"], **branch.get("properties", {})}
+    required = [*base.get("required", []), *branch.get("required", [])]
+    return {**base, "properties": properties, "required": required}
 
 
 def valid(endpoint: str) -> st.SearchStrategy[dict[str, Any]]:

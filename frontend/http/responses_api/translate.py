@@ -170,8 +170,8 @@ def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore
         "text": {"format": {"type": "text"}},
         "tool_choice": _echo_choice(req.tool_choice),
         "tools": [{"type": "function", "name": t.name, "description": t.description,
-                   "parameters": t.parameters, "strict": t.strict}
-                  for t in req.tools or ()],
+                   "parameters": f["function"]["parameters"], "strict": t.strict}
+                  for t, f in zip(req.tools or (), tools or (), strict=True)],
         "top_p": parsed.sampling.top_p, "truncation": "disabled", "user": req.user,
         "metadata": req.metadata or {},
     }  # fmt: skip
