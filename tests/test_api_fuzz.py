@@ -69,9 +69,11 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[1]
         return st.deferred(lambda: from_schema(SCHEMAS[name]))
-    if "anyOf" in schema and "properties" in schema:  # an object, refined by each branch
-        base = {k: v for k, v in schema.items() if k != "anyOf"}
-        return st.one_of([from_schema(_refined(base, b)) for b in schema["anyOf"]])
+    if "oneOf" in schema and "properties" in schema:  # an object, refined by each branch
+        base = {k: v for k, v in schema.items() if k != "oneOf"}
+        exclusive = {name for b in schema["oneOf"] for name in b["required"]}
+        return st.one_of([from_schema(_refined(base, b["required"], exclusive))
+                          for b in schema["oneOf"]])  # fmt: skip
     if "anyOf" in schema:
         return st.one_of([from_schema(b) for b in schema["anyOf"]])
     if "enum" in schema:
@@ -107,12 +109,14 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     return JSON
 
 
-def _refined(base: dict[str, Any], branch: dict[str, Any]) -> dict[str, Any]:
-    """An object's schema *base* with an ``anyOf`` branch's requirements: its required
-    fields, and the schemas it gives its fields."""
-    properties = {**base["properties"], **branch.get("properties", {})}
-    required = [*base.get("required", []), *branch.get("required", [])]
-    return {**base, "properties": properties, "required": required}
+def _refined(base: dict[str, Any], required: list[str], exclusive: set[str]
+             ) -> dict[str, Any]:  # fmt: skip
+    """An object's schema *base* with *required* fields required and the other fields
+    of its one-of (*exclusive*) left out."""
+    properties = {k: v for k, v in base["properties"].items()
+                  if k in required or k not in exclusive}  # fmt: skip
+    return {**base, "properties": properties, "required": [*base.get("required", []),
+                                                          *required]}  # fmt: skip
 
 
 def valid(endpoint: str) -> st.SearchStrategy[dict[str, Any]]:

@@ -27,3 +27,8 @@ FREE_FORM = (f"Free-form JSON: its text counts against --max-prompt-chars; at mo
 #: A free-form JSON object, kept as its text until checked (frontend.http.schema).
 FreeFormObject = Annotated[Raw, Meta(extra_json_schema={
     "type": "object", "maxProperties": MAX_PARTS, "description": FREE_FORM})]  # fmt: skip
+#: The same, or null, which the parser takes as absent (a function's ``parameters``, which
+#: OpenAI's SDK sends as null for a function without any; ``chat_template_kwargs``).
+FreeFormObjectOrNull = Annotated[Raw, Meta(extra_json_schema={"anyOf": [
+    {"type": "object", "maxProperties": MAX_PARTS}, {"type": "null"}],
+    "description": FREE_FORM})]  # fmt: skip

@@ -45,7 +45,7 @@ from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from frontend.http.anthropic import models as anthropic
 from frontend.http.bounds import FREE_FORM as _FREE_FORM
-from frontend.http.bounds import FreeFormObject, Name, NonEmptyStr, NonEmptyText
+from frontend.http.bounds import FreeFormObjectOrNull, Name, NonEmptyStr, NonEmptyText
 from frontend.http.responses_api import models as responses_api
 from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 
@@ -162,7 +162,7 @@ ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage 
 class FunctionDefinition(Struct, kw_only=True):
     name: Name
     description: str | None = None
-    parameters: FreeFormObject | UnsetType = UNSET  # a JSON Schema
+    parameters: FreeFormObjectOrNull | UnsetType = UNSET  # a JSON Schema (null: none)
 
 
 class Tool(Struct, kw_only=True):
@@ -195,7 +195,7 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: Annotated[bool, Meta(description="not supported: only false")] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceMode | NamedToolChoice | None = None
-    chat_template_kwargs: FreeFormObject | UnsetType = UNSET
+    chat_template_kwargs: FreeFormObjectOrNull | UnsetType = UNSET
 
 
 # -- completions ----------------------------------------------------------------------------
@@ -251,14 +251,15 @@ class TokenizeRequest(Struct, kw_only=True):
     or chat ``messages`` (its ``TokenizeChatRequest``, the chat template applied), one of
     the two. Fields not listed are ignored."""
 
-    #: Exactly one of these fields is given (not null): /openapi.json says so.
+    #: Exactly one of these fields is given: /openapi.json says so.
     one_of: ClassVar[tuple[str, ...]] = ("prompt", "messages")
 
     model: NonEmptyStr | None = None
-    prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")] | None = None
+    prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")
+                      ] | UnsetType = UNSET  # fmt: skip
     messages: Annotated[list[ChatMessage], Meta(min_length=1, description=(
         "a conversation, rendered by the chat template, then tokenized (or send prompt)"
-    ))] | None = None  # fmt: skip
+    ))] | UnsetType = UNSET  # fmt: skip
     add_special_tokens: Annotated[bool, Meta(description=(
         "add the tokenizer's special tokens around the text (true for a prompt, false "
         "for messages, whose template writes them)"))] | None = None  # fmt: skip
@@ -269,7 +270,7 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: Annotated[bool, Meta(description="not supported: only false"
                                                  )] | None = None  # fmt: skip
     chat_template: Annotated[str, Meta(description="not supported: only null")] | None = None
-    chat_template_kwargs: FreeFormObject | UnsetType = UNSET
+    chat_template_kwargs: FreeFormObjectOrNull | UnsetType = UNSET
     tools: list[Tool] | None = None
 
 

@@ -144,14 +144,8 @@ def openapi_document(
     for model in bodies.values():
         schema = schemas[model.__name__]
         _write_limits(schemas, schema, limits, context_length)
-        if one_of := getattr(model, "one_of", ()):  # exactly one of these fields, not null
-            props = schema["properties"]
-            schema["anyOf"] = [
-                {"required": [name], "properties": {
-                    other: _not_null(props[other]) if other == name else {"type": "null"}
-                    for other in one_of}}
-                for name in one_of
-            ]  # fmt: skip
+        if one_of := getattr(model, "one_of", ()):  # exactly one of these fields
+            schema["oneOf"] = [{"required": [name]} for name in one_of]
         if model_name is not None and "model" in schema.get("properties", {}):
             _bound(schema["properties"]["model"], string={"enum": [model_name]})
     if limits.max_prompt_chars:
@@ -342,12 +336,6 @@ def _bound_text(schemas: dict[str, Any], roots: list[dict[str, Any]], chars: int
         if node.get("type") == "string" and "maxLength" not in node and "enum" not in node:
             node["maxLength"] = chars
         stack.extend(v for k, v in node.items() if k not in ("default", "examples", "const"))
-
-
-def _not_null(schema: dict[str, Any]) -> dict[str, Any]:
-    """*schema* (a field's ``anyOf``, null among its branches) without its null."""
-    branches = [b for b in _branches(schema) if b.get("type") != "null"]
-    return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
 def _branches(schema: dict[str, Any]) -> list[dict[str, Any]]:

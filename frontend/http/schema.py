@@ -58,7 +58,7 @@ from frontend.http.models import (
     ToolMessage,
     _Sampling,
 )
-from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, RequestLimits
+from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_PARTS, RequestLimits
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 
 #: Where the token-in API keeps its generation options, as its errors name them.
@@ -139,10 +139,13 @@ class FreeForm:
         collecting = gc.isenabled()
         gc.disable()  # as for the body (see the module docstring)
         try:
-            return orjson.loads(data)  # msgspec checked it is JSON
+            value = orjson.loads(data)  # msgspec checked it is JSON
         finally:
             if collecting:
                 gc.enable()
+        if isinstance(value, dict) and len(value) > MAX_PARTS:  # the schema's maxProperties
+            raise bad_request(f"'{where}' has more than {MAX_PARTS} properties", param)
+        return value
 
 
 # What keeps the nesting of JSON text: quotes and brackets (a string's brackets are
@@ -207,7 +210,7 @@ def chat_text(req: ChatCompletionRequest | TokenizeRequest, limits: RequestLimit
     messages: list[dict[str, Any]] = []
     arguments: list[tuple[dict[str, Any], msgspec.Raw, str]] = []  # decoded once counted
     chars = 0
-    for i, m in enumerate(req.messages or ()):  # (a /tokenize body may have none)
+    for i, m in enumerate(req.messages or ()):  # (UNSET: a /tokenize body's prompt)
         out: dict[str, Any] = {"role": _ROLES[type(m)], "content": _content(m.content)}
         chars += _content_chars(m.content)
         if m.name is not None:

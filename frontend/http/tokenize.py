@@ -22,6 +22,7 @@ from typing import cast
 
 import tokenizers
 import trio
+from msgspec import UNSET, UnsetType
 from quart import Response
 from quart_trio import QuartTrio
 
@@ -63,9 +64,9 @@ def parse_tokenize(body: bytes, api: ApiContext) -> tuple[ParsedRequest | None, 
     kwargs are read, counted and bounded as a chat request's
     (:func:`~frontend.http.schema.chat_text`). Raises ApiError (400) or LimitExceeded."""
     req = cast(TokenizeRequest, decode(body, api.models["tokenize"]))
-    if (req.prompt is None) == (req.messages is None):
+    if (req.prompt is UNSET) == (req.messages is UNSET):
         raise bad_request("send either 'prompt' or 'messages'",
-                          "messages" if req.messages is not None else "prompt")  # fmt: skip
+                          "messages" if req.messages is not UNSET else "prompt")  # fmt: skip
     if req.continue_final_message:
         raise bad_request("continue_final_message is not supported by this server",
                           "continue_final_message")  # fmt: skip
@@ -73,7 +74,7 @@ def parse_tokenize(body: bytes, api: ApiContext) -> tuple[ParsedRequest | None, 
         raise bad_request("a chat template from the request is not supported: the model's "
                           "own applies", "chat_template")  # fmt: skip
     model = req.model or api.pipeline.model_name
-    if req.messages is not None:
+    if not isinstance(req.messages, UnsetType):
         api.limits.check_messages(len(req.messages))
         messages, tools, kwargs, chars = chat_text(req, api.limits)
         return ParsedRequest(
@@ -81,7 +82,7 @@ def parse_tokenize(body: bytes, api: ApiContext) -> tuple[ParsedRequest | None, 
             chat_template_kwargs=kwargs, text_chars=chars,
             add_generation_prompt=req.add_generation_prompt is not False,
         ), req  # fmt: skip
-    assert req.prompt is not None
+    assert not isinstance(req.prompt, UnsetType)
     api.limits.check_prompt_chars(len(req.prompt), "prompt")
     if not req.prompt:  # the completions path refuses an empty prompt; its ids are none
         return None, req
@@ -105,7 +106,7 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
             # (its template writes them).
             add_special = req.add_special_tokens
             if add_special is None:
-                add_special = req.prompt is not None
+                add_special = req.prompt is not UNSET
             if add_special:
                 ids = prefix + ids + suffix
             strs = await _token_strs(ids) if req.return_token_strs else None

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-from frontend.http.bounds import FreeFormObject, Name, NonEmptyStr
+from frontend.http.bounds import FreeFormObject, FreeFormObjectOrNull, Name, NonEmptyStr
 from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 
 Parts = Meta(max_length=MAX_PARTS)
@@ -143,7 +143,7 @@ class FunctionTool(Struct, kw_only=True):
 
     type: Literal["function"]
     name: NonEmptyStr
-    parameters: FreeFormObject | UnsetType = UNSET  # a JSON Schema (null: none)
+    parameters: FreeFormObjectOrNull | UnsetType = UNSET  # a JSON Schema
     description: str | None = None
     strict: bool | None = None
 
