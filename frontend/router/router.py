@@ -178,9 +178,18 @@ class Router:
         (busy or not)."""
         return sum(1 for _ in self._candidates(role, model, exclude))
 
-    def pick(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> WorkerClient:
+    def pick(
+        self,
+        role: Role,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        *,
+        prefer: str | None = None,
+    ) -> WorkerClient:
         """Choose a worker for *role* serving *model*, skipping ids in *exclude*; a busy
-        one only if every candidate is busy (:meth:`all_busy` tells the caller).
+        one only if every candidate is busy (:meth:`all_busy` tells the caller). The
+        worker *prefer* names, if it is a candidate and not busy while another is not
+        (the choices of one request go where its prompt's KV is).
 
         Raises :class:`NoWorkers` when none is routable.
         """
@@ -189,6 +198,10 @@ class Router:
             raise NoWorkers(f"no routable {role.value} worker for model {model!r}")
         free = [e for e in candidates if not self._busy(e)]
         candidates = free or candidates
+        if prefer is not None:
+            for entry in candidates:
+                if entry.client.instance.worker_id == prefer:
+                    return entry.client
         if self.policy is Policy.RANDOM:
             entry = self._rng.choice(candidates)
         elif self.policy is Policy.LEAST_LOADED:
