@@ -377,9 +377,10 @@ class Pipeline:
                 seed=None if seed is None else (seed + index + _INT64 // 2) % _INT64 - _INT64 // 2,
             )  # fmt: skip
             request = replace(request, request_id=f"{prep.request_id}.c{index}", sampling=sampling)
-        affinity = shared.affinity if shared is not None else None
+        dispatched = (self.dispatcher.stream(request) if shared is None
+                      else self.dispatcher.stream(request, shared.affinity))  # fmt: skip
         try:
-            async with aclosing(self.dispatcher.stream(request, affinity)) as chunks:
+            async with aclosing(dispatched) as chunks:
                 async for chunk in chunks:
                     now = trio.current_time()
                     if n := len(chunk.token_ids):
