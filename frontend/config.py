@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.limits import RequestLimits
+from frontend.postprocess.parsers import check_names
 from headwater.etcd.client import EtcdCredentials
 from headwater.gc_tuning import GEN0_THRESHOLD
 from headwater.machine import usable_cpus
@@ -101,6 +102,15 @@ class FrontendConfig:
     # Prompts up to this many characters encode on the loop, where that is cheaper than
     # the thread hop; None picks the backend's measured default (docs/tokenization.md).
     inline_max_chars: int | None = None
+    # The parse stage (frontend/postprocess/parsers; docs/api.md, "Parsers"), by vLLM's
+    # names: tool calls (deepseek_v4, deepseek_v32, deepseek_v31, hermes, none) and
+    # reasoning (deepseek_v4, deepseek_r1, none) out of a chat answer's text. None: the
+    # model's own, deepseek_v4 for the built-in DeepSeek-V4 template, else none.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # The message field reasoning goes in: "reasoning_content" (DeepSeek's and vLLM's
+    # name) or "reasoning" (what some clients read).
+    reasoning_field: str = "reasoning_content"
 
     # -- workers and routing ----------------------------------------------------------
     engine: str = "mocker"  # engine of the in-process workers (workers.engines.registry)
@@ -185,6 +195,11 @@ class FrontendConfig:
         if self.max_connections_per_client < 0:
             raise ValueError("max_connections_per_client must be >= 0 (0: no limit), got "
                              f"{self.max_connections_per_client}")
+        if self.reasoning_field not in ("reasoning_content", "reasoning"):
+            raise ValueError("reasoning_field must be 'reasoning_content' or 'reasoning', "
+                             f"got {self.reasoning_field!r}")
+        # ValueError naming the known parsers for an unknown one.
+        check_names(self.tool_call_parser or "none", self.reasoning_parser or "none")
         cls = registry.config_type(self.engine)  # ValueError for an unknown engine
         if self.engine_config is None:
             object.__setattr__(self, "engine_config", cls())

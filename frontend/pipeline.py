@@ -2,8 +2,10 @@
 
 ``preprocess`` (chat template, tokenizer pool) → ``route`` and ``plane`` (the
 dispatcher, :mod:`frontend.router.dispatch`: workers picked per leg, retried,
-migrated) → ``postprocess`` (incremental detokenizer, stop strings). The same stage
-names appear in metrics (``*_seconds``), logs and this code.
+migrated) → ``postprocess`` (incremental detokenizer, stop strings) → ``parse``
+(chat only: reasoning and tool calls out of the answer's text,
+:mod:`frontend.postprocess.parsers`). The same stage names appear in metrics
+(``*_seconds``), logs and this code.
 
 Two kinds of request take that path (:mod:`frontend.request`)::
 
@@ -12,7 +14,8 @@ Two kinds of request take that path (:mod:`frontend.request`)::
     TokenRequest (token-in) ── preprocess_tokens() ─┘
 
     tokens(prepared)     route, plane              ─▶ TokenDelta (new ids)   token-in API
-    generate(prepared)   tokens(), postprocess     ─▶ Delta (new text)       OpenAI routes
+    generate(prepared)   tokens(), postprocess,    ─▶ Delta (new text)       OpenAI routes
+                         parse
 
 A token-in request skips every stage that needs text: no template, no tokenizer, no
 detokenizer, no stop strings; its ids are only checked against the vocabulary and the
@@ -62,6 +65,7 @@ from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
 from frontend.postprocess.choice import ChoiceStream, Echo, echo
 from frontend.postprocess.logprobs import LogprobEntry, TokenTexts
+from frontend.postprocess.parsers import AnswerParser, ToolCallDelta, check_names, make_parser
 from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
@@ -84,6 +88,9 @@ CHOICES_CLEANUP_S = 5.0
 _INT64 = 1 << 64
 _NO_LOGPROBS = "the worker sent no logprobs for a request that asked for them"
 
+#: A rendered chat prompt ending in this opened the model's reasoning itself.
+THINK_OPEN = "<think>"
+
 
 #: The request a :class:`Prepared` came from: an OpenAI one or a token-in one.
 R = TypeVar("R", ParsedRequest, TokenRequest)
@@ -102,6 +109,9 @@ class Prepared(Generic[R]):
     sampling: SamplingParams
     created: float  # unix time, for the response's "created"
     started: float  # trio.current_time() at arrival, for TTFT
+    # The rendered prompt ends inside the model's reasoning (``<think>``: DeepSeek-V4's
+    # thinking mode), so the answer starts as reasoning, before any ``</think>``.
+    reasoning_forced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +142,21 @@ class Delta:
     request's completion tokens so far (every choice's), ``finish_reason`` on the
     choice's last one, ``final`` on the request's last one; ``logprobs``: the entries
     of the tokens whose text this delta carries (completions' echo: the prompt's
-    first), when asked."""
+    first), when asked.
+
+    With the parse stage on (chat, :class:`ParserChoice`), ``text`` is the answer's
+    content only; its reasoning and tool-call steps come apart in ``reasoning`` and
+    ``tool_calls``, and ``finish_reason`` is "tool_calls" when the model called one.
+    The logprobs then come with the delta in which the parse stage lets their text out
+    (of a marker it held back, up to one delta early).
+    """
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
     cached_tokens: int = 0
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
     index: int = 0
     logprobs: tuple[LogprobEntry, ...] = ()
     final: bool = False
@@ -162,6 +181,25 @@ class _Choices:
     echo_lock: trio.Lock = field(default_factory=trio.Lock)
 
 
+@dataclass(frozen=True, slots=True)
+class ParserChoice:
+    """The parse stage's parsers, by vLLM's names (``--tool-call-parser``,
+    ``--reasoning-parser``); "none" leaves the answer as the model wrote it. Tool calls
+    are parsed only for a request that offered tools (and did not say
+    ``tool_choice: "none"``), as vLLM does: a model's text that merely looks like a
+    call is content when no tool was offered."""
+
+    tool_call_parser: str = "none"
+    reasoning_parser: str = "none"
+    # The message field reasoning goes in: DeepSeek's and vLLM's "reasoning_content",
+    # or "reasoning" (what OpenRouter-style clients read).
+    reasoning_field: str = "reasoning_content"
+
+    @property
+    def active(self) -> bool:
+        return self.tool_call_parser != "none" or self.reasoning_parser != "none"
+
+
 class Pipeline:
     """The frontend's request path; see the module docstring."""
 
@@ -176,8 +214,11 @@ class Pipeline:
         metrics: FrontendMetrics,
         dispatch: DispatchConfig | None = None,
         limits: RequestLimits | None = None,
+        parsers: ParserChoice | None = None,
     ) -> None:
         self.model_name = model_name
+        self.parsers = parsers or ParserChoice()
+        check_names(self.parsers.tool_call_parser, self.parsers.reasoning_parser)
         #: The request limits; the pipeline applies the cap on max_tokens to a request
         #: that asked none (the HTTP layer checks those that did, before any work).
         self.limits = limits or RequestLimits()
@@ -246,6 +287,8 @@ class Pipeline:
             sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
             created=time.time(),
             started=started,
+            reasoning_forced=(parsed.endpoint == "chat" and isinstance(text_or_ids, str)
+                              and text_or_ids.rstrip().endswith(THINK_OPEN)),
         )
 
     async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
@@ -343,9 +386,10 @@ class Pipeline:
         return self._choice_tokens(prep)
 
     def generate(self, prep: Prepared[ParsedRequest]) -> AsyncGenerator[Delta, None]:
-        """Postprocess on top of :meth:`tokens`: stream text deltas of every choice; a
-        choice's last one carries ``finish_reason`` ("stop" also when a stop string
-        matched). Raises what :meth:`tokens` raises. A matched stop string closes the
+        """Postprocess and parse on top of :meth:`tokens`: stream deltas of every
+        choice's answer; a choice's last one carries ``finish_reason`` ("stop" also when
+        a stop string matched, "tool_calls" when the parse stage found a complete
+        call). Raises what :meth:`tokens` raises. A matched stop string closes the
         choice's token stream, which cancels the rest of its generation on the worker.
         """
         if prep.parsed.sampling.n > 1:
@@ -440,7 +484,7 @@ class Pipeline:
     async def _choice(
         self, prep: Prepared[ParsedRequest], index: int = 0, shared: _Choices | None = None
     ) -> AsyncGenerator[Delta, None]:
-        """Choice *index*'s text deltas, postprocessed by its own
+        """Choice *index*'s deltas, postprocessed and parsed by its own
         :class:`~frontend.postprocess.choice.ChoiceStream` (see :meth:`generate`)."""
         parsed = prep.parsed
         asked = parsed.sampling.logprobs is not None
@@ -453,21 +497,21 @@ class Pipeline:
                         special_ids=self.tokenizer.special_ids,
                     )  # fmt: skip
                     prompt = await self._echo(prep, step, shared) if parsed.echo else None
-                    choice = ChoiceStream(index, post, self.token_texts if asked else None, prompt)
-                delta = choice.step(step.token_ids, step.logprobs)
-                tokens, cached = choice.completion_tokens, step.cached_tokens
-                if delta.stopped:
-                    yield Delta(delta.text, tokens, "stop", cached, index, delta.logprobs, True)
+                    choice = ChoiceStream(
+                        index, post, texts=self.token_texts if asked else None, echo=prompt,
+                        parser=self._parser(prep),
+                    )  # fmt: skip
+                out = choice.step(step.token_ids, step.logprobs, step.finish_reason)
+                if out.finish_reason is not None or out:
+                    yield Delta(
+                        out.text, choice.completion_tokens, out.finish_reason,
+                        step.cached_tokens, out.reasoning, out.tool_calls, index, out.logprobs,
+                        final=out.finish_reason is not None,
+                    )  # fmt: skip
+                if out.finish_reason is not None:
+                    # A matched stop string ends the choice: closing its token stream
+                    # cancels the rest of its generation.
                     return
-                if step.finish_reason is not None:
-                    tail = choice.finish()
-                    # A stop string can complete in the held-back tail released by finish().
-                    reason = "stop" if choice.stopped else step.finish_reason
-                    yield Delta(delta.text + tail.text, choice.completion_tokens, reason,
-                                cached, index, delta.logprobs + tail.logprobs, True)  # fmt: skip
-                    return
-                if delta.text or delta.logprobs:
-                    yield Delta(delta.text, tokens, None, cached, index, delta.logprobs)
         raise AssertionError("_choice_tokens() ends with a finishing delta or raises")
 
     async def _echo(
@@ -551,6 +595,21 @@ class Pipeline:
                 await ended.wait()
         if finished < n:
             raise WorkerFailed("a choice's stream ended without a finish reason")
+
+    def _parser(self, prep: Prepared[ParsedRequest]) -> AnswerParser | None:
+        """This request's parse stage: chat only (``/v1/completions`` stays raw, as
+        OpenAI's does), tool calls only when tools were offered."""
+        parsed, choice = prep.parsed, self.parsers
+        if parsed.endpoint != "chat" or not choice.active:
+            return None
+        offered = bool(parsed.tools) and parsed.tool_choice != "none"
+        tool_parser = choice.tool_call_parser if offered else "none"
+        if tool_parser == "none" and choice.reasoning_parser == "none":
+            return None
+        return make_parser(
+            tool_parser, choice.reasoning_parser,
+            tools=parsed.tools if offered else None, reasoning_forced=prep.reasoning_forced,
+        )  # fmt: skip
 
 
 def _approx_chars(messages: list[Any] | None) -> int:

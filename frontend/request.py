@@ -54,6 +54,9 @@ class ParsedRequest:
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[Any] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    # None: not given ("auto" when there are tools, as OpenAI's)
+    tool_choice: Any = None
     echo: bool = False  # completions: the prompt's text (and logprobs) before the answer's
 
 

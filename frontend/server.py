@@ -31,7 +31,7 @@ from frontend.http.observed import Observed
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
 from frontend.metrics import FrontendMetrics
-from frontend.pipeline import Pipeline
+from frontend.pipeline import ParserChoice, Pipeline
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_tokenizer_files
@@ -57,6 +57,20 @@ def check_vocabulary(tokenizer: Tokenizer, model_vocab_size: int) -> None:
             f"ids but the model's vocabulary is {model_vocab_size}: not this model's "
             "tokenizer (pass --tokenizer with the model's own)"
         )
+
+
+def parser_choice(config: FrontendConfig, template: ChatTemplate) -> ParserChoice:
+    """The parse stage's parsers: those configured, else the model's own (DeepSeek-V4's
+    for the built-in template, whose answers are DSML tool calls and ``<think>``
+    reasoning), else none: an unknown model's text is passed on as it came."""
+    from frontend.preprocess.deepseek_v4 import DeepSeekV4ChatTemplate
+
+    own = "deepseek_v4" if isinstance(template, DeepSeekV4ChatTemplate) else "none"
+    return ParserChoice(
+        tool_call_parser=config.tool_call_parser or own,
+        reasoning_parser=config.reasoning_parser or own,
+        reasoning_field=config.reasoning_field,
+    )
 
 
 class Frontend:
@@ -109,6 +123,7 @@ class Frontend:
                 queue_size=config.queue_size,
             ),
             limits=config.limits,
+            parsers=parser_choice(config, self.template),
         )
         # HTTP requests in flight: the loop monitor rests while there are none.
         self.activity = Activity()

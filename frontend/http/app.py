@@ -190,7 +190,8 @@ def create_app(
             raise UnknownModel(parsed.model)
         return await _serve(
             endpoint, parsed.stream, partial(pipeline.preprocess, parsed),
-            pipeline.generate, OpenAIFormat,
+            pipeline.generate,
+            partial(OpenAIFormat, reasoning_field=pipeline.parsers.reasoning_field),
         )  # fmt: skip
 
     async def _serve(

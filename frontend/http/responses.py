@@ -18,13 +18,14 @@ Kept apart from the routes so the shapes can be read (and tested) in one place; 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Generic
 
 import orjson
 
 from frontend.pipeline import D, Delta, Prepared, TokenDelta
 from frontend.postprocess.logprobs import FLOOR, LogprobEntry, clamp
+from frontend.postprocess.parsers import ToolCallDelta
 from frontend.request import ParsedRequest, TokenRequest
 from headwater.wire import TokenLogprobs
 
@@ -72,11 +73,19 @@ class ResponseFormat(ABC, Generic[D]):
 class OpenAIFormat(ResponseFormat[Delta]):
     """OpenAI's chat completion and text completion objects, and their chunks.
 
-    The fixed parts of every chunk are built once; each event is one ``bytes``.
+    The fixed parts of every chunk are built once; each event is one ``bytes``. What the
+    parse stage took apart goes where OpenAI's clients read it: reasoning in
+    ``reasoning_field`` (``reasoning_content`` by default: DeepSeek's and vLLM's name;
+    some clients read ``reasoning``), tool calls in ``tool_calls`` (streamed as OpenAI
+    does: a call's first delta has its index, id, type and name, later ones add
+    ``arguments`` fragments).
     """
 
-    def __init__(self, prep: Prepared[ParsedRequest]) -> None:
+    def __init__(
+        self, prep: Prepared[ParsedRequest], *, reasoning_field: str = "reasoning_content"
+    ) -> None:
         self.prep = prep
+        self.reasoning_field = reasoning_field
         self.chat = prep.parsed.endpoint == "chat"
         self.n = prep.parsed.sampling.n
         self.logprobs = prep.parsed.sampling.logprobs is not None
@@ -97,26 +106,31 @@ class OpenAIFormat(ResponseFormat[Delta]):
         }
 
     def unary(self, deltas: list[Delta]) -> bytes:
-        texts: list[list[str]] = [[] for _ in range(self.n)]
-        entries: list[list[LogprobEntry]] = [[] for _ in range(self.n)]
-        finish: list[str | None] = [None] * self.n
+        by_choice: list[list[Delta]] = [[] for _ in range(self.n)]
         for d in deltas:
-            texts[d.index].append(d.text)
-            entries[d.index].extend(d.logprobs)
-            if d.finish_reason is not None:
-                finish[d.index] = d.finish_reason
-        choices = []
-        for i in range(self.n):
-            text = "".join(texts[i])
-            choice: dict[str, Any] = {"index": i, "finish_reason": finish[i],
-                                      "logprobs": self._logprobs(entries[i])}  # fmt: skip
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choices.append(choice)
+            by_choice[d.index].append(d)
+        choices = [self._choice(i, mine) for i, mine in enumerate(by_choice)]
         head = self._fixed("chat.completion" if self.chat else "text_completion")
         return orjson.dumps({**head, "choices": choices, "usage": self._usage(deltas[-1])})
+
+    def _choice(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
+        """One choice of a unary body, from its deltas (the last carries its finish)."""
+        text = "".join(d.text for d in deltas)
+        entries = [e for d in deltas for e in d.logprobs]
+        choice: dict[str, Any] = {"index": index, "finish_reason": deltas[-1].finish_reason,
+                                  "logprobs": self._logprobs(entries)}  # fmt: skip
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reasoning = "".join(d.reasoning for d in deltas)
+            if reasoning:
+                message[self.reasoning_field] = reasoning
+            if calls := _whole_calls(d.tool_calls for d in deltas):
+                message["tool_calls"] = calls
+                message["content"] = text or None  # OpenAI's: null beside tool calls
+            choice["message"] = message
+        else:
+            choice["text"] = text
+        return choice
 
     def _logprobs(self, entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
         """A choice's (or a chunk's) logprobs in the endpoint's shape; None when the
@@ -161,13 +175,48 @@ class OpenAIFormat(ResponseFormat[Delta]):
         choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason,
                                   "logprobs": self._logprobs(delta.logprobs)}  # fmt: skip
         if self.chat:
-            choice["delta"] = {"content": delta.text} if delta.text else {}
+            body: dict[str, Any] = {}
+            if delta.reasoning:
+                body[self.reasoning_field] = delta.reasoning
+            if delta.text:
+                body["content"] = delta.text
+            if delta.tool_calls:
+                body["tool_calls"] = [_call_step(c) for c in delta.tool_calls]
+            choice["delta"] = body
         else:
             choice["text"] = delta.text
         return self._chunk([choice])
 
     def usage(self, last: Delta) -> bytes:
         return self._chunk([], usage=self._usage(last))
+
+
+def _call_step(call: ToolCallDelta) -> dict[str, Any]:
+    """One tool-call step of a chat chunk, in OpenAI's streamed shape."""
+    function: dict[str, Any] = {"arguments": call.arguments}
+    step: dict[str, Any] = {"index": call.index, "function": function}
+    if call.id is not None:
+        step["id"] = call.id
+        step["type"] = "function"
+    if call.name is not None:
+        function["name"] = call.name
+    return step
+
+
+def _whole_calls(steps: Iterable[tuple[ToolCallDelta, ...]]) -> list[dict[str, Any]]:
+    """The tool calls a unary answer made, each put together from its steps."""
+    calls: dict[int, dict[str, Any]] = {}
+    for batch in steps:
+        for step in batch:
+            call = calls.setdefault(
+                step.index, {"id": "", "type": "function",
+                             "function": {"name": "", "arguments": ""}})  # fmt: skip
+            if step.id is not None:
+                call["id"] = step.id
+            if step.name is not None:
+                call["function"]["name"] = step.name
+            call["function"]["arguments"] += step.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 class TokenFormat(ResponseFormat[TokenDelta]):

@@ -214,6 +214,7 @@ def parse_request(
         user=req.user,
         chat_template_kwargs=kwargs,
         tools=tools,
+        tool_choice=body.get("tool_choice") if tools else None,
         echo=echo,
     )
 

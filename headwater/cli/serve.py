@@ -151,6 +151,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--inline-max-chars", type=int, default=None,
                    help="prompts this short encode on the loop, where that is cheaper than "
                         "a thread hop (default: 8192 with fastokens, 256 with hf)")
+    m.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="tool calls out of chat answers: deepseek_v4, deepseek_v32, "
+                        "deepseek_v31, hermes or none (default: the model's; deepseek_v4 "
+                        "for the built-in DeepSeek-V4 template, else none)")
+    m.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="reasoning (<think>...</think>) out of chat answers: deepseek_v4, "
+                        "deepseek_r1 or none (default: as --tool-call-parser)")
+    m.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning"],
+                   default=_D.reasoning_field,
+                   help="the message field reasoning goes in")
 
     w = p.add_argument_group("workers and routing")
     w.add_argument("--engine", choices=registry.names(), default=_D.engine,
