@@ -10,8 +10,9 @@ characters, escaped (``\\xe4\\xbd``), as OpenAI and DeepSeek show them (vLLM sho
 U+FFFD there, which loses the bytes). A logprob of ``-inf`` (or NaN) shows as
 ``-9999.0``, OpenAI's value for a token the model rules out.
 
-Pure computation; a :class:`TokenTexts` is shared by every request of a frontend (one
-loop, no threads).
+Pure computation; a :class:`TokenTexts` is shared by every request of a frontend. Its
+memo is a dict, whose single operations the GIL keeps whole, so the echo of a long prompt
+may read it from a thread while the loop does too (at worst a text is computed twice).
 """
 
 from __future__ import annotations
