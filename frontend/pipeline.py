@@ -327,7 +327,10 @@ class Pipeline:
     async def _render(self, parsed: ParsedRequest) -> str:
         render = self.template.render
         kwargs = parsed.chat_template_kwargs
-        if _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS:
+        # The parser's count has the tools and their arguments too: a large one renders
+        # off the loop like a long conversation.
+        chars = parsed.text_chars
+        if (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS:
             return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
 
         def work() -> str:
