@@ -10,9 +10,11 @@ gives (workers/engines/mocker/sampling.py), computed here independently.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -392,3 +394,18 @@ async def test_logprob_bounds_and_dependencies_are_400s() -> None:
             assert_error(await c.post("/v1/completions", json={"model": MODEL, **body}), 400,
                          param)  # fmt: skip
 
+
+
+async def test_an_engine_without_logprobs_never_answers_without_them(tmp_path: Path) -> None:
+    from workers.engines.scripted import ScriptedConfig
+
+    script = tmp_path / "script.jsonl"
+    script.write_text(json.dumps({"default": True, "text": "The sea."}) + "\n")
+    config = ScriptedConfig(script=str(script), token_delay=0)
+    async with serve_frontend(engine="scripted", engine_config=config, mode="agg") as (_, url), \
+            httpx.AsyncClient(base_url=url) as c:
+        assert (await chat(c, max_tokens=4))["choices"][0]["message"]["content"] == "The sea."
+        r = await c.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 4, "logprobs": True})  # fmt: skip
+        assert r.status_code in (400, 502), r.text
+        assert "logprobs" in r.json()["error"]["message"]
