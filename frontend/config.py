@@ -160,6 +160,9 @@ class FrontendConfig:
     # detector and the dashboard); off in production, where that route is a 404.
     debug_endpoints: bool = False
     log_level: str = "info"
+    log_format: str = "text"  # "text" or "json" (headwater/logs.py)
+    # OTLP/HTTP collector to send traces to (``http://host:4318``); "" = tracing off.
+    otlp_endpoint: str = ""
 
     @property
     def plane_tls(self) -> TlsConfig | None:

@@ -71,6 +71,8 @@ from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
+from headwater.logs import current_request
+from headwater.tracing import Span, current_trace, tracer
 from headwater.wire import GenerateRequest, Role, SamplingParams, TokenLogprobs
 from headwater.wire.tokens import token_array
 
@@ -266,22 +268,27 @@ class Pipeline:
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
+        root = current_trace().span
         try:
-            if parsed.endpoint == "chat":
-                text_or_ids = await self._render(parsed)
-            else:
-                text_or_ids = completion_prompt(parsed.prompt)
+            with tracer().span("preprocess.template", parent=root):
+                if parsed.endpoint == "chat":
+                    text_or_ids = await self._render(parsed)
+                else:
+                    text_or_ids = completion_prompt(parsed.prompt)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param=param) from exc
         t1 = time.perf_counter()
         self.metrics.template_seconds.observe(t1 - t0)
         if isinstance(text_or_ids, str):
-            prompt_ids = await self.pool.encode(text_or_ids)
+            with tracer().span("preprocess.tokenize", parent=root) as span:
+                prompt_ids = await self.pool.encode(text_or_ids)
+                span.set_many({"headwater.prompt_chars": len(text_or_ids),
+                               "gen_ai.usage.input_tokens": len(prompt_ids)})  # fmt: skip
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
         return Prepared(
-            request_id=uuid.uuid4().hex,
+            request_id=plane_request_id(),
             parsed=parsed,
             prompt_ids=prompt_ids,
             sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
@@ -302,7 +309,7 @@ class Pipeline:
         started = trio.current_time()
         prompt_ids = self._token_ids(request.token_ids, "token_ids")
         return Prepared(
-            request_id=uuid.uuid4().hex,
+            request_id=plane_request_id(),
             parsed=request,
             prompt_ids=prompt_ids,
             sampling=self._sampling(request.sampling, len(prompt_ids), "token_ids"),
@@ -458,6 +465,9 @@ class Pipeline:
                     cached = max(cached, chunk.cached_tokens)
                     if chunk.finish_reason is not None or chunk.token_ids:
                         reason = chunk.finish_reason and chunk.finish_reason.value
+                        if reason is not None and shared is None:  # n > 1: _choices'
+                            _trace_usage(self.model_name, len(prep.prompt_ids), generated,
+                                         cached, reason)  # fmt: skip
                         yield TokenDelta(
                             chunk.token_ids, generated, reason, cached, index, chunk.logprobs,
                             chunk.prompt_logprobs, final=reason is not None,
@@ -492,7 +502,8 @@ class Pipeline:
         parsed = prep.parsed
         asked = parsed.sampling.logprobs is not None
         choice: ChoiceStream | None = None
-        async with aclosing(self._choice_tokens(prep, index, shared)) as steps:
+        steps = _postprocess_span(self._choice_tokens(prep, index, shared))
+        async with aclosing(steps):
             async for step in steps:
                 if choice is None:  # the first step: completions' echo goes first
                     post = TextPostprocessor(
@@ -579,7 +590,8 @@ class Pipeline:
         for index in range(n):
             self._nursery.start_soon(run, index, send.clone())
         send.close()
-        counts, cached, finished = [0] * n, 0, 0
+        counts, cached, reasons = [0] * n, 0, [""] * n
+        finished = 0
         try:
             async with receive:
                 async for item in receive:
@@ -588,7 +600,12 @@ class Pipeline:
                     counts[item.index] = item.completion_tokens
                     if item.index == 0:
                         cached = item.cached_tokens
-                    finished += item.finish_reason is not None
+                    if item.finish_reason is not None:
+                        reasons[item.index] = item.finish_reason
+                        finished += 1
+                        if finished == n:
+                            _trace_usage(self.model_name, len(prep.prompt_ids), sum(counts),
+                                         cached, ",".join(reasons))  # fmt: skip
                     yield replace(item, completion_tokens=sum(counts), cached_tokens=cached,
                                   final=finished == n)  # fmt: skip
         finally:
@@ -613,6 +630,50 @@ class Pipeline:
             tool_parser, choice.reasoning_parser,
             tools=parsed.tools if offered else None, reasoning_forced=prep.reasoning_forced,
         )  # fmt: skip
+
+
+def _trace_usage(model: str, prompt: int, generated: int, cached: int, reasons: str) -> None:
+    """The request's usage on its trace's span (the request's, every choice's)."""
+    current_trace().span.set_many({
+        "gen_ai.request.model": model,
+        "gen_ai.usage.input_tokens": prompt,
+        "gen_ai.usage.output_tokens": generated,
+        "headwater.cached_tokens": cached,
+        "gen_ai.response.finish_reasons": reasons,
+    })  # fmt: skip
+
+
+def plane_request_id() -> str:
+    """A request's id on the request plane: the HTTP request's id (the client's
+    ``X-Request-Id``, or generated) and 8 random hex digits, since two requests may
+    bring the same id and the plane's must be unique; fully random outside one."""
+    ctx = current_request()
+    suffix = uuid.uuid4().hex
+    return f"{ctx.request_id}-{suffix[:8]}" if ctx is not None else suffix
+
+
+def _postprocess_span(
+    steps: AsyncGenerator[TokenDelta, None],
+) -> AsyncGenerator[TokenDelta, None]:
+    """*steps* itself when the request is not traced; else *steps* inside one
+    "postprocess" span, which sums the CPU seconds this thread spent between two steps:
+    the stages downstream of the plane (detokenize, parse, the response's formatting)."""
+    parent = current_trace().span
+    return _timed(steps, parent) if parent.recording else steps
+
+
+async def _timed(steps: AsyncGenerator[TokenDelta, None], parent: Span
+                 ) -> AsyncGenerator[TokenDelta, None]:  # fmt: skip
+    spent = 0.0
+    with tracer().span("postprocess", parent=parent) as span:
+        try:
+            async with aclosing(steps):
+                async for step in steps:
+                    t0 = time.thread_time()
+                    yield step
+                    spent += time.thread_time() - t0
+        finally:
+            span.set("headwater.postprocess.cpu_seconds", spent)
 
 
 def _approx_chars(messages: list[Any] | None) -> int:

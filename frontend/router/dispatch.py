@@ -59,6 +59,7 @@ import trio
 from frontend.errors import InvalidRequest, NoCapacity, NoWorkers, WorkerFailed
 from frontend.router.router import Router
 from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
+from headwater.tracing import NULL_SPAN, Span, SpanKind, current_trace, tracer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
 from headwater.wire.tokens import token_array
 
@@ -115,6 +116,8 @@ class _Attempts:
     serving: WorkerClient | None = None
     #: The worker per role that the streams of this request prefer (shared by them).
     affinity: dict[Role, str] | None = None
+    #: The request's "dispatch" span: each leg's is its child.
+    span: Span = NULL_SPAN
 
     def failed(self) -> frozenset[str]:
         """Every worker that failed this request (to reach one that has not)."""
@@ -162,25 +165,30 @@ class Dispatcher:
         """
         generated = token_array()
         state = _Attempts(affinity=affinity)
-        while True:
-            attempt = self._continuation(request, generated, state.migrations)
-            try:
-                async with aclosing(self._attempt(attempt, state)) as chunks:
-                    async for chunk in chunks:
-                        generated.extend(chunk.token_ids)
-                        state.delivered = len(generated)
-                        yield chunk
-                return
-            except _Migrate as exc:
-                if state.migrations >= self.config.migration_limit:
-                    raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
-                state.migrations += 1
-                if self.metrics is not None:
+        with tracer().span("dispatch", parent=current_trace().span) as state.span:
+            while True:
+                attempt = self._continuation(request, generated, state.migrations)
+                try:
+                    async with aclosing(self._attempt(attempt, state)) as chunks:
+                        async for chunk in chunks:
+                            generated.extend(chunk.token_ids)
+                            state.delivered = len(generated)
+                            yield chunk
+                    return
+                except _Migrate as exc:
+                    if state.migrations >= self.config.migration_limit:
+                        raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
+                    state.migrations += 1
                     # As Dynamo counts them: before any token reached the caller, or after.
                     kind = "ongoing_request" if generated else "new_request"
-                    self.metrics.model_migration_total.labels(kind).inc()
-                log.warning("request %s: %s; migrating with %d tokens",
-                            request.request_id, exc, len(generated))  # fmt: skip
+                    if self.metrics is not None:
+                        self.metrics.model_migration_total.labels(kind).inc()
+                    state.span.event("migration", {
+                        "headwater.migration": state.migrations, "headwater.migration.kind": kind,
+                        "headwater.tokens_delivered": len(generated), "reason": str(exc),
+                    })  # fmt: skip
+                    log.warning("request %s: %s; migrating with %d tokens",
+                                request.request_id, exc, len(generated))  # fmt: skip
 
     @staticmethod
     def _continuation(
@@ -283,42 +291,55 @@ class Dispatcher:
             # success is booked in `finally`, from what was seen, not after the loop.
             finished = False
             relayed = False  # a chunk of this leg reached the caller
-            try:
-                with self.router.track(client):
-                    state.serving = client
-                    async with client.stream(leg) as replies:
-                        async for chunk in replies:
-                            finished = chunk.finish_reason is not None
-                            relayed = True
-                            yield chunk
-                finished = True  # End received (a prefill leg has no finish reason)
-                return
-            except CannotConnect as exc:
-                if exc.excused:
-                    # Our own loop stalled through the ACK window: not the worker's
-                    # fault (headwater.instrumentation.attribution). Try again.
-                    log.warning("worker %s: ACK missed while this loop was stalled; "
-                                "not counted against it", wid)  # fmt: skip
-                else:
-                    state.refused.add(wid)
-                    self.router.report_failure(client, exc)
-                    log.warning("worker %s unreachable: %s", wid, exc)
-                if tried >= self.config.route_attempts:
-                    raise NoCapacity("no worker could take the request") from exc
-            except Disconnected as exc:
-                state.broke.add(wid)
-                self.router.report_failure(client, exc)
-                raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
-            except WorkerError as exc:
-                if relayed and exc.retryable:
-                    # Failed mid-stream (its engine went down): the tokens so far
-                    # stand, the rest comes from elsewhere, as after a broken stream.
+            t = tracer()
+            attributes = {
+                "headwater.worker.id": wid, "headwater.plane.request_id": leg.request_id,
+                "headwater.router.policy": self.router.policy.value,
+                "headwater.attempt": tried, "headwater.migration": state.migrations,
+            } if t.enabled else None  # fmt: skip
+            with t.span(f"leg {role.value}", parent=state.span, kind=SpanKind.CLIENT,
+                        attributes=attributes) as span:  # fmt: skip
+                if span.recording:  # the worker's spans become this leg's children
+                    leg = replace(leg, traceparent=span.traceparent, tracestate=span.tracestate)
+                try:
+                    with self.router.track(client):
+                        state.serving = client
+                        async with client.stream(leg) as replies:
+                            span.event("ack")
+                            async for chunk in replies:
+                                finished = chunk.finish_reason is not None
+                                relayed = True
+                                yield chunk
+                    finished = True  # End received (a prefill leg has no finish reason)
+                    return
+                except CannotConnect as exc:
+                    span.fail(f"no ACK: {exc}")
+                    if exc.excused:
+                        # Our own loop stalled through the ACK window: not the worker's
+                        # fault (headwater.instrumentation.attribution). Try again.
+                        log.warning("worker %s: ACK missed while this loop was stalled; "
+                                    "not counted against it", wid)  # fmt: skip
+                    else:
+                        state.refused.add(wid)
+                        self.router.report_failure(client, exc)
+                        log.warning("worker %s unreachable: %s", wid, exc)
+                    if tried >= self.config.route_attempts:
+                        raise NoCapacity("no worker could take the request") from exc
+                except Disconnected as exc:
                     state.broke.add(wid)
-                    raise _Migrate(f"{role.value} worker {wid}: {exc.message}") from exc
-                self._refused(role, client, exc, state, tried)
-            finally:
-                if finished:
-                    self.router.report_success(client)
+                    self.router.report_failure(client, exc)
+                    raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
+                except WorkerError as exc:
+                    if relayed and exc.retryable:
+                        # Failed mid-stream (its engine went down): the tokens so far
+                        # stand, the rest comes from elsewhere, as after a broken stream.
+                        state.broke.add(wid)
+                        raise _Migrate(f"{role.value} worker {wid}: {exc.message}") from exc
+                    span.fail(f"refused: {exc.code.value}")
+                    self._refused(role, client, exc, state, tried)
+                finally:
+                    if finished:
+                        self.router.report_success(client)
 
     def _refused(
         self, role: Role, client: WorkerClient, exc: WorkerError, state: _Attempts, tried: int

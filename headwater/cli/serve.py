@@ -23,6 +23,7 @@ from frontend.config import FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from frontend.limits import RequestLimits
 from headwater.cli.options import (
+    LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
     add_etcd_options,
@@ -231,6 +232,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "purpose (testing only: never on a production frontend)")
     o.add_argument("--log-level", default=_D.log_level,
                    choices=LOG_LEVELS, help="log verbosity")
+    o.add_argument("--log-format", default=_D.log_format, choices=LOG_FORMATS,
+                   help="text lines, or one JSON object a line (docs/observability.md)")
+    o.add_argument("--otlp-endpoint", default=_D.otlp_endpoint,
+                   help="send OpenTelemetry traces over OTLP/HTTP here, e.g. "
+                        "http://127.0.0.1:4318 (default: no tracing)")
 
     for name in registry.names():
         group = p.add_argument_group(f"engine {name} (in-process workers)",
@@ -312,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     if args.api_key:
         logging.getLogger(__name__).warning(
             "--api-key puts a key in the command line, which every user of this machine can "

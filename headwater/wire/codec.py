@@ -75,6 +75,7 @@ from typing import Any, Final, TypeVar, overload
 
 import msgpack
 
+from headwater.tracing.w3c import TraceParent, valid_tracestate
 from headwater.wire.errors import FrameTooLarge, ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -380,15 +381,20 @@ def _body(frame: Frame) -> _Map:
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
     match frame:
         case GenerateRequest():
-            return {
+            body: _Map = {
                 "request_id": frame.request_id,
                 "model": frame.model,
                 "token_ids": pack_token_ids(frame.token_ids),
                 "sampling": _sampling_body(frame.sampling),
                 "kv_handle": _handle_body(frame.kv_handle),
                 "eos_token_ids": list(frame.eos_token_ids),
-                "k": "request",
             }
+            if frame.traceparent:  # only when traced: an untraced frame is unchanged
+                body["traceparent"] = frame.traceparent
+                if frame.tracestate:
+                    body["tracestate"] = frame.tracestate
+            body["k"] = "request"
+            return body
         case Chunk():
             chunk: _Map = {
                 "request_id": frame.request_id,
@@ -793,7 +799,19 @@ def _parse_request(d: _Map) -> GenerateRequest:
         sampling=checked,
         kv_handle=_kv_handle(d),
         eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
+        **_trace_fields(d),
     )
+
+
+def _trace_fields(d: _Map) -> dict[str, str]:
+    """A request's optional ``traceparent`` and ``tracestate``, W3C-valid and bounded."""
+    parent = _field(d, "traceparent", str, "")
+    state = _field(d, "tracestate", str, "")
+    if parent and TraceParent.parse(parent) is None:
+        raise ProtocolError("request: malformed traceparent")
+    if state and (not parent or not valid_tracestate(state)):
+        raise ProtocolError("request: malformed tracestate")
+    return {"traceparent": parent, "tracestate": state} if parent else {}
 
 
 def _parse_chunk(d: _Map) -> Chunk:

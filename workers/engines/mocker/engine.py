@@ -31,6 +31,7 @@ from workers.engines.mocker.kv_cache import KvCache, KvCacheStats
 from workers.engines.mocker.sampling import natural_length, prompt_logprobs, seed_key
 from workers.engines.mocker.scheduler import MockerCounters, Scheduler, Sequence
 from workers.engines.mocker.transfers import HeldTransfers
+from workers.engines.stages import stage_spans
 
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
@@ -118,15 +119,24 @@ class MockerEngine(Engine):
         seq = self._new_sequence(request)
         self.counters.requests_started += 1
         finished = failed = False
+        spans = stage_spans()  # None unless this request is traced
         try:
             prompt = await self._prompt_logprobs(request)
             if request.kv_handle is not None:
+                if spans:
+                    spans.stage("engine.kv_pull", {"headwater.kv.tokens":
+                                                   request.kv_handle.num_tokens})  # fmt: skip
                 await self._pull(request.kv_handle)
                 seq.transferred = request.kv_handle.num_tokens
                 seq.block_hashes = self._usable_hashes(request.kv_handle)
+            if spans:  # the queue's wait and the prefill: the simulated scheduler's
+                spans.stage("engine.prefill", {"headwater.prompt_tokens": len(request.token_ids)})
             self._enqueue(seq)
             while True:
                 if seq.pending:
+                    if spans and spans.name != "engine.decode":  # the first token
+                        spans.current.set("headwater.cached_tokens", seq.cached_tokens or 0)
+                        spans.stage("engine.decode")
                     token = seq.pending.popleft()
                     last = seq.finish is not None and not seq.pending
                     if last:
@@ -165,6 +175,8 @@ class MockerEngine(Engine):
             raise
         finally:
             # Synchronous on purpose: runs under cancellation and GeneratorExit alike.
+            if spans:
+                spans.close()
             if not finished:
                 if failed:
                     self.counters.requests_failed += 1
