@@ -40,6 +40,7 @@ from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_tokenizer_files
 from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router, WorkerState
 from frontend.router.health import Transition
+from frontend.router.kv_routing import KvConfig
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 from headwater.procmem import trim_heap
@@ -112,6 +113,13 @@ class Frontend:
             ),
             busy=BusyThresholds(kv_usage=config.busy_kv_usage, waiting=config.busy_waiting),
             on_transition=self._count_transition,
+            kv=KvConfig(
+                block_size=config.kv_block_size,
+                prefill_load_scale=config.kv_prefill_load_scale,
+                temperature=config.kv_temperature,
+                events=config.kv_events == "on",
+                approx_ttl=config.kv_approx_ttl,
+            ),
         )
         self.pipeline = Pipeline(
             model_name=config.model_name,

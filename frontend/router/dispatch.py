@@ -57,7 +57,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from frontend.errors import InvalidRequest, NoCapacity, NoWorkers, WorkerFailed
-from frontend.router.router import Router
+from frontend.router.kv_index import prompt_hashes
+from frontend.router.router import Policy, Prompt, Router
 from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
 from headwater.tracing import NULL_SPAN, Span, SpanKind, current_trace, tracer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
@@ -69,6 +70,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _BUSY_RECHECK_S = 0.1  # how often a queued request looks at the workers' reported load
+#: Prompts at least this long are hashed for ``--router kv`` in a thread (~0.3 ms of
+#: hashing at 64 tokens a block); shorter ones inline, cheaper than the thread hop.
+_HASH_INLINE_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,10 @@ class _Attempts:
     affinity: dict[Role, str] | None = None
     #: The request's "dispatch" span: each leg's is its child.
     span: Span = NULL_SPAN
+    #: The prompt as ``--router kv`` weighs it (None under the other policies).
+    prompt: Prompt | None = None
+    #: Prompt tokens the current attempt's prefill worker found cached.
+    prefill_cached: int = 0
 
     def failed(self) -> frozenset[str]:
         """Every worker that failed this request (to reach one that has not)."""
@@ -165,6 +173,8 @@ class Dispatcher:
         """
         generated = token_array()
         state = _Attempts(affinity=affinity)
+        if self.router.policy is Policy.KV:
+            state.prompt = await self._prompt(request)
         with tracer().span("dispatch", parent=current_trace().span) as state.span:
             while True:
                 attempt = self._continuation(request, generated, state.migrations)
@@ -189,6 +199,16 @@ class Dispatcher:
                     })  # fmt: skip
                     log.warning("request %s: %s; migrating with %d tokens",
                                 request.request_id, exc, len(generated))  # fmt: skip
+
+    async def _prompt(self, request: GenerateRequest) -> Prompt:
+        """The request's block hashes for ``--router kv``: in a thread for a long
+        prompt (~0.5 µs per block; docs/routing.md), so the loop stays free."""
+        tokens, size = request.token_ids, self.router.kv.block_size
+        if len(tokens) >= _HASH_INLINE_MAX_TOKENS:
+            hashes = await trio.to_thread.run_sync(prompt_hashes, tokens, size)
+        else:
+            hashes = prompt_hashes(tokens, size)
+        return Prompt(len(tokens), hashes)
 
     @staticmethod
     def _continuation(
@@ -246,9 +266,16 @@ class Dispatcher:
                 # An aggregated worker, unless the only ones left broke this request and
                 # a decode worker that did not is there to prefill it locally.
                 role = Role.AGG
+            state.prefill_cached = state.prefill_cached if held is not None else 0
+            cap = len(request.token_ids)
             async with aclosing(self._leg(role, request, state)) as chunks:
                 async for chunk in chunks:
                     held = None  # a decode worker's first chunk comes after its pull
+                    if state.prefill_cached:
+                        # The prompt tokens the prefill worker did not compute, plus any
+                        # the decode worker found cached past what it pulled.
+                        cached = min(cap, state.prefill_cached + chunk.cached_tokens)
+                        chunk = replace(chunk, cached_tokens=cached)
                     yield chunk
         finally:
             if held is not None:
@@ -259,9 +286,11 @@ class Dispatcher:
 
     async def _prefill(self, request: GenerateRequest, state: _Attempts) -> _HeldKv:
         held = None
+        state.prefill_cached = 0
         try:
             async with aclosing(self._leg(Role.PREFILL, request, state)) as chunks:
                 async for chunk in chunks:
+                    state.prefill_cached = max(state.prefill_cached, chunk.cached_tokens)
                     if chunk.kv_handle is not None and state.serving is not None:
                         held = _HeldKv(state.serving, chunk.kv_handle)
         except BaseException:
@@ -301,8 +330,11 @@ class Dispatcher:
                         attributes=attributes) as span:  # fmt: skip
                 if span.recording:  # the worker's spans become this leg's children
                     leg = replace(leg, traceparent=span.traceparent, tracestate=span.tracestate)
+                blocks = 0
+                if state.prompt is not None:
+                    blocks = -(-state.prompt.num_tokens // self.router.kv.block_size)
                 try:
-                    with self.router.track(client):
+                    with self.router.track(client, blocks):
                         state.serving = client
                         async with client.stream(leg) as replies:
                             span.event("ack")
@@ -398,7 +430,9 @@ class Dispatcher:
         affinity = state.affinity
         exclude = state.excluded(self.router, role, self.model)
         if affinity is None:
-            return self.router.pick(role, self.model, exclude)
-        client = self.router.pick(role, self.model, exclude, prefer=affinity.get(role))
+            return self.router.pick(role, self.model, exclude, state.prompt)
+        client = self.router.pick(
+            role, self.model, exclude, state.prompt, prefer=affinity.get(role)
+        )
         affinity.setdefault(role, client.instance.worker_id)
         return client

@@ -174,8 +174,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tcp://host:port?role=prefill,tcp://host:port?role=decode")
     w.add_argument("--discovery", default=None,
                    help="find workers in etcd, e.g. etcd://127.0.0.1:2379")
-    w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c"],
-                   default=_D.router, help="how a worker is chosen per request")
+    w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c", "kv"],
+                   default=_D.router, help="how a worker is chosen per request (kv: where "
+                        "the prompt's prefix is cached; docs/routing.md)")
+    w.add_argument("--kv-block-size", type=positive_int, default=_D.kv_block_size,
+                   help="--router kv: tokens per block, the engines' block size")
+    w.add_argument("--kv-prefill-load-scale", type=float, default=_D.kv_prefill_load_scale,
+                   help="--router kv: weight of uncached prefill blocks against blocks in "
+                        "flight")
+    w.add_argument("--kv-temperature", type=float, default=_D.kv_temperature,
+                   help="--router kv: 0 picks the lowest cost; above, softmax sampling")
+    w.add_argument("--kv-events", choices=["on", "off"], default=_D.kv_events,
+                   help="--router kv: follow the workers' KV events, or (off) remember "
+                        "where prefixes were sent")
+    w.add_argument("--kv-approx-ttl", type=positive_float, default=_D.kv_approx_ttl,
+                   help="--router kv: seconds approximate mode remembers a routed prefix")
     w.add_argument("--ack-timeout", type=positive_float, default=_D.ack_timeout,
                    help="seconds a worker has to acknowledge a request")
     w.add_argument("--migration-limit", type=int, default=_D.migration_limit,

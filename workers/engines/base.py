@@ -29,6 +29,7 @@ import trio
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, Role
+from headwater.wire.kv_events import KvEventLog
 
 
 class EngineError(WorkerError):
@@ -75,6 +76,9 @@ class Engine(abc.ABC):
     """A model engine in one role. Owns its scheduler task via :meth:`run`."""
 
     role: Role
+    #: What its prefix cache stores and evicts (``headwater.wire.kv_events``), for
+    #: KV-aware routing; None for an engine that publishes no events.
+    kv_events: KvEventLog | None = None
 
     @abc.abstractmethod
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -32,6 +32,7 @@ from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvSource
 from headwater.tracing import NULL_SPAN, SpanKind, TraceContext, trace_context, tracer
 from headwater.wire import Ack, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
+from headwater.wire.kv_events import KvEventBatch
 from workers.engines.base import Engine, EngineError, EngineStats
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,12 @@ class WorkerRuntime:
         scope = self._scopes.get(request_id)
         if scope is not None:
             scope.cancel()
+
+    def kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The engine's KV events from *since* on (a dump when negative); None when
+        the engine publishes none. Never blocks (``headwater.wire.kv_events``)."""
+        events = self.engine.kv_events
+        return None if events is None else events.read(since, limit)
 
     def release_kv(self, transfer_id: str) -> None:
         """Free the KV held under *transfer_id*, which no decode worker will pull (the

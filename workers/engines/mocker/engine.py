@@ -24,6 +24,7 @@ import trio
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role, TokenLogprobs
+from headwater.wire.kv_events import KvEventLog
 from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
@@ -73,7 +74,8 @@ class MockerEngine(Engine):
         self.kv_transfer = kv_transfer
         self.transfer_address = transfer_address or f"memory://{worker_id}"
         self.counters = MockerCounters()
-        self._cache = KvCache(config.num_gpu_blocks, config.block_size)
+        self.kv_events = KvEventLog() if config.publish_kv_events else None
+        self._cache = KvCache(config.num_gpu_blocks, config.block_size, self.kv_events)
         self._transfers = HeldTransfers(
             self._cache, config.kv_transfer_timeout, worker_id, self.transfer_address
         )
