@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from frontend.postprocess import TextPostprocessor, TextStep
 from frontend.postprocess.logprobs import LogprobEntry, TokenTexts
@@ -38,12 +39,11 @@ class Echo:
     entries: tuple[LogprobEntry, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ChoiceStep:
+class ChoiceStep(NamedTuple):
     """What a step adds to the choice: its answer's content (``text``; all of it without
     a parse stage), reasoning and tool-call steps, the logprob entries that go with
     them, and, on the choice's last step, ``finish_reason``. False when there is
-    nothing to send."""
+    nothing to send. (A named tuple: one is made per token, and a tuple is made in C.)"""
 
     text: str = ""
     logprobs: tuple[LogprobEntry, ...] = ()
@@ -54,6 +54,9 @@ class ChoiceStep:
     def __bool__(self) -> bool:
         return bool(self.text or self.logprobs or self.reasoning or self.tool_calls
                     or self.finish_reason)  # fmt: skip
+
+
+_NOTHING = ChoiceStep()
 
 
 class ChoiceStream:
@@ -82,6 +85,9 @@ class ChoiceStream:
         self._fed = 0  # tokens fed so far: the next one's output index
         self._pending: deque[tuple[int, int, TokenLogprobs]] = deque()  # (index, id, lps)
         self._held: tuple[LogprobEntry, ...] = ()  # entries of text the parser holds
+        # Text alone (no logprobs, echo or parser): the common case, kept to one branch
+        # per step, as it runs for every token of every answer.
+        self._plain = texts is None and echo is None and parser is None
 
     @property
     def completion_tokens(self) -> int:
@@ -110,6 +116,8 @@ class ChoiceStream:
         text = self._post.step(token_ids)
         if text.stopped or finish_reason is not None:
             return self._last(text, finish_reason or "stop")
+        if self._plain:
+            return ChoiceStep(text.text) if text.text else _NOTHING
         return self._emit(*self._first(text.text, self._entries(text)))
 
     def _emit(self, text: str, entries: tuple[LogprobEntry, ...]) -> ChoiceStep:
