@@ -178,3 +178,41 @@ async def test_bounds_of_n_and_best_of() -> None:
             assert_error(r, 400, param)
         ok = await chat(c, max_tokens=2, n=2, best_of=2)  # best_of = n: the n returned
         assert len(ok["choices"]) == 2
+
+
+async def test_the_openai_sdk_reads_choices_and_logprobs() -> None:
+    import openai
+
+    async with serve_frontend() as (_, url), \
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        unary = await client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=5, n=2, seed=3, logprobs=True,  # type: ignore[arg-type]
+            top_logprobs=2, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert [c.index for c in unary.choices] == [0, 1]
+        for choice in unary.choices:
+            assert choice.logprobs is not None
+            content = choice.logprobs.content
+            assert content is not None
+            assert len(content) == 5
+            assert all(len(t.top_logprobs) == 2 for t in content)
+            assert b"".join(bytes(t.bytes or ()) for t in content) == \
+                (choice.message.content or "").encode()
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=5, n=2, seed=3, logprobs=True,  # type: ignore[arg-type]
+            top_logprobs=2, stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text: dict[int, str] = defaultdict(str)
+        async with stream:
+            async for chunk in stream:
+                for ch in chunk.choices:
+                    text[ch.index] += ch.delta.content or ""
+        assert [text[i] for i in (0, 1)] == [c.message.content for c in unary.choices]
+        echoed = await client.completions.create(
+            model=MODEL, prompt="Rivers run", max_tokens=3, logprobs=1, echo=True, seed=3,
+        )  # fmt: skip
+        lp = echoed.choices[0].logprobs
+        assert lp is not None
+        assert lp.token_logprobs is not None
+        assert lp.token_logprobs[0] is None
+        assert echoed.choices[0].text.startswith("Rivers run")
