@@ -217,7 +217,8 @@ async def _open_engine(
 
 
 def _build(config: WorkerConfig, address: str, kv_transfer: TcpKvTransfer | None) -> Engine:
-    context = EngineContext(config.role, config.worker_id, kv_transfer, address)
+    context = EngineContext(config.role, config.worker_id, kv_transfer, address,
+                            otlp_endpoint=config.otlp_endpoint)  # fmt: skip
     return registry.build(config.engine, config.engine_config, context)
 
 

@@ -70,6 +70,9 @@ class EngineContext:
     #: Where decode workers reach this worker's held KV (put in its KV handles);
     #: "" means ``memory://<worker_id>``.
     transfer_address: str = ""
+    #: The OTLP collector this worker's traces go to ("" : untraced); an engine that
+    #: runs a server of its own (vLLM) sends that server's spans there too.
+    otlp_endpoint: str = ""
 
 
 class Engine(abc.ABC):

@@ -9,8 +9,10 @@ worker's own trio loop, and a poller of vLLM's ``/metrics`` whose last answer
 Per request (:meth:`VllmEngine.generate`), by role:
 
 * ``agg``, or ``decode`` without a handle: one streamed ``POST /inference/v1/generate``,
-  a :class:`~headwater.wire.Chunk` per token event, the finish reason and the cached
-  prompt tokens (from the usage event that follows it) on the last.
+  a :class:`~headwater.wire.Chunk` per token event (with its logprobs when asked), the
+  finish reason and the cached prompt tokens (from the usage event that follows it) on
+  the last. Prompt logprobs, which vLLM's stream does not carry, come from a unary
+  request of one token before it, on the first chunk.
 * ``prefill``: one unary request with ``max_tokens`` 1 and ``kv_transfer_params:
   {"do_remote_decode": true}``; vLLM's answer (its ``kv_transfer_params``) becomes the
   :class:`~headwater.wire.KvHandle`'s opaque ``params``, with the first token in the
@@ -38,12 +40,21 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import trio
 
-from headwater.wire import Chunk, ErrorCode, FinishReason, GenerateRequest, KvHandle, Role
+from headwater.tracing import current_trace
+from headwater.wire import (
+    Chunk,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    Role,
+    TokenLogprobs,
+)
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
 from workers.engines.vllm import protocol
 from workers.engines.vllm.config import VllmConfig
@@ -113,6 +124,7 @@ class VllmEngine(Engine):
         transfer_address: str = "",
         vocab_size: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        otlp_endpoint: str = "",
     ) -> None:
         if not config.model and not config.vllm_url:
             raise ValueError("the vllm engine needs --model PATH or --vllm-url URL")
@@ -132,7 +144,7 @@ class VllmEngine(Engine):
         self.max_model_len = config.max_model_len
         self.served_model = ""
         self.counters = VllmCounters()
-        self.server = VllmServer(config, self.role, worker_id)
+        self.server = VllmServer(config, self.role, worker_id, otlp_endpoint=otlp_endpoint)
         self.metrics = VllmMetrics()
         self._http: httpx.AsyncClient | None = None
         self._transport = transport  # tests: a fake vLLM (httpx.MockTransport)
@@ -281,15 +293,19 @@ class VllmEngine(Engine):
                 f"{self.worker_id}: the KV handle from {handle.worker_id} carries no vLLM "
                 "kv_transfer_params (a prefill worker of another engine?)",
             )
+        prompt = await self._prompt_logprobs(request)
         body = protocol.generate_body(
             request, stream=True, kv_transfer_params=handle.params if handle else None
         )
         rid = request.request_id
+        top = request.sampling.logprobs
         held: Chunk | None = None  # the last token's chunk, until the usage event
         cached = 0
         first_deadline = self.config.kv_pull_timeout if kv else None
         with self._vllm_errors(kv=kv):
-            async with self._open_stream(body, first_deadline) as events, aclosing(events):
+            async with (
+                self._open_stream(body, first_deadline, top) as events, aclosing(events)
+            ):  # fmt: skip
                 async for event in events:
                     if event.cached_tokens is not None:
                         cached = event.cached_tokens
@@ -297,26 +313,47 @@ class VllmEngine(Engine):
                         break
                     if event.finish is not None:
                         held = Chunk(rid, list(event.token_ids),
-                                     finish_reason=_finish(event.finish, self._up))  # fmt: skip
+                                     finish_reason=_finish(event.finish, self._up),
+                                     logprobs=event.logprobs, prompt_logprobs=prompt)  # fmt: skip
                     elif event.token_ids:
-                        yield Chunk(rid, list(event.token_ids))
+                        yield Chunk(rid, list(event.token_ids), logprobs=event.logprobs,
+                                    prompt_logprobs=prompt)  # fmt: skip
+                        prompt = None  # on the first chunk only
         if held is None:
             raise EngineError(
                 ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM's stream ended early"
             )
-        yield Chunk(rid, held.token_ids, finish_reason=held.finish_reason, cached_tokens=cached)
+        yield replace(held, cached_tokens=cached)
+
+    async def _prompt_logprobs(self, request: GenerateRequest) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt's logprobs, when the request asked: vLLM's stream does not carry
+        them, so a unary request of one token asks for them first (vLLM computes the
+        prompt once more for it: it does not read its prefix cache for prompt
+        logprobs)."""
+        top = request.sampling.prompt_logprobs
+        if top is None:
+            return None
+        body = protocol.generate_body(
+            request, stream=False, max_tokens=1, prompt_logprobs=True,
+            request_id=request.request_id + ".prompt",
+        )  # fmt: skip
+        with self._vllm_errors(kv=False):
+            response = await self._post(body)
+            answer = protocol.parse_answer(response, prompt_logprobs=top)
+        return answer.prompt_logprobs
 
     def _open_stream(
-        self, body: bytes, first_deadline: float | None
+        self, body: bytes, first_deadline: float | None, logprobs: int | None
     ) -> _EventStream:
         assert self._http is not None
-        return _EventStream(self, self._http, self.server.url + GENERATE_PATH, body, first_deadline)
+        url = self.server.url + GENERATE_PATH
+        return _EventStream(self, self._http, url, body, first_deadline, logprobs)
 
     async def _post(self, body: bytes) -> bytes:
         assert self._http is not None
         with self._watched() as scope:
             r = await self._http.post(self.server.url + GENERATE_PATH, content=body,
-                                      headers=_JSON)  # fmt: skip
+                                      headers=_headers())  # fmt: skip
         if scope.cancelled_caught:
             raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM went down")
         if r.status_code != 200:
@@ -471,17 +508,21 @@ class _EventStream:
         url: str,
         body: bytes,
         first_deadline: float | None,
+        logprobs: int | None = None,
     ) -> None:
         self._engine = engine
         self._http = http
         self._url = url
         self._body = body
         self._first_deadline = first_deadline
+        self._logprobs = logprobs  # top logprobs asked per token, to read them
         self._response: httpx.Response | None = None
 
     async def __aenter__(self) -> AsyncGenerator[StreamEvent, None]:
         engine = self._engine
-        request = self._http.build_request("POST", self._url, content=self._body, headers=_JSON)
+        request = self._http.build_request(
+            "POST", self._url, content=self._body, headers=_headers()
+        )
         with engine._watched(self._first_deadline) as scope:
             self._response = await self._http.send(request, stream=True)
         if scope.cancelled_caught:
@@ -510,7 +551,7 @@ class _EventStream:
                 raise self._gone(first=first)
             if line is None:
                 return
-            event = protocol.parse_sse_line(line)
+            event = protocol.parse_sse_line(line, logprobs=self._logprobs)
             if event is None:
                 continue
             if event.token_ids:
@@ -533,6 +574,20 @@ class _EventStream:
 _JSON = {"Content-Type": "application/json"}
 
 
+def _headers() -> dict[str, str]:
+    """A request's headers to vLLM: JSON, and the request's trace (W3C ``traceparent``
+    and ``tracestate``, from the worker's ``worker.request`` span) when it is traced, so
+    that vLLM's own spans (started with ``--otlp-traces-endpoint``) join it."""
+    span = current_trace().span
+    parent = span.traceparent
+    if not parent:
+        return _JSON
+    headers = {**_JSON, "traceparent": parent}
+    if state := span.tracestate:
+        headers["tracestate"] = state
+    return headers
+
+
 def _finish(reason: str, up: bool) -> FinishReason:
     known = FINISH_REASONS.get(reason)
     if known is not None:
@@ -548,7 +603,8 @@ def build_engine(config: VllmConfig, context: EngineContext) -> VllmEngine:
     for a config it cannot serve with (no model or URL, no vocabulary size)."""
     try:
         return VllmEngine(
-            config, context.role, context.worker_id, transfer_address=context.transfer_address
-        )
+            config, context.role, context.worker_id, transfer_address=context.transfer_address,
+            otlp_endpoint=context.otlp_endpoint,
+        )  # fmt: skip
     except ValueError as exc:
         raise EngineFailed(str(exc)) from exc
