@@ -14,8 +14,9 @@ The mapping (docs/api.md, "Anthropic Messages", has the whole table):
   ``reasoning_content``, ``tool_use`` blocks its ``tool_calls`` (the input as the
   arguments). ``redacted_thinking`` has nothing to render and is left out.
 - ``tools`` are function tools with ``input_schema`` as their parameters;
-  ``tool_choice`` ``auto``/``any``/``tool``/``none`` is OpenAI's ``auto``/``required``/
-  a named function/``none``; ``disable_parallel_tool_use`` keeps the first call only.
+  ``tool_choice`` ``auto`` and ``none`` are OpenAI's (``none`` parses no call);
+  ``any`` and ``tool`` force a call, which needs constrained decoding, and are refused
+  until an engine offers it; ``disable_parallel_tool_use`` keeps the first call only.
 - ``thinking`` ``enabled``, ``adaptive`` or ``between_tools`` turns the template's
   thinking mode on (``chat_template_kwargs.thinking``), ``disabled`` off (``display:
   omitted`` leaves the thinking blocks' text out of the answer); ``output_config.effort`` is
@@ -50,7 +51,6 @@ from frontend.http.anthropic.models import (
     ThinkingDisabled,
     ThinkingEnabled,
     ToolChoice,
-    ToolChoiceAny,
     ToolChoiceAuto,
     ToolChoiceNone,
     ToolChoiceTool,
@@ -267,13 +267,15 @@ def _tool_choice(
         return ("none" if isinstance(choice, ToolChoiceNone) else "auto"), one
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
-    if isinstance(choice, ToolChoiceAny):
-        return "required", one
-    assert isinstance(choice, ToolChoiceTool)
-    if choice.name not in {t["function"]["name"] for t in tools}:
+    if isinstance(choice, ToolChoiceTool) and choice.name not in {
+            t["function"]["name"] for t in tools}:  # fmt: skip
         raise bad_request(f"tool_choice names '{choice.name}', which is not in tools",
                           "tool_choice.name")  # fmt: skip
-    return {"type": "function", "function": {"name": choice.name}}, one
+    # `any` and `tool` force a call: the answer must be held to one, by constrained
+    # decoding, which no engine here offers yet. Refused, never quietly left to the model.
+    raise bad_request(f"tool_choice '{choice.__struct_config__.tag}' forces a tool call, "
+                      "which needs constrained decoding: not supported by this server's "
+                      "engines; use 'auto'", "tool_choice")  # fmt: skip
 
 
 def _chars(messages: list[dict[str, Any]]) -> int:

@@ -21,7 +21,8 @@ maximum effort (the template's ``reasoning_effort``). ``parallel_tool_calls: fal
 ``max_tool_calls`` bound the calls an answer keeps.
 
 Refused with a 400 naming the field: images and files, ``item_reference``,
-``text.format`` json_object/json_schema (no engine here constrains its output),
+``text.format`` json_object/json_schema and a ``tool_choice`` that forces a call (no
+engine here constrains its output),
 ``truncation: auto``, ``background``, logprobs. No I/O.
 """
 
@@ -310,12 +311,17 @@ def _tool_choice(req: ResponsesRequest, tools: list[dict[str, Any]] | None
         return choice
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
-    if isinstance(choice, ToolChoiceFunction):
-        if choice.name not in {t["function"]["name"] for t in tools}:
-            raise bad_request(f"tool_choice names '{choice.name}', which is not in tools",
-                              "tool_choice")  # fmt: skip
-        return {"type": "function", "function": {"name": choice.name}}
-    return choice  # "required"
+    if isinstance(choice, ToolChoiceFunction) and choice.name not in {
+            t["function"]["name"] for t in tools}:  # fmt: skip
+        raise bad_request(f"tool_choice names '{choice.name}', which is not in tools",
+                          "tool_choice")  # fmt: skip
+    # `required` and a named function force a call: the answer must be held to one, by
+    # constrained decoding, which no engine here offers yet. Refused, never quietly left
+    # to the model.
+    kind = "required" if isinstance(choice, str) else "a named function"
+    raise bad_request(f"tool_choice {kind} forces a tool call, which needs constrained "
+                      "decoding: not supported by this server's engines; use 'auto'",
+                      "tool_choice")  # fmt: skip
 
 
 def _echo_choice(choice: str | ToolChoiceFunction | None) -> Any:
