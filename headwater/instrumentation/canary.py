@@ -10,8 +10,10 @@ Given an :class:`~headwater.instrumentation.activity.Activity`, it rests while t
 process is idle: one tick per ``rest_interval_s`` (100 ms) instead of 100 per second,
 back to 10 ms as soon as a request arrives.
 
-It measures with the real monotonic clock, not trio's clock: under a ``MockClock`` with
-autojump it would spin without ever sleeping, so do not run it in virtual-time tests.
+It measures with the real monotonic clock, except under trio's ``MockClock`` (a test's
+virtual time, where a sleep takes no real time at all): there it measures on trio's
+clock (:func:`loop_clock`), so a stall is the clock moving on while no task runs, which
+is what a test makes with ``MockClock.jump`` (``headwater.testing``'s loop stall).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import trio
+import trio.testing
 
 if TYPE_CHECKING:
     from headwater.instrumentation.activity import Activity
@@ -73,6 +77,15 @@ class DelaySeries:
         ]
 
 
+def loop_clock() -> Callable[[], float]:
+    """The clock the loop's measurements use in the current trio run: trio's own under
+    a ``MockClock`` (virtual time, where real time says nothing of the loop), else the
+    monotonic performance counter."""
+    if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+        return trio.current_time
+    return time.perf_counter
+
+
 async def run_canary(
     metrics: LoopMetrics,
     *,
@@ -102,7 +115,7 @@ async def run_canary(
     if series is None:
         series = DelaySeries()
     task_status.started(series)
-    clock = time.perf_counter
+    clock = loop_clock()
     wall = time.time
     while True:
         asked = clock()

@@ -1,0 +1,164 @@
+"""What happened to each request, as the frontend saw it: for a test's asserts.
+
+A :class:`RequestRecord` is opened for every HTTP request the in-process server takes
+(by its transport, in the request's own task) and read from both ends: the HTTP
+exchange (body, status, the response as sent) and the request plane below the frontend
+(:class:`Leg`: each try on a worker, with its tokens, its end and any fault injected).
+The plane finds the record through a context variable, which the request's tasks
+inherit from the task the transport runs the app in.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from headwater.testing.asgi import Exchange
+
+#: The record of the HTTP request whose task this is, if any.
+current_record: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
+    "headwater_testing_record", default=None
+)
+
+_MIGRATION = re.compile(r"\.m(\d+)")
+
+
+@dataclass(slots=True)
+class Leg:
+    """One try of a request on one worker, as the request plane saw it.
+
+    ``request_id`` is the plane's: the request's own id, ``<id>.r<n>`` for its n-th
+    retry on another worker, ``<id>.m<n>`` after its n-th migration. ``outcome``:
+    ``running``, ``finished`` (the worker ended it), ``error`` (the worker answered an
+    Error: ``error_code`` says which), ``cancelled`` (the frontend left it: the client
+    went away, a stop string, or the request moved on), or the injected fault that ended
+    it: ``refused``, ``broken``, ``malformed``, ``killed``.
+    """
+
+    worker_id: str
+    role: str  # prefill | decode | agg
+    request_id: str
+    started: float  # trio time the frontend sent it
+    ended: float | None = None
+    tokens: int = 0  # output tokens the worker sent
+    outcome: str = "running"
+    error_code: str | None = None
+    finish_reason: str | None = None  # the engine's: stop | length
+    faults: list[str] = field(default_factory=list)  # injected into this leg, by name
+
+    @property
+    def migration(self) -> int:
+        """Which attempt of the request this leg belongs to, from 0 (before any
+        migration)."""
+        found = _MIGRATION.findall(self.request_id)
+        return int(found[-1]) if found else 0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One HTTP request as the frontend saw it, read live from its exchange. Times are
+    trio's clock."""
+
+    exchange: Exchange = field(repr=False)
+    legs: list[Leg] = field(default_factory=list)
+    #: Faults that hit this request, by name (admission's ``reject`` included).
+    faults: list[str] = field(default_factory=list)
+
+    @property
+    def method(self) -> str:
+        return str(self.exchange.scope["method"])
+
+    @property
+    def path(self) -> str:
+        return str(self.exchange.scope["path"])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The request's headers, names lower-cased."""
+        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.exchange.scope["headers"]}
+
+    @property
+    def body(self) -> Any:
+        """The JSON body as sent; the raw bytes if it is not JSON; None if empty."""
+        data = self.exchange.request_body
+        if not data:
+            return None
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return data
+
+    @property
+    def started(self) -> float:
+        return self.exchange.started_at
+
+    @property
+    def ended(self) -> float | None:
+        """When the app's call returned (None while it runs)."""
+        return self.exchange.ended_at
+
+    @property
+    def status(self) -> int | None:
+        return self.exchange.status
+
+    @property
+    def response_headers(self) -> dict[str, str]:
+        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.exchange.headers}
+
+    @property
+    def response(self) -> bytes:
+        """The response body, as far as the app sent it."""
+        return b"".join(self.exchange.sent)
+
+    @property
+    def error(self) -> Exception | None:
+        """What the app raised, if it did (the client got a 500 or a cut body)."""
+        return self.exchange.error
+
+    @property
+    def generated(self) -> list[Leg]:
+        """The legs that generate (decode or aggregated; not the prefill's)."""
+        return [leg for leg in self.legs if leg.role != "prefill"]
+
+    @property
+    def migrations(self) -> int:
+        """Times the request moved to other workers after its stream broke."""
+        return max((leg.migration for leg in self.legs), default=0)
+
+    @property
+    def attempt(self) -> int:
+        """Attempts the request took: 1, plus one per migration."""
+        return self.migrations + 1
+
+    @property
+    def workers(self) -> list[str]:
+        """The workers of its legs, in order (the routing)."""
+        return [leg.worker_id for leg in self.legs]
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens the workers sent for it, every attempt together."""
+        return sum(leg.tokens for leg in self.generated)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The engine's finish reason (stop, length), from the leg that finished."""
+        return next((leg.finish_reason for leg in reversed(self.generated)
+                     if leg.finish_reason is not None), None)  # fmt: skip
+
+    def json(self) -> Any:
+        """The response body, decoded (a unary answer or an error)."""
+        return orjson.loads(self.response)
+
+    def events(self) -> list[Any]:
+        """A streamed response's SSE events, decoded; ``[DONE]`` is the string ``"DONE"``."""
+        events: list[Any] = []
+        for line in self.response.decode().splitlines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append("DONE" if data == "[DONE]" else orjson.loads(data))
+        return events
