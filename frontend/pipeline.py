@@ -49,7 +49,7 @@ from frontend.metrics import FrontendMetrics
 from frontend.postprocess import TextPostprocessor
 from frontend.postprocess.parsers import AnswerParser, ToolCallDelta, check_names, make_parser
 from frontend.preprocess.messages import TemplateError, completion_prompt
-from frontend.preprocess.pool import TokenizerPool
+from frontend.preprocess.pool import TokenizeMode, TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
@@ -253,7 +253,10 @@ class Pipeline:
     async def _render(self, parsed: ParsedRequest) -> str:
         render = self.template.render
         kwargs = parsed.chat_template_kwargs
-        if _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS:
+        # Inline mode keeps every step on the loop (virtual-time tests need no thread).
+        if self.pool.mode is TokenizeMode.INLINE or (
+            _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS
+        ):
             return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
 
         def work() -> str:

@@ -12,7 +12,9 @@ shorter than ``inline_max_chars`` are encoded inline: for them the thread hop
 
 The two other modes exist to reproduce the failure in tests and benchmarks:
 ``inline`` encodes on the loop; ``thread-gil`` uses HF ``Tokenizer.encode`` in a
-thread, which holds the GIL and so stalls the loop anyway.
+thread, which holds the GIL and so stalls the loop anyway. ``inline`` is also what a
+virtual-time test runs (:mod:`headwater.testing`): trio's MockClock cannot see a
+thread's work, so nothing of a request may run in one (the chat template neither).
 
 Cancellation: a request cancelled while its text is being encoded returns at once
 (``abandon_on_cancel=True``), but the thread keeps its limiter token until the
