@@ -121,7 +121,7 @@ class Exchange:
             log.exception("ASGI app failed on %s %s", self.scope["method"], self.scope["path"])
             self.error = exc
         finally:
-            if self.status is None:
+            if self.status is None and not self._client_left:
                 self.status = 500
                 self.headers = [(b"content-length", b"0")]
                 self.complete = True
@@ -254,7 +254,7 @@ class ASGITransport(httpx.AsyncBaseTransport):
             await exchange.start(self.nursery, read_timeout, self.on_exchange)
         except ReadTimedOut as exc:
             raise httpx.ReadTimeout(str(exc), request=request) from exc
-        assert exchange.status is not None
+        assert exchange.status is not None  # a head came (the client has not left)
         return httpx.Response(
             exchange.status, headers=exchange.headers,
             stream=_HttpxBody(exchange, read_timeout, request),

@@ -55,7 +55,7 @@ class HTTPX2Transport(httpx2.AsyncBaseTransport):
             await exchange.start(self.nursery, read_timeout, self.on_exchange)
         except ReadTimedOut as exc:
             raise httpx2.ReadTimeout(str(exc), request=request) from exc
-        assert exchange.status is not None
+        assert exchange.status is not None  # a head came (the client has not left)
         return httpx2.Response(
             exchange.status, headers=exchange.headers,
             stream=_Body(exchange, read_timeout, request),
