@@ -253,9 +253,12 @@ class Pipeline:
     async def _render(self, parsed: ParsedRequest) -> str:
         render = self.template.render
         kwargs = parsed.chat_template_kwargs
-        # Inline mode keeps every step on the loop (virtual-time tests need no thread).
+        # The parser's count has the tools and their arguments too: a large one renders
+        # off the loop like a long conversation. Inline mode keeps every step on the loop
+        # (virtual-time tests: no thread).
+        chars = parsed.text_chars
         if self.pool.mode is TokenizeMode.INLINE or (
-            _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS
+            (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS
         ):
             return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
 
