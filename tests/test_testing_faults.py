@@ -180,6 +180,7 @@ async def test_workers_that_refuse_give_a_503_that_the_sdk_retries(
     start = trio.current_time()
     r = await server.openai_client().chat.completions.create(model=MODEL, messages=ASK)
     assert r.choices[0].message.content == STORY
+    await server.settled()
     refused, served = server.requests
     assert refused.status == 503
     assert refused.json()["error"]["code"] == "no_workers"
@@ -253,6 +254,7 @@ async def test_the_sdk_times_out_on_a_slow_first_token_and_retries(
     client = server.openai_client(timeout=10, max_retries=1)
     r = await client.chat.completions.create(model=MODEL, messages=ASK)
     assert r.choices[0].message.content == STORY
+    await server.settled()
     left, served = server.requests
     assert left.status is None  # no head before the client gave up
     assert left.generated[0].outcome == "cancelled"  # the frontend cancelled it on the worker

@@ -19,12 +19,34 @@ directly, faults on demand (:class:`Faults`) and records of every request
 fixture and marker. docs/testing.md has the guide.
 """
 
-from headwater.testing.asgi import ASGITransport, Exchange
-from headwater.testing.faults import Faults
-from headwater.testing.records import Leg, RequestRecord
-from headwater.testing.server import BASE_URL, HeadwaterServer, open_server
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from headwater.testing.asgi import ASGITransport, Exchange
+    from headwater.testing.faults import Faults
+    from headwater.testing.records import Leg, RequestRecord
+    from headwater.testing.server import BASE_URL, HeadwaterServer, open_server
+
+#: Where each name lives: imported on first use, so that the pytest plugin (a module of
+#: this package, loaded by every pytest run where headwater is installed) costs nothing
+#: until a test uses it.
+_EXPORTS = {
+    "ASGITransport": "asgi", "Exchange": "asgi", "Faults": "faults", "Leg": "records",
+    "RequestRecord": "records", "BASE_URL": "server", "HeadwaterServer": "server",
+    "open_server": "server",
+}  # fmt: skip
 
 __all__ = [
     "BASE_URL", "ASGITransport", "Exchange", "Faults", "HeadwaterServer", "Leg",
     "RequestRecord", "open_server",
 ]  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -80,6 +80,8 @@ class Exchange:
         self.complete = False  # the last body message was sent
         self.started_at = trio.current_time()
         self.ended_at: float | None = None
+        #: Set once the app's call returned.
+        self.finished = trio.Event()
         self._head = trio.Event()
         self._done = trio.Event()  # response complete, or the client left: disconnect
         self._client_left = False
@@ -129,6 +131,7 @@ class Exchange:
             self._head.set()
             self._done.set()
             self._to_client.close()
+            self.finished.set()
 
     async def _receive(self) -> Message:
         if not self._body_sent:

@@ -226,6 +226,7 @@ class ObservedRuntime:
             leg.faults.append("refuse")
             leg.outcome, leg.error_code = "refused", ErrorCode.OVERLOADED.value
             leg.ended = trio.current_time()
+            leg.finished.set()
             self._nursery.start_soon(_refuse, replies, request.request_id)
             return
         generating = self.role is not Role.PREFILL
@@ -327,6 +328,7 @@ class _LegReplies(trio.abc.SendChannel[Reply]):
             leg.outcome = "cancelled"
         if leg.ended is None:
             leg.ended = trio.current_time()
+        leg.finished.set()
         await self._inner.aclose()
 
 

@@ -10,7 +10,8 @@ Fixtures (async: the test runs under pytest-trio, with ``trio_mode = true`` or t
 * ``headwater``: a :class:`Headwater`, whose ``await headwater.start(**options)`` runs an
   in-process server (:func:`headwater.testing.open_server`'s options) until the test
   ends, as many as the test starts;
-* ``headwater_server``: one server, started with the marker's options.
+* ``headwater_server``: one server, started with the marker's options;
+* ``headwater_options``: those options, a plain fixture a conftest.py may override.
 
 The marker ``@pytest.mark.headwater(script=[...], **options)`` gives the options every
 server of the test starts with (``start``'s own override them); a list of rules as its
@@ -72,7 +73,7 @@ class Headwater:
             await trio.sleep_forever()
 
 
-def marker_options(node: pytest.Item) -> dict[str, Any]:
+def marker_options(node: pytest.Item | pytest.Collector) -> dict[str, Any]:
     """The options of the closest ``headwater`` marker of *node* (empty without one)."""
     marker = node.get_closest_marker(MARKER)
     if marker is None:
@@ -88,11 +89,18 @@ def marker_options(node: pytest.Item) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def headwater(request: pytest.FixtureRequest) -> AsyncIterator[Headwater]:
+def headwater_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The options this test's servers start with: the ``headwater`` marker's. Override
+    the fixture (in a conftest.py) to give a whole project's tests their defaults."""
+    return marker_options(request.node)
+
+
+@pytest.fixture
+async def headwater(headwater_options: dict[str, Any]) -> AsyncIterator[Headwater]:
     """Starts in-process headwater servers (``await headwater.start(**options)``) that
-    run until the test ends; the ``headwater`` marker's options are the defaults."""
+    run until the test ends; ``headwater_options`` are their defaults."""
     async with trio.open_nursery() as nursery:
-        yield Headwater(nursery, marker_options(request.node))
+        yield Headwater(nursery, headwater_options)
         nursery.cancel_scope.cancel()
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import trio
 
 from headwater.testing.asgi import Exchange
 
@@ -49,6 +50,8 @@ class Leg:
     error_code: str | None = None
     finish_reason: str | None = None  # the engine's: stop | length
     faults: list[str] = field(default_factory=list)  # injected into this leg, by name
+    #: Set once the worker is done with the leg (its replies closed).
+    finished: trio.Event = field(default_factory=trio.Event, repr=False, compare=False)
 
     @property
     def migration(self) -> int:
@@ -149,6 +152,15 @@ class RequestRecord:
         """The engine's finish reason (stop, length), from the leg that finished."""
         return next((leg.finish_reason for leg in reversed(self.generated)
                      if leg.finish_reason is not None), None)  # fmt: skip
+
+    async def settled(self) -> None:
+        """Return once the request is over on every side: the app's call returned and
+        each worker is done with its leg (a cancellation reached it). What the frontend
+        books after the client has its answer (``ended``, a leg's ``outcome``) is final
+        then. Waits for events only: no time passes on trio's clock."""
+        await self.exchange.finished.wait()
+        for leg in self.legs:
+            await leg.finished.wait()
 
     def json(self) -> Any:
         """The response body, decoded (a unary answer or an error)."""

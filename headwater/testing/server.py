@@ -114,7 +114,7 @@ class HeadwaterServer:
 
         transport = HTTPX2Transport(self.app, self._nursery, state=self._state,
                                     on_exchange=self._record)  # fmt: skip
-        client = httpx2.AsyncClient(transport=transport)
+        client = httpx2.AsyncClient(transport=transport, base_url=BASE_URL)
         self._closers.append(client)
         return client
 
@@ -162,6 +162,12 @@ class HeadwaterServer:
         """The stall detector's records (task, stack, cause): only with its watchdog
         thread on, so never under a MockClock."""
         return self.frontend.monitor.records()
+
+    async def settled(self) -> None:
+        """Return once every request so far is over on every side
+        (:meth:`RequestRecord.settled`)."""
+        for record in list(self.requests):
+            await record.settled()
 
     @property
     def workers(self) -> list[str]:
