@@ -114,6 +114,19 @@ async def test_a_script_file_serves_as_well(
         assert r.choices[0].message.content == TEXT
 
 
+async def test_the_frontends_tokenizer_is_the_scripted_engines(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_server(script=SCRIPT) as first:
+        tokenizer = first.frontend.tokenizer
+    async with open_server(script=SCRIPT, tokenizer=tokenizer) as server:
+        assert server.frontend.tokenizer is tokenizer
+        engine_config = server.frontend.config.engine_config
+        assert engine_config.tokenizer == str(tokenizer.files.tokenizer_json)
+        r = await server.openai_client().chat.completions.create(**CHAT)
+        assert r.choices[0].message.content == TEXT
+
+
 @pytest.mark.parametrize(("options", "problem"), [
     ({"workers": "both"}, "workers must be"),
     ({"workers": ["prefill"]}, "nothing generates"),
@@ -121,6 +134,7 @@ async def test_a_script_file_serves_as_well(
     ({"script": [{"text": "no prompt_contains"}]}, "the script given, line 1"),
     ({"script": {"default": True, "text": "a dict"}}, "a list of rules"),
     ({"script": SCRIPT, "max_inflight": -1}, "max_inflight"),
+    ({"script": SCRIPT, "engine": "vllm"}, "chosen by headwater.testing"),
 ])  # fmt: skip
 async def test_a_bad_option_is_a_clear_error_before_anything_starts(
     options: dict[str, Any], problem: str

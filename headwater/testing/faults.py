@@ -231,7 +231,14 @@ class ObservedRuntime:
             return
         generating = self.role is not Role.PREFILL
         kill = partial(self.faults.kill, self.worker_id)
-        self.runtime.submit(request, _LegReplies(replies, leg, claim if generating else None, kill))
+        try:
+            self.runtime.submit(
+                request, _LegReplies(replies, leg, claim if generating else None, kill)
+            )
+        except RuntimeError:  # the worker stopped: the client reports it unreachable
+            leg.outcome, leg.ended = "unreachable", trio.current_time()
+            leg.finished.set()
+            raise
 
     def cancel(self, request_id: str) -> None:
         self.runtime.cancel(request_id)

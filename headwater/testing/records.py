@@ -36,8 +36,9 @@ class Leg:
     retry on another worker, ``<id>.m<n>`` after its n-th migration. ``outcome``:
     ``running``, ``finished`` (the worker ended it), ``error`` (the worker answered an
     Error: ``error_code`` says which), ``cancelled`` (the frontend left it: the client
-    went away, a stop string, or the request moved on), or the injected fault that ended
-    it: ``refused``, ``broken``, ``malformed``, ``killed``.
+    went away, a stop string, or the request moved on), ``unreachable`` (the worker had
+    stopped), or the injected fault that ended it: ``refused``, ``broken``,
+    ``malformed``, ``killed``.
     """
 
     worker_id: str

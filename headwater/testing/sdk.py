@@ -13,6 +13,7 @@ once, on the loop (a few microseconds on Linux).
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import httpx2
@@ -90,10 +91,9 @@ def openai_client(http: httpx2.AsyncClient, base_url: str, api_key: str,
                   **kwargs: Any) -> openai.AsyncOpenAI:  # fmt: skip
     """An ``openai.AsyncOpenAI`` sending through *http*; *kwargs* are its own."""
     import openai
-    from openai._base_client import get_platform
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http, **kwargs)
-    client._platform = get_platform()
+    _look_up_platform(client, "openai._base_client")
     return client
 
 
@@ -101,9 +101,20 @@ def anthropic_client(http: httpx2.AsyncClient, base_url: str, api_key: str,
                      **kwargs: Any) -> anthropic.AsyncAnthropic:  # fmt: skip
     """An ``anthropic.AsyncAnthropic`` sending through *http*; *kwargs* are its own."""
     import anthropic
-    from anthropic._base_client import get_platform
 
     client = anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, http_client=http,
                                       **kwargs)  # fmt: skip
-    client._platform = get_platform()
+    _look_up_platform(client, "anthropic._base_client")
     return client
+
+
+def _look_up_platform(client: Any, module: str) -> None:
+    """Do now, on the loop, what the SDK's first request would do in a thread. An SDK
+    that no longer has this internal keeps its own way (a thread: see the module
+    docstring for what that risks under a MockClock)."""
+    try:
+        get_platform = importlib.import_module(module).get_platform
+    except (ImportError, AttributeError):
+        return
+    if getattr(client, "_platform", False) is None:
+        client._platform = get_platform()

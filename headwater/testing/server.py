@@ -227,9 +227,18 @@ async def open_server(
 
     Raises ValueError (a bad option, a bad script) before anything starts.
     """
+    ours = sorted({"engine", "mode", "discovery"} & set(config))
+    if ours:
+        raise ValueError(f"{', '.join(ours)}: chosen by headwater.testing (the engine by "
+                         "script= or engine_config=, the layout by workers=)")  # fmt: skip
     virtual = isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
+    # The scripted engine reads prompts with the frontend's tokenizer: one model, one.
+    tokenizer_path = (str(tokenizer.files.tokenizer_json) if isinstance(tokenizer, Tokenizer)
+                      else tokenizer)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="headwater-testing-") as workdir:
         engine, engine_cfg = _engine(script, token_delay, engine_config, workdir, virtual)
+        if isinstance(engine_cfg, ScriptedConfig) and tokenizer_path and not engine_cfg.tokenizer:
+            engine_cfg = dataclasses.replace(engine_cfg, tokenizer=tokenizer_path)
         settings: dict[str, Any] = {
             "tokenizer_threads": 2,
             # The process is the test's: its garbage collector's settings too.
