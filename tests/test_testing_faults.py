@@ -19,8 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from headwater.testing import HeadwaterServer, open_server
-from headwater.testing.plugin import Headwater
+from headwater.testing import Headwater, HeadwaterServer, open_server
 
 MODEL = "deepseek-v4"
 DELAY = 0.25  # the scripted engine's seconds per token

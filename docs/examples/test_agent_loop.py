@@ -16,8 +16,7 @@ import openai
 import pytest
 import trio.testing
 
-from headwater.testing import HeadwaterServer
-from headwater.testing.plugin import Headwater
+from headwater.testing import Headwater, HeadwaterServer
 
 pytestmark = pytest.mark.trio  # not needed with trio_mode = true
 

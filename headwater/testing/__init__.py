@@ -16,7 +16,7 @@ clients (httpx, the OpenAI and Anthropic SDKs) whose transport calls the ASGI ap
 directly, faults on demand (:class:`Faults`) and records of every request
 (:class:`RequestRecord`, :class:`Leg`). The pytest plugin
 (:mod:`headwater.testing.plugin`, registered by entry point) adds the ``headwater``
-fixture and marker. docs/testing.md has the guide.
+fixtures (:class:`Headwater`) and marker. docs/testing.md has the guide.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from headwater.testing.asgi import ASGITransport, Exchange
     from headwater.testing.faults import Faults
+    from headwater.testing.plugin import Headwater
     from headwater.testing.records import Leg, RequestRecord
     from headwater.testing.server import BASE_URL, HeadwaterServer, open_server
 
@@ -34,13 +35,14 @@ if TYPE_CHECKING:
 #: this package, loaded by every pytest run where headwater is installed) costs nothing
 #: until a test uses it.
 _EXPORTS = {
-    "ASGITransport": "asgi", "Exchange": "asgi", "Faults": "faults", "Leg": "records",
+    "ASGITransport": "asgi", "Exchange": "asgi", "Faults": "faults", "Headwater": "plugin",
+    "Leg": "records",
     "RequestRecord": "records", "BASE_URL": "server", "HeadwaterServer": "server",
     "open_server": "server",
 }  # fmt: skip
 
 __all__ = [
-    "BASE_URL", "ASGITransport", "Exchange", "Faults", "HeadwaterServer", "Leg",
+    "BASE_URL", "ASGITransport", "Exchange", "Faults", "Headwater", "HeadwaterServer", "Leg",
     "RequestRecord", "open_server",
 ]  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""headwater's pytest plugin: the ``headwater`` fixtures and marker (PYTEST_DONT_REWRITE).
+"""headwater's pytest plugin: the ``headwater`` fixtures and marker.
 
 Registered by the ``pytest11`` entry point, so a project that installs headwater has
 it. Nothing heavy is imported until a test uses a fixture: pytest's start-up in every
@@ -16,6 +16,9 @@ Fixtures (async: the test runs under pytest-trio, with ``trio_mode = true`` or t
 The marker ``@pytest.mark.headwater(script=[...], **options)`` gives the options every
 server of the test starts with (``start``'s own override them); a list of rules as its
 one positional argument is the script.
+
+PYTEST_DONT_REWRITE: pytest leaves this module as it is (it has no assert to rewrite, and
+a project's conftest may import it before pytest could).
 """
 
 from __future__ import annotations
