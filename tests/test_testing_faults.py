@@ -87,6 +87,8 @@ async def test_a_request_is_recorded_as_the_frontend_saw_it(
     assert record.body["messages"] == messages
     assert record.body["tools"] == TOOLS
     assert record.headers["authorization"] == "Bearer unused"
+    assert record.request_id is not None
+    assert all(leg.request_id.startswith(record.request_id) for leg in record.legs)
     assert record.workers == ["local-prefill-0", "local-decode-1"]
     assert [leg.role for leg in record.legs] == ["prefill", "decode"]
     assert [leg.outcome for leg in record.legs] == ["finished", "finished"]

@@ -41,8 +41,9 @@ import trio
 import trio.testing
 
 from frontend.http.admission import Admission, Reason
-from headwater.testing.records import Leg, current_record
+from headwater.testing.records import Leg, current_record, plane_request
 from headwater.wire import Ack, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, Role
+from headwater.wire.kv_events import KvEventBatch
 from workers.runtime import WorkerRuntime
 
 #: The faults that hit a request once, in its first generating leg, at a token count.
@@ -157,7 +158,7 @@ class Faults:
     def claim(self, request_id: str) -> _Claim:
         """The faults of the request with plane id *request_id* (any of its legs'),
         taken from those armed on its first leg."""
-        base = request_id.partition(".")[0]  # <id>.r1 and <id>.m1 are <id>'s legs
+        base, _ = plane_request(request_id)  # <id>.r1 and <id>.m1 are <id>'s legs
         claim = self._claims.get(base)
         if claim is None:
             claim = self._claims[base] = _Claim(self._take(
@@ -242,6 +243,9 @@ class ObservedRuntime:
 
     def cancel(self, request_id: str) -> None:
         self.runtime.cancel(request_id)
+
+    def kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        return self.runtime.kv_events(since, limit)
 
     def release_kv(self, transfer_id: str) -> None:
         self.runtime.release_kv(transfer_id)

@@ -25,7 +25,19 @@ current_record: contextvars.ContextVar[RequestRecord | None] = contextvars.Conte
     "headwater_testing_record", default=None
 )
 
+#: What dispatch appends to a request's plane id: ``.m<n>`` per migration, ``.r<n>`` per
+#: retry on another worker (frontend/router/dispatch.py). The id itself (the HTTP request
+#: id and 8 hex digits) may hold dots, never at its end.
+_SUFFIXES = re.compile(r"(?:\.[mr]\d+)*$")
 _MIGRATION = re.compile(r"\.m(\d+)")
+
+
+def plane_request(request_id: str) -> tuple[str, int]:
+    """A leg's plane id read: the request's own id, and the migration it belongs to."""
+    suffixes = _SUFFIXES.search(request_id)
+    assert suffixes is not None  # the pattern matches the empty string at the end
+    found = _MIGRATION.findall(suffixes.group())
+    return request_id[: suffixes.start()], int(found[-1]) if found else 0
 
 
 @dataclass(slots=True)
@@ -58,8 +70,7 @@ class Leg:
     def migration(self) -> int:
         """Which attempt of the request this leg belongs to, from 0 (before any
         migration)."""
-        found = _MIGRATION.findall(self.request_id)
-        return int(found[-1]) if found else 0
+        return plane_request(self.request_id)[1]
 
 
 @dataclass(slots=True)
@@ -95,6 +106,12 @@ class RequestRecord:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
             return data
+
+    @property
+    def request_id(self) -> str | None:
+        """The frontend's id for it (its ``X-Request-Id`` answer header): what its log
+        lines name, and the start of its legs' plane ids."""
+        return self.response_headers.get("x-request-id")
 
     @property
     def started(self) -> float:
