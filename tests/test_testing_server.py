@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -83,6 +84,23 @@ async def test_the_stack_is_the_servers_api_keys_and_admission(
         assert [x.faults for x in server.requests] == [[], [], []]  # no fault: the real limit
         assert server.metric("rejected_requests_total", reason="max_inflight") == 1
         assert (await client.get("/health")).json()["status"] == "healthy"
+
+
+async def test_asked_to_listen_it_serves_a_socket_too_and_records_both() -> None:
+    # The real clock: a client outside the trio run is not on trio's.
+    async with open_server(script=SCRIPT, listen=True) as server:
+        assert server.url is not None
+        assert server.url.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient(base_url=server.url) as outside:
+            r = await outside.post("/v1/chat/completions", json=CHAT)
+        assert r.json()["choices"][0]["message"]["content"] == TEXT
+        r = await server.client().post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
+        await server.settled()
+        assert [(x.status, x.finish_reason) for x in server.requests] == [(200, "stop")] * 2
+        assert server.requests[0].headers["host"] == server.url.removeprefix("http://")
+    async with open_server(script=SCRIPT) as unasked:
+        assert unasked.url is None
 
 
 async def test_the_mocker_by_default_and_the_same_answer_for_a_seed(

@@ -46,9 +46,6 @@ SEND_BUFFER = 64
 Message = MutableMapping[str, Any]
 #: An ASGI 3 app; loosely typed: frameworks type their scopes and events each their way.
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
-#: Called with each exchange as it starts, in the app's own task (before the app runs):
-#: what :mod:`headwater.testing` records requests with.
-OnExchange = Callable[["Exchange"], object]
 
 
 class ReadTimedOut(Exception):
@@ -75,13 +72,7 @@ class Exchange:
         self.headers: list[tuple[bytes, bytes]] = []
         #: What the app raised, if it did (logged too).
         self.error: Exception | None = None
-        #: The response body as sent so far, for records.
-        self.sent: list[bytes] = []
         self.complete = False  # the last body message was sent
-        self.started_at = trio.current_time()
-        self.ended_at: float | None = None
-        #: Set once the app's call returned.
-        self.finished = trio.Event()
         self._head = trio.Event()
         self._done = trio.Event()  # response complete, or the client left: disconnect
         self._client_left = False
@@ -89,11 +80,10 @@ class Exchange:
         self._to_client, self._from_app = trio.open_memory_channel[bytes](SEND_BUFFER)
         self._suppress = scope["method"] == "HEAD"
 
-    async def start(self, nursery: trio.Nursery, read_timeout: float | None,
-                    on_exchange: OnExchange | None = None) -> None:  # fmt: skip
+    async def start(self, nursery: trio.Nursery, read_timeout: float | None) -> None:
         """Run the app in *nursery*; return once the response's head was sent. Raises
         ReadTimedOut; a caller cancelled meanwhile leaves (see :meth:`close`)."""
-        nursery.start_soon(self._run, on_exchange, name=f"asgi {self.scope['path']}")
+        nursery.start_soon(self._run, name=f"asgi {self.scope['path']}")
         try:
             with _timeout(read_timeout):
                 await self._head.wait()
@@ -113,9 +103,7 @@ class Exchange:
         self._done.set()
         self._from_app.close()
 
-    async def _run(self, on_exchange: OnExchange | None) -> None:
-        if on_exchange is not None:
-            on_exchange(self)  # in this task: what the app's tasks inherit (contextvars)
+    async def _run(self) -> None:
         try:
             await self.app(self.scope, self._receive, self._send)
         except Exception as exc:
@@ -127,11 +115,9 @@ class Exchange:
                 self.status = 500
                 self.headers = [(b"content-length", b"0")]
                 self.complete = True
-            self.ended_at = trio.current_time()
             self._head.set()
             self._done.set()
             self._to_client.close()
-            self.finished.set()
 
     async def _receive(self) -> Message:
         if not self._body_sent:
@@ -154,7 +140,6 @@ class Exchange:
             data = bytes(message.get("body", b""))
             last = not message.get("more_body", False)
             if data and not self._suppress:
-                self.sent.append(data)
                 try:
                     await self._to_client.send(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -234,18 +219,15 @@ class ASGITransport(httpx.AsyncBaseTransport):
       nursery: where each request's app call runs; it must outlive the client.
       state: the lifespan's state, copied into each scope (ASGI's lifespan state).
       client: the client address the app sees.
-      on_exchange: called with each :class:`Exchange` in its app task, before the app.
     """
 
     def __init__(self, app: ASGIApp, nursery: trio.Nursery, *,
                  state: dict[str, Any] | None = None,
-                 client: tuple[str, int] = ("127.0.0.1", 50000),
-                 on_exchange: OnExchange | None = None) -> None:  # fmt: skip
+                 client: tuple[str, int] = ("127.0.0.1", 50000)) -> None:  # fmt: skip
         self.app = app
         self.nursery = nursery
         self.state = state if state is not None else {}
         self.client = client
-        self.on_exchange = on_exchange
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
@@ -254,7 +236,7 @@ class ASGITransport(httpx.AsyncBaseTransport):
         exchange = Exchange(self.app, scope, body)
         read_timeout = request.extensions.get("timeout", {}).get("read")
         try:
-            await exchange.start(self.nursery, read_timeout, self.on_exchange)
+            await exchange.start(self.nursery, read_timeout)
         except ReadTimedOut as exc:
             raise httpx.ReadTimeout(str(exc), request=request) from exc
         assert exchange.status is not None  # a head came (the client has not left)

@@ -1,11 +1,12 @@
 """What happened to each request, as the frontend saw it: for a test's asserts.
 
-A :class:`RequestRecord` is opened for every HTTP request the in-process server takes
-(by its transport, in the request's own task) and read from both ends: the HTTP
-exchange (body, status, the response as sent) and the request plane below the frontend
-(:class:`Leg`: each try on a worker, with its tokens, its end and any fault injected).
-The plane finds the record through a context variable, which the request's tasks
-inherit from the task the transport runs the app in.
+:class:`Recorder`, the outermost ASGI middleware of the in-process server, opens a
+:class:`RequestRecord` for every HTTP request (whichever way it came: the in-process
+transport or the optional socket) and fills it in from both ends: what passes through the
+app (the body it read, the status and response it sent) and, from the request plane below
+the frontend, a :class:`Leg` per try on a worker (its tokens, its end, any fault
+injected). The plane finds the record through a context variable, which the request's
+tasks inherit from the task the app is called in.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from typing import Any
 
 import orjson
 import trio
-
-from headwater.testing.asgi import Exchange
 
 #: The record of the HTTP request whose task this is, if any.
 current_record: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
@@ -75,31 +74,34 @@ class Leg:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One HTTP request as the frontend saw it, read live from its exchange. Times are
-    trio's clock."""
+    """One HTTP request as the frontend saw it: filled in by :class:`Recorder` as the app
+    reads and answers it. Times are trio's clock."""
 
-    exchange: Exchange = field(repr=False)
+    method: str
+    path: str
+    headers: dict[str, str]  # the request's, names lower-cased
+    started: float
+    #: When the app's call returned (None while it runs).
+    ended: float | None = None
+    #: The status the app answered (None before its head, and for good when the client
+    #: left first; an app that failed first sent none: see ``error``).
+    status: int | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
     legs: list[Leg] = field(default_factory=list)
     #: Faults that hit this request, by name (admission's ``reject`` included).
     faults: list[str] = field(default_factory=list)
-
-    @property
-    def method(self) -> str:
-        return str(self.exchange.scope["method"])
-
-    @property
-    def path(self) -> str:
-        return str(self.exchange.scope["path"])
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """The request's headers, names lower-cased."""
-        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.exchange.scope["headers"]}
+    #: What the app raised, if it did (the client got a 500 or a cut body).
+    error: Exception | None = None
+    #: Set once the app's call returned.
+    finished: trio.Event = field(default_factory=trio.Event, repr=False, compare=False)
+    _body: list[bytes] = field(default_factory=list, repr=False)
+    _response: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def body(self) -> Any:
-        """The JSON body as sent; the raw bytes if it is not JSON; None if empty."""
-        data = self.exchange.request_body
+        """The request's body as the app read it (all of it, but for a request refused
+        before): decoded from JSON; the raw bytes if it is not JSON; None if empty."""
+        data = b"".join(self._body)
         if not data:
             return None
         try:
@@ -108,37 +110,15 @@ class RequestRecord:
             return data
 
     @property
+    def response(self) -> bytes:
+        """The response body, as far as the app sent it."""
+        return b"".join(self._response)
+
+    @property
     def request_id(self) -> str | None:
         """The frontend's id for it (its ``X-Request-Id`` answer header): what its log
         lines name, and the start of its legs' plane ids."""
         return self.response_headers.get("x-request-id")
-
-    @property
-    def started(self) -> float:
-        return self.exchange.started_at
-
-    @property
-    def ended(self) -> float | None:
-        """When the app's call returned (None while it runs)."""
-        return self.exchange.ended_at
-
-    @property
-    def status(self) -> int | None:
-        return self.exchange.status
-
-    @property
-    def response_headers(self) -> dict[str, str]:
-        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.exchange.headers}
-
-    @property
-    def response(self) -> bytes:
-        """The response body, as far as the app sent it."""
-        return b"".join(self.exchange.sent)
-
-    @property
-    def error(self) -> Exception | None:
-        """What the app raised, if it did (the client got a 500 or a cut body)."""
-        return self.exchange.error
 
     @property
     def generated(self) -> list[Leg]:
@@ -176,7 +156,7 @@ class RequestRecord:
         each worker is done with its leg (a cancellation reached it). What the frontend
         books after the client has its answer (``ended``, a leg's ``outcome``) is final
         then. Waits for events only: no time passes on trio's clock."""
-        await self.exchange.finished.wait()
+        await self.finished.wait()
         for leg in self.legs:
             await leg.finished.wait()
 
@@ -192,3 +172,50 @@ class RequestRecord:
                 data = line.removeprefix("data: ")
                 events.append("DONE" if data == "[DONE]" else orjson.loads(data))
         return events
+
+
+class Recorder:
+    """ASGI middleware, outermost: a :class:`RequestRecord` per HTTP request, appended to
+    *records*, set as :data:`current_record` for the request's tasks (they inherit it
+    from the task this runs in), and filled in from what passes through."""
+
+    def __init__(self, app: Any, records: list[RequestRecord]) -> None:
+        self.app = app
+        self.records = records
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(
+            scope["method"], scope["path"], _headers(scope["headers"]), trio.current_time()
+        )
+        self.records.append(record)
+        current_record.set(record)
+
+        async def receive_recorded() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                record._body.append(bytes(message.get("body", b"")))
+            return message
+
+        async def send_recorded(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                record.status = int(message["status"])
+                record.response_headers = _headers(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                record._response.append(bytes(message.get("body", b"")))
+            await send(message)
+
+        try:
+            await self.app(scope, receive_recorded, send_recorded)
+        except Exception as exc:
+            record.error = exc
+            raise
+        finally:
+            record.ended = trio.current_time()
+            record.finished.set()
+
+
+def _headers(raw: Any) -> dict[str, str]:
+    return {bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1") for k, v in raw}

@@ -23,7 +23,6 @@ from headwater.testing.asgi import (
     ASGIApp,
     BrokenResponse,
     Exchange,
-    OnExchange,
     ReadTimedOut,
     http_scope,
 )
@@ -38,13 +37,11 @@ class HTTPX2Transport(httpx2.AsyncBaseTransport):
 
     def __init__(self, app: ASGIApp, nursery: trio.Nursery, *,
                  state: dict[str, Any] | None = None,
-                 client: tuple[str, int] = ("127.0.0.1", 50000),
-                 on_exchange: OnExchange | None = None) -> None:  # fmt: skip
+                 client: tuple[str, int] = ("127.0.0.1", 50000)) -> None:  # fmt: skip
         self.app = app
         self.nursery = nursery
         self.state = state if state is not None else {}
         self.client = client
-        self.on_exchange = on_exchange
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         body = await request.aread()
@@ -53,7 +50,7 @@ class HTTPX2Transport(httpx2.AsyncBaseTransport):
         exchange = Exchange(self.app, scope, body)
         read_timeout = request.extensions.get("timeout", {}).get("read")
         try:
-            await exchange.start(self.nursery, read_timeout, self.on_exchange)
+            await exchange.start(self.nursery, read_timeout)
         except ReadTimedOut as exc:
             raise httpx2.ReadTimeout(str(exc), request=request) from exc
         assert exchange.status is not None  # a head came (the client has not left)

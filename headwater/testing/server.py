@@ -26,6 +26,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -36,14 +37,15 @@ from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.trio.lifespan import Lifespan
 
 from frontend.config import FrontendConfig
+from frontend.http.serving import serve
 from frontend.metrics import FrontendMetrics
 from frontend.preprocess.tokenizer import Tokenizer
 from frontend.server import Frontend
 from headwater.instrumentation.record import StallRecord
-from headwater.testing.asgi import ASGIApp, ASGITransport, Exchange
+from headwater.testing.asgi import ASGIApp, ASGITransport
 from headwater.testing.cluster import ObservedCluster, roles_of
 from headwater.testing.faults import Faults, FaultyAdmission
-from headwater.testing.records import RequestRecord, current_record
+from headwater.testing.records import Recorder, RequestRecord
 from workers.engines.mocker import MockerConfig
 from workers.engines.scripted import ScriptedConfig, parse_script
 
@@ -72,20 +74,22 @@ class HeadwaterServer:
 
     Attributes:
       frontend: the :class:`~frontend.server.Frontend` itself.
-      app: the ASGI app as the listener would serve it.
+      app: the ASGI app as the listener would serve it, behind the :class:`Recorder`.
       faults: the fault plan (:class:`~headwater.testing.faults.Faults`).
       requests: every HTTP request so far, in arrival order (:class:`RequestRecord`).
+      url: the socket's base URL when the server was asked to listen, else None.
       virtual_time: whether it runs on a MockClock.
     """
 
-    def __init__(self, frontend: Frontend, app: ASGIApp, cluster: ObservedCluster,
-                 faults: Faults, nursery: trio.Nursery, state: dict[str, Any],
-                 virtual_time: bool) -> None:  # fmt: skip
+    def __init__(self, frontend: Frontend, app: ASGIApp, requests: list[RequestRecord],
+                 cluster: ObservedCluster, faults: Faults, nursery: trio.Nursery,
+                 state: dict[str, Any], url: str | None, virtual_time: bool) -> None:  # fmt: skip
         self.frontend = frontend
         self.app = app
+        self.requests = requests
         self.cluster = cluster
         self.faults = faults
-        self.requests: list[RequestRecord] = []
+        self.url = url
         self.virtual_time = virtual_time
         self._nursery = nursery
         self._state = state
@@ -95,7 +99,7 @@ class HeadwaterServer:
 
     def transport(self) -> ASGITransport:
         """An httpx transport to this server (for a client of your own making)."""
-        return ASGITransport(self.app, self._nursery, state=self._state, on_exchange=self._record)
+        return ASGITransport(self.app, self._nursery, state=self._state)
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
         """An ``httpx.AsyncClient`` on this server (``base_url`` set, the first API key
@@ -112,8 +116,7 @@ class HeadwaterServer:
 
         from headwater.testing.sdk import HTTPX2Transport
 
-        transport = HTTPX2Transport(self.app, self._nursery, state=self._state,
-                                    on_exchange=self._record)  # fmt: skip
+        transport = HTTPX2Transport(self.app, self._nursery, state=self._state)
         client = httpx2.AsyncClient(transport=transport, base_url=BASE_URL)
         self._closers.append(client)
         return client
@@ -180,11 +183,6 @@ class HeadwaterServer:
 
     # -- internals -------------------------------------------------------------------
 
-    def _record(self, exchange: Exchange) -> None:
-        record = RequestRecord(exchange)
-        current_record.set(record)  # in the app's task: its children inherit it
-        self.requests.append(record)
-
     def _api_key(self) -> str:
         keys = self.frontend.config.api_keys
         return keys[0] if keys else "unused"
@@ -206,6 +204,7 @@ async def open_server(
     engine_config: MockerConfig | ScriptedConfig | None = None,
     workers: str | Sequence[str] = "disagg",
     tokenizer: str | Tokenizer | None = None,
+    listen: bool = False,
     **config: Any,
 ) -> AsyncIterator[HeadwaterServer]:
     """Run a frontend and its in-process workers in this trio run until the block ends.
@@ -222,6 +221,9 @@ async def open_server(
         ``"agg"``, or a role per worker: ``["prefill", "decode", "decode"]``.
       tokenizer: the model's tokenizer (a path, or a loaded ``Tokenizer``); the
         DeepSeek-V4 one by default, loaded once per process.
+      listen: also serve on a socket, 127.0.0.1 and a free port (``server.url``), with
+        hypercorn as ``headwater serve`` does: for clients outside this trio run (a
+        subprocess, an asyncio framework in a thread). Those are not on trio's clock.
       config: :class:`~frontend.config.FrontendConfig` fields (``max_inflight``,
         ``api_keys``, ``limits``, ``queue_timeout``, ...).
 
@@ -240,6 +242,7 @@ async def open_server(
         if isinstance(engine_cfg, ScriptedConfig) and tokenizer_path and not engine_cfg.tokenizer:
             engine_cfg = dataclasses.replace(engine_cfg, tokenizer=tokenizer_path)
         settings: dict[str, Any] = {
+            "port": 0,  # a free one, if asked to listen
             "tokenizer_threads": 2,
             # The process is the test's: its garbage collector's settings too.
             "gc_gen0_threshold": 0,
@@ -265,22 +268,31 @@ async def open_server(
                                 admission=FaultyAdmission)  # fmt: skip
             assert isinstance(frontend.admission, FaultyAdmission)
             frontend.admission.faults = faults
-            app = await frontend.start(nursery)
+            requests: list[RequestRecord] = []
+            app = Recorder(await frontend.start(nursery), requests)
             state: dict[str, Any] = {}
+            url = None
             lifespan = Lifespan(ASGIWrapper(app), frontend.hypercorn_config(), state)
-            await nursery.start(lifespan.handle_lifespan)
-            await lifespan.wait_for_startup()
+            if listen:  # serve() runs the app's lifespan itself
+                urls = await nursery.start(partial(
+                    serve, app, frontend.hypercorn_config(), shutdown_trigger=trio.sleep_forever
+                ))  # fmt: skip
+                url = urls[0]
+            else:
+                await nursery.start(lifespan.handle_lifespan)
+                await lifespan.wait_for_startup()
             async with trio.open_nursery() as exchanges:  # the requests' app calls
-                server = HeadwaterServer(frontend, app, cluster, faults, exchanges, state,
-                                         virtual)  # fmt: skip
+                server = HeadwaterServer(frontend, app, requests, cluster, faults, exchanges,
+                                         state, url, virtual)  # fmt: skip
                 try:
                     yield server
                 finally:
                     with trio.move_on_after(5, shield=True):
                         await server._aclose()
                     exchanges.cancel_scope.cancel()
-            with trio.move_on_after(5):
-                await lifespan.wait_for_shutdown()
+            if not listen:
+                with trio.move_on_after(5):
+                    await lifespan.wait_for_shutdown()
             nursery.cancel_scope.cancel()
 
 
