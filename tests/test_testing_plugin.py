@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import openai
@@ -153,6 +154,34 @@ def test_the_marker_takes_one_script(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_inprocess("-p", PLUGIN, "-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*takes the script as its only positional argument*"])
+
+
+def test_the_entry_point_alone_brings_the_fixtures(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What `pip install headwater` registers (pyproject.toml's pytest11 entry point),
+    # as installed metadata on the path: a user's test needs nothing else.
+    with (REPO / "pyproject.toml").open("rb") as f:
+        entry_points = tomllib.load(f)["project"]["entry-points"]["pytest11"]
+    assert entry_points == {PLUGIN: PLUGIN}
+    dist = pytester.mkdir("site") / "headwater_check-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: headwater-check\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(
+        "[pytest11]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+    )
+    monkeypatch.syspath_prepend(str(pytester.path / "site"))
+    pytester.makepyfile(test_hello=textwrap.dedent('''
+        import pytest
+        @pytest.mark.trio
+        @pytest.mark.headwater([{"default": True, "text": "Hello."}])
+        async def test_hello(headwater_server, autojump_clock):
+            r = await headwater_server.client().post("/v1/completions",
+                                                     json={"model": "deepseek-v4", "prompt": "Hi"})
+            assert r.json()["choices"][0]["text"] == "Hello."
+    '''))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "error")
+    result.assert_outcomes(passed=1)
 
 
 def test_the_plugin_loads_nothing_until_a_fixture_is_used() -> None:
