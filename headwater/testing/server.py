@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -53,8 +52,6 @@ if TYPE_CHECKING:
     import anthropic
     import httpx2
     import openai
-
-log = logging.getLogger(__name__)
 
 #: The base URL the clients use: no name is looked up, no socket opened.
 BASE_URL = "http://headwater.test"
