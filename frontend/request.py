@@ -29,6 +29,14 @@ class SamplingOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    #: Choices to generate, each with its own sampling (and seed, derived from ``seed``).
+    n: int = 1
+    #: Each generated token's logprob and this many most likely tokens at its place
+    #: (0: the token's own only). None: no logprobs.
+    logprobs: int | None = None
+    #: The same for the prompt's tokens (completions' ``echo`` with ``logprobs``, the
+    #: token-in API's ``prompt_logprobs``). None: none.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +60,7 @@ class ParsedRequest:
     #: Characters of text counted against --max-prompt-chars (messages, tools, template
     #: kwargs; or the prompt); None: not counted (a request built without the parser).
     text_chars: int | None = None
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the answer's
 
 
 @dataclass(frozen=True, slots=True)

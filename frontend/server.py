@@ -258,6 +258,7 @@ class Frontend:
         if cfg.gc_gen0_threshold:
             tune_gc(cfg.gc_gen0_threshold)
         await nursery.start(self.monitor.run)
+        await nursery.start(self.pipeline.run)  # the choices of requests with n > 1
         await self._start_workers(nursery)
         admitted = AdmissionControl(
             self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,

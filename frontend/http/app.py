@@ -295,7 +295,7 @@ def create_app(
                 async for d in deltas:
                     last = d
                     pending += fmt.event(d)
-                    if d.finish_reason is None:
+                    if not d.final:
                         yield pending
                         pending = b""
             if last is not None and prep.parsed.include_usage:

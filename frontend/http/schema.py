@@ -9,8 +9,9 @@ Each body is decoded straight into its route's model (:mod:`frontend.http.models
 same models ``GET /openapi.json`` publishes) by msgspec: strict about types (``true`` is
 not an integer, ``"5"`` is not a number) and lenient about unknown fields, because clients
 send many optional ones; an unknown field is skipped without building anything of it.
-Then what a model cannot say: a known field asking for what headwater cannot do (``n`` > 1
-is the model's, logprobs and ``echo`` are here) is refused, and the configured limits
+Then what a model cannot say: fields that depend on each other (``top_logprobs`` needs
+``logprobs``; ``best_of`` may only repeat ``n``; prompt logprobs are not streamed), a
+known field asking for what headwater cannot do is refused, and the configured limits
 (:class:`~frontend.limits.RequestLimits`: ``max_tokens``, messages, tools, prompt
 characters, stop strings and ids) are checked, before any template or tokenizer work.
 
@@ -160,15 +161,30 @@ def _depth(data: bytes) -> int:
     return max(accumulate(steps), default=0)
 
 
-def _sampling(s: _Sampling, max_tokens: int | None, prefix: str = "") -> SamplingOptions:
+def _sampling(
+    s: _Sampling,
+    max_tokens: int | None,
+    prefix: str = "",
+    *,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingOptions:
     """The generation options both APIs share, from *s*: the OpenAI body itself, or the
     token-in API's ``sampling_params`` (*prefix* names it in errors). The caller reads
-    *max_tokens* (OpenAI has two fields for it)."""
+    *max_tokens* (OpenAI has two fields for it) and the logprobs (each API has its own
+    fields for them)."""
     min_tokens = s.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(
             f"'{prefix}min_tokens' must not exceed '{prefix}max_tokens'", prefix + "min_tokens"
         )
+    n = s.n or 1
+    if s.best_of is not None and s.best_of != n:
+        # vLLM's V1 engine dropped best_of; honouring it means sampling candidates that
+        # are never returned, and ranking them: refused rather than ignored.
+        why = ("must not be less than 'n'" if s.best_of < n
+               else "above 'n' is not supported: ask for 'n' choices and rank them by logprobs")
+        raise bad_request(f"'{prefix}best_of' {why}", prefix + "best_of")
     return SamplingOptions(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -177,6 +193,9 @@ def _sampling(s: _Sampling, max_tokens: int | None, prefix: str = "") -> Samplin
         temperature=1.0 if s.temperature is None else s.temperature,
         top_p=1.0 if s.top_p is None else s.top_p,
         seed=s.seed,
+        n=n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -316,24 +335,36 @@ def parse_request(
     messages = prompt = tools = None
     kwargs: dict[str, Any] = {}
     text_chars: int | None = None
+    logprobs = prompt_logprobs = None
+    echo = False
     if isinstance(req, ChatCompletionRequest):
         limits.check_messages(len(req.messages))
         messages, tools, kwargs, text_chars = _chat_text(req, limits)
         if req.logprobs:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
+            logprobs = req.top_logprobs or 0
+        elif req.top_logprobs:  # vLLM's rule: 0 asks for nothing, so it passes alone
+            raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     elif isinstance(req, CompletionRequest):
         prompt = req.prompt
         text = [prompt] if isinstance(prompt, str) else prompt
         text_chars = sum(len(p) for p in text if isinstance(p, str))
         limits.check_prompt_chars(text_chars, "prompt")
-        if req.logprobs not in (None, False, 0):
-            raise bad_request("logprobs are not supported by this server", "logprobs")
-        if req.echo:
-            raise bad_request("echo is not supported by this server", "echo")
+        if req.logprobs is True:
+            raise bad_request(
+                "'logprobs' is an integer on /v1/completions: how many of the most likely "
+                "tokens to list at each position (0 to 20)", "logprobs",
+            )  # fmt: skip
+        if req.top_logprobs is not None:
+            raise bad_request(
+                "'top_logprobs' is a chat field: on /v1/completions 'logprobs' is the "
+                "count of most likely tokens", "top_logprobs",
+            )  # fmt: skip
+        logprobs = None if req.logprobs is False else req.logprobs
+        echo = bool(req.echo)
+        if echo and logprobs is not None:  # the prompt's tokens come first, with theirs
+            prompt_logprobs = logprobs
     else:
         raise TypeError(f"not an OpenAI request model: {type(req).__name__}")
-    if req.top_logprobs is not None:
-        raise bad_request("logprobs are not supported by this server", "logprobs")
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else req.stop
     if stop:
         limits.check_stop(stop)
@@ -346,13 +377,16 @@ def parse_request(
         prompt=prompt,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        sampling=_sampling(req, _max_tokens(req, limits)),
+        sampling=_sampling(
+            req, _max_tokens(req, limits), logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        ),
         stop=tuple(stop),
         user=req.user,
         chat_template_kwargs=kwargs,
         tools=tools,
         tool_choice=_tool_choice(req) if tools else None,
         text_chars=text_chars,
+        echo=echo,
     )
 
 
@@ -368,19 +402,21 @@ def parse_generate_request(
     ``request_id``, ``model``, ``stream``, ``stream_options``.
 
     Of ``sampling_params``, headwater applies ``max_tokens``, ``min_tokens``,
-    ``temperature``, ``top_p``, ``seed``, ``stop_token_ids`` and ``ignore_eos``, checks
-    the penalties' ranges, and ignores the fields it does not know (``top_k``,
-    ``skip_special_tokens``, ...). It refuses ``n`` or ``best_of`` above 1, any
-    ``logprobs`` or ``prompt_logprobs``, and stop strings (``stop``, here or at the top
-    level): there is no text to match them on. ``null`` or ``[]`` ask for none of
-    these and pass (a client that serializes a whole vLLM ``SamplingParams`` sends them).
+    ``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``n``,
+    ``logprobs`` and ``prompt_logprobs`` (not with ``stream``: vLLM's stream has no
+    place for them), checks the penalties' ranges, and ignores the fields it does not
+    know (``top_k``, ``skip_special_tokens``, ...). It refuses ``best_of`` other than
+    ``n``, and stop strings (``stop``, here or at the top level): there is no text to
+    match them on. ``null`` or ``[]`` ask for none of these and pass (a client that
+    serializes a whole vLLM ``SamplingParams`` sends them).
     """
     req = cast(GenerateRequest, decode(body, model or REQUEST_MODELS["generate"]))
     p = SAMPLING_PARAMS
     params = req.sampling_params or _NO_PARAMS
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None:
-            raise bad_request(f"{name} are not supported by this server", p + name)
+    if req.stream and params.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt logprobs are not available when streaming", p + "prompt_logprobs"
+        )
     for stop, param in ((params.stop, p + "stop"), (req.stop, "stop")):
         if stop not in (None, []):
             raise bad_request(
@@ -396,5 +432,11 @@ def parse_generate_request(
         model=req.model,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        sampling=_sampling(params, params.max_tokens, p),
+        sampling=_sampling(
+            params,
+            params.max_tokens,
+            p,
+            logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
+        ),
     )

@@ -34,6 +34,11 @@ failing a request the cluster could serve. Errors come out as the frontend's own
 worker to try is :class:`~frontend.errors.NoCapacity`; anything else the workers do
 wrong, once retries are spent, is :class:`~frontend.errors.WorkerFailed`.
 
+**Affinity.** The choices of one request (``n`` > 1) are streams of their own, which
+share an ``affinity``: the worker the first of them picked for a role is preferred by
+the others (unless it is busy while another is not), so their prompt's KV is computed
+once and found in that worker's prefix cache by the rest.
+
 Structured concurrency: :meth:`Dispatcher.stream` is an async generator consumed in
 the request's own task and closed with ``aclosing``; it holds no cancel scope across
 a ``yield``. Closing it (the client left, a stop string matched) leaves the current
@@ -113,6 +118,8 @@ class _Attempts:
     delivered: int = 0
     #: The worker whose stream the current leg relays.
     serving: WorkerClient | None = None
+    #: The worker per role that the streams of this request prefer (shared by them).
+    affinity: dict[Role, str] | None = None
     #: The request's "dispatch" span: each leg's is its child.
     span: Span = NULL_SPAN
     #: The prompt as ``--router kv`` weighs it (None under the other policies).
@@ -155,14 +162,17 @@ class Dispatcher:
         disagg = r.routable(Role.PREFILL, m) > 0 and r.routable(Role.DECODE, m) > 0
         return disagg or r.routable(Role.AGG, m) > 0
 
-    async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
+    async def stream(
+        self, request: GenerateRequest, affinity: dict[Role, str] | None = None
+    ) -> AsyncGenerator[Chunk, None]:
         """The request's chunks, from one or more workers; the last carries
-        ``finish_reason`` (unless the caller stops reading first).
+        ``finish_reason`` (unless the caller stops reading first). *affinity*: shared
+        by the streams of one request (see the module docstring).
 
         Raises InvalidRequest, NoCapacity or WorkerFailed (see the module docstring).
         """
         generated = token_array()
-        state = _Attempts()
+        state = _Attempts(affinity=affinity)
         if self.router.policy is Policy.KV:
             state.prompt = await self._prompt(request)
         with tracer().span("dispatch", parent=current_trace().span) as state.span:
@@ -206,7 +216,8 @@ class Dispatcher:
     ) -> GenerateRequest:
         """*request* as it continues after *migrations* migrations with *generated*
         tokens already delivered: the request itself until then (its token array as
-        it is: nothing downstream writes to it)."""
+        it is: nothing downstream writes to it). The prompt's logprobs came with the
+        first token: once that is delivered they are not asked again."""
         if migrations == 0:
             return request
         sampling = request.sampling
@@ -218,6 +229,7 @@ class Dispatcher:
                 sampling,
                 max_tokens=sampling.max_tokens - len(generated),
                 min_tokens=max(0, sampling.min_tokens - len(generated)),
+                prompt_logprobs=None if generated else sampling.prompt_logprobs,
             ),
             kv_handle=None,
         )
@@ -413,7 +425,14 @@ class Dispatcher:
         return NoWorkers(f"no routable {role.value} worker for model {self.model!r}")
 
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
-        """A worker of *role* for this request (see :meth:`_Attempts.excluded`); raises
-        NoWorkers."""
+        """A worker of *role* for this request (see :meth:`_Attempts.excluded`), the
+        one its affinity names if it can; raises NoWorkers."""
+        affinity = state.affinity
         exclude = state.excluded(self.router, role, self.model)
-        return self.router.pick(role, self.model, exclude, state.prompt)
+        if affinity is None:
+            return self.router.pick(role, self.model, exclude, state.prompt)
+        client = self.router.pick(
+            role, self.model, exclude, state.prompt, prefer=affinity.get(role)
+        )
+        affinity.setdefault(role, client.instance.worker_id)
+        return client

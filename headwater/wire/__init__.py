@@ -13,6 +13,7 @@ from headwater.wire.messages import (
     Reply,
     Role,
     SamplingParams,
+    TokenLogprobs,
     WorkerLoad,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "Reply",
     "Role",
     "SamplingParams",
+    "TokenLogprobs",
     "WorkerLoad",
 ]
