@@ -149,6 +149,23 @@ async def test_a_broken_or_malformed_stream_migrates_and_the_sdk_sees_one_answer
     assert server.faults.armed == []
 
 
+async def test_the_choices_of_one_request_share_its_fault(
+    headwater_server: HeadwaterServer, autojump_clock: trio.testing.MockClock
+) -> None:
+    server = headwater_server
+    server.faults.break_stream(after_tokens=3)
+    r = await server.openai_client(max_retries=0).chat.completions.create(
+        model=MODEL, messages=ASK, n=2
+    )
+    assert [c.message.content for c in r.choices] == [STORY, STORY]
+    await server.settled()
+    (record,) = server.requests
+    assert record.faults == ["break_stream"]
+    assert [leg.outcome for leg in record.generated].count("broken") == 1
+    assert record.attempt == 2
+    assert record.tokens == 2 * tokens(server, STORY)
+
+
 async def test_a_worker_killed_mid_stream_leaves_and_its_request_migrates(
     headwater: Headwater, autojump_clock: trio.testing.MockClock
 ) -> None:

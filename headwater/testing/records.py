@@ -24,10 +24,11 @@ current_record: contextvars.ContextVar[RequestRecord | None] = contextvars.Conte
     "headwater_testing_record", default=None
 )
 
-#: What dispatch appends to a request's plane id: ``.m<n>`` per migration, ``.r<n>`` per
-#: retry on another worker (frontend/router/dispatch.py). The id itself (the HTTP request
-#: id and 8 hex digits) may hold dots, never at its end.
-_SUFFIXES = re.compile(r"(?:\.[mr]\d+)*$")
+#: What is appended to a request's plane id: ``.c<n>`` for its n-th choice (``n`` > 1,
+#: frontend/pipeline.py), ``.m<n>`` per migration, ``.r<n>`` per retry on another worker
+#: (frontend/router/dispatch.py). The id itself (the HTTP request id and 8 hex digits)
+#: may hold dots, never at its end.
+_SUFFIXES = re.compile(r"(?:\.[cmr]\d+)*$")
 _MIGRATION = re.compile(r"\.m(\d+)")
 
 
@@ -43,8 +44,9 @@ def plane_request(request_id: str) -> tuple[str, int]:
 class Leg:
     """One try of a request on one worker, as the request plane saw it.
 
-    ``request_id`` is the plane's: the request's own id, ``<id>.r<n>`` for its n-th
-    retry on another worker, ``<id>.m<n>`` after its n-th migration. ``outcome``:
+    ``request_id`` is the plane's: the request's own id, ``<id>.c<n>`` for its n-th
+    choice (``n`` > 1), ``<id>.r<n>`` for its n-th retry on another worker,
+    ``<id>.m<n>`` after its n-th migration. ``outcome``:
     ``running``, ``finished`` (the worker ended it), ``error`` (the worker answered an
     Error: ``error_code`` says which), ``cancelled`` (the frontend left it: the client
     went away, a stop string, or the request moved on), ``unreachable`` (the worker had
