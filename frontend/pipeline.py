@@ -151,6 +151,9 @@ class Delta:
     ``tool_calls``, and ``finish_reason`` is "tool_calls" when the model called one.
     The logprobs then come with the delta in which the parse stage lets their text out
     (of a marker it held back, up to one delta early).
+
+    ``stop_sequence`` is the stop string that ended the response, on the last delta
+    (Anthropic's API reports it).
     """
 
     text: str
@@ -162,6 +165,7 @@ class Delta:
     index: int = 0
     logprobs: tuple[LogprobEntry, ...] = ()
     final: bool = False
+    stop_sequence: str | None = None  # the stop string that ended it (Anthropic's API reports it)
 
 
 #: A delta of either kind.
@@ -265,6 +269,28 @@ class Pipeline:
     async def preprocess(self, parsed: ParsedRequest) -> Prepared[ParsedRequest]:
         """Template and tokenize; validate lengths. Raises InvalidRequest."""
         started = trio.current_time()
+        param = "messages" if parsed.endpoint == "chat" else "prompt"
+        prompt_ids, reasoning_forced = await self._prompt(parsed)
+        return Prepared(
+            request_id=plane_request_id(),
+            parsed=parsed,
+            prompt_ids=prompt_ids,
+            sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
+            created=time.time(),
+            started=started,
+            reasoning_forced=reasoning_forced,
+        )
+
+    async def encode_prompt(self, parsed: ParsedRequest) -> array[int]:
+        """The prompt's ids: the chat template rendered (chat) or the prompt normalised
+        (completions), then tokenized in the pool; no length is checked (``/tokenize``
+        reports a prompt of any length). Raises InvalidRequest."""
+        prompt_ids, _ = await self._prompt(parsed)
+        return prompt_ids
+
+    async def _prompt(self, parsed: ParsedRequest) -> tuple[array[int], bool]:
+        """:meth:`encode_prompt`, and whether the rendered prompt opened the model's
+        reasoning itself (it ends in ``<think>``)."""
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
@@ -287,16 +313,8 @@ class Pipeline:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
-        return Prepared(
-            request_id=plane_request_id(),
-            parsed=parsed,
-            prompt_ids=prompt_ids,
-            sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
-            created=time.time(),
-            started=started,
-            reasoning_forced=(parsed.endpoint == "chat" and isinstance(text_or_ids, str)
-                              and text_or_ids.rstrip().endswith(THINK_OPEN)),
-        )
+        forced = isinstance(text_or_ids, str) and text_or_ids.rstrip().endswith(THINK_OPEN)
+        return prompt_ids, parsed.endpoint == "chat" and forced
 
     async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
         """The preprocess stage of a token-in request, which has neither a template nor
@@ -332,8 +350,12 @@ class Pipeline:
         return token_array(ids)
 
     async def _render(self, parsed: ParsedRequest) -> str:
-        render = self.template.render
-        kwargs = parsed.chat_template_kwargs
+        def work() -> str:
+            return self.template.render(
+                parsed.messages or [], add_generation_prompt=parsed.add_generation_prompt,
+                chat_template_kwargs=parsed.chat_template_kwargs, tools=parsed.tools,
+            )  # fmt: skip
+
         # The parser's count has the tools and their arguments too: a large one renders
         # off the loop like a long conversation. Inline mode keeps every step on the loop
         # (virtual-time tests: no thread).
@@ -341,11 +363,7 @@ class Pipeline:
         if self.pool.mode is TokenizeMode.INLINE or (
             (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS
         ):
-            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
-
-        def work() -> str:
-            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
-
+            return work()
         return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
 
     def _sampling(self, options: SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
@@ -520,10 +538,11 @@ class Pipeline:
                     )  # fmt: skip
                 out = choice.step(step.token_ids, step.logprobs, step.finish_reason)
                 if out.finish_reason is not None or out:
+                    ended = out.finish_reason is not None
                     yield Delta(
                         out.text, choice.completion_tokens, out.finish_reason,
                         step.cached_tokens, out.reasoning, out.tool_calls, index, out.logprobs,
-                        final=out.finish_reason is not None,
+                        final=ended, stop_sequence=post.stop_string if ended else None,
                     )  # fmt: skip
                 if out.finish_reason is not None:
                     # A matched stop string ends the choice: closing its token stream

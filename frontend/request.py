@@ -61,6 +61,7 @@ class ParsedRequest:
     #: kwargs; or the prompt); None: not counted (a request built without the parser).
     text_chars: int | None = None
     echo: bool = False  # completions: the prompt's text (and logprobs) before the answer's
+    add_generation_prompt: bool = True  # chat: open the assistant's turn after the last one
 
 
 @dataclass(frozen=True, slots=True)

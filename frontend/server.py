@@ -25,13 +25,14 @@ import trio
 from frontend.config import FrontendConfig
 from frontend.discovery import Discovery, start_discovery
 from frontend.http.admission import Admission, AdmissionControl
-from frontend.http.app import GENERATION_PATHS, create_app
+from frontend.http.app import ADMITTED_PATHS, GENERATION_PATHS, create_app
 from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning, watch_keys_file
 from frontend.http.group import GroupRelay
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
 from frontend.http.request_ids import RequestIds
+from frontend.http.responses_api.store import ResponseStore
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
 from frontend.metrics import FrontendMetrics
@@ -169,6 +170,7 @@ class Frontend:
             self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
             admission=self.admission, limits=config.limits,
             api_keys=bool(config.api_keys or config.api_keys_file),
+            responses_store=ResponseStore(config.responses_store),
         )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
@@ -261,7 +263,7 @@ class Frontend:
         await nursery.start(self.pipeline.run)  # the choices of requests with n > 1
         await self._start_workers(nursery)
         admitted = AdmissionControl(
-            self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,
+            self.app, self.admission, paths=ADMITTED_PATHS, metrics=self.metrics,
             max_body_bytes=cfg.max_body_bytes,
         )  # fmt: skip
         keys = ApiKeys(cfg.api_keys)

@@ -40,25 +40,19 @@ states as ``maxItems``, ``maximum`` and so on from the same config.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_NAME_CHARS, MAX_PARTS
+from frontend.http.anthropic import models as anthropic
+from frontend.http.bounds import FREE_FORM as _FREE_FORM
+from frontend.http.bounds import FreeFormObject, Name, NonEmptyStr, NonEmptyText
+from frontend.http.responses_api import models as responses_api
+from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 
 # -- shared pieces ------------------------------------------------------------------------
 
-#: A name or an id. (Text, which counts against --max-prompt-chars, is a plain ``str``:
-#: the OpenAPI document gives each one that bound, from the configured limit.)
-Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
-NonEmptyStr = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
-NonEmptyText = Annotated[str, Meta(min_length=1)]
-_FREE_FORM = (f"Free-form JSON: its text counts against --max-prompt-chars; at most "
-              f"{MAX_JSON_DEPTH} deep, and {MAX_JSON_CONTAINERS} objects and arrays in all "
-              f"of a request's free-form JSON.")  # fmt: skip
-#: A free-form JSON object, kept as its text until checked (frontend.http.schema).
-FreeFormObject = Annotated[Raw, Meta(extra_json_schema={
-    "type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM})]  # fmt: skip
+# Names, ids and free-form JSON: frontend.http.bounds.
 TokenId = Annotated[int, Meta(ge=0, description="a token id of the served model's vocabulary")]
 Temperature = Annotated[float, Meta(ge=0, le=2, description="sampling temperature (1)")]
 TopP = Annotated[float, Meta(ge=0, le=1, description="nucleus sampling mass (1)")]
@@ -267,12 +261,54 @@ class GenerateRequest(Struct, kw_only=True):
     )] | None = None  # fmt: skip
 
 
+# -- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """The body of ``POST /tokenize``: a ``prompt`` (vLLM's ``TokenizeCompletionRequest``)
+    or chat ``messages`` (its ``TokenizeChatRequest``, the chat template applied), one of
+    the two. Fields not listed are ignored."""
+
+    #: Exactly one of these fields is given (not null): /openapi.json says so.
+    one_of: ClassVar[tuple[str, ...]] = ("prompt", "messages")
+
+    model: NonEmptyStr | None = None
+    prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, description=(
+        "a conversation, rendered by the chat template, then tokenized (or send prompt)"
+    ))] | None = None  # fmt: skip
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "add the tokenizer's special tokens around the text (true for a prompt, false "
+        "for messages, whose template writes them)"))] | None = None  # fmt: skip
+    return_token_strs: Annotated[bool, Meta(description="also return each token's string"
+                                            )] | None = None  # fmt: skip
+    add_generation_prompt: Annotated[bool, Meta(description=(
+        "messages: open the assistant's turn after the last message (true)"))] | None = None
+    continue_final_message: Annotated[bool, Meta(description="not supported: only false"
+                                                 )] | None = None  # fmt: skip
+    chat_template: Annotated[str, Meta(description="not supported: only null")] | None = None
+    chat_template_kwargs: FreeFormObject | UnsetType = UNSET
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    """The body of ``POST /detokenize``: token ids back to text (special tokens kept)."""
+
+    tokens: Annotated[list[TokenId], Meta(description="at most the context length")]
+    model: NonEmptyStr | None = None
+
+
 #: The model each POST route validates its body with, by endpoint; read by the parser
 #: and by the OpenAPI document alike.
 REQUEST_MODELS: dict[str, type[Struct]] = {
     "chat": ChatCompletionRequest,
     "completions": CompletionRequest,
     "generate": GenerateRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
+    "messages": anthropic.MessagesRequest,
+    "count_tokens": anthropic.CountTokensRequest,
+    "responses": responses_api.ResponsesRequest,
 }
 
 
@@ -441,6 +477,19 @@ class GenerateResponse(Struct, kw_only=True):
     choices: list[TokenChoice]
     usage: TokenUsage | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    """``/tokenize``'s answer: the ids, their count, and the model's context length."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    prompt: str
 
 
 class ModelCard(Struct, kw_only=True):

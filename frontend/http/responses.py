@@ -22,7 +22,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Generic
 
 import orjson
+from quart import Response
 
+from frontend.http.errors import ApiError
 from frontend.pipeline import D, Delta, Prepared, TokenDelta
 from frontend.postprocess.logprobs import FLOOR, LogprobEntry, clamp
 from frontend.postprocess.parsers import ToolCallDelta
@@ -36,6 +38,15 @@ __all__ = ["D", "OpenAIFormat", "ResponseFormat", "TokenFormat"]
 TOKEN_RESPONSE_PREFIX = "generate-tokens-"
 
 
+JSON = "application/json"
+
+
+def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
+    """A JSON body (*body* as bytes already, or to serialize) with its content type."""
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    return Response(data, status=status, content_type=JSON)
+
+
 def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
@@ -43,7 +54,8 @@ def _event(body: dict[str, Any]) -> bytes:
 class ResponseFormat(ABC, Generic[D]):
     """How one API answers one request: the body of a unary response, and the events
     of a streaming one (the caller sends ``opening()`` with the first event, one
-    ``event()`` per delta, ``usage()`` when the client asked for it, then ``DONE``)."""
+    ``event()`` per delta, ``usage()`` when the client asked for it, then ``DONE``:
+    OpenAI's end marker, which other APIs' streams leave out)."""
 
     DONE = b"data: [DONE]\n\n"
 
@@ -64,10 +76,9 @@ class ResponseFormat(ABC, Generic[D]):
     def usage(self, last: D) -> bytes:
         """The SSE event with the request's token counts, after the last delta."""
 
-    @staticmethod
-    def error(body: dict[str, Any]) -> bytes:
+    def error(self, err: ApiError) -> bytes:
         """An error after the stream started: an event whose data is the error body."""
-        return _event(body)
+        return _event(err.body())
 
 
 class OpenAIFormat(ResponseFormat[Delta]):

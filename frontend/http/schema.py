@@ -55,6 +55,7 @@ from frontend.http.models import (
     GenerateRequest,
     SamplingParams,
     TextPart,
+    TokenizeRequest,
     ToolMessage,
     _Sampling,
 )
@@ -117,7 +118,7 @@ def decode(body: bytes | bytearray | memoryview | Any, model: type[msgspec.Struc
             gc.enable()
 
 
-class _FreeForm:
+class FreeForm:
     """Decodes one request's free-form JSON, each part once its size is known: at most
     :data:`~frontend.limits.MAX_JSON_CONTAINERS` objects and arrays in all (counted on the
     text, before the decode), at most :data:`~frontend.limits.MAX_JSON_DEPTH` deep."""
@@ -214,18 +215,18 @@ def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestL
 ChatText = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any], int]
 
 
-def _chat_text(req: ChatCompletionRequest, limits: RequestLimits) -> ChatText:
+def chat_text(req: ChatCompletionRequest | TokenizeRequest, limits: RequestLimits) -> ChatText:
     """The messages, tools and template kwargs of *req* as the chat template takes them,
     and their characters of text, checked against ``max_prompt_chars`` as they add up:
     contents, reasoning and tool-call arguments (a string's characters, an object's JSON
     text) under ``messages``, then the tools' names, descriptions and parameters (JSON
     text) under ``tools``, then the kwargs' JSON text under ``chat_template_kwargs``.
     Free-form JSON is decoded only once its text has counted."""
-    free = _FreeForm()
+    free = FreeForm()
     messages: list[dict[str, Any]] = []
     arguments: list[tuple[dict[str, Any], msgspec.Raw, str]] = []  # decoded once counted
     chars = 0
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages or ()):  # (a /tokenize body may have none)
         out: dict[str, Any] = {"role": _ROLES[type(m)], "content": _content(m.content)}
         chars += _content_chars(m.content)
         if m.name is not None:
@@ -339,7 +340,7 @@ def parse_request(
     echo = False
     if isinstance(req, ChatCompletionRequest):
         limits.check_messages(len(req.messages))
-        messages, tools, kwargs, text_chars = _chat_text(req, limits)
+        messages, tools, kwargs, text_chars = chat_text(req, limits)
         if req.logprobs:
             logprobs = req.top_logprobs or 0
         elif req.top_logprobs:  # vLLM's rule: 0 asks for nothing, so it passes alone

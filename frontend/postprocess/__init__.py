@@ -87,6 +87,11 @@ class TextPostprocessor:
         """A stop string ended the response (in a :meth:`step` or in :meth:`finish`)."""
         return self._stop.stopped
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the response, if one did."""
+        return self._stop.matched
+
     def step(self, token_ids: Sequence[int]) -> TextStep:
         if self._stop.stopped or self._finished:
             return TextStep("", self._stop.stopped)

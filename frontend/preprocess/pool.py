@@ -27,6 +27,7 @@ import enum
 import time
 from array import array
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -36,6 +37,9 @@ from frontend.preprocess.tokenizer import Backend, SegmentCacheStats, Tokenizer
 #: the encode costs less than the ~60–300 µs thread hop and at most ~0.1–0.2 ms of
 #: loop time (scripts/measure_tokenizer.py; figures in docs/tokenization.md).
 INLINE_MAX_CHARS = {Backend.FASTOKENS: 8192, Backend.HF: 256}
+#: Longest id list decoded inline (``/detokenize``): about what the inline encode of
+#: :data:`INLINE_MAX_CHARS` characters produces.
+INLINE_DECODE_TOKENS = 2048
 
 
 class TokenizeMode(enum.StrEnum):
@@ -91,6 +95,17 @@ class TokenizerPool:
         return await trio.to_thread.run_sync(
             self.tokenizer.encode_ids, text, limiter=self.limiter, abandon_on_cancel=True
         )
+
+    async def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of *ids* (``/detokenize``): inline up to :data:`INLINE_DECODE_TOKENS`
+        ids, in a pool thread beyond, as encoding is (a 40k-token decode is
+        milliseconds of work)."""
+        if self.mode is TokenizeMode.INLINE or len(ids) <= INLINE_DECODE_TOKENS:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return await trio.to_thread.run_sync(
+            partial(self.tokenizer.decode, ids, skip_special_tokens=skip_special_tokens),
+            limiter=self.limiter, abandon_on_cancel=True,
+        )  # fmt: skip
 
     async def warm_up(self) -> float:
         """Encode a sample once, in a pool thread, before traffic arrives; returns the
