@@ -67,7 +67,7 @@ from frontend.postprocess.choice import ChoiceStream, Echo, echo
 from frontend.postprocess.logprobs import LogprobEntry, TokenTexts
 from frontend.postprocess.parsers import AnswerParser, ToolCallDelta, check_names, make_parser
 from frontend.preprocess.messages import TemplateError, completion_prompt
-from frontend.preprocess.pool import TokenizeMode, TokenizerPool
+from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
@@ -239,6 +239,7 @@ class Pipeline:
             model_name,
             config=dispatch,
             metrics=metrics,
+            offload=pool.offload,
         )
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = (eos,) if eos is not None else ()
@@ -357,14 +358,11 @@ class Pipeline:
             )  # fmt: skip
 
         # The parser's count has the tools and their arguments too: a large one renders
-        # off the loop like a long conversation. Inline mode keeps every step on the loop
-        # (virtual-time tests: no thread).
+        # off the loop like a long conversation.
         chars = parsed.text_chars
-        if self.pool.mode is TokenizeMode.INLINE or (
-            (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS
-        ):
+        if (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS:
             return work()
-        return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
+        return await self.pool.offload(work)
 
     def _sampling(self, options: SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
         """The engine's parameters for a prompt of *prompt_len* tokens; ContextTooLong,
@@ -573,7 +571,7 @@ class Pipeline:
         cheap = texts is None and isinstance(prompt, str)  # no decoding at all
         if cheap or len(prep.prompt_ids) < ECHO_OFFLOAD_TOKENS:
             return work()
-        return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
+        return await self.pool.offload(work)
 
     async def _choices(
         self,

@@ -21,10 +21,11 @@ from workers.engines.scripted import ScriptError
 TEXT = "A short answer from the script."
 SCRIPT = [{"default": True, "text": TEXT}]
 CHAT = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Hello."}]}
-#: Over the tokenizer pool's inline bound (8,192 characters) and the scripted engine's
-#: (256 tokens): on the real clock both go to threads.
-LONG = {"model": "deepseek-v4",
-        "messages": [{"role": "user", "content": "lorem ipsum dolor " * 1000}]}  # fmt: skip
+#: Over every bound past which a request's work goes to a thread on the real clock: the
+#: tokenizer pool's (8,192 characters), the scripted engine's (256 tokens), the KV
+#: router's hashing (4,096 tokens), an echo's (1,024 tokens), token strings' (4,096).
+WORDS = "lorem ipsum dolor " * 2000
+LONG = {"model": "deepseek-v4", "messages": [{"role": "user", "content": WORDS}]}
 
 
 async def long_prompt_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -36,13 +37,21 @@ async def long_prompt_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append(getattr(fn, "__qualname__", repr(fn)))
         return await run_sync(fn, *args, **kwargs)
 
-    async with open_server(script=SCRIPT, token_delay=0.5) as server:
+    async with open_server(script=SCRIPT, token_delay=0.5, router="kv") as server:
         monkeypatch.setattr(trio.to_thread, "run_sync", counted)  # start-up aside
+        client = server.client(timeout=None)
         start = trio.current_time()
-        r = await server.client().post("/v1/chat/completions", json=LONG)
+        r = await client.post("/v1/chat/completions", json=LONG)
         assert r.json()["choices"][0]["message"]["content"] == TEXT
         if server.virtual_time:  # exact: nothing ran behind the clock's back
             assert trio.current_time() - start == server.requests[0].tokens * 0.5
+        ids = list(server.frontend.tokenizer.encode_ids(WORDS))  # echoed: decoded
+        r = await client.post("/v1/completions", json={
+            "model": "deepseek-v4", "prompt": ids, "echo": True, "max_tokens": 2})  # fmt: skip
+        assert r.json()["choices"][0]["text"].startswith(WORDS)
+        r = await client.post("/tokenize", json={"model": "deepseek-v4", "prompt": WORDS,
+                                                 "return_token_strs": True})  # fmt: skip
+        assert len(r.json()["token_strs"]) > 4096
         monkeypatch.undo()
     return calls
 
@@ -61,6 +70,8 @@ async def test_on_the_real_clock_a_long_prompt_goes_to_threads(
     calls = await long_prompt_threads(monkeypatch)
     assert "Tokenizer.encode_ids" in calls
     assert "_match" in calls  # the scripted engine reading the prompt
+    assert "prompt_hashes" in calls  # the KV router's
+    assert len(calls) >= 5  # and the echo's, the token strings'
 
 
 async def test_the_stack_is_the_servers_api_keys_and_admission(
