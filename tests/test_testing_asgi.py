@@ -214,20 +214,25 @@ async def test_the_server_runs_on_the_real_clock_too() -> None:
         assert r.choices[0].message.content == TEXT
 
 
-async def test_the_anthropic_sdk_reaches_the_server(autojump_clock: trio.testing.MockClock
-                                                    ) -> None:  # fmt: skip
+async def test_the_anthropic_sdk_talks_to_the_server(autojump_clock: trio.testing.MockClock
+                                                     ) -> None:  # fmt: skip
     anthropic = pytest.importorskip("anthropic")
-    async with open_server(script=SCRIPT) as server:
+    async with open_server(script=SCRIPT, token_delay=0.5, api_keys=("k1",)) as server:
         client = server.anthropic_client()
         assert isinstance(client, anthropic.AsyncAnthropic)
-        # The SDK's own plumbing (its headers, its key) through the transport.
-        models = await client.get("/v1/models", cast_to=object)
-        assert models["data"][0]["id"] == "deepseek-v4"  # type: ignore[index]
+        ask: Any = [{"role": "user", "content": "Hi"}]
+        message = await client.messages.create(model="deepseek-v4", max_tokens=100,
+                                               messages=ask)  # fmt: skip
+        assert message.content[0].text == TEXT  # type: ignore[union-attr]
+        assert message.stop_reason == "end_turn"
+        start_time = trio.current_time()
+        async with client.messages.stream(model="deepseek-v4", max_tokens=100,
+                                          messages=ask) as stream:  # fmt: skip
+            pieces = [(text, trio.current_time() - start_time)
+                      async for text in stream.text_stream]  # fmt: skip
+        assert "".join(text for text, _ in pieces) == TEXT
+        assert [t for _, t in pieces[:2]] == [0.5, 1.0]  # token by token
+        # The SDK's key, in the header its version sends, passed the API-key check.
         sent = server.requests[-1].headers
-        assert sent["user-agent"].startswith("AsyncAnthropic/")
-        assert "unused" in sent.get("x-api-key", sent.get("authorization", ""))
-        if "/v1/messages" in {rule.rule for rule in server.frontend.app.url_map.iter_rules()}:
-            message = await client.messages.create(
-                model="deepseek-v4", max_tokens=100, messages=[{"role": "user", "content": "Hi"}]
-            )
-            assert message.content[0].text == TEXT  # type: ignore[union-attr]
+        assert "k1" in sent.get("x-api-key", sent.get("authorization", ""))
+        assert [r.status for r in server.requests] == [200, 200]

@@ -128,8 +128,8 @@ class HeadwaterServer:
         return openai_client(self.httpx2_client(), f"{BASE_URL}/v1", **kwargs)
 
     def anthropic_client(self, **kwargs: Any) -> anthropic.AsyncAnthropic:
-        """An ``anthropic.AsyncAnthropic`` on this server; *kwargs* are its own. Needs
-        the ``anthropic`` package (and a frontend that serves ``/v1/messages``)."""
+        """An ``anthropic.AsyncAnthropic`` on this server (its Messages API); *kwargs* are
+        its own. Needs the ``anthropic`` package."""
         from headwater.testing.sdk import anthropic_client
 
         kwargs.setdefault("api_key", self._api_key())
