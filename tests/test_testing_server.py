@@ -114,6 +114,21 @@ async def test_asked_to_listen_it_serves_a_socket_too_and_records_both() -> None
         assert unasked.url is None
 
 
+async def test_every_api_of_the_server_is_there(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_server(script=SCRIPT) as server:
+        client = server.openai_client()
+        assert (await client.responses.create(model="deepseek-v4", input="Hi")).output_text == TEXT
+        completion = await client.completions.create(model="deepseek-v4", prompt="Hi")
+        assert completion.choices[0].text == TEXT
+        http = server.client()
+        tokenized = await http.post("/tokenize", json={"model": "deepseek-v4", "prompt": TEXT})
+        body = {"token_ids": tokenized.json()["tokens"], "sampling_params": {"max_tokens": 5}}
+        generated = await http.post("/inference/v1/generate", json=body)
+        assert generated.status_code == 200, generated.text
+        assert [r.path for r in server.requests] == [
+            "/v1/responses", "/v1/completions", "/tokenize", "/inference/v1/generate"]
+
+
 async def test_the_mocker_by_default_and_the_same_answer_for_a_seed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
