@@ -96,7 +96,8 @@ class FrontendConfig:
     model_vocab_size: int = 0
     context_length: int = 131072  # prompt + completion tokens
     tokenizer_backend: str = "fastokens"  # "fastokens" | "hf"
-    tokenize_mode: str = "thread"  # "thread" | "inline" | "thread-gil" (the last two: repro only)
+    # "thread" | "inline" | "thread-gil"; inline: virtual-time tests and repro, thread-gil: repro
+    tokenize_mode: str = "thread"
     tokenizer_threads: int = field(default_factory=usable_cpus)
     # MiB for fastokens' cache of the text segments between added tokens (a repeated
     # system prompt is encoded once; same ids either way). 0: off. fastokens keeps no

@@ -239,6 +239,7 @@ class Pipeline:
             model_name,
             config=dispatch,
             metrics=metrics,
+            offload=pool.offload,
         )
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = (eos,) if eos is not None else ()
@@ -361,7 +362,7 @@ class Pipeline:
         chars = parsed.text_chars
         if (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS:
             return work()
-        return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
+        return await self.pool.offload(work)
 
     def _sampling(self, options: SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
         """The engine's parameters for a prompt of *prompt_len* tokens; ContextTooLong,
@@ -570,7 +571,7 @@ class Pipeline:
         cheap = texts is None and isinstance(prompt, str)  # no decoding at all
         if cheap or len(prep.prompt_ids) < ECHO_OFFLOAD_TOKENS:
             return work()
-        return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
+        return await self.pool.offload(work)
 
     async def _choices(
         self,

@@ -21,7 +21,6 @@ import logging
 from typing import cast
 
 import tokenizers
-import trio
 from msgspec import UNSET, UnsetType
 from quart import Response
 from quart_trio import QuartTrio
@@ -142,4 +141,4 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
 
         if len(ids) <= INLINE_TOKEN_STRS:
             return look_up()
-        return await trio.to_thread.run_sync(look_up, limiter=pipeline.pool.limiter)
+        return await pipeline.pool.offload(look_up)

@@ -49,10 +49,10 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -73,6 +73,13 @@ _BUSY_RECHECK_S = 0.1  # how often a queued request looks at the workers' report
 #: Prompts at least this long are hashed for ``--router kv`` in a thread (~0.3 ms of
 #: hashing at 64 tokens a block); shorter ones inline, cheaper than the thread hop.
 _HASH_INLINE_MAX_TOKENS = 4096
+
+#: Runs a function with its arguments off the loop and returns its result.
+Offload = Callable[..., Awaitable[Any]]
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    return await trio.to_thread.run_sync(fn, *args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,11 +156,15 @@ class Dispatcher:
         *,
         config: DispatchConfig | None = None,
         metrics: FrontendMetrics | None = None,
+        offload: Offload | None = None,
     ) -> None:
+        """*offload* runs CPU work off the loop (a long prompt's block hashes); by
+        default in a thread (the pipeline's: its tokenizer pool's ``offload``)."""
         self.router = router
         self.model = model
         self.config = config or DispatchConfig()
         self.metrics = metrics
+        self.offload: Offload = offload or _in_thread
         self._queued = 0  # requests waiting for a worker that is not busy
 
     def ready(self) -> bool:
@@ -205,7 +216,7 @@ class Dispatcher:
         prompt (~0.5 µs per block; docs/routing.md), so the loop stays free."""
         tokens, size = request.token_ids, self.router.kv.block_size
         if len(tokens) >= _HASH_INLINE_MAX_TOKENS:
-            hashes = await trio.to_thread.run_sync(prompt_hashes, tokens, size)
+            hashes = await self.offload(prompt_hashes, tokens, size)
         else:
             hashes = prompt_hashes(tokens, size)
         return Prompt(len(tokens), hashes)
