@@ -13,6 +13,8 @@ from headwater.wire.messages import (
     Reply,
     Role,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
     WorkerLoad,
 )
 
@@ -29,5 +31,7 @@ __all__ = [
     "Reply",
     "Role",
     "SamplingParams",
+    "StructuredKind",
+    "StructuredOutput",
     "WorkerLoad",
 ]

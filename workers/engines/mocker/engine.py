@@ -23,6 +23,7 @@ import trio
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
+from headwater.wire.capabilities import SEED, Capabilities
 from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
@@ -34,6 +35,9 @@ from workers.engines.mocker.transfers import HeldTransfers
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
 MIN_SLEEP = 0.5e-3
+#: What the simulated engine honours beyond the baseline (temperature 0 is greedy: see
+#: :mod:`.sampling`).
+CAPABILITIES = Capabilities("mocker", frozenset({SEED}))
 
 
 @dataclass(eq=False, slots=True)
@@ -82,6 +86,13 @@ class MockerEngine(Engine):
         self._closed = False
 
     # ---- Engine API -------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Seeds only (:data:`CAPABILITIES`): its draws are uniform over the ordinary ids,
+        on which top-k, min-p, penalties and biases would need a model it simulates no
+        more than constrained decoding would (docs/api.md, "Fields")."""
+        return CAPABILITIES
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler until cancelled. May be called once.
@@ -231,7 +242,7 @@ class MockerEngine(Engine):
                 tokens = copy_tokens(prompt)  # a memcpy for a token array
             except ValueError as exc:
                 raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
-        key = seed_key(sampling.seed, request.request_id)
+        key = seed_key(sampling.seed, request.request_id, greedy=sampling.temperature == 0)
         stop_ids = set(sampling.stop_token_ids)
         eos_token = eos_index = None
         if not sampling.ignore_eos:

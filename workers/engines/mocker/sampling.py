@@ -7,6 +7,11 @@ its key from a stable hash of its id, so it too is reproducible, and across work
 processes. The natural output length (when ``mean_output_tokens`` is set) is drawn
 from the same key, salted apart from the token draws.
 
+The simulated model's next-token distribution is uniform over the ordinary ids, which
+a temperature leaves as it is; greedy decoding (temperature 0) takes that model's one
+most likely answer, so every greedy request shares one key (:data:`GREEDY_KEY`),
+whatever its seed: the same ids at the same positions.
+
 The draws are splitmix64 (a counter hashed by its finalizer): cheap, stateless and
 well spread, which is all a simulator needs. :func:`token_at` runs once per output
 token on the frontend's event loop when the mocker is in-process, so it is written as
@@ -29,8 +34,15 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def seed_key(seed: int | None, request_id: str) -> int:
-    """The request's stream key: from its seed, else a stable hash of its id."""
+#: The stream key of every greedy request (temperature 0).
+GREEDY_KEY = 0x2545F4914F6CDD1D
+
+
+def seed_key(seed: int | None, request_id: str, *, greedy: bool = False) -> int:
+    """The request's stream key: :data:`GREEDY_KEY` for a greedy one, else from its
+    seed, else a stable hash of its id."""
+    if greedy:
+        return GREEDY_KEY
     if seed is None:
         # str hash() is salted per process; blake2b is stable across workers.
         return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest())
