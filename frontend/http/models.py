@@ -28,7 +28,9 @@ for speed); the schemathesis test checks live responses against them.
 What the models cannot say is checked after them, in :mod:`frontend.http.schema`:
 requests for what headwater cannot do (``n`` > 1, logprobs, echo, stop strings on the
 token-in API) and the configured limits (:mod:`frontend.limits`), which the OpenAPI
-document states as ``maxItems``, ``maximum`` and so on from the same config.
+document states as ``maxItems``, ``maximum`` and so on from the same config. Every
+field declared here is honoured or refused, on each engine: the table of
+:mod:`frontend.http.fields` says which, and docs/api.md ("Fields") publishes it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,16 @@ NonEmptyStr = Annotated[str, Meta(min_length=1)]
 TokenId = Annotated[int, Meta(ge=0, description="a token id of the served model's vocabulary")]
 Temperature = Annotated[float, Meta(ge=0, le=2, description="sampling temperature (1)")]
 TopP = Annotated[float, Meta(ge=0, le=1, description="nucleus sampling mass (1)")]
-Penalty = Annotated[float, Meta(ge=-2, le=2, description="accepted, not applied (0)")]
+Penalty = Annotated[float, Meta(ge=-2, le=2, description=(
+    "OpenAI's penalty on tokens already generated (0: none)"))]  # fmt: skip
+TopK = Annotated[int, Meta(ge=-1, description=(
+    "sample among the k most likely tokens (vLLM's; 0 or -1: all)"))]  # fmt: skip
+MinP = Annotated[float, Meta(ge=0, le=1, description=(
+    "drop tokens less likely than min_p times the most likely one (vLLM's; 0: none)"))]  # fmt: skip
+RepetitionPenalty = Annotated[float, Meta(gt=0, le=2, description=(
+    "vLLM's multiplicative penalty on tokens of the prompt and the output (1: none)"))]  # fmt: skip
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(description=(
+    "token id (as a string) to a bias from -100 to 100 added to its logit"))]  # fmt: skip
 MaxTokens = Annotated[int, Meta(ge=1, description=(
     "tokens to generate at most; absent: what the context length leaves, up to the "
     "server's cap"))]  # fmt: skip
@@ -71,6 +82,36 @@ class _Sampling(Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     n: One | None = None
     best_of: One | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+
+
+class TextFormat(Struct, kw_only=True, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """Plain text: no constraint (the default)."""
+
+
+class JsonObjectFormat(Struct, kw_only=True, tag_field="type", tag="json_object",
+                       forbid_unknown_fields=True):  # fmt: skip
+    """Any JSON object, by constrained decoding."""
+
+
+class JsonSchemaSpec(Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # absent: any JSON object
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(Struct, kw_only=True, tag_field="type", tag="json_schema",
+                       forbid_unknown_fields=True):  # fmt: skip
+    """JSON valid against ``json_schema.schema``, by constrained decoding."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 
 class _OpenAIRequest(_Sampling, kw_only=True):
@@ -83,6 +124,7 @@ class _OpenAIRequest(_Sampling, kw_only=True):
     stop: StopString | list[StopString] | None = None
     user: str | None = None
     top_logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
+    response_format: ResponseFormat | None = None
 
 
 # -- chat -----------------------------------------------------------------------------------
@@ -154,6 +196,21 @@ class Tool(Struct, kw_only=True):
     type: str | None = None
 
 
+class FunctionName(Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class NamedToolChoice(Struct, kw_only=True, forbid_unknown_fields=True):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     """The body of ``POST /v1/chat/completions``. Fields not listed are ignored."""
 
@@ -161,6 +218,9 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: Annotated[bool, Meta(description="not supported: only false")] | None = None
     tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -178,14 +238,29 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
         int | bool, Meta(description="not supported: only null, 0 or false")
     ] | None = None  # fmt: skip
     echo: Annotated[bool, Meta(description="not supported: only false")] | None = None
+    suffix: Annotated[str, Meta(description=(
+        "text after the completion: the prompt is framed for fill-in-the-middle"
+    ))] | None = None  # fmt: skip
 
 
 # -- the token-in API -----------------------------------------------------------------------
 
 
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``StructuredOutputsParams``: exactly one constraint (its other options are
+    refused, not ignored)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class SamplingParams(_Sampling, kw_only=True):
-    """How to generate, in vLLM's ``SamplingParams`` shape; fields not listed (``top_k``,
-    ``skip_special_tokens``, ...) are ignored."""
+    """How to generate, in vLLM's ``SamplingParams`` shape; fields not listed
+    (``skip_special_tokens``, ...) are ignored."""
 
     max_tokens: MaxTokens | None = None
     logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
@@ -193,6 +268,7 @@ class SamplingParams(_Sampling, kw_only=True):
     stop: Annotated[str | list[str], Meta(description=(
         "not supported (no text to match on): only null or []; use stop_token_ids"
     ))] | None = None  # fmt: skip
+    structured_outputs: StructuredOutputs | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):

@@ -26,6 +26,7 @@ import re
 from typing import Any, cast
 
 import msgspec
+import orjson
 
 from frontend.http.errors import ApiError, bad_request
 from frontend.http.models import (
@@ -35,11 +36,27 @@ from frontend.http.models import (
     ChatMessage,
     CompletionRequest,
     GenerateRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
     SamplingParams,
+    StructuredOutputs,
     _Sampling,
 )
 from frontend.limits import RequestLimits
-from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
+from frontend.request import Constraint, ParsedRequest, SamplingOptions, TokenRequest
+from headwater.wire import StructuredKind, StructuredOutput
+from headwater.wire.capabilities import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    MIN_P,
+    PRESENCE_PENALTY,
+    REPETITION_PENALTY,
+    SEED,
+    STRUCTURED_OUTPUTS,
+    TOP_K,
+    needed,
+)
 
 #: Where the token-in API keeps its generation options, as its errors name them.
 SAMPLING_PARAMS = "sampling_params."
@@ -79,10 +96,15 @@ def _convert(body: Any, model: type[msgspec.Struct]) -> Any:
         raise validation_error(exc) from None
 
 
-def _sampling(s: _Sampling, max_tokens: int | None, prefix: str = "") -> SamplingOptions:
+def _sampling(
+    s: _Sampling,
+    max_tokens: int | None,
+    prefix: str = "",
+    structured: StructuredOutput | None = None,
+) -> SamplingOptions:
     """The generation options both APIs share, from *s*: the OpenAI body itself, or the
     token-in API's ``sampling_params`` (*prefix* names it in errors). The caller reads
-    *max_tokens* (OpenAI has two fields for it)."""
+    *max_tokens* (OpenAI has two fields for it) and the token-in API's *structured*."""
     min_tokens = s.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(
@@ -96,7 +118,103 @@ def _sampling(s: _Sampling, max_tokens: int | None, prefix: str = "") -> Samplin
         temperature=1.0 if s.temperature is None else s.temperature,
         top_p=1.0 if s.top_p is None else s.top_p,
         seed=s.seed,
+        top_k=max(0, s.top_k or 0),  # vLLM's -1 and 0 both mean every token
+        min_p=s.min_p or 0.0,
+        presence_penalty=s.presence_penalty or 0.0,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
+        logit_bias=_logit_bias(s.logit_bias, prefix + "logit_bias"),
+        structured=structured,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) as (id, bias) pairs, by id."""
+    if not bias:
+        return ()
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdecimal() or len(key) > 10:
+            raise bad_request(f"'{param}' keys must be token ids, got {key[:20]!r}", param)
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
+#: Where each declared feature is asked for, by the field's name (the token-in API
+#: prefixes ``sampling_params.``); an OpenAI request's structured output is asked for by
+#: the field its Constraint names.
+_FEATURE_FIELDS = {f: f for f in (SEED, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY,
+                                  REPETITION_PENALTY, LOGIT_BIAS, STRUCTURED_OUTPUTS)}
+
+
+def _needs(options: SamplingOptions, prefix: str, constraint: Constraint | None = None
+           ) -> tuple[tuple[str, str], ...]:  # fmt: skip
+    """The declared features *options* ask for, each with the field asking for it."""
+    needs = [(feature, prefix + _FEATURE_FIELDS[feature]) for feature in needed(options)]
+    if constraint is not None:
+        needs.append((STRUCTURED_OUTPUTS, constraint.param))
+    return tuple(needs)
+
+
+def _constraint(req: ChatCompletionRequest | CompletionRequest) -> Constraint | None:
+    """What ``response_format`` and, in chat, ``tool_choice`` ask the answer to be."""
+    fmt = req.response_format
+    constraint = None
+    if isinstance(fmt, JsonObjectFormat) or (
+        isinstance(fmt, JsonSchemaFormat) and fmt.json_schema.schema is None
+    ):
+        constraint = Constraint("json_object", "response_format")
+    elif isinstance(fmt, JsonSchemaFormat):
+        constraint = Constraint("json_schema", "response_format", fmt.json_schema.schema)
+    if not isinstance(req, ChatCompletionRequest):
+        return constraint
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return constraint
+    offered = [t.function.name for t in req.tools or ()]
+    if not offered:
+        raise bad_request("'tool_choice' asks for a tool call, but 'tools' offers none",
+                          "tool_choice")  # fmt: skip
+    kind = "tool_calls"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in offered:
+            raise bad_request(f"'tool_choice' names {choice.function.name!r}, which is not "
+                              "among 'tools'", "tool_choice")  # fmt: skip
+        kind, offered = "tool_call", [choice.function.name]
+    if constraint is not None:
+        # vLLM lets the call win and drops the format; refused here instead of ignored.
+        raise bad_request("'response_format' cannot constrain an answer that 'tool_choice' "
+                          "makes a tool call", "response_format")  # fmt: skip
+    return Constraint(kind, "tool_choice", tools=tuple(dict.fromkeys(offered)))
+
+
+def _structured_outputs(so: StructuredOutputs | None, param: str) -> StructuredOutput | None:
+    """The token-in API's ``structured_outputs`` (vLLM's): exactly one constraint."""
+    if so is None:
+        return None
+    given = [(name, value) for name in _STRUCTURED_FIELDS
+             if (value := getattr(so, name)) is not None]  # fmt: skip
+    if len(given) != 1:
+        raise bad_request(f"'{param}' must set exactly one of "
+                          f"{', '.join(_STRUCTURED_FIELDS)}", param)  # fmt: skip
+    name, value = given[0]
+    kind = StructuredKind(name)
+    if kind is StructuredKind.JSON_OBJECT:
+        if value is not True:
+            raise bad_request(f"'{param}.json_object' must be true", param)
+        return StructuredOutput(kind)
+    if kind is StructuredKind.CHOICE:
+        if not value:
+            raise bad_request(f"'{param}.choice' must not be empty", param)
+        return StructuredOutput(kind, orjson.dumps(value).decode())
+    if kind is StructuredKind.JSON and not isinstance(value, str):
+        return StructuredOutput(kind, orjson.dumps(value).decode())
+    if not value:
+        raise bad_request(f"'{param}.{name}' must not be empty", param)
+    return StructuredOutput(kind, value)
+
+
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits
@@ -167,6 +285,9 @@ def parse_request(
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else req.stop
     if stop:
         limits.check_stop(stop)
+    sampling = _sampling(req, _max_tokens(req, limits))
+    constraint = _constraint(req)
+    chat = isinstance(req, ChatCompletionRequest)
 
     return ParsedRequest(
         endpoint=endpoint,
@@ -175,12 +296,18 @@ def parse_request(
         prompt=prompt,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        sampling=_sampling(req, _max_tokens(req, limits)),
+        sampling=sampling,
         stop=tuple(stop),
         user=req.user,
         chat_template_kwargs=kwargs,
         tools=tools,
         tool_choice=body.get("tool_choice") if tools else None,
+        parallel_tool_calls=not chat or cast(ChatCompletionRequest, req).parallel_tool_calls
+        is not False,
+        constraint=constraint,
+        reasoning_effort=cast(ChatCompletionRequest, req).reasoning_effort if chat else None,
+        suffix=None if chat else cast(CompletionRequest, req).suffix,
+        needs=_needs(sampling, "", constraint),
     )
 
 
@@ -216,6 +343,8 @@ def parse_generate_request(
                 param,
             )
     limits.check_max_tokens(params.max_tokens, p + "max_tokens")
+    structured = _structured_outputs(params.structured_outputs, p + "structured_outputs")
+    sampling = _sampling(params, params.max_tokens, p, structured)
 
     return TokenRequest(
         token_ids=req.token_ids,
@@ -223,5 +352,6 @@ def parse_generate_request(
         model=req.model,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        sampling=_sampling(params, params.max_tokens, p),
+        sampling=sampling,
+        needs=_needs(sampling, p),
     )
