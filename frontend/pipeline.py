@@ -43,6 +43,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
+from frontend.asks import check_honoured, fill_in_middle, template_kwargs
 from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
 from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
@@ -50,10 +51,11 @@ from frontend.postprocess import TextPostprocessor
 from frontend.postprocess.parsers import AnswerParser, ToolCallDelta, check_names, make_parser
 from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
+from frontend.preprocess.structured import ConstraintError, structured_output
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
-from headwater.wire import GenerateRequest, SamplingParams
+from headwater.wire import GenerateRequest, SamplingParams, StructuredOutput
 from headwater.wire.tokens import token_array
 
 log = logging.getLogger(__name__)
@@ -187,8 +189,11 @@ class Pipeline:
     # -- preprocess ------------------------------------------------------------------
 
     async def preprocess(self, parsed: ParsedRequest) -> Prepared[ParsedRequest]:
-        """Template and tokenize; validate lengths. Raises InvalidRequest."""
+        """Template and tokenize; validate lengths. Raises InvalidRequest (also, before
+        any work, for what the workers cannot honour: :mod:`frontend.asks`)."""
         started = trio.current_time()
+        check_honoured(parsed.needs, self.router, self.model_name,
+                       self.parsers.tool_call_parser)  # fmt: skip
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
@@ -197,6 +202,8 @@ class Pipeline:
                 text_or_ids = await self._render(parsed)
             else:
                 text_or_ids = completion_prompt(parsed.prompt)
+                if parsed.suffix is not None:
+                    text_or_ids = fill_in_middle(text_or_ids, parsed.suffix, self.tokenizer)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param=param) from exc
         t1 = time.perf_counter()
@@ -206,15 +213,17 @@ class Pipeline:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
+        reasoning_forced = (parsed.endpoint == "chat" and isinstance(text_or_ids, str)
+                            and text_or_ids.rstrip().endswith(THINK_OPEN))  # fmt: skip
+        structured = self._structured(parsed, reasoning_forced)
         return Prepared(
             request_id=uuid.uuid4().hex,
             parsed=parsed,
             prompt_ids=prompt_ids,
-            sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
+            sampling=self._sampling(parsed.sampling, len(prompt_ids), param, structured),
             created=time.time(),
             started=started,
-            reasoning_forced=(parsed.endpoint == "chat" and isinstance(text_or_ids, str)
-                              and text_or_ids.rstrip().endswith(THINK_OPEN)),
+            reasoning_forced=reasoning_forced,
         )
 
     async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
@@ -226,6 +235,7 @@ class Pipeline:
         Async like :meth:`preprocess`, though nothing here waits.
         """
         started = trio.current_time()
+        check_honoured(request.needs, self.router, self.model_name, "none")
         prompt_ids = self._token_ids(request.token_ids, "token_ids")
         return Prepared(
             request_id=uuid.uuid4().hex,
@@ -252,18 +262,41 @@ class Pipeline:
 
     async def _render(self, parsed: ParsedRequest) -> str:
         render = self.template.render
-        kwargs = parsed.chat_template_kwargs
+        kwargs = template_kwargs(parsed, self.template)
+        # tool_choice "none": the tools stay out of the prompt, as Dynamo leaves them.
+        tools = None if parsed.tool_choice == "none" else parsed.tools
         if _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS:
-            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
+            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=tools)
 
         def work() -> str:
-            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=parsed.tools)
+            return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=tools)
 
         return await trio.to_thread.run_sync(work, limiter=self.pool.limiter)
 
-    def _sampling(self, options: SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
+    def _structured(self, parsed: ParsedRequest, reasoning_forced: bool) -> StructuredOutput | None:
+        """The engine's constraint for what ``response_format`` / ``tool_choice`` ask."""
+        if parsed.constraint is None:
+            return None
+        try:
+            return structured_output(
+                parsed.constraint, tools=parsed.tools,
+                tool_call_parser=self.parsers.tool_call_parser,
+                reasoning_forced=reasoning_forced,
+                parallel_tool_calls=parsed.parallel_tool_calls,
+            )  # fmt: skip
+        except ConstraintError as exc:
+            raise InvalidRequest(str(exc), param=parsed.constraint.param) from exc
+
+    def _sampling(
+        self,
+        options: SamplingOptions,
+        prompt_len: int,
+        param: str,
+        structured: StructuredOutput | None = None,
+    ) -> SamplingParams:
         """The engine's parameters for a prompt of *prompt_len* tokens; ContextTooLong,
-        naming *param* (where the prompt came from), when there is no room for them."""
+        naming *param* (where the prompt came from), when there is no room for them.
+        *structured*: an OpenAI request's constraint (a token-in one's is in *options*)."""
         room = self.context_length - prompt_len
         if room < 1 or (options.max_tokens is not None and options.max_tokens > room):
             asked = options.max_tokens if options.max_tokens is not None else 1
@@ -283,6 +316,11 @@ class Pipeline:
                 f"'min_tokens' ({options.min_tokens}) exceeds the {max_tokens} tokens this "
                 "request may generate", param="min_tokens",
             )  # fmt: skip
+        vocab = self.tokenizer.vocab_size
+        if any(token >= vocab for token, _ in options.logit_bias):
+            bias = "sampling_params.logit_bias" if param == "token_ids" else "logit_bias"
+            raise InvalidRequest(f"'{bias}' token ids must be below the vocabulary size "
+                                 f"({vocab})", param=bias)  # fmt: skip
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=options.min_tokens,
@@ -291,6 +329,13 @@ class Pipeline:
             top_p=options.top_p,
             seed=options.seed,
             stop_token_ids=options.stop_token_ids,
+            top_k=options.top_k,
+            min_p=options.min_p,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            repetition_penalty=options.repetition_penalty,
+            logit_bias=options.logit_bias,
+            structured=structured or options.structured,
         )
 
     # -- route → plane → postprocess --------------------------------------------------
@@ -352,7 +397,7 @@ class Pipeline:
             self.tokenizer.decode, stops=prep.parsed.stop,
             special_ids=self.tokenizer.special_ids,
         )
-        parse = _ParseStage(self._parser(prep))
+        parse = _ParseStage(self._parser(prep), single=not prep.parsed.parallel_tool_calls)
         async with aclosing(self.tokens(prep)) as steps:
             async for step in steps:
                 delta = post.step(step.token_ids)
@@ -393,19 +438,26 @@ class _ParseStage:
     """The parse stage of one response stream: each text piece through the request's
     :class:`AnswerParser`, or as it is when it has none."""
 
-    __slots__ = ("_parser",)
+    __slots__ = ("_parser", "_single")
 
-    def __init__(self, parser: AnswerParser | None) -> None:
+    def __init__(self, parser: AnswerParser | None, *, single: bool = False) -> None:
         self._parser = parser
+        # parallel_tool_calls false: the first call is the answer's; later ones are
+        # dropped (an engine that constrains the answer never writes them).
+        self._single = single
+
+    def _calls(self, calls: tuple[ToolCallDelta, ...]) -> tuple[ToolCallDelta, ...]:
+        return tuple(c for c in calls if c.index == 0) if self._single else calls
 
     def step(self, text: str, tokens: int, cached: int) -> Delta | None:
         """The delta for a piece of text mid-stream; None when all of it is held back."""
         if self._parser is None:
             return Delta(text, tokens, None, cached)
         out = self._parser.feed(text)
-        if not out:
+        calls = self._calls(out.tool_calls)
+        if not (out.content or out.reasoning or calls):
             return None
-        return Delta(out.content, tokens, None, cached, out.reasoning, out.tool_calls)
+        return Delta(out.content, tokens, None, cached, out.reasoning, calls)
 
     def last(self, text: str, tokens: int, reason: str, cached: int, *, cut: bool) -> Delta:
         """The stream's last delta. ``cut``: a stop string ended the text, so, like
@@ -419,7 +471,7 @@ class _ParseStage:
             reason = "tool_calls"
         content = (head.content if head else "") + tail.content
         reasoning = (head.reasoning if head else "") + tail.reasoning
-        calls = (head.tool_calls if head else ()) + tail.tool_calls
+        calls = self._calls((head.tool_calls if head else ()) + tail.tool_calls)
         return Delta(content, tokens, reason, cached, reasoning, calls)
 
 

@@ -41,6 +41,7 @@ from frontend.errors import NoWorkers
 from frontend.router.health import Circuit, HealthConfig, Transition, WorkerState
 from headwater.plane.base import PlaneError, WorkerClient
 from headwater.wire import Role
+from headwater.wire.capabilities import Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,18 @@ class Router:
         else:
             entry = candidates[self._next_turn(role, model) % len(candidates)]
         return entry.client
+
+    def lacking(self, model: str, feature: str) -> Capabilities | None:
+        """The declaration of a worker serving *model* (of any role, in any state) that
+        does not honour *feature*; None when every one does, or none is known.
+
+        A request may go to any of them (a prefill samples its first token too), so it
+        asks only for what all of them declare (:mod:`headwater.wire.capabilities`)."""
+        for entry in self._entries.values():
+            client = entry.client
+            if client.instance.model == model and not client.capabilities.honours(feature):
+                return client.capabilities
+        return None
 
     def all_busy(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> bool:
         """There are healthy workers of *role*, and every one of them is busy."""
