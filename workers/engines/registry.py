@@ -52,6 +52,14 @@ ENGINES: dict[str, EngineSpec] = {
             "workers.engines.vllm.config:VllmConfig",
             "workers.engines.vllm.engine:build_engine",
         ),
+        EngineSpec(
+            "scripted",
+            "answers from a script (--script FILE, JSON Lines: the first line whose "
+            "prompt_contains occurs in the prompt, else the default line), streamed in "
+            "the model's tokens",
+            "workers.engines.scripted.config:ScriptedConfig",
+            "workers.engines.scripted.engine:build_engine",
+        ),
     )
 }
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from frontend.postprocess.parsers.base import AnswerDelta, AnswerParser, ToolCallDelta
 from frontend.postprocess.parsers.dialects import Dialect, Schemas
-from frontend.postprocess.parsers.scan import first_marker, partial_tail
+from frontend.postprocess.parsers.scan import Markers
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -83,7 +83,7 @@ class StreamParser(AnswerParser):
         self._reasoning_ws = ""
         self._content_ws = ""
         self._content_started = False
-        self._markers = {state: self._markers_in(state) for state in State}
+        self._markers = {state: Markers(self._markers_in(state)) for state in State}
 
     @property
     def tool_calls_made(self) -> int:
@@ -109,14 +109,22 @@ class StreamParser(AnswerParser):
     # -- the contract --------------------------------------------------------------------
 
     def feed(self, text: str) -> AnswerDelta:
-        out = _Out()
         buf = self._held + text
+        markers = self._markers[self._state]
+        if not self._held and not markers.may_start_in(buf):
+            # The common piece: no marker can start in it. Content and reasoning go out
+            # as they are (but for the whitespace rules), a call's text is kept.
+            if self._state is State.CONTENT and self._content_started:
+                return AnswerDelta(content=buf)
+            if self._state is State.REASONING and not self._reasoning_ws and buf[-1:] > " ":
+                return AnswerDelta(reasoning=buf)
+        out = _Out()
         self._held = ""
         while buf:
             markers = self._markers[self._state]
-            hit = first_marker(buf, markers)
+            hit = markers.first(buf)
             if hit is None:
-                keep = partial_tail(buf, markers)
+                keep = markers.partial_tail(buf)
                 self._text(buf[: len(buf) - keep], out)
                 self._held = buf[len(buf) - keep :]
                 break
