@@ -281,7 +281,7 @@ def parse_request(
     else:
         raise TypeError(f"not an OpenAI request model: {type(req).__name__}")
     if req.top_logprobs is not None:
-        raise bad_request("logprobs are not supported by this server", "logprobs")
+        raise bad_request("top_logprobs are not supported by this server", "top_logprobs")
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else req.stop
     if stop:
         limits.check_stop(stop)
