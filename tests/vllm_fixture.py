@@ -126,6 +126,10 @@ class VllmWorker:
     def log_tail(self) -> str:
         return self.stderr.read_text(errors="replace")[-3000:]
 
+    def vllm_log(self) -> str:
+        """What its vLLM logged so far."""
+        return (self.stderr.parent / f"vllm-{self.role}.log").read_text(errors="replace")
+
 
 class VllmCluster:
     """The session's three vLLM workers; see the module docstring."""
@@ -141,7 +145,9 @@ class VllmCluster:
     def start(self) -> None:
         """Start the three workers; returns at once."""
         for role, extra in (
-            (Role.AGG, ()),
+            # Its vLLM logs each request's SamplingParams: what vLLM received
+            # (tests/test_vllm_fields.py reads it).
+            (Role.AGG, ("--vllm-args=--enable-log-requests",)),
             (Role.PREFILL, ()),
             (Role.DECODE, ("--vllm-args=--no-enable-prefix-caching",)),
         ):

@@ -1,0 +1,177 @@
+"""The sampling fields and constrained decoding on a real vLLM: each reaches vLLM and gives
+vLLM's own answer.
+
+Two proofs per field. *Received*: the session's aggregated vLLM logs every request's
+``SamplingParams`` (``--enable-log-requests``, tests/vllm_fixture.py), and the line of a
+request headwater sent holds the value asked. *Answered*: the tokens through headwater
+equal vLLM's own answer to the same token-in request (``/inference/v1/generate`` on the
+same server), and differ from the answer without the field where the field must change it.
+
+Policy: the session's vLLM workers (tests/vllm_fixture.py: loopback, free ports, the
+tiny model), each test with prompts of its own (salted), small ``max_tokens``, 600 s
+(the first waits for the servers).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from frontend.postprocess.parsers import make_parser
+from frontend.preprocess.structured import structured_output
+from frontend.request import Constraint
+from headwater.wire import FinishReason, Role, StructuredKind, StructuredOutput
+
+from frontend_fixture import serve_frontend, shared_tokenizer
+from vllm_fixture import MODEL_NAME, VllmCluster
+from vllm_helpers import connect, generate, prompt, request, tokens, vllm_generate
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+SEEDED = {"temperature": 0.9, "seed": 11}
+#: Each field, a value asking for it, and how vLLM's log prints it.
+FIELDS: list[tuple[str, Any, str]] = [
+    ("top_k", 3, "top_k=3"),
+    ("min_p", 0.2, "min_p=0.2"),
+    ("presence_penalty", 1.5, "presence_penalty=1.5"),
+    ("frequency_penalty", -1.5, "frequency_penalty=-1.5"),
+    ("repetition_penalty", 1.8, "repetition_penalty=1.8"),
+]
+
+
+def received(cluster: VllmCluster, rid: str) -> str:
+    """The SamplingParams vLLM logged for headwater's request *rid*."""
+    log = cluster.workers[Role.AGG].vllm_log()
+    match = re.search(rf"Received request generate-tokens-{re.escape(rid)}: params: "
+                      r"(SamplingParams\(.*\)), lora_request", log)  # fmt: skip
+    assert match is not None, f"vLLM logged no request {rid}"
+    return match.group(1)
+
+
+async def test_every_sampling_field_reaches_vllm_and_gives_its_answer(
+    vllm_cluster: VllmCluster, nursery: trio.Nursery
+) -> None:
+    agg = vllm_cluster.workers[Role.AGG]
+    client = await connect(agg.instance, nursery)
+    ids = prompt(40, 101)
+    plain = await vllm_generate(agg.vllm_url, ids, {**SEEDED, "max_tokens": 12})
+    assert len(set(plain.token_ids)) > 3
+    changed = 0
+    for name, value, printed in FIELDS:
+        rid = f"field-{name}"
+        got = tokens(await generate(client, request(rid, ids, 12, **SEEDED, **{name: value})))
+        assert printed in received(vllm_cluster, rid)
+        want = await vllm_generate(agg.vllm_url, ids, {**SEEDED, "max_tokens": 12, name: value})
+        assert got == want.token_ids, name
+        changed += got != plain.token_ids
+    assert changed >= 3  # the fields act on vLLM's sampling, not only on its log
+    # All at once, as one request carries them.
+    every = {name: value for name, value, _ in FIELDS}
+    got = tokens(await generate(client, request("field-every", ids, 12, **SEEDED, **every)))
+    line = received(vllm_cluster, "field-every")
+    assert all(printed in line for _, _, printed in FIELDS)
+    assert "seed=11" in line
+    want = await vllm_generate(agg.vllm_url, ids, {**SEEDED, "max_tokens": 12, **every})
+    assert got == want.token_ids
+
+
+async def test_logit_bias_reaches_vllm(vllm_cluster: VllmCluster, nursery: trio.Nursery) -> None:
+    # vLLM does not print logit_bias; a bias of 100 on one id makes greedy decoding say it.
+    agg = vllm_cluster.workers[Role.AGG]
+    client = await connect(agg.instance, nursery)
+    ids = prompt(30, 102)
+    greedy = await vllm_generate(agg.vllm_url, ids, {"temperature": 0.0, "max_tokens": 4})
+    favourite = next(t for t in range(1000, 2000) if t not in greedy.token_ids)
+    chunks = await generate(client, request("bias", ids, 4, ignore_eos=True,
+                                            logit_bias=((favourite, 100.0),)))  # fmt: skip
+    assert tokens(chunks) == [favourite] * 4
+    assert "ignore_eos=True" in received(vllm_cluster, "bias")
+
+
+async def test_a_choice_constrains_vllms_answer(
+    vllm_cluster: VllmCluster, nursery: trio.Nursery
+) -> None:
+    agg = vllm_cluster.workers[Role.AGG]
+    client = await connect(agg.instance, nursery)
+    tokenizer = shared_tokenizer()
+    ids = prompt(20, 103)
+    choice = StructuredOutput(StructuredKind.CHOICE, json.dumps(["rivers", "mountains"]))
+    chunks = await generate(client, request("choice", ids, 16, structured=choice))
+    assert tokenizer.decode(tokens(chunks)) in ("rivers", "mountains")
+    assert chunks[-1].finish_reason is FinishReason.STOP
+    assert "structured_outputs=StructuredOutputsParams(" in received(vllm_cluster, "choice")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["unit", "live"],
+    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "live": {"type": "boolean"}},
+}}}  # fmt: skip
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+async def test_tool_choice_and_response_format_through_the_api(
+    vllm_cluster: VllmCluster,
+) -> None:
+    agg = vllm_cluster.workers[Role.AGG]
+    tokenizer = shared_tokenizer()
+    async with (
+        serve_frontend(workers=f"{agg.address}?role=agg", context_length=8192) as (fe, url),
+        httpx.AsyncClient(base_url=url, timeout=120) as http,
+    ):
+        with trio.fail_after(60):
+            while (await http.get("/health")).status_code != 200:
+                await trio.sleep(0.05)
+        chat_ids = list(tokenizer.encode_ids(fe.template.render(MESSAGES, tools=[WEATHER])))
+        base = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER],
+                "max_tokens": 120, "temperature": 0}  # fmt: skip
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = await http.post("/v1/chat/completions", json={**base, "tool_choice": choice})
+            assert r.status_code == 200, r.text
+            answer = r.json()["choices"][0]
+            # vLLM's own answer under the same constraint, from the same tokens.
+            kind = "tool_calls" if choice == "required" else "tool_call"
+            tag = structured_output(Constraint(kind, "tool_choice", tools=("get_weather",)),
+                                    tools=[WEATHER], tool_call_parser="deepseek_v4",
+                                    reasoning_forced=False)  # fmt: skip
+            want = await vllm_generate(agg.vllm_url, chat_ids, {
+                "temperature": 0, "max_tokens": 120, "stop_token_ids": [1],
+                "structured_outputs": {"structural_tag": tag.spec}})  # fmt: skip
+            assert answer["usage"]["completion_tokens"] == len(want.token_ids)
+            parser = make_parser("deepseek_v4", "deepseek_v4", tools=[WEATHER])
+            text = tokenizer.decode(want.token_ids)
+            steps = parser.feed(text).tool_calls
+            steps += parser.finish(truncated=want.finish_reason == "length").tool_calls
+            calls = answer["message"].get("tool_calls") or []
+            assert [c["function"]["name"] for c in calls] == [s.name for s in steps if s.name]
+            assert "".join(c["function"]["arguments"] for c in calls) == "".join(
+                s.arguments for s in steps)
+            if want.finish_reason == "stop":  # the call completed: it comes back parsed
+                assert answer["finish_reason"] == "tool_calls"
+                (call,) = calls
+                args = json.loads(call["function"]["arguments"])
+                assert args["unit"] in ("celsius", "fahrenheit")
+                assert isinstance(args["live"], bool)
+            assert not answer["message"]["content"]  # nothing but the call
+
+        schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+                  "properties": {"ok": {"type": "boolean"}}}  # fmt: skip
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "answer", "schema": schema}}}
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]
+        plain_ids = list(tokenizer.encode_ids(fe.template.render(MESSAGES)))
+        want = await vllm_generate(agg.vllm_url, plain_ids, {
+            "temperature": 0, "max_tokens": 60, "stop_token_ids": [1],
+            "structured_outputs": {"json": schema}})  # fmt: skip
+        assert answer["message"]["content"] == tokenizer.decode(want.token_ids)
+        if answer["finish_reason"] == "stop":
+            assert isinstance(json.loads(answer["message"]["content"])["ok"], bool)
+        else:
+            assert answer["message"]["content"].lstrip().startswith("{")
