@@ -9,9 +9,13 @@ Each body is checked against its route's model (:mod:`frontend.http.models`, the
 models ``GET /openapi.json`` publishes): strict about types (``true`` is not an integer,
 ``"5"`` is not a number) and lenient about unknown fields, because clients send many
 optional ones. Then what a model cannot say: a known field asking for what headwater
-cannot do (``n`` > 1 is the model's, logprobs and ``echo`` are here) is refused, and the
+cannot do (``n`` > 1 is the model's, logprobs and ``echo`` are here) is refused, the
 configured limits (:class:`~frontend.limits.RequestLimits`: ``max_tokens``, messages,
-prompt characters, stop strings) are checked, before any template or tokenizer work.
+prompt characters, stop strings) are checked, before any template or tokenizer work, and
+the features the request asks of an engine are listed in its ``needs``, for the
+pipeline to check against the workers' declarations (:mod:`frontend.http.fields`). A
+``response_format`` or a forcing ``tool_choice`` becomes the request's
+:class:`~frontend.request.Constraint`.
 
 Every failure is a 400 naming the offending ``param``: the field's path through objects,
 not into arrays (``sampling_params.max_tokens``, ``stream_options.include_usage``;
@@ -323,9 +327,10 @@ def parse_generate_request(
     ``request_id``, ``model``, ``stream``, ``stream_options``.
 
     Of ``sampling_params``, headwater applies ``max_tokens``, ``min_tokens``,
-    ``temperature``, ``top_p``, ``seed``, ``stop_token_ids`` and ``ignore_eos``, checks
-    the penalties' ranges, and ignores the fields it does not know (``top_k``,
-    ``skip_special_tokens``, ...). It refuses ``n`` or ``best_of`` above 1, any
+    ``temperature``, ``top_p``, ``seed``, ``stop_token_ids`` and ``ignore_eos``; ``top_k``,
+    ``min_p``, the penalties, ``logit_bias`` and ``structured_outputs`` go to engines that
+    declare them (``needs``: the pipeline refuses them elsewhere); the fields it does
+    not know (``skip_special_tokens``, ...) are ignored. It refuses ``n`` or ``best_of`` above 1, any
     ``logprobs`` or ``prompt_logprobs``, and stop strings (``stop``, here or at the top
     level): there is no text to match them on. ``null`` or ``[]`` ask for none of
     these and pass (a client that serializes a whole vLLM ``SamplingParams`` sends them).
