@@ -330,9 +330,9 @@ def parse_generate_request(
     ``temperature``, ``top_p``, ``seed``, ``stop_token_ids`` and ``ignore_eos``; ``top_k``,
     ``min_p``, the penalties, ``logit_bias`` and ``structured_outputs`` go to engines that
     declare them (``needs``: the pipeline refuses them elsewhere); the fields it does
-    not know (``skip_special_tokens``, ...) are ignored. It refuses ``n`` or ``best_of`` above 1, any
-    ``logprobs`` or ``prompt_logprobs``, and stop strings (``stop``, here or at the top
-    level): there is no text to match them on. ``null`` or ``[]`` ask for none of
+    not know (``skip_special_tokens``, ...) are ignored. It refuses ``n`` or ``best_of``
+    above 1, any ``logprobs`` or ``prompt_logprobs``, and stop strings (``stop``, here or
+    at the top level): there is no text to match them on. ``null`` or ``[]`` ask for none of
     these and pass (a client that serializes a whole vLLM ``SamplingParams`` sends them).
     """
     req = cast(GenerateRequest, _convert(body, model or REQUEST_MODELS["generate"]))
