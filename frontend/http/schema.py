@@ -263,8 +263,9 @@ def parse_request(
     :class:`~frontend.errors.LimitExceeded`."""
     req = cast(ChatCompletionRequest | CompletionRequest,
                _convert(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
-    messages = prompt = tools = None
+    messages = prompt = tools = effort = suffix = None
     kwargs: dict[str, Any] = {}
+    parallel = True
     if isinstance(req, ChatCompletionRequest):
         limits.check_messages(len(req.messages))
         limits.check_prompt_chars(_message_chars(req.messages), "messages")
@@ -272,10 +273,11 @@ def parse_request(
         messages = body["messages"]
         tools = body.get("tools")
         kwargs = body.get("chat_template_kwargs") or {}
+        effort, parallel = req.reasoning_effort, req.parallel_tool_calls is not False
         if req.logprobs:
             raise bad_request("logprobs are not supported by this server", "logprobs")
     elif isinstance(req, CompletionRequest):
-        prompt = req.prompt
+        prompt, suffix = req.prompt, req.suffix
         text = [prompt] if isinstance(prompt, str) else prompt
         limits.check_prompt_chars(sum(len(p) for p in text if isinstance(p, str)), "prompt")
         if req.logprobs not in (None, False, 0):
@@ -291,7 +293,6 @@ def parse_request(
         limits.check_stop(stop)
     sampling = _sampling(req, _max_tokens(req, limits))
     constraint = _constraint(req)
-    chat = isinstance(req, ChatCompletionRequest)
 
     return ParsedRequest(
         endpoint=endpoint,
@@ -306,11 +307,10 @@ def parse_request(
         chat_template_kwargs=kwargs,
         tools=tools,
         tool_choice=body.get("tool_choice") if tools else None,
-        parallel_tool_calls=not chat or cast(ChatCompletionRequest, req).parallel_tool_calls
-        is not False,
+        parallel_tool_calls=parallel,
         constraint=constraint,
-        reasoning_effort=cast(ChatCompletionRequest, req).reasoning_effort if chat else None,
-        suffix=None if chat else cast(CompletionRequest, req).suffix,
+        reasoning_effort=effort,
+        suffix=suffix,
         needs=_needs(sampling, "", constraint),
     )
 
