@@ -114,7 +114,7 @@ def _dsml(block: str) -> Callable[..., Format]:
     """DeepSeek's DSML (V4's ``tool_calls`` block, V3.2's ``function_calls``)."""
 
     def build(schemas: Mapping[str, Any], *, named: bool, single: bool) -> Format:
-        tags = [{"type": "tag", "begin": f'<{_DSML}invoke name="{name}">\n',
+        tags: list[Format] = [{"type": "tag", "begin": f'<{_DSML}invoke name="{name}">\n',
                  "content": _schema(schema, "deepseek_xml"), "end": f"</{_DSML}invoke>\n"}
                 for name, schema in schemas.items()]  # fmt: skip
         return {"type": "sequence", "elements": [
@@ -127,7 +127,7 @@ def _dsml(block: str) -> Callable[..., Format]:
 
 
 def _deepseek_v31(schemas: Mapping[str, Any], *, named: bool, single: bool) -> Format:
-    tags = [{"type": "tag", "begin": f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+    tags: list[Format] = [{"type": "tag", "begin": f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
              "content": _schema(schema, "json"), "end": "<｜tool▁call▁end｜>"}
             for name, schema in schemas.items()]  # fmt: skip
     if named:  # the block's markers join the one call's
@@ -141,7 +141,7 @@ def _deepseek_v31(schemas: Mapping[str, Any], *, named: bool, single: bool) -> F
 def _hermes(schemas: Mapping[str, Any], *, named: bool, single: bool) -> Format:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, with or without the
     newlines around the JSON, as vLLM's hermes tag allows."""
-    tags = [{"type": "tag", "begin": f'{begin}{name}", "arguments": ',
+    tags: list[Format] = [{"type": "tag", "begin": f'{begin}{name}", "arguments": ',
              "content": _schema(schema, "json"), "end": end}
             for name, schema in schemas.items()
             for begin, end in (('<tool_call>\n{"name": "', "}\n</tool_call>"),
