@@ -31,6 +31,23 @@ Why each one, and why its default (all generous: a benchmark's 40k-token prompts
 - ``request_timeout`` (0: off): a deadline over preprocess, queueing and generation;
   a stream that outlives it ends with an ``error`` event. Off by default: a long
   generation is legitimate, and only an operator knows how long is too long.
+- ``max_tools`` (128, OpenAI's own limit): each tool definition is rendered into the
+  prompt by the template.
+- ``max_stop_token_ids`` (256): the ids travel in every request frame to a worker, whose
+  codec refuses a frame past its budget (about 140,000 ids once cut a worker's whole
+  connection); a model has a handful of end tokens.
+- ``max_json_values`` (524,288): the JSON values one body may hold, counted before it is
+  parsed, so that the parse (on the event loop: a C parser holds the GIL, so a thread
+  would not free the loop) and its memory are bounded whatever the body's size: ~32 MiB
+  of ``[]`` once cost 1 GB and 3 s. Counted only for a body of more than twice as many
+  bytes (a value takes two at least: ``0,``), as its commas, ``[`` and ``{``, those inside
+  strings included; the token-in API's 131,072 ids of the default context take a quarter.
+
+Every other list, string and mapping of a request has a fixed bound (the ``MAX_*``
+constants below), published with the configured ones in ``GET /openapi.json``: names and
+ids, parts of a message, the depth and size of free-form JSON (tool parameters, object
+tool-call arguments, ``chat_template_kwargs``, whose text also counts against
+``max_prompt_chars``).
 
 Pure checks, no I/O.
 """
@@ -54,12 +71,29 @@ LIMITS = (
     "max_stop_strings",
     "max_stop_length",
     "request_timeout",
+    "max_tools",
+    "max_stop_token_ids",
+    "max_json_values",
 )
 
-# OpenAI's codes for a value past its bound.
+# Fixed bounds: what no client of an LLM API sends more of (each checked where the
+# request is parsed, and published in the OpenAPI document).
+#: Characters of a name or an id: the model's, a tool's, a tool call's, ``user``, ...
+MAX_NAME_CHARS = 256
+#: Content parts of one message, and tool calls of one assistant message.
+MAX_PARTS = 1024
+#: Nesting of free-form JSON (tool parameters, object arguments, template kwargs): a
+#: tool's JSON Schema nests ~10 deep; 1,000 deep once ended in a 500.
+MAX_JSON_DEPTH = 64
+#: Objects and arrays in a request's free-form JSON, all together: building each costs
+#: the loop ~0.1-0.4 us (a tool's schema has a few dozen; 128 tools a few thousand).
+MAX_JSON_CONTAINERS = 16_384
+
+# OpenAI's codes for a value past its bound, and headwater's for a body too complex.
 ARRAY_TOO_LONG = "array_above_max_length"
 STRING_TOO_LONG = "string_above_max_length"
 INTEGER_TOO_LARGE = "integer_above_max_value"
+JSON_TOO_COMPLEX = "json_too_complex"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +117,19 @@ class RequestLimits:
         "help": "seconds a generation request may take, from its arrival to its last "
                 "byte: preprocess, queueing and generation; then 504, or an error event "
                 "in a stream, and the work is cancelled on the worker (0: no deadline)"})
+    max_tools: int = field(default=128, metadata={
+        "help": "most tool definitions in one chat request (0: no limit)"})
+    max_stop_token_ids: int = field(default=256, metadata={
+        "help": "most stop_token_ids in one request (0: no limit)"})
+    max_json_values: int = field(default=512 * 1024, metadata={
+        "help": "most JSON values in one request body, counted before it is parsed (its "
+                "commas, [ and {, strings included) when it is larger than twice this "
+                "many bytes (0: no limit)"})
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_cap", "max_messages", "max_prompt_chars",
-                     "max_stop_strings", "max_stop_length", "request_timeout"):  # fmt: skip
+                     "max_stop_strings", "max_stop_length", "request_timeout", "max_tools",
+                     "max_stop_token_ids", "max_json_values"):  # fmt: skip
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):  # NaN too
                 raise ValueError(f"{name} must be >= 0 (0: no limit), got {value}")
@@ -125,6 +168,32 @@ class RequestLimits:
                 f"'{param}' holds {chars} characters of text; this server takes at most "
                 f"{limit} per request.",
                 limit="max_prompt_chars", param=param, code=STRING_TOO_LONG,
+            )  # fmt: skip
+
+    def check_tools(self, count: int) -> None:
+        limit = self.max_tools
+        if limit and count > limit:
+            raise LimitExceeded(
+                f"'tools' holds {count} tools; this server takes at most {limit}.",
+                limit="max_tools", param="tools", code=ARRAY_TOO_LONG,
+            )  # fmt: skip
+
+    def check_stop_token_ids(self, count: int, param: str) -> None:
+        limit = self.max_stop_token_ids
+        if limit and count > limit:
+            raise LimitExceeded(
+                f"'{param}' holds {count} token ids; this server takes at most {limit}.",
+                limit="max_stop_token_ids", param=param, code=ARRAY_TOO_LONG,
+            )  # fmt: skip
+
+    def check_json_values(self, values: int) -> None:
+        """*values*, the JSON values counted in a body so far, are within the limit."""
+        limit = self.max_json_values
+        if limit and values > limit:
+            raise LimitExceeded(
+                f"The request body holds more than {limit} JSON values (counted as its "
+                "commas, '[' and '{'); this server parses at most that many.",
+                limit="max_json_values", param=None, code=JSON_TOO_COMPLEX,
             )  # fmt: skip
 
     def check_stop(self, stops: Sequence[str], param: str = "stop") -> None:

@@ -265,7 +265,10 @@ class Pipeline:
         kwargs = template_kwargs(parsed, self.template)
         # tool_choice "none": the tools stay out of the prompt, as Dynamo leaves them.
         tools = None if parsed.tool_choice == "none" else parsed.tools
-        if _approx_chars(parsed.messages) < TEMPLATE_OFFLOAD_CHARS:
+        # The parser's count has the tools and their arguments too: a large one renders
+        # off the loop like a long conversation.
+        chars = parsed.text_chars
+        if (_approx_chars(parsed.messages) if chars is None else chars) < TEMPLATE_OFFLOAD_CHARS:
             return render(parsed.messages or [], chat_template_kwargs=kwargs, tools=tools)
 
         def work() -> str:

@@ -77,6 +77,9 @@ class ParsedRequest:
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
     # None: not given ("auto" when there are tools, as OpenAI's)
     tool_choice: Any = None
+    #: Characters of text counted against --max-prompt-chars (messages, tools, template
+    #: kwargs; or the prompt); None: not counted (a request built without the parser).
+    text_chars: int | None = None
     parallel_tool_calls: bool = True  # False: at most one tool call
     constraint: Constraint | None = None
     reasoning_effort: str | None = None  # chat: to the template (see Pipeline.preprocess)

@@ -108,6 +108,12 @@ def hand_written() -> list[Case]:
              content="Let me check." + BLOCK[:5]),
         Case("a lone less-than", "a < b, and <thinking> is not a tag",
              content="a < b, and <thinking> is not a tag"),
+        # The string attribute the wrong way round: the tool's schema decides.
+        Case("string attribute the wrong way round", block([invoke("get_weather", [
+            param("city", "123", string="false"), param("days", "7", string="true")])]),
+            calls=[("get_weather", {"city": "123", "days": 7})]),
+        Case("a call without its block", "Let me check.\n\n" + w_call,
+             content="Let me check.\n\n", calls=[("get_weather", w)]),
     ]  # fmt: skip
 
 

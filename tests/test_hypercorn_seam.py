@@ -124,7 +124,8 @@ UPSTREAM: dict[str, Fingerprint] = {
     "hypercorn.trio.tcp_server.TCPServer._close": Fingerprint(
         "bc73c4ae25a1ceec1d535639443b57b3d3dea8b03c5375d58bf9702b8056ee15",
         "closes a TLS stream too (send_eof raises AttributeError there): aclose, which an "
-        "https_compatible SSLStream does without a close_notify, so it cannot block",
+        "https_compatible SSLStream does without a close_notify, so it cannot block. The "
+        "override lingers first (send_eof, reads dropped) while a request body is unread",
     ),
     "hypercorn.trio.tcp_server.TCPServer._idle_timeout": Fingerprint(
         "210ce1014d98e1cba3c0e2218c53a1c1a1c361cd86457168cbb9391ebb139d1d",
@@ -182,9 +183,10 @@ UPSTREAM: dict[str, Fingerprint] = {
     ),
     "hypercorn.protocol.h11.H11Protocol._handle_events": Fingerprint(
         "bd4a76b2837e872273a69e31a827fbcfd6a74c31bfcc59ac6ece1976af9aaed1",
-        "an h11 RemoteProtocolError (431: head too large) is answered with "
+        "the override is a copy (an h11 RemoteProtocolError answered with "
         "_send_error_response(error_status_hint) while no response has started, then "
-        "Closed; a Request stops the idle timer (Updated(idle=False))",
+        "Closed; a Request stops the idle timer (Updated(idle=False))) with the head "
+        "checks, no 100 Continue, and no _check_protocol (no h2c or HTTP/2 switch)",
     ),
     "hypercorn.protocol.h11.H11Protocol._create_stream": Fingerprint(
         "a2338a57ab343908f55d6a93b9d4a69aa6ccc39e49fc387e66b286f5cb274743",
@@ -196,7 +198,16 @@ UPSTREAM: dict[str, Fingerprint] = {
         "7d3288bcc261c49c5423dde1a02204cda592867cb286f2371abf8aa67cfa4648",
         "raises RemoteProtocolError(error_status_hint=431) for an event still incomplete "
         "with more than max_incomplete_event_size bytes buffered, and only then: "
-        "limits.head_piece cuts a head that arrives whole so that this holds for it",
+        "limits.head_fault measures every head, whole or pipelined, before h11 reads it",
+    ),
+    "h11._receivebuffer.ReceiveBuffer.__iadd__": Fingerprint(
+        "a03c95836758ab440617b9368192c4daa74979359781e91e6e4ffd1a11a3b832",
+        "the bytes received and not yet parsed are ReceiveBuffer._data, in order, from "
+        "its start (h11_protocol._buffered reads the next head's first bytes there)",
+    ),
+    "h11._receivebuffer.ReceiveBuffer._extract": Fingerprint(
+        "9f46b67fb9e571647f3ab7f15d73e8ab631c559d850f969554242f6bef5c12cd",
+        "what h11 parses is cut from the start of _data",
     ),
     "h11._receivebuffer.ReceiveBuffer.maybe_extract_lines": Fingerprint(
         "435e54e6db463e3195959055e6d7c544e29f1afe3daaa3785e3208ceb3401052",
@@ -303,6 +314,7 @@ def test_the_config_fields_of_the_fixes_are_not_hypercorns() -> None:
     assert ours == {
         "write_timeout", "read_size", "read_size_large", "header_timeout", "body_read_timeout",
         "max_connections_per_client", "on_refusal", "refused", "accept_balance",
+        "linger_timeout",
     }  # fmt: skip
     assert not [name for name in ours if hasattr(Config, name)]
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -12,8 +16,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frontend.postprocess.parsers import AnswerDelta, make_parser
-from frontend.postprocess.parsers.scan import partial_tail
-from tests.parser_corpus import TOOLS, Case, D, corpus, hand_written
+from frontend.postprocess.parsers.arguments import param_types, type_value
+from frontend.postprocess.parsers.scan import Markers, partial_tail
+from tests.parser_corpus import (
+    BLOCK,
+    BLOCK_END,
+    CODE,
+    TOOLS,
+    Case,
+    D,
+    block,
+    corpus,
+    hand_written,
+    invoke,
+    param,
+)
 
 CORPUS = corpus()
 MARKUP = ("<think>", "</think>", D, "<tool_call>", "</tool_call>")
@@ -133,8 +150,8 @@ def test_without_a_reasoning_parser_think_tags_stay_text() -> None:
         ('Sure.\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n'
          '<tool_call>{"name": "get_weather", "arguments": "{\\"days\\": 2}"}</tool_call>',
          [("noop", {}), ("get_weather", {"days": 2})], "Sure.\n"),
-        # Not JSON: not a call; the model's text is kept, not lost.
-        ("<tool_call>{oops</tool_call>", [], "<tool_call>{oops</tool_call>"),
+        # Not JSON: not a call; the model's text is kept, not lost (the tags are markup).
+        ("<tool_call>{oops</tool_call>", [], "{oops"),
     ],
 )
 def test_hermes(text: str, calls: list[Any], content: str) -> None:
@@ -173,3 +190,127 @@ def test_the_work_per_piece_does_not_grow_with_the_text_so_far() -> None:
         assert len(p._held) < longest  # type: ignore[attr-defined]
     assert partial_tail("abc<thi", ["<think>"]) == 4
     assert partial_tail("abc<think", ["</think>"]) == 0
+
+
+def test_markup_never_reaches_the_content_even_malformed() -> None:
+    """Stray closers outside a call, and a call that is none (an invoke without a name),
+    are markup: dropped, never content."""
+    strays = f"a</{D}invoke>b</{D}parameter>c</{D}tool_calls>d</tool_call>e"
+    got = run(Case("strays", strays), list(strays))
+    assert (got["content"], got["calls"]) == ("abcd</tool_call>e", [])
+    nameless = f"{BLOCK}\n<{D}invoke>\n{param('city', 'Oslo')}\n</{D}invoke>\n{BLOCK_END}ok"
+    for pieces in ([nameless], list(nameless)):
+        got = run(Case("nameless", nameless), pieces)
+        assert (got["content"], got["calls"]) == ("ok", [])
+    v31 = "<｜tool▁sep｜>x<｜tool▁call▁end｜><｜tool▁calls▁end｜>y"
+    assert run(Case("v31 strays", v31), [v31], parser="deepseek_v31")["content"] == "xy"
+    hermes = "a</tool_call>b"
+    assert run(Case("hermes stray", hermes), [hermes], parser="hermes")["content"] == "ab"
+
+
+def test_an_invoke_tag_spaced_differently_is_still_a_call() -> None:
+    text = f'{BLOCK}\n<{D}invoke  name = "get_weather" >\n{param("days", 2)}\n</{D}invoke>'
+    for pieces in ([text], list(text)):
+        got = run(Case("spaced", text), pieces)
+        assert got["calls"] == [("get_weather", {"days": 2})]
+
+
+def test_deepseek_v31_arguments_that_are_not_json_are_passed_on_as_written() -> None:
+    text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{city: Paris}"
+    text += "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    p = make_parser("deepseek_v31", "none")
+    steps = p.feed(text).tool_calls
+    assert [(s.name, s.arguments) for s in steps] == [("get_weather", ""), (None, "{city: Paris}")]
+
+
+@pytest.mark.parametrize(("text", "string", "types", "value"), [
+    ("Paris", True, {"string"}, "Paris"),
+    ("123", True, {"string"}, "123"),           # a string stays a string, JSON-like or not
+    ("123", False, {"string"}, "123"),          # the schema wants a string: the text
+    ('"quoted"', False, {"string"}, "quoted"),  # a JSON string is a string
+    ("7", True, {"integer"}, 7),                # the hint the wrong way round: the schema
+    ("seven", True, {"integer"}, "seven"),      # fits nothing: never invented
+    ("3", None, {"integer"}, 3),                # no hint: JSON
+    ("[1, 2]", None, None, [1, 2]),             # no schema: the hint decides
+    ("[1, 2]", True, None, "[1, 2]"),
+    ("not json", False, None, "not json"),
+    ("NaN", False, None, "NaN"),                # not JSON
+    ("1e999", None, {"number"}, "1e999"),       # not representable in JSON
+    ("null", False, {"string", "null"}, None),
+    ('{"a": 1}', False, {"integer"}, {"a": 1}),  # meets no schema: the model's JSON
+])  # fmt: skip
+def test_a_dsml_value_is_typed_by_its_hint_and_the_schema(
+    text: str, string: bool | None, types: set[str] | None, value: Any
+) -> None:
+    typed = type_value(text, string, frozenset(types) if types is not None else None)
+    assert (typed, type(typed)) == (value, type(value))
+
+
+def test_schema_types_from_type_lists_enums_and_unions() -> None:
+    assert param_types({"type": ["integer", "null"]}) == {"integer", "null"}
+    assert param_types({"enum": [1, "x"]}) == {"integer", "number", "string"}
+    assert param_types({"anyOf": [{"type": "boolean"}, {"type": "array"}]}) == {"boolean", "array"}
+    assert param_types({"description": "?"}) is None
+    assert param_types(None) is None
+
+
+def _long_answer(reasoning_chars: int) -> list[str]:
+    """A long answer, reasoning and three calls, in token-sized pieces."""
+    words = "think about the <code> and its 'tests', 1 < 2; "
+    reasoning = (words * (reasoning_chars // len(words) + 1))[:reasoning_chars]
+    calls = block([invoke("write_file", [param("path", "a.py"), param("content", CODE * 20)])] * 3)
+    text = f"{reasoning}</think>Writing the files.\n\n{calls}"
+    return [text[i : i + 4] for i in range(0, len(text), 4)]
+
+
+@contextmanager
+def _counting_bytecodes() -> Iterator[list[int]]:
+    count = [0]
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Callable[..., Any]:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[0] += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield count
+    finally:
+        sys.settrace(previous)
+
+
+def test_the_parse_cost_per_piece_stays_flat_as_the_answer_grows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted, not timed: the Python bytecodes per piece, for an answer 4x as long, stay
+    the same (a rescan of the text so far would make them grow 4x), and every marker
+    search looks at the piece and the held tail only (the C-level half of the work)."""
+    per_piece = []
+    for chars in (5_000, 20_000):
+        pieces = _long_answer(chars)
+        p = make_parser("deepseek_v4", "deepseek_v4", tools=TOOLS, reasoning_forced=True)
+        with _counting_bytecodes() as count:
+            for piece in pieces:
+                p.feed(piece)
+            p.finish()
+        assert p.tool_calls_made == 3
+        per_piece.append(count[0] / len(pieces))
+    assert per_piece[1] / per_piece[0] < 1.3
+
+    seen: list[int] = []
+    for name in ("may_start_in", "first", "partial_tail"):
+        method = getattr(Markers, name)
+
+        def counting(self: Markers, text: str, _method: Any = method) -> Any:
+            seen.append(len(text))
+            return _method(self, text)
+
+        monkeypatch.setattr(Markers, name, counting)
+    p = make_parser("deepseek_v4", "deepseek_v4", tools=TOOLS, reasoning_forced=True)
+    longest = len(f"</{D}tool_calls>")
+    for piece in _long_answer(40_000):
+        seen.clear()
+        p.feed(piece)
+        assert max(seen, default=0) <= len(piece) + longest

@@ -31,7 +31,7 @@ import trustme
 from hypercorn.events import Closed, RawData
 
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
-from frontend.http.serving.limits import ClientConnections, head_piece
+from frontend.http.serving.limits import ClientConnections, head_fault
 from frontend.http.serving.tcp_server import HeadwaterTCPServer, _write_now
 from headwater.cluster.recipes import spawn_frontend, wait_healthy
 
@@ -157,14 +157,15 @@ def _error(answer: bytes) -> dict[str, Any]:
 # ---- head size ----------------------------------------------------------------------------
 
 
-def test_a_head_is_cut_only_where_it_cannot_end_within_the_limit() -> None:
-    head = _head(300) + b"body" * 5000
-    assert head_piece(head, 0, LIMIT) is head  # it ends in time: all of it, at once
-    assert head_piece(b"x" * 100, 0, LIMIT) == b"x" * 100  # it fits: h11 decides
-    assert head_piece(b"x" * 5000, 0, LIMIT) == b"x" * (LIMIT + 1)  # incomplete, over
-    assert head_piece(b"x" * 5000, 4000, LIMIT) == b"x" * 97
-    assert head_piece(b"x" * 5000, LIMIT, LIMIT) == b"x"
-    assert head_piece(b"a\r\n\r\nbody", LIMIT - 5, LIMIT) == b"a\r\n\r\nbody"
+def test_a_head_is_refused_once_it_cannot_end_within_the_limit() -> None:
+    assert head_fault(_head(300) + b"body" * 5000, LIMIT) is None  # it ended in time
+    assert head_fault(_head(LIMIT), LIMIT) is None  # exactly the limit
+    assert head_fault(b"x" * 100, LIMIT) is None  # incomplete: it may yet end in time
+    assert head_fault(b"x" * LIMIT, LIMIT) is None
+    for over in (b"x" * (LIMIT + 1), _head(LIMIT + 1), _head(LIMIT + 100) + _head(100)):
+        fault = head_fault(over, LIMIT)
+        assert fault is not None
+        assert (fault.status, fault.reason) == (431, "header_too_large")
 
 
 @pytest.mark.parametrize("piece", [None, 1000], ids=["whole", "trickled"])
@@ -450,7 +451,8 @@ async def test_a_tls_handshake_under_way_at_shutdown_is_closed(
 
 def test_every_reason_is_named() -> None:
     assert REFUSAL_REASONS == ("header_too_large", "header_timeout", "tls_handshake_timeout",
-                               "read_timeout", "write_timeout", "too_many_connections")
+                               "read_timeout", "write_timeout", "too_many_connections",
+                               "invalid_framing", "unsupported_protocol")
 
 
 # ---- through the frontend -----------------------------------------------------------------

@@ -39,12 +39,12 @@ from werkzeug.exceptions import HTTPException
 from frontend.deadline import Deadline
 from frontend.errors import FrontendError, NoWorkers, UnknownModel
 from frontend.http.admission import Admission
-from frontend.http.errors import ApiError, api_error, bad_request
+from frontend.http.errors import ApiError, api_error, loggable
 from frontend.http.models import REQUEST_MODELS
 from frontend.http.openapi import OPENAPI_PATH, openapi_json
 from frontend.http.responses import D, OpenAIFormat, ResponseFormat, TokenFormat
 from frontend.http.routing import use_memo_matcher
-from frontend.http.schema import parse_generate_request, parse_request
+from frontend.http.schema import count_json_values, parse_generate_request, parse_request
 from frontend.limits import LIMITS, RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline, Prepared, R
@@ -132,7 +132,7 @@ def create_app(
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s", loggable(request.method), loggable(request.path))
         return error_response(ApiError(500, "Internal server error"))
 
     @app.get("/live")
@@ -245,19 +245,27 @@ def create_app(
         metrics.disconnected_clients.inc()
         metrics.model_cancellation_total.inc()
 
-    async def _parse() -> Any:
-        """The request's JSON body, decoded (415 if it is not JSON, 400 if malformed)."""
+    async def _parse() -> bytes:
+        """The request's JSON body, as it arrives (415 if it is not JSON), its values
+        counted once it is large enough to hold more than ``max_json_values`` (a value
+        takes two bytes at least): the parse that follows is bounded by that count."""
         mimetype = request.mimetype
         if mimetype != JSON:
             raise ApiError(
                 415, f"Content-Type must be {JSON}, got {mimetype or 'none'}",
                 code="unsupported_media_type",
             )
-        data = await request.get_data(cache=False)
-        try:
-            return orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise bad_request(f"Malformed JSON body: {exc}") from exc
+        budget = lim.max_json_values
+        pieces: list[bytes] = []
+        size = values = counted = 0
+        async for piece in request.body:
+            pieces.append(piece)
+            size += len(piece)
+            if budget and size > 2 * budget:  # each piece counted once, as it arrives
+                values += sum(map(count_json_values, pieces[counted:]))
+                counted = len(pieces)
+                lim.check_json_values(values)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     async def _unary(
         prep: Prepared[R], produced: AsyncGenerator[D, None], fmt: ResponseFormat[D]

@@ -22,7 +22,12 @@ so timing reveals neither a key nor which one is close. Keys are compared as the
 SHA-256 digests, which also makes the lengths equal.
 
 ASGI middleware, outermost but for the server's own: a refused request costs no slot
-of admission control, no Quart request, no JSON decode.
+of admission control, no Quart request, no JSON decode, and not one byte of its body read:
+the 401 leaves before the body (and the server sends no ``100 Continue`` for a body the app
+does not read). The server then closes the connection, lingering a bounded time first
+(:mod:`frontend.http.serving`): a client sending the body slowly holds nothing. Any scope
+but ``http`` and ``lifespan`` (a ``websocket`` one, which the server never makes) is refused
+outright.
 """
 
 from __future__ import annotations
@@ -39,12 +44,18 @@ from typing import TYPE_CHECKING
 import trio
 
 from frontend.http.errors import ApiError
-from frontend.http.middleware import discard_body, send_error
+from frontend.http.middleware import send_error
 from frontend.metrics import FrontendMetrics
 from headwater.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
-    from hypercorn.typing import ASGIFramework, ASGIReceiveCallable, ASGISendCallable, Scope
+    from hypercorn.typing import (
+        ASGIFramework,
+        ASGIReceiveCallable,
+        ASGISendCallable,
+        Scope,
+        WebsocketCloseEvent,
+    )
 
 #: The environment variable of comma-separated keys (``headwater serve``).
 API_KEYS_ENV = "HEADWATER_API_KEYS"
@@ -175,8 +186,9 @@ def unauthorized(authorization_sent: bool) -> ApiError:
 
 class RequireApiKey:
     """Wraps an ASGI app so that, with *keys*, every request outside the open paths needs
-    one; a refused request is answered here (its body read and dropped, up to
-    *max_body_bytes*) and counted in ``rejected_requests_total{reason="unauthorized"}``."""
+    one; a refused request is answered here, before its body is read, and counted in
+    ``rejected_requests_total{reason="unauthorized"}``. *max_body_bytes* is kept for the
+    callers' sake: nothing of a refused body is read now."""
 
     def __init__(
         self,
@@ -197,7 +209,14 @@ class RequireApiKey:
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in self.open:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # a websocket: this server serves none
+            close: WebsocketCloseEvent = {"type": "websocket.close", "code": 1008, "reason": None}
+            await send(close)  # 1008: policy violation
+            return
+        if not self.keys or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
         authorization = next(
@@ -207,5 +226,4 @@ class RequireApiKey:
             await self.app(scope, receive, send)
             return
         self.metrics.rejected_requests_total.labels("unauthorized").inc()
-        if await discard_body(receive, self.max_body_bytes):
-            await send_error(send, unauthorized(authorization is not None))
+        await send_error(send, unauthorized(authorization is not None))

@@ -10,6 +10,10 @@ Admission (:mod:`frontend.http.admission`) turns requests away before any of the
 work, with :func:`too_many_requests` (429) and :func:`shutting_down` (503). Those are
 HTTP-only errors, not part of the frontend's tree: they are decided and answered in
 the HTTP layer, before a request exists for the pipeline, and nothing below raises them.
+
+A value from a request that goes into a log (its path, its method) goes through
+:func:`loggable` first: a client chooses it, and a line break in it (``%0a`` in a path)
+would begin a log line of the client's making.
 """
 
 from __future__ import annotations
@@ -27,6 +31,17 @@ from frontend.errors import (
     UnknownModel,
     WorkerFailed,
 )
+
+# Control characters (C0, DEL, C1) and the Unicode line and paragraph separators, each
+# written as its escape: nothing a client sends can break a log line or colour a terminal.
+_ESCAPES = {c: ascii(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
+
+
+def loggable(value: object) -> str:
+    """*value* as text fit for a log line: its control characters escaped (``\\n``,
+    ``\\x1b``, ...), everything else as it is."""
+    return str(value).translate(_ESCAPES)
+
 
 #: The status of each kind of frontend error (the most specific class listed wins).
 STATUS: dict[type[FrontendError], int] = {

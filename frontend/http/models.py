@@ -14,11 +14,17 @@ body 72.1-72.6 µs before, 72.8-73.3 after, most of it the JSON decode; a short 
 5.3 → 5.2 µs). Its errors come as one string with a JSON path, which
 :mod:`frontend.http.schema` turns into OpenAI's ``param``.
 
-How they are used: the body is decoded by orjson (which refuses lone surrogates and
-invalid UTF-8), then ``msgspec.convert`` checks it against the route's model in one pass
-in C. The client's own dicts of ``messages``, ``tools`` and ``chat_template_kwargs`` go
-on to the chat template with every field they carry: a template may read fields this
-model does not declare, which a Struct would drop.
+How they are used: the body's bytes are decoded straight into the route's model by
+msgspec, in one pass in C (:mod:`frontend.http.schema`), which refuses lone surrogates and
+invalid UTF-8 and skips a field the model does not declare without building anything of
+it. Every list, string and mapping is bounded: by a fixed bound here
+(:data:`~frontend.limits.MAX_NAME_CHARS`, :data:`~frontend.limits.MAX_PARTS`), or by a
+configured limit the parser checks and the OpenAPI document publishes (messages, tools,
+stop strings and ids, prompt text). Free-form JSON (a tool's ``parameters``, an object's
+tool-call ``arguments``, ``chat_template_kwargs``) is kept as its raw text
+(``msgspec.Raw``) until its size and shape are checked, then decoded. The chat template
+gets the messages and tools as these models declare them, as vLLM's server passes them:
+role, content, name, tool calls and their id, reasoning.
 
 :data:`REQUEST_MODELS` names the model of each POST route; both the parser and the
 OpenAPI document read it, so a field added here is checked and published at once. The
@@ -35,13 +41,25 @@ field declared here is honoured or refused, on each engine: the table of
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Raw, Struct, UnsetType
+
+from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_NAME_CHARS, MAX_PARTS
 
 # -- shared pieces ------------------------------------------------------------------------
 
-NonEmptyStr = Annotated[str, Meta(min_length=1)]
+#: A name or an id. (Text, which counts against --max-prompt-chars, is a plain ``str``:
+#: the OpenAPI document gives each one that bound, from the configured limit.)
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+NonEmptyStr = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+NonEmptyText = Annotated[str, Meta(min_length=1)]
+_FREE_FORM = (f"Free-form JSON: its text counts against --max-prompt-chars; at most "
+              f"{MAX_JSON_DEPTH} deep, and {MAX_JSON_CONTAINERS} objects and arrays in all "
+              f"of a request's free-form JSON.")  # fmt: skip
+#: A free-form JSON object, kept as its text until checked (frontend.http.schema).
+FreeFormObject = Annotated[Raw, Meta(extra_json_schema={
+    "type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM})]  # fmt: skip
 TokenId = Annotated[int, Meta(ge=0, description="a token id of the served model's vocabulary")]
 Temperature = Annotated[float, Meta(ge=0, le=2, description="sampling temperature (1)")]
 TopP = Annotated[float, Meta(ge=0, le=1, description="nucleus sampling mass (1)")]
@@ -53,8 +71,9 @@ MinP = Annotated[float, Meta(ge=0, le=1, description=(
     "drop tokens less likely than min_p times the most likely one (vLLM's; 0: none)"))]  # fmt: skip
 RepetitionPenalty = Annotated[float, Meta(gt=0, le=2, description=(
     "vLLM's multiplicative penalty on tokens of the prompt and the output (1: none)"))]  # fmt: skip
-LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(description=(
-    "token id (as a string) to a bias from -100 to 100 added to its logit"))]  # fmt: skip
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(
+    max_length=MAX_PARTS, description=(
+        "token id (as a string) to a bias from -100 to 100 added to its logit"))]  # fmt: skip
 MaxTokens = Annotated[int, Meta(ge=1, description=(
     "tokens to generate at most; absent: what the context length leaves, up to the "
     "server's cap"))]  # fmt: skip
@@ -98,9 +117,9 @@ class JsonObjectFormat(Struct, kw_only=True, tag_field="type", tag="json_object"
 
 
 class JsonSchemaSpec(Struct, kw_only=True):
-    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    name: NonEmptyStr
     description: str | None = None
-    schema: dict[str, Any] | None = None  # absent: any JSON object
+    schema: FreeFormObject | UnsetType = UNSET  # a JSON Schema; absent: any JSON object
     strict: bool | None = None
 
 
@@ -117,12 +136,13 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 class _OpenAIRequest(_Sampling, kw_only=True):
     """The fields chat and completions share."""
 
-    model: Annotated[str, Meta(min_length=1, description="the served model's name")]
+    model: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS,
+                               description="the served model's name")]  # fmt: skip
     max_tokens: MaxTokens | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = None
-    user: str | None = None
+    user: Name | None = None
     top_logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
     response_format: ResponseFormat | None = None
 
@@ -137,24 +157,28 @@ class TextPart(Struct, kw_only=True):
     text: str
 
 
-Content = str | list[TextPart]
+Content = str | Annotated[list[TextPart], Meta(max_length=MAX_PARTS)]
 
 
 class FunctionCall(Struct, kw_only=True):
-    name: str
-    arguments: str | dict[str, Any]
+    name: Name
+    #: A JSON string (OpenAI's form) or an object; kept as its text until checked.
+    arguments: Annotated[Raw, Meta(extra_json_schema={"anyOf": [
+        {"type": "string"},
+        {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
+    ]})]  # fmt: skip
 
 
 class ToolCall(Struct, kw_only=True):
     """A tool call an assistant turn made."""
 
     function: FunctionCall
-    id: str | None = None
-    type: str | None = None
+    id: Name | None = None
+    type: Name | None = None
 
 
 class _Message(Struct, kw_only=True, tag_field="role"):
-    name: str | None = None
+    name: Name | None = None
 
 
 class SystemMessage(_Message, kw_only=True, tag="system"):
@@ -171,43 +195,48 @@ class UserMessage(_Message, kw_only=True, tag="user"):
 
 class AssistantMessage(_Message, kw_only=True, tag="assistant"):
     content: Content | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_PARTS)] | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for the same
 
 
 class ToolMessage(_Message, kw_only=True, tag="tool"):
     content: Content
-    tool_call_id: str | None = None
+    tool_call_id: Name | None = None
 
 
 ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
 
 
 class FunctionDefinition(Struct, kw_only=True):
-    name: str
+    name: Name
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: FreeFormObject | UnsetType = UNSET  # a JSON Schema
 
 
 class Tool(Struct, kw_only=True):
     """A tool the model may call; rendered into the prompt by the chat template."""
 
     function: FunctionDefinition
-    type: str | None = None
+    type: Name | None = None
 
 
-class FunctionName(Struct, kw_only=True):
-    name: Annotated[str, Meta(min_length=1)]
+class ToolChoiceFunction(Struct, kw_only=True):
+    name: Name
 
 
-class NamedToolChoice(Struct, kw_only=True, forbid_unknown_fields=True):
-    """``tool_choice`` naming the one function the model must call."""
-
-    type: Literal["function"]
-    function: FunctionName
+#: Another mode (Anthropic's "any", a typo) is refused, not taken for "auto".
+ToolChoiceMode = Literal["none", "auto", "required"]
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class NamedToolChoice(Struct, kw_only=True):
+    """A ``tool_choice`` that names the function to call."""
+
+    function: ToolChoiceFunction
+    type: Literal["function"] | None = None
+
+
+ToolChoice = ToolChoiceMode | NamedToolChoice
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
@@ -221,7 +250,7 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: FreeFormObject | UnsetType = UNSET
 
 
 # -- completions ----------------------------------------------------------------------------
@@ -230,7 +259,7 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     """The body of ``POST /v1/completions``. Fields not listed are ignored."""
 
-    prompt: Annotated[NonEmptyStr | list[str | int | list[int]], Meta(description=(
+    prompt: Annotated[NonEmptyText | list[str | int | list[int]], Meta(description=(
         "a string, or token ids; a list holding one of either is that one (one prompt "
         "per request)"))]  # fmt: skip
     max_completion_tokens: MaxTokens | None = None
@@ -250,9 +279,13 @@ class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``StructuredOutputsParams``: exactly one constraint (its other options are
     refused, not ignored)."""
 
-    json: dict[str, Any] | str | None = None
+    #: A JSON schema, or its text; kept as its text until checked.
+    json: Annotated[Raw, Meta(extra_json_schema={"anyOf": [
+        {"type": "string"},
+        {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
+    ]})] | UnsetType = UNSET  # fmt: skip
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[Name], Meta(max_length=MAX_PARTS)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None

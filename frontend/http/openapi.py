@@ -9,6 +9,11 @@ response models (the success bodies and OpenAI's error body); each operation lis
 statuses it can answer, and, when API keys are configured, the bearer scheme and 401
 (``/health`` and ``/live`` stay open, as :mod:`frontend.http.auth` keeps them).
 
+Every list, string and mapping of a request body is bounded in the document: a fixed bound
+from the model, a configured limit written in here, or, for a string that is neither (the
+text of a message, a tool's description, a prompt), ``--max-prompt-chars``, which all of a
+request's text counts against together (:func:`_bound_text`).
+
 The document itself is keyed like ``/v1/models``: it describes the API, and who may not
 use the API has no need of it (docs/security.md). It is built once, as bytes; no I/O.
 """
@@ -104,6 +109,9 @@ def openapi_document(
         _write_limits(schemas, schema, limits, context_length)
         if model_name is not None and "model" in schema.get("properties", {}):
             _bound(schema["properties"]["model"], string={"enum": [model_name]})
+    if limits.max_prompt_chars:
+        _bound_text(schemas, [schemas[model.__name__] for model in bodies.values()],
+                    limits.max_prompt_chars)  # fmt: skip
 
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
@@ -222,17 +230,52 @@ def _write_limits(
         if name in props and limits.max_prompt_chars:
             _note(props[name], f"At most {limits.max_prompt_chars} characters of text in all "
                                "(--max-prompt-chars).")  # fmt: skip
-    if "stop" in props and "token_ids" not in props:
-        each = {"maxLength": limits.max_stop_length} if limits.max_stop_length else {}
-        many = {"maxItems": limits.max_stop_strings} if limits.max_stop_strings else {}
-        _bound(props["stop"], string=each, array={**many, "items": each} if each else many)
+    each = {"maxLength": limits.max_stop_length} if limits.max_stop_length else {}
+    many = {"maxItems": limits.max_stop_strings} if limits.max_stop_strings else {}
+    for where in (props, *(n.get("properties", {}) for n in nested)):
+        if "stop" in where:  # the token-in API takes none, but bounds what it refuses too
+            _bound(where["stop"], string=each, array={**many, "items": each} if each else many)
+        if "stop_token_ids" in where and limits.max_stop_token_ids:
+            _bound(where["stop_token_ids"], array={"maxItems": limits.max_stop_token_ids})
+    if "tools" in props and limits.max_tools:
+        _bound(props["tools"], array={"maxItems": limits.max_tools})
+    ids = {"maxItems": context_length - 1}  # a prompt of ids leaves room for one token
     if "token_ids" in props:
-        _bound(props["token_ids"], array={"maxItems": context_length - 1})
+        _bound(props["token_ids"], array=ids)
+    if "prompt" in props:  # a list of one prompt: a string, or ids, or a list of ids
+        _bound(props["prompt"], array=ids)
+        for branch in _branches(props["prompt"]):
+            for item in _branches(branch.get("items", {})):
+                if item.get("type") == "array":
+                    item.update(ids)
+
+
+def _bound_text(schemas: dict[str, Any], roots: list[dict[str, Any]], chars: int) -> None:
+    """Give every string below *roots* (request bodies) that has no bound yet a
+    ``maxLength`` of *chars* (``--max-prompt-chars``): the text of a request, which counts
+    against that limit in all. Follows references to the models the bodies use."""
+    seen: set[int] = set()
+    stack: list[Any] = list(roots)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if (ref := node.get("$ref")) is not None:
+            stack.append(schemas[ref.rsplit("/", 1)[1]])
+        if node.get("type") == "string" and "maxLength" not in node and "enum" not in node:
+            node["maxLength"] = chars
+        stack.extend(v for k, v in node.items() if k not in ("default", "examples", "const"))
 
 
 def _branches(schema: dict[str, Any]) -> list[dict[str, Any]]:
-    branches: list[dict[str, Any]] = schema.get("anyOf", [schema])
-    return branches
+    """The alternatives of *schema*, nested ``anyOf`` flattened."""
+    if "anyOf" not in schema:
+        return [schema]
+    return [leaf for branch in schema["anyOf"] for leaf in _branches(branch)]
 
 
 def _bound(schema: dict[str, Any], **by_type: dict[str, Any]) -> None:

@@ -5,16 +5,30 @@ Two APIs: OpenAI's chat and completions (:func:`parse_request`, a
 (:func:`parse_generate_request`, vLLM's ``/inference/v1/generate``, a
 :class:`~frontend.request.TokenRequest`).
 
-Each body is checked against its route's model (:mod:`frontend.http.models`, the same
-models ``GET /openapi.json`` publishes): strict about types (``true`` is not an integer,
-``"5"`` is not a number) and lenient about unknown fields, because clients send many
-optional ones. Then what a model cannot say: a known field asking for what headwater
-cannot do (``n`` > 1 is the model's, logprobs and ``echo`` are here) is refused, the
-configured limits (:class:`~frontend.limits.RequestLimits`: ``max_tokens``, messages,
-prompt characters, stop strings) are checked, before any template or tokenizer work, and
-the features the request asks of an engine are listed in its ``needs``, for the
-pipeline to check against the workers' declarations (:mod:`frontend.http.fields`). A
-``response_format`` or a forcing ``tool_choice`` becomes the request's
+Each body is decoded straight into its route's model (:mod:`frontend.http.models`, the
+same models ``GET /openapi.json`` publishes) by msgspec: strict about types (``true`` is
+not an integer, ``"5"`` is not a number) and lenient about unknown fields, because clients
+send many optional ones; an unknown field is skipped without building anything of it.
+Then what a model cannot say: a known field asking for what headwater cannot do (``n`` > 1
+is the model's, logprobs and ``echo`` are here) is refused, and the configured limits
+(:class:`~frontend.limits.RequestLimits`: ``max_tokens``, messages, tools, prompt
+characters, stop strings and ids) are checked, before any template or tokenizer work.
+
+What the parse costs is bounded before it starts: the HTTP layer counts a large body's
+JSON values as it arrives (:func:`count_json_values`, ``max_json_values``), and the parse
+builds only the models' own values, each list and string bounded, with the cyclic GC off
+for its length (its young collections, triggered by the objects the parse makes, cost
+more than the parse: 700,000 empty lists took 55 ms to build and 300 ms with the GC on).
+A C parser holds the GIL throughout, so a thread would not spare the loop: the bound is
+what keeps the loop free. Free-form JSON (tool parameters, object tool-call arguments,
+``chat_template_kwargs``) is decoded last, once its text has counted against
+``max_prompt_chars`` and its objects and arrays against
+:data:`~frontend.limits.MAX_JSON_CONTAINERS`; its depth is then checked
+(:data:`~frontend.limits.MAX_JSON_DEPTH`).
+
+The features a request asks of an engine are listed in its ``needs``, for the pipeline to
+check against the workers' declarations (:mod:`frontend.http.fields`); a
+``response_format`` or a forcing ``tool_choice`` becomes its
 :class:`~frontend.request.Constraint`.
 
 Every failure is a 400 naming the offending ``param``: the field's path through objects,
@@ -26,8 +40,11 @@ not into arrays (``sampling_params.max_tokens``, ``stream_options.include_usage`
 
 from __future__ import annotations
 
+import gc
+import json
 import re
-from typing import Any, cast
+from itertools import accumulate
+from typing import Any, cast, get_args
 
 import msgspec
 import orjson
@@ -45,9 +62,11 @@ from frontend.http.models import (
     NamedToolChoice,
     SamplingParams,
     StructuredOutputs,
+    TextPart,
+    ToolMessage,
     _Sampling,
 )
-from frontend.limits import RequestLimits
+from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, RequestLimits
 from frontend.request import Constraint, ParsedRequest, SamplingOptions, TokenRequest
 from headwater.wire import StructuredKind, StructuredOutput
 from headwater.wire.capabilities import (
@@ -91,13 +110,75 @@ def validation_error(exc: msgspec.ValidationError) -> ApiError:
     return bad_request(f"Invalid value for '{where}': {detail}", param)
 
 
-def _convert(body: Any, model: type[msgspec.Struct]) -> Any:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+def count_json_values(piece: bytes | bytearray) -> int:
+    """An upper bound of the JSON values that *piece* of a body adds: every value but the
+    first of an array or object follows a comma, and every array or object opens with a
+    bracket (those inside strings are counted too: a bound, not a count)."""
+    return piece.count(b",") + piece.count(b"[") + piece.count(b"{")
+
+
+def decode(body: bytes | bytearray | memoryview | Any, model: type[msgspec.Struct]) -> Any:
+    """*body*, a request body's bytes, decoded into *model* (a 400 if malformed or not
+    its shape). A body already decoded (a test's dict) is encoded first, as Python's
+    ``json`` would send it (``Infinity`` for an infinite float, which JSON has not)."""
+    data = body if isinstance(body, bytes | bytearray | memoryview) else json.dumps(body).encode()
+    collecting = gc.isenabled()
+    gc.disable()  # see the module docstring; nothing else runs meanwhile on this thread
     try:
-        return msgspec.convert(body, model)
+        return msgspec.json.decode(data, type=model)
     except msgspec.ValidationError as exc:
         raise validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"Malformed JSON body: {exc}") from None
+    except RecursionError:  # msgspec's own bound on nesting, far above the models'
+        raise bad_request("the request body is nested too deep") from None
+    finally:
+        if collecting:
+            gc.enable()
+
+
+class _FreeForm:
+    """Decodes one request's free-form JSON, each part once its size is known: at most
+    :data:`~frontend.limits.MAX_JSON_CONTAINERS` objects and arrays in all (counted on the
+    text, before the decode), at most :data:`~frontend.limits.MAX_JSON_DEPTH` deep."""
+
+    def __init__(self) -> None:
+        self.containers = 0
+
+    def decode(self, raw: msgspec.Raw, param: str, where: str) -> Any:
+        data = bytes(raw)
+        self.containers += data.count(b"[") + data.count(b"{")
+        if self.containers > MAX_JSON_CONTAINERS:
+            raise bad_request(
+                f"'{where}': the request's free-form JSON (tool parameters, object "
+                f"arguments, chat_template_kwargs) holds more than {MAX_JSON_CONTAINERS} "
+                "objects and arrays in all", param,
+            )  # fmt: skip
+        if _depth(data) > MAX_JSON_DEPTH:
+            raise bad_request(f"'{where}' is nested more than {MAX_JSON_DEPTH} deep", param)
+        collecting = gc.isenabled()
+        gc.disable()  # as for the body (see the module docstring)
+        try:
+            return orjson.loads(data)  # msgspec checked it is JSON
+        finally:
+            if collecting:
+                gc.enable()
+
+
+# What keeps the nesting of JSON text: quotes and brackets (a string's brackets are
+# inside quotes; its escaped quotes and backslashes are removed first).
+_SKELETON = bytes(range(256)).translate(None, b'"[]{}')
+_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+
+
+def _depth(data: bytes) -> int:
+    """How deep the JSON text *data* nests (a scalar: 0), from its text alone: C-speed
+    passes over it, then one over its brackets outside strings (bounded by the count of
+    objects and arrays)."""
+    skeleton = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _SKELETON)
+    brackets = b"".join(skeleton.split(b'"')[::2])  # outside strings
+    steps = (1 if b == 1 else -1 for b in brackets.translate(_STEP))
+    return max(accumulate(steps), default=0)
 
 
 def _sampling(
@@ -160,21 +241,34 @@ def _needs(options: SamplingOptions, prefix: str, constraint: Constraint | None 
     return tuple(needs)
 
 
-def _constraint(req: ChatCompletionRequest | CompletionRequest) -> Constraint | None:
-    """What ``response_format`` and, in chat, ``tool_choice`` ask the answer to be."""
+def _constraint(
+    req: ChatCompletionRequest | CompletionRequest, free: _FreeForm, limits: RequestLimits,
+    chars: int,
+) -> tuple[Constraint | None, int]:
+    """What ``response_format`` and, in chat, ``tool_choice`` ask the answer to be; and
+    *chars*, the request's text so far, with a JSON schema's text counted in (checked
+    against ``max_prompt_chars`` before it is decoded, as the tools' parameters are)."""
     fmt = req.response_format
     constraint = None
+    param = "response_format"
     if isinstance(fmt, JsonObjectFormat) or (
-        isinstance(fmt, JsonSchemaFormat) and fmt.json_schema.schema is None
+        isinstance(fmt, JsonSchemaFormat) and fmt.json_schema.schema is msgspec.UNSET
     ):
-        constraint = Constraint("json_object", "response_format")
+        constraint = Constraint("json_object", param)
     elif isinstance(fmt, JsonSchemaFormat):
-        constraint = Constraint("json_schema", "response_format", fmt.json_schema.schema)
+        spec = fmt.json_schema
+        raw = cast(msgspec.Raw, spec.schema)
+        chars += len(raw) + len(spec.description or "")
+        limits.check_prompt_chars(chars, param)
+        schema = free.decode(raw, param, "response_format.json_schema.schema")
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format.json_schema.schema' must be an object", param)
+        constraint = Constraint("json_schema", param, schema)
     if not isinstance(req, ChatCompletionRequest):
-        return constraint
+        return constraint, chars
     choice = req.tool_choice
     if choice is None or choice in ("none", "auto"):
-        return constraint
+        return constraint, chars
     offered = [t.function.name for t in req.tools or ()]
     if not offered:
         raise bad_request("'tool_choice' asks for a tool call, but 'tools' offers none",
@@ -189,15 +283,18 @@ def _constraint(req: ChatCompletionRequest | CompletionRequest) -> Constraint | 
         # vLLM lets the call win and drops the format; refused here instead of ignored.
         raise bad_request("'response_format' cannot constrain an answer that 'tool_choice' "
                           "makes a tool call", "response_format")  # fmt: skip
-    return Constraint(kind, "tool_choice", tools=tuple(dict.fromkeys(offered)))
+    return Constraint(kind, "tool_choice", tools=tuple(dict.fromkeys(offered))), chars
 
 
-def _structured_outputs(so: StructuredOutputs | None, param: str) -> StructuredOutput | None:
-    """The token-in API's ``structured_outputs`` (vLLM's): exactly one constraint."""
+def _structured_outputs(
+    so: StructuredOutputs | None, param: str, limits: RequestLimits
+) -> StructuredOutput | None:
+    """The token-in API's ``structured_outputs`` (vLLM's): exactly one constraint, its
+    text (a schema, a regex, a grammar, a tag) counted against ``max_prompt_chars``."""
     if so is None:
         return None
     given = [(name, value) for name in _STRUCTURED_FIELDS
-             if (value := getattr(so, name)) is not None]  # fmt: skip
+             if (value := getattr(so, name)) not in (None, msgspec.UNSET)]  # fmt: skip
     if len(given) != 1:
         raise bad_request(f"'{param}' must set exactly one of "
                           f"{', '.join(_STRUCTURED_FIELDS)}", param)  # fmt: skip
@@ -210,12 +307,19 @@ def _structured_outputs(so: StructuredOutputs | None, param: str) -> StructuredO
     if kind is StructuredKind.CHOICE:
         if not value:
             raise bad_request(f"'{param}.choice' must not be empty", param)
-        return StructuredOutput(kind, orjson.dumps(value).decode())
-    if kind is StructuredKind.JSON and not isinstance(value, str):
-        return StructuredOutput(kind, orjson.dumps(value).decode())
-    if not value:
+        text = orjson.dumps(value).decode()
+    elif kind is StructuredKind.JSON:  # a schema object, or its JSON text
+        limits.check_prompt_chars(len(value), param)
+        schema = _FreeForm().decode(value, param, param + ".json")
+        if not isinstance(schema, dict | str):
+            raise bad_request(f"'{param}.json' must be a schema object or its text", param)
+        text = schema if isinstance(schema, str) else orjson.dumps(schema).decode()
+    else:
+        text = value
+    if not text:
         raise bad_request(f"'{param}.{name}' must not be empty", param)
-    return StructuredOutput(kind, value)
+    limits.check_prompt_chars(len(text), param)
+    return StructuredOutput(kind, text)
 
 
 _STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -233,21 +337,111 @@ def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestL
     return max_tokens
 
 
-def _message_chars(messages: list[ChatMessage]) -> int:
-    """The characters of text in *messages*: contents, reasoning, tool-call arguments."""
-    total = 0
-    for m in messages:
-        content = m.content
-        if isinstance(content, str):
-            total += len(content)
-        elif content:
-            total += sum(len(part.text) for part in content)
+ChatText = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any], int]
+
+
+def _chat_text(req: ChatCompletionRequest, limits: RequestLimits, free: _FreeForm) -> ChatText:
+    """The messages, tools and template kwargs of *req* as the chat template takes them,
+    and their characters of text, checked against ``max_prompt_chars`` as they add up:
+    contents, reasoning and tool-call arguments (a string's characters, an object's JSON
+    text) under ``messages``, then the tools' names, descriptions and parameters (JSON
+    text) under ``tools``, then the kwargs' JSON text under ``chat_template_kwargs``.
+    Free-form JSON is decoded only once its text has counted, by *free* (the request's)."""
+    messages: list[dict[str, Any]] = []
+    arguments: list[tuple[dict[str, Any], msgspec.Raw, str]] = []  # decoded once counted
+    chars = 0
+    for i, m in enumerate(req.messages):
+        out: dict[str, Any] = {"role": _ROLES[type(m)], "content": _content(m.content)}
+        chars += _content_chars(m.content)
+        if m.name is not None:
+            out["name"] = m.name
+        if isinstance(m, ToolMessage) and m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
         if isinstance(m, AssistantMessage):
-            total += len(m.reasoning_content or "")
-            for call in m.tool_calls or ():
-                if isinstance(call.function.arguments, str):
-                    total += len(call.function.arguments)
-    return total
+            for name in ("reasoning_content", "reasoning"):
+                if (text := getattr(m, name)) is not None:
+                    out[name] = text
+                    chars += len(text)
+            if m.tool_calls is not None:
+                out["tool_calls"] = calls = []
+                for k, call in enumerate(m.tool_calls):
+                    function: dict[str, Any] = {"name": call.function.name}
+                    calls.append({"function": function} | _set(id=call.id, type=call.type))
+                    raw = call.function.arguments
+                    if bytes(memoryview(raw)[:1]) == b'"':  # OpenAI's form, a string: no containers
+                        function["arguments"] = text = msgspec.json.decode(raw, type=str)
+                        chars += len(text)
+                    else:  # an object: its JSON text counts, then it is decoded
+                        chars += len(raw)
+                        where = f"messages[{i}].tool_calls[{k}].function.arguments"
+                        arguments.append((function, raw, where))
+        messages.append(out)
+    limits.check_prompt_chars(chars, "messages")
+    for function, raw, where in arguments:
+        function["arguments"] = value = free.decode(raw, "messages", where)
+        if not isinstance(value, dict):
+            raise bad_request(f"'{where}' must be a JSON string or an object", "messages")
+
+    tools = None
+    if req.tools is not None:
+        limits.check_tools(len(req.tools))
+        for tool in req.tools:
+            f = tool.function
+            chars += len(f.name) + len(f.description or "")
+            chars += 0 if f.parameters is msgspec.UNSET else len(f.parameters)
+        limits.check_prompt_chars(chars, "tools")
+        tools = []
+        for j, tool in enumerate(req.tools):
+            f = tool.function
+            function = {"name": f.name} | _set(description=f.description)
+            if f.parameters is not msgspec.UNSET:
+                where = f"tools[{j}].function.parameters"
+                function["parameters"] = value = free.decode(f.parameters, "tools", where)
+                if not isinstance(value, dict | None):
+                    raise bad_request(f"'{where}' must be an object", "tools")
+            tools.append({"function": function} | _set(type=tool.type))
+
+    kwargs: dict[str, Any] = {}
+    if req.chat_template_kwargs is not msgspec.UNSET:
+        chars += len(req.chat_template_kwargs)
+        param = "chat_template_kwargs"
+        limits.check_prompt_chars(chars, param)
+        value = free.decode(req.chat_template_kwargs, param, param)
+        if not isinstance(value, dict | None):
+            raise bad_request(f"'{param}' must be an object", param)
+        kwargs = value or {}
+    return messages, tools, kwargs, chars
+
+
+def _tool_choice(req: ChatCompletionRequest | CompletionRequest) -> Any:
+    """OpenAI's ``tool_choice`` as the client sent it: a string, or the named function."""
+    choice = getattr(req, "tool_choice", None)
+    if choice is None or isinstance(choice, str):
+        return choice
+    return {"function": {"name": choice.function.name}} | _set(type=choice.type)
+
+
+#: Each message model's role.
+_ROLES = {cls: cls.__struct_config__.tag for cls in get_args(ChatMessage)}
+
+
+def _set(**fields: Any) -> dict[str, Any]:
+    """*fields* that are not None."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _content(content: str | list[TextPart] | None) -> str | list[dict[str, str]] | None:
+    if content is None or isinstance(content, str):
+        return content
+    return [{"type": "text", "text": part.text} for part in content]
+
+
+def _content_chars(content: str | list[TextPart] | None) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text) for part in content)
 
 
 def parse_request(
@@ -262,24 +456,26 @@ def parse_request(
     *limits*. Raises :class:`ApiError` (400) or
     :class:`~frontend.errors.LimitExceeded`."""
     req = cast(ChatCompletionRequest | CompletionRequest,
-               _convert(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
+               decode(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
     messages = prompt = tools = effort = suffix = None
     kwargs: dict[str, Any] = {}
+    text_chars: int | None = None
     parallel = True
+    free = _FreeForm()
     if isinstance(req, ChatCompletionRequest):
         limits.check_messages(len(req.messages))
-        limits.check_prompt_chars(_message_chars(req.messages), "messages")
-        # The client's own dicts: a template may read fields the model does not declare.
-        messages = body["messages"]
-        tools = body.get("tools")
-        kwargs = body.get("chat_template_kwargs") or {}
+        messages, tools, kwargs, text_chars = _chat_text(req, limits, free)
         effort, parallel = req.reasoning_effort, req.parallel_tool_calls is not False
         if req.logprobs:
             raise bad_request("logprobs are not supported by this server", "logprobs")
     elif isinstance(req, CompletionRequest):
         prompt, suffix = req.prompt, req.suffix
         text = [prompt] if isinstance(prompt, str) else prompt
-        limits.check_prompt_chars(sum(len(p) for p in text if isinstance(p, str)), "prompt")
+        text_chars = sum(len(p) for p in text if isinstance(p, str))
+        limits.check_prompt_chars(text_chars, "prompt")
+        if suffix is not None:  # text of the prompt too (fill in the middle)
+            text_chars += len(suffix)
+            limits.check_prompt_chars(text_chars, "suffix")
         if req.logprobs not in (None, False, 0):
             raise bad_request("logprobs are not supported by this server", "logprobs")
         if req.echo:
@@ -291,8 +487,9 @@ def parse_request(
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else req.stop
     if stop:
         limits.check_stop(stop)
+    limits.check_stop_token_ids(len(req.stop_token_ids or ()), "stop_token_ids")
     sampling = _sampling(req, _max_tokens(req, limits))
-    constraint = _constraint(req)
+    constraint, text_chars = _constraint(req, free, limits, text_chars or 0)
 
     return ParsedRequest(
         endpoint=endpoint,
@@ -306,7 +503,8 @@ def parse_request(
         user=req.user,
         chat_template_kwargs=kwargs,
         tools=tools,
-        tool_choice=body.get("tool_choice") if tools else None,
+        tool_choice=_tool_choice(req) if tools else None,
+        text_chars=text_chars,
         parallel_tool_calls=parallel,
         constraint=constraint,
         reasoning_effort=effort,
@@ -335,7 +533,7 @@ def parse_generate_request(
     at the top level): there is no text to match them on. ``null`` or ``[]`` ask for none of
     these and pass (a client that serializes a whole vLLM ``SamplingParams`` sends them).
     """
-    req = cast(GenerateRequest, _convert(body, model or REQUEST_MODELS["generate"]))
+    req = cast(GenerateRequest, decode(body, model or REQUEST_MODELS["generate"]))
     p = SAMPLING_PARAMS
     params = req.sampling_params or _NO_PARAMS
     for name in ("logprobs", "prompt_logprobs"):
@@ -348,7 +546,9 @@ def parse_generate_request(
                 param,
             )
     limits.check_max_tokens(params.max_tokens, p + "max_tokens")
-    structured = _structured_outputs(params.structured_outputs, p + "structured_outputs")
+    limits.check_stop_token_ids(len(params.stop_token_ids or ()), p + "stop_token_ids")
+    structured = _structured_outputs(params.structured_outputs, p + "structured_outputs",
+                                     limits)  # fmt: skip
     sampling = _sampling(params, params.max_tokens, p, structured)
 
     return TokenRequest(

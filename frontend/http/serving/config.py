@@ -50,6 +50,11 @@ class ServerConfig(Config):
     #: ``read_timeout`` (every read, None by default), it never applies while a response
     #: streams to a client that has sent all it had to: such a client is silent by right.
     body_read_timeout: float = 30 * SECONDS
+    #: Seconds a connection may linger before it closes while its client still sends a
+    #: request body that nobody reads (a refusal answered before it): the body is read
+    #: and dropped meanwhile, so that closing does not reset the connection under the
+    #: answer. Not a refusal: the answer has left.
+    linger_timeout: float = 2 * SECONDS
     #: Connections one client IP address may hold open at once; one more is closed as
     #: soon as it is accepted (refusal ``too_many_connections``). Loopback counts like
     #: any other address. Behind a proxy every connection comes from the proxy's

@@ -1,5 +1,6 @@
-"""Fix 5: a known-length response's head leaves with its body, in one write; and the
-limits' own answers say what was refused.
+"""Fix 5: a known-length response's head leaves with its body, in one write; the HTTP/1.1
+policy (strict framing, no protocol switch, ``100 Continue`` only for a body the app reads);
+and the limits' own answers say what was refused.
 
 hypercorn writes a response's head as soon as the app starts the response, and its body
 in a second write. :class:`HeadWithBodyH11Protocol` holds the head of a response whose
@@ -7,23 +8,65 @@ length is known (its body is in hand: a JSON answer) and writes it with the body
 ``write(2)``, as hyper and nginx do. A streamed response (no Content-Length) still sends
 its head at once, before the first event.
 
-hypercorn answers a request it cannot parse with an empty error response; the two the
-transport limits cause, 431 (head over ``h11_max_incomplete_size``) and 408 (head not
-done within ``header_timeout``), get an OpenAI-style error body naming the limit.
+Each request head passes :meth:`HeadWithBodyH11Protocol._handle_events` (hypercorn's, with
+the policy) before the app sees it, wherever in a read it came:
+
+- Its size and framing (:func:`~frontend.http.serving.limits.head_fault`,
+  :func:`~frontend.http.serving.limits.request_fault`): 431 for a head over the limit,
+  whole or pipelined; 400 for obs-fold or Content-Length with Transfer-Encoding; 505 for
+  the HTTP/2 preface. Each closes the connection.
+- No switch of protocol: an ``Upgrade`` (h2c, websocket) is ignored, as RFC 9110 section
+  7.8 lets a server do, and the request is served as the HTTP/1.1 request it also is
+  (behind the API keys like any other). HTTP/2 would go around every deadline and limit
+  here, which are HTTP/1.1's; TLS offers only ``http/1.1`` by ALPN for the same reason.
+- ``100 Continue`` only once the app asks for the body (its first ``receive``): hypercorn
+  sent it as soon as the head arrived, inviting the body of a request about to be refused
+  (a 401 answers without reading it, and the client need not send it).
+
+hypercorn answers a request it cannot parse with an empty error response; the refusals of
+the transport limits and of the policy, 431 (head over ``h11_max_incomplete_size``), 408
+(head not done within ``header_timeout``), 400 and 505, get an OpenAI-style error body
+naming what was refused.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from itertools import chain
+from typing import TYPE_CHECKING, Any
 
 import h11
-from hypercorn.events import RawData
+from hypercorn.config import Config
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import H11SendableEvent
 
 from frontend.http.serving.config import ServerConfig
-from frontend.http.serving.limits import HEADER_TIMEOUT, HEADER_TOO_LARGE
+from frontend.http.serving.limits import (
+    HEADER_TIMEOUT,
+    HEADER_TOO_LARGE,
+    Fault,
+    head_fault,
+    request_fault,
+)
+
+if TYPE_CHECKING:
+    from hypercorn.events import Event
+    from hypercorn.typing import (
+        AppWrapper,
+        ASGIReceiveCallable,
+        ASGIReceiveEvent,
+        ASGISendCallable,
+        ConnectionState,
+        Scope,
+        TaskGroup,
+        WorkerContext,
+    )
+
+STREAM_ID = 1  # hypercorn's: an HTTP/1.1 connection has one stream at a time
 
 
 class HeadWithBodyH11Protocol(H11Protocol):
@@ -38,11 +81,98 @@ class HeadWithBodyH11Protocol(H11Protocol):
     #: The head of a known-length response, until the body's first bytes (or its end).
     _held_head: bytes | None = None
 
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: Config,
+        context: WorkerContext,
+        task_group: TaskGroup,
+        connection_state: ConnectionState,
+        ssl: bool,
+        client: tuple[str, int] | None,
+        server: tuple[str, int] | None,
+        send: Callable[[Event], Awaitable[None]],
+    ) -> None:
+        """hypercorn's, with the app's ``receive`` asking for ``100 Continue``."""
+        super().__init__(app, config, context, task_group, connection_state, ssl, client,
+                         server, send)  # fmt: skip
+        self.app = _ContinueOnReceive(app, self._continue_if_waiting)
+
+    async def _handle_events(self) -> None:
+        """hypercorn's ``H11Protocol._handle_events``, with the policy of the module
+        docstring: each head checked before h11 reads it and after, no protocol switch,
+        and no ``100 Continue`` sent here (the app's first ``receive`` sends it)."""
+        limit = self.config.h11_max_incomplete_size
+        while True:
+            connection = self.connection
+            if type(connection) is h11.Connection and connection.their_state is h11.IDLE:
+                # A head, whole or not, is in h11's buffer from its first byte.
+                fault = head_fault(_buffered(connection, limit + 1), limit)
+                if fault is not None:
+                    await self._refuse_request(fault)
+                    break
+            try:
+                event = connection.next_event()
+            except h11.RemoteProtocolError as error:
+                if connection.our_state in {h11.IDLE, h11.SEND_RESPONSE}:
+                    await self._send_error_response(error.error_status_hint)
+                await self.send(Closed())
+                break
+            if isinstance(event, h11.Request):
+                fault = request_fault(event.http_version, event.headers)
+                if fault is not None:
+                    await self._refuse_request(fault)
+                    break
+                await self.send(Updated(idle=False))
+                await self._create_stream(_without_upgrade(event))
+            elif event is h11.PAUSED:
+                await self.can_read.clear()
+                await self.can_read.wait()
+            elif (isinstance(event, h11.ConnectionClosed) or event is h11.NEED_DATA
+                  or self.stream is None):  # fmt: skip
+                break
+            elif isinstance(event, h11.Data):
+                await self.stream.handle(Body(stream_id=STREAM_ID, data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                await self.stream.handle(EndBody(stream_id=STREAM_ID))
+
+    async def _continue_if_waiting(self) -> None:
+        """The app asks for the request's body: invite it, if the client waits to be."""
+        if self.connection.they_are_waiting_for_100_continue:
+            await self._send_h11_event(h11.InformationalResponse(
+                status_code=100, headers=self.config.response_headers("h11")
+            ))  # fmt: skip
+
+    async def _refuse_request(self, fault: Fault) -> None:
+        """Answer *fault* (its status and an OpenAI-style error body, ``Connection:
+        close``), report it, and close the connection: what follows the head cannot be
+        trusted to be where h11 would look for it. Written as bytes, past h11, which has
+        not read the head yet (or would take the response for the request's own)."""
+        self.config.refused(fault.reason)
+        body = _error_body(fault.reason, fault.message)
+        head = [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"), *self.config.response_headers("h11"),
+        ]  # fmt: skip
+        phrase = HTTPStatus(fault.status).phrase.encode()
+        await self.send(RawData(data=b"".join((
+            b"HTTP/1.1 %d %s\r\n" % (fault.status, phrase),
+            *(name + b": " + value + b"\r\n" for name, value in head), b"\r\n", body,
+        ))))  # fmt: skip
+        await self.send(Closed())
+
     async def _send_h11_event(self, event: H11SendableEvent) -> None:
         """hypercorn's ``H11Protocol._send_h11_event``, holding a known-length head back
-        until the body's first bytes (or its end) go out with it."""
+        until the body's first bytes (or its end) go out with it, and closing the
+        connection after a response that starts before its request's body has ended."""
         held = self._held_head
         data: bytes | None
+        if type(event) is h11.Response and self.connection.their_state is h11.SEND_BODY:
+            # Answered before its body ended (a 401 reads none): the connection closes
+            # after this response (lingering, HeadwaterTCPServer._close), and says so.
+            headers = [*event.headers.raw_items(), (b"connection", b"close")]
+            event = h11.Response(status_code=event.status_code, reason=event.reason,
+                                 headers=headers)  # fmt: skip
         try:
             data = self.connection.send(event)
         except h11.LocalProtocolError:
@@ -69,10 +199,15 @@ class HeadWithBodyH11Protocol(H11Protocol):
         ``config.refused``); others go to it as they are."""
         if status_code == 431:
             self.config.refused(HEADER_TOO_LARGE)
-        body = _limit_error(status_code, self.config)
-        if body is None:
+        error = _limit_error(status_code, self.config)
+        if error is None:
             await super()._send_error_response(status_code)
             return
+        await self._send_json_error(status_code, *error)
+
+    async def _send_json_error(self, status_code: int, code: str, message: str) -> None:
+        """A whole error response with an OpenAI-style body, and ``Connection: close``."""
+        body = _error_body(code, message)
         head = [
             (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
             (b"connection", b"close"),
@@ -84,20 +219,64 @@ class HeadWithBodyH11Protocol(H11Protocol):
         await self._send_h11_event(h11.EndOfMessage())
 
 
-def _limit_error(status_code: int, config: ServerConfig) -> bytes | None:
-    """The OpenAI-style error body of a limit's status, None for any other."""
-    if status_code == 431:
-        code = HEADER_TOO_LARGE
-        message = (f"The request's head (request line and header fields) is larger than "
-                   f"this server's limit of {config.h11_max_incomplete_size} bytes.")
-    elif status_code == 408:
-        code = HEADER_TIMEOUT
-        message = (f"The request's head did not arrive within {config.header_timeout:g} s "
-                   f"of its first byte.")
-    else:
-        return None
+def _error_body(code: str, message: str) -> bytes:
     error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     return json.dumps({"error": error}).encode()
+
+
+def _limit_error(status_code: int, config: ServerConfig) -> tuple[str, str] | None:
+    """The error code and message of a limit's status, None for any other."""
+    if status_code == 431:
+        return HEADER_TOO_LARGE, (
+            "The request's head (request line and header fields) is larger than this "
+            f"server's limit of {config.h11_max_incomplete_size} bytes.")  # fmt: skip
+    if status_code == 408:
+        return HEADER_TIMEOUT, (
+            f"The request's head did not arrive within {config.header_timeout:g} s of its "
+            "first byte.")  # fmt: skip
+    return None
+
+
+def _buffered(connection: h11.Connection, size: int) -> bytes:
+    """The first *size* bytes that *connection* holds unparsed. h11's public
+    ``trailing_data`` copies all of them, which may be a whole read of pipelined requests
+    for each; its buffer keeps them in a bytearray (fingerprinted in
+    tests/test_hypercorn_seam.py)."""
+    return bytes(connection._receive_buffer._data[:size])
+
+
+def _without_upgrade(request: h11.Request) -> h11.Request:
+    """*request* without its ``Upgrade`` field, if it has one: hypercorn would switch such
+    a request's connection to HTTP/2 (h2c) or a WebSocket, which this server does not."""
+    headers = request.headers.raw_items()
+    if not any(name.lower() == b"upgrade" for name, _ in headers):
+        return request
+    return h11.Request(
+        method=request.method, target=request.target, http_version=request.http_version,
+        headers=[(name, value) for name, value in headers if name.lower() != b"upgrade"],
+    )  # fmt: skip
+
+
+class _ContinueOnReceive:
+    """An app wrapper whose app's ``receive`` first awaits *on_receive* (which sends
+    ``100 Continue`` if the client waits for it): the client sends a body only when the
+    app reads it. hypercorn's AppWrapper interface, per request."""
+
+    def __init__(self, app: AppWrapper, on_receive: Callable[[], Awaitable[None]]) -> None:
+        self.app = app
+        self.on_receive = on_receive
+
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable,
+        sync_spawn: Callable[..., Any], call_soon: Callable[..., Any],
+    ) -> None:  # fmt: skip
+        on_receive = self.on_receive
+
+        async def receive_inviting() -> ASGIReceiveEvent:
+            await on_receive()
+            return await receive()
+
+        await self.app(scope, receive_inviting, send, sync_spawn, call_soon)
 
 
 def _has_length(response: h11.Response) -> bool:

@@ -10,6 +10,7 @@ these copies and assumptions are taken from.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -26,7 +27,7 @@ from hypercorn.typing import AppWrapper, LifespanState
 
 from frontend.http.serving.config import ServerConfig
 from frontend.http.serving.h11_protocol import HeadWithBodyH11Protocol
-from frontend.http.serving.limits import HEADER_TIMEOUT, READ_TIMEOUT, WRITE_TIMEOUT, head_piece
+from frontend.http.serving.limits import HEADER_TIMEOUT, READ_TIMEOUT, WRITE_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class HeadwaterTCPServer(TCPServer):
     config: ServerConfig
     # hypercorn's annotation is its TrioSingleTask; this server's is the stand-in.
     idle_task: IdleDeadline  # type: ignore[assignment]
+    #: Set when the connection lingers before its close (:meth:`_close`).
+    _linger_until: float | None = None
+    #: The cancel scope of the read under way, if one is (:meth:`_close` shortens it).
+    _read_scope: trio.CancelScope | None = None
 
     def __init__(
         self,
@@ -143,12 +148,15 @@ class HeadwaterTCPServer(TCPServer):
           connection is no longer idle), and the head must end within
           ``header_timeout`` of it, however steadily it trickles in: else 408 and close
           (``header_timeout``);
-        - the head must end within ``h11_max_incomplete_size`` bytes: h11 refuses a
-          longer one with 431 (:func:`~frontend.http.serving.limits.head_piece` makes
-          that hold for a head that arrives whole, too);
+        - the head must end within ``h11_max_incomplete_size`` bytes: the protocol
+          refuses a longer one with 431, whole or not, first in its read or pipelined
+          (:func:`~frontend.http.serving.limits.head_fault`);
         - while h11 waits for the rest of a request body, each read must bring bytes
           within ``body_read_timeout``: else close (``read_timeout``). No deadline while
-          a response is under way: the client has sent what it had to.
+          a response is under way: the client has sent what it had to;
+        - a connection closed while its client still sends a body lingers
+          (:meth:`_close`): what it sends is read and dropped until it stops, or for
+          ``linger_timeout`` at most.
 
         First, the connection's HTTP/1.1 protocol becomes a
         :class:`HeadWithBodyH11Protocol` (:meth:`_adopt_protocol`).
@@ -160,18 +168,26 @@ class HeadwaterTCPServer(TCPServer):
         every_read = config.read_timeout or math.inf  # hypercorn's own, None by default
         deadline, reason = math.inf, ""  # of the next read, and what missing it means
         head_started: float | None = None  # the first byte of an incomplete head
-        head_bytes = 0  # of that head so far
         try:
             while True:
                 # One cancel scope per read, as hypercorn's: the earlier of the two deadlines.
                 at = deadline if every_read == math.inf else min(
                     deadline, trio.current_time() + every_read
                 )  # fmt: skip
+                if self._linger_until is not None:
+                    at = min(at, self._linger_until)
                 with trio.move_on_at(at) as late:
+                    self._read_scope = late  # _close shortens it to linger
                     try:
                         data = await self.stream.receive_some(size)
                     except (trio.ClosedResourceError, trio.BrokenResourceError):
                         break
+                    finally:
+                        self._read_scope = None
+                if self._linger_until is not None:
+                    if late.cancelled_caught or not data:
+                        break  # lingered long enough, or the client is done
+                    continue  # a body nobody reads: dropped
                 if late.cancelled_caught:
                     if trio.current_time() >= deadline:
                         await self._refuse_slow(reason)
@@ -187,22 +203,40 @@ class HeadwaterTCPServer(TCPServer):
                         break
                 else:  # the bytes of a request head
                     if head_started is None:
-                        head_started, head_bytes = trio.current_time(), 0
+                        head_started = trio.current_time()
                         await self.idle_task.stop()
                     heads = http11.keep_alive_requests
-                    piece = head_piece(data, head_bytes, config.h11_max_incomplete_size)
-                    await self.protocol.handle(RawData(piece))  # type: ignore[arg-type]
+                    await self.protocol.handle(RawData(data))  # type: ignore[arg-type]
                     if (
-                        http11.keep_alive_requests == heads
-                        and http11.connection.their_state is h11.IDLE
+                        http11.keep_alive_requests != heads
+                        or http11.connection.their_state is not h11.IDLE
                     ):
-                        head_bytes += len(piece)  # the head goes on
-                    else:
-                        head_started = None
+                        head_started = None  # the head ended
                 deadline, reason = self._next_deadline(head_started)
             await self.protocol.handle(Closed())
         finally:
             self.idle_task.end()
+
+    async def _close(self) -> None:
+        """hypercorn's ``TCPServer._close``, which lingers first if the client is still
+        sending a request body: a response that did not read it (a refusal, a 401) ended
+        the request. Closed with unread bytes in its buffer, the socket would send a reset,
+        and a client that writes its whole body before it reads (httpx does) would lose
+        the answer with it. So the connection's writing side is shut (the client sees the
+        answer end), and :meth:`_read_data` drops what comes, until the client stops or
+        ``linger_timeout`` has passed; then the connection closes, here again."""
+        http11 = self._http11()
+        if (self._linger_until is None and http11 is not None
+                and http11.connection.their_state is h11.SEND_BODY):  # fmt: skip
+            self._linger_until = trio.current_time() + self.config.linger_timeout
+            if self._read_scope is not None:
+                self._read_scope.deadline = min(self._read_scope.deadline, self._linger_until)
+            stream: HttpStream = self.stream
+            if isinstance(stream, trio.SocketStream):  # TLS cannot half-close
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_eof()
+            return
+        await super()._close()
 
     def _http11(self) -> HeadWithBodyH11Protocol | None:
         """The connection's HTTP/1.1 protocol, unless it went h2c or websocket."""

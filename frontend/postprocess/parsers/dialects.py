@@ -13,8 +13,10 @@ Every format is the same shape, so one state machine (:mod:`.stream`) parses the
       </｜DSML｜invoke>
       </｜DSML｜tool_calls>
 
-  with the block's spelling variants seen in production (``toolcalls``, ``tool``) and a
-  parameter whose ``string`` attribute is missing (typed by the tool's schema then).
+  with what models write in production besides: the block's spelling variants
+  (``toolcalls``, ``tool``), an invoke without its block, an invoke tag spaced
+  differently (``<｜DSML｜invoke  name="f" >``), and a parameter whose ``string``
+  attribute is missing or wrong (the tool's schema types it: :mod:`.arguments`).
 - DeepSeek-V3.2's DSML (``deepseek_v32``): the same, in a ``function_calls`` block.
 - DeepSeek-V3.1's (``deepseek_v31``)::
 
@@ -25,7 +27,9 @@ Every format is the same shape, so one state machine (:mod:`.stream`) parses the
   {...}}</tool_call>``, with no block and the name inside the JSON body.
 
 A body becomes ``(name, arguments JSON)`` through the dialect's ``read``; None means the
-body is not a call (then its text is kept as content: the model's words are never lost).
+body is not a call. A hermes body is then kept as content (the model's JSON, its words not
+lost); a DSML or V3.1 one is markup (an invoke without a name), dropped. Markup never
+reaches the content, and neither does a stray closer met outside a call.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from frontend.postprocess.parsers.arguments import param_types, type_value
 
 #: A tool's parameter schemas by tool name: ``{"get_weather": {"city": {...}, ...}}``.
 Schemas = Mapping[str, Mapping[str, Any]]
@@ -57,21 +63,23 @@ class Dialect:
     block_ends: tuple[str, ...] = ()
     # Markers that end an open call too (a model that forgot the call's own end).
     call_ends_also: tuple[str, ...] = ()
+    # A call start outside a block opens a call too (a model that left the block out).
+    bare_calls: bool = False
+    # Markers that mean nothing outside a call (a stray closer): dropped there, as markup.
+    strays: tuple[str, ...] = ()
+    # A body that reads as no call is the model's text (hermes' JSON): it becomes content.
+    # Otherwise it is markup (DSML's parameters), and dropped.
+    body_is_text: bool = False
 
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def schema_type(schemas: Schemas, tool: str, param: str) -> Any:
-    """The JSON-schema ``type`` of *tool*'s parameter *param*, or None if unknown."""
-    spec = schemas.get(tool, {}).get(param)
-    return spec.get("type") if isinstance(spec, Mapping) else None
-
-
 # -- DSML --------------------------------------------------------------------------------
 
 _DSML = "｜DSML｜"
+_INVOKE_NAME = re.compile(r'\bname\s*=\s*(?:"([^"]*)"|([^\s"]+))')
 _PARAM = re.compile(
     rf'<{_DSML}parameter\s+name="([^"]+)"(?:\s+string="([^"]*)")?\s*>'
     rf"(.*?)(?:</{_DSML}parameter>|(?=<{_DSML}parameter\s+name=)|\Z)",
@@ -79,16 +87,8 @@ _PARAM = re.compile(
 )
 
 
-def _dsml_value(raw: str, string: str | None, declared: Any) -> Any:
-    """A parameter's value: as written when ``string="true"``; JSON when ``"false"``
-    (the text itself if it is not JSON); with the attribute missing, the tool's schema
-    decides (a string parameter as written, any other as JSON when it parses)."""
-    if string == "true" or (string is None and declared == "string"):
-        return raw
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
+def _string_hint(attribute: str | None) -> bool | None:
+    return None if attribute is None else attribute.strip().lower() == "true"
 
 
 def _unwrap(args: dict[str, Any], properties: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,14 +108,20 @@ def _unwrap(args: dict[str, Any], properties: Mapping[str, Any]) -> dict[str, An
     return args
 
 
-def read_dsml(name: str, body: str, schemas: Schemas) -> tuple[str, str] | None:
+def read_dsml(head: str, body: str, schemas: Schemas) -> tuple[str, str] | None:
+    """*head*: the invoke tag's attributes (`` name="get_weather"``), read leniently, as
+    models space them; *body*: its parameters, typed by the tool's schema
+    (:func:`~.arguments.type_value`)."""
+    found = _INVOKE_NAME.search(head)
+    name = (found.group(1) if found.group(1) is not None else found.group(2)) if found else ""
     name = name.strip()
     if not name:
         return None
+    params = schemas.get(name, {})
     args: dict[str, Any] = {}
     for m in _PARAM.finditer(body):
         param, string, raw = m.group(1), m.group(2), m.group(3)
-        args[param] = _dsml_value(raw, string, schema_type(schemas, name, param))
+        args[param] = type_value(raw, _string_hint(string), param_types(params.get(param)))
     if properties := schemas.get(name):
         args = _unwrap(args, properties)
     return name, _dumps(args)
@@ -125,10 +131,18 @@ DEEPSEEK_V4 = Dialect(
     name="deepseek_v4",
     block_starts=(f"<{_DSML}tool_calls>", f"<{_DSML}toolcalls>", f"<{_DSML}tool>"),
     block_ends=(f"</{_DSML}tool_calls>", f"</{_DSML}toolcalls>", f"</{_DSML}tool>"),
-    call_start=f'<{_DSML}invoke name="',
-    name_end='">',
+    call_start=f"<{_DSML}invoke",
+    name_end=">",
     call_end=f"</{_DSML}invoke>",
     call_ends_also=(f"</{_DSML}tool_calls>",),
+    bare_calls=True,
+    strays=(
+        f"</{_DSML}tool_calls>",
+        f"</{_DSML}toolcalls>",
+        f"</{_DSML}tool>",
+        f"</{_DSML}invoke>",
+        f"</{_DSML}parameter>",
+    ),
     read=read_dsml,
 )
 
@@ -136,10 +150,12 @@ DEEPSEEK_V32 = Dialect(
     name="deepseek_v32",
     block_starts=(f"<{_DSML}function_calls>",),
     block_ends=(f"</{_DSML}function_calls>",),
-    call_start=f'<{_DSML}invoke name="',
-    name_end='">',
+    call_start=f"<{_DSML}invoke",
+    name_end=">",
     call_end=f"</{_DSML}invoke>",
     call_ends_also=(f"</{_DSML}function_calls>",),
+    bare_calls=True,
+    strays=(f"</{_DSML}function_calls>", f"</{_DSML}invoke>", f"</{_DSML}parameter>"),
     read=read_dsml,
 )
 
@@ -159,14 +175,16 @@ def _typed_json(name: str, args: Any) -> tuple[str, str] | None:
 
 
 def read_v31(name: str, body: str, schemas: Schemas) -> tuple[str, str] | None:
+    """A named call is a call: arguments that are not a JSON object are passed on as
+    written (OpenAI's arguments are not guaranteed JSON either)."""
     name = name.strip()
     if not name:
         return None
     try:
         args = json.loads(body)
     except ValueError:
-        return None
-    return _typed_json(name, args)
+        return name, body.strip()
+    return _typed_json(name, args) or (name, body.strip())
 
 
 def read_hermes(_: str, body: str, schemas: Schemas) -> tuple[str, str] | None:
@@ -187,6 +205,7 @@ DEEPSEEK_V31 = Dialect(
     name_end="<｜tool▁sep｜>",
     call_end="<｜tool▁call▁end｜>",
     call_ends_also=("<｜tool▁calls▁end｜>",),
+    strays=("<｜tool▁calls▁end｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"),
     read=read_v31,
 )
 
@@ -194,6 +213,8 @@ HERMES = Dialect(
     name="hermes",
     call_start="<tool_call>",
     call_end="</tool_call>",
+    strays=("</tool_call>",),
+    body_is_text=True,
     read=read_hermes,
 )
 

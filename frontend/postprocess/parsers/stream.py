@@ -75,8 +75,8 @@ class StreamParser(AnswerParser):
         self._held = ""  # a possible marker's start, from the previous piece
         self._name: list[str] = []  # the open call's name and body, as they arrive
         self._body: list[str] = []
-        self._raw: list[str] = []  # the open call's text as written, if it is no call
         self._calls = 0
+        self._in_block = False  # the open call was opened inside a block
         # Whitespace held back: the reasoning's trailing run (dropped where the reasoning
         # ends, as vLLM strips it), and a content that is so far only whitespace (dropped
         # if calls follow: the "\n\n" before a block is not an answer).
@@ -93,7 +93,8 @@ class StreamParser(AnswerParser):
         d, think = self._dialect, self._reasoning
         starts: tuple[str, ...] = ()
         if d is not None:
-            starts = d.block_starts or (d.call_start,)
+            bare = (d.call_start,) if d.bare_calls or not d.block_starts else ()
+            starts = (*d.block_starts, *bare, *d.strays)
         if state is State.CONTENT or state is State.AFTER:
             return ((THINK_START, THINK_END) if think else ()) + starts
         if state is State.REASONING:
@@ -148,7 +149,6 @@ class StreamParser(AnswerParser):
         if self._state in (State.NAME, State.BODY):
             self._name.clear()
             self._body.clear()
-            self._raw.clear()
             self._state = State.AFTER
         return out.delta()
 
@@ -168,10 +168,8 @@ class StreamParser(AnswerParser):
                 out.reasoning.append(kept)
         elif state is State.NAME:
             self._name.append(text)
-            self._raw.append(text)
         elif state is State.BODY:
             self._body.append(text)
-            self._raw.append(text)
         elif state is State.AFTER:
             text = text.lstrip()
             if text:
@@ -191,6 +189,8 @@ class StreamParser(AnswerParser):
 
     def _marker(self, marker: str, out: _Out) -> None:
         state, d = self._state, self._dialect
+        if d is not None and marker in d.strays and state in _OUTSIDE_CALLS:
+            return  # a stray closer: markup, dropped
         if state is State.REASONING and marker != THINK_START:
             self._reasoning_ws = ""  # the reasoning ends here: its trailing run goes
         if marker == THINK_START:
@@ -205,7 +205,8 @@ class StreamParser(AnswerParser):
         if state in (State.CONTENT, State.REASONING, State.AFTER):
             if not self._content_started:
                 self._content_ws = ""  # only whitespace before calls: not an answer
-            if marker in d.block_starts:
+            self._in_block = marker in d.block_starts
+            if self._in_block:
                 self._state = State.BLOCK
             else:
                 self._open(marker)
@@ -215,36 +216,37 @@ class StreamParser(AnswerParser):
             else:
                 self._state = State.AFTER
         elif state is State.NAME:
-            self._raw.append(marker)
             self._state = State.BODY
         else:  # BODY: the call ends (its own end, or the block's)
             self._close(out)
-            in_block = bool(d.block_starts) and marker == d.call_end
+            in_block = self._in_block and marker == d.call_end
             self._state = State.BLOCK if in_block else State.AFTER
 
     def _open(self, marker: str) -> None:
         d = self._dialect
         assert d is not None
-        self._raw.append(marker)
         self._state = State.NAME if d.name_end else State.BODY
 
     def _close(self, out: _Out) -> None:
         d = self._dialect
         assert d is not None
         name, body = "".join(self._name), "".join(self._body)
-        raw = "".join(self._raw) + d.call_end
         self._name.clear()
         self._body.clear()
-        self._raw.clear()
         call = d.read(name, body, self._schemas)
         if call is None:
-            out.content.append(raw)  # not a call: the model's text, kept as it came
+            if d.body_is_text:  # not a call: the model's text, kept without the tags
+                self._content(body, out)
             return
         index = self._calls
         self._calls += 1
         call_id = "call_" + uuid.uuid4().hex[:24]
         out.calls.append(ToolCallDelta(index, id=call_id, name=call[0]))
         out.calls.append(ToolCallDelta(index, arguments=call[1]))
+
+
+#: The states outside a call, where a stray closer is dropped.
+_OUTSIDE_CALLS = frozenset({State.CONTENT, State.REASONING, State.AFTER})
 
 
 class _Out:
