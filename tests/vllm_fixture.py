@@ -6,8 +6,8 @@ that need it are skipped with the reason, except under CI (``CI=true``), where a
 missing vLLM is a failure, so a broken CI image cannot pass silently.
 
 Policy: three ``headwater worker --engine vllm`` processes, each starting its own
-vLLM (``--enforce-eager``) on free loopback ports: one aggregated, and a prefill +
-decode pair with NIXL (the decode without prefix caching, so its prompt tokens can
+vLLM (``--enforce-eager``) on free loopback ports: one aggregated (its vLLM logs every
+request's ``SamplingParams``), and a prefill + decode pair with NIXL (the decode without prefix caching, so its prompt tokens can
 only come from the transfer). They start in the background as soon as collection
 sees a test marked ``vllm`` (``conftest.py``), while the other tests run; those tests
 run last and wait for them, and they run niced, so the tests running meanwhile keep
