@@ -120,7 +120,16 @@ class FrontendConfig:
     mode: str = "disagg"  # "disagg": in-process prefill + decode pair; "agg": one worker
     workers: str | None = None  # static remote workers: "tcp://host:port?role=...,..."
     discovery: str | None = None  # "etcd://127.0.0.1:2379": find workers there
-    router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c"
+    router: str = "round-robin"  # "round-robin" | "random" | "least-loaded" | "p2c" | "kv"
+    # --router kv (frontend/router/kv_routing.py; docs/routing.md): the engines' block
+    # size (tokens), the weight of uncached prefill blocks against blocks in flight, the
+    # softmax temperature (0: lowest cost), the workers' KV events or approximate mode,
+    # and how long approximate mode remembers a routed prefix (seconds).
+    kv_block_size: int = 64
+    kv_prefill_load_scale: float = 1.0
+    kv_temperature: float = 0.0
+    kv_events: str = "on"  # "on" | "off"
+    kv_approx_ttl: float = 120.0
     ack_timeout: float = 5.0  # seconds a worker has to ACK a request (as Dynamo)
     # Mutual TLS to remote workers (headwater/plane/tls.py): this frontend's certificate
     # and key, and the CA the workers' certificates must chain to (their advertised
@@ -160,6 +169,9 @@ class FrontendConfig:
     # detector and the dashboard); off in production, where that route is a 404.
     debug_endpoints: bool = False
     log_level: str = "info"
+    log_format: str = "text"  # "text" or "json" (headwater/logs.py)
+    # OTLP/HTTP collector to send traces to (``http://host:4318``); "" = tracing off.
+    otlp_endpoint: str = ""
 
     @property
     def plane_tls(self) -> TlsConfig | None:

@@ -55,6 +55,8 @@ from frontend.preprocess.structured import ConstraintError, structured_output
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
+from headwater.logs import current_request
+from headwater.tracing import Span, current_trace, tracer
 from headwater.wire import GenerateRequest, SamplingParams, StructuredOutput
 from headwater.wire.tokens import token_array
 
@@ -197,19 +199,24 @@ class Pipeline:
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
+        root = current_trace().span
         try:
-            if parsed.endpoint == "chat":
-                text_or_ids = await self._render(parsed)
-            else:
-                text_or_ids = completion_prompt(parsed.prompt)
-                if parsed.suffix is not None:
-                    text_or_ids = fill_in_middle(text_or_ids, parsed.suffix, self.tokenizer)
+            with tracer().span("preprocess.template", parent=root):
+                if parsed.endpoint == "chat":
+                    text_or_ids = await self._render(parsed)
+                else:
+                    text_or_ids = completion_prompt(parsed.prompt)
+                    if parsed.suffix is not None:
+                        text_or_ids = fill_in_middle(text_or_ids, parsed.suffix, self.tokenizer)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param=param) from exc
         t1 = time.perf_counter()
         self.metrics.template_seconds.observe(t1 - t0)
         if isinstance(text_or_ids, str):
-            prompt_ids = await self.pool.encode(text_or_ids)
+            with tracer().span("preprocess.tokenize", parent=root) as span:
+                prompt_ids = await self.pool.encode(text_or_ids)
+                span.set_many({"headwater.prompt_chars": len(text_or_ids),
+                               "gen_ai.usage.input_tokens": len(prompt_ids)})  # fmt: skip
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
@@ -217,7 +224,7 @@ class Pipeline:
                             and text_or_ids.rstrip().endswith(THINK_OPEN))  # fmt: skip
         structured = self._structured(parsed, reasoning_forced)
         return Prepared(
-            request_id=uuid.uuid4().hex,
+            request_id=plane_request_id(),
             parsed=parsed,
             prompt_ids=prompt_ids,
             sampling=self._sampling(parsed.sampling, len(prompt_ids), param, structured),
@@ -238,7 +245,7 @@ class Pipeline:
         check_honoured(request.needs, self.router, self.model_name, "none")
         prompt_ids = self._token_ids(request.token_ids, "token_ids")
         return Prepared(
-            request_id=uuid.uuid4().hex,
+            request_id=plane_request_id(),
             parsed=request,
             prompt_ids=prompt_ids,
             sampling=self._sampling(request.sampling, len(prompt_ids), "token_ids"),
@@ -383,6 +390,13 @@ class Pipeline:
                 cached = max(cached, chunk.cached_tokens)
                 if chunk.finish_reason is not None:
                     reason = chunk.finish_reason.value
+                    current_trace().span.set_many({
+                        "gen_ai.request.model": self.model_name,
+                        "gen_ai.usage.input_tokens": len(prep.prompt_ids),
+                        "gen_ai.usage.output_tokens": generated,
+                        "headwater.cached_tokens": cached,
+                        "gen_ai.response.finish_reasons": reason,
+                    })  # fmt: skip
                     yield TokenDelta(chunk.token_ids, generated, reason, cached)
                     return
                 if chunk.token_ids:
@@ -401,7 +415,7 @@ class Pipeline:
             special_ids=self.tokenizer.special_ids,
         )
         parse = _ParseStage(self._parser(prep), single=not prep.parsed.parallel_tool_calls)
-        async with aclosing(self.tokens(prep)) as steps:
+        async with aclosing(_postprocess_span(self.tokens(prep))) as steps:
             async for step in steps:
                 delta = post.step(step.token_ids)
                 if delta.stopped:
@@ -476,6 +490,39 @@ class _ParseStage:
         reasoning = (head.reasoning if head else "") + tail.reasoning
         calls = self._calls((head.tool_calls if head else ()) + tail.tool_calls)
         return Delta(content, tokens, reason, cached, reasoning, calls)
+
+
+def plane_request_id() -> str:
+    """A request's id on the request plane: the HTTP request's id (the client's
+    ``X-Request-Id``, or generated) and 8 random hex digits, since two requests may
+    bring the same id and the plane's must be unique; fully random outside one."""
+    ctx = current_request()
+    suffix = uuid.uuid4().hex
+    return f"{ctx.request_id}-{suffix[:8]}" if ctx is not None else suffix
+
+
+def _postprocess_span(
+    steps: AsyncGenerator[TokenDelta, None],
+) -> AsyncGenerator[TokenDelta, None]:
+    """*steps* itself when the request is not traced; else *steps* inside one
+    "postprocess" span, which sums the CPU seconds this thread spent between two steps:
+    the stages downstream of the plane (detokenize, parse, the response's formatting)."""
+    parent = current_trace().span
+    return _timed(steps, parent) if parent.recording else steps
+
+
+async def _timed(steps: AsyncGenerator[TokenDelta, None], parent: Span
+                 ) -> AsyncGenerator[TokenDelta, None]:  # fmt: skip
+    spent = 0.0
+    with tracer().span("postprocess", parent=parent) as span:
+        try:
+            async with aclosing(steps):
+                async for step in steps:
+                    t0 = time.thread_time()
+                    yield step
+                    spent += time.thread_time() - t0
+        finally:
+            span.set("headwater.postprocess.cpu_seconds", spent)
 
 
 def _approx_chars(messages: list[Any] | None) -> int:

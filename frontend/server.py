@@ -15,6 +15,8 @@ else is cancelled.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 
 import trio
@@ -28,6 +30,7 @@ from frontend.http.group import GroupRelay
 from frontend.http.middleware import MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes
 from frontend.http.observed import Observed
+from frontend.http.request_ids import RequestIds
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
 from frontend.metrics import FrontendMetrics
@@ -37,9 +40,11 @@ from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_tokenizer_files
 from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router, WorkerState
 from frontend.router.health import Transition
+from frontend.router.kv_routing import KvConfig
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 from headwater.procmem import trim_heap
+from headwater.tracing import TraceCollector, open_tracing
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +103,8 @@ class Frontend:
         self.metrics = FrontendMetrics()
         for reason in REFUSAL_REASONS:  # every series from 0
             self.metrics.rejected_requests_total.labels(reason)
+        for kind in ("new_request", "ongoing_request"):  # Dynamo's migration kinds
+            self.metrics.model_migration_total.labels(kind)
         self.router = Router(
             config.router,
             health=HealthConfig(
@@ -108,6 +115,13 @@ class Frontend:
             ),
             busy=BusyThresholds(kv_usage=config.busy_kv_usage, waiting=config.busy_waiting),
             on_transition=self._count_transition,
+            kv=KvConfig(
+                block_size=config.kv_block_size,
+                prefill_load_scale=config.kv_prefill_load_scale,
+                temperature=config.kv_temperature,
+                events=config.kv_events == "on",
+                approx_ttl=config.kv_approx_ttl,
+            ),
         )
         self.pipeline = Pipeline(
             model_name=config.model_name,
@@ -219,7 +233,7 @@ class Frontend:
                   ) -> None:
         """Serve until :attr:`shutdown` is set; reports the listening URLs."""
         cfg = self.config
-        async with trio.open_nursery() as nursery:
+        async with self._tracing(), trio.open_nursery() as nursery:
             # Warm-up first: its one-off initialisation costs (thread creation, the
             # encoder's lazy set-up) are not stalls of the serving loop.
             warm = await self.pool.warm_up()
@@ -246,7 +260,10 @@ class Frontend:
                 admitted, keys, metrics=self.metrics,
                 metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
             )  # fmt: skip
-            app = MarkActivity(ShieldFinalSend(keyed, deadline=cfg.write_timeout), self.activity)
+            app = RequestIds(
+                MarkActivity(ShieldFinalSend(keyed, deadline=cfg.write_timeout), self.activity),
+                traced_paths=GENERATION_PATHS, max_body_bytes=cfg.max_body_bytes,
+            )  # fmt: skip
             if (warning := exposure_warning(cfg.host, keys)) is not None:
                 log.warning("%s", warning)
             async with trio.open_nursery() as http:
@@ -258,6 +275,24 @@ class Frontend:
             # serve() returned: the drain ended and what was left had its
             # graceful_timeout. Now stop the workers and the monitor.
             nursery.cancel_scope.cancel()
+
+    @asynccontextmanager
+    async def _tracing(self) -> AsyncIterator[None]:
+        """Tracing on for the block when ``otlp_endpoint`` is set (its counters in
+        /metrics), else nothing."""
+        if not self.config.otlp_endpoint:
+            yield
+            return
+        async with open_tracing(
+            self.config.otlp_endpoint, "headwater-frontend",
+            attributes={"headwater.model": self.config.model_name},
+        ) as statistics:  # fmt: skip
+            collector = TraceCollector("headwater_frontend_", statistics)
+            self.metrics.registry.register(collector)
+            try:
+                yield
+            finally:
+                self.metrics.registry.unregister(collector)
 
     async def _drain(self) -> None:
         """The HTTP server's shutdown trigger: once :meth:`stop` is called, refuse new

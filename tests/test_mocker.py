@@ -785,7 +785,7 @@ async def test_engines_never_write_into_the_request_token_array(autojump_clock: 
 async def test_decode_engine_registers_the_prompt_hashes_the_prefill_engine_carried(
     autojump_clock: object,
 ) -> None:
-    cfg = MockerConfig(kv_transfer_bandwidth=1e6)
+    cfg = MockerConfig(kv_transfer_bandwidth=1e6, publish_kv_events=False)  # lazy hashing
     transfer = InProcessKvTransfer(bandwidth=cfg.kv_transfer_bandwidth)
     prefill = MockerEngine(cfg, Role.PREFILL, "prefill-0")
     transfer.register("prefill-0", prefill)

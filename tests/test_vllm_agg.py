@@ -9,6 +9,8 @@ Test policy: the session's vLLM workers (tests/vllm_fixture.py: loopback, free p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import pytest
 import trio
@@ -194,3 +196,27 @@ async def test_in_process_workers_of_headwater_serve(vllm_cluster: VllmCluster) 
         })  # fmt: skip
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"] == shared_tokenizer().decode(want.token_ids)
+
+
+async def test_vllms_spans_join_the_requests_trace(
+    vllm_cluster: VllmCluster, nursery: trio.Nursery
+) -> None:
+    """The aggregated worker traces (``--otlp-endpoint``) and starts its vLLM with
+    ``--otlp-traces-endpoint``; a request that carries a traceparent gets the worker's
+    ``worker.request`` span and vLLM's own span in the same trace."""
+    agg = vllm_cluster.workers[Role.AGG]
+    client = await connect(agg.instance, nursery)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    traced = replace(request("traced-1", prompt(20, 77), 4),
+                     traceparent=f"00-{trace_id}-00f067aa0ba902b7-01")  # fmt: skip
+    await generate(client, traced)
+    with trio.fail_after(60):  # both export in batches (about every second or five)
+        while True:
+            spans = vllm_cluster.traces.in_trace(trace_id)
+            services = {service for service, *_ in spans}
+            if "vllm" in services and "headwater-worker" in services:
+                break
+            await trio.sleep(0.5)
+    worker_span = next(s for s in spans if s[1] == "worker.request")
+    assert worker_span[3] == "00f067aa0ba902b7"  # the frame's traceparent is its parent
+    assert any(s[0] == "vllm" and s[3] for s in spans)  # vLLM's span has a parent in it

@@ -7,13 +7,13 @@ missing vLLM is a failure, so a broken CI image cannot pass silently.
 
 Policy: three ``headwater worker --engine vllm`` processes, each starting its own
 vLLM (``--enforce-eager``) on free loopback ports: one aggregated (its vLLM logs every
-request's ``SamplingParams``), and a prefill + decode pair with NIXL (the decode without prefix caching, so its prompt tokens can
-only come from the transfer). They start in the background as soon as collection
-sees a test marked ``vllm`` (``conftest.py``), while the other tests run; those tests
-run last and wait for them, and they run niced, so the tests running meanwhile keep
-the cores they need. At most these three vLLM instances (~3.5 GB each) are
-alive at once; every process is stopped at the end of the session (its process
-group, and the vLLM group its log names).
+request's ``SamplingParams``), and a prefill + decode pair with NIXL (the decode without
+prefix caching, so its prompt tokens can only come from the transfer). They start in
+the background as soon as collection sees a test marked ``vllm`` (``conftest.py``),
+while the other tests run; those tests run last and wait for them, and they run niced,
+so the tests running meanwhile keep the cores they need. At most these three vLLM
+instances (~3.5 GB each) are alive at once; every process is stopped at the end of the
+session (its process group, and the vLLM group its log names).
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,11 +134,57 @@ class VllmWorker:
         return (self.stderr.parent / f"vllm-{self.role}.log").read_text(errors="replace")
 
 
+class TraceReceiver:
+    """An OTLP/HTTP traces receiver in a thread of its own (the vLLM workers start at
+    collection, before any trio run): what the aggregated worker and its vLLM export."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, str, str]] = []  # (service, name, trace, parent)
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+                    ExportTraceServiceRequest,
+                )
+
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                got = ExportTraceServiceRequest.FromString(body)
+                with receiver._lock:
+                    for rs in got.resource_spans:
+                        service = next((a.value.string_value for a in rs.resource.attributes
+                                        if a.key == "service.name"), "")  # fmt: skip
+                        for scope in rs.scope_spans:
+                            receiver.spans += [(service, s.name, s.trace_id.hex(),
+                                                s.parent_span_id.hex()) for s in scope.spans]
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, name="otlp", daemon=True).start()
+
+    def in_trace(self, trace_id: str) -> list[tuple[str, str, str, str]]:
+        with self._lock:
+            return [s for s in self.spans if s[2] == trace_id]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 class VllmCluster:
     """The session's three vLLM workers; see the module docstring."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
+        #: Where the aggregated worker and its vLLM send their spans.
+        self.traces = TraceReceiver()
         self.model = ensure_tiny_model()
         self.workers: dict[Role, VllmWorker] = {}
         self._ready = False
@@ -147,7 +196,8 @@ class VllmCluster:
         for role, extra in (
             # Its vLLM logs each request's SamplingParams: what vLLM received
             # (tests/test_vllm_fields.py reads it).
-            (Role.AGG, ("--vllm-args=--enable-log-requests",)),
+            (Role.AGG, (f"--otlp-endpoint={self.traces.url}",
+                        "--vllm-args=--enable-log-requests")),
             (Role.PREFILL, ()),
             (Role.DECODE, ("--vllm-args=--no-enable-prefix-caching",)),
         ):
@@ -216,6 +266,7 @@ class VllmCluster:
             worker.refresh()
             for pid in worker.vllm_pids:
                 _signal_group(pid, signal.SIGKILL)
+        self.traces.close()
 
 
 def _signal_group(pgid: int, signum: int) -> None:

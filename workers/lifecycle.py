@@ -31,6 +31,7 @@ from headwater.plane.connection import PlaneConfig
 from headwater.plane.kv import KvPeers, KvSource, TcpKvTransfer, open_kv_transfer
 from headwater.plane.server import PlaneServer, ServerConfig, check_bind
 from headwater.plane.tls import TlsConfig, check_certificate
+from headwater.tracing import open_tracing
 from headwater.wire import Role
 from headwater.wire.addresses import format_tcp_address, is_loopback
 from headwater.wire.capabilities import Capabilities
@@ -87,6 +88,8 @@ class WorkerConfig:
     #: pull KV from, besides those registered in etcd (``discovery``); with neither, a
     #: worker listening on loopback pulls from loopback ones. Any other is refused.
     kv_peers: tuple[str, ...] = ()
+    #: OTLP/HTTP collector to send this worker's traces to; "" = tracing off.
+    otlp_endpoint: str = ""
     #: How to authenticate to etcd (user and password, TLS); None: etcd is open.
     etcd: EtcdCredentials | None = field(default=None, repr=False)
     plane: PlaneConfig = field(default_factory=PlaneConfig)
@@ -162,9 +165,9 @@ async def serve_worker(
     bound_port = listeners[0].socket.getsockname()[1]
     address = format_tcp_address(advertised, bound_port)
     try:
-        async with _open_engine(config, address) as (engine, kv_transfer), open_runtime(
-            engine, config.worker_id
-        ) as runtime:
+        async with _tracing(config), _open_engine(config, address) as (
+            engine, kv_transfer
+        ), open_runtime(engine, config.worker_id) as runtime:
             await _serve(
                 config, address, listeners, runtime, kv_transfer,
                 shutdown_trigger, on_ready, on_stop, task_status,
@@ -172,6 +175,19 @@ async def serve_worker(
     finally:
         for listener in listeners:  # serve_listeners closes them too; twice is fine
             await trio.aclose_forcefully(listener)
+
+
+@asynccontextmanager
+async def _tracing(config: WorkerConfig) -> AsyncIterator[None]:
+    """This worker's traces to ``otlp_endpoint`` for the block, if set."""
+    if not config.otlp_endpoint:
+        yield
+        return
+    async with open_tracing(
+        config.otlp_endpoint, "headwater-worker",
+        attributes={"headwater.worker.id": config.worker_id, "headwater.role": str(config.role)},
+    ):  # fmt: skip
+        yield
 
 
 @asynccontextmanager
@@ -203,7 +219,8 @@ async def _open_engine(
 
 
 def _build(config: WorkerConfig, address: str, kv_transfer: TcpKvTransfer | None) -> Engine:
-    context = EngineContext(config.role, config.worker_id, kv_transfer, address)
+    context = EngineContext(config.role, config.worker_id, kv_transfer, address,
+                            otlp_endpoint=config.otlp_endpoint)  # fmt: skip
     return registry.build(config.engine, config.engine_config, context)
 
 

@@ -35,6 +35,7 @@ from headwater.instrumentation import WORKER_PREFIX, LoopMonitor
 from headwater.instrumentation.exposition import TextExposition
 from headwater.instrumentation.plain_http import answer_one
 from headwater.instrumentation.runtime import runtime_snapshot
+from headwater.tracing import TraceCollector, process_trace_statistics
 from headwater.wire import Role
 from workers.runtime.runtime import WorkerRuntime
 
@@ -135,6 +136,8 @@ async def serve_worker_metrics(
     """
     registry = CollectorRegistry()
     registry.register(WorkerCollector(worker))
+    if (traced := process_trace_statistics()) is not None:
+        registry.register(TraceCollector(WORKER_PREFIX, traced))
     listeners = await trio.open_tcp_listeners(port, host=host)  # OSError before any task
     bound = listeners[0].socket.getsockname()[1]
     try:

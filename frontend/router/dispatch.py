@@ -53,8 +53,10 @@ from typing import TYPE_CHECKING
 import trio
 
 from frontend.errors import InvalidRequest, NoCapacity, NoWorkers, WorkerFailed
-from frontend.router.router import Router
+from frontend.router.kv_index import prompt_hashes
+from frontend.router.router import Policy, Prompt, Router
 from headwater.plane import CannotConnect, Disconnected, WorkerClient, WorkerError
+from headwater.tracing import NULL_SPAN, Span, SpanKind, current_trace, tracer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
 from headwater.wire.tokens import token_array
 
@@ -64,6 +66,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _BUSY_RECHECK_S = 0.1  # how often a queued request looks at the workers' reported load
+#: Prompts at least this long are hashed for ``--router kv`` in a thread (~0.3 ms of
+#: hashing at 64 tokens a block); shorter ones inline, cheaper than the thread hop.
+_HASH_INLINE_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,12 @@ class _Attempts:
     delivered: int = 0
     #: The worker whose stream the current leg relays.
     serving: WorkerClient | None = None
+    #: The request's "dispatch" span: each leg's is its child.
+    span: Span = NULL_SPAN
+    #: The prompt as ``--router kv`` weighs it (None under the other policies).
+    prompt: Prompt | None = None
+    #: Prompt tokens the current attempt's prefill worker found cached.
+    prefill_cached: int = 0
 
     def failed(self) -> frozenset[str]:
         """Every worker that failed this request (to reach one that has not)."""
@@ -153,30 +164,48 @@ class Dispatcher:
         """
         generated = token_array()
         state = _Attempts()
-        while True:
-            attempt = self._continuation(request, generated, state.migrations)
-            try:
-                async with aclosing(self._attempt(attempt, state)) as chunks:
-                    async for chunk in chunks:
-                        generated.extend(chunk.token_ids)
-                        state.delivered = len(generated)
-                        yield chunk
-                return
-            except _Migrate as exc:
-                if state.migrations >= self.config.migration_limit:
-                    raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
-                if generated and request.sampling.structured is not None:
-                    # The constraint's grammar would start over on the tokens so far, as
-                    # if they were prompt: the answer would no longer be what it asked.
-                    raise WorkerFailed(f"the worker's stream broke ({exc}), and a "
-                                       "constrained answer cannot continue elsewhere") from exc
-                state.migrations += 1
-                if self.metrics is not None:
+        if self.router.policy is Policy.KV:
+            state.prompt = await self._prompt(request)
+        with tracer().span("dispatch", parent=current_trace().span) as state.span:
+            while True:
+                attempt = self._continuation(request, generated, state.migrations)
+                try:
+                    async with aclosing(self._attempt(attempt, state)) as chunks:
+                        async for chunk in chunks:
+                            generated.extend(chunk.token_ids)
+                            state.delivered = len(generated)
+                            yield chunk
+                    return
+                except _Migrate as exc:
+                    if state.migrations >= self.config.migration_limit:
+                        raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
+                    if generated and request.sampling.structured is not None:
+                        # The constraint's grammar would start over on the tokens so far,
+                        # as if they were prompt: the answer would no longer be what it asked.
+                        raise WorkerFailed(f"the worker's stream broke ({exc}), and a "
+                                           "constrained answer cannot continue elsewhere"
+                                           ) from exc  # fmt: skip
+                    state.migrations += 1
                     # As Dynamo counts them: before any token reached the caller, or after.
                     kind = "ongoing_request" if generated else "new_request"
-                    self.metrics.model_migration_total.labels(kind).inc()
-                log.warning("request %s: %s; migrating with %d tokens",
-                            request.request_id, exc, len(generated))  # fmt: skip
+                    if self.metrics is not None:
+                        self.metrics.model_migration_total.labels(kind).inc()
+                    state.span.event("migration", {
+                        "headwater.migration": state.migrations, "headwater.migration.kind": kind,
+                        "headwater.tokens_delivered": len(generated), "reason": str(exc),
+                    })  # fmt: skip
+                    log.warning("request %s: %s; migrating with %d tokens",
+                                request.request_id, exc, len(generated))  # fmt: skip
+
+    async def _prompt(self, request: GenerateRequest) -> Prompt:
+        """The request's block hashes for ``--router kv``: in a thread for a long
+        prompt (~0.5 µs per block; docs/routing.md), so the loop stays free."""
+        tokens, size = request.token_ids, self.router.kv.block_size
+        if len(tokens) >= _HASH_INLINE_MAX_TOKENS:
+            hashes = await trio.to_thread.run_sync(prompt_hashes, tokens, size)
+        else:
+            hashes = prompt_hashes(tokens, size)
+        return Prompt(len(tokens), hashes)
 
     @staticmethod
     def _continuation(
@@ -232,9 +261,16 @@ class Dispatcher:
                 # An aggregated worker, unless the only ones left broke this request and
                 # a decode worker that did not is there to prefill it locally.
                 role = Role.AGG
+            state.prefill_cached = state.prefill_cached if held is not None else 0
+            cap = len(request.token_ids)
             async with aclosing(self._leg(role, request, state)) as chunks:
                 async for chunk in chunks:
                     held = None  # a decode worker's first chunk comes after its pull
+                    if state.prefill_cached:
+                        # The prompt tokens the prefill worker did not compute, plus any
+                        # the decode worker found cached past what it pulled.
+                        cached = min(cap, state.prefill_cached + chunk.cached_tokens)
+                        chunk = replace(chunk, cached_tokens=cached)
                     yield chunk
         finally:
             if held is not None:
@@ -245,9 +281,11 @@ class Dispatcher:
 
     async def _prefill(self, request: GenerateRequest, state: _Attempts) -> _HeldKv:
         held = None
+        state.prefill_cached = 0
         try:
             async with aclosing(self._leg(Role.PREFILL, request, state)) as chunks:
                 async for chunk in chunks:
+                    state.prefill_cached = max(state.prefill_cached, chunk.cached_tokens)
                     if chunk.kv_handle is not None and state.serving is not None:
                         held = _HeldKv(state.serving, chunk.kv_handle)
         except BaseException:
@@ -277,42 +315,58 @@ class Dispatcher:
             # success is booked in `finally`, from what was seen, not after the loop.
             finished = False
             relayed = False  # a chunk of this leg reached the caller
-            try:
-                with self.router.track(client):
-                    state.serving = client
-                    async with client.stream(leg) as replies:
-                        async for chunk in replies:
-                            finished = chunk.finish_reason is not None
-                            relayed = True
-                            yield chunk
-                finished = True  # End received (a prefill leg has no finish reason)
-                return
-            except CannotConnect as exc:
-                if exc.excused:
-                    # Our own loop stalled through the ACK window: not the worker's
-                    # fault (headwater.instrumentation.attribution). Try again.
-                    log.warning("worker %s: ACK missed while this loop was stalled; "
-                                "not counted against it", wid)  # fmt: skip
-                else:
-                    state.refused.add(wid)
-                    self.router.report_failure(client, exc)
-                    log.warning("worker %s unreachable: %s", wid, exc)
-                if tried >= self.config.route_attempts:
-                    raise NoCapacity("no worker could take the request") from exc
-            except Disconnected as exc:
-                state.broke.add(wid)
-                self.router.report_failure(client, exc)
-                raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
-            except WorkerError as exc:
-                if relayed and exc.retryable:
-                    # Failed mid-stream (its engine went down): the tokens so far
-                    # stand, the rest comes from elsewhere, as after a broken stream.
+            t = tracer()
+            attributes = {
+                "headwater.worker.id": wid, "headwater.plane.request_id": leg.request_id,
+                "headwater.router.policy": self.router.policy.value,
+                "headwater.attempt": tried, "headwater.migration": state.migrations,
+            } if t.enabled else None  # fmt: skip
+            with t.span(f"leg {role.value}", parent=state.span, kind=SpanKind.CLIENT,
+                        attributes=attributes) as span:  # fmt: skip
+                if span.recording:  # the worker's spans become this leg's children
+                    leg = replace(leg, traceparent=span.traceparent, tracestate=span.tracestate)
+                blocks = 0
+                if state.prompt is not None:
+                    blocks = -(-state.prompt.num_tokens // self.router.kv.block_size)
+                try:
+                    with self.router.track(client, blocks):
+                        state.serving = client
+                        async with client.stream(leg) as replies:
+                            span.event("ack")
+                            async for chunk in replies:
+                                finished = chunk.finish_reason is not None
+                                relayed = True
+                                yield chunk
+                    finished = True  # End received (a prefill leg has no finish reason)
+                    return
+                except CannotConnect as exc:
+                    span.fail(f"no ACK: {exc}")
+                    if exc.excused:
+                        # Our own loop stalled through the ACK window: not the worker's
+                        # fault (headwater.instrumentation.attribution). Try again.
+                        log.warning("worker %s: ACK missed while this loop was stalled; "
+                                    "not counted against it", wid)  # fmt: skip
+                    else:
+                        state.refused.add(wid)
+                        self.router.report_failure(client, exc)
+                        log.warning("worker %s unreachable: %s", wid, exc)
+                    if tried >= self.config.route_attempts:
+                        raise NoCapacity("no worker could take the request") from exc
+                except Disconnected as exc:
                     state.broke.add(wid)
-                    raise _Migrate(f"{role.value} worker {wid}: {exc.message}") from exc
-                self._refused(role, client, exc, state, tried)
-            finally:
-                if finished:
-                    self.router.report_success(client)
+                    self.router.report_failure(client, exc)
+                    raise _Migrate(f"{role.value} worker {wid}: {exc}") from exc
+                except WorkerError as exc:
+                    if relayed and exc.retryable:
+                        # Failed mid-stream (its engine went down): the tokens so far
+                        # stand, the rest comes from elsewhere, as after a broken stream.
+                        state.broke.add(wid)
+                        raise _Migrate(f"{role.value} worker {wid}: {exc.message}") from exc
+                    span.fail(f"refused: {exc.code.value}")
+                    self._refused(role, client, exc, state, tried)
+                finally:
+                    if finished:
+                        self.router.report_success(client)
 
     def _refused(
         self, role: Role, client: WorkerClient, exc: WorkerError, state: _Attempts, tried: int
@@ -368,4 +422,5 @@ class Dispatcher:
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
         """A worker of *role* for this request (see :meth:`_Attempts.excluded`); raises
         NoWorkers."""
-        return self.router.pick(role, self.model, state.excluded(self.router, role, self.model))
+        exclude = state.excluded(self.router, role, self.model)
+        return self.router.pick(role, self.model, exclude, state.prompt)

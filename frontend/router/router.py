@@ -7,7 +7,9 @@ per role with one of four policies:
 * ``round-robin`` — in turn;
 * ``random`` — uniformly;
 * ``least-loaded`` — fewest in-flight requests (ties in turn);
-* ``p2c`` — power of two choices: the less loaded of two random picks.
+* ``p2c`` — power of two choices: the less loaded of two random picks;
+* ``kv`` — where the prompt's prefix is cached, weighed against load
+  (:mod:`frontend.router.kv_routing`, docs/routing.md).
 
 Health is a circuit per worker (:mod:`frontend.router.health`): a worker that fails
 ``inhibit_after`` requests in a row is inhibited, probed after a backoff, and let back
@@ -30,7 +32,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,6 +41,8 @@ from trio_util import RepeatedEvent
 
 from frontend.errors import NoWorkers
 from frontend.router.health import Circuit, HealthConfig, Transition, WorkerState
+from frontend.router.kv_index import KvIndex
+from frontend.router.kv_routing import ApproxIndex, Candidate, KvConfig, KvSubscriber, choose
 from headwater.plane.base import PlaneError, WorkerClient
 from headwater.wire import Role
 from headwater.wire.capabilities import Capabilities
@@ -54,6 +58,28 @@ class Policy(enum.StrEnum):
     RANDOM = "random"
     LEAST_LOADED = "least-loaded"
     P2C = "p2c"
+    KV = "kv"
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What ``--router kv`` needs of a request: its length and its block hashes
+    (``frontend.router.kv_index.prompt_hashes``)."""
+
+    num_tokens: int
+    hashes: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class KvStats:
+    """``--router kv``'s counters."""
+
+    routed: int  # requests routed by cached overlap
+    overlap_blocks: int  # their leading blocks found cached on the chosen worker, summed
+    prefill_tokens_saved: int  # overlap_blocks × block size
+    events: int  # KV events received
+    dumps: int  # full dumps requested
+    gaps: int  # gaps seen in a worker's event numbers
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +113,15 @@ class WorkerView:
     last_error: str | None
     #: Seconds until the next probe, while inhibited or probing; else 0.
     probe_in_s: float
+    #: Blocks of its prefix cache the router knows of (``--router kv``; else 0).
+    cached_blocks: int = 0
+    #: Where that knowledge comes from: "events", "approximate" or "" (not kv routing).
+    cache_view: str = ""
 
 
 class _Entry:
     __slots__ = (
+        "active_blocks",
         "circuit",
         "client",
         "draining",
@@ -105,6 +136,7 @@ class _Entry:
         self.client = client
         self.circuit = circuit
         self.inflight = 0
+        self.active_blocks = 0  # prompt blocks of its requests in flight from here
         self.served = 0
         self.last_error: str | None = None
         self.draining = False
@@ -127,8 +159,13 @@ class Router:
         busy: BusyThresholds | None = None,
         on_transition: TransitionHook | None = None,
         rng: random.Random | None = None,
+        kv: KvConfig | None = None,
     ) -> None:
         self.policy = Policy(policy)
+        self.kv = kv or KvConfig()
+        self.kv_index = KvIndex(self.kv.block_size)
+        self.kv_approx = ApproxIndex(self.kv.approx_ttl)
+        self._kv_routed = self._kv_overlap = 0
         self.health = health or HealthConfig()
         self.busy = busy or BusyThresholds()
         self.on_transition = on_transition
@@ -140,6 +177,9 @@ class Router:
         #: Set whenever the set of workers, their routability or their load changes;
         #: ``await router.changed.wait()`` returns at the next change.
         self.changed = RepeatedEvent()
+        self.kv_subscriber = KvSubscriber(
+            self.kv_index, self.kv, self.clients, self.changed.wait
+        )
 
     # -- membership (discovery's side) ------------------------------------------
 
@@ -152,6 +192,7 @@ class Router:
     def remove(self, worker_id: str) -> WorkerClient | None:
         """Stop routing to *worker_id*; returns its client for the caller to close."""
         entry = self._entries.pop(worker_id, None)
+        self.kv_approx.remove_worker(worker_id)
         if entry is not None:
             self._transition(worker_id, Transition(entry.state, WorkerState.REMOVED, "removed"))
         self._notify()
@@ -179,9 +220,17 @@ class Router:
         (busy or not)."""
         return sum(1 for _ in self._candidates(role, model, exclude))
 
-    def pick(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> WorkerClient:
+    def pick(
+        self,
+        role: Role,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        prompt: Prompt | None = None,
+    ) -> WorkerClient:
         """Choose a worker for *role* serving *model*, skipping ids in *exclude*; a busy
         one only if every candidate is busy (:meth:`all_busy` tells the caller).
+        ``kv`` weighs *prompt*'s cached overlap for prefill and aggregated workers and
+        the load alone for decode workers (:mod:`frontend.router.kv_routing`).
 
         Raises :class:`NoWorkers` when none is routable.
         """
@@ -190,7 +239,9 @@ class Router:
             raise NoWorkers(f"no routable {role.value} worker for model {model!r}")
         free = [e for e in candidates if not self._busy(e)]
         candidates = free or candidates
-        if self.policy is Policy.RANDOM:
+        if self.policy is Policy.KV:
+            entry = self._pick_kv(candidates, role, prompt)
+        elif self.policy is Policy.RANDOM:
             entry = self._rng.choice(candidates)
         elif self.policy is Policy.LEAST_LOADED:
             low = min(e.inflight for e in candidates)
@@ -216,6 +267,41 @@ class Router:
             if client.instance.model == model and not client.capabilities.honours(feature):
                 return client.capabilities
         return None
+
+    def _pick_kv(self, candidates: list[_Entry], role: Role, prompt: Prompt | None) -> _Entry:
+        by_id = {e.client.instance.worker_id: e for e in candidates}
+        overlaps: dict[str, int] = {}
+        blocks = 0
+        if prompt is not None and role is not Role.DECODE:
+            blocks = -(-prompt.num_tokens // self.kv.block_size)
+            hashes = prompt.hashes
+            approx = self.kv_approx.overlaps(hashes)
+            exact = self.kv_index.overlaps(hashes) if self.kv.events else {}
+            for wid in by_id:
+                use_approx = not self.kv.events or wid in self.kv_subscriber.without_events
+                overlaps[wid] = (approx if use_approx else exact).get(wid, 0)
+        chosen = choose(
+            [Candidate(wid, overlaps.get(wid, 0), e.active_blocks) for wid, e in by_id.items()],
+            blocks,
+            self.kv,
+            self._rng,
+        )
+        if prompt is not None and role is not Role.DECODE:
+            self._kv_routed += 1
+            self._kv_overlap += chosen.overlap
+            self.kv_approx.record(chosen.worker_id, prompt.hashes)
+        return by_id[chosen.worker_id]
+
+    def kv_statistics(self) -> KvStats:
+        sub = self.kv_subscriber.stats
+        return KvStats(
+            routed=self._kv_routed,
+            overlap_blocks=self._kv_overlap,
+            prefill_tokens_saved=self._kv_overlap * self.kv.block_size,
+            events=sub.events,
+            dumps=sub.dumps,
+            gaps=sub.gaps,
+        )
 
     def all_busy(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> bool:
         """There are healthy workers of *role*, and every one of them is busy."""
@@ -246,17 +332,20 @@ class Router:
                 yield e
 
     @contextmanager
-    def track(self, client: WorkerClient) -> Iterator[None]:
-        """Count one in-flight request on *client* for the duration of the block."""
+    def track(self, client: WorkerClient, blocks: int = 0) -> Iterator[None]:
+        """Count one in-flight request on *client*, holding *blocks* KV blocks, for the
+        duration of the block."""
         entry = self._entries.get(client.instance.worker_id)
         if entry is None or entry.client is not client:
             yield
             return
         entry.inflight += 1
+        entry.active_blocks += blocks
         try:
             yield
         finally:
             entry.inflight -= 1
+            entry.active_blocks -= blocks
             if entry.inflight + 1 >= client.instance.capacity:
                 self._notify()  # it may no longer be busy: a waiting request can go
 
@@ -287,6 +376,8 @@ class Router:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Probe inhibited workers when their backoff is over, until cancelled."""
         async with trio.open_nursery() as nursery:
+            if self.policy is Policy.KV and self.kv.events:
+                await nursery.start(self.kv_subscriber.run)
             task_status.started()
             while True:
                 now = trio.current_time()
@@ -335,6 +426,18 @@ class Router:
         if self.on_transition is not None:
             self.on_transition(worker_id, change)
 
+    def _cache_view(self, worker_id: str) -> str:
+        if self.policy is not Policy.KV:
+            return ""
+        exact = self.kv.events and worker_id not in self.kv_subscriber.without_events
+        return "events" if exact else "approximate"
+
+    def _cached_blocks(self, worker_id: str) -> int:
+        view = self._cache_view(worker_id)
+        if view == "events":
+            return self.kv_index.blocks_of(worker_id)
+        return self.kv_approx.blocks_of(worker_id) if view else 0
+
     def views(self) -> list[WorkerView]:
         now = trio.current_time()
         return [
@@ -355,6 +458,8 @@ class Router:
                     max(0.0, e.circuit.probe_at - now)
                     if e.circuit.state is not WorkerState.HEALTHY else 0.0
                 ),
+                cached_blocks=self._cached_blocks(wid),
+                cache_view=self._cache_view(wid),
             )
             for wid, e in sorted(self._entries.items())
         ]

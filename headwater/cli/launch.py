@@ -48,6 +48,7 @@ from pathlib import Path
 import trio
 
 from headwater.cli.options import (
+    LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
     add_restart_options,
@@ -113,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_restart_options(parser, "the cluster")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="the launcher's log level")
+    a("--log-format", default="text", choices=LOG_FORMATS,
+      help="text lines, or one JSON object a line: the launcher's and every child's")
+    a("--otlp-endpoint", default="",
+      help="send every process's OpenTelemetry traces over OTLP/HTTP here (default: none)")
     a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
       help="options passed to headwater serve, after a -- separator")
     for name in registry.names():
@@ -153,6 +158,11 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
     engine_config = config_from_args(registry.config_type(args.engine), args)
     serve_args += _frontend_defaults(engine_config, serve_args)
+    # Every child logs and traces as the launcher was told to.
+    shared = [f"--log-format={args.log_format}"] if args.log_format != "text" else []
+    if args.otlp_endpoint:
+        shared.append(f"--otlp-endpoint={args.otlp_endpoint}")
+    serve_args += shared
     # A worker is up once its engine is: a model server's start-up counts.
     start_within = max(args.start_timeout, getattr(engine_config, "vllm_start_timeout", 0.0) + 30)
     return ClusterPlan(
@@ -167,7 +177,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         model=args.model_name,
         lease_ttl=args.lease_ttl,
         drain_timeout=args.drain_timeout,
-        worker_args=tuple(shlex.split(args.worker_args)),
+        worker_args=(*shlex.split(args.worker_args), *shared),
         worker_metrics=args.worker_metrics,
         serve_args=tuple(serve_args),
         workdir=Path(args.workdir) if args.workdir else None,
@@ -198,7 +208,7 @@ def _api_keys(argv: list[str]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a requested stop, 1 if anything failed, 2 on bad options."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     # API keys for the frontend, after --: hidden from this process's command line too.
     hide_in_cmdline(_api_keys(args.serve_args))
     try:

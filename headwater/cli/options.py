@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
-import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+# Re-exported: the subcommands take their logging from here.
+from headwater.logs import LOG_FORMATS as LOG_FORMATS
+from headwater.logs import configure_logging as configure_logging
 
 if TYPE_CHECKING:
     from headwater.cluster.supervisor import RestartPolicy
@@ -24,21 +26,6 @@ if TYPE_CHECKING:
 
 ENV_PREFIX = "HEADWATER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def configure_logging(level: str) -> None:
-    """One log format for every command, on stderr, at *level* (one of LOG_LEVELS).
-
-    httpx logs every request at INFO (each etcd call, each health poll): that stays out
-    of a process's INFO output unless debug was asked for.
-    """
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def positive_int(text: str) -> int:

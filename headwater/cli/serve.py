@@ -23,6 +23,7 @@ from frontend.config import FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from frontend.limits import RequestLimits
 from headwater.cli.options import (
+    LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
     add_etcd_options,
@@ -173,8 +174,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tcp://host:port?role=prefill,tcp://host:port?role=decode")
     w.add_argument("--discovery", default=None,
                    help="find workers in etcd, e.g. etcd://127.0.0.1:2379")
-    w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c"],
-                   default=_D.router, help="how a worker is chosen per request")
+    w.add_argument("--router", choices=["round-robin", "random", "least-loaded", "p2c", "kv"],
+                   default=_D.router, help="how a worker is chosen per request (kv: where "
+                        "the prompt's prefix is cached; docs/routing.md)")
+    w.add_argument("--kv-block-size", type=positive_int, default=_D.kv_block_size,
+                   help="--router kv: tokens per block, the engines' block size")
+    w.add_argument("--kv-prefill-load-scale", type=float, default=_D.kv_prefill_load_scale,
+                   help="--router kv: weight of uncached prefill blocks against blocks in "
+                        "flight")
+    w.add_argument("--kv-temperature", type=float, default=_D.kv_temperature,
+                   help="--router kv: 0 picks the lowest cost; above, softmax sampling")
+    w.add_argument("--kv-events", choices=["on", "off"], default=_D.kv_events,
+                   help="--router kv: follow the workers' KV events, or (off) remember "
+                        "where prefixes were sent")
+    w.add_argument("--kv-approx-ttl", type=positive_float, default=_D.kv_approx_ttl,
+                   help="--router kv: seconds approximate mode remembers a routed prefix")
     w.add_argument("--ack-timeout", type=positive_float, default=_D.ack_timeout,
                    help="seconds a worker has to acknowledge a request")
     w.add_argument("--migration-limit", type=int, default=_D.migration_limit,
@@ -231,6 +245,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "purpose (testing only: never on a production frontend)")
     o.add_argument("--log-level", default=_D.log_level,
                    choices=LOG_LEVELS, help="log verbosity")
+    o.add_argument("--log-format", default=_D.log_format, choices=LOG_FORMATS,
+                   help="text lines, or one JSON object a line (docs/observability.md)")
+    o.add_argument("--otlp-endpoint", default=_D.otlp_endpoint,
+                   help="send OpenTelemetry traces over OTLP/HTTP here, e.g. "
+                        "http://127.0.0.1:4318 (default: no tracing)")
 
     for name in registry.names():
         group = p.add_argument_group(f"engine {name} (in-process workers)",
@@ -312,7 +331,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     if args.api_key:
         logging.getLogger(__name__).warning(
             "--api-key puts a key in the command line, which every user of this machine can "

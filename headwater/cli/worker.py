@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import trio
 
 from headwater.cli.options import (
+    LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
     add_etcd_options,
@@ -40,6 +41,7 @@ from headwater.cli.options import (
 )
 from headwater.etcd.client import EtcdError, etcd_endpoints
 from headwater.gc_tuning import tune_gc
+from headwater.logs import set_process_worker
 from headwater.malloc_tuning import keep_freed_heap
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from headwater.plane.server import ServerConfig, check_bind
@@ -112,6 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="seconds a crashed worker stays registered in etcd (lease TTL)")
     a("--log-level", default="info", choices=LOG_LEVELS,
       help="log level (debug also shows every etcd call)")
+    a("--log-format", default="text", choices=LOG_FORMATS,
+      help="text lines, or one JSON object a line (docs/observability.md)")
+    a("--otlp-endpoint", default="",
+      help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+      "(default: no tracing)")
     add_etcd_options(parser)
     for name in registry.names():
         spec = registry.spec(name)
@@ -142,6 +149,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         lease_ttl=args.lease_ttl,
         etcd=etcd_credentials_from_args(args),
         kv_peers=tuple(p.strip() for p in args.kv_peers.split(",") if p.strip()),
+        otlp_endpoint=args.otlp_endpoint,
     )
 
 
@@ -149,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
     """Exit status: 0 after a drain; 1 on a forced stop, a bind failure, no etcd or an
     engine that failed (its model server would not start, or died for good); 2 on bad
     options."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     try:
         config = worker_config_from_args(args)
         host = split_host_port(config.listen)[0]
@@ -159,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"headwater worker: {exc}", file=sys.stderr)
         return 2
+    set_process_worker(config.worker_id)  # every log line of this process names it
     tune_gc()  # its requests carry the same long token lists as the frontend's
     keep_freed_heap()  # its large plane buffers are freed and allocated per request
     try:

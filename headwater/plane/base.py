@@ -46,6 +46,7 @@ from headwater.wire import (
     WorkerLoad,
 )
 from headwater.wire.capabilities import BASELINE, Capabilities
+from headwater.wire.kv_events import KvEventBatch
 
 
 class PlaneError(Exception):
@@ -206,6 +207,16 @@ class WorkerClient(abc.ABC):
         its KV anyway.
         """
 
+    async def poll_kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The worker's KV cache events from number *since* on, at most *limit* (a
+        dump when *since* is negative; ``headwater.wire.kv_events``); None when the
+        worker publishes none (its engine has no events, or it predates them).
+
+        Raises CannotConnect or Disconnected when the worker cannot answer.
+        """
+        await trio.lowlevel.checkpoint()
+        return None
+
     @abc.abstractmethod
     async def probe(self) -> None:
         """Ask the worker for an answer over this transport (a health check).
@@ -239,3 +250,10 @@ class RequestHandler(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
     def release_kv(self, transfer_id: str) -> None: ...
+
+
+class KvEventSource(Protocol):
+    """A :class:`RequestHandler` whose engine may publish KV events (the worker runtime):
+    ``kv_events`` answers a poll, never blocking; None when the engine has none."""
+
+    def kv_events(self, since: int, limit: int) -> KvEventBatch | None: ...

@@ -56,6 +56,7 @@ from headwater.wire import GenerateRequest, KvHandle, WorkerLoad
 from headwater.wire.capabilities import Capabilities
 from headwater.wire.frames import KvRelease
 from headwater.wire.handshake import load_secret
+from headwater.wire.kv_events import KvEventBatch
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,12 @@ class TcpWorkerClient(WorkerClient):
         Disconnected."""
         conn = await self._connection()
         return await conn.fetch_stats()
+
+    async def poll_kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The worker's KV events over the live connection (see
+        :meth:`PlaneConnection.poll_kv_events`)."""
+        conn = await self._connection()
+        return await conn.poll_kv_events(since, limit)
 
     async def aclose(self) -> None:
         """Stop :meth:`run`; in-flight streams fail with Disconnected."""

@@ -79,12 +79,15 @@ from headwater.wire.frames import (
     GoAway,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvRelease,
     Ping,
     Pong,
     Stats,
 )
 from headwater.wire.handshake import ClientHandshake
+from headwater.wire.kv_events import KvEventBatch
 from headwater.wire.session import FrameMac
 
 log = logging.getLogger(__name__)
@@ -234,6 +237,8 @@ class PlaneConnection:
         self._pong_seq = 0
         self._pong = trio.Event()
         self._stats_seq = 0
+        #: Whether the worker answers ``kv_poll`` (None: not asked yet).
+        self.kv_events: bool | None = None
         self._read_at = trio.current_time()  # when the reader's current batch arrived
         #: Excuses a missed ACK or heartbeat when our own loop stalled (None: never).
         self.attribution: StallAttribution | None = None
@@ -406,6 +411,8 @@ class PlaneConnection:
                     self._pong.set()
             case Stats():
                 self._deliver(("stats", frame.seq), frame)
+            case KvEvents():
+                self._deliver(("kv", frame.seq), frame)
             case Ping():
                 self.send_frame(Pong(frame.seq))
             case GoAway():
@@ -539,6 +546,22 @@ class PlaneConnection:
         if not isinstance(msg, Stats):
             raise Disconnected(f"unexpected {type(msg).__name__} for a stats query")
         return msg.values
+
+    async def poll_kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The worker's KV events from *since* on (a dump when negative); None when it
+        publishes none. Asks its stats first, once per connection, so that an older
+        worker is never sent a ``kv_poll``. Raises CannotConnect, Disconnected."""
+        if self.kv_events is None:
+            self.kv_events = (await self.fetch_stats()).get("kv_events") is True
+        if not self.kv_events:
+            return None
+        self._stats_seq += 1
+        key = ("kv", self._stats_seq)
+        async with self.route(key, KvPoll(self._stats_seq, since, limit)) as route:
+            msg = await route.next()
+        if not isinstance(msg, KvEvents):
+            raise Disconnected(f"unexpected {type(msg).__name__} for a KV events poll")
+        return msg.batch
 
 
 async def open_connection(

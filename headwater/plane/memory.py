@@ -25,6 +25,7 @@ from headwater.plane.base import (
     WorkerInstance,
 )
 from headwater.wire import Ack, Error, GenerateRequest, KvHandle, Reply, WorkerLoad
+from headwater.wire.kv_events import KvEventBatch
 
 #: Replies buffered per request: enough to decouple engine steps from the HTTP
 #: writer, small enough that a slow client applies backpressure to the engine.
@@ -160,6 +161,15 @@ class MemoryWorkerClient(WorkerClient):
             finally:
                 if not stream.finished:
                     self.runtime.cancel(request.request_id)
+
+    async def poll_kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """In-process the runtime's event log is read directly (a copy of the events'
+        references; publishing never waits for this)."""
+        await trio.lowlevel.checkpoint()
+        if self._closed:
+            raise CannotConnect(f"client for {self.instance.worker_id} is closed")
+        read = getattr(self.runtime, "kv_events", None)
+        return read(since, limit) if read is not None else None
 
     def release_kv(self, handle: KvHandle) -> None:
         if not self._closed:

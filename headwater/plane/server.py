@@ -83,6 +83,8 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvPull,
     KvRelease,
     Ping,
@@ -91,9 +93,16 @@ from headwater.wire.frames import (
     Unreadable,
 )
 from headwater.wire.handshake import ServerHandshake
+from headwater.wire.kv_events import KvEventBatch
 from headwater.wire.session import FrameMac
 
 log = logging.getLogger(__name__)
+
+#: A KV event number far past any real one: reading there answers a gap, or None when
+#: the runtime publishes no events.
+_NO_EVENT = 1 << 62
+#: Most KV events one ``kv_events`` frame carries, whatever the poll asks.
+_POLL_LIMIT = 4096
 
 _COALESCE_BYTES = 256 * 1024
 _SEND_ALONE_BYTES = 64 * 1024  # a part this large is sent as it is, not joined
@@ -378,7 +387,16 @@ class PlaneServer:
                 log.exception("stats provider failed; disabled")
                 self.stats = None
         values.update({f"plane_{k}": v for k, v in asdict(self.statistics()).items()})
+        # Whether ``kv_poll`` is answered: a frontend asks before polling, so that it
+        # never sends an older worker a frame kind it would refuse.
+        values["kv_events"] = self.kv_events(_NO_EVENT, 1) is not None
         return values
+
+    def kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The runtime's KV events (None: its engine publishes none, or the runtime
+        predates them)."""
+        read = getattr(self.runtime, "kv_events", None)
+        return read(since, limit) if read is not None else None
 
 
 class _ReplyChannel(trio.abc.SendChannel[Reply]):
@@ -682,6 +700,13 @@ class _Connection:
                 self.server.runtime.release_kv(frame.transfer_id)
             case GetStats():
                 self.send_control(Stats(frame.seq, self.server.stats_values()))
+            case KvPoll():
+                # Answered from the engine's bounded ring, at once: a poll never waits
+                # for the engine, and the engine never waits for a poll.
+                batch = self.server.kv_events(frame.since, min(frame.limit, _POLL_LIMIT))
+                if batch is None:
+                    batch = KvEventBatch(frame.since, frame.since, gap=True)
+                self.send_control(KvEvents(frame.seq, batch))
             case _:
                 raise ProtocolError(f"unexpected {type(frame).__name__} from a client")
 

@@ -20,6 +20,7 @@ Kinds and their frame types::
     kv_pull    KvPull       kv_data: KvData (a transfer's payload, in pieces)
     kv_release KvRelease    client → prefill worker: free a transfer never pulled (no answer)
     get_stats  GetStats     stats: Stats (the worker's counters, flat)
+    kv_poll    KvPoll       kv_events: KvEvents (the worker's KV cache events, a batch)
     goaway     GoAway       server → client: no new requests on this connection
 
 **One serializer.** This module is the only place that knows how any frame looks on
@@ -70,6 +71,7 @@ from typing import Any, Final, TypeVar, overload
 
 import msgpack
 
+from headwater.tracing.w3c import TraceParent, valid_tracestate
 from headwater.wire.capabilities import Capabilities, from_plain, to_plain
 from headwater.wire.errors import FrameTooLarge, ProtocolError
 from headwater.wire.frames import (
@@ -84,12 +86,21 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvPull,
     KvRelease,
     Ping,
     Pong,
     Stats,
     Unreadable,
+)
+from headwater.wire.kv_events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
 )
 from headwater.wire.messages import (
     Ack,
@@ -321,15 +332,20 @@ def _body(frame: Frame) -> _Map:
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
     match frame:
         case GenerateRequest():
-            return {
+            body: _Map = {
                 "request_id": frame.request_id,
                 "model": frame.model,
                 "token_ids": pack_token_ids(frame.token_ids),
                 "sampling": _sampling_body(frame.sampling),
                 "kv_handle": _handle_body(frame.kv_handle),
                 "eos_token_ids": list(frame.eos_token_ids),
-                "k": "request",
             }
+            if frame.traceparent:  # only when traced: an untraced frame is unchanged
+                body["traceparent"] = frame.traceparent
+                if frame.tracestate:
+                    body["tracestate"] = frame.tracestate
+            body["k"] = "request"
+            return body
         case Chunk():
             return {
                 "request_id": frame.request_id,
@@ -382,6 +398,13 @@ def _body(frame: Frame) -> _Map:
         case KvData():
             return {"k": "kv_data", "transfer_id": frame.transfer_id, "data": frame.data,
                     "last": frame.last}
+        case KvPoll():
+            return {"k": "kv_poll", "seq": frame.seq, "since": frame.since,
+                    "limit": frame.limit}
+        case KvEvents():
+            b = frame.batch
+            return {"k": "kv_events", "seq": frame.seq, "start": b.start, "end": b.end,
+                    "dump": b.dump, "gap": b.gap, "events": [_event_body(e) for e in b.events]}
         case GoAway():
             return {"k": "goaway", "reason": frame.reason}
     raise TypeError(f"not a frame: {type(frame).__name__}")
@@ -742,6 +765,7 @@ def _parse_request(d: _Map) -> GenerateRequest:
         sampling=checked,
         kv_handle=_kv_handle(d),
         eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
+        **_trace_fields(d),
     )
 
 
@@ -785,6 +809,17 @@ def _structured(d: _Map) -> StructuredOutput | None:
     if kind is None:
         raise ProtocolError(f"request: unknown structured output kind {raw[0]!r}")
     return StructuredOutput(kind, raw[1])
+
+
+def _trace_fields(d: _Map) -> dict[str, str]:
+    """A request's optional ``traceparent`` and ``tracestate``, W3C-valid and bounded."""
+    parent = _field(d, "traceparent", str, "")
+    state = _field(d, "tracestate", str, "")
+    if parent and TraceParent.parse(parent) is None:
+        raise ProtocolError("request: malformed traceparent")
+    if state and (not parent or not valid_tracestate(state)):
+        raise ProtocolError("request: malformed tracestate")
+    return {"traceparent": parent, "tracestate": state} if parent else {}
 
 
 def _parse_chunk(d: _Map) -> Chunk:
@@ -837,6 +872,56 @@ def _capabilities(d: _Map) -> Capabilities | None:
         raise ProtocolError(f"hello_ok: {exc}") from exc
 
 
+def _event_body(event: KvEvent) -> _Map:
+    """One KV event: block ids as packed int64, tokens as packed uint32."""
+    match event:
+        case BlockStored():
+            return {"t": "stored", "ids": pack_block_hashes(event.block_ids),
+                    "parent": event.parent, "pos": event.position,
+                    "tokens": pack_token_ids(event.token_ids), "bs": event.block_size}
+        case BlockRemoved():
+            return {"t": "removed", "ids": pack_block_hashes(event.block_ids)}
+        case AllCleared():
+            return {"t": "cleared"}
+    raise TypeError(f"not a KV event: {type(event).__name__}")
+
+
+def _parse_event(d: _Map) -> KvEvent:
+    kind = _field(d, "t", str)
+    if kind == "cleared":
+        return AllCleared()
+    ids = unpack_block_hashes(_field(d, "ids", bytes))
+    if kind == "removed":
+        return BlockRemoved(ids)
+    if kind != "stored":
+        raise ProtocolError(f"kv_events: unknown event {kind!r}")
+    parent = _field(d, "parent", int, None)
+    block_size = _nonneg(d, "bs")
+    tokens = unpack_token_ids(_field(d, "tokens", bytes))
+    if not ids or block_size < 1 or len(tokens) != len(ids) * block_size:
+        raise ProtocolError(
+            f"kv_events: {len(ids)} stored blocks of {block_size} with {len(tokens)} tokens"
+        )
+    return BlockStored(ids, parent, _nonneg(d, "pos"), tokens, block_size)
+
+
+def _parse_kv_events(d: _Map) -> KvEvents:
+    raw: list[object] = _field(d, "events", list)
+    if not all(isinstance(e, dict) for e in raw):
+        raise ProtocolError("kv_events: every event must be a map")
+    events = tuple(_parse_event(e) for e in raw)  # type: ignore[arg-type]
+    start, end = _nonneg(d, "start"), _nonneg(d, "end")
+    dump, gap = _field(d, "dump", bool, False), _field(d, "gap", bool, False)
+    if not dump and not gap and end - start != len(events):
+        raise ProtocolError(f"kv_events: {len(events)} events numbered {start} to {end}")
+    return KvEvents(_nonneg(d, "seq"), KvEventBatch(start, end, events, dump, gap))
+
+
+def _parse_kv_poll(d: _Map) -> KvPoll:
+    since = _field(d, "since", int)
+    return KvPoll(_nonneg(d, "seq"), since, _nonneg(d, "limit"))
+
+
 def _parse_stats(d: _Map) -> Stats:
     values: dict[str, int | float | str | bool] = _field(d, "values", dict)
     if not all(type(k) is str and type(v) in (int, float, str, bool) for k, v in values.items()):
@@ -870,6 +955,8 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     ),
     "get_stats": lambda d: GetStats(_nonneg(d, "seq")),
     "stats": _parse_stats,
+    "kv_poll": _parse_kv_poll,
+    "kv_events": _parse_kv_events,
     "goaway": lambda d: GoAway(_field(d, "reason", str, "")),
 }
 

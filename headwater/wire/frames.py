@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headwater.wire.capabilities import Capabilities
+from headwater.wire.kv_events import KvEventBatch
 from headwater.wire.messages import (
     Ack,
     Cancel,
@@ -144,6 +145,25 @@ class Stats:
 
 
 @dataclass(frozen=True, slots=True)
+class KvPoll:
+    """The frontend asks for the worker's KV events from number ``since`` on (a dump
+    when negative), at most ``limit``; answered by :class:`KvEvents` with the same
+    ``seq`` (``headwater.wire.kv_events``)."""
+
+    seq: int
+    since: int
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvents:
+    """The answer to the :class:`KvPoll` with the same ``seq``."""
+
+    seq: int
+    batch: KvEventBatch
+
+
+@dataclass(frozen=True, slots=True)
 class GoAway:
     """The server takes no new requests on this connection (it is draining)."""
 
@@ -163,6 +183,7 @@ class Unreadable:
 
 Frame = (
     Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
-    | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | GoAway
+    | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | KvPoll | KvEvents
+    | GoAway
     | Unreadable
 )

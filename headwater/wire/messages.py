@@ -135,6 +135,10 @@ class GenerateRequest:
     sampling: SamplingParams
     kv_handle: KvHandle | None = None  # set on the decode leg of a disaggregated request
     eos_token_ids: tuple[int, ...] = ()
+    # W3C trace context of the frontend's span for this leg ("": not traced): the
+    # worker's spans are its children (headwater.tracing; the codec validates both).
+    traceparent: str = ""
+    tracestate: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, Role
 from headwater.wire.capabilities import BASELINE, Capabilities
+from headwater.wire.kv_events import KvEventLog
 
 
 class EngineError(WorkerError):
@@ -70,12 +71,18 @@ class EngineContext:
     #: Where decode workers reach this worker's held KV (put in its KV handles);
     #: "" means ``memory://<worker_id>``.
     transfer_address: str = ""
+    #: The OTLP collector this worker's traces go to ("" : untraced); an engine that
+    #: runs a server of its own (vLLM) sends that server's spans there too.
+    otlp_endpoint: str = ""
 
 
 class Engine(abc.ABC):
     """A model engine in one role. Owns its scheduler task via :meth:`run`."""
 
     role: Role
+    #: What its prefix cache stores and evicts (``headwater.wire.kv_events``), for
+    #: KV-aware routing; None for an engine that publishes no events.
+    kv_events: KvEventLog | None = None
 
     @property
     def capabilities(self) -> Capabilities:

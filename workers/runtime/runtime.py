@@ -23,19 +23,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager, suppress
+from contextlib import aclosing, asynccontextmanager, nullcontext, suppress
 from dataclasses import dataclass
 
 import trio
 
 from headwater.instrumentation import Activity
+from headwater.logs import request_context
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvSource
+from headwater.tracing import NULL_SPAN, SpanKind, TraceContext, trace_context, tracer
 from headwater.wire import Ack, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
 from headwater.wire.capabilities import refusal
+from headwater.wire.kv_events import KvEventBatch
 from workers.engines.base import Engine, EngineError, EngineStats
 
 log = logging.getLogger(__name__)
+
+NO_SPAN = nullcontext(NULL_SPAN)  # an untraced request's: shared, no object per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +138,12 @@ class WorkerRuntime:
         if scope is not None:
             scope.cancel()
 
+    def kv_events(self, since: int, limit: int) -> KvEventBatch | None:
+        """The engine's KV events from *since* on (a dump when negative); None when
+        the engine publishes none. Never blocks (``headwater.wire.kv_events``)."""
+        events = self.engine.kv_events
+        return None if events is None else events.read(since, limit)
+
     def release_kv(self, transfer_id: str) -> None:
         """Free the KV held under *transfer_id*, which no decode worker will pull (the
         request ended first); a no-op for an engine that holds none, an unknown id, or
@@ -177,8 +188,20 @@ class WorkerRuntime:
     ) -> None:
         rid = request.request_id
         outcome = "cancelled"
+        t = tracer()
+        traced = t.enabled and bool(request.traceparent)
+        span_cm = t.span(
+            "worker.request", parent=request.traceparent, tracestate=request.tracestate,
+            kind=SpanKind.SERVER, attributes={
+                "headwater.worker.id": self.worker_id, "headwater.plane.request_id": rid,
+                "gen_ai.usage.input_tokens": len(request.token_ids),
+                "headwater.kv_pull": request.kv_handle is not None,
+            },
+        ) if traced else NO_SPAN  # fmt: skip
         try:
-            with self.activity, scope:
+            with span_cm as span, request_context(rid, span.trace_id), trace_context(
+                TraceContext(span)
+            ), self.activity, scope:  # fmt: skip
                 await replies.send(Ack(rid))
                 try:
                     async with aclosing(self.engine.generate(request)) as chunks:
@@ -186,10 +209,12 @@ class WorkerRuntime:
                             await self._send(replies, chunk)
                 except EngineError as exc:
                     outcome = "failed"
+                    span.fail(f"{exc.code.value}: {exc.message}")
                     await replies.send(Error(rid, exc.code, exc.message))
                     return
                 await replies.send(End(rid))
                 outcome = "served"
+                log.debug("request %s served", rid)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # The caller went away without a Cancel; the engine already stopped
             # (the generator was closed on the way out of `aclosing`).

@@ -53,6 +53,9 @@ class MockerConfig:
     #: tokens (and never before ``min_tokens``) it emits its first EOS id and
     #: finishes "stop".
     mean_output_tokens: int | None = None
+    #: Publish the KV cache's stored and evicted blocks for KV-aware routing
+    #: (``headwater.wire.kv_events``); every committed block is then hashed at once.
+    publish_kv_events: bool = True
 
     def __post_init__(self) -> None:
         if not self.speedup_ratio > 0:

@@ -24,6 +24,7 @@ from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
 from headwater.wire.capabilities import SEED, Capabilities
+from headwater.wire.kv_events import KvEventLog
 from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
@@ -31,6 +32,7 @@ from workers.engines.mocker.kv_cache import KvCache, KvCacheStats
 from workers.engines.mocker.sampling import natural_length, seed_key
 from workers.engines.mocker.scheduler import MockerCounters, Scheduler, Sequence
 from workers.engines.mocker.transfers import HeldTransfers
+from workers.engines.stages import stage_spans
 
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
@@ -72,7 +74,8 @@ class MockerEngine(Engine):
         self.kv_transfer = kv_transfer
         self.transfer_address = transfer_address or f"memory://{worker_id}"
         self.counters = MockerCounters()
-        self._cache = KvCache(config.num_gpu_blocks, config.block_size)
+        self.kv_events = KvEventLog() if config.publish_kv_events else None
+        self._cache = KvCache(config.num_gpu_blocks, config.block_size, self.kv_events)
         self._transfers = HeldTransfers(
             self._cache, config.kv_transfer_timeout, worker_id, self.transfer_address
         )
@@ -124,14 +127,23 @@ class MockerEngine(Engine):
         seq = self._new_sequence(request)
         self.counters.requests_started += 1
         finished = failed = False
+        spans = stage_spans()  # None unless this request is traced
         try:
             if request.kv_handle is not None:
+                if spans:
+                    spans.stage("engine.kv_pull", {"headwater.kv.tokens":
+                                                   request.kv_handle.num_tokens})  # fmt: skip
                 await self._pull(request.kv_handle)
                 seq.transferred = request.kv_handle.num_tokens
                 seq.block_hashes = self._usable_hashes(request.kv_handle)
+            if spans:  # the queue's wait and the prefill: the simulated scheduler's
+                spans.stage("engine.prefill", {"headwater.prompt_tokens": len(request.token_ids)})
             self._enqueue(seq)
             while True:
                 if seq.pending:
+                    if spans and spans.name != "engine.decode":  # the first token
+                        spans.current.set("headwater.cached_tokens", seq.cached_tokens or 0)
+                        spans.stage("engine.decode")
                     token = seq.pending.popleft()
                     last = seq.finish is not None and not seq.pending
                     if last:
@@ -166,6 +178,8 @@ class MockerEngine(Engine):
             raise
         finally:
             # Synchronous on purpose: runs under cancellation and GeneratorExit alike.
+            if spans:
+                spans.close()
             if not finished:
                 if failed:
                     self.counters.requests_failed += 1

@@ -28,6 +28,13 @@ hashed once is remembered by content (:mod:`.chain_memo`): a shared system promp
 every request looks up is compared with the memo's copy in C instead of being hashed
 block by block each time.
 
+With a :class:`~headwater.wire.kv_events.KvEventLog` the cache publishes what it stores
+and evicts, for KV-aware routing: every full block is then hashed as it is committed
+(no pending runs; a block is announced when it becomes reusable, which a lazy run's
+blocks are too), and each registered block keeps its parent, position and tokens for a
+dump. That trades the lazy hashing's savings for an exact feed; the chain hashes are the
+events' block ids.
+
 Python's int/tuple hash is used for the chain: deterministic for ints (str and bytes
 hashes are salted per process, so a chain computed in one worker process is valid in
 another), 64 bits wide, and a collision only mislabels a simulated cache hit. Not
@@ -42,6 +49,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
+from headwater.wire.kv_events import BlockRemoved, BlockStored, KvEventLog
+from headwater.wire.tokens import token_array
 from workers.engines.mocker.chain_memo import ChainMemo
 
 _ROOT_HASH = 0  # parent hash of a sequence's first block
@@ -173,7 +182,9 @@ class KvCache:
     in, and a block revived by a lookup just stops counting (its place is skipped).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, events: KvEventLog | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -187,6 +198,13 @@ class KvCache:
         self._n_evictable = 0
         self._seg_of: list[_Run | None] = [None] * num_blocks
         self._memo = ChainMemo(block_size)
+        #: Where stored and removed blocks are published (None: no events, lazy hashing).
+        self.events = events
+        #: With events: each registered hash's (parent hash or None, position, tokens).
+        self._stored: dict[int, tuple[int | None, int, Sequence[int]]] = {}
+        self._removed: list[int] = []  # hashes unregistered by the eviction under way
+        if events is not None:
+            events.snapshot = self.snapshot
 
     @property
     def capacity_tokens(self) -> int:
@@ -286,15 +304,22 @@ class KvCache:
             # new (one dict operation per block instead of a lookup and a store).
             register = self._by_hash.setdefault
             hash_of = self._hash
+            new: list[int] = []
             for block, h in zip(table.blocks[start:known], hashes[start:known], strict=True):
                 if register(h, block) is block:
                     hash_of[block] = h
+                    new.append(h)
+            if new and self.events is not None:
+                self._announce(hashes, start, known, token_ids)
         table.num_committed = full
         if full == known:
             return
         # From here known == len(hashes): the chain is known up to block `known`.
         lo = max(start, known)
         blocks = table.blocks[lo:full]
+        if self.events is not None:  # published blocks are hashed now, not lazily
+            self._register_now(hashes, blocks, token_ids, lo * bs)
+            return
         run = table.run
         if run is not None and lo > known:
             # The table's pending run ends at `start`: it grows, and reads the newest
@@ -374,6 +399,53 @@ class KvCache:
                 cached += 1
         self._n_evictable += cached
 
+    def _announce(
+        self, hashes: Sequence[int], lo: int, hi: int, token_ids: Sequence[int]
+    ) -> None:
+        """Publish the blocks ``lo``..``hi - 1`` of a chain (*hashes*, whose content is
+        *token_ids* from its start) that were registered just now, each stretch of
+        consecutive ones as one event; twins of registered content are not theirs."""
+        bs = self.block_size
+        assert self.events is not None
+        stored = self._stored
+        i = lo
+        while i < hi:
+            h = hashes[i]
+            if h in stored:  # announced before (a twin's block holds the content)
+                i += 1
+                continue
+            j = i
+            while j < hi and hashes[j] not in stored:
+                parent = hashes[j - 1] if j else None
+                stored[hashes[j]] = (parent, j, token_array(token_ids[j * bs : (j + 1) * bs]))
+                j += 1
+            self.events.publish(BlockStored(
+                tuple(hashes[i:j]), hashes[i - 1] if i else None, i,
+                token_array(token_ids[i * bs : j * bs]), bs,
+            ))  # fmt: skip
+            i = j
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every registered block as a stored event, parents before children (for a
+        dump: ``headwater.wire.kv_events``). Only with events."""
+        bs = self.block_size
+        return [
+            BlockStored((h,), parent, pos, tokens, bs)
+            for h, (parent, pos, tokens) in sorted(self._stored.items(), key=lambda kv: kv[1][1])
+        ]
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading full blocks of *token_ids* a lookup would find cached now,
+        without taking them (tests compare a router's index with this)."""
+        found = 0
+        h = _ROOT_HASH
+        for content in _block_contents(token_ids, self.block_size):
+            h = hash((h, content))
+            if h not in self._by_hash and self._materialize_at(h) is None:
+                break
+            found += 1
+        return found
+
     def statistics(self) -> KvCacheStats:
         cached = self._n_evictable
         return KvCacheStats(
@@ -406,6 +478,7 @@ class KvCache:
         evictable = self._evictable
         seg_of = self._seg_of
         victims: list[int] = []
+        self._removed = []
         need = count
         while need:
             entry, _ = evictable.popitem(last=False)
@@ -438,6 +511,8 @@ class KvCache:
         refcount = self._refcount
         for block in victims:
             refcount[block] = 1
+        if self._removed and self.events is not None:
+            self.events.publish(BlockRemoved(tuple(self._removed)))
         return victims
 
     def _unregister(self, block: int) -> None:
@@ -446,6 +521,9 @@ class KvCache:
         if h is not None:
             del self._by_hash[h]
             self._hash[block] = None
+            if self.events is not None:
+                del self._stored[h]
+                self._removed.append(h)
 
     def _materialize_at(self, h: int) -> int | None:
         """The block registered under *h* once the pending run filed under it, if any,
@@ -494,12 +572,15 @@ class KvCache:
         pending = self._pending
         push = hashes.append
         chain = self._chain(token_ids, start, parent, len(blocks))
+        first = len(hashes)
         for block, h in zip(blocks, chain, strict=False):  # fewer hashes: tokens ran out
             push(h)
             if pending and h in pending:
                 self._materialize(pending[h])
             if register(h, block) is block:
                 hash_of[block] = h
+        if self.events is not None and len(hashes) > first and start == first * self.block_size:
+            self._announce(hashes, first, len(hashes), token_ids)
 
     def _chain(self, token_ids: Sequence[int], start: int, parent: int, count: int) -> list[int]:
         """The chain hashes of up to *count* full blocks of *token_ids* from index

@@ -44,6 +44,7 @@ import httpx
 import orjson
 import trio
 
+from headwater.tracing import current_trace
 from headwater.wire import (
     Chunk,
     ErrorCode,
@@ -134,6 +135,7 @@ class VllmEngine(Engine):
         transfer_address: str = "",
         vocab_size: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        otlp_endpoint: str = "",
     ) -> None:
         if not config.model and not config.vllm_url:
             raise ValueError("the vllm engine needs --model PATH or --vllm-url URL")
@@ -157,7 +159,7 @@ class VllmEngine(Engine):
             features.add(STRUCTURED_OUTPUTS)
         self._capabilities = Capabilities("vllm", frozenset(features))
         self.counters = VllmCounters()
-        self.server = VllmServer(config, self.role, worker_id)
+        self.server = VllmServer(config, self.role, worker_id, otlp_endpoint=otlp_endpoint)
         self.metrics = VllmMetrics()
         self._http: httpx.AsyncClient | None = None
         self._transport = transport  # tests: a fake vLLM (httpx.MockTransport)
@@ -354,7 +356,7 @@ class VllmEngine(Engine):
         assert self._http is not None
         with self._watched() as scope:
             r = await self._http.post(self.server.url + GENERATE_PATH, content=body,
-                                      headers=_JSON)  # fmt: skip
+                                      headers=_headers())  # fmt: skip
         if scope.cancelled_caught:
             raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM went down")
         if r.status_code != 200:
@@ -519,7 +521,9 @@ class _EventStream:
 
     async def __aenter__(self) -> AsyncGenerator[StreamEvent, None]:
         engine = self._engine
-        request = self._http.build_request("POST", self._url, content=self._body, headers=_JSON)
+        request = self._http.build_request(
+            "POST", self._url, content=self._body, headers=_headers()
+        )
         with engine._watched(self._first_deadline) as scope:
             self._response = await self._http.send(request, stream=True)
         if scope.cancelled_caught:
@@ -587,6 +591,20 @@ def _readable(structured: StructuredOutput) -> bool:
     return isinstance(choices, list) and all(isinstance(c, str) for c in choices)
 
 
+def _headers() -> dict[str, str]:
+    """A request's headers to vLLM: JSON, and the request's trace (W3C ``traceparent``
+    and ``tracestate``, from the worker's ``worker.request`` span) when it is traced, so
+    that vLLM's own spans (started with ``--otlp-traces-endpoint``) join it."""
+    span = current_trace().span
+    parent = span.traceparent
+    if not parent:
+        return _JSON
+    headers = {**_JSON, "traceparent": parent}
+    if state := span.tracestate:
+        headers["tracestate"] = state
+    return headers
+
+
 def _finish(reason: str, up: bool) -> FinishReason:
     known = FINISH_REASONS.get(reason)
     if known is not None:
@@ -602,7 +620,8 @@ def build_engine(config: VllmConfig, context: EngineContext) -> VllmEngine:
     for a config it cannot serve with (no model or URL, no vocabulary size)."""
     try:
         return VllmEngine(
-            config, context.role, context.worker_id, transfer_address=context.transfer_address
-        )
+            config, context.role, context.worker_id, transfer_address=context.transfer_address,
+            otlp_endpoint=context.otlp_endpoint,
+        )  # fmt: skip
     except ValueError as exc:
         raise EngineFailed(str(exc)) from exc

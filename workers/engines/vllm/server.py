@@ -31,6 +31,7 @@ from headwater.orphans import supervisor_env
 from headwater.ports import free_port
 from headwater.secret_env import without_secrets
 from headwater.sessions import keep_niceness
+from headwater.tracing import traces_url
 from headwater.wire import Role
 from workers.engines.vllm.config import VllmConfig
 
@@ -61,8 +62,12 @@ def kv_transfer_config(role: Role, config: VllmConfig) -> str | None:
     return json.dumps(kv)
 
 
-def serve_argv(config: VllmConfig, role: Role, port: int) -> list[str]:
-    """The ``vllm serve`` command line of a started server."""
+def serve_argv(
+    config: VllmConfig, role: Role, port: int, *, otlp_endpoint: str = ""
+) -> list[str]:
+    """The ``vllm serve`` command line of a started server; with *otlp_endpoint*, vLLM
+    traces its requests there (over OTLP/HTTP, :func:`serve_env`), each span a child of
+    the ``traceparent`` headwater's engine sends with the request."""
     command = shlex.split(config.vllm_command) or [
         sys.executable, "-m", "workers.engines.vllm.launcher",
     ]  # fmt: skip
@@ -82,13 +87,17 @@ def serve_argv(config: VllmConfig, role: Role, port: int) -> list[str]:
         argv.append("--skip-tokenizer-init")
     if config.enforce_eager:
         argv.append("--enforce-eager")
+    if otlp_endpoint:
+        argv += ["--otlp-traces-endpoint", traces_url(otlp_endpoint)]
     kv = kv_transfer_config(role, config)
     if kv is not None:
         argv += ["--kv-transfer-config", kv]
     return argv + shlex.split(config.vllm_args)
 
 
-def serve_env(config: VllmConfig, role: Role, base: dict[str, str] | None = None) -> dict[str, str]:
+def serve_env(
+    config: VllmConfig, role: Role, base: dict[str, str] | None = None, *, traced: bool = False
+) -> dict[str, str]:
     """The environment of a started server: *base* (default: this process's) plus what
     vLLM needs here, less headwater's secrets (the plane secret, API keys: vLLM serves
     its worker on loopback and needs none). Loopback only; the NIXL side channel on a
@@ -102,6 +111,9 @@ def serve_env(config: VllmConfig, role: Role, base: dict[str, str] | None = None
         "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kv_cache_gib),
     })  # fmt: skip
     env.update(supervisor_env())  # the launcher stops vLLM once this worker is gone
+    if traced:  # vLLM's default is gRPC; headwater's collectors speak OTLP/HTTP
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        env.setdefault("OTEL_SERVICE_NAME", "vllm")
     cores = cpu_bind(config.cpu_bind, role)
     if cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cores
@@ -134,8 +146,12 @@ class VllmServer:
     exit), :meth:`stop`. ``url`` is set once started.
     """
 
-    def __init__(self, config: VllmConfig, role: Role, worker_id: str) -> None:
+    def __init__(
+        self, config: VllmConfig, role: Role, worker_id: str, *, otlp_endpoint: str = ""
+    ) -> None:
         self.config = config
+        #: Where vLLM sends its own spans (its --otlp-traces-endpoint); "": untraced.
+        self.otlp_endpoint = otlp_endpoint
         self.role = role
         self.worker_id = worker_id
         self.url = config.vllm_url.rstrip("/")
@@ -157,7 +173,7 @@ class VllmServer:
             return
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        argv = serve_argv(self.config, self.role, port)
+        argv = serve_argv(self.config, self.role, port, otlp_endpoint=self.otlp_endpoint)
         log.info("%s: starting vLLM on %s: %s", self.worker_id, self.url, shlex.join(argv))
         output = self._open_log()
         # Without a log file, vLLM writes to the worker's stderr: never to its stdout,
@@ -166,7 +182,7 @@ class VllmServer:
         try:
             self.process = await trio.lowlevel.open_process(
                 argv,
-                env=serve_env(self.config, self.role),
+                env=serve_env(self.config, self.role, traced=bool(self.otlp_endpoint)),
                 stdin=subprocess.DEVNULL,
                 stdout=target,
                 stderr=target,
