@@ -13,6 +13,8 @@ The pipeline calls these in its preprocess stage, before any worker sees the req
 * :func:`fill_in_middle`: a completions ``suffix`` frames the prompt for
   fill-in-the-middle with the tokenizer's own FIM tokens (DeepSeek's), and is refused
   by a tokenizer without them.
+* :class:`OneCall`: ``parallel_tool_calls: false`` keeps an answer's first tool call
+  (an engine that constrains the answer writes no other).
 
 Pure functions over what the pipeline holds; each raises
 :class:`~frontend.errors.InvalidRequest` (a 400) naming the field.
@@ -23,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from frontend.errors import InvalidRequest
+from frontend.postprocess.parsers import AnswerDelta, AnswerParser
 from frontend.preprocess.structured import TOOL_CALL_FORMATS
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer
@@ -90,3 +93,28 @@ def fill_in_middle(prompt: str | list[int], suffix: str, tokenizer: Tokenizer) -
             "tokens", param="suffix",
         )  # fmt: skip
     return f"{FIM_BEGIN}{prompt}{FIM_HOLE}{suffix}{FIM_END}"
+
+
+class OneCall(AnswerParser):
+    """*parser*, with every tool call after the answer's first dropped: what
+    ``parallel_tool_calls: false`` asks when the engine did not hold the answer to one."""
+
+    def __init__(self, parser: AnswerParser) -> None:
+        self._parser = parser
+
+    def feed(self, text: str) -> AnswerDelta:
+        return self._first(self._parser.feed(text))
+
+    def finish(self, *, truncated: bool = False) -> AnswerDelta:
+        return self._first(self._parser.finish(truncated=truncated))
+
+    @property
+    def tool_calls_made(self) -> int:
+        return min(1, self._parser.tool_calls_made)
+
+    @staticmethod
+    def _first(out: AnswerDelta) -> AnswerDelta:
+        if all(call.index == 0 for call in out.tool_calls):
+            return out
+        calls = tuple(call for call in out.tool_calls if call.index == 0)
+        return AnswerDelta(out.content, out.reasoning, calls)

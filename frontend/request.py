@@ -32,6 +32,14 @@ class SamplingOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    #: Choices to generate, each with its own sampling (and seed, derived from ``seed``).
+    n: int = 1
+    #: Each generated token's logprob and this many most likely tokens at its place
+    #: (0: the token's own only). None: no logprobs.
+    logprobs: int | None = None
+    #: The same for the prompt's tokens (completions' ``echo`` with ``logprobs``, the
+    #: token-in API's ``prompt_logprobs``). None: none.
+    prompt_logprobs: int | None = None
     # Beyond the baseline: engines honour these as they declare
     # (headwater.wire.capabilities); the defaults ask for nothing.
     top_k: int = 0
@@ -80,6 +88,8 @@ class ParsedRequest:
     #: Characters of text counted against --max-prompt-chars (messages, tools, template
     #: kwargs; or the prompt); None: not counted (a request built without the parser).
     text_chars: int | None = None
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the answer's
+    add_generation_prompt: bool = True  # chat: open the assistant's turn after the last one
     parallel_tool_calls: bool = True  # False: at most one tool call
     constraint: Constraint | None = None
     reasoning_effort: str | None = None  # chat: to the template (see Pipeline.preprocess)

@@ -7,6 +7,7 @@ frontends from frontend_fixture; every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import math
 from functools import partial
 from typing import Any
@@ -147,9 +148,10 @@ def test_a_record_carries_the_declaration_under_its_signature() -> None:
     assert back.capabilities == MOCKER
     assert back.instance().capabilities == MOCKER
     # A writer without the secret cannot grant a worker features it does not declare.
-    forged = record.to_json(secret).replace(b'"features":["seed"]', b'"features":["top_k"]')
+    forged = json.loads(record.to_json(secret))
+    forged["capabilities"]["features"].append("top_k")
     with pytest.raises(ValueError, match="signature"):
-        InstanceRecord.from_json(forged, secret)
+        InstanceRecord.from_json(json.dumps(forged).encode(), secret)
     older = InstanceRecord.from_instance(WorkerInstance("w2", Role.AGG, MODEL, "tcp://h:1"))
     assert b"capabilities" not in older.to_json()
     assert InstanceRecord.from_json(older.to_json()).capabilities is None

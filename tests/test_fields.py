@@ -47,7 +47,7 @@ BASE: dict[str, dict[str, Any]] = {
     "completions": {"model": MODEL, "prompt": "def f(", "max_tokens": 2},
     GENERATE: {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}},
 }
-CASES = [pytest.param(row, route, id=f"{route}:{row.param(route)}")
+CASES = [pytest.param(row, route, id=f"{route}:{row.where(route)}")
          for row in FIELDS for route in row.routes]  # fmt: skip
 
 
@@ -72,8 +72,15 @@ def vllm_declaration(tokenizer: bool = True) -> Capabilities:
 # -- the table itself ------------------------------------------------------------------------
 
 
+#: The routes the table covers: OpenAI's chat and completions, and the token-in API.
+#: (/tokenize, /detokenize, Anthropic's Messages and the Responses API say what they
+#: honour in docs/api.md's sections of their own.)
+ROUTES = ("chat", "completions", GENERATE)
+
+
 def test_every_field_of_every_request_model_has_a_row() -> None:
-    for route, model in REQUEST_MODELS.items():
+    for route in ROUTES:
+        model = REQUEST_MODELS[route]
         declared = {f.name for f in msgspec.structs.fields(model)}
         if route == GENERATE:
             sampling = {f.name for f in msgspec.structs.fields(SamplingParams)}
@@ -84,7 +91,7 @@ def test_every_field_of_every_request_model_has_a_row() -> None:
             have = {r.name for r in rows(route)}
         assert have == declared, f"{route}: rows without a field or fields without a row: " \
             f"{have ^ declared}"  # fmt: skip
-    assert len({(r.param(route), route) for r in FIELDS for route in r.routes}) == len(CASES)
+    assert len({(r.where(route), route) for r in FIELDS for route in r.routes}) == len(CASES)
 
 
 def test_the_docs_publish_the_table() -> None:
@@ -169,12 +176,42 @@ def model_dir(path: Path) -> Path:
 
 
 class RoomyVllm(FakeVllm):
-    """The fake, with a context that holds a chat prompt with tools."""
+    """The fake, with a context that holds a chat prompt with tools, answering with the
+    logprobs a request asks for, in vLLM's shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generate = self.answer
 
     async def handle(self, req: httpx.Request) -> httpx.Response:
         if req.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 8192}]})
         return await super().handle(req)
+
+    def answer(self, req: httpx.Request) -> httpx.Response:
+        body = self.bodies[-1]
+        params = body["sampling_params"]
+        if not body["stream"]:  # a prompt's logprobs, asked on their own
+            top = params.get("prompt_logprobs") or 0
+            ids = body["token_ids"]
+            ranks = [{str(t): {"logprob": -1.0, "rank": 1}} for t in ids[1:]]
+            for entry in ranks:  # a most likely other token for each but the first
+                entry.update({str(11 + k): {"logprob": -2.0, "rank": 2 + k}
+                              for k in range(top)})  # fmt: skip
+            return httpx.Response(200, json={"choices": [{"token_ids": [11]}],
+                                             "prompt_logprobs": [None, *ranks]})  # fmt: skip
+        asked = params.get("logprobs")
+        events = []
+        for token, finish in ((11, None), (12, "length")):
+            choice: dict[str, Any] = {"token_ids": [token], "finish_reason": finish}
+            if asked is not None:
+                entry = {"token_id": token, "logprob": -0.5, "rank": 1,
+                         "top_logprobs": [{"token_id": token, "logprob": -0.5, "rank": 1}]}
+                choice["logprobs"] = {"content": [entry]}
+            events.append({"choices": [choice]})
+        usage = {"choices": [], "usage": {"prompt_tokens": len(body["token_ids"])}}
+        lines = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in [*events, usage]]
+        return httpx.Response(200, content=b"".join([*lines, b"data: [DONE]\n\n"]))
 
 
 @pytest.fixture(scope="module")
@@ -203,9 +240,11 @@ def test_vllm(
     if r.status_code != 200:
         assert len(fake.bodies) == sent  # refused before dispatch: vLLM saw nothing
         return
-    received = fake.bodies[-1]["sampling_params"]
+    # The request's bodies (prompt logprobs are asked in one of their own).
+    bodies = [b["sampling_params"] for b in fake.bodies[sent:]]
     if row.vllm_key:
-        assert row.vllm_key in received, received
+        received = next((b for b in bodies if row.vllm_key in b), None)
+        assert received is not None, bodies
         asked = row.asks.get(row.name)
         if row.sampling and isinstance(asked, int | float) and row.name != "max_tokens":
             assert received[row.vllm_key] == asked, received

@@ -232,9 +232,13 @@ BAD: list[tuple[Any, str | None]] = [
           ("min_tokens", -1), ("temperature", 5), ("temperature", "hot"), ("top_p", -1),
           ("seed", "7"), ("ignore_eos", "yes"), ("stop_token_ids", [-1]),
           ("stop_token_ids", 2), ("presence_penalty", 3),
-          ("n", 2), ("best_of", 2), ("logprobs", 0), ("logprobs", 5),
-          ("prompt_logprobs", 1), ("stop", ["</s>"]), ("stop", "\n"),
+          ("n", 0), ("n", 129), ("best_of", 2), ("logprobs", -1), ("logprobs", 21),
+          ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("stop", ["</s>"]), ("stop", "\n"),
       ]],
+    # vLLM's stream has no place for the prompt's logprobs.
+    ({"token_ids": PROMPT, "stream": True, "sampling_params": {"prompt_logprobs": 0}},
+     "sampling_params.prompt_logprobs"),
+    ({"token_ids": PROMPT, "sampling_params": {"n": 2, "best_of": 3}}, "sampling_params.best_of"),
     ({"token_ids": PROMPT, "sampling_params": {"min_tokens": 9, "max_tokens": 2}},
      "sampling_params.min_tokens"),
 ]  # fmt: skip

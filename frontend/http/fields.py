@@ -22,8 +22,10 @@ from typing import Any
 from headwater.wire.capabilities import (
     FREQUENCY_PENALTY,
     LOGIT_BIAS,
+    LOGPROBS,
     MIN_P,
     PRESENCE_PENALTY,
+    PROMPT_LOGPROBS,
     REPETITION_PENALTY,
     SEED,
     STRUCTURED_OUTPUTS,
@@ -34,9 +36,6 @@ from headwater.wire.capabilities import (
 CHAT, COMPLETIONS, GENERATE = "chat", "completions", "generate"
 OPENAI = (CHAT, COMPLETIONS)
 EVERY = (CHAT, COMPLETIONS, GENERATE)
-#: The work that owns the rows it names: fields served by another part of the project,
-#: whose rows it fills in.
-LOGPROBS_AND_N = "logprobs and n"
 
 _TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -55,7 +54,8 @@ class Field:
     the feature, where others do not (``tool_choice``'s ``required``). ``mocker``: how
     the simulated engine honours it, where that needs saying; ``vllm``: what vLLM
     receives, and ``vllm_key`` the key of its ``sampling_params`` that carries it.
-    ``owner``: another part of the project serves it and fills the row in.
+    ``refused_as``: the field a refusal names, when another field of :attr:`asks` is
+    the one that needs the feature (``top_logprobs`` asks through ``logprobs``).
     """
 
     name: str
@@ -69,11 +69,16 @@ class Field:
     mocker: str = ""
     vllm: str = ""
     vllm_key: str = ""
-    owner: str = ""
+    refused_as: str = ""
+
+    def where(self, route: str, name: str = "") -> str:
+        """The field's place in *route*'s body (or *name*'s, beside it)."""
+        name = name or self.name
+        return f"sampling_params.{name}" if self.sampling and route == GENERATE else name
 
     def param(self, route: str) -> str:
         """The field as a refusal on *route* names it."""
-        return f"sampling_params.{self.name}" if self.sampling and route == GENERATE else self.name
+        return self.where(route, self.refused_as)
 
     def honoured(self, caps: Capabilities) -> bool:
         """An engine of *caps* honours the value :attr:`asks` sends."""
@@ -187,20 +192,30 @@ FIELDS: tuple[Field, ...] = (
           asks={"stream": True, "stream_options": {"include_usage": True}}),
     Field("user", OPENAI, "informational (OpenAI's abuse monitoring): no effect on the "
           "answer, in OpenAI's API either", asks={"user": "u-1"}),
-    # -- logprobs and n: the rows the logprobs work fills in --
-    _s("n", "choices per request: only 1 so far", value=2, refused=True,
-       owner=LOGPROBS_AND_N, vllm_key=""),
-    _s("best_of", "only 1 so far", value=2, refused=True, owner=LOGPROBS_AND_N, vllm_key=""),
-    Field("logprobs", OPENAI, "refused so far (`false`, and on completions `0`, pass)",
-          asks={"logprobs": True}, refused=True, owner=LOGPROBS_AND_N),
-    Field("top_logprobs", OPENAI, "refused so far (`null` passes)",
-          asks={"top_logprobs": 2}, refused=True, owner=LOGPROBS_AND_N),
-    Field("echo", (COMPLETIONS,), "refused so far (`false` passes)", asks={"echo": True},
-          refused=True, owner=LOGPROBS_AND_N),
-    Field("logprobs", (GENERATE,), "refused so far (`null` passes)", asks={"logprobs": 1},
-          sampling=True, refused=True, owner=LOGPROBS_AND_N),
-    Field("prompt_logprobs", (GENERATE,), "refused so far (`null` passes)",
-          asks={"prompt_logprobs": 1}, sampling=True, refused=True, owner=LOGPROBS_AND_N),
+    # -- logprobs, n and echo (docs/api.md, "Logprobs, n and echo") --
+    _s("n", "choices per request (up to 128), each sampled on its own, seed + index; the "
+       "frontend fans them out, every engine serving each", value=2, vllm_key=""),
+    Field("best_of", EVERY, "only null or `n`: no candidates beyond the `n` returned",
+          asks={"n": 2, "best_of": 2}, sampling=True),
+    Field("logprobs", (CHAT,), "`true`: each token's logprob (`choices[].logprobs.content`)",
+          LOGPROBS, {"logprobs": True}, vllm="`logprobs`", vllm_key="logprobs"),
+    Field("top_logprobs", (CHAT,), "the 0-20 most likely tokens at each position (needs "
+          "`logprobs`)", LOGPROBS, {"logprobs": True, "top_logprobs": 2},
+          refused_as="logprobs", vllm="`logprobs`", vllm_key="logprobs"),
+    Field("logprobs", (COMPLETIONS,), "0-20: each token's logprob and that many most likely "
+          "tokens (an integer; `false`: none)", LOGPROBS, {"logprobs": 2},
+          vllm="`logprobs`", vllm_key="logprobs"),
+    Field("top_logprobs", (COMPLETIONS,), "refused: a chat field (`logprobs` is the count "
+          "here); `null` passes", asks={"top_logprobs": 2}, refused=True),
+    Field("echo", (COMPLETIONS,), "the prompt's text before the answer's; with `logprobs`, "
+          "the prompt's tokens' logprobs first (the engine's prompt logprobs)",
+          asks={"echo": True}),
+    Field("logprobs", (GENERATE,), "0-20: each token's logprob, rank and that many most "
+          "likely tokens, as vLLM answers", LOGPROBS, {"logprobs": 1}, sampling=True,
+          vllm="`logprobs`", vllm_key="logprobs"),
+    Field("prompt_logprobs", (GENERATE,), "0-20, unary only: the prompt's tokens' logprobs, "
+          "as vLLM answers", PROMPT_LOGPROBS, {"prompt_logprobs": 1}, sampling=True,
+          vllm="`prompt_logprobs`", vllm_key="prompt_logprobs"),
 )
 
 
@@ -228,6 +243,5 @@ def markdown(engines: dict[str, Capabilities]) -> str:
             note = f.mocker if name == "mocker" and verdict == "honoured" else ""
             note = f.vllm if name == "vllm" and verdict == "honoured" else note
             verdicts.append(f"{verdict}: {note}" if note else verdict)
-        does = f.does + (f" *({f.owner}: filled in there)*" if f.owner else "")
-        lines.append(f"| `{f.name}` | {routes} | " + " | ".join(verdicts) + f" | {does} |")
+        lines.append(f"| `{f.name}` | {routes} | " + " | ".join(verdicts) + f" | {f.does} |")
     return "\n".join(lines) + "\n"

@@ -226,11 +226,15 @@ class Router:
         model: str,
         exclude: frozenset[str] = frozenset(),
         prompt: Prompt | None = None,
+        *,
+        prefer: str | None = None,
     ) -> WorkerClient:
         """Choose a worker for *role* serving *model*, skipping ids in *exclude*; a busy
         one only if every candidate is busy (:meth:`all_busy` tells the caller).
         ``kv`` weighs *prompt*'s cached overlap for prefill and aggregated workers and
-        the load alone for decode workers (:mod:`frontend.router.kv_routing`).
+        the load alone for decode workers (:mod:`frontend.router.kv_routing`). The
+        worker *prefer* names comes first, if it is a candidate and not busy while
+        another is not (the choices of one request go where its prompt's KV is).
 
         Raises :class:`NoWorkers` when none is routable.
         """
@@ -239,6 +243,10 @@ class Router:
             raise NoWorkers(f"no routable {role.value} worker for model {model!r}")
         free = [e for e in candidates if not self._busy(e)]
         candidates = free or candidates
+        if prefer is not None:
+            for entry in candidates:
+                if entry.client.instance.worker_id == prefer:
+                    return entry.client
         if self.policy is Policy.KV:
             entry = self._pick_kv(candidates, role, prompt)
         elif self.policy is Policy.RANDOM:

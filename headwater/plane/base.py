@@ -110,8 +110,9 @@ class ResponseStream(abc.ABC):
     arrived; how replies end a stream is decided here, once.
 
     Chunks that are already waiting when one is taken are merged into it, their tokens
-    appended, up to :data:`COALESCE_MAX`: a consumer that fell behind the engine catches
-    up in one pass through postprocessing and one SSE write instead of one per token.
+    (and logprobs) appended, up to :data:`COALESCE_MAX`: a consumer that fell behind the
+    engine catches up in one pass through postprocessing and one SSE write instead of
+    one per token.
     A chunk that finishes the stream or carries a KV handle ends a merge.
     """
 
@@ -154,6 +155,9 @@ class ResponseStream(abc.ABC):
 
     def _merge_waiting(self, first: Chunk) -> Chunk:
         last, tokens, cached = first, None, first.cached_tokens
+        # A stream's chunks all carry logprobs or none do (the request asked or not).
+        logprobs = None if first.logprobs is None else list(first.logprobs)
+        prompt_logprobs = first.prompt_logprobs
         for _ in range(COALESCE_MAX - 1):
             if last.finish_reason is not None or last.kv_handle is not None:
                 break
@@ -166,11 +170,19 @@ class ResponseStream(abc.ABC):
             if tokens is None:
                 tokens = list(first.token_ids)
             tokens.extend(nxt.token_ids)
+            if logprobs is not None and nxt.logprobs is not None:
+                logprobs.extend(nxt.logprobs)
+            if prompt_logprobs is None:
+                prompt_logprobs = nxt.prompt_logprobs
             cached = max(cached, nxt.cached_tokens)
             last = nxt
         if tokens is None:
             return first
-        return Chunk(first.request_id, tokens, last.finish_reason, cached_tokens=cached)
+        return Chunk(
+            first.request_id, tokens, last.finish_reason, cached_tokens=cached,
+            logprobs=None if logprobs is None else tuple(logprobs),
+            prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
 
 
 class WorkerClient(abc.ABC):

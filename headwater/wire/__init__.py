@@ -15,6 +15,7 @@ from headwater.wire.messages import (
     SamplingParams,
     StructuredKind,
     StructuredOutput,
+    TokenLogprobs,
     WorkerLoad,
 )
 
@@ -33,5 +34,6 @@ __all__ = [
     "SamplingParams",
     "StructuredKind",
     "StructuredOutput",
+    "TokenLogprobs",
     "WorkerLoad",
 ]

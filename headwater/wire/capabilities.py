@@ -64,7 +64,7 @@ class Capabilities:
 
 
 #: What a worker that declares nothing is taken to honour: seeds, which every engine
-#: took before declarations existed.
+#: took before declarations existed (logprobs came after them).
 BASELINE: Final = Capabilities("", frozenset({SEED}))
 
 
@@ -74,6 +74,10 @@ class Sampling(Protocol):
 
     @property
     def seed(self) -> int | None: ...
+    @property
+    def logprobs(self) -> int | None: ...
+    @property
+    def prompt_logprobs(self) -> int | None: ...
     @property
     def top_k(self) -> int: ...
     @property
@@ -96,6 +100,10 @@ def needed(s: Sampling) -> Iterator[str]:
     nothing, so a client that sends every default is served anywhere."""
     if s.seed is not None:
         yield SEED
+    if s.logprobs is not None:
+        yield LOGPROBS
+    if s.prompt_logprobs is not None:
+        yield PROMPT_LOGPROBS
     if s.top_k > 0:
         yield TOP_K
     if s.min_p > 0:

@@ -57,6 +57,12 @@ What keeps it fast:
 * A KV handle's ``params`` travel as their own msgpack bytes, so the decoder refuses an
   oversized one from its length alone, before unpacking any of it. A handle without
   params encodes exactly as before they existed.
+* Logprobs (:class:`~headwater.wire.TokenLogprobs`, a chunk's and a prompt's) travel
+  as packed columns (float64 logprobs, uint32 ranks, counts and ids): a 40k-token
+  prompt's top-20 logprobs are 800k numbers, which as msgpack items would exceed
+  :data:`MAX_ITEMS`, and as columns are five bin fields. The request's ``logprobs``
+  and ``prompt_logprobs`` and the chunk's are left out when not set: such frames
+  encode exactly as before they existed.
 * Every map is built explicitly, never with ``dataclasses.asdict``, whose deep copy
   costs ~20 µs per request leg.
 """
@@ -115,6 +121,7 @@ from headwater.wire.messages import (
     SamplingParams,
     StructuredKind,
     StructuredOutput,
+    TokenLogprobs,
     WorkerLoad,
 )
 from headwater.wire.session import TAG_BYTES, FrameMac
@@ -174,6 +181,62 @@ def unpack_block_hashes(data: bytes) -> tuple[int, ...]:
     if len(data) % 8:
         raise ProtocolError(f"block_hashes: {len(data)} bytes is not a whole number of int64")
     return struct.unpack(f"<{len(data) // 8}q", data)
+
+
+def pack_logprobs(entries: Sequence[TokenLogprobs]) -> _Map:
+    """Logprob entries → a map of packed columns: ``lp`` (float64 each), ``rk`` (uint32
+    each), ``tn`` (uint32 each: how many top tokens), then every entry's top tokens
+    end to end, ``ti`` (uint32) and ``tl`` (float64). Raises ValueError for a rank or
+    id outside uint32, or top ids and logprobs of different lengths."""
+    n = len(entries)
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    for e in entries:
+        if len(e.top_ids) != len(e.top_logprobs):
+            raise ValueError("logprobs: top_ids and top_logprobs differ in length")
+        top_ids.extend(e.top_ids)
+        top_logprobs.extend(e.top_logprobs)
+    try:
+        return {
+            "lp": struct.pack(f"<{n}d", *(e.logprob for e in entries)),
+            "rk": to_uint32_le([e.rank for e in entries]),
+            "tn": to_uint32_le([len(e.top_ids) for e in entries]),
+            "ti": to_uint32_le(top_ids),
+            "tl": struct.pack(f"<{len(top_logprobs)}d", *top_logprobs),
+        }
+    except struct.error as exc:
+        raise ValueError(f"logprobs: {exc}") from exc
+
+
+def unpack_logprobs(d: object, what: str) -> tuple[TokenLogprobs, ...]:
+    """The inverse of :func:`pack_logprobs`; raises ProtocolError for anything that is
+    not such a map of consistent columns (*what* names the field in errors)."""
+    if type(d) is not dict:
+        raise ProtocolError(f"{what}: not a map")
+    columns = []
+    for key in ("lp", "rk", "tn", "ti", "tl"):
+        value = d.get(key)
+        if type(value) is not bytes:
+            raise ProtocolError(f"{what}: column {key!r} missing or not bytes")
+        columns.append(value)
+    lp, rk, tn, ti, tl = columns
+    n, top = len(lp) // 8, len(tl) // 8
+    if len(lp) % 8 or len(tl) % 8 or len(rk) != 4 * n or len(tn) != 4 * n or len(ti) != 4 * top:
+        raise ProtocolError(f"{what}: columns of inconsistent lengths")
+    counts = from_uint32_le(tn)
+    if sum(counts) != top:
+        raise ProtocolError(f"{what}: top counts do not add up to the top tokens sent")
+    logprobs = struct.unpack(f"<{n}d", lp)
+    ranks = from_uint32_le(rk)
+    ids = tuple(from_uint32_le(ti))
+    top_logprobs = struct.unpack(f"<{top}d", tl)
+    entries = []
+    at = 0
+    for i in range(n):
+        end = at + counts[i]
+        entries.append(TokenLogprobs(logprobs[i], ranks[i], ids[at:end], top_logprobs[at:end]))
+        at = end
+    return tuple(entries)
 
 
 def pack_kv_params(params: Mapping[str, Any]) -> bytes:
@@ -347,14 +410,19 @@ def _body(frame: Frame) -> _Map:
             body["k"] = "request"
             return body
         case Chunk():
-            return {
+            chunk: _Map = {
                 "request_id": frame.request_id,
                 "token_ids": frame.token_ids,
                 "finish_reason": frame.finish_reason.value if frame.finish_reason else None,
                 "kv_handle": _handle_body(frame.kv_handle),
                 "cached_tokens": frame.cached_tokens,
-                "k": "chunk",
             }
+            if frame.logprobs is not None:
+                chunk["logprobs"] = pack_logprobs(frame.logprobs)
+            if frame.prompt_logprobs is not None:
+                chunk["prompt_logprobs"] = pack_logprobs(frame.prompt_logprobs)
+            chunk["k"] = "chunk"
+            return chunk
         case Ack():
             return {"request_id": frame.request_id, "k": "ack"}
         case End():
@@ -420,6 +488,11 @@ def _sampling_body(sampling: SamplingParams) -> _Map:
         "seed": sampling.seed,
         "stop_token_ids": list(sampling.stop_token_ids),
     }
+    # Left out when not asked: what an older peer sends and expects.
+    if sampling.logprobs is not None:
+        body["logprobs"] = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        body["prompt_logprobs"] = sampling.prompt_logprobs
     # The declared features' fields travel only when they ask for something: a request
     # without them is byte-identical to what an older peer sends, and such a peer,
     # which would ignore them, never gets them (the frontend routes by declarations).
@@ -696,6 +769,14 @@ def _nonneg(d: _Map, key: str, default: int | None = None) -> int:
     return value
 
 
+def _optional_nonneg(d: _Map, key: str) -> int | None:
+    """A non-negative int, or None when absent (or null)."""
+    value = _field(d, key, int, None)
+    if value is not None and value < 0:
+        raise ProtocolError(f"{d.get('k')}: field {key!r} is negative")
+    return value
+
+
 def _int_list(d: _Map, key: str) -> list[int]:
     values: list[object] = _field(d, key, list, [])
     ints = [v for v in values if type(v) is int and v >= 0]
@@ -750,6 +831,8 @@ def _parse_request(d: _Map) -> GenerateRequest:
         top_p=float(_field(sampling, "top_p", float, 1.0)),
         seed=_field(sampling, "seed", int, None),
         stop_token_ids=tuple(_int_list(sampling, "stop_token_ids")),
+        logprobs=_optional_nonneg(sampling, "logprobs"),
+        prompt_logprobs=_optional_nonneg(sampling, "prompt_logprobs"),
         top_k=_nonneg(sampling, "top_k", 0),
         min_p=_finite(sampling, "min_p", 0.0),
         presence_penalty=_finite(sampling, "presence_penalty", 0.0),
@@ -827,13 +910,25 @@ def _parse_chunk(d: _Map) -> Chunk:
     finish = None if reason is None else _FINISH_REASONS.get(reason)
     if reason is not None and finish is None:
         raise ProtocolError(f"chunk: unknown finish_reason {reason!r}")
-    return Chunk(
+    chunk = Chunk(
         request_id=_request_id(d),
         token_ids=_int_list(d, "token_ids"),
         finish_reason=finish,
         kv_handle=_kv_handle(d),
         cached_tokens=_nonneg(d, "cached_tokens", 0),
+        logprobs=_logprobs(d, "logprobs"),
+        prompt_logprobs=_logprobs(d, "prompt_logprobs"),
     )
+    if chunk.logprobs is not None and len(chunk.logprobs) != len(chunk.token_ids):
+        raise ProtocolError(
+            f"chunk: {len(chunk.logprobs)} logprobs for {len(chunk.token_ids)} tokens"
+        )
+    return chunk
+
+
+def _logprobs(d: _Map, key: str) -> tuple[TokenLogprobs, ...] | None:
+    value = d.get(key)
+    return None if value is None else unpack_logprobs(value, f"{d.get('k')}: {key}")
 
 
 def _parse_error(d: _Map) -> Error | Fault:
