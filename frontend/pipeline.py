@@ -59,6 +59,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
+from frontend.asks import OneCall, check_honoured, fill_in_middle, template_kwargs
 from frontend.errors import ContextTooLong, InvalidRequest, WorkerFailed
 from frontend.limits import RequestLimits
 from frontend.metrics import FrontendMetrics
@@ -68,12 +69,13 @@ from frontend.postprocess.logprobs import LogprobEntry, TokenTexts
 from frontend.postprocess.parsers import AnswerParser, ToolCallDelta, check_names, make_parser
 from frontend.preprocess.messages import TemplateError, completion_prompt
 from frontend.preprocess.pool import TokenizerPool
+from frontend.preprocess.structured import ConstraintError, structured_output
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
 from frontend.router import DispatchConfig, Dispatcher, Router
 from headwater.logs import current_request
 from headwater.tracing import Span, current_trace, tracer
-from headwater.wire import GenerateRequest, Role, SamplingParams, TokenLogprobs
+from headwater.wire import GenerateRequest, Role, SamplingParams, StructuredOutput, TokenLogprobs
 from headwater.wire.tokens import token_array
 
 log = logging.getLogger(__name__)
@@ -268,15 +270,19 @@ class Pipeline:
     # -- preprocess ------------------------------------------------------------------
 
     async def preprocess(self, parsed: ParsedRequest) -> Prepared[ParsedRequest]:
-        """Template and tokenize; validate lengths. Raises InvalidRequest."""
+        """Template and tokenize; validate lengths. Raises InvalidRequest (also, before
+        any work, for what the workers cannot honour: :mod:`frontend.asks`)."""
         started = trio.current_time()
+        check_honoured(parsed.needs, self.router, self.model_name,
+                       self.parsers.tool_call_parser)  # fmt: skip
         param = "messages" if parsed.endpoint == "chat" else "prompt"
         prompt_ids, reasoning_forced = await self._prompt(parsed)
+        structured = self._structured(parsed, reasoning_forced)
         return Prepared(
             request_id=plane_request_id(),
             parsed=parsed,
             prompt_ids=prompt_ids,
-            sampling=self._sampling(parsed.sampling, len(prompt_ids), param),
+            sampling=self._sampling(parsed.sampling, len(prompt_ids), param, structured),
             created=time.time(),
             started=started,
             reasoning_forced=reasoning_forced,
@@ -302,6 +308,8 @@ class Pipeline:
                     text_or_ids = await self._render(parsed)
                 else:
                     text_or_ids = completion_prompt(parsed.prompt)
+                    if parsed.suffix is not None:
+                        text_or_ids = fill_in_middle(text_or_ids, parsed.suffix, self.tokenizer)
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param=param) from exc
         t1 = time.perf_counter()
@@ -326,6 +334,7 @@ class Pipeline:
         Async like :meth:`preprocess`, though nothing here waits.
         """
         started = trio.current_time()
+        check_honoured(request.needs, self.router, self.model_name, "none")
         prompt_ids = self._token_ids(request.token_ids, "token_ids")
         return Prepared(
             request_id=plane_request_id(),
@@ -351,10 +360,14 @@ class Pipeline:
         return token_array(ids)
 
     async def _render(self, parsed: ParsedRequest) -> str:
+        kwargs = template_kwargs(parsed, self.template)
+        # tool_choice "none": the tools stay out of the prompt, as Dynamo leaves them.
+        tools = None if parsed.tool_choice == "none" else parsed.tools
+
         def work() -> str:
             return self.template.render(
                 parsed.messages or [], add_generation_prompt=parsed.add_generation_prompt,
-                chat_template_kwargs=parsed.chat_template_kwargs, tools=parsed.tools,
+                chat_template_kwargs=kwargs, tools=tools,
             )  # fmt: skip
 
         # The parser's count has the tools and their arguments too: a large one renders
@@ -364,9 +377,30 @@ class Pipeline:
             return work()
         return await self.pool.offload(work)
 
-    def _sampling(self, options: SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
+    def _structured(self, parsed: ParsedRequest, reasoning_forced: bool) -> StructuredOutput | None:
+        """The engine's constraint for what ``response_format`` / ``tool_choice`` ask."""
+        if parsed.constraint is None:
+            return None
+        try:
+            return structured_output(
+                parsed.constraint, tools=parsed.tools,
+                tool_call_parser=self.parsers.tool_call_parser,
+                reasoning_forced=reasoning_forced,
+                parallel_tool_calls=parsed.parallel_tool_calls,
+            )  # fmt: skip
+        except ConstraintError as exc:
+            raise InvalidRequest(str(exc), param=parsed.constraint.param) from exc
+
+    def _sampling(
+        self,
+        options: SamplingOptions,
+        prompt_len: int,
+        param: str,
+        structured: StructuredOutput | None = None,
+    ) -> SamplingParams:
         """The engine's parameters for a prompt of *prompt_len* tokens; ContextTooLong,
-        naming *param* (where the prompt came from), when there is no room for them."""
+        naming *param* (where the prompt came from), when there is no room for them.
+        *structured*: an OpenAI request's constraint (a token-in one's is in *options*)."""
         room = self.context_length - prompt_len
         if room < 1 or (options.max_tokens is not None and options.max_tokens > room):
             asked = options.max_tokens if options.max_tokens is not None else 1
@@ -386,6 +420,11 @@ class Pipeline:
                 f"'min_tokens' ({options.min_tokens}) exceeds the {max_tokens} tokens this "
                 "request may generate", param="min_tokens",
             )  # fmt: skip
+        vocab = self.tokenizer.vocab_size
+        if any(token >= vocab for token, _ in options.logit_bias):
+            bias = "sampling_params.logit_bias" if param == "token_ids" else "logit_bias"
+            raise InvalidRequest(f"'{bias}' token ids must be below the vocabulary size "
+                                 f"({vocab})", param=bias)  # fmt: skip
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=options.min_tokens,
@@ -396,6 +435,13 @@ class Pipeline:
             stop_token_ids=options.stop_token_ids,
             logprobs=options.logprobs,
             prompt_logprobs=options.prompt_logprobs,
+            top_k=options.top_k,
+            min_p=options.min_p,
+            presence_penalty=options.presence_penalty,
+            frequency_penalty=options.frequency_penalty,
+            repetition_penalty=options.repetition_penalty,
+            logit_bias=options.logit_bias,
+            structured=structured or options.structured,
         )
 
     # -- route → plane → postprocess --------------------------------------------------
@@ -646,10 +692,11 @@ class Pipeline:
         tool_parser = choice.tool_call_parser if offered else "none"
         if tool_parser == "none" and choice.reasoning_parser == "none":
             return None
-        return make_parser(
+        parser = make_parser(
             tool_parser, choice.reasoning_parser,
             tools=parsed.tools if offered else None, reasoning_forced=prep.reasoning_forced,
         )  # fmt: skip
+        return parser if parsed.parallel_tool_calls else OneCall(parser)
 
 
 def _trace_usage(model: str, prompt: int, generated: int, cached: int, reasons: str) -> None:

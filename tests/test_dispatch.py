@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import trio
@@ -36,6 +36,8 @@ from headwater.wire import (
     KvHandle,
     Role,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
     WorkerLoad,
 )
 
@@ -249,6 +251,27 @@ async def test_a_retryable_error_mid_stream_migrates_with_the_tokens_so_far(
     assert moved.request_id == "r.m1"
     assert list(moved.token_ids) == PROMPT + expected(3)
     assert migrations(metrics) == 1
+
+
+async def test_a_constrained_answer_migrates_only_before_its_first_token(
+    autojump_clock: object,
+) -> None:
+    # Its grammar cannot resume on tokens fed back as prompt: after the first token a
+    # broken stream fails the request rather than continue it unconstrained.
+    structured = StructuredOutput(StructuredKind.JSON_OBJECT)
+    constrained = replace(request(max_tokens=8), sampling=replace(
+        request().sampling, max_tokens=8, structured=structured))  # fmt: skip
+    a = FakeWorker("a", Role.AGG, [Stream(break_after=3)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    with pytest.raises(WorkerFailed, match="constrained answer cannot continue"):
+        await run(cluster(a, b), constrained)
+    assert b.received == []
+    before = FakeWorker("c", Role.AGG, [Stream(break_after=0)])
+    d = FakeWorker("d", Role.AGG, [Stream()])
+    chunks, _ = await run(cluster(before, d), constrained)
+    assert tokens(chunks) == expected(8)
+    (moved,) = d.received
+    assert moved.sampling.structured == structured  # started over, constraint and all
 
 
 async def test_a_non_retryable_error_mid_stream_fails_the_request(

@@ -23,9 +23,12 @@ from headwater.wire import (
     GenerateRequest,
     KvHandle,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
     TokenLogprobs,
 )
 from headwater.wire.addresses import format_tcp_address, is_loopback, parse_tcp_address
+from headwater.wire.capabilities import Capabilities
 from headwater.wire.codec import (
     KINDS,
     MAX_KV_PARAMS_BYTES,
@@ -122,8 +125,14 @@ EXAMPLES: list[Frame] = [
     Challenge(b"s" * 32, b"p" * 32),
     Auth(b"q" * 32),
     HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4"),
+    HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4",
+            Capabilities("vllm", frozenset({"seed", "top_k", "structured_outputs"}))),
     REQUEST,
     GenerateRequest("r2", "m", token_array([5]), SamplingParams(max_tokens=1)),
+    GenerateRequest("r3", "m", token_array([5, 6]), SamplingParams(
+        max_tokens=4, top_k=3, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.2, logit_bias=((5, 1.5), (9, -100.0)),
+        structured=StructuredOutput(StructuredKind.JSON, '{"type": "object"}'))),
     HASHED_REQUEST,
     LOGPROBS_REQUEST,
     Ack("req-1"),

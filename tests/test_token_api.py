@@ -73,9 +73,10 @@ async def test_every_sampling_param_headwater_supports_reaches_the_engine_reques
                                 "ignore_eos": True, "top_k": 40}}  # fmt: skip
     parsed = parse_generate_request(body)
     sampling = SamplingOptions(max_tokens=9, min_tokens=2, stop_token_ids=(7, 8),
-                               ignore_eos=True, temperature=0.5, top_p=0.9, seed=3)
+                               ignore_eos=True, temperature=0.5, top_p=0.9, seed=3, top_k=40)
+    needs = (("seed", "sampling_params.seed"), ("top_k", "sampling_params.top_k"))
     assert parsed == TokenRequest(PROMPT, "r", MODEL, stream=True, include_usage=True,
-                                  sampling=sampling)  # fmt: skip
+                                  sampling=sampling, needs=needs)  # fmt: skip
     fe = Frontend(FrontendConfig(tokenizer_threads=1), tokenizer=shared_tokenizer())
     prep = await fe.pipeline.preprocess_tokens(parsed)
     assert prep.parsed is parsed
@@ -84,7 +85,7 @@ async def test_every_sampling_param_headwater_supports_reaches_the_engine_reques
     assert prep.request_id != "r"  # the plane's id is the frontend's own
     assert prep.sampling == SamplingParams(max_tokens=9, min_tokens=2, ignore_eos=True,
                                            temperature=0.5, top_p=0.9, seed=3,
-                                           stop_token_ids=(7, 8))  # fmt: skip
+                                           stop_token_ids=(7, 8), top_k=40)  # fmt: skip
     defaults = await fe.pipeline.preprocess_tokens(parse_generate_request({"token_ids": [1]}))
     assert defaults.sampling == SamplingParams(max_tokens=fe.config.context_length - 1)
 

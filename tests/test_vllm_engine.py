@@ -201,8 +201,10 @@ def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Pa
     assert argv[1:4] == ["-m", "workers.engines.vllm.launcher", "serve"]
     assert argv[-2:] == ["--max-num-seqs", "8"]
     assert "--enforce-eager" in argv
-    assert "--skip-tokenizer-init" in argv
+    assert "--skip-tokenizer-init" in argv  # the directory has no tokenizer to load
     assert "--enable-scale-out" in argv
+    (tmp_path / "tokenizer.json").write_text("{}")  # one to build grammars over
+    assert "--skip-tokenizer-init" not in serve_argv(config, Role.PREFILL, 1234)
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
                   "kv_buffer_device": "cpu",

@@ -35,7 +35,9 @@ What the models cannot say is checked after them, in :mod:`frontend.http.schema`
 fields that depend on each other (``top_logprobs`` needs ``logprobs``, ``best_of``
 and ``n``), requests for what headwater cannot do (stop strings on the token-in API)
 and the configured limits (:mod:`frontend.limits`), which the OpenAPI document
-states as ``maxItems``, ``maximum`` and so on from the same config.
+states as ``maxItems``, ``maximum`` and so on from the same config. Every field of the
+chat, completions and token-in bodies is honoured or refused, on each engine: the table
+of :mod:`frontend.http.fields` says which, and docs/api.md ("Fields") publishes it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from frontend.http.anthropic import models as anthropic
 from frontend.http.bounds import FREE_FORM as _FREE_FORM
-from frontend.http.bounds import FreeFormObjectOrNull, Name, NonEmptyStr, NonEmptyText
+from frontend.http.bounds import (
+    FreeFormObject,
+    FreeFormObjectOrNull,
+    Name,
+    NonEmptyStr,
+    NonEmptyText,
+)
 from frontend.http.responses_api import models as responses_api
 from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 
@@ -56,7 +64,17 @@ from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 TokenId = Annotated[int, Meta(ge=0, description="a token id of the served model's vocabulary")]
 Temperature = Annotated[float, Meta(ge=0, le=2, description="sampling temperature (1)")]
 TopP = Annotated[float, Meta(ge=0, le=1, description="nucleus sampling mass (1)")]
-Penalty = Annotated[float, Meta(ge=-2, le=2, description="accepted, not applied (0)")]
+Penalty = Annotated[float, Meta(ge=-2, le=2, description=(
+    "OpenAI's penalty on tokens already generated (0: none)"))]  # fmt: skip
+TopK = Annotated[int, Meta(ge=-1, description=(
+    "sample among the k most likely tokens (vLLM's; 0 or -1: all)"))]  # fmt: skip
+MinP = Annotated[float, Meta(ge=0, le=1, description=(
+    "drop tokens less likely than min_p times the most likely one (vLLM's; 0: none)"))]  # fmt: skip
+RepetitionPenalty = Annotated[float, Meta(gt=0, le=2, description=(
+    "vLLM's multiplicative penalty on tokens of the prompt and the output (1: none)"))]  # fmt: skip
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(
+    max_length=MAX_PARTS, description=(
+        "token id (as a string) to a bias from -100 to 100 added to its logit"))]  # fmt: skip
 MaxTokens = Annotated[int, Meta(ge=1, description=(
     "tokens to generate at most; absent: what the context length leaves, up to the "
     "server's cap"))]  # fmt: skip
@@ -93,6 +111,36 @@ class _Sampling(Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     n: N | None = None
     best_of: BestOf | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+
+
+class TextFormat(Struct, kw_only=True, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """Plain text: no constraint (the default)."""
+
+
+class JsonObjectFormat(Struct, kw_only=True, tag_field="type", tag="json_object",
+                       forbid_unknown_fields=True):  # fmt: skip
+    """Any JSON object, by constrained decoding."""
+
+
+class JsonSchemaSpec(Struct, kw_only=True):
+    name: NonEmptyStr
+    description: str | None = None
+    schema: FreeFormObject | UnsetType = UNSET  # a JSON Schema; absent: any JSON object
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(Struct, kw_only=True, tag_field="type", tag="json_schema",
+                       forbid_unknown_fields=True):  # fmt: skip
+    """JSON valid against ``json_schema.schema``, by constrained decoding."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 
 class _OpenAIRequest(_Sampling, kw_only=True):
@@ -108,6 +156,7 @@ class _OpenAIRequest(_Sampling, kw_only=True):
     top_logprobs: Annotated[TopLogprobs, Meta(description=(
         "chat: the most likely tokens to list at each position (needs logprobs); "
         "completions: only null (use logprobs)"))] | None = None  # fmt: skip
+    response_format: ResponseFormat | None = None
 
 
 # -- chat -----------------------------------------------------------------------------------
@@ -188,15 +237,19 @@ class ToolChoiceFunction(Struct, kw_only=True):
     name: Name
 
 
-ToolChoiceMode = Annotated[str, Meta(max_length=MAX_NAME_CHARS,
-                                     description='"none", "auto" or "required"')]  # fmt: skip
+#: Another mode (Anthropic's "any", a typo) is refused, not taken for "auto".
+ToolChoiceMode = Literal["none", "auto", "required"]
 
 
 class NamedToolChoice(Struct, kw_only=True):
     """A ``tool_choice`` that names the function to call."""
 
     function: ToolChoiceFunction
-    type: Name | None = None
+    type: Literal["function"] | None = None
+
+
+ToolChoice = ToolChoiceMode | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -207,7 +260,9 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
     logprobs: Annotated[bool, Meta(description=(
         "each generated token's logprob (choices[].logprobs.content)"))] | None = None  # fmt: skip
     tools: list[Tool] | None = None
-    tool_choice: ToolChoiceMode | NamedToolChoice | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: FreeFormObjectOrNull | UnsetType = UNSET
 
 
@@ -227,14 +282,33 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
     echo: Annotated[bool, Meta(description=(
         "the prompt's text before the answer's (and with logprobs, its tokens' first)"
     ))] | None = None  # fmt: skip
+    suffix: Annotated[str, Meta(description=(
+        "text after the completion: the prompt is framed for fill-in-the-middle"
+    ))] | None = None  # fmt: skip
 
 
 # -- the token-in API -----------------------------------------------------------------------
 
 
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``StructuredOutputsParams``: exactly one constraint (its other options are
+    refused, not ignored)."""
+
+    #: A JSON schema, or its text; kept as its text until checked.
+    json: Annotated[Raw, Meta(extra_json_schema={"anyOf": [
+        {"type": "string"},
+        {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
+    ]})] | UnsetType = UNSET  # fmt: skip
+    regex: str | None = None
+    choice: Annotated[list[Name], Meta(max_length=MAX_PARTS)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class SamplingParams(_Sampling, kw_only=True):
-    """How to generate, in vLLM's ``SamplingParams`` shape; fields not listed (``top_k``,
-    ``skip_special_tokens``, ...) are ignored."""
+    """How to generate, in vLLM's ``SamplingParams`` shape; fields not listed
+    (``skip_special_tokens``, ...) are ignored."""
 
     max_tokens: MaxTokens | None = None
     logprobs: Annotated[TopLogprobs, Meta(description=(
@@ -245,6 +319,7 @@ class SamplingParams(_Sampling, kw_only=True):
     stop: Annotated[str | list[str], Meta(description=(
         "not supported (no text to match on): only null or []; use stop_token_ids"
     ))] | None = None  # fmt: skip
+    structured_outputs: StructuredOutputs | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):

@@ -20,7 +20,8 @@ in three nested loops:
   starts again on other workers with the tokens generated so far appended to the
   prompt and ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
   (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
-  token twice, none missing.
+  token twice, none missing. A constrained answer (structured outputs) migrates only
+  before its first token: its grammar cannot resume on the tokens so far.
 
 A worker that could not take a request (unreachable, or refused it retryably) is not
 picked again for that request. One whose stream of it broke (or that failed it
@@ -199,6 +200,12 @@ class Dispatcher:
                 except _Migrate as exc:
                     if state.migrations >= self.config.migration_limit:
                         raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
+                    if generated and request.sampling.structured is not None:
+                        # The constraint's grammar would start over on the tokens so far,
+                        # as if they were prompt: the answer would no longer be what it asked.
+                        raise WorkerFailed(f"the worker's stream broke ({exc}), and a "
+                                           "constrained answer cannot continue elsewhere"
+                                           ) from exc  # fmt: skip
                     state.migrations += 1
                     # As Dynamo counts them: before any token reached the caller, or after.
                     kind = "ongoing_request" if generated else "new_request"

@@ -45,6 +45,7 @@ from frontend.router.kv_index import KvIndex
 from frontend.router.kv_routing import ApproxIndex, Candidate, KvConfig, KvSubscriber, choose
 from headwater.plane.base import PlaneError, WorkerClient
 from headwater.wire import Role
+from headwater.wire.capabilities import Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,18 @@ class Router:
         else:
             entry = candidates[self._next_turn(role, model) % len(candidates)]
         return entry.client
+
+    def lacking(self, model: str, feature: str) -> Capabilities | None:
+        """The declaration of a worker serving *model* (of any role, in any state) that
+        does not honour *feature*; None when every one does, or none is known.
+
+        A request may go to any of them (a prefill samples its first token too), so it
+        asks only for what all of them declare (:mod:`headwater.wire.capabilities`)."""
+        for entry in self._entries.values():
+            client = entry.client
+            if client.instance.model == model and not client.capabilities.honours(feature):
+                return client.capabilities
+        return None
 
     def _pick_kv(self, candidates: list[_Entry], role: Role, prompt: Prompt | None) -> _Entry:
         by_id = {e.client.instance.worker_id: e for e in candidates}

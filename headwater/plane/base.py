@@ -45,6 +45,7 @@ from headwater.wire import (
     Role,
     WorkerLoad,
 )
+from headwater.wire.capabilities import BASELINE, Capabilities
 from headwater.wire.kv_events import KvEventBatch
 
 
@@ -91,6 +92,9 @@ class WorkerInstance:
     address: str  # "memory://<id>" or "tcp://host:port"
     capacity: int = 256  # max concurrent sequences the worker advertises
     metadata: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    #: What its engine declared it honours, as discovery reported it (None: not
+    #: reported; a TCP client learns it in the handshake).
+    capabilities: Capabilities | None = field(default=None, compare=False, hash=False)
 
 
 #: Chunks merged into one at most, so that draining a backlog stays a bounded step.
@@ -190,6 +194,13 @@ class WorkerClient(abc.ABC):
     def load(self) -> WorkerLoad | None:
         """The worker's load as it last reported it; None when it has not (yet)."""
         return None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the worker's engine declared it honours (:mod:`headwater.wire.capabilities`):
+        as discovery reported it, else the baseline. A transport that hears it from the
+        worker itself (the TCP handshake) says that instead."""
+        return self.instance.capabilities or BASELINE
 
     @abc.abstractmethod
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:

@@ -13,6 +13,8 @@ from headwater.wire.messages import (
     Reply,
     Role,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
     TokenLogprobs,
     WorkerLoad,
 )
@@ -30,6 +32,8 @@ __all__ = [
     "Reply",
     "Role",
     "SamplingParams",
+    "StructuredKind",
+    "StructuredOutput",
     "TokenLogprobs",
     "WorkerLoad",
 ]

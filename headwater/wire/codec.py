@@ -70,6 +70,7 @@ What keeps it fast:
 from __future__ import annotations
 
 import array
+import math
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar, overload
@@ -77,6 +78,7 @@ from typing import Any, Final, TypeVar, overload
 import msgpack
 
 from headwater.tracing.w3c import TraceParent, valid_tracestate
+from headwater.wire.capabilities import Capabilities, from_plain, to_plain
 from headwater.wire.errors import FrameTooLarge, ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -117,6 +119,8 @@ from headwater.wire.messages import (
     GenerateRequest,
     KvHandle,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
     TokenLogprobs,
     WorkerLoad,
 )
@@ -438,8 +442,11 @@ def _body(frame: Frame) -> _Map:
         case Auth():
             return {"k": "auth", "proof": frame.proof}
         case HelloOk():
-            return {"k": "hello_ok", "version": frame.version, "role": frame.role,
+            body = {"k": "hello_ok", "version": frame.version, "role": frame.role,
                     "worker_id": frame.worker_id, "model": frame.model}
+            if frame.capabilities is not None:  # left out by an older worker
+                body["caps"] = to_plain(frame.capabilities)
+            return body
         case Ping():
             return {"k": "ping", "seq": frame.seq}
         case Pong():
@@ -486,6 +493,24 @@ def _sampling_body(sampling: SamplingParams) -> _Map:
         body["logprobs"] = sampling.logprobs
     if sampling.prompt_logprobs is not None:
         body["prompt_logprobs"] = sampling.prompt_logprobs
+    # The declared features' fields travel only when they ask for something: a request
+    # without them is byte-identical to what an older peer sends, and such a peer,
+    # which would ignore them, never gets them (the frontend routes by declarations).
+    s = sampling
+    if s.top_k:
+        body["top_k"] = s.top_k
+    if s.min_p:
+        body["min_p"] = s.min_p
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        body["logit_bias"] = [[token, bias] for token, bias in s.logit_bias]
+    if s.structured is not None:
+        body["structured"] = [s.structured.kind.value, s.structured.spec]
     return body
 
 
@@ -808,6 +833,13 @@ def _parse_request(d: _Map) -> GenerateRequest:
         stop_token_ids=tuple(_int_list(sampling, "stop_token_ids")),
         logprobs=_optional_nonneg(sampling, "logprobs"),
         prompt_logprobs=_optional_nonneg(sampling, "prompt_logprobs"),
+        top_k=_nonneg(sampling, "top_k", 0),
+        min_p=_finite(sampling, "min_p", 0.0),
+        presence_penalty=_finite(sampling, "presence_penalty", 0.0),
+        frequency_penalty=_finite(sampling, "frequency_penalty", 0.0),
+        repetition_penalty=_finite(sampling, "repetition_penalty", 1.0),
+        logit_bias=_logit_bias(sampling),
+        structured=_structured(sampling),
     )
     return GenerateRequest(
         request_id=_request_id(d),
@@ -818,6 +850,48 @@ def _parse_request(d: _Map) -> GenerateRequest:
         eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
         **_trace_fields(d),
     )
+
+
+def _finite(d: _Map, key: str, default: float) -> float:
+    """A finite float (an int passes); *default* when absent."""
+    value = float(_field(d, key, float, default))
+    if not math.isfinite(value):
+        raise ProtocolError(f"{d.get('k')}: field {key!r} is not finite")
+    return value
+
+
+def _logit_bias(d: _Map) -> tuple[tuple[int, float], ...]:
+    """Sampling's optional ``logit_bias``: [[token id, finite bias], ...]."""
+    pairs: list[object] = _field(d, "logit_bias", list, [])
+    bias: list[tuple[int, float]] = []
+    for pair in pairs:
+        if (
+            type(pair) is not list
+            or len(pair) != 2
+            or type(pair[0]) is not int
+            or pair[0] < 0
+            or type(pair[1]) not in (int, float)
+            or not math.isfinite(pair[1])
+        ):
+            raise ProtocolError("request: logit_bias must hold [token id, finite bias] pairs")
+        bias.append((pair[0], float(pair[1])))
+    return tuple(bias)
+
+
+_STRUCTURED_KINDS: Final = {k.value: k for k in StructuredKind}
+
+
+def _structured(d: _Map) -> StructuredOutput | None:
+    """Sampling's optional ``structured``: [kind, spec]."""
+    raw: list[object] | None = _field(d, "structured", list, None)
+    if raw is None:
+        return None
+    if len(raw) != 2 or type(raw[0]) is not str or type(raw[1]) is not str:
+        raise ProtocolError("request: structured must be [kind, spec]")
+    kind = _STRUCTURED_KINDS.get(raw[0])
+    if kind is None:
+        raise ProtocolError(f"request: unknown structured output kind {raw[0]!r}")
+    return StructuredOutput(kind, raw[1])
 
 
 def _trace_fields(d: _Map) -> dict[str, str]:
@@ -880,6 +954,17 @@ def _load(d: _Map) -> WorkerLoad | None:
         raise ProtocolError("pong: load must be [active, waiting, kv_usage in [0, 1]]")
     active, waiting, usage = raw
     return WorkerLoad(active, waiting, float(usage))  # type: ignore[arg-type]
+
+
+def _capabilities(d: _Map) -> Capabilities | None:
+    """A hello_ok's optional ``caps``: the worker's declaration."""
+    raw = _field(d, "caps", dict, None)
+    if raw is None:
+        return None
+    try:
+        return from_plain(raw)
+    except ValueError as exc:
+        raise ProtocolError(f"hello_ok: {exc}") from exc
 
 
 def _event_body(event: KvEvent) -> _Map:
@@ -948,7 +1033,7 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "auth": lambda d: Auth(_field(d, "proof", bytes)),
     "hello_ok": lambda d: HelloOk(
         _nonneg(d, "version"), _field(d, "role", str), _field(d, "worker_id", str),
-        _field(d, "model", str),
+        _field(d, "model", str), _capabilities(d),
     ),
     "request": _parse_request,
     "ack": lambda d: Ack(_request_id(d)),

@@ -36,6 +36,26 @@ class FinishReason(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+class StructuredKind(enum.StrEnum):
+    """What a :class:`StructuredOutput` constrains the output to, as vLLM names it."""
+
+    JSON = "json"  # valid against a JSON schema (``spec``: the schema as JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object (``spec`` empty)
+    REGEX = "regex"  # ``spec``: the regular expression
+    CHOICE = "choice"  # one of several strings (``spec``: a JSON list of them)
+    GRAMMAR = "grammar"  # ``spec``: an EBNF grammar
+    STRUCTURAL_TAG = "structural_tag"  # ``spec``: xgrammar's structural tag, as JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the generated text (constrained decoding), for engines that
+    declare ``structured_outputs`` (:mod:`headwater.wire.capabilities`)."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What the engine needs to know to generate; text-level options stay in the frontend.
@@ -44,6 +64,12 @@ class SamplingParams:
     most likely tokens at its position (0: the token's own only); ``prompt_logprobs``:
     the same for the prompt's tokens, on the first chunk. None: not asked (what an older
     peer sends).
+
+    The fields after ``prompt_logprobs`` go beyond the baseline every engine honours:
+    each asks for a feature the engine must declare (:mod:`headwater.wire.capabilities`)
+    unless it is at its default, which asks for nothing (and is what an older peer
+    sends). ``logit_bias`` is (token id, bias) pairs, each bias added to that token's
+    logit before sampling.
     """
 
     max_tokens: int
@@ -55,6 +81,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # -- beyond the baseline: declared features --
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
 
 @dataclass(frozen=True, slots=True)

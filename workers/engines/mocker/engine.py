@@ -24,6 +24,7 @@ import trio
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role, TokenLogprobs
+from headwater.wire.capabilities import LOGPROBS, PROMPT_LOGPROBS, SEED, Capabilities
 from headwater.wire.kv_events import KvEventLog
 from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
@@ -40,6 +41,9 @@ MIN_SLEEP = 0.5e-3
 #: Prompts shorter than this get their logprobs computed on the loop, longer ones in a
 #: thread (tokens).
 PROMPT_LOGPROBS_INLINE = 2048
+#: What the simulated engine honours beyond the baseline (temperature 0 is greedy: see
+#: :mod:`.sampling`).
+CAPABILITIES = Capabilities("mocker", frozenset({SEED, LOGPROBS, PROMPT_LOGPROBS}))
 
 
 @dataclass(eq=False, slots=True)
@@ -89,6 +93,14 @@ class MockerEngine(Engine):
         self._closed = False
 
     # ---- Engine API -------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Seeds and logprobs (:data:`CAPABILITIES`): its simulated distribution is drawn
+        from at temperature 1 (0: its most likely token), and top-k, min-p, penalties,
+        biases and constrained decoding are refused, not simulated (docs/api.md,
+        "Fields")."""
+        return CAPABILITIES
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler until cancelled. May be called once.
@@ -271,7 +283,8 @@ class MockerEngine(Engine):
                 tokens = copy_tokens(prompt)  # a memcpy for a token array
             except ValueError as exc:
                 raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
-        key = seed_key(sampling.seed, request.request_id)
+        greedy = sampling.temperature == 0
+        key = seed_key(sampling.seed, request.request_id, greedy=greedy)
         stop_ids = set(sampling.stop_token_ids)
         eos_token = eos_index = None
         if not sampling.ignore_eos:
@@ -289,6 +302,7 @@ class MockerEngine(Engine):
             eos_token=eos_token,
             eos_index=eos_index,
             seed_key=key,
+            greedy=greedy,
             prefill_only=self.role is Role.PREFILL,
             logprobs=None if self.role is Role.PREFILL else sampling.logprobs,
         )

@@ -8,9 +8,11 @@ processes. The natural output length (when ``mean_output_tokens`` is set) is dra
 from the same key, salted apart from the token draws.
 
 Each position has a simulated next-token distribution over the output range
-``[low, low + span)``, and the token is drawn from it (at temperature 1, whatever the
-request asks): :data:`HEAD` candidates, ``base``, ``base + 1``, ... (mod ``span``, with
-``base`` hashed from the key and the position), have probabilities falling as
+``[low, low + span)``, and the token is drawn from it (at temperature 1), or, at
+temperature 0, is its most likely token (:func:`top_token_at`), every greedy request
+sharing one key (:data:`GREEDY_KEY`) whatever its seed: :data:`HEAD` candidates,
+``base``, ``base + 1``, ... (mod ``span``, with ``base`` hashed from the key and the
+position), have probabilities falling as
 ``1 / rank**2``; every other token of the range is :data:`TAIL_RATIO` times less likely
 than the last candidate. :func:`logprobs_at` reports that same distribution, so the
 logprobs a client sees are those of the distribution its tokens came from. A prompt's
@@ -54,8 +56,15 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def seed_key(seed: int | None, request_id: str) -> int:
-    """The request's stream key: from its seed, else a stable hash of its id."""
+#: The stream key of every greedy request (temperature 0).
+GREEDY_KEY = 0x2545F4914F6CDD1D
+
+
+def seed_key(seed: int | None, request_id: str, *, greedy: bool = False) -> int:
+    """The request's stream key: :data:`GREEDY_KEY` for a greedy one, else from its
+    seed, else a stable hash of its id."""
+    if greedy:
+        return GREEDY_KEY
     if seed is None:
         # str hash() is salted per process; blake2b is stable across workers.
         return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest())
@@ -116,6 +125,12 @@ def token_at(key: int, position: int, low: int, span: int) -> int:
     # A token outside the candidates, evenly: the draw's place in the tail's share.
     start = s.cuts[-1]
     return low + (base + s.head + (u - start) * (span - s.head) // (_U32 - start)) % span
+
+
+def top_token_at(key: int, position: int, low: int, span: int) -> int:
+    """The most likely token at *position* of stream *key*: greedy decoding's pick
+    (the first candidate, ``base``, of :func:`token_at`)."""
+    return low + (mix64((key + position * GAMMA) & MASK64) & 0xFFFFFFFF) % span
 
 
 def logprobs_at(

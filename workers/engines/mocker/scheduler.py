@@ -42,7 +42,7 @@ from typing import Generic, TypeVar
 from headwater.wire import FinishReason, KvHandle, TokenLogprobs
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import BlockTable, KvCache
-from workers.engines.mocker.sampling import logprobs_at, token_at
+from workers.engines.mocker.sampling import logprobs_at, token_at, top_token_at
 from workers.engines.mocker.timing import step_seconds
 from workers.engines.mocker.transfers import HeldTransfers
 
@@ -89,6 +89,7 @@ class Sequence:
     eos_token: int | None = None
     eos_index: int | None = None  # output index at which eos_token is emitted
     seed_key: int = 0  # sampling.seed_key()
+    greedy: bool = False  # temperature 0: the most likely token, not a draw
     prefill_only: bool = False  # hold the KV once the prompt is computed; sample nothing
     logprobs: int | None = None  # top logprobs to report per output token; None: none
     transferred: int = 0  # leading tokens whose KV arrived by transfer
@@ -246,7 +247,12 @@ class Scheduler(Generic[S]):
             # Sample, inline: this runs for every decoding sequence every step.
             index = seq.num_output
             eos = seq.eos_token if index == seq.eos_index else None
-            token = token_at(seq.seed_key, len(tokens) + 1, low, span) if eos is None else eos
+            if eos is not None:
+                token = eos
+            elif seq.greedy:
+                token = top_token_at(seq.seed_key, len(tokens) + 1, low, span)
+            else:
+                token = token_at(seq.seed_key, len(tokens) + 1, low, span)
             if seq.logprobs is not None:
                 seq.pending_logprobs.append(logprobs_at(
                     seq.seed_key, len(tokens) + 1, token, low, span, seq.logprobs,

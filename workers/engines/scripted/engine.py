@@ -32,6 +32,7 @@ import tokenizers
 import trio
 
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
+from headwater.wire.capabilities import SEED, Capabilities
 from headwater.wire.tokens import token_array
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
 from workers.engines.scripted.answer import answer_tokens, continued
@@ -44,6 +45,8 @@ from workers.engines.scripted.tokenizer import TokenizerLoadError, load_tokenize
 INLINE_MAX_TOKENS = 256
 #: Threads reading long prompts at once, per engine.
 DECODE_THREADS = 2
+#: What the scripted engine honours beyond the baseline.
+CAPABILITIES = Capabilities("scripted", frozenset({SEED}))
 
 
 @dataclass(slots=True)
@@ -99,6 +102,13 @@ class ScriptedEngine(Engine):
         self._running = False  # between run()'s start-up and its end
 
     # ---- Engine API -------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Seeds (trivially: the answer is the script's, the same for every seed) and
+        nothing else: no distribution to reshape, no answer to constrain (docs/api.md,
+        "Fields")."""
+        return CAPABILITIES
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the script and the tokenizer (in a thread; a prefill engine needs

@@ -43,6 +43,7 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
 
 import httpx
+import orjson
 import trio
 
 from headwater.tracing import current_trace
@@ -53,7 +54,22 @@ from headwater.wire import (
     GenerateRequest,
     KvHandle,
     Role,
+    StructuredKind,
+    StructuredOutput,
     TokenLogprobs,
+)
+from headwater.wire.capabilities import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    LOGPROBS,
+    MIN_P,
+    PRESENCE_PENALTY,
+    PROMPT_LOGPROBS,
+    REPETITION_PENALTY,
+    SEED,
+    STRUCTURED_OUTPUTS,
+    TOP_K,
+    Capabilities,
 )
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
 from workers.engines.vllm import protocol
@@ -143,6 +159,10 @@ class VllmEngine(Engine):
         #: Set from vLLM's /v1/models once it is up (prompt + completion tokens).
         self.max_model_len = config.max_model_len
         self.served_model = ""
+        features = set(SAMPLING_FEATURES)
+        if config.tokenizer_path() is not None:
+            features.add(STRUCTURED_OUTPUTS)
+        self._capabilities = Capabilities("vllm", frozenset(features))
         self.counters = VllmCounters()
         self.server = VllmServer(config, self.role, worker_id, otlp_endpoint=otlp_endpoint)
         self.metrics = VllmMetrics()
@@ -155,6 +175,15 @@ class VllmEngine(Engine):
         self._started = False
 
     # ---- Engine API -------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Every sampling feature maps to vLLM's own (:func:`.protocol.sampling_params`);
+        structured outputs only when the model directory holds a tokenizer, which vLLM
+        builds their grammars over: a started server then loads it, and an attached one
+        is taken to have been started with it (if not, its own refusal reaches the
+        client as a 400)."""
+        return self._capabilities
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start (or attach to) vLLM, report readiness once it is healthy, then keep it
@@ -247,6 +276,10 @@ class VllmEngine(Engine):
             problem = f"prompt token ids must be in [0, {self.vocab_size})"
         elif any(not 0 <= t < self.vocab_size for t in s.stop_token_ids):
             problem = f"stop token ids must be in [0, {self.vocab_size})"
+        elif any(not 0 <= t < self.vocab_size for t, _ in s.logit_bias):
+            problem = f"logit_bias token ids must be in [0, {self.vocab_size})"
+        elif s.structured is not None and not _readable(s.structured):
+            problem = f"structured output spec is not valid {s.structured.kind.value}"
         elif len(ids) >= self.max_model_len:
             problem = (
                 f"prompt of {len(ids)} tokens leaves no room in vLLM's context of "
@@ -572,6 +605,23 @@ class _EventStream:
 
 
 _JSON = {"Content-Type": "application/json"}
+
+#: The sampling features every vLLM honours (structured outputs need its tokenizer).
+SAMPLING_FEATURES = (
+    SEED, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY, LOGIT_BIAS,
+    LOGPROBS, PROMPT_LOGPROBS,
+)
+
+
+def _readable(structured: StructuredOutput) -> bool:
+    """A choice's spec is a JSON list of strings (vLLM reads the others itself)."""
+    if structured.kind is not StructuredKind.CHOICE:
+        return True
+    try:
+        choices = orjson.loads(structured.spec)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(choices, list) and all(isinstance(c, str) for c in choices)
 
 
 def _headers() -> dict[str, str]:

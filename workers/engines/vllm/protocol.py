@@ -29,7 +29,13 @@ from typing import Any
 
 import orjson
 
-from headwater.wire import FinishReason, GenerateRequest, TokenLogprobs
+from headwater.wire import (
+    FinishReason,
+    GenerateRequest,
+    StructuredKind,
+    StructuredOutput,
+    TokenLogprobs,
+)
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -66,6 +72,13 @@ def sampling_params(
     ``ignore_eos`` (vLLM also stops on its own model's EOS then, from
     generation_config.json; the frontend's come from its tokenizer, and both must
     stop). Stop *strings* never reach vLLM: the frontend matches them on text.
+
+    The declared features map one to one, each only when it asks for something (vLLM's
+    defaults are the same neutral values): ``top_k``, ``min_p``, the three penalties,
+    ``logit_bias`` (token id → bias), and the structured output as vLLM's
+    ``structured_outputs`` (``{"json": schema}``, ``{"json_object": true}``,
+    ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}`` or
+    ``{"structural_tag": ...}``).
     """
     s = request.sampling
     stop = list(s.stop_token_ids)
@@ -86,7 +99,31 @@ def sampling_params(
         params["logprobs"] = s.logprobs
     if prompt_logprobs and s.prompt_logprobs is not None:
         params["prompt_logprobs"] = s.prompt_logprobs
+    if s.top_k:
+        params["top_k"] = s.top_k
+    if s.min_p:
+        params["min_p"] = s.min_p
+    if s.presence_penalty:
+        params["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        params["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        params["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+    if s.structured is not None:
+        params["structured_outputs"] = structured_outputs(s.structured)
     return params
+
+
+def structured_outputs(structured: StructuredOutput) -> dict[str, Any]:
+    """vLLM's ``StructuredOutputsParams`` for *structured*: one constraint, by its name."""
+    kind = structured.kind
+    if kind is StructuredKind.JSON_OBJECT:
+        return {"json_object": True}
+    if kind is StructuredKind.CHOICE:
+        return {"choice": orjson.loads(structured.spec)}
+    return {kind.value: structured.spec}
 
 
 def generate_body(
