@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend.http.responses_api.store import StoreConfig
 from frontend.limits import RequestLimits
 from frontend.postprocess.parsers import check_names
 from headwater.etcd.client import EtcdCredentials
@@ -82,6 +83,9 @@ class FrontendConfig:
     # and its deadline (--request-timeout); each default and its reason in
     # frontend/limits.py, all of them in docs/security.md ("Request limits").
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id}):
+    # per process, bounded, oldest evicted first (frontend/http/responses_api/store.py).
+    responses_store: StoreConfig = field(default_factory=StoreConfig)
 
     # -- model and preprocessing ----------------------------------------------------
     model_name: str = "deepseek-v4"
@@ -92,7 +96,8 @@ class FrontendConfig:
     model_vocab_size: int = 0
     context_length: int = 131072  # prompt + completion tokens
     tokenizer_backend: str = "fastokens"  # "fastokens" | "hf"
-    tokenize_mode: str = "thread"  # "thread" | "inline" | "thread-gil" (the last two: repro only)
+    # "thread" | "inline" | "thread-gil"; inline: virtual-time tests and repro, thread-gil: repro
+    tokenize_mode: str = "thread"
     tokenizer_threads: int = field(default_factory=usable_cpus)
     # MiB for fastokens' cache of the text segments between added tokens (a repeated
     # system prompt is encoded once; same ids either way). 0: off. fastokens keeps no

@@ -13,8 +13,11 @@ Both carry the client's generation options as one :class:`SamplingOptions`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from headwater.wire import StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,39 @@ class SamplingOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    #: Choices to generate, each with its own sampling (and seed, derived from ``seed``).
+    n: int = 1
+    #: Each generated token's logprob and this many most likely tokens at its place
+    #: (0: the token's own only). None: no logprobs.
+    logprobs: int | None = None
+    #: The same for the prompt's tokens (completions' ``echo`` with ``logprobs``, the
+    #: token-in API's ``prompt_logprobs``). None: none.
+    prompt_logprobs: int | None = None
+    # Beyond the baseline: engines honour these as they declare
+    # (headwater.wire.capabilities); the defaults ask for nothing.
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # The token-in API's structured output, as asked; an OpenAI request's comes from
+    # its Constraint once the prompt is rendered.
+    structured: StructuredOutput | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What an OpenAI answer must be, by constrained decoding (engines that declare
+    structured outputs): ``kind`` "json_object", "json_schema" (``schema``),
+    "tool_calls" (``tool_choice: "required"``: one or more calls of ``tools``, every
+    offered tool's name) or "tool_call" (a named function: one call of ``tools``' one
+    name). ``param`` is the field that asked, as errors name it."""
+
+    kind: str
+    param: str
+    schema: Mapping[str, Any] | None = None
+    tools: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +88,15 @@ class ParsedRequest:
     #: Characters of text counted against --max-prompt-chars (messages, tools, template
     #: kwargs; or the prompt); None: not counted (a request built without the parser).
     text_chars: int | None = None
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the answer's
+    add_generation_prompt: bool = True  # chat: open the assistant's turn after the last one
+    parallel_tool_calls: bool = True  # False: at most one tool call
+    constraint: Constraint | None = None
+    reasoning_effort: str | None = None  # chat: to the template (see Pipeline.preprocess)
+    suffix: str | None = None  # completions: fill in the middle, before this
+    #: The declared features the request asks for, each with the field asking for it
+    #: (as errors name it): what the pipeline checks against the workers before dispatch.
+    needs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +110,4 @@ class TokenRequest:
     stream: bool = False
     include_usage: bool = False
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    needs: tuple[tuple[str, str], ...] = ()  # as ParsedRequest's

@@ -18,19 +18,21 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
 from frontend.config import FrontendConfig
-from frontend.discovery import start_discovery
+from frontend.discovery import Discovery, start_discovery
 from frontend.http.admission import Admission, AdmissionControl
-from frontend.http.app import GENERATION_PATHS, create_app
+from frontend.http.app import ADMITTED_PATHS, GENERATION_PATHS, create_app
 from frontend.http.auth import ApiKeys, RequireApiKey, exposure_warning, watch_keys_file
 from frontend.http.group import GroupRelay
 from frontend.http.middleware import CountResponses, MarkActivity, ShieldFinalSend
 from frontend.http.observability import add_observability_routes, is_own_view
 from frontend.http.observed import Observed
 from frontend.http.request_ids import RequestIds
+from frontend.http.responses_api.store import ResponseStore
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
 from frontend.metrics import FrontendMetrics
@@ -46,6 +48,9 @@ from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 from headwater.procmem import trim_heap
 from headwater.tracing import TraceCollector, open_tracing
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +88,16 @@ class Frontend:
     """One frontend process's parts, wired; see the module docstring."""
 
     def __init__(self, config: FrontendConfig, *, tokenizer: Tokenizer | None = None,
-                 accept_balance: AcceptBalance | None = None) -> None:  # fmt: skip
+                 accept_balance: AcceptBalance | None = None,
+                 discovery: Discovery | None = None,
+                 admission: type[Admission] = Admission) -> None:  # fmt: skip
         """Build every part; *tokenizer* reuses an already loaded one (tests, benchmarks);
         *accept_balance*: this process's share of its group's accepts on the shared
-        socket (:mod:`frontend.http.serving.balance`)."""
+        socket (:mod:`frontend.http.serving.balance`). *discovery* replaces the one the
+        config names and *admission* the admission policy's class (both for
+        :mod:`headwater.testing`: its in-process cluster, its refusals on demand)."""
         self.config = config
+        self.discovery = discovery
         self.accept_balance = accept_balance
         files = tokenizer.files if tokenizer else find_tokenizer_files(config.tokenizer)
         self.tokenizer = tokenizer or Tokenizer(
@@ -156,11 +166,12 @@ class Frontend:
             on_excuse=self.metrics.excused_timeouts_total.inc,
         )
         # Generation requests in flight, and whether to take another (--max-inflight, drain).
-        self.admission = Admission(config.max_inflight, gauge=self.metrics.inflight_requests)
+        self.admission = admission(config.max_inflight, gauge=self.metrics.inflight_requests)
         self.app = create_app(
             self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
             admission=self.admission, limits=config.limits,
             api_keys=bool(config.api_keys or config.api_keys_file),
+            responses_store=ResponseStore(config.responses_store),
         )  # fmt: skip
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
@@ -235,50 +246,58 @@ class Frontend:
         hc.errorlog = logging.getLogger("hypercorn.error")
         return hc
 
+    async def start(self, nursery: trio.Nursery) -> ASGIFramework:
+        """Start every part but the HTTP listener in *nursery* (the tokenizer pool's
+        warm-up, the loop monitor, the workers or their discovery, the API keys' file
+        watch) and return the app as the listener serves it: the HTTP app behind
+        admission, API keys and the middlewares. :meth:`run` serves it with hypercorn;
+        :mod:`headwater.testing` calls it in-process, without a socket. Cancelling
+        *nursery* stops what this started."""
+        cfg = self.config
+        # Warm-up first: its one-off initialisation costs (thread creation, the
+        # encoder's lazy set-up, each loop-side path's first call) are not stalls
+        # of the serving loop (frontend/warmup.py).
+        warm = await warm_up(self.pipeline)
+        log.info("request path warm (%s, %s mode, %d threads) in %.0f ms",
+                 self.tokenizer.backend.value, self.pool.mode.value,
+                 self.pool.statistics().threads, warm * 1000)
+        # The warm-up's encodes leave their buffers in malloc's arenas (one per pool
+        # thread): tens of MB per process that nothing uses. Before serving, once.
+        trim_heap()
+        if cfg.gc_gen0_threshold:
+            tune_gc(cfg.gc_gen0_threshold)
+        await nursery.start(self.monitor.run)
+        await nursery.start(self.pipeline.run)  # the choices of requests with n > 1
+        await self._start_workers(nursery)
+        admitted = AdmissionControl(
+            self.app, self.admission, paths=ADMITTED_PATHS, metrics=self.metrics,
+            max_body_bytes=cfg.max_body_bytes,
+        )  # fmt: skip
+        keys = ApiKeys(cfg.api_keys)
+        if cfg.api_keys_file is not None:  # kept in step with the file (rotation)
+            await nursery.start(partial(watch_keys_file, keys, cfg.api_keys, cfg.api_keys_file))
+        keyed = RequireApiKey(
+            admitted, keys, metrics=self.metrics,
+            metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
+        )  # fmt: skip
+        if (warning := exposure_warning(cfg.host, keys)) is not None:
+            log.warning("%s", warning)
+        counted = CountResponses(keyed, self._count_answer, skip=is_own_view)
+        return RequestIds(
+            MarkActivity(ShieldFinalSend(counted, deadline=cfg.write_timeout), self.activity),
+            traced_paths=GENERATION_PATHS, max_body_bytes=cfg.max_body_bytes,
+        )  # fmt: skip
+
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Serve until :attr:`shutdown` is set; reports the listening URLs."""
-        cfg = self.config
         async with self._tracing(), trio.open_nursery() as nursery:
-            # Warm-up first: its one-off initialisation costs (thread creation, the
-            # encoder's lazy set-up, each loop-side path's first call) are not stalls
-            # of the serving loop (frontend/warmup.py).
-            warm = await warm_up(self.pipeline)
-            log.info("request path warm (%s, %s mode, %d threads) in %.0f ms",
-                     self.tokenizer.backend.value, self.pool.mode.value,
-                     self.pool.statistics().threads, warm * 1000)
-            # The warm-up's encodes leave their buffers in malloc's arenas (one per pool
-            # thread): tens of MB per process that nothing uses. Before serving, once.
-            trim_heap()
-            if cfg.gc_gen0_threshold:
-                tune_gc(cfg.gc_gen0_threshold)
-            await nursery.start(self.monitor.run)
-            await self._start_workers(nursery)
-            admitted = AdmissionControl(
-                self.app, self.admission, paths=GENERATION_PATHS, metrics=self.metrics,
-                max_body_bytes=cfg.max_body_bytes,
-            )  # fmt: skip
-            keys = ApiKeys(cfg.api_keys)
-            if cfg.api_keys_file is not None:  # kept in step with the file (rotation)
-                await nursery.start(
-                    partial(watch_keys_file, keys, cfg.api_keys, cfg.api_keys_file)
-                )
-            keyed = RequireApiKey(
-                admitted, keys, metrics=self.metrics,
-                metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
-            )  # fmt: skip
-            counted = CountResponses(keyed, self._count_answer, skip=is_own_view)
-            app = RequestIds(
-                MarkActivity(ShieldFinalSend(counted, deadline=cfg.write_timeout), self.activity),
-                traced_paths=GENERATION_PATHS, max_body_bytes=cfg.max_body_bytes,
-            )  # fmt: skip
-            if (warning := exposure_warning(cfg.host, keys)) is not None:
-                log.warning("%s", warning)
+            app = await self.start(nursery)
             async with trio.open_nursery() as http:
                 urls: list[str] = await http.start(
                     partial(serve, app, self.hypercorn_config(), shutdown_trigger=self._drain)
                 )
-                log.info("headwater serving %s on %s", cfg.model_name, ", ".join(urls))
+                log.info("headwater serving %s on %s", self.config.model_name, ", ".join(urls))
                 task_status.started(urls)
             # serve() returned: the drain ended and what was left had its
             # graceful_timeout. Now stop the workers and the monitor.
@@ -325,4 +344,5 @@ class Frontend:
         """The workers this frontend routes to, from whichever source the config names
         (in-process by default, ``--workers``, or etcd), all through one membership."""
         await nursery.start(self.router.run)  # the probes of inhibited workers
-        await start_discovery(nursery, self.config, self.router, attribution=self.attribution)
+        await start_discovery(nursery, self.config, self.router, attribution=self.attribution,
+                              discovery=self.discovery)  # fmt: skip

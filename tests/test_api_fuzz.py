@@ -1,6 +1,7 @@
 """Property-based tests of request bodies against a real frontend: built from the
 published schema (``/openapi.json``), valid and nearly valid, the answer is never a 5xx,
-never late, and every error is OpenAI-shaped.
+never late, and every error is in its API's shape: OpenAI's, Anthropic's on the Messages
+API's routes.
 
 Policy: one frontend per test module on 127.0.0.1:0, run in a thread of its own
 (frontend_fixture.frontend_in_thread), since Hypothesis runs each example as a plain
@@ -41,7 +42,12 @@ MODEL = "deepseek-v4"
 LIMITS = RequestLimits(max_tokens_cap=32)
 CONTEXT = 4096
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-         "generate": "/inference/v1/generate"}  # fmt: skip
+         "generate": "/inference/v1/generate", "tokenize": "/tokenize",
+         "detokenize": "/detokenize", "messages": "/v1/messages",
+         "count_tokens": "/v1/messages/count_tokens", "responses": "/v1/responses"}  # fmt: skip
+#: The routes that answer in Anthropic's shape, and the streams with no [DONE].
+ANTHROPIC = frozenset({"messages", "count_tokens"})
+NAMED_EVENTS = frozenset({"messages", "responses"})
 SCHEMAS: dict[str, Any] = openapi_document(
     REQUEST_MODELS, limits=LIMITS, context_length=CONTEXT, api_keys=False, model_name=MODEL
 )["components"]["schemas"]
@@ -67,6 +73,11 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[1]
         return st.deferred(lambda: from_schema(SCHEMAS[name]))
+    if "oneOf" in schema and "properties" in schema:  # an object, refined by each branch
+        base = {k: v for k, v in schema.items() if k != "oneOf"}
+        exclusive = {name for b in schema["oneOf"] for name in b["required"]}
+        return st.one_of([from_schema(_refined(base, b["required"], exclusive))
+                          for b in schema["oneOf"]])  # fmt: skip
     if "anyOf" in schema:
         return st.one_of([from_schema(b) for b in schema["anyOf"]])
     if "enum" in schema:
@@ -102,6 +113,16 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     return JSON
 
 
+def _refined(base: dict[str, Any], required: list[str], exclusive: set[str]
+             ) -> dict[str, Any]:  # fmt: skip
+    """An object's schema *base* with *required* fields required and the other fields
+    of its one-of (*exclusive*) left out."""
+    properties = {k: v for k, v in base["properties"].items()
+                  if k in required or k not in exclusive}  # fmt: skip
+    return {**base, "properties": properties, "required": [*base.get("required", []),
+                                                          *required]}  # fmt: skip
+
+
 def valid(endpoint: str) -> st.SearchStrategy[dict[str, Any]]:
     return from_schema({"$ref": f"#/components/schemas/{REQUEST_MODELS[endpoint].__name__}"})
 
@@ -123,7 +144,7 @@ def nearly_valid(draw: st.DrawFn, endpoint: str) -> bytes:
     elif fault == "range":
         body[field] = draw(st.sampled_from([-1, 0, -(2**70), 2**70, 1e308, -1e308, 0.5]))
     elif fault == "missing":
-        body.pop(draw(st.sampled_from(schema.get("required", [field]))), None)
+        body.pop(draw(st.sampled_from(schema.get("required") or [field])), None)
     elif fault == "huge":
         size = draw(st.sampled_from([10_000, 300_000, 3_000_000]))
         body[field] = draw(st.sampled_from(["x" * size, ["y" * size], [1] * (size // 10)]))
@@ -160,23 +181,38 @@ def client(url: str) -> Iterator[httpx.Client]:
         yield c
 
 
-def _answered_well(r: httpx.Response) -> None:
-    """Not a 5xx; an error is OpenAI's shape; a success is whole JSON or a whole stream."""
+def _answered_well(r: httpx.Response, endpoint: str) -> None:
+    """Not a 5xx; an error is its API's shape; a success is whole JSON or a whole
+    stream."""
     assert r.status_code < 500, r.text[:2000]
     if r.status_code != 200:
         assert r.headers["content-type"].startswith("application/json"), r.headers
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}, error
+        body = r.json()
+        if endpoint in ANTHROPIC:
+            assert body["type"] == "error", body
+            error = body["error"]
+            assert set(error) == {"type", "message"}, error
+        else:
+            error = body["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            assert all(error[k] is None or isinstance(error[k], str) for k in ("param", "code"))
         assert isinstance(error["message"], str)
         assert error["message"]
-        assert all(error[k] is None or isinstance(error[k], str) for k in ("param", "code"))
         return
     if r.headers["content-type"].startswith("text/event-stream"):
-        events = [line[6:] for line in r.text.split("\n\n") if line]
-        assert events[-1] == "[DONE]", events[-3:]
-        for data in events[:-1]:
+        chunks = [chunk for chunk in r.text.split("\n\n") if chunk]
+        if endpoint in NAMED_EVENTS:  # `event: <type>` lines, and no [DONE]
+            events = [chunk.split("\ndata: ", 1)[1] for chunk in chunks]
+            assert orjson.loads(events[-1])["type"] in (
+                "message_stop", "response.completed", "response.incomplete"), events[-1]
+        else:
+            events = [chunk[6:] for chunk in chunks]
+            assert events[-1] == "[DONE]", events[-3:]
+            events = events[:-1]
+        for data in events:
             event = orjson.loads(data)
             assert "error" not in event, event  # a valid request's stream does not fail
+            assert event.get("type") not in ("error", "response.failed"), event
     else:
         assert isinstance(r.json(), dict)
 
@@ -193,19 +229,19 @@ def test_schema_valid_bodies_are_answered_without_a_server_error(
     @FUZZ
     @given(body=valid(endpoint))
     def check(body: dict[str, Any]) -> None:
-        _answered_well(_post(client, endpoint, _encode(body)))
+        _answered_well(_post(client, endpoint, _encode(body)), endpoint)
 
     check()
 
 
 @pytest.mark.parametrize("endpoint", sorted(PATHS))
-def test_nearly_valid_bodies_are_refused_the_openai_way(
+def test_nearly_valid_bodies_are_refused_in_their_apis_way(
     client: httpx.Client, endpoint: str
 ) -> None:
     @FUZZ
     @given(content=nearly_valid(endpoint))
     def check(content: bytes) -> None:
-        _answered_well(_post(client, endpoint, content))
+        _answered_well(_post(client, endpoint, content), endpoint)
 
     check()
     # And the server still serves.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import trio
@@ -36,6 +36,8 @@ from headwater.wire import (
     KvHandle,
     Role,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
     WorkerLoad,
 )
 
@@ -249,6 +251,27 @@ async def test_a_retryable_error_mid_stream_migrates_with_the_tokens_so_far(
     assert moved.request_id == "r.m1"
     assert list(moved.token_ids) == PROMPT + expected(3)
     assert migrations(metrics) == 1
+
+
+async def test_a_constrained_answer_migrates_only_before_its_first_token(
+    autojump_clock: object,
+) -> None:
+    # Its grammar cannot resume on tokens fed back as prompt: after the first token a
+    # broken stream fails the request rather than continue it unconstrained.
+    structured = StructuredOutput(StructuredKind.JSON_OBJECT)
+    constrained = replace(request(max_tokens=8), sampling=replace(
+        request().sampling, max_tokens=8, structured=structured))  # fmt: skip
+    a = FakeWorker("a", Role.AGG, [Stream(break_after=3)])
+    b = FakeWorker("b", Role.AGG, [Stream()])
+    with pytest.raises(WorkerFailed, match="constrained answer cannot continue"):
+        await run(cluster(a, b), constrained)
+    assert b.received == []
+    before = FakeWorker("c", Role.AGG, [Stream(break_after=0)])
+    d = FakeWorker("d", Role.AGG, [Stream()])
+    chunks, _ = await run(cluster(before, d), constrained)
+    assert tokens(chunks) == expected(8)
+    (moved,) = d.received
+    assert moved.sampling.structured == structured  # started over, constraint and all
 
 
 async def test_a_non_retryable_error_mid_stream_fails_the_request(
@@ -576,3 +599,43 @@ async def test_a_request_that_finds_every_worker_busy_too_long_gets_no_capacity(
     # Without a queue the request goes to the busy worker at once.
     chunks, _ = await run(cluster(a), request(2), queue_timeout=0.0)
     assert tokens(chunks) == expected(2)
+
+
+async def test_the_streams_of_one_request_prefer_the_worker_the_first_picked(
+    autojump_clock: object,
+) -> None:
+    # Round-robin would spread three streams over three workers; sharing an affinity
+    # (the choices of one request, n > 1), they all go where the first went.
+    a, b, c = (FakeWorker(w, Role.AGG, [Stream()]) for w in "abc")
+    router = cluster(a, b, c)
+    dispatcher = Dispatcher(router, MODEL)
+    affinity: dict[Role, str] = {}
+    for i in range(3):
+        req = GenerateRequest(f"r.c{i}", MODEL, PROMPT, request(2).sampling)
+        async with aclosing(dispatcher.stream(req, affinity)) as chunks:
+            assert len(tokens([chunk async for chunk in chunks])) == 2
+    assert affinity == {Role.AGG: "a"}
+    assert used(a, b, c) == ["a"]
+    assert len(a.received) == 3
+    # A preferred worker that is busy while another is not is passed over.
+    a.reported = WorkerLoad(active=10, waiting=500, kv_usage=0.5)
+    async with aclosing(dispatcher.stream(request(2), affinity)) as chunks:
+        assert len(tokens([chunk async for chunk in chunks])) == 2
+    assert len(a.received) == 3
+    assert affinity == {Role.AGG: "a"}
+
+
+async def test_prompt_logprobs_are_asked_again_only_until_the_first_token_arrived(
+    autojump_clock: object,
+) -> None:
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+    early = FakeWorker("a", Role.AGG, [Stream(break_after=0)])
+    fine = FakeWorker("b", Role.AGG, [Stream()])
+    await run(cluster(early, fine), GenerateRequest("r", MODEL, PROMPT, sampling))
+    (moved,) = fine.received  # nothing delivered yet: the prompt's are still wanted
+    assert moved.sampling.prompt_logprobs == 2
+    late = FakeWorker("a", Role.AGG, [Stream(break_after=3)])
+    fine = FakeWorker("b", Role.AGG, [Stream()])
+    await run(cluster(late, fine), GenerateRequest("r", MODEL, PROMPT, sampling))
+    (moved,) = fine.received  # they came with the first token: not again
+    assert (moved.sampling.prompt_logprobs, moved.sampling.logprobs) == (None, 1)

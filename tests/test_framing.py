@@ -23,8 +23,12 @@ from headwater.wire import (
     GenerateRequest,
     KvHandle,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
+    TokenLogprobs,
 )
 from headwater.wire.addresses import format_tcp_address, is_loopback, parse_tcp_address
+from headwater.wire.capabilities import Capabilities
 from headwater.wire.codec import (
     KINDS,
     MAX_KV_PARAMS_BYTES,
@@ -52,6 +56,8 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvPull,
     KvRelease,
     Ping,
@@ -66,6 +72,7 @@ from headwater.wire.handshake import (
     load_secret,
     proof,
 )
+from headwater.wire.kv_events import AllCleared, BlockRemoved, KvEventBatch
 from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
@@ -96,6 +103,18 @@ PARAMS = {
 }
 PARAMS_HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "p" * 32, 1234, params=PARAMS)
 
+#: A request asking for logprobs, and a chunk carrying them (a prompt's too; -inf is a
+#: logprob an engine may report).
+LOGPROBS_REQUEST = GenerateRequest(
+    "r4", "m", token_array([5, 6]), SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=0)
+)
+LOGPROBS_CHUNK = Chunk(
+    "r4", [17, 18],
+    logprobs=(TokenLogprobs(-0.25, 1, (17, 9), (-0.25, -1.5)),
+              TokenLogprobs(float("-inf"), 2**32 - 1, (3, 4), (-0.5, -0.75))),
+    prompt_logprobs=(TokenLogprobs(-3.0, 7),),
+)  # fmt: skip
+
 HASHED_REQUEST = GenerateRequest(
     "r3", "m", token_array([5] * 1234), SamplingParams(max_tokens=1), HASHED_HANDLE
 )
@@ -106,14 +125,22 @@ EXAMPLES: list[Frame] = [
     Challenge(b"s" * 32, b"p" * 32),
     Auth(b"q" * 32),
     HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4"),
+    HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4",
+            Capabilities("vllm", frozenset({"seed", "top_k", "structured_outputs"}))),
     REQUEST,
     GenerateRequest("r2", "m", token_array([5]), SamplingParams(max_tokens=1)),
+    GenerateRequest("r3", "m", token_array([5, 6]), SamplingParams(
+        max_tokens=4, top_k=3, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.2, logit_bias=((5, 1.5), (9, -100.0)),
+        structured=StructuredOutput(StructuredKind.JSON, '{"type": "object"}'))),
     HASHED_REQUEST,
+    LOGPROBS_REQUEST,
     Ack("req-1"),
     Chunk("req-1", [17, 18], FinishReason.LENGTH, HANDLE, cached_tokens=64),
     Chunk("req-1"),
     Chunk("req-1", [], FinishReason.LENGTH, HASHED_HANDLE),
     Chunk("req-1", [], FinishReason.LENGTH, PARAMS_HANDLE),
+    LOGPROBS_CHUNK,
     End("req-1"),
     Error("req-1", ErrorCode.OVERLOADED, "busy"),
     Fault("frame_too_large", "too big"),
@@ -126,6 +153,8 @@ EXAMPLES: list[Frame] = [
     GetStats(9),
     Stats(9, {"inflight": 2, "draining": False, "role": "agg", "load": 0.5}),
     GoAway("draining"),
+    KvPoll(4, -1, 256),
+    KvEvents(4, KvEventBatch(0, 2, (BlockRemoved((5,)), AllCleared()), dump=True)),
 ]
 
 
@@ -178,6 +207,55 @@ def test_handle_without_hashes_keeps_the_old_wire_form() -> None:
     (chunk,) = FrameDecoder().feed(_body({**GOOD_CHUNK, "kv_handle": old}))
     assert chunk.kv_handle == KvHandle("w", "tcp://h:1", "t", 9)
     assert (chunk.kv_handle.block_hashes, chunk.kv_handle.block_size) == ((), 0)
+
+
+def test_logprobs_travel_only_when_asked_and_packed() -> None:
+    # Not asked: the request and the chunk encode as before logprobs existed.
+    plain = msgpack.unpackb(encode(REQUEST)[4:])
+    assert not {"logprobs", "prompt_logprobs"} & set(plain["sampling"])
+    assert msgpack.unpackb(encode(Chunk("r", [1]))[4:]).keys() == {
+        "request_id", "token_ids", "finish_reason", "kv_handle", "cached_tokens", "k"}
+    # Asked: the counts in the request, the numbers as five packed columns per field.
+    asked = msgpack.unpackb(encode(LOGPROBS_REQUEST)[4:])["sampling"]
+    assert (asked["logprobs"], asked["prompt_logprobs"]) == (20, 0)
+    body = msgpack.unpackb(encode(LOGPROBS_CHUNK)[4:])
+    assert set(body["logprobs"]) == set(body["prompt_logprobs"]) == {"lp", "rk", "tn", "ti", "tl"}
+    assert all(type(v) is bytes for v in body["logprobs"].values())
+    # A prompt's top-20 logprobs over 40k tokens: far more numbers than MAX_ITEMS allows
+    # as msgpack items, a few bin fields as columns.
+    prompt = tuple(TokenLogprobs(-1.0, 2, tuple(range(20)), (-0.5,) * 20) for _ in range(40_000))
+    big = Chunk("r", [1], logprobs=(TokenLogprobs(-1.0, 1),), prompt_logprobs=prompt)
+    (decoded,) = FrameDecoder().feed(encode(big))
+    assert decoded == big
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [
+        "not a map",
+        {"lp": b"", "rk": b"", "tn": b"", "ti": b""},  # a column missing
+        {"lp": b"\0" * 8, "rk": b"", "tn": b"", "ti": b"", "tl": b""},  # one logprob, no rank
+        {"lp": b"\0" * 7, "rk": b"", "tn": b"", "ti": b"", "tl": b""},  # a ragged float
+        # One entry that claims two top tokens but brings one.
+        {"lp": b"\0" * 8, "rk": b"\1\0\0\0", "tn": b"\2\0\0\0", "ti": b"\0" * 4,
+         "tl": b"\0" * 8},
+        {"lp": [0.5], "rk": b"", "tn": b"", "ti": b"", "tl": b""},  # not bytes
+    ],
+)
+def test_inconsistent_logprobs_are_a_protocol_error(columns: object) -> None:
+    with pytest.raises(ProtocolError, match="logprobs"):
+        FrameDecoder().feed(_body({**GOOD_CHUNK, "logprobs": columns}))
+
+
+def test_logprobs_must_match_the_chunks_tokens() -> None:
+    two = msgpack.unpackb(encode(LOGPROBS_CHUNK)[4:])["logprobs"]
+    with pytest.raises(ProtocolError, match="2 logprobs for 1 tokens"):
+        FrameDecoder().feed(_body({**GOOD_CHUNK, "logprobs": two}))
+    # A request asking for a negative count fails alone (the frame itself read).
+    (refused,) = FrameDecoder().feed(_body({**GOOD_REQUEST, "sampling": {
+        **GOOD_REQUEST["sampling"], "logprobs": -1}}))  # fmt: skip
+    assert isinstance(refused, Unreadable)
+    assert "'logprobs' is negative" in refused.reason
 
 
 def test_block_hashes_out_of_range_refuse_to_encode() -> None:

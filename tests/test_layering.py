@@ -1,6 +1,7 @@
 """Package layering: a core both sides share, the two sides, and a top that joins them.
 
-    top     headwater.cli, headwater.cluster        may import everything
+    top     headwater.cli, headwater.cluster,       may import everything
+            headwater.testing
               │                │
               ▼                ▼
     frontend ──(engine registry, runtime)──▶ workers
@@ -36,7 +37,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("headwater", "workers", "frontend")
-TOP = ("headwater.cli", "headwater.cluster", "headwater.__main__")
+TOP = ("headwater.cli", "headwater.cluster", "headwater.testing", "headwater.__main__")
 #: What frontend may import from workers: the registry, the interface, the runtime.
 FRONTEND_MAY_USE = ("workers.engines.registry", "workers.engines.base", "workers.runtime")
 

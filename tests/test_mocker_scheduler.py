@@ -9,9 +9,11 @@ delivery, cancellation, shutdown) is in ``test_mocker.py``.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,13 @@ from headwater.wire.tokens import token_array
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import KvCache
 from workers.engines.mocker.sampling import (
-    GAMMA,
-    MASK64,
-    mix64,
+    HEAD,
+    PROMPT_KEY,
+    logprobs_at,
     output_length,
+    prompt_logprobs,
     seed_key,
+    shape,
     token_at,
 )
 from workers.engines.mocker.scheduler import MockerCounters, Scheduler, Sequence, State
@@ -373,10 +377,9 @@ def test_draws_are_pinned_functions_of_seed_and_position() -> None:
     assert seed_key(None, "id-1") == 6534366926336042706  # blake2b: not salted per process
     key = seed_key(7, "ignored when seeded")
     assert key == 7191089600892374487
-    assert [token_at(key, p, 3, 128000 - 3) for p in (1, 2, 101)] == [36983, 38500, 21747]
+    assert [token_at(key, p, 3, 128000 - 3) for p in (1, 2, 101)] == [54490, 119857, 14045]
     assert output_length(key, 256, 1.0) == 141
-    for p in range(50):
-        assert token_at(key, p, 3, 5) == 3 + mix64((key + p * GAMMA) & MASK64) % 5
+    assert {token_at(key, p, 3, 5) for p in range(200)} == {3, 4, 5, 6, 7}
 
 
 def test_output_lengths_are_lognormal_of_the_configured_mean() -> None:
@@ -390,6 +393,60 @@ def test_output_lengths_are_lognormal_of_the_configured_mean() -> None:
     assert {output_length(seed_key(s, ""), 40, 0.0) for s in range(100)} == {40}
     narrow = [output_length(seed_key(s, ""), 40, 0.25) for s in range(1000)]
     assert max(narrow) < 2 * 40 < max(lengths)
+
+
+@pytest.mark.parametrize("span", [5, 20, 21, 128000 - 3])
+def test_each_position_has_one_distribution_over_the_range(span: int) -> None:
+    s = shape(span)
+    assert s.head == min(HEAD, span)
+    probs = [math.exp(lp) for lp in s.logprobs]
+    assert probs == sorted(probs, reverse=True)  # the candidates, most likely first
+    tail = (span - s.head) * math.exp(s.tail_logprob)
+    assert sum(probs) + tail == pytest.approx(1.0)
+    if span > s.head:  # every other token is less likely than the last candidate
+        assert s.tail_logprob < s.logprobs[-1]
+
+
+def test_tokens_are_drawn_from_the_distribution_logprobs_reports() -> None:
+    span, key, n = 128000 - 3, seed_key(11, ""), 20_000
+    ranks = Counter()
+    for p in range(1, n + 1):
+        token = token_at(key, p, 3, span)
+        lp = logprobs_at(key, p, token, 3, span, top=5)
+        assert 3 <= token < 3 + span
+        assert lp.top_logprobs == shape(span).logprobs[:5]
+        assert len(set(lp.top_ids)) == 5
+        if lp.rank <= 5:  # a candidate: it is where the top list says, with that logprob
+            assert (lp.top_ids[lp.rank - 1], lp.top_logprobs[lp.rank - 1]) == (token, lp.logprob)
+        else:
+            assert token not in lp.top_ids
+        ranks[min(lp.rank, HEAD + 1)] += 1
+    # How often each rank is drawn is what its logprob says (within 4 sigma).
+    for rank in (1, 2, 3):
+        p = math.exp(shape(span).logprobs[rank - 1])
+        assert abs(ranks[rank] - n * p) < 4 * math.sqrt(n * p * (1 - p))
+    assert ranks[HEAD + 1] > 0  # the tail is drawn too, now and then
+
+
+def test_a_forced_token_and_tokens_off_the_range() -> None:
+    key, span = seed_key(1, ""), 1000
+    usual = logprobs_at(key, 9, 0, 3, span, top=3)
+    assert (usual.logprob, usual.rank) == (-math.inf, span + 1)  # 0 is not in [3, 1003)
+    # The EOS a request ends with takes the most likely candidate's place.
+    eos = logprobs_at(key, 9, 1, 3, span, top=3, first=1)
+    assert (eos.logprob, eos.rank) == (shape(span).logprobs[0], 1)
+    assert eos.top_ids == (1, *usual.top_ids[1:])
+    assert eos.top_logprobs == usual.top_logprobs
+    displaced = logprobs_at(key, 9, usual.top_ids[0], 3, span, top=3, first=1)
+    assert displaced.rank == span + 1
+
+
+def test_prompt_logprobs_depend_on_the_prompt_alone() -> None:
+    tokens = [5, 900, 17, 42]
+    got = prompt_logprobs(tokens, 2, 3, 1000)
+    assert len(got) == 3  # the first token has none
+    assert got == prompt_logprobs(list(tokens), 2, 3, 1000)
+    assert got[1] == logprobs_at(PROMPT_KEY, 3, 17, 3, 1000, top=2)
 
 
 # ---- no trio -----------------------------------------------------------------------------

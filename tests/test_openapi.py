@@ -26,7 +26,10 @@ MODEL = "deepseek-v4"
 CHAT = [{"role": "user", "content": "Write a haiku about rivers."}]
 PUBLIC = {
     "/v1/chat/completions": "post", "/v1/completions": "post",
-    "/inference/v1/generate": "post", "/v1/models": "get", "/v1/models/{model_id}": "get",
+    "/inference/v1/generate": "post", "/tokenize": "post", "/detokenize": "post",
+    "/v1/messages": "post", "/v1/messages/count_tokens": "post", "/v1/responses": "post",
+    "/v1/responses/{response_id}": "get",
+    "/v1/models": "get", "/v1/models/{model_id}": "get",
     "/health": "get", "/live": "get",
 }  # fmt: skip
 
@@ -179,6 +182,21 @@ async def test_live_responses_match_the_response_schemas() -> None:
         check(await c.get("/live"), "Live")
         check(await c.get("/v1/models/other"), "ErrorResponse")
         check(await c.post("/v1/chat/completions", json={"model": MODEL}), "ErrorResponse")
+        # The APIs translated onto the chat pipeline.
+        check(await c.post("/tokenize", json={"messages": CHAT}), "TokenizeResponse")
+        check(await c.post("/detokenize", json={"tokens": [1, 2]}), "DetokenizeResponse")
+        message = {"model": MODEL, "messages": CHAT, "max_tokens": 5}
+        check(await c.post("/v1/messages", json=message), "MessageResponse")
+        check(await c.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": CHAT}),
+              "CountTokensResponse")  # fmt: skip
+        check(await c.post("/v1/messages", json={"model": MODEL}), "AnthropicErrorResponse")
+        created = await c.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                                      "max_output_tokens": 5})  # fmt: skip
+        check(created, "Response")
+        response_id = created.json()["id"]
+        check(await c.get(f"/v1/responses/{response_id}"), "Response")
+        check(await c.delete(f"/v1/responses/{response_id}"), "DeletedResponse")
+        check(await c.get(f"/v1/responses/{response_id}"), "ErrorResponse")
         for path, body, event in (
             ("/v1/chat/completions", chat, "ChatCompletionChunk"),
             ("/v1/completions", completion, "Completion"),

@@ -107,7 +107,8 @@ def test_the_error_text_of_msgspec_is_the_one_the_parser_reads() -> None:
     ("field", "value"),
     [("max_tokens", True), ("max_tokens", "5"), ("max_tokens", 1.5), ("seed", "7"),
      ("temperature", "1"), ("temperature", True),
-     ("stream", 1), ("stop", 3), ("n", 2), ("top_p", 1.01), ("presence_penalty", -3)],
+     ("stream", 1), ("stop", 3), ("n", 1.0), ("n", 129), ("top_p", 1.01),
+     ("presence_penalty", -3), ("logprobs", 1), ("top_logprobs", -1)],
 )  # fmt: skip
 def test_types_are_strict(field: str, value: Any) -> None:
     assert _refusal(_chat(**{field: value})).param == field
@@ -123,6 +124,59 @@ def test_unknown_fields_pass_and_an_integer_is_a_number() -> None:
                                  max_tokens=None, logprobs=False), "chat")  # fmt: skip
     assert parsed.sampling == SamplingOptions(temperature=1.0, top_p=0.0)
     assert parsed.messages == CHAT
+
+
+# -- logprobs, n and echo ------------------------------------------------------------------
+
+
+def test_logprobs_n_and_echo_become_sampling_options() -> None:
+    chat = parse_request(_chat(logprobs=True, top_logprobs=5, n=3, best_of=3, seed=7), "chat")
+    assert chat.sampling == SamplingOptions(seed=7, n=3, logprobs=5)
+    assert parse_request(_chat(logprobs=True), "chat").sampling.logprobs == 0
+    # top_logprobs 0 asks for nothing, so it passes without logprobs (vLLM's rule).
+    assert parse_request(_chat(top_logprobs=0), "chat").sampling.logprobs is None
+    completion = {"model": MODEL, "prompt": "Once", "logprobs": 2, "echo": True}
+    parsed = parse_request(completion, "completions")
+    assert (parsed.echo, parsed.sampling.logprobs, parsed.sampling.prompt_logprobs) == (True, 2, 2)
+    plain = parse_request({**completion, "logprobs": False}, "completions")
+    assert plain.echo
+    assert (plain.sampling.logprobs, plain.sampling.prompt_logprobs) == (None, None)
+    generate = parse_generate_request({"token_ids": [5], "sampling_params": {
+        "n": 2, "logprobs": 0, "prompt_logprobs": 20}})  # fmt: skip
+    assert (generate.sampling.n, generate.sampling.logprobs, generate.sampling.prompt_logprobs) \
+        == (2, 0, 20)
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "param", "says"),
+    [
+        (_chat(top_logprobs=3), "chat", "top_logprobs", "needs 'logprobs'"),
+        (_chat(logprobs=True, top_logprobs=21), "chat", "top_logprobs", "<= 20"),
+        (_chat(n=2, best_of=1), "chat", "best_of", "less than 'n'"),
+        (_chat(n=2, best_of=4), "chat", "best_of", "not supported"),
+        (_chat(best_of=2), "chat", "best_of", "not supported"),
+        ({"model": MODEL, "prompt": "x", "logprobs": True}, "completions", "logprobs",
+         "an integer"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 21}, "completions", "logprobs", "<= 20"),
+        ({"model": MODEL, "prompt": "x", "top_logprobs": 1}, "completions", "top_logprobs",
+         "chat field"),
+    ],
+)  # fmt: skip
+def test_logprobs_and_n_refusals_name_the_field(
+    body: dict[str, Any], endpoint: str, param: str, says: str
+) -> None:
+    err = _refusal(body, endpoint)
+    assert err.param == param
+    assert says in err.message
+
+
+def test_the_token_in_api_does_not_stream_prompt_logprobs() -> None:
+    body = {"token_ids": [5], "stream": True, "sampling_params": {"prompt_logprobs": 0}}
+    with pytest.raises(ApiError) as caught:
+        parse_generate_request(body)
+    assert caught.value.param == "sampling_params.prompt_logprobs"
+    body["stream"] = False
+    assert parse_generate_request(body).sampling.prompt_logprobs == 0
 
 
 def test_messages_reach_the_template_with_the_fields_the_models_declare() -> None:

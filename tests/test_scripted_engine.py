@@ -34,7 +34,7 @@ from headwater.wire import FinishReason, GenerateRequest, Role, SamplingParams
 from workers.engines import registry
 from workers.engines.base import EngineContext, EngineError, EngineFailed
 from workers.engines.scripted import ScriptedConfig, ScriptedEngine, ScriptError, parse_script
-from workers.engines.scripted.answer import answer_tokens
+from workers.engines.scripted.answer import answer_tokens, continued
 from workers.engines.scripted.engine import INLINE_MAX_TOKENS
 
 from frontend_fixture import (
@@ -205,6 +205,25 @@ def test_stop_token_ids_min_tokens_and_ignore_eos_bend_it_as_a_model() -> None:
     ]  # fmt: skip
     # EOS written in the text stops it, as a model's EOS does.
     assert plan([7, EOS, 8]) == [(7, None), (EOS, stop)]
+
+
+def test_a_prompt_ending_with_the_texts_start_is_continued() -> None:
+    # A migrated request's prompt ends with what was said before its stream broke.
+    stop = FinishReason.STOP
+    assert continued([1, 2, 7, 8], [7, 8, 9], most=3) == 2
+    assert continued([1, 2, 3], [7, 8, 9], most=3) == 0
+    assert continued([7, 8, 7], [7, 8, 9], most=3) == 1  # the longest tail that fits: [7]
+    assert continued([5, 7, 8, 9], [7, 8, 9], most=3) == 3  # all said: only EOS is left
+    assert continued([5, 7, 8, 9], [7, 8, 9], most=2) == 0  # ...unless it may not be
+    assert continued([], [7], most=1) == 0
+    params = SamplingParams(max_tokens=100)
+    assert list(answer_tokens([7, 8, 9], params, (EOS,), 2)) == [(9, None), (EOS, stop)]
+    assert list(answer_tokens([7, 8, 9], params, (EOS,), 3)) == [(EOS, stop)]
+    # min_tokens past the rest: the text starts over, whole.
+    assert list(answer_tokens([7, 8], SamplingParams(max_tokens=9, min_tokens=2), (EOS,), 1)
+                ) == [(8, None), (7, None), (8, None), (EOS, stop)]  # fmt: skip
+    with pytest.raises(ValueError, match="past the text"):
+        list(answer_tokens([7, 8], params, (), 2))  # no EOS: nothing is left to say
 
 
 # -- the engine on its own, on virtual time ---------------------------------------------------

@@ -73,9 +73,10 @@ async def test_every_sampling_param_headwater_supports_reaches_the_engine_reques
                                 "ignore_eos": True, "top_k": 40}}  # fmt: skip
     parsed = parse_generate_request(body)
     sampling = SamplingOptions(max_tokens=9, min_tokens=2, stop_token_ids=(7, 8),
-                               ignore_eos=True, temperature=0.5, top_p=0.9, seed=3)
+                               ignore_eos=True, temperature=0.5, top_p=0.9, seed=3, top_k=40)
+    needs = (("seed", "sampling_params.seed"), ("top_k", "sampling_params.top_k"))
     assert parsed == TokenRequest(PROMPT, "r", MODEL, stream=True, include_usage=True,
-                                  sampling=sampling)  # fmt: skip
+                                  sampling=sampling, needs=needs)  # fmt: skip
     fe = Frontend(FrontendConfig(tokenizer_threads=1), tokenizer=shared_tokenizer())
     prep = await fe.pipeline.preprocess_tokens(parsed)
     assert prep.parsed is parsed
@@ -84,7 +85,7 @@ async def test_every_sampling_param_headwater_supports_reaches_the_engine_reques
     assert prep.request_id != "r"  # the plane's id is the frontend's own
     assert prep.sampling == SamplingParams(max_tokens=9, min_tokens=2, ignore_eos=True,
                                            temperature=0.5, top_p=0.9, seed=3,
-                                           stop_token_ids=(7, 8))  # fmt: skip
+                                           stop_token_ids=(7, 8), top_k=40)  # fmt: skip
     defaults = await fe.pipeline.preprocess_tokens(parse_generate_request({"token_ids": [1]}))
     assert defaults.sampling == SamplingParams(max_tokens=fe.config.context_length - 1)
 
@@ -123,7 +124,10 @@ async def test_unary_returns_what_the_mocker_generates_with_exact_usage() -> Non
                                          "sampling_params": {"max_tokens": 12, "seed": 7}})
         named = r.json()["request_id"]
         assert named.startswith("generate-tokens-")
-        assert len(named.removeprefix("generate-tokens-")) == 32
+        # The plane's name: the request's id (its X-Request-Id), a dash, 8 hex digits.
+        plane = named.removeprefix("generate-tokens-")
+        assert plane.startswith(r.headers["x-request-id"] + "-")
+        assert len(plane) == len(r.headers["x-request-id"]) + 9
         assert r.json()["choices"][0]["token_ids"] == ids  # the seed decides, not the id
 
 
@@ -231,9 +235,13 @@ BAD: list[tuple[Any, str | None]] = [
           ("min_tokens", -1), ("temperature", 5), ("temperature", "hot"), ("top_p", -1),
           ("seed", "7"), ("ignore_eos", "yes"), ("stop_token_ids", [-1]),
           ("stop_token_ids", 2), ("presence_penalty", 3),
-          ("n", 2), ("best_of", 2), ("logprobs", 0), ("logprobs", 5),
-          ("prompt_logprobs", 1), ("stop", ["</s>"]), ("stop", "\n"),
+          ("n", 0), ("n", 129), ("best_of", 2), ("logprobs", -1), ("logprobs", 21),
+          ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("stop", ["</s>"]), ("stop", "\n"),
       ]],
+    # vLLM's stream has no place for the prompt's logprobs.
+    ({"token_ids": PROMPT, "stream": True, "sampling_params": {"prompt_logprobs": 0}},
+     "sampling_params.prompt_logprobs"),
+    ({"token_ids": PROMPT, "sampling_params": {"n": 2, "best_of": 3}}, "sampling_params.best_of"),
     ({"token_ids": PROMPT, "sampling_params": {"min_tokens": 9, "max_tokens": 2}},
      "sampling_params.min_tokens"),
 ]  # fmt: skip

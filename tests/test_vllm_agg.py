@@ -220,3 +220,45 @@ async def test_vllms_spans_join_the_requests_trace(
     worker_span = next(s for s in spans if s[1] == "worker.request")
     assert worker_span[3] == "00f067aa0ba902b7"  # the frame's traceparent is its parent
     assert any(s[0] == "vllm" and s[3] for s in spans)  # vLLM's span has a parent in it
+
+
+async def test_greedy_logprobs_through_headwater_equal_vllms_own(
+    vllm_cluster: VllmCluster,
+) -> None:
+    agg = vllm_cluster.workers[Role.AGG]
+    ids = prompt(40, 70)
+    body = {"token_ids": ids, "sampling_params": {
+        **GREEDY, "max_tokens": 6, "logprobs": 5, "prompt_logprobs": 3, "ignore_eos": True}}
+    async with httpx.AsyncClient(timeout=120) as direct:
+        r = await direct.post(agg.vllm_url + "/inference/v1/generate", json=body)
+    r.raise_for_status()
+    want = r.json()
+    async with (
+        serve_frontend(workers=f"{agg.address}?role=agg", context_length=8192) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+    ):
+        await wait_healthy(http)
+        # The token-in API answers in vLLM's own shape: the same JSON, number for number.
+        got = (await http.post("/inference/v1/generate", json=body)).json()
+        (mine,), (theirs,) = got["choices"], want["choices"]
+        assert mine["token_ids"] == theirs["token_ids"]
+        assert mine["logprobs"] == theirs["logprobs"]
+        assert len(mine["logprobs"]["content"][0]["top_logprobs"]) == 5
+        assert got["prompt_logprobs"] == want["prompt_logprobs"]
+        assert len(got["prompt_logprobs"]) == len(ids)
+
+        # OpenAI's shapes carry the same numbers, by token text.
+        r = await http.post("/v1/completions", json={
+            "model": "deepseek-v4", "prompt": ids, "max_tokens": 6, "temperature": 0,
+            "logprobs": 5, "ignore_eos": True, "echo": True})  # fmt: skip
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:len(ids)] == [
+            position[str(t)]["logprob"] for position, t in zip(
+                want["prompt_logprobs"][1:], ids[1:], strict=True)]  # fmt: skip
+        # The answer's tokens, less the special ones its text does not show (the tiny
+        # model emits some), which OpenAI's shapes do not report.
+        special = shared_tokenizer().special_ids
+        assert lp["token_logprobs"][len(ids):] == [
+            e["logprob"] for e, t in zip(theirs["logprobs"]["content"], theirs["token_ids"],
+                                         strict=True) if t not in special]  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from array import array
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from headwater.wire import (
     KvHandle,
     Role,
     SamplingParams,
+    TokenLogprobs,
 )
 from workers.engines.base import EngineError, EngineFailed
 from workers.engines.vllm import launcher, protocol
@@ -105,6 +106,50 @@ def test_stream_lines_become_events() -> None:
         protocol.parse_sse_line("data: {nope")
 
 
+def test_logprobs_are_asked_and_read_in_vllms_shapes() -> None:
+    req = request(max_tokens=2, logprobs=2, prompt_logprobs=1)
+    params = orjson.loads(protocol.generate_body(req, stream=True))["sampling_params"]
+    assert params["logprobs"] == 2
+    assert "prompt_logprobs" not in params  # vLLM's stream would drop them
+    unary = orjson.loads(protocol.generate_body(req, stream=False, max_tokens=1,
+                                                prompt_logprobs=True, request_id="r1.p"))
+    assert (unary["sampling_params"]["prompt_logprobs"], unary["request_id"]) == (1, "r1.p")
+    # vLLM's tokens shape: the position's token first, then the top ones (its dict
+    # order), cut to `logprobs` entries; a token outside the top has its own rank.
+    event = {"choices": [{"token_ids": [7, 9], "finish_reason": None, "logprobs": {"content": [
+        {"token_id": 7, "logprob": -0.1, "rank": 1, "top_logprobs": [
+            {"token_id": 7, "logprob": -0.1, "rank": 1},
+            {"token_id": 8, "logprob": -2.5, "rank": 2}]},
+        {"token_id": 9, "logprob": -4.0, "rank": 5, "top_logprobs": [
+            {"token_id": 9, "logprob": -4.0, "rank": 5},
+            {"token_id": 3, "logprob": -0.3, "rank": 1}]},
+    ]}}]}  # fmt: skip
+    got = protocol.parse_answer(orjson.dumps(event), logprobs=2)
+    assert got.logprobs == (
+        TokenLogprobs(-0.1, 1, (7, 8), (-0.1, -2.5)),
+        TokenLogprobs(-4.0, 5, (3,), (-0.3,)),  # the 2nd most likely was cut by vLLM
+    )
+    assert protocol.parse_answer(orjson.dumps(event)).logprobs is None  # not asked
+    zero = protocol.parse_answer(orjson.dumps(event), logprobs=0).logprobs
+    assert zero is not None
+    assert [e.top_ids for e in zero] == [(), ()]
+    prompt = {"choices": [{"token_ids": [4]}], "prompt_logprobs": [
+        None,
+        {"6": {"logprob": -3.0, "rank": 4, "decoded_token": None},
+         "2": {"logprob": -0.5, "rank": 1, "decoded_token": None}},
+        {"7": {"logprob": -9999.0, "rank": 900}, "8": {"logprob": -1.0, "rank": 1}},
+    ]}  # fmt: skip
+    assert protocol.parse_answer(orjson.dumps(prompt), prompt_logprobs=1).prompt_logprobs == (
+        TokenLogprobs(-3.0, 4, (2,), (-0.5,)), TokenLogprobs(-9999.0, 900, (8,), (-1.0,)),
+    )  # fmt: skip
+    for bad in ({"choices": [{"token_ids": [7]}]}, {"choices": [{"token_ids": [7],
+                "logprobs": {"content": [{"token_id": 7}]}}]}):  # fmt: skip
+        with pytest.raises(protocol.ProtocolError):
+            protocol.parse_answer(orjson.dumps(bad), logprobs=1)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.parse_answer(orjson.dumps({"choices": []}), prompt_logprobs=1)
+
+
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -156,8 +201,10 @@ def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Pa
     assert argv[1:4] == ["-m", "workers.engines.vllm.launcher", "serve"]
     assert argv[-2:] == ["--max-num-seqs", "8"]
     assert "--enforce-eager" in argv
-    assert "--skip-tokenizer-init" in argv
+    assert "--skip-tokenizer-init" in argv  # the directory has no tokenizer to load
     assert "--enable-scale-out" in argv
+    (tmp_path / "tokenizer.json").write_text("{}")  # one to build grammars over
+    assert "--skip-tokenizer-init" not in serve_argv(config, Role.PREFILL, 1234)
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
                   "kv_buffer_device": "cpu",
@@ -258,21 +305,39 @@ class FakeVllm:
 
 def sse(tokens: list[list[int]], finish: str | None, *, cached: int | None = None,
         delay: float = 0.0) -> httpx.Response:  # fmt: skip
-    async def body() -> AsyncIterator[bytes]:
-        for i, ids in enumerate(tokens):
-            if delay:
-                await trio.sleep(delay)
-            last = finish if i == len(tokens) - 1 else None
-            event = {"choices": [{"index": 0, "token_ids": ids, "finish_reason": last}]}
-            yield b"data: " + orjson.dumps(event) + b"\n\n"
-        if finish is not None:
-            usage: dict[str, Any] = {"prompt_tokens": 3}
-            if cached is not None:
-                usage["prompt_tokens_details"] = {"cached_tokens": cached}
-            yield b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+    parts = []
+    for i, ids in enumerate(tokens):
+        last = finish if i == len(tokens) - 1 else None
+        event = {"choices": [{"index": 0, "token_ids": ids, "finish_reason": last}]}
+        parts.append(b"data: " + orjson.dumps(event) + b"\n\n")
+    if finish is not None:
+        usage: dict[str, Any] = {"prompt_tokens": 3}
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        parts.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        parts.append(b"data: [DONE]\n\n")
+    return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                          content=_Events(parts, delay))  # fmt: skip
 
-    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+class _Events:
+    """An SSE body's parts, each after *delay* s. An iterator, not an async generator:
+    httpx never closes the body it iterates, and a generator left suspended (a stream
+    the engine gave up on) warns when it is collected, in whichever test that is."""
+
+    def __init__(self, parts: list[bytes], delay: float) -> None:
+        self.parts = parts
+        self.delay = delay
+
+    def __aiter__(self) -> _Events:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self.parts:
+            raise StopAsyncIteration
+        if self.delay:
+            await trio.sleep(self.delay)
+        return self.parts.pop(0)
 
 
 def engine(fake: FakeVllm, role: Role = Role.AGG, **config: Any) -> VllmEngine:
@@ -319,6 +384,38 @@ async def test_a_stream_maps_tokens_finish_and_cached_tokens(
     chunks = await collect(eng, request(eos=(1,)))
     assert chunks[-1].finish_reason is FinishReason.STOP
     assert eng.counters.requests_finished == 2
+
+
+async def test_logprobs_reach_the_chunks_and_prompt_logprobs_come_first(
+    nursery: trio.Nursery, autojump_clock: object
+) -> None:
+    fake = FakeVllm()
+    entry = {"token_id": 11, "logprob": -0.2, "rank": 1,
+             "top_logprobs": [{"token_id": 11, "logprob": -0.2, "rank": 1}]}  # fmt: skip
+
+    def answer(req: httpx.Request) -> httpx.Response:
+        body = fake.bodies[-1]
+        if not body["stream"]:  # the prompt's logprobs, asked first
+            return httpx.Response(200, json={"choices": [{"token_ids": [11]}], "prompt_logprobs": [
+                None, {"6": {"logprob": -1.5, "rank": 2}, "5": {"logprob": -0.1, "rank": 1}},
+                {"7": {"logprob": -0.7, "rank": 1}}]})  # fmt: skip
+        events = [{"choices": [{"token_ids": [11], "finish_reason": finish,
+                                "logprobs": {"content": [entry]}}]}
+                  for finish in (None, "length")]  # fmt: skip
+        lines = [b"data: " + orjson.dumps(e) + b"\n\n" for e in [*events, {"choices": []}]]
+        return httpx.Response(200, content=b"".join([*lines, b"data: [DONE]\n\n"]))
+
+    fake.generate = answer
+    eng = engine(fake)
+    await nursery.start(eng.run)
+    chunks = await collect(eng, request(max_tokens=2, logprobs=0, prompt_logprobs=1))
+    assert [b["stream"] for b in fake.bodies] == [False, True]
+    assert fake.bodies[0]["request_id"] == "r1.prompt"
+    assert fake.bodies[0]["sampling_params"]["max_tokens"] == 1
+    assert [c.logprobs for c in chunks] == [(TokenLogprobs(-0.2, 1),)] * 2
+    assert chunks[0].prompt_logprobs == (TokenLogprobs(-1.5, 2, (5,), (-0.1,)),
+                                         TokenLogprobs(-0.7, 1, (7,), (-0.7,)))  # fmt: skip
+    assert chunks[1].prompt_logprobs is None
 
 
 async def test_ids_past_the_vocabulary_never_reach_vllm(

@@ -6,14 +6,14 @@ that need it are skipped with the reason, except under CI (``CI=true``), where a
 missing vLLM is a failure, so a broken CI image cannot pass silently.
 
 Policy: three ``headwater worker --engine vllm`` processes, each starting its own
-vLLM (``--enforce-eager``) on free loopback ports: one aggregated, and a prefill +
-decode pair with NIXL (the decode without prefix caching, so its prompt tokens can
-only come from the transfer). They start in the background as soon as collection
-sees a test marked ``vllm`` (``conftest.py``), while the other tests run; those tests
-run last and wait for them, and they run niced, so the tests running meanwhile keep
-the cores they need. At most these three vLLM instances (~3.5 GB each) are
-alive at once; every process is stopped at the end of the session (its process
-group, and the vLLM group its log names).
+vLLM (``--enforce-eager``) on free loopback ports: one aggregated (its vLLM logs every
+request's ``SamplingParams``), and a prefill + decode pair with NIXL (the decode without
+prefix caching, so its prompt tokens can only come from the transfer). They start in
+the background as soon as collection sees a test marked ``vllm`` (``conftest.py``),
+while the other tests run; those tests run last and wait for them, and they run niced,
+so the tests running meanwhile keep the cores they need. At most these three vLLM
+instances (~3.5 GB each) are alive at once; every process is stopped at the end of the
+session (its process group, and the vLLM group its log names).
 """
 
 from __future__ import annotations
@@ -129,6 +129,10 @@ class VllmWorker:
     def log_tail(self) -> str:
         return self.stderr.read_text(errors="replace")[-3000:]
 
+    def vllm_log(self) -> str:
+        """What its vLLM logged so far."""
+        return (self.stderr.parent / f"vllm-{self.role}.log").read_text(errors="replace")
+
 
 class TraceReceiver:
     """An OTLP/HTTP traces receiver in a thread of its own (the vLLM workers start at
@@ -190,7 +194,10 @@ class VllmCluster:
     def start(self) -> None:
         """Start the three workers; returns at once."""
         for role, extra in (
-            (Role.AGG, (f"--otlp-endpoint={self.traces.url}",)),
+            # Its vLLM logs each request's SamplingParams: what vLLM received
+            # (tests/test_vllm_fields.py reads it).
+            (Role.AGG, (f"--otlp-endpoint={self.traces.url}",
+                        "--vllm-args=--enable-log-requests")),
             (Role.PREFILL, ()),
             (Role.DECODE, ("--vllm-args=--no-enable-prefix-caching",)),
         ):

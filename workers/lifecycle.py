@@ -34,6 +34,7 @@ from headwater.plane.tls import TlsConfig, check_certificate
 from headwater.tracing import open_tracing
 from headwater.wire import Role
 from headwater.wire.addresses import format_tcp_address, is_loopback
+from headwater.wire.capabilities import Capabilities
 from workers.engines import registry
 from workers.engines.base import Engine, EngineContext
 from workers.runtime.runtime import WorkerRuntime, load_of, open_runtime
@@ -52,8 +53,9 @@ def ready_line(address: str, worker_id: str, role: Role) -> str:
 _HOOK_TIMEOUT = 10.0  # s for each on-stop hook
 _FLUSH_TIMEOUT = 5.0  # s to send replies still queued when the drain ends
 
-#: Called with the worker's advertised address once it accepts connections.
-ReadyHook = Callable[[str], Awaitable[None]]
+#: Called with the worker's advertised address and its engine's declaration once it
+#: accepts connections.
+ReadyHook = Callable[[str, Capabilities], Awaitable[None]]
 #: Called when the worker starts to drain (and on a hard stop), before goaway.
 StopHook = Callable[[], Awaitable[None]]
 
@@ -251,6 +253,7 @@ async def _serve(
         stats=lambda: worker_stats(runtime, kv_transfer),
         load=partial(load_of, runtime),
         tls=config.tls,
+        capabilities=engine.capabilities,
     )
     worker = RunningWorker(
         address, config.worker_id, config.role, config.model_name, runtime, server, kv_transfer
@@ -264,7 +267,7 @@ async def _serve(
 
                 await nursery.start(serve_worker_metrics, config.metrics_port, worker)
             for hook in on_ready:
-                await hook(address)
+                await hook(address, engine.capabilities)
             log.info("%s %s %s %s", READY_PREFIX, address, config.worker_id, config.role)
             task_status.started(worker)
             if shutdown_trigger is None:

@@ -71,7 +71,10 @@ class LocalCluster(Discovery):
             engine = registry.build(self.engine, self.engine_config, context)
             if isinstance(engine, KvSource):
                 kv.register(worker_id, engine)
-            workers.append((WorkerInstance(worker_id, role, self.model, address), engine))
+            instance = WorkerInstance(
+                worker_id, role, self.model, address, capabilities=engine.capabilities
+            )
+            workers.append((instance, engine))
         async with trio.open_nursery() as nursery:
             # The engines start side by side: one backed by a model server takes that
             # server's start-up time (vLLM's: tens of seconds), and a pair should not

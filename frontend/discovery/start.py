@@ -75,6 +75,7 @@ async def start_discovery(
     connect: Connect | None = None,
     attribution: StallAttribution | None = None,
     initial_wait: float = 10.0,  # seconds to wait for the first report
+    discovery: Discovery | None = None,
 ) -> Membership:
     """Start membership and discovery in *nursery*; returns the running Membership.
 
@@ -82,9 +83,10 @@ async def start_discovery(
     workers are in the router), or after *initial_wait* seconds (etcd unreachable:
     logged; discovery keeps retrying in the background and the frontend answers 503
     until workers appear). *connect* defaults to :func:`connect_for`. Raises
-    ValueError for a bad configuration before starting anything.
+    ValueError for a bad configuration before starting anything. *discovery* replaces
+    the one *config* names.
     """
-    discovery = discovery_from_config(config)
+    discovery = discovery or discovery_from_config(config)
     connect = connect or connect_for(discovery, config, attribution)
     membership: Membership = await nursery.start(
         _follow, discovery, router, connect, initial_wait, name="discovery"

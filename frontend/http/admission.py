@@ -170,4 +170,4 @@ class AdmissionControl:
             return
         self.metrics.rejected_requests_total.labels(reason.value).inc()
         if await discard_body(receive, self.max_body_bytes):
-            await send_error(send, self.admission.refusal(reason))
+            await send_error(send, self.admission.refusal(reason), scope["path"])

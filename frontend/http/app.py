@@ -1,4 +1,5 @@
-"""The HTTP API, on quart-trio: OpenAI's, and a token-in one.
+"""The HTTP API, on quart-trio: OpenAI's, a token-in one, and the route families that
+translate other APIs onto the same pipeline.
 
 Each request runs in its own task inside quart-trio's per-request nursery, beside a
 task watching for the client's disconnect; a disconnect cancels the handler (or the
@@ -9,16 +10,22 @@ and SSE), ``POST /inference/v1/generate`` (the token-in API, vLLM's shape: token
 in and out, unary and SSE), ``GET /v1/models``, ``GET /v1/models/<id>``,
 ``GET /health``, ``GET /live``, and ``GET /openapi.json``, the document of them all
 (:mod:`frontend.http.openapi`, from the same models the routes validate with).
-Every POST route goes through one ``_serve``: the pipeline, the metrics, the request's
+Route families in modules of their own, given the app's parts as an
+:class:`~frontend.http.context.ApiContext`: ``/tokenize`` and ``/detokenize``
+(:mod:`frontend.http.tokenize`, vLLM's shapes), Anthropic's Messages API
+(:mod:`frontend.http.anthropic`) and OpenAI's Responses API
+(:mod:`frontend.http.responses_api`). Every POST route that generates goes through one
+``_serve``: the pipeline, the metrics, the request's
 deadline (``--request-timeout``), errors before and after a stream started; the routes
 differ only in their schema, their preprocess stage, what they take from the pipeline
 (text or token deltas) and their response format (:mod:`frontend.http.responses`).
 A refusal by a configured limit (:mod:`frontend.limits`; the body size; the deadline)
 is counted in ``rejected_requests_total`` under the limit's name.
 Observability routes (``/metrics``, ``/debug/*``, ``/dashboard``) come from
-:mod:`frontend.http.observability`. The generation routes (:data:`GENERATION_PATHS`)
-are admitted by :mod:`frontend.http.admission` before their handler runs; ``/health``
-says 503 ``draining`` once a drain has begun, ``/live`` stays 200 until the process ends.
+:mod:`frontend.http.observability`. The generation and tokenizer routes
+(:data:`ADMITTED_PATHS`) are admitted by :mod:`frontend.http.admission` before their
+handler runs; ``/health`` says 503 ``draining`` once a drain has begun, ``/live`` stays
+200 until the process ends.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from contextlib import aclosing
 from functools import partial
 from typing import Any
 
-import orjson
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -39,34 +45,46 @@ from werkzeug.exceptions import HTTPException
 from frontend.deadline import Deadline
 from frontend.errors import FrontendError, NoWorkers, UnknownModel
 from frontend.http.admission import Admission
-from frontend.http.errors import ApiError, api_error, loggable
+from frontend.http.anthropic.routes import MESSAGES_PATH, MESSAGES_PATHS, add_messages_routes
+from frontend.http.context import ApiContext
+from frontend.http.errors import ApiError, api_error, loggable, rendered
 from frontend.http.models import REQUEST_MODELS
 from frontend.http.openapi import OPENAPI_PATH, openapi_json
-from frontend.http.responses import D, OpenAIFormat, ResponseFormat, TokenFormat
+from frontend.http.responses import (
+    JSON,
+    D,
+    OpenAIFormat,
+    ResponseFormat,
+    TokenFormat,
+    json_response,
+)
+from frontend.http.responses_api.routes import RESPONSES_PATH, add_responses_routes
+from frontend.http.responses_api.store import ResponseStore
 from frontend.http.routing import use_memo_matcher
 from frontend.http.schema import count_json_values, parse_generate_request, parse_request
+from frontend.http.tokenize import TOKENIZE_PATHS, add_tokenize_routes
 from frontend.limits import LIMITS, RequestLimits
 from frontend.metrics import FrontendMetrics
 from frontend.pipeline import Pipeline, Prepared, R
 
 log = logging.getLogger(__name__)
 
-JSON = "application/json"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 GENERATE_PATH = "/inference/v1/generate"  # the token-in API
-#: The routes that generate, and so the ones admission control guards.
-GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH})
+#: The routes that generate: each gets a root span when tracing is on.
+GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH, MESSAGES_PATH,
+                              RESPONSES_PATH})  # fmt: skip
+#: The routes admission control guards: those that generate, and those that take the
+#: tokenizer pool's time without generating (``/tokenize``, ``count_tokens``).
+ADMITTED_PATHS = GENERATION_PATHS | TOKENIZE_PATHS | MESSAGES_PATHS
 
 
-def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
-    data = body if isinstance(body, bytes) else orjson.dumps(body)
-    return Response(data, status=status, content_type=JSON)
-
-
-def error_response(err: ApiError) -> Response:
-    response = json_response(err.json(), err.status)
+def error_response(err: ApiError, path: str) -> Response:
+    """*err* as the API at *path* answers it (:func:`~frontend.http.errors.rendered`)."""
+    status, body = rendered(err, path)
+    response = json_response(body, status)
     response.headers.update(err.headers)
     return response
 
@@ -79,12 +97,15 @@ def create_app(
     admission: Admission,
     limits: RequestLimits | None = None,
     api_keys: bool = False,
+    responses_store: ResponseStore | None = None,
 ) -> QuartTrio:
     """Build the app. The caller owns *pipeline* and serves the app with hypercorn,
     behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*
     (which this app reads for ``/health``), and behind
     :class:`~frontend.http.auth.RequireApiKey` if *api_keys* (which ``/openapi.json``
-    then declares). *limits* default to :class:`~frontend.limits.RequestLimits`'s."""
+    then declares). *limits* default to :class:`~frontend.limits.RequestLimits`'s;
+    *responses_store* keeps the Responses API's stored responses (default: a store of
+    the default bounds)."""
     lim = limits or RequestLimits()
     # The models the routes validate with, read once: the document describes these.
     bodies = dict(REQUEST_MODELS)
@@ -106,12 +127,12 @@ def create_app(
 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
-        return error_response(err)
+        return error_response(err, request.path)
 
     @app.errorhandler(FrontendError)
     async def _frontend_error(err: FrontendError) -> Response:
         _count_limit(err)
-        return error_response(api_error(err))
+        return error_response(api_error(err), request.path)
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
@@ -127,13 +148,14 @@ def create_app(
         allowed = getattr(exc, "valid_methods", None) if status == 405 else None
         headers = {"Allow": ", ".join(allowed)} if allowed else None
         return error_response(
-            ApiError(status, messages.get(status, exc.description or ""), headers=headers)
+            ApiError(status, messages.get(status, exc.description or ""), headers=headers),
+            request.path,
         )
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", loggable(request.method), loggable(request.path))
-        return error_response(ApiError(500, "Internal server error"))
+        return error_response(ApiError(500, "Internal server error"), request.path)
 
     @app.get("/live")
     async def live() -> Response:
@@ -295,7 +317,7 @@ def create_app(
                 async for d in deltas:
                     last = d
                     pending += fmt.event(d)
-                    if d.finish_reason is None:
+                    if not d.final:
                         yield pending
                         pending = b""
             if last is not None and prep.parsed.include_usage:
@@ -305,11 +327,11 @@ def create_app(
             # Headers are gone already: report in-stream, as OpenAI does.
             status = "error"
             _count_limit(err)
-            pending += fmt.error(api_error(err).body())
+            pending += fmt.error(api_error(err))
         except Exception:
             status = "error"
             log.exception("stream %s failed", prep.request_id)
-            pending += fmt.error(ApiError(500, "Internal server error").body())
+            pending += fmt.error(ApiError(500, "Internal server error"))
         finally:
             if status == "cancelled":
                 _client_gone()
@@ -319,6 +341,10 @@ def create_app(
             metrics.requests_total.labels(endpoint, "stream", status).inc()
         yield pending + fmt.DONE
 
+    api = ApiContext(pipeline, lim, bodies, metrics, _serve, _parse)
+    add_tokenize_routes(app, api)
+    add_messages_routes(app, api)
+    add_responses_routes(app, api, responses_store or ResponseStore())
     return app
 
 

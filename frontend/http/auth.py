@@ -4,10 +4,12 @@ Off unless keys are given (``--api-key``, repeatable; ``HEADWATER_API_KEYS``, co
 separated; ``--api-keys-file``, one per line). With keys, every request but the probes a
 load balancer or an orchestrator sends (``/live``, ``/health``) and, unless
 ``--metrics-auth``, ``/metrics``, must carry ``Authorization: Bearer <key>`` with one of
-them; anything else gets OpenAI's answer to a bad key: 401, ``{"error": {"message": ...,
-"type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}`` and a
-``WWW-Authenticate: Bearer`` header (RFC 6750). That covers ``/v1/*``, the token-in API,
-``/dashboard`` and ``/debug/*``.
+them, or ``x-api-key: <key>`` (Anthropic's header, which Claude Code and the ``anthropic``
+SDK send); anything else gets OpenAI's answer to a bad key: 401, ``{"error": {"message":
+..., "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}`` and a
+``WWW-Authenticate: Bearer`` header (RFC 6750), in Anthropic's shape on its Messages
+API's paths. That covers ``/v1/*``, the token-in API, ``/tokenize``, ``/dashboard`` and
+``/debug/*``.
 
 Keys rotate without a restart: ``--api-keys-file`` is watched (:func:`watch_keys_file`,
 its status checked every ``KEYS_FILE_POLL`` seconds in a thread) and re-read when it
@@ -114,7 +116,14 @@ class ApiKeys:
         scheme, _, token = authorization.partition(b" ")
         if scheme.lower() != b"bearer" or not token:
             return False
-        digest = hashlib.sha256(token.strip()).digest()
+        return self.matches(token)
+
+    def matches(self, key: bytes | None) -> bool:
+        """Whether *key* (an ``x-api-key`` header's value, Anthropic's way to send one)
+        is an accepted key."""
+        if not key:
+            return False
+        digest = hashlib.sha256(key.strip()).digest()
         matched = False
         for accepted in self._digests:  # every key, every time: no early exit
             matched |= hmac.compare_digest(digest, accepted)
@@ -172,12 +181,13 @@ def exposure_warning(host: str, keys: Sized) -> str | None:
     )
 
 
-def unauthorized(authorization_sent: bool) -> ApiError:
+def unauthorized(key_sent: bool) -> ApiError:
     """OpenAI's answer to a missing or wrong key."""
     message = (
-        "Incorrect API key provided." if authorization_sent else
+        "Incorrect API key provided." if key_sent else
         "You didn't provide an API key. You need to provide your API key in an "
-        "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+        "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), "
+        "or in an x-api-key header."
     )  # fmt: skip
     return ApiError(
         401, message, type="invalid_request_error", code="invalid_api_key",
@@ -221,11 +231,15 @@ class RequireApiKey:
         if not self.keys or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
-        authorization = next(
-            (value for name, value in scope["headers"] if name == b"authorization"), None
-        )
-        if self.keys.allows(authorization):
+        authorization = api_key = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"x-api-key":
+                api_key = value
+        if self.keys.allows(authorization) or self.keys.matches(api_key):
             await self.app(scope, receive, send)
             return
+        sent = authorization is not None or api_key is not None
         self.metrics.rejected_requests_total.labels("unauthorized").inc()
-        await send_error(send, unauthorized(authorization is not None))
+        await send_error(send, unauthorized(sent), scope["path"])

@@ -1,10 +1,11 @@
 """OpenAI-style error bodies, and the one place where errors become HTTP statuses.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}``
-with the right status. HTTP handlers raise :class:`ApiError` for what only HTTP
-knows (a wrong content type, an unknown path); the pipeline raises the frontend's
-own errors (:mod:`frontend.errors`), which :func:`api_error` maps. Anything else
-that escapes becomes a 500 with a sanitized message (the details go to the log only).
+with the right status, but on the paths of Anthropic's Messages API, where it takes
+Anthropic's shape and statuses (:func:`rendered`). HTTP handlers raise :class:`ApiError`
+for what only HTTP knows (a wrong content type, an unknown path); the pipeline raises
+the frontend's own errors (:mod:`frontend.errors`), which :func:`api_error` maps.
+Anything else that escapes becomes a 500 with a sanitized message (the details go to the log only).
 
 Admission (:mod:`frontend.http.admission`) turns requests away before any of their
 work, with :func:`too_many_requests` (429) and :func:`shutting_down` (503). Those are
@@ -31,6 +32,7 @@ from frontend.errors import (
     UnknownModel,
     WorkerFailed,
 )
+from frontend.http.anthropic.errors import anthropic_error, is_messages_path
 
 # Control characters (C0, DEL, C1) and the Unicode line and paragraph separators, each
 # written as its escape: nothing a client sends can break a log line or colour a terminal.
@@ -94,6 +96,15 @@ class ApiError(Exception):
 
     def json(self) -> bytes:
         return orjson.dumps(self.body())
+
+
+def rendered(err: ApiError, path: str) -> tuple[int, bytes]:
+    """The status and body that answer *err* on *path*: OpenAI's error, but on the
+    Messages API's paths, where it is Anthropic's
+    (:mod:`frontend.http.anthropic.errors`). Every error answer goes through here."""
+    if is_messages_path(path):
+        return anthropic_error(err)
+    return err.status, err.json()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

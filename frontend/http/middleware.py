@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from frontend.http.errors import ApiError
+from frontend.http.errors import ApiError, rendered
 from headwater.instrumentation import Activity
 
 if TYPE_CHECKING:
@@ -129,14 +129,15 @@ async def discard_body(receive: ASGIReceiveCallable, limit: int) -> bool:
             return True
 
 
-async def send_error(send: ASGISendCallable, err: ApiError) -> None:
-    """Answer with *err* (an OpenAI error body, its status and headers), in two sends."""
-    body = err.json()
+async def send_error(send: ASGISendCallable, err: ApiError, path: str) -> None:
+    """Answer with *err* (its status, body and headers, in the shape of the API at
+    *path*: :func:`~frontend.http.errors.rendered`), in two sends."""
+    status, body = rendered(err, path)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
         *((name.lower().encode("latin-1"), value.encode("latin-1"))
           for name, value in err.headers.items()),
     ]  # fmt: skip
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -32,40 +32,62 @@ response models describe the success bodies (built by :mod:`frontend.http.respon
 for speed); the schemathesis test checks live responses against them.
 
 What the models cannot say is checked after them, in :mod:`frontend.http.schema`:
-requests for what headwater cannot do (``n`` > 1, logprobs, echo, stop strings on the
-token-in API) and the configured limits (:mod:`frontend.limits`), which the OpenAPI
-document states as ``maxItems``, ``maximum`` and so on from the same config.
+fields that depend on each other (``top_logprobs`` needs ``logprobs``, ``best_of``
+and ``n``), requests for what headwater cannot do (stop strings on the token-in API)
+and the configured limits (:mod:`frontend.limits`), which the OpenAPI document
+states as ``maxItems``, ``maximum`` and so on from the same config. Every field of the
+chat, completions and token-in bodies is honoured or refused, on each engine: the table
+of :mod:`frontend.http.fields` says which, and docs/api.md ("Fields") publishes it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
-from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_NAME_CHARS, MAX_PARTS
+from frontend.http.anthropic import models as anthropic
+from frontend.http.bounds import FREE_FORM as _FREE_FORM
+from frontend.http.bounds import (
+    FreeFormObject,
+    FreeFormObjectOrNull,
+    Name,
+    NonEmptyStr,
+    NonEmptyText,
+)
+from frontend.http.responses_api import models as responses_api
+from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 
 # -- shared pieces ------------------------------------------------------------------------
 
-#: A name or an id. (Text, which counts against --max-prompt-chars, is a plain ``str``:
-#: the OpenAPI document gives each one that bound, from the configured limit.)
-Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
-NonEmptyStr = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
-NonEmptyText = Annotated[str, Meta(min_length=1)]
-_FREE_FORM = (f"Free-form JSON: its text counts against --max-prompt-chars; at most "
-              f"{MAX_JSON_DEPTH} deep, and {MAX_JSON_CONTAINERS} objects and arrays in all "
-              f"of a request's free-form JSON.")  # fmt: skip
-#: A free-form JSON object, kept as its text until checked (frontend.http.schema).
-FreeFormObject = Annotated[Raw, Meta(extra_json_schema={
-    "type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM})]  # fmt: skip
+# Names, ids and free-form JSON: frontend.http.bounds.
 TokenId = Annotated[int, Meta(ge=0, description="a token id of the served model's vocabulary")]
 Temperature = Annotated[float, Meta(ge=0, le=2, description="sampling temperature (1)")]
 TopP = Annotated[float, Meta(ge=0, le=1, description="nucleus sampling mass (1)")]
-Penalty = Annotated[float, Meta(ge=-2, le=2, description="accepted, not applied (0)")]
+Penalty = Annotated[float, Meta(ge=-2, le=2, description=(
+    "OpenAI's penalty on tokens already generated (0: none)"))]  # fmt: skip
+TopK = Annotated[int, Meta(ge=-1, description=(
+    "sample among the k most likely tokens (vLLM's; 0 or -1: all)"))]  # fmt: skip
+MinP = Annotated[float, Meta(ge=0, le=1, description=(
+    "drop tokens less likely than min_p times the most likely one (vLLM's; 0: none)"))]  # fmt: skip
+RepetitionPenalty = Annotated[float, Meta(gt=0, le=2, description=(
+    "vLLM's multiplicative penalty on tokens of the prompt and the output (1: none)"))]  # fmt: skip
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(
+    max_length=MAX_PARTS, description=(
+        "token id (as a string) to a bias from -100 to 100 added to its logit"))]  # fmt: skip
 MaxTokens = Annotated[int, Meta(ge=1, description=(
     "tokens to generate at most; absent: what the context length leaves, up to the "
     "server's cap"))]  # fmt: skip
-One = Annotated[int, Meta(ge=1, le=1, description="one completion per request: only 1")]
+#: Most choices one request may ask for (``n``): OpenAI's own bound.
+MAX_N = 128
+#: Most top logprobs per position: OpenAI's bound for chat's ``top_logprobs``, and
+#: vLLM's default ``--max-logprobs`` for the other APIs.
+MAX_LOGPROBS = 20
+N = Annotated[int, Meta(ge=1, le=MAX_N, description=(
+    "choices to generate, each sampled on its own (with a seed, seed + index) (1)"))]  # fmt: skip
+BestOf = Annotated[int, Meta(ge=1, le=MAX_N, description=(
+    "only null or n: candidates are not generated beyond the n returned"))]  # fmt: skip
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 StopString = Annotated[str, Meta(min_length=1)]
 
 
@@ -87,8 +109,38 @@ class _Sampling(Struct, kw_only=True):
     ignore_eos: bool | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    n: One | None = None
-    best_of: One | None = None
+    n: N | None = None
+    best_of: BestOf | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+
+
+class TextFormat(Struct, kw_only=True, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """Plain text: no constraint (the default)."""
+
+
+class JsonObjectFormat(Struct, kw_only=True, tag_field="type", tag="json_object",
+                       forbid_unknown_fields=True):  # fmt: skip
+    """Any JSON object, by constrained decoding."""
+
+
+class JsonSchemaSpec(Struct, kw_only=True):
+    name: NonEmptyStr
+    description: str | None = None
+    schema: FreeFormObject | UnsetType = UNSET  # a JSON Schema; absent: any JSON object
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(Struct, kw_only=True, tag_field="type", tag="json_schema",
+                       forbid_unknown_fields=True):  # fmt: skip
+    """JSON valid against ``json_schema.schema``, by constrained decoding."""
+
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 
 class _OpenAIRequest(_Sampling, kw_only=True):
@@ -101,7 +153,10 @@ class _OpenAIRequest(_Sampling, kw_only=True):
     stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = None
     user: Name | None = None
-    top_logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
+    top_logprobs: Annotated[TopLogprobs, Meta(description=(
+        "chat: the most likely tokens to list at each position (needs logprobs); "
+        "completions: only null (use logprobs)"))] | None = None  # fmt: skip
+    response_format: ResponseFormat | None = None
 
 
 # -- chat -----------------------------------------------------------------------------------
@@ -168,7 +223,7 @@ ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage 
 class FunctionDefinition(Struct, kw_only=True):
     name: Name
     description: str | None = None
-    parameters: FreeFormObject | UnsetType = UNSET  # a JSON Schema
+    parameters: FreeFormObjectOrNull | UnsetType = UNSET  # a JSON Schema (null: none)
 
 
 class Tool(Struct, kw_only=True):
@@ -182,15 +237,19 @@ class ToolChoiceFunction(Struct, kw_only=True):
     name: Name
 
 
-ToolChoiceMode = Annotated[str, Meta(max_length=MAX_NAME_CHARS,
-                                     description='"none", "auto" or "required"')]  # fmt: skip
+#: Another mode (Anthropic's "any", a typo) is refused, not taken for "auto".
+ToolChoiceMode = Literal["none", "auto", "required"]
 
 
 class NamedToolChoice(Struct, kw_only=True):
     """A ``tool_choice`` that names the function to call."""
 
     function: ToolChoiceFunction
-    type: Name | None = None
+    type: Literal["function"] | None = None
+
+
+ToolChoice = ToolChoiceMode | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
@@ -198,10 +257,13 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Annotated[bool, Meta(description="not supported: only false")] | None = None
+    logprobs: Annotated[bool, Meta(description=(
+        "each generated token's logprob (choices[].logprobs.content)"))] | None = None  # fmt: skip
     tools: list[Tool] | None = None
-    tool_choice: ToolChoiceMode | NamedToolChoice | None = None
-    chat_template_kwargs: FreeFormObject | UnsetType = UNSET
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: FreeFormObjectOrNull | UnsetType = UNSET
 
 
 # -- completions ----------------------------------------------------------------------------
@@ -214,25 +276,50 @@ class CompletionRequest(_OpenAIRequest, kw_only=True):
         "a string, or token ids; a list holding one of either is that one (one prompt "
         "per request)"))]  # fmt: skip
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Annotated[
-        int | bool, Meta(description="not supported: only null, 0 or false")
-    ] | None = None  # fmt: skip
-    echo: Annotated[bool, Meta(description="not supported: only false")] | None = None
+    logprobs: Annotated[TopLogprobs | bool, Meta(description=(
+        "each token's logprob and the logprobs most likely tokens at its position "
+        "(false: none)"))] | None = None  # fmt: skip
+    echo: Annotated[bool, Meta(description=(
+        "the prompt's text before the answer's (and with logprobs, its tokens' first)"
+    ))] | None = None  # fmt: skip
+    suffix: Annotated[str, Meta(description=(
+        "text after the completion: the prompt is framed for fill-in-the-middle"
+    ))] | None = None  # fmt: skip
 
 
 # -- the token-in API -----------------------------------------------------------------------
 
 
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``StructuredOutputsParams``: exactly one constraint (its other options are
+    refused, not ignored)."""
+
+    #: A JSON schema, or its text; kept as its text until checked.
+    json: Annotated[Raw, Meta(extra_json_schema={"anyOf": [
+        {"type": "string"},
+        {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
+    ]})] | UnsetType = UNSET  # fmt: skip
+    regex: str | None = None
+    choice: Annotated[list[Name], Meta(max_length=MAX_PARTS)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class SamplingParams(_Sampling, kw_only=True):
-    """How to generate, in vLLM's ``SamplingParams`` shape; fields not listed (``top_k``,
-    ``skip_special_tokens``, ...) are ignored."""
+    """How to generate, in vLLM's ``SamplingParams`` shape; fields not listed
+    (``skip_special_tokens``, ...) are ignored."""
 
     max_tokens: MaxTokens | None = None
-    logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
-    prompt_logprobs: Annotated[int, Meta(description="not supported: only null")] | None = None
+    logprobs: Annotated[TopLogprobs, Meta(description=(
+        "each generated token's logprob and this many most likely tokens (choices[].logprobs)"
+    ))] | None = None  # fmt: skip
+    prompt_logprobs: Annotated[TopLogprobs, Meta(description=(
+        "the same for the prompt's tokens (prompt_logprobs; not with stream)"))] | None = None
     stop: Annotated[str | list[str], Meta(description=(
         "not supported (no text to match on): only null or []; use stop_token_ids"
     ))] | None = None  # fmt: skip
+    structured_outputs: StructuredOutputs | None = None
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -249,12 +336,55 @@ class GenerateRequest(Struct, kw_only=True):
     )] | None = None  # fmt: skip
 
 
+# -- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """The body of ``POST /tokenize``: a ``prompt`` (vLLM's ``TokenizeCompletionRequest``)
+    or chat ``messages`` (its ``TokenizeChatRequest``, the chat template applied), one of
+    the two. Fields not listed are ignored."""
+
+    #: Exactly one of these fields is given: /openapi.json says so.
+    one_of: ClassVar[tuple[str, ...]] = ("prompt", "messages")
+
+    model: NonEmptyStr | None = None
+    prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")
+                      ] | UnsetType = UNSET  # fmt: skip
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, description=(
+        "a conversation, rendered by the chat template, then tokenized (or send prompt)"
+    ))] | UnsetType = UNSET  # fmt: skip
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "add the tokenizer's special tokens around the text (true for a prompt, false "
+        "for messages, whose template writes them)"))] | None = None  # fmt: skip
+    return_token_strs: Annotated[bool, Meta(description="also return each token's string"
+                                            )] | None = None  # fmt: skip
+    add_generation_prompt: Annotated[bool, Meta(description=(
+        "messages: open the assistant's turn after the last message (true)"))] | None = None
+    continue_final_message: Annotated[bool, Meta(description="not supported: only false"
+                                                 )] | None = None  # fmt: skip
+    chat_template: Annotated[str, Meta(description="not supported: only null")] | None = None
+    chat_template_kwargs: FreeFormObjectOrNull | UnsetType = UNSET
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    """The body of ``POST /detokenize``: token ids back to text (special tokens kept)."""
+
+    tokens: Annotated[list[TokenId], Meta(description="at most the context length")]
+    model: NonEmptyStr | None = None
+
+
 #: The model each POST route validates its body with, by endpoint; read by the parser
 #: and by the OpenAPI document alike.
 REQUEST_MODELS: dict[str, type[Struct]] = {
     "chat": ChatCompletionRequest,
     "completions": CompletionRequest,
     "generate": GenerateRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
+    "messages": anthropic.MessagesRequest,
+    "count_tokens": anthropic.CountTokensRequest,
+    "responses": responses_api.ResponsesRequest,
 }
 
 
@@ -279,11 +409,34 @@ class ResponseMessage(Struct, kw_only=True):
     content: str
 
 
+class TopLogprob(Struct, kw_only=True):
+    """A token and its logprob (natural log; -9999.0 for one the model rules out);
+    ``bytes``: its UTF-8 bytes (a token may hold part of a character, whose ``token``
+    then shows the bytes escaped, ``\\xe4``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob, kw_only=True):
+    """A generated token's logprob, and the most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct, kw_only=True):
+    """A chat choice's logprobs: one entry per token of its content (of a chunk's
+    content, streamed)."""
+
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(Struct, kw_only=True):
     index: int
     message: ResponseMessage
     finish_reason: FinishReason
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
 
 
 class ChatCompletion(Struct, kw_only=True):
@@ -306,7 +459,7 @@ class ChunkChoice(Struct, kw_only=True):
     index: int
     delta: ChunkDelta
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
 
 
 class ChatCompletionChunk(Struct, kw_only=True):
@@ -321,11 +474,23 @@ class ChatCompletionChunk(Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(Struct, kw_only=True):
+    """A completion choice's logprobs, one entry per token of its text (the prompt's
+    first with ``echo``, whose first token has null ones): the tokens, their logprobs,
+    the most likely tokens at each position with the token itself (``logprobs`` + 1 at
+    most), and where each token's text begins in ``text``."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(Struct, kw_only=True):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: CompletionLogprobs | None
 
 
 class Completion(Struct, kw_only=True):
@@ -346,20 +511,61 @@ class TokenUsage(Struct, kw_only=True):
     total_tokens: int
 
 
+class GenerateTopLogprob(Struct, kw_only=True):
+    """A token id, its logprob and rank (null: unknown), vLLM's shape."""
+
+    token_id: int
+    logprob: float
+    rank: int | None
+
+
+class GenerateTokenLogprob(GenerateTopLogprob, kw_only=True):
+    """A generated token's logprob; ``top_logprobs`` in vLLM's order: the token first,
+    then the most likely ones, ``logprobs`` entries (1 for 0)."""
+
+    top_logprobs: list[GenerateTopLogprob]
+
+
+class GenerateLogprobs(Struct, kw_only=True):
+    content: list[GenerateTokenLogprob] | None
+
+
 class TokenChoice(Struct, kw_only=True):
     index: int
     token_ids: list[int]
     finish_reason: FinishReason | None
-    logprobs: None
+    logprobs: GenerateLogprobs | None
+
+
+class PromptLogprob(Struct, kw_only=True):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
 
 
 class GenerateResponse(Struct, kw_only=True):
     """The token-in API's answer; a stream sends one per event (the new ids), the usage
-    in a last one with empty ``choices``. ``request_id`` is ``generate-tokens-<id>``."""
+    in a last one with empty ``choices``. ``request_id`` is ``generate-tokens-<id>``.
+    ``prompt_logprobs`` (unary, when asked): null for the first prompt token, then per
+    token its own and the most likely tokens' logprobs keyed by token id (vLLM's shape)."""
 
     request_id: str
     choices: list[TokenChoice]
     usage: TokenUsage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    """``/tokenize``'s answer: the ids, their count, and the model's context length."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    prompt: str
 
 
 class ModelCard(Struct, kw_only=True):

@@ -23,12 +23,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import orjson
 
 from frontend.http import models as m
+from frontend.http.anthropic import models as am
+from frontend.http.responses_api import models as rm
 from frontend.limits import RequestLimits
 
 OPENAPI_PATH = "/openapi.json"
@@ -39,7 +41,7 @@ ERROR_STATUSES: Mapping[int, str] = {
     400: "Invalid request: malformed JSON, a wrong type or value, a missing field, or over "
          "a request limit (its `code` says which kind, its `param` which field)",
     401: "Missing or wrong API key",
-    404: "Unknown model",
+    404: "Unknown model (or, for a stored response, an unknown or evicted id)",
     413: "Request body over the server's --max-body-bytes",
     415: "Content-Type is not application/json",
     429: "The frontend serves its --max-inflight requests already; retry after Retry-After",
@@ -47,8 +49,13 @@ ERROR_STATUSES: Mapping[int, str] = {
     502: "A worker failed the request and retries were spent",
     503: "No worker can take the request now, or the frontend is draining",
     504: "The request did not complete within the server's --request-timeout",
+    529: "Overloaded: no worker can take the request now, or the frontend is draining "
+         "(Anthropic's status for it)",
 }  # fmt: skip
 _GENERATION_ERRORS = (400, 404, 413, 415, 429, 500, 502, 503)
+_TOKENIZER_ERRORS = (400, 404, 413, 415, 429, 500, 503)  # 503: draining
+# Anthropic's statuses: 415 is its 400, 502 its 500, 503 its 529 (overloaded).
+_ANTHROPIC_ERRORS = (400, 404, 413, 429, 500, 529)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +69,14 @@ class Operation:
     response: type[msgspec.Struct]  # the success body
     errors: tuple[int, ...] = (500,)
     endpoint: str | None = None  # the request model's key in REQUEST_MODELS
-    stream_event: type[msgspec.Struct] | None = None  # one SSE event's data, if it streams
+    # One SSE event's data, if it streams: a Struct, or a union of them.
+    stream_event: Any = None
     keyed: bool = True  # needs an API key when keys are configured
     path_params: tuple[str, ...] = ()
+    error_body: type[msgspec.Struct] = m.ErrorResponse  # Anthropic's on its routes
+    # OpenAI's streams end with `data: [DONE]`; others (Anthropic's, the Responses API's)
+    # name each event's type in an `event:` line and end with their last event.
+    sse_done: bool = True
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -77,6 +89,28 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/inference/v1/generate", "generateTokens",
               "Token ids in, token ids out, unary or streamed (vLLM's shape)",
               m.GenerateResponse, _GENERATION_ERRORS, "generate", m.GenerateResponse),
+    Operation("post", "/tokenize", "tokenize",
+              "A prompt or chat messages to token ids, the chat template applied (vLLM's "
+              "shape)", m.TokenizeResponse, _TOKENIZER_ERRORS, "tokenize"),
+    Operation("post", "/detokenize", "detokenize", "Token ids to text (vLLM's shape)",
+              m.DetokenizeResponse, _TOKENIZER_ERRORS, "detokenize"),
+    Operation("post", "/v1/messages", "createMessage",
+              "A message, unary or streamed (Anthropic's Messages API)", am.MessageResponse,
+              _ANTHROPIC_ERRORS, "messages", am.StreamEvent,
+              error_body=am.AnthropicErrorResponse, sse_done=False),
+    Operation("post", "/v1/messages/count_tokens", "countMessageTokens",
+              "The prompt tokens of a Messages request (Anthropic's API)",
+              am.CountTokensResponse, _ANTHROPIC_ERRORS, "count_tokens",
+              error_body=am.AnthropicErrorResponse),
+    Operation("post", "/v1/responses", "createResponse",
+              "A response, unary or streamed (OpenAI's Responses API)", rm.Response,
+              _GENERATION_ERRORS, "responses", rm.ResponsesStreamEvent, sse_done=False),
+    Operation("get", "/v1/responses/{response_id}", "getResponse",
+              "A stored response (this process's store)", rm.Response, (404, 500),
+              path_params=("response_id",)),
+    Operation("delete", "/v1/responses/{response_id}", "deleteResponse",
+              "Forget a stored response", rm.DeletedResponse, (404, 500),
+              path_params=("response_id",)),
     Operation("get", "/v1/models", "listModels", "The served model", m.ModelList),
     Operation("get", "/v1/models/{model_id}", "retrieveModel", "One model by name",
               m.ModelCard, (404, 500), path_params=("model_id",)),
@@ -100,13 +134,18 @@ def openapi_document(
     endpoint), enforce *limits* and *context_length*, need a key if *api_keys*, and
     serve *model_name* (if given, the one value ``model`` may take: another is a 404)."""
     bodies = {op.endpoint: request_models[op.endpoint] for op in operations if op.endpoint}
-    types: list[Any] = [*bodies.values(), m.ErrorResponse]
+    types: list[Any] = [*bodies.values(), *{op.error_body for op in operations}]
     types += [op.response for op in operations]
     types += [op.stream_event for op in operations if op.stream_event]
     _, schemas = msgspec.json.schema_components(types, ref_template=_REF)
+    for cls in rm.TAG_OPTIONAL:  # (a message item's `type`: the route fills it in)
+        if (component := schemas.get(cls.__name__)) is not None:
+            component["required"].remove(cls.__struct_config__.tag_field)
     for model in bodies.values():
         schema = schemas[model.__name__]
         _write_limits(schemas, schema, limits, context_length)
+        if one_of := getattr(model, "one_of", ()):  # exactly one of these fields
+            schema["oneOf"] = [{"required": [name]} for name in one_of]
         if model_name is not None and "model" in schema.get("properties", {}):
             _bound(schema["properties"]["model"], string={"enum": [model_name]})
     if limits.max_prompt_chars:
@@ -150,19 +189,7 @@ def _operation(
 ) -> dict[str, Any]:
     ok: dict[str, Any] = {"application/json": {"schema": _ref(op.response)}}
     if op.stream_event is not None:
-        # OpenAPI 3.1 has a server-sent event stream's schema describe one event (3.2's
-        # itemSchema), its fields strings; `data` holds JSON, or the last event's [DONE].
-        json_data = {"type": "string", "contentMediaType": "application/json",
-                     "contentSchema": {"anyOf": [_ref(op.stream_event), _ref(m.ErrorResponse)]}}
-        ok["text/event-stream"] = {"schema": {
-            "type": "object",
-            "description": f"With \"stream\": true: server-sent events, each "
-                           f"`data: <{op.stream_event.__name__}>`, then `data: [DONE]`; an "
-                           "error after the stream started is an event whose data is an "
-                           "ErrorResponse, then `data: [DONE]`.",
-            "required": ["data"],
-            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
-        }}  # fmt: skip
+        ok["text/event-stream"] = {"schema": _event_stream(op)}
     responses: dict[str, Any] = {"200": {"description": "OK", "content": ok}}
     errors = set(op.errors)
     if op.endpoint and limits.request_timeout:
@@ -170,7 +197,7 @@ def _operation(
     if op.keyed and api_keys:
         errors.add(401)
     for status in sorted(errors):
-        responses[str(status)] = _error_response(status)
+        responses[str(status)] = _error_response(status, op.error_body)
     if op.response is m.Health:  # /health answers 503 with its own body
         responses["503"] = {"description": "Unhealthy or draining", "content": ok}
     out: dict[str, Any] = {
@@ -193,10 +220,45 @@ def _operation(
     return out
 
 
-def _error_response(status: int) -> dict[str, Any]:
+def _event_stream(op: Operation) -> dict[str, Any]:
+    """The schema of one server-sent event of *op*'s stream. OpenAPI 3.1 has a stream's
+    schema describe one event (3.2's itemSchema), its fields strings; ``data`` holds
+    JSON, or OpenAI's last event's [DONE]."""
+    events = _refs_of(op.stream_event)
+    names = " | ".join(r["$ref"].rsplit("/", 1)[1] for r in events)
+    error = op.error_body.__name__
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [*events, _ref(op.error_body)]}}  # fmt: skip
+    if op.sse_done:
+        return {
+            "type": "object",
+            "description": f"With \"stream\": true: server-sent events, each "
+                           f"`data: <{names}>`, then `data: [DONE]`; an error after the "
+                           f"stream started is an event whose data is an {error}, then "
+                           "`data: [DONE]`.",
+            "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
+        }  # fmt: skip
+    return {
+        "type": "object",
+        "description": f"With \"stream\": true: server-sent events, each `event: <type>` "
+                       f"and `data: <{names}>` of that type; an error after the stream "
+                       f"started is an `error` event whose data is an {error}.",
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": json_data},
+    }  # fmt: skip
+
+
+def _refs_of(types: Any) -> list[dict[str, str]]:
+    """A ``$ref`` per Struct of *types* (one Struct, or a union of them)."""
+    return [_ref(t) for t in (get_args(types) or (types,))]
+
+
+def _error_response(status: int, body: type[msgspec.Struct] = m.ErrorResponse
+                    ) -> dict[str, Any]:  # fmt: skip
     response: dict[str, Any] = {
         "description": ERROR_STATUSES[status],
-        "content": {"application/json": {"schema": _ref(m.ErrorResponse)}},
+        "content": {"application/json": {"schema": _ref(body)}},
     }
     if status == 429:
         response["headers"] = {"Retry-After": {
@@ -233,13 +295,18 @@ def _write_limits(
     each = {"maxLength": limits.max_stop_length} if limits.max_stop_length else {}
     many = {"maxItems": limits.max_stop_strings} if limits.max_stop_strings else {}
     for where in (props, *(n.get("properties", {}) for n in nested)):
-        if "stop" in where:  # the token-in API takes none, but bounds what it refuses too
-            _bound(where["stop"], string=each, array={**many, "items": each} if each else many)
+        for name in ("stop", "stop_sequences"):  # OpenAI's (the token-in API takes none,
+            if name in where:  # but bounds what it refuses too), Anthropic's
+                _bound(where[name], string=each, array={**many, "items": each} if each else many)
         if "stop_token_ids" in where and limits.max_stop_token_ids:
             _bound(where["stop_token_ids"], array={"maxItems": limits.max_stop_token_ids})
     if "tools" in props and limits.max_tools:
         _bound(props["tools"], array={"maxItems": limits.max_tools})
+    if "input" in props and limits.max_messages:  # the Responses API's items
+        _bound(props["input"], array={"maxItems": limits.max_messages})
     ids = {"maxItems": context_length - 1}  # a prompt of ids leaves room for one token
+    if "tokens" in props:  # /detokenize's
+        _bound(props["tokens"], array={"maxItems": context_length})
     if "token_ids" in props:
         _bound(props["token_ids"], array=ids)
     if "prompt" in props:  # a list of one prompt: a string, or ids, or a list of ids

@@ -78,7 +78,7 @@ class RequestIds:
                 await send_error(send, ApiError(
                     400, f"{HEADER} must be 1 to 128 characters of [A-Za-z0-9._~:/+=@-]",
                     code="invalid_request_id",
-                ))  # fmt: skip
+                ), scope["path"])  # fmt: skip
             return
         request_id = given or uuid.uuid4().hex
         header = (_HEADER, request_id.encode("latin-1"))

@@ -5,27 +5,46 @@
 - :class:`TokenFormat`: the token-in API's (vLLM's ``GenerateResponse`` and
   ``GenerateStreamResponse``), from :class:`~frontend.pipeline.TokenDelta`\\ s.
 
+Each delta belongs to one choice (``index``; ``n`` of them per request): a unary body
+lists the choices by index, a stream sends each delta as an event of its choice.
+Logprobs take each API's shape: chat's ``logprobs.content`` entries (token, logprob,
+bytes, top_logprobs), completions' columns (tokens, token_logprobs, top_logprobs,
+text_offset), the token-in API's vLLM shape (token ids and ranks, and the prompt's in
+``prompt_logprobs``).
+
 Kept apart from the routes so the shapes can be read (and tested) in one place; no I/O.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any, Generic
 
 import orjson
+from quart import Response
 
-from frontend.pipeline import Delta, Prepared, TokenDelta
+from frontend.http.errors import ApiError
+from frontend.pipeline import D, Delta, Prepared, TokenDelta
+from frontend.postprocess.logprobs import FLOOR, LogprobEntry, clamp
 from frontend.postprocess.parsers import ToolCallDelta
 from frontend.request import ParsedRequest, TokenRequest
+from headwater.wire import TokenLogprobs
 
-#: What the pipeline yields for one request: text deltas or token deltas.
-D = TypeVar("D", Delta, TokenDelta)
+__all__ = ["D", "OpenAIFormat", "ResponseFormat", "TokenFormat"]
 
 #: vLLM's name for a token-in request (``generate-tokens-<request_id>``), which it
 #: reports as the response's ``request_id``; headwater reports the same.
 TOKEN_RESPONSE_PREFIX = "generate-tokens-"
+
+
+JSON = "application/json"
+
+
+def json_response(body: bytes | dict[str, Any], status: int = 200) -> Response:
+    """A JSON body (*body* as bytes already, or to serialize) with its content type."""
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    return Response(data, status=status, content_type=JSON)
 
 
 def _event(body: dict[str, Any]) -> bytes:
@@ -35,7 +54,8 @@ def _event(body: dict[str, Any]) -> bytes:
 class ResponseFormat(ABC, Generic[D]):
     """How one API answers one request: the body of a unary response, and the events
     of a streaming one (the caller sends ``opening()`` with the first event, one
-    ``event()`` per delta, ``usage()`` when the client asked for it, then ``DONE``)."""
+    ``event()`` per delta, ``usage()`` when the client asked for it, then ``DONE``:
+    OpenAI's end marker, which other APIs' streams leave out)."""
 
     DONE = b"data: [DONE]\n\n"
 
@@ -56,10 +76,9 @@ class ResponseFormat(ABC, Generic[D]):
     def usage(self, last: D) -> bytes:
         """The SSE event with the request's token counts, after the last delta."""
 
-    @staticmethod
-    def error(body: dict[str, Any]) -> bytes:
+    def error(self, err: ApiError) -> bytes:
         """An error after the stream started: an event whose data is the error body."""
-        return _event(body)
+        return _event(err.body())
 
 
 class OpenAIFormat(ResponseFormat[Delta]):
@@ -79,6 +98,8 @@ class OpenAIFormat(ResponseFormat[Delta]):
         self.prep = prep
         self.reasoning_field = reasoning_field
         self.chat = prep.parsed.endpoint == "chat"
+        self.n = prep.parsed.sampling.n
+        self.logprobs = prep.parsed.sampling.logprobs is not None
         self._id = ("chatcmpl-" if self.chat else "cmpl-") + prep.request_id
         self._head = self._fixed("chat.completion.chunk" if self.chat else "text_completion")
 
@@ -96,10 +117,19 @@ class OpenAIFormat(ResponseFormat[Delta]):
         }
 
     def unary(self, deltas: list[Delta]) -> bytes:
-        last = deltas[-1]
+        by_choice: list[list[Delta]] = [[] for _ in range(self.n)]
+        for d in deltas:
+            by_choice[d.index].append(d)
+        choices = [self._choice(i, mine) for i, mine in enumerate(by_choice)]
+        head = self._fixed("chat.completion" if self.chat else "text_completion")
+        return orjson.dumps({**head, "choices": choices, "usage": self._usage(deltas[-1])})
+
+    def _choice(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
+        """One choice of a unary body, from its deltas (the last carries its finish)."""
         text = "".join(d.text for d in deltas)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
-                                  "logprobs": None}  # fmt: skip
+        entries = [e for d in deltas for e in d.logprobs]
+        choice: dict[str, Any] = {"index": index, "finish_reason": deltas[-1].finish_reason,
+                                  "logprobs": self._logprobs(entries)}  # fmt: skip
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reasoning = "".join(d.reasoning for d in deltas)
@@ -111,23 +141,50 @@ class OpenAIFormat(ResponseFormat[Delta]):
             choice["message"] = message
         else:
             choice["text"] = text
-        head = self._fixed("chat.completion" if self.chat else "text_completion")
-        return orjson.dumps({**head, "choices": [choice], "usage": self._usage(last)})
+        return choice
+
+    def _logprobs(self, entries: Sequence[LogprobEntry]) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) logprobs in the endpoint's shape; None when the
+        request asked for none."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": [_chat_entry(e) for e in entries]}
+        tops: list[dict[str, float] | None] = []
+        for e in entries:
+            if e.top is None:  # a prompt's first token (echo)
+                tops.append(None)
+                continue
+            # OpenAI's: the most likely tokens and the token itself (logprobs + 1 at
+            # most), the token first as vLLM lists it.
+            top = {e.token: FLOOR if e.logprob is None else e.logprob}
+            for t in e.top:
+                top.setdefault(t.token, t.logprob)
+            tops.append(top)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": [e.offset for e in entries],
+        }
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return _event({**self._head, "choices": choices, **extra})
 
     def opening(self) -> bytes:
-        """Chat streams open with the assistant role, as OpenAI's do."""
+        """Chat streams open with the assistant role, one event per choice, as OpenAI's
+        do."""
         if not self.chat:
             return b""
         delta = {"role": "assistant", "content": ""}
-        return self._chunk([{"index": 0, "delta": delta, "finish_reason": None,
-                             "logprobs": None}])  # fmt: skip
+        return b"".join(
+            self._chunk([{"index": i, "delta": delta, "finish_reason": None, "logprobs": None}])
+            for i in range(self.n)
+        )
 
     def event(self, delta: Delta) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": delta.finish_reason,
-                                  "logprobs": None}  # fmt: skip
+        choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason,
+                                  "logprobs": self._logprobs(delta.logprobs)}  # fmt: skip
         if self.chat:
             body: dict[str, Any] = {}
             if delta.reasoning:
@@ -189,7 +246,12 @@ class TokenFormat(ResponseFormat[TokenDelta]):
 
     def __init__(self, prep: Prepared[TokenRequest]) -> None:
         self.prompt_tokens = len(prep.prompt_ids)
+        self.prompt_ids = prep.prompt_ids
         self.request_id = TOKEN_RESPONSE_PREFIX + (prep.parsed.request_id or prep.request_id)
+        sampling = prep.parsed.sampling
+        self.n = sampling.n
+        self.top = sampling.logprobs
+        self.prompt_top = sampling.prompt_logprobs
 
     def _usage(self, last: TokenDelta) -> dict[str, Any]:
         return {
@@ -199,18 +261,79 @@ class TokenFormat(ResponseFormat[TokenDelta]):
         }
 
     def unary(self, deltas: list[TokenDelta]) -> bytes:
-        last = deltas[-1]
-        ids = [t for d in deltas for t in d.token_ids]
-        choice = {"index": 0, "token_ids": ids, "finish_reason": last.finish_reason,
-                  "logprobs": None}  # fmt: skip
-        return orjson.dumps(
-            {"request_id": self.request_id, "choices": [choice], "usage": self._usage(last)}
-        )
+        ids: list[list[int]] = [[] for _ in range(self.n)]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(self.n)]
+        finish: list[str | None] = [None] * self.n
+        prompt = None
+        for d in deltas:
+            ids[d.index].extend(d.token_ids)
+            logprobs[d.index].extend(d.logprobs or ())
+            if d.finish_reason is not None:
+                finish[d.index] = d.finish_reason
+            prompt = prompt or d.prompt_logprobs
+        choices = [
+            {"index": i, "token_ids": ids[i], "finish_reason": finish[i],
+             "logprobs": self._logprobs(ids[i], logprobs[i])}
+            for i in range(self.n)
+        ]  # fmt: skip
+        body: dict[str, Any] = {
+            "request_id": self.request_id, "choices": choices, "usage": self._usage(deltas[-1])
+        }
+        if self.prompt_top is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt or ())
+        return orjson.dumps(body)
 
     def event(self, delta: TokenDelta) -> bytes:
-        choice = {"index": 0, "token_ids": delta.token_ids,
-                  "finish_reason": delta.finish_reason, "logprobs": None}  # fmt: skip
+        choice = {"index": delta.index, "token_ids": delta.token_ids,
+                  "finish_reason": delta.finish_reason,
+                  "logprobs": self._logprobs(delta.token_ids, delta.logprobs or ())}  # fmt: skip
         return _event({"request_id": self.request_id, "choices": [choice]})
+
+    def _logprobs(
+        self, ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+    ) -> dict[str, Any] | None:
+        """vLLM's: per token its id, logprob and rank, and ``top_logprobs`` in vLLM's
+        order (the token first, then the most likely others), ``logprobs`` long (1 for
+        0)."""
+        if self.top is None:
+            return None
+        keep = max(self.top, 1)
+        content = []
+        for token, lp in zip(ids, logprobs, strict=True):
+            top = [_token_logprob(token, lp.logprob, lp.rank)]
+            top += [_token_logprob(t, v, r) for r, (t, v)
+                    in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1) if t != token]
+            content.append({**top[0], "top_logprobs": top[:keep]})  # fmt: skip
+        return {"content": content}
+
+    def _prompt_logprobs(self, prompt: Sequence[TokenLogprobs]) -> list[dict[str, Any] | None]:
+        """vLLM's: null for the first prompt token, then per token a map from token id
+        to logprob and rank, the token first."""
+        out: list[dict[str, Any] | None] = [None]
+        for token, lp in zip(self.prompt_ids[1:], prompt, strict=True):
+            entry = {str(token): _prompt_entry(lp.logprob, lp.rank)}
+            for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+                entry.setdefault(str(t), _prompt_entry(v, rank))
+            out.append(entry)
+        return out
 
     def usage(self, last: TokenDelta) -> bytes:
         return _event({"request_id": self.request_id, "choices": [], "usage": self._usage(last)})
+
+
+def _chat_entry(e: LogprobEntry) -> dict[str, Any]:
+    return {
+        "token": e.token, "logprob": FLOOR if e.logprob is None else e.logprob,
+        "bytes": list(e.bytes),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in e.top or ()
+        ],
+    }  # fmt: skip
+
+
+def _token_logprob(token: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"token_id": token, "logprob": clamp(logprob), "rank": rank or None}
+
+
+def _prompt_entry(logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": clamp(logprob), "rank": rank or None, "decoded_token": None}

@@ -9,8 +9,9 @@ Each body is decoded straight into its route's model (:mod:`frontend.http.models
 same models ``GET /openapi.json`` publishes) by msgspec: strict about types (``true`` is
 not an integer, ``"5"`` is not a number) and lenient about unknown fields, because clients
 send many optional ones; an unknown field is skipped without building anything of it.
-Then what a model cannot say: a known field asking for what headwater cannot do (``n`` > 1
-is the model's, logprobs and ``echo`` are here) is refused, and the configured limits
+Then what a model cannot say: fields that depend on each other (``top_logprobs`` needs
+``logprobs``; ``best_of`` may only repeat ``n``; prompt logprobs are not streamed), a
+known field asking for what headwater cannot do is refused, and the configured limits
 (:class:`~frontend.limits.RequestLimits`: ``max_tokens``, messages, tools, prompt
 characters, stop strings and ids) are checked, before any template or tokenizer work.
 
@@ -25,6 +26,11 @@ what keeps the loop free. Free-form JSON (tool parameters, object tool-call argu
 ``max_prompt_chars`` and its objects and arrays against
 :data:`~frontend.limits.MAX_JSON_CONTAINERS`; its depth is then checked
 (:data:`~frontend.limits.MAX_JSON_DEPTH`).
+
+The features a request asks of an engine are listed in its ``needs``, for the pipeline to
+check against the workers' declarations (:mod:`frontend.http.fields`); a
+``response_format`` or a forcing ``tool_choice`` becomes its
+:class:`~frontend.request.Constraint`.
 
 Every failure is a 400 naming the offending ``param``: the field's path through objects,
 not into arrays (``sampling_params.max_tokens``, ``stream_options.include_usage``;
@@ -52,13 +58,32 @@ from frontend.http.models import (
     ChatMessage,
     CompletionRequest,
     GenerateRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
     SamplingParams,
+    StructuredOutputs,
     TextPart,
+    TokenizeRequest,
     ToolMessage,
     _Sampling,
 )
-from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, RequestLimits
-from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
+from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_PARTS, RequestLimits
+from frontend.request import Constraint, ParsedRequest, SamplingOptions, TokenRequest
+from headwater.wire import StructuredKind, StructuredOutput
+from headwater.wire.capabilities import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    LOGPROBS,
+    MIN_P,
+    PRESENCE_PENALTY,
+    PROMPT_LOGPROBS,
+    REPETITION_PENALTY,
+    SEED,
+    STRUCTURED_OUTPUTS,
+    TOP_K,
+    needed,
+)
 
 #: Where the token-in API keeps its generation options, as its errors name them.
 SAMPLING_PARAMS = "sampling_params."
@@ -116,7 +141,7 @@ def decode(body: bytes | bytearray | memoryview | Any, model: type[msgspec.Struc
             gc.enable()
 
 
-class _FreeForm:
+class FreeForm:
     """Decodes one request's free-form JSON, each part once its size is known: at most
     :data:`~frontend.limits.MAX_JSON_CONTAINERS` objects and arrays in all (counted on the
     text, before the decode), at most :data:`~frontend.limits.MAX_JSON_DEPTH` deep."""
@@ -138,10 +163,13 @@ class _FreeForm:
         collecting = gc.isenabled()
         gc.disable()  # as for the body (see the module docstring)
         try:
-            return orjson.loads(data)  # msgspec checked it is JSON
+            value = orjson.loads(data)  # msgspec checked it is JSON
         finally:
             if collecting:
                 gc.enable()
+        if isinstance(value, dict) and len(value) > MAX_PARTS:  # the schema's maxProperties
+            raise bad_request(f"'{where}' has more than {MAX_PARTS} properties", param)
+        return value
 
 
 # What keeps the nesting of JSON text: quotes and brackets (a string's brackets are
@@ -160,15 +188,31 @@ def _depth(data: bytes) -> int:
     return max(accumulate(steps), default=0)
 
 
-def _sampling(s: _Sampling, max_tokens: int | None, prefix: str = "") -> SamplingOptions:
+def _sampling(
+    s: _Sampling,
+    max_tokens: int | None,
+    prefix: str = "",
+    *,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    structured: StructuredOutput | None = None,
+) -> SamplingOptions:
     """The generation options both APIs share, from *s*: the OpenAI body itself, or the
     token-in API's ``sampling_params`` (*prefix* names it in errors). The caller reads
-    *max_tokens* (OpenAI has two fields for it)."""
+    *max_tokens* (OpenAI has two fields for it), the logprobs (each API has its own
+    fields for them) and the token-in API's *structured*."""
     min_tokens = s.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(
             f"'{prefix}min_tokens' must not exceed '{prefix}max_tokens'", prefix + "min_tokens"
         )
+    n = s.n or 1
+    if s.best_of is not None and s.best_of != n:
+        # vLLM's V1 engine dropped best_of; honouring it means sampling candidates that
+        # are never returned, and ranking them: refused rather than ignored.
+        why = ("must not be less than 'n'" if s.best_of < n
+               else "above 'n' is not supported: ask for 'n' choices and rank them by logprobs")
+        raise bad_request(f"'{prefix}best_of' {why}", prefix + "best_of")
     return SamplingOptions(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -177,7 +221,130 @@ def _sampling(s: _Sampling, max_tokens: int | None, prefix: str = "") -> Samplin
         temperature=1.0 if s.temperature is None else s.temperature,
         top_p=1.0 if s.top_p is None else s.top_p,
         seed=s.seed,
+        n=n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        top_k=max(0, s.top_k or 0),  # vLLM's -1 and 0 both mean every token
+        min_p=s.min_p or 0.0,
+        presence_penalty=s.presence_penalty or 0.0,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
+        logit_bias=_logit_bias(s.logit_bias, prefix + "logit_bias"),
+        structured=structured,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) as (id, bias) pairs, by id."""
+    if not bias:
+        return ()
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdecimal() or len(key) > 10:
+            raise bad_request(f"'{param}' keys must be token ids, got {key[:20]!r}", param)
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
+#: Where each declared feature is asked for, by the field's name (the token-in API
+#: prefixes ``sampling_params.``); an OpenAI request's structured output is asked for by
+#: the field its Constraint names.
+_FEATURE_FIELDS = {f: f for f in (SEED, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY,
+                                  REPETITION_PENALTY, LOGIT_BIAS, STRUCTURED_OUTPUTS,
+                                  LOGPROBS, PROMPT_LOGPROBS)}  # fmt: skip
+
+
+def _needs(options: SamplingOptions, prefix: str, constraint: Constraint | None = None
+           ) -> tuple[tuple[str, str], ...]:  # fmt: skip
+    """The declared features *options* ask for, each with the field asking for it."""
+    needs = [(feature, prefix + _FEATURE_FIELDS[feature]) for feature in needed(options)]
+    if constraint is not None:
+        needs.append((STRUCTURED_OUTPUTS, constraint.param))
+    return tuple(needs)
+
+
+def _constraint(
+    req: ChatCompletionRequest | CompletionRequest, free: FreeForm, limits: RequestLimits,
+    chars: int,
+) -> tuple[Constraint | None, int]:
+    """What ``response_format`` and, in chat, ``tool_choice`` ask the answer to be; and
+    *chars*, the request's text so far, with a JSON schema's text counted in (checked
+    against ``max_prompt_chars`` before it is decoded, as the tools' parameters are)."""
+    fmt = req.response_format
+    constraint = None
+    param = "response_format"
+    if isinstance(fmt, JsonObjectFormat) or (
+        isinstance(fmt, JsonSchemaFormat) and fmt.json_schema.schema is msgspec.UNSET
+    ):
+        constraint = Constraint("json_object", param)
+    elif isinstance(fmt, JsonSchemaFormat):
+        spec = fmt.json_schema
+        raw = cast(msgspec.Raw, spec.schema)
+        chars += len(raw) + len(spec.description or "")
+        limits.check_prompt_chars(chars, param)
+        schema = free.decode(raw, param, "response_format.json_schema.schema")
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format.json_schema.schema' must be an object", param)
+        constraint = Constraint("json_schema", param, schema)
+    if not isinstance(req, ChatCompletionRequest):
+        return constraint, chars
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return constraint, chars
+    offered = [t.function.name for t in req.tools or ()]
+    if not offered:
+        raise bad_request("'tool_choice' asks for a tool call, but 'tools' offers none",
+                          "tool_choice")  # fmt: skip
+    kind = "tool_calls"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in offered:
+            raise bad_request(f"'tool_choice' names {choice.function.name!r}, which is not "
+                              "among 'tools'", "tool_choice")  # fmt: skip
+        kind, offered = "tool_call", [choice.function.name]
+    if constraint is not None:
+        # vLLM lets the call win and drops the format; refused here instead of ignored.
+        raise bad_request("'response_format' cannot constrain an answer that 'tool_choice' "
+                          "makes a tool call", "response_format")  # fmt: skip
+    return Constraint(kind, "tool_choice", tools=tuple(dict.fromkeys(offered))), chars
+
+
+def _structured_outputs(
+    so: StructuredOutputs | None, param: str, limits: RequestLimits
+) -> StructuredOutput | None:
+    """The token-in API's ``structured_outputs`` (vLLM's): exactly one constraint, its
+    text (a schema, a regex, a grammar, a tag) counted against ``max_prompt_chars``."""
+    if so is None:
+        return None
+    given = [(name, value) for name in _STRUCTURED_FIELDS
+             if (value := getattr(so, name)) not in (None, msgspec.UNSET)]  # fmt: skip
+    if len(given) != 1:
+        raise bad_request(f"'{param}' must set exactly one of "
+                          f"{', '.join(_STRUCTURED_FIELDS)}", param)  # fmt: skip
+    name, value = given[0]
+    kind = StructuredKind(name)
+    if kind is StructuredKind.JSON_OBJECT:
+        if value is not True:
+            raise bad_request(f"'{param}.json_object' must be true", param)
+        return StructuredOutput(kind)
+    if kind is StructuredKind.CHOICE:
+        if not value:
+            raise bad_request(f"'{param}.choice' must not be empty", param)
+        text = orjson.dumps(value).decode()
+    elif kind is StructuredKind.JSON:  # a schema object, or its JSON text
+        limits.check_prompt_chars(len(value), param)
+        schema = FreeForm().decode(value, param, param + ".json")
+        if not isinstance(schema, dict | str):
+            raise bad_request(f"'{param}.json' must be a schema object or its text", param)
+        text = schema if isinstance(schema, str) else orjson.dumps(schema).decode()
+    else:
+        text = value
+    if not text:
+        raise bad_request(f"'{param}.{name}' must not be empty", param)
+    limits.check_prompt_chars(len(text), param)
+    return StructuredOutput(kind, text)
+
+
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits
@@ -195,18 +362,22 @@ def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestL
 ChatText = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any], int]
 
 
-def _chat_text(req: ChatCompletionRequest, limits: RequestLimits) -> ChatText:
+def chat_text(
+    req: ChatCompletionRequest | TokenizeRequest, limits: RequestLimits,
+    free: FreeForm | None = None,
+) -> ChatText:
     """The messages, tools and template kwargs of *req* as the chat template takes them,
     and their characters of text, checked against ``max_prompt_chars`` as they add up:
     contents, reasoning and tool-call arguments (a string's characters, an object's JSON
     text) under ``messages``, then the tools' names, descriptions and parameters (JSON
     text) under ``tools``, then the kwargs' JSON text under ``chat_template_kwargs``.
-    Free-form JSON is decoded only once its text has counted."""
-    free = _FreeForm()
+    Free-form JSON is decoded only once its text has counted, by *free* (the request's,
+    which counts its objects and arrays in all)."""
+    free = free or FreeForm()
     messages: list[dict[str, Any]] = []
     arguments: list[tuple[dict[str, Any], msgspec.Raw, str]] = []  # decoded once counted
     chars = 0
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages or ()):  # (UNSET: a /tokenize body's prompt)
         out: dict[str, Any] = {"role": _ROLES[type(m)], "content": _content(m.content)}
         chars += _content_chars(m.content)
         if m.name is not None:
@@ -313,31 +484,52 @@ def parse_request(
     :class:`~frontend.errors.LimitExceeded`."""
     req = cast(ChatCompletionRequest | CompletionRequest,
                decode(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
-    messages = prompt = tools = None
+    messages = prompt = tools = effort = suffix = None
     kwargs: dict[str, Any] = {}
     text_chars: int | None = None
+    logprobs = prompt_logprobs = None
+    echo = False
+    parallel = True
+    free = FreeForm()
     if isinstance(req, ChatCompletionRequest):
         limits.check_messages(len(req.messages))
-        messages, tools, kwargs, text_chars = _chat_text(req, limits)
+        messages, tools, kwargs, text_chars = chat_text(req, limits, free)
+        effort, parallel = req.reasoning_effort, req.parallel_tool_calls is not False
         if req.logprobs:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
+            logprobs = req.top_logprobs or 0
+        elif req.top_logprobs:  # vLLM's rule: 0 asks for nothing, so it passes alone
+            raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     elif isinstance(req, CompletionRequest):
-        prompt = req.prompt
+        prompt, suffix = req.prompt, req.suffix
         text = [prompt] if isinstance(prompt, str) else prompt
         text_chars = sum(len(p) for p in text if isinstance(p, str))
         limits.check_prompt_chars(text_chars, "prompt")
-        if req.logprobs not in (None, False, 0):
-            raise bad_request("logprobs are not supported by this server", "logprobs")
-        if req.echo:
-            raise bad_request("echo is not supported by this server", "echo")
+        if suffix is not None:  # text of the prompt too (fill in the middle)
+            text_chars += len(suffix)
+            limits.check_prompt_chars(text_chars, "suffix")
+        if req.logprobs is True:
+            raise bad_request(
+                "'logprobs' is an integer on /v1/completions: how many of the most likely "
+                "tokens to list at each position (0 to 20)", "logprobs",
+            )  # fmt: skip
+        if req.top_logprobs is not None:
+            raise bad_request(
+                "'top_logprobs' is a chat field: on /v1/completions 'logprobs' is the "
+                "count of most likely tokens", "top_logprobs",
+            )  # fmt: skip
+        logprobs = None if req.logprobs is False else req.logprobs
+        echo = bool(req.echo)
+        if echo and logprobs is not None:  # the prompt's tokens come first, with theirs
+            prompt_logprobs = logprobs
     else:
         raise TypeError(f"not an OpenAI request model: {type(req).__name__}")
-    if req.top_logprobs is not None:
-        raise bad_request("logprobs are not supported by this server", "logprobs")
     stop = () if req.stop is None else (req.stop,) if isinstance(req.stop, str) else req.stop
     if stop:
         limits.check_stop(stop)
     limits.check_stop_token_ids(len(req.stop_token_ids or ()), "stop_token_ids")
+    sampling = _sampling(req, _max_tokens(req, limits), logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs)  # fmt: skip
+    constraint, text_chars = _constraint(req, free, limits, text_chars or 0)
 
     return ParsedRequest(
         endpoint=endpoint,
@@ -346,13 +538,21 @@ def parse_request(
         prompt=prompt,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        sampling=_sampling(req, _max_tokens(req, limits)),
+        sampling=sampling,
         stop=tuple(stop),
         user=req.user,
         chat_template_kwargs=kwargs,
         tools=tools,
         tool_choice=_tool_choice(req) if tools else None,
         text_chars=text_chars,
+        echo=echo,
+        parallel_tool_calls=parallel,
+        constraint=constraint,
+        reasoning_effort=effort,
+        suffix=suffix,
+        # A completion's prompt logprobs are asked for by echo (with logprobs).
+        needs=tuple((f, "echo" if f == PROMPT_LOGPROBS else p)
+                    for f, p in _needs(sampling, "", constraint)),
     )
 
 
@@ -368,19 +568,23 @@ def parse_generate_request(
     ``request_id``, ``model``, ``stream``, ``stream_options``.
 
     Of ``sampling_params``, headwater applies ``max_tokens``, ``min_tokens``,
-    ``temperature``, ``top_p``, ``seed``, ``stop_token_ids`` and ``ignore_eos``, checks
-    the penalties' ranges, and ignores the fields it does not know (``top_k``,
-    ``skip_special_tokens``, ...). It refuses ``n`` or ``best_of`` above 1, any
-    ``logprobs`` or ``prompt_logprobs``, and stop strings (``stop``, here or at the top
-    level): there is no text to match them on. ``null`` or ``[]`` ask for none of
-    these and pass (a client that serializes a whole vLLM ``SamplingParams`` sends them).
+    ``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``n``,
+    ``logprobs`` and ``prompt_logprobs`` (not with ``stream``: vLLM's stream has no
+    place for them); ``top_k``, ``min_p``, the penalties, ``logit_bias`` and
+    ``structured_outputs`` go to engines that declare them (``needs``: the pipeline
+    refuses them elsewhere, as it does logprobs on an engine without them); the fields it
+    does not know (``skip_special_tokens``, ...) are ignored. It refuses ``best_of``
+    other than ``n``, and stop strings (``stop``, here or at the top level): there is no
+    text to match them on. ``null`` or ``[]`` ask for none of these and pass (a client
+    that serializes a whole vLLM ``SamplingParams`` sends them).
     """
     req = cast(GenerateRequest, decode(body, model or REQUEST_MODELS["generate"]))
     p = SAMPLING_PARAMS
     params = req.sampling_params or _NO_PARAMS
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None:
-            raise bad_request(f"{name} are not supported by this server", p + name)
+    if req.stream and params.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt logprobs are not available when streaming", p + "prompt_logprobs"
+        )
     for stop, param in ((params.stop, p + "stop"), (req.stop, "stop")):
         if stop not in (None, []):
             raise bad_request(
@@ -389,6 +593,10 @@ def parse_generate_request(
             )
     limits.check_max_tokens(params.max_tokens, p + "max_tokens")
     limits.check_stop_token_ids(len(params.stop_token_ids or ()), p + "stop_token_ids")
+    structured = _structured_outputs(params.structured_outputs, p + "structured_outputs",
+                                     limits)  # fmt: skip
+    sampling = _sampling(params, params.max_tokens, p, logprobs=params.logprobs,
+                         prompt_logprobs=params.prompt_logprobs, structured=structured)
 
     return TokenRequest(
         token_ids=req.token_ids,
@@ -396,5 +604,6 @@ def parse_generate_request(
         model=req.model,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        sampling=_sampling(params, params.max_tokens, p),
+        sampling=sampling,
+        needs=_needs(sampling, p),
     )

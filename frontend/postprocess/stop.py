@@ -46,10 +46,16 @@ class StopMatcher:
         self._longest = max((len(s) for s in self._stops), default=0)
         self._pending = ""
         self._stopped = False
+        self._matched: str | None = None
 
     @property
     def stopped(self) -> bool:
         return self._stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the stream, once one did."""
+        return self._matched
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was reached).
@@ -71,6 +77,7 @@ class StopMatcher:
         if end >= 0:
             self._pending = ""
             self._stopped = True
+            self._matched = buf[start:end]
             return buf[:start], True
         hold = self._held_tail(buf)
         self._pending = buf[len(buf) - hold :]

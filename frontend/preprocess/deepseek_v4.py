@@ -111,6 +111,9 @@ class DeepSeekV4ChatTemplate(ChatTemplate):
     def default_thinking(self) -> bool:
         return self._default_thinking
 
+    def reads(self, name: str) -> bool:
+        return name in _SWITCHES
+
     def _render(
         self,
         messages: Any,
@@ -189,6 +192,12 @@ class DeepSeekV4ChatTemplate(ChatTemplate):
             thinking = False
         drop = kwargs.get("drop_thinking")
         return thinking, effort in ("max", "xhigh"), drop is not False
+
+
+#: The ``chat_template_kwargs`` the renderer reads (see :meth:`DeepSeekV4ChatTemplate._switches`).
+_SWITCHES = frozenset(
+    {"thinking", "enable_thinking", "thinking_mode", "reasoning_effort", "drop_thinking"}
+)
 
 
 def _tools_block(msg: Mapping[str, Any]) -> str:

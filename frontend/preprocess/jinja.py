@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2.exceptions
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -93,9 +94,17 @@ class JinjaChatTemplate(ChatTemplate):
             raise TemplateError("chat_template list has no template named 'default'")
         try:
             self._templates = {name: env.from_string(text) for name, text in named.items()}
+            # The variables the templates read that nothing here defines: their switches.
+            self._reads = frozenset().union(*(
+                jinja2.meta.find_undeclared_variables(env.parse(text))
+                for text in named.values()
+            ))  # fmt: skip
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"chat template does not compile: {exc}") from exc
         self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+
+    def reads(self, name: str) -> bool:
+        return name in self._reads
 
     def _render(
         self,

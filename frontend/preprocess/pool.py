@@ -12,7 +12,10 @@ shorter than ``inline_max_chars`` are encoded inline: for them the thread hop
 
 The two other modes exist to reproduce the failure in tests and benchmarks:
 ``inline`` encodes on the loop; ``thread-gil`` uses HF ``Tokenizer.encode`` in a
-thread, which holds the GIL and so stalls the loop anyway.
+thread, which holds the GIL and so stalls the loop anyway. ``inline`` is also what a
+virtual-time test runs (:mod:`headwater.testing`): trio's MockClock cannot see a
+thread's work, so nothing of a request may run in one. The request's other CPU work goes
+through :meth:`TokenizerPool.offload` for that reason: a thread, or the loop in ``inline``.
 
 Cancellation: a request cancelled while its text is being encoded returns at once
 (``abandon_on_cancel=True``), but the thread keeps its limiter token until the
@@ -24,16 +27,24 @@ from __future__ import annotations
 import enum
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
 
 import trio
 
 from frontend.preprocess.tokenizer import Backend, SegmentCacheStats, Tokenizer
 
+T = TypeVar("T")
+
 #: Longest prompt (in characters) encoded inline by default, per backend: below these
 #: the encode costs less than the ~60–300 µs thread hop and at most ~0.1–0.2 ms of
 #: loop time (scripts/measure_tokenizer.py; figures in docs/tokenization.md).
 INLINE_MAX_CHARS = {Backend.FASTOKENS: 8192, Backend.HF: 256}
+#: Longest id list decoded inline (``/detokenize``): about what the inline encode of
+#: :data:`INLINE_MAX_CHARS` characters produces.
+INLINE_DECODE_TOKENS = 2048
 
 
 class TokenizeMode(enum.StrEnum):
@@ -89,6 +100,27 @@ class TokenizerPool:
         return await trio.to_thread.run_sync(
             self.tokenizer.encode_ids, text, limiter=self.limiter, abandon_on_cancel=True
         )
+
+    async def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of *ids* (``/detokenize``): inline up to :data:`INLINE_DECODE_TOKENS`
+        ids, in a pool thread beyond, as encoding is (a 40k-token decode is
+        milliseconds of work)."""
+        if self.mode is TokenizeMode.INLINE or len(ids) <= INLINE_DECODE_TOKENS:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return await trio.to_thread.run_sync(
+            partial(self.tokenizer.decode, ids, skip_special_tokens=skip_special_tokens),
+            limiter=self.limiter, abandon_on_cancel=True,
+        )  # fmt: skip
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run *fn* (other CPU work of a request: a long chat template, an echo, token
+        strings) in a pool thread under the pool's limiter; on the loop in ``inline``
+        mode, where nothing of a request leaves it (virtual-time tests: trio's MockClock
+        cannot see a thread's work)."""
+        if self.mode is TokenizeMode.INLINE:
+            await trio.lowlevel.checkpoint()
+            return fn(*args)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     async def warm_up(self) -> float:
         """Encode a sample once in a pool thread, and a short one on this (the loop's)

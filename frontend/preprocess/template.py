@@ -107,6 +107,12 @@ class ChatTemplate(abc.ABC):
             tools=validate_tools(tools),
         )
 
+    def reads(self, name: str) -> bool:
+        """The template reads the variable *name* (a ``chat_template_kwargs`` switch such
+        as ``reasoning_effort``): a request setting it changes the prompt. False unless
+        a renderer says so."""
+        return False
+
     @abc.abstractmethod
     def _render(
         self,

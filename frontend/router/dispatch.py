@@ -20,7 +20,8 @@ in three nested loops:
   starts again on other workers with the tokens generated so far appended to the
   prompt and ``max_tokens`` / ``min_tokens`` reduced by as many, under a new request id
   (``<id>.m<n>``), up to ``migration_limit`` times. The consumer sees one stream: no
-  token twice, none missing.
+  token twice, none missing. A constrained answer (structured outputs) migrates only
+  before its first token: its grammar cannot resume on the tokens so far.
 
 A worker that could not take a request (unreachable, or refused it retryably) is not
 picked again for that request. One whose stream of it broke (or that failed it
@@ -34,6 +35,11 @@ failing a request the cluster could serve. Errors come out as the frontend's own
 worker to try is :class:`~frontend.errors.NoCapacity`; anything else the workers do
 wrong, once retries are spent, is :class:`~frontend.errors.WorkerFailed`.
 
+**Affinity.** The choices of one request (``n`` > 1) are streams of their own, which
+share an ``affinity``: the worker the first of them picked for a role is preferred by
+the others (unless it is busy while another is not), so their prompt's KV is computed
+once and found in that worker's prefix cache by the rest.
+
 Structured concurrency: :meth:`Dispatcher.stream` is an async generator consumed in
 the request's own task and closed with ``aclosing``; it holds no cancel scope across
 a ``yield``. Closing it (the client left, a stop string matched) leaves the current
@@ -44,10 +50,10 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -68,6 +74,13 @@ _BUSY_RECHECK_S = 0.1  # how often a queued request looks at the workers' report
 #: Prompts at least this long are hashed for ``--router kv`` in a thread (~0.3 ms of
 #: hashing at 64 tokens a block); shorter ones inline, cheaper than the thread hop.
 _HASH_INLINE_MAX_TOKENS = 4096
+
+#: Runs a function with its arguments off the loop and returns its result.
+Offload = Callable[..., Awaitable[Any]]
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    return await trio.to_thread.run_sync(fn, *args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +126,8 @@ class _Attempts:
     delivered: int = 0
     #: The worker whose stream the current leg relays.
     serving: WorkerClient | None = None
+    #: The worker per role that the streams of this request prefer (shared by them).
+    affinity: dict[Role, str] | None = None
     #: The request's "dispatch" span: each leg's is its child.
     span: Span = NULL_SPAN
     #: The prompt as ``--router kv`` weighs it (None under the other policies).
@@ -142,11 +157,15 @@ class Dispatcher:
         *,
         config: DispatchConfig | None = None,
         metrics: FrontendMetrics | None = None,
+        offload: Offload | None = None,
     ) -> None:
+        """*offload* runs CPU work off the loop (a long prompt's block hashes); by
+        default in a thread (the pipeline's: its tokenizer pool's ``offload``)."""
         self.router = router
         self.model = model
         self.config = config or DispatchConfig()
         self.metrics = metrics
+        self.offload: Offload = offload or _in_thread
         self._queued = 0  # requests waiting for a worker that is not busy
 
     def ready(self) -> bool:
@@ -155,14 +174,17 @@ class Dispatcher:
         disagg = r.routable(Role.PREFILL, m) > 0 and r.routable(Role.DECODE, m) > 0
         return disagg or r.routable(Role.AGG, m) > 0
 
-    async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
+    async def stream(
+        self, request: GenerateRequest, affinity: dict[Role, str] | None = None
+    ) -> AsyncGenerator[Chunk, None]:
         """The request's chunks, from one or more workers; the last carries
-        ``finish_reason`` (unless the caller stops reading first).
+        ``finish_reason`` (unless the caller stops reading first). *affinity*: shared
+        by the streams of one request (see the module docstring).
 
         Raises InvalidRequest, NoCapacity or WorkerFailed (see the module docstring).
         """
         generated = token_array()
-        state = _Attempts()
+        state = _Attempts(affinity=affinity)
         if self.router.policy is Policy.KV:
             state.prompt = await self._prompt(request)
         with tracer().span("dispatch", parent=current_trace().span) as state.span:
@@ -178,6 +200,12 @@ class Dispatcher:
                 except _Migrate as exc:
                     if state.migrations >= self.config.migration_limit:
                         raise WorkerFailed(f"the worker's stream broke ({exc})") from exc
+                    if generated and request.sampling.structured is not None:
+                        # The constraint's grammar would start over on the tokens so far,
+                        # as if they were prompt: the answer would no longer be what it asked.
+                        raise WorkerFailed(f"the worker's stream broke ({exc}), and a "
+                                           "constrained answer cannot continue elsewhere"
+                                           ) from exc  # fmt: skip
                     state.migrations += 1
                     # As Dynamo counts them: before any token reached the caller, or after.
                     kind = "ongoing_request" if generated else "new_request"
@@ -195,7 +223,7 @@ class Dispatcher:
         prompt (~0.5 µs per block; docs/routing.md), so the loop stays free."""
         tokens, size = request.token_ids, self.router.kv.block_size
         if len(tokens) >= _HASH_INLINE_MAX_TOKENS:
-            hashes = await trio.to_thread.run_sync(prompt_hashes, tokens, size)
+            hashes = await self.offload(prompt_hashes, tokens, size)
         else:
             hashes = prompt_hashes(tokens, size)
         return Prompt(len(tokens), hashes)
@@ -206,7 +234,8 @@ class Dispatcher:
     ) -> GenerateRequest:
         """*request* as it continues after *migrations* migrations with *generated*
         tokens already delivered: the request itself until then (its token array as
-        it is: nothing downstream writes to it)."""
+        it is: nothing downstream writes to it). The prompt's logprobs came with the
+        first token: once that is delivered they are not asked again."""
         if migrations == 0:
             return request
         sampling = request.sampling
@@ -218,6 +247,7 @@ class Dispatcher:
                 sampling,
                 max_tokens=sampling.max_tokens - len(generated),
                 min_tokens=max(0, sampling.min_tokens - len(generated)),
+                prompt_logprobs=None if generated else sampling.prompt_logprobs,
             ),
             kv_handle=None,
         )
@@ -413,7 +443,14 @@ class Dispatcher:
         return NoWorkers(f"no routable {role.value} worker for model {self.model!r}")
 
     def _pick(self, role: Role, state: _Attempts) -> WorkerClient:
-        """A worker of *role* for this request (see :meth:`_Attempts.excluded`); raises
-        NoWorkers."""
+        """A worker of *role* for this request (see :meth:`_Attempts.excluded`), the
+        one its affinity names if it can; raises NoWorkers."""
+        affinity = state.affinity
         exclude = state.excluded(self.router, role, self.model)
-        return self.router.pick(role, self.model, exclude, state.prompt)
+        if affinity is None:
+            return self.router.pick(role, self.model, exclude, state.prompt)
+        client = self.router.pick(
+            role, self.model, exclude, state.prompt, prefer=affinity.get(role)
+        )
+        affinity.setdefault(role, client.instance.worker_id)
+        return client

@@ -45,6 +45,7 @@ from frontend.router.kv_index import KvIndex
 from frontend.router.kv_routing import ApproxIndex, Candidate, KvConfig, KvSubscriber, choose
 from headwater.plane.base import PlaneError, WorkerClient
 from headwater.wire import Role
+from headwater.wire.capabilities import Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +226,15 @@ class Router:
         model: str,
         exclude: frozenset[str] = frozenset(),
         prompt: Prompt | None = None,
+        *,
+        prefer: str | None = None,
     ) -> WorkerClient:
         """Choose a worker for *role* serving *model*, skipping ids in *exclude*; a busy
         one only if every candidate is busy (:meth:`all_busy` tells the caller).
         ``kv`` weighs *prompt*'s cached overlap for prefill and aggregated workers and
-        the load alone for decode workers (:mod:`frontend.router.kv_routing`).
+        the load alone for decode workers (:mod:`frontend.router.kv_routing`). The
+        worker *prefer* names comes first, if it is a candidate and not busy while
+        another is not (the choices of one request go where its prompt's KV is).
 
         Raises :class:`NoWorkers` when none is routable.
         """
@@ -238,6 +243,10 @@ class Router:
             raise NoWorkers(f"no routable {role.value} worker for model {model!r}")
         free = [e for e in candidates if not self._busy(e)]
         candidates = free or candidates
+        if prefer is not None:
+            for entry in candidates:
+                if entry.client.instance.worker_id == prefer:
+                    return entry.client
         if self.policy is Policy.KV:
             entry = self._pick_kv(candidates, role, prompt)
         elif self.policy is Policy.RANDOM:
@@ -254,6 +263,18 @@ class Router:
         else:
             entry = candidates[self._next_turn(role, model) % len(candidates)]
         return entry.client
+
+    def lacking(self, model: str, feature: str) -> Capabilities | None:
+        """The declaration of a worker serving *model* (of any role, in any state) that
+        does not honour *feature*; None when every one does, or none is known.
+
+        A request may go to any of them (a prefill samples its first token too), so it
+        asks only for what all of them declare (:mod:`headwater.wire.capabilities`)."""
+        for entry in self._entries.values():
+            client = entry.client
+            if client.instance.model == model and not client.capabilities.honours(feature):
+                return client.capabilities
+        return None
 
     def _pick_kv(self, candidates: list[_Entry], role: Role, prompt: Prompt | None) -> _Entry:
         by_id = {e.client.instance.worker_id: e for e in candidates}

@@ -22,6 +22,7 @@ import trio
 
 from frontend.config import FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
+from frontend.http.responses_api.store import StoreConfig
 from frontend.limits import RequestLimits
 from headwater.cli.options import (
     LOG_FORMATS,
@@ -233,6 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     lim = p.add_argument_group("request limits (docs/security.md; 0 turns one off)")
     add_config_options(lim, RequestLimits)
+    stored = p.add_argument_group("stored responses (the Responses API's store; docs/api.md)")
+    add_config_options(stored, StoreConfig)
 
     o = p.add_argument_group("observability")
     o.add_argument("--no-instrument", dest="instrument", action="store_false",
@@ -289,10 +292,11 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     tokenizer, its vocabulary size and context length) fills the options not given.
     """
     names = {f.name for f in fields(FrontendConfig)} - {
-        "engine_config", "api_keys", "limits", "etcd_credentials"
+        "engine_config", "api_keys", "limits", "etcd_credentials", "responses_store"
     }
     engine_config = config_from_args(registry.config_type(args.engine), args)
     limits = config_from_args(RequestLimits, args)
+    responses_store = config_from_args(StoreConfig, args)
     api_keys = load_api_keys(args.api_key or (), env=os.environ.get(API_KEYS_ENV))
     if args.api_keys_file is not None:  # read now too: a bad file is a bad option
         load_api_keys(file=args.api_keys_file)
@@ -304,6 +308,7 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
         defaults = engine_frontend_defaults(engine_config)
     config = FrontendConfig(
         **{**defaults, **given}, engine_config=engine_config, api_keys=api_keys, limits=limits,
+        responses_store=responses_store,
         etcd_credentials=etcd_credentials_from_args(args),
     )  # fmt: skip
     # The files are read now, not at the first connection: a bad one is a bad option.

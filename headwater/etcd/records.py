@@ -9,7 +9,11 @@ whose value is the JSON of an :class:`InstanceRecord`::
 
     {"worker_id": "w1", "role": "prefill", "model": "deepseek-v4",
      "address": "tcp://10.0.0.5:7001", "capacity": 256, "state": "ready",
-     "pid": 4242, "started_at": 1790000000.0}
+     "pid": 4242, "started_at": 1790000000.0,
+     "capabilities": {"engine": "vllm", "features": ["seed", "top_k", ...]}}
+
+``capabilities`` is the engine's declaration (:mod:`headwater.wire.capabilities`); a
+record without it (an older worker's) declares nothing.
 
 Written by the workers (``workers.runtime.registration``), read by the frontends
 (``frontend.discovery.etcd``); the contract is docs/discovery.md.
@@ -35,6 +39,7 @@ from urllib.parse import quote
 
 from headwater.plane.base import WorkerInstance
 from headwater.wire import Role
+from headwater.wire.capabilities import Capabilities, from_plain, to_plain
 from headwater.wire.handshake import accepted_secrets
 
 #: Where instance keys live; one more segment per model, role and worker id.
@@ -67,6 +72,8 @@ class InstanceRecord:
     state: InstanceState = InstanceState.READY
     pid: int = 0
     started_at: float = 0.0  # unix time
+    #: The engine's declaration (None: the worker declared nothing, an older one).
+    capabilities: Capabilities | None = None
 
     @classmethod
     def from_instance(
@@ -86,6 +93,7 @@ class InstanceRecord:
             state=state,
             pid=pid,
             started_at=started_at,
+            capabilities=instance.capabilities,
         )
 
     def key(self, prefix: str = KEY_PREFIX) -> str:
@@ -101,6 +109,7 @@ class InstanceRecord:
             address=self.address,
             capacity=self.capacity,
             metadata={"pid": str(self.pid), "started_at": repr(self.started_at)},
+            capabilities=self.capabilities,
         )
 
     def to_json(self, secret: bytes | None = None) -> bytes:
@@ -115,6 +124,8 @@ class InstanceRecord:
             "pid": self.pid,
             "started_at": self.started_at,
         }
+        if self.capabilities is not None:  # signed with the rest
+            fields["capabilities"] = to_plain(self.capabilities)
         if secret is not None:
             fields["sig"] = _signature(secret, fields)
         return json.dumps(fields, separators=(",", ":")).encode()
@@ -142,6 +153,9 @@ class InstanceRecord:
                 state=InstanceState(d.get("state", InstanceState.READY.value)),
                 pid=int(d.get("pid") or 0),
                 started_at=float(d.get("started_at") or 0.0),
+                capabilities=(
+                    from_plain(d["capabilities"]) if d.get("capabilities") is not None else None
+                ),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad instance record: {exc}") from None

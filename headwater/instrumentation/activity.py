@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Final
+from collections.abc import Callable
 
 import trio
-
-_clock: Final = time.perf_counter
 
 
 class Activity:
@@ -40,7 +38,9 @@ class Activity:
       rest_interval_s: the canary's tick and the watchdog's poll while resting.
     """
 
-    __slots__ = ("_inflight", "_last_busy", "_rest", "idle_after_s", "rest_interval_s", "woken")
+    __slots__ = (
+        "_clock", "_inflight", "_last_busy", "_rest", "idle_after_s", "rest_interval_s", "woken",
+    )  # fmt: skip
 
     def __init__(self, *, idle_after_s: float = 1.0, rest_interval_s: float = 0.1) -> None:
         if idle_after_s < 0 or rest_interval_s <= 0:
@@ -48,10 +48,17 @@ class Activity:
         self.idle_after_s = idle_after_s
         self.rest_interval_s = rest_interval_s
         self._inflight = 0
-        self._last_busy = _clock()  # a process that just started counts as just busy
+        self._clock: Callable[[], float] = time.perf_counter
+        self._last_busy = self._clock()  # a process that just started counts as just busy
         self._rest: trio.Event | None = None
         #: Set when work ends a rest; the watchdog thread waits on it while resting.
         self.woken = threading.Event()
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Measure idleness with *clock* from now on (the loop monitor's: trio's own
+        under a MockClock, :func:`headwater.instrumentation.canary.loop_clock`)."""
+        self._clock = clock
+        self._last_busy = clock()
 
     @property
     def inflight(self) -> int:
@@ -73,11 +80,11 @@ class Activity:
 
     def __exit__(self, *exc_info: object) -> None:
         self._inflight -= 1
-        self._last_busy = _clock()
+        self._last_busy = self._clock()
 
     def idle(self) -> bool:
         """Nothing in flight now, and nothing for the last ``idle_after_s``."""
-        return self._inflight == 0 and _clock() - self._last_busy >= self.idle_after_s
+        return self._inflight == 0 and self._clock() - self._last_busy >= self.idle_after_s
 
     async def rest(self) -> bool:
         """Wait ``rest_interval_s``, or less if work arrives: then return ``True``.

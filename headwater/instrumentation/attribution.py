@@ -37,6 +37,10 @@ class StallLog:
         """The loop ran no task for *delay* seconds until *end*."""
         self._stalls.append((end - delay, end))
 
+    def intervals(self) -> list[tuple[float, float]]:
+        """The stalls kept, oldest first."""
+        return list(self._stalls)
+
     def stalled(self, start: float, end: float) -> float:
         """Seconds of [*start*, *end*] during which the loop was stalled."""
         total = 0.0

@@ -10,8 +10,11 @@ Given an :class:`~headwater.instrumentation.activity.Activity`, it rests while t
 process is idle: one tick per ``rest_interval_s`` (100 ms) instead of 100 per second,
 back to 10 ms as soon as a request arrives.
 
-It measures with the real monotonic clock, not trio's clock: under a ``MockClock`` with
-autojump it would spin without ever sleeping, so do not run it in virtual-time tests.
+It measures with the real monotonic clock, except under trio's ``MockClock`` (a test's
+virtual time, where a sleep takes no real time at all): there it measures on trio's
+clock (:func:`loop_clock`), so a stall is the clock moving on while no task runs, which
+is what a test makes with ``MockClock.jump`` (``headwater.testing``'s loop stall), and
+it ticks every :data:`VIRTUAL_INTERVAL_S` at the most often.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import trio
+import trio.testing
 
 if TYPE_CHECKING:
     from headwater.instrumentation.activity import Activity
@@ -73,6 +78,25 @@ class DelaySeries:
         ]
 
 
+#: The canary's tick under a MockClock. Each tick there is a jump of the clock and a
+#: pass of the loop: real work (~0.1 ms) for no real time, 100 of them per virtual
+#: second at 10 ms. And a virtual stall is a test's jump of the clock, of seconds: a
+#: tenth of one measures it closely enough (the start of a stall is known to a tick).
+VIRTUAL_INTERVAL_S = 0.1
+
+
+def virtual_time() -> bool:
+    """Whether this trio run's clock is a ``MockClock`` (a test's virtual time)."""
+    return isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
+
+
+def loop_clock() -> Callable[[], float]:
+    """The clock the loop's measurements use in the current trio run: trio's own under
+    a ``MockClock`` (virtual time, where real time says nothing of the loop), else the
+    monotonic performance counter."""
+    return trio.current_time if virtual_time() else time.perf_counter
+
+
 async def run_canary(
     metrics: LoopMetrics,
     *,
@@ -102,7 +126,9 @@ async def run_canary(
     if series is None:
         series = DelaySeries()
     task_status.started(series)
-    clock = time.perf_counter
+    clock = loop_clock()
+    if virtual_time():
+        interval = max(interval, VIRTUAL_INTERVAL_S)
     wall = time.time
     while True:
         asked = clock()

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from headwater.instrumentation.activity import Activity
 from headwater.instrumentation.attribution import StallLog
-from headwater.instrumentation.canary import DelaySeries, run_canary
+from headwater.instrumentation.canary import DelaySeries, loop_clock, run_canary
 from headwater.instrumentation.gc_pauses import timing_gc
 from headwater.instrumentation.loop_metrics import LoopMetrics
 from headwater.instrumentation.stalls import StallDetector, StallRecord, StallStatistics
@@ -84,6 +84,8 @@ class LoopMonitor:
         Cancellation: the detector removes its instrument and joins its thread, and the
         GC hook is removed.
         """
+        if self.activity is not None:
+            self.activity.use_clock(loop_clock())  # the canary's: trio's under a MockClock
         with timing_gc(self.metrics):
             async with trio.open_nursery() as nursery:
                 if self.detector is not None:

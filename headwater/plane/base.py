@@ -45,6 +45,7 @@ from headwater.wire import (
     Role,
     WorkerLoad,
 )
+from headwater.wire.capabilities import BASELINE, Capabilities
 from headwater.wire.kv_events import KvEventBatch
 
 
@@ -91,6 +92,9 @@ class WorkerInstance:
     address: str  # "memory://<id>" or "tcp://host:port"
     capacity: int = 256  # max concurrent sequences the worker advertises
     metadata: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    #: What its engine declared it honours, as discovery reported it (None: not
+    #: reported; a TCP client learns it in the handshake).
+    capabilities: Capabilities | None = field(default=None, compare=False, hash=False)
 
 
 #: Chunks merged into one at most, so that draining a backlog stays a bounded step.
@@ -106,8 +110,9 @@ class ResponseStream(abc.ABC):
     arrived; how replies end a stream is decided here, once.
 
     Chunks that are already waiting when one is taken are merged into it, their tokens
-    appended, up to :data:`COALESCE_MAX`: a consumer that fell behind the engine catches
-    up in one pass through postprocessing and one SSE write instead of one per token.
+    (and logprobs) appended, up to :data:`COALESCE_MAX`: a consumer that fell behind the
+    engine catches up in one pass through postprocessing and one SSE write instead of
+    one per token.
     A chunk that finishes the stream or carries a KV handle ends a merge.
     """
 
@@ -150,6 +155,9 @@ class ResponseStream(abc.ABC):
 
     def _merge_waiting(self, first: Chunk) -> Chunk:
         last, tokens, cached = first, None, first.cached_tokens
+        # A stream's chunks all carry logprobs or none do (the request asked or not).
+        logprobs = None if first.logprobs is None else list(first.logprobs)
+        prompt_logprobs = first.prompt_logprobs
         for _ in range(COALESCE_MAX - 1):
             if last.finish_reason is not None or last.kv_handle is not None:
                 break
@@ -162,11 +170,19 @@ class ResponseStream(abc.ABC):
             if tokens is None:
                 tokens = list(first.token_ids)
             tokens.extend(nxt.token_ids)
+            if logprobs is not None and nxt.logprobs is not None:
+                logprobs.extend(nxt.logprobs)
+            if prompt_logprobs is None:
+                prompt_logprobs = nxt.prompt_logprobs
             cached = max(cached, nxt.cached_tokens)
             last = nxt
         if tokens is None:
             return first
-        return Chunk(first.request_id, tokens, last.finish_reason, cached_tokens=cached)
+        return Chunk(
+            first.request_id, tokens, last.finish_reason, cached_tokens=cached,
+            logprobs=None if logprobs is None else tuple(logprobs),
+            prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
 
 
 class WorkerClient(abc.ABC):
@@ -178,6 +194,13 @@ class WorkerClient(abc.ABC):
     def load(self) -> WorkerLoad | None:
         """The worker's load as it last reported it; None when it has not (yet)."""
         return None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the worker's engine declared it honours (:mod:`headwater.wire.capabilities`):
+        as discovery reported it, else the baseline. A transport that hears it from the
+        worker itself (the TCP handshake) says that instead."""
+        return self.instance.capabilities or BASELINE
 
     @abc.abstractmethod
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:

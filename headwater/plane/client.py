@@ -53,6 +53,7 @@ from headwater.plane.connection import (
     tcp_connector,
 )
 from headwater.wire import GenerateRequest, KvHandle, WorkerLoad
+from headwater.wire.capabilities import Capabilities
 from headwater.wire.frames import KvRelease
 from headwater.wire.handshake import load_secret
 from headwater.wire.kv_events import KvEventBatch
@@ -112,6 +113,7 @@ class TcpWorkerClient(WorkerClient):
         self._scope = trio.CancelScope()
         self._state = AsyncValue(ClientState.IDLE)
         self._conn: PlaneConnection | None = None
+        self._declared: Capabilities | None = None
         self._retry_at = 0.0
         self._last_error: str | None = None
         self._last_failure: CannotConnect | None = None  # why the last connect failed
@@ -184,6 +186,8 @@ class TcpWorkerClient(WorkerClient):
             conn.attribution = self.attribution
             await nursery.start(conn.run)
             self._conn = conn
+            # Kept between connections: a worker restarted under its id says it again.
+            self._declared = conn.peer.capabilities
             self._set_state(ClientState.CONNECTED)
             await conn.unusable.wait()
             self._conn = None
@@ -232,6 +236,12 @@ class TcpWorkerClient(WorkerClient):
         """The load the worker sent with its last heartbeat answer on this connection."""
         conn = self._conn
         return conn.load if conn is not None else None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the worker declared in its last handshake; before one, or from a worker
+        that declares nothing, what discovery said (see :class:`WorkerClient`)."""
+        return self._declared or super().capabilities
 
     def release_kv(self, handle: KvHandle) -> None:
         """Queue a ``kv_release`` on the live connection (a draining one too: the

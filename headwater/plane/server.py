@@ -69,6 +69,7 @@ from headwater.plane.sockets import unthrottle
 from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import Cancel, Error, ErrorCode, GenerateRequest, Reply, Role, WorkerLoad
 from headwater.wire.addresses import is_loopback
+from headwater.wire.capabilities import Capabilities
 from headwater.wire.codec import FrameDecoder, encode, encode_parts, read_size
 from headwater.wire.errors import ProtocolError
 from headwater.wire.frames import (
@@ -215,7 +216,8 @@ class PlaneServer:
     prefill engine); without one every pull is refused. *stats* adds the worker's
     counters (runtime, engine) to the ``stats`` frame; *load* goes with every heartbeat
     answer, so that frontends see how busy the worker is. With *tls* :meth:`serve`
-    speaks mutual TLS on every listener (:mod:`headwater.plane.tls`).
+    speaks mutual TLS on every listener (:mod:`headwater.plane.tls`). *capabilities*,
+    the engine's declaration, goes to every peer in the handshake.
     """
 
     def __init__(
@@ -230,11 +232,14 @@ class PlaneServer:
         stats: StatsProvider | None = None,
         load: LoadProvider | None = None,
         tls: TlsConfig | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
         self.runtime = runtime
         self.tls = tls
         self.config = config or ServerConfig()
-        self.identity = HelloOk(PROTOCOL_VERSION, str(role), runtime.worker_id, model)
+        self.identity = HelloOk(
+            PROTOCOL_VERSION, str(role), runtime.worker_id, model, capabilities
+        )
         self.secret = secret
         self.kv_source = kv_source
         self.stats = stats

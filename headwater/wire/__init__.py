@@ -13,6 +13,9 @@ from headwater.wire.messages import (
     Reply,
     Role,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
+    TokenLogprobs,
     WorkerLoad,
 )
 
@@ -29,5 +32,8 @@ __all__ = [
     "Reply",
     "Role",
     "SamplingParams",
+    "StructuredKind",
+    "StructuredOutput",
+    "TokenLogprobs",
     "WorkerLoad",
 ]

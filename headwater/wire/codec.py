@@ -57,6 +57,12 @@ What keeps it fast:
 * A KV handle's ``params`` travel as their own msgpack bytes, so the decoder refuses an
   oversized one from its length alone, before unpacking any of it. A handle without
   params encodes exactly as before they existed.
+* Logprobs (:class:`~headwater.wire.TokenLogprobs`, a chunk's and a prompt's) travel
+  as packed columns (float64 logprobs, uint32 ranks, counts and ids): a 40k-token
+  prompt's top-20 logprobs are 800k numbers, which as msgpack items would exceed
+  :data:`MAX_ITEMS`, and as columns are five bin fields. The request's ``logprobs``
+  and ``prompt_logprobs`` and the chunk's are left out when not set: such frames
+  encode exactly as before they existed.
 * Every map is built explicitly, never with ``dataclasses.asdict``, whose deep copy
   costs ~20 µs per request leg.
 """
@@ -64,6 +70,7 @@ What keeps it fast:
 from __future__ import annotations
 
 import array
+import math
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, TypeVar, overload
@@ -71,6 +78,7 @@ from typing import Any, Final, TypeVar, overload
 import msgpack
 
 from headwater.tracing.w3c import TraceParent, valid_tracestate
+from headwater.wire.capabilities import Capabilities, from_plain, to_plain
 from headwater.wire.errors import FrameTooLarge, ProtocolError
 from headwater.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -111,6 +119,9 @@ from headwater.wire.messages import (
     GenerateRequest,
     KvHandle,
     SamplingParams,
+    StructuredKind,
+    StructuredOutput,
+    TokenLogprobs,
     WorkerLoad,
 )
 from headwater.wire.session import TAG_BYTES, FrameMac
@@ -170,6 +181,62 @@ def unpack_block_hashes(data: bytes) -> tuple[int, ...]:
     if len(data) % 8:
         raise ProtocolError(f"block_hashes: {len(data)} bytes is not a whole number of int64")
     return struct.unpack(f"<{len(data) // 8}q", data)
+
+
+def pack_logprobs(entries: Sequence[TokenLogprobs]) -> _Map:
+    """Logprob entries → a map of packed columns: ``lp`` (float64 each), ``rk`` (uint32
+    each), ``tn`` (uint32 each: how many top tokens), then every entry's top tokens
+    end to end, ``ti`` (uint32) and ``tl`` (float64). Raises ValueError for a rank or
+    id outside uint32, or top ids and logprobs of different lengths."""
+    n = len(entries)
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    for e in entries:
+        if len(e.top_ids) != len(e.top_logprobs):
+            raise ValueError("logprobs: top_ids and top_logprobs differ in length")
+        top_ids.extend(e.top_ids)
+        top_logprobs.extend(e.top_logprobs)
+    try:
+        return {
+            "lp": struct.pack(f"<{n}d", *(e.logprob for e in entries)),
+            "rk": to_uint32_le([e.rank for e in entries]),
+            "tn": to_uint32_le([len(e.top_ids) for e in entries]),
+            "ti": to_uint32_le(top_ids),
+            "tl": struct.pack(f"<{len(top_logprobs)}d", *top_logprobs),
+        }
+    except struct.error as exc:
+        raise ValueError(f"logprobs: {exc}") from exc
+
+
+def unpack_logprobs(d: object, what: str) -> tuple[TokenLogprobs, ...]:
+    """The inverse of :func:`pack_logprobs`; raises ProtocolError for anything that is
+    not such a map of consistent columns (*what* names the field in errors)."""
+    if type(d) is not dict:
+        raise ProtocolError(f"{what}: not a map")
+    columns = []
+    for key in ("lp", "rk", "tn", "ti", "tl"):
+        value = d.get(key)
+        if type(value) is not bytes:
+            raise ProtocolError(f"{what}: column {key!r} missing or not bytes")
+        columns.append(value)
+    lp, rk, tn, ti, tl = columns
+    n, top = len(lp) // 8, len(tl) // 8
+    if len(lp) % 8 or len(tl) % 8 or len(rk) != 4 * n or len(tn) != 4 * n or len(ti) != 4 * top:
+        raise ProtocolError(f"{what}: columns of inconsistent lengths")
+    counts = from_uint32_le(tn)
+    if sum(counts) != top:
+        raise ProtocolError(f"{what}: top counts do not add up to the top tokens sent")
+    logprobs = struct.unpack(f"<{n}d", lp)
+    ranks = from_uint32_le(rk)
+    ids = tuple(from_uint32_le(ti))
+    top_logprobs = struct.unpack(f"<{top}d", tl)
+    entries = []
+    at = 0
+    for i in range(n):
+        end = at + counts[i]
+        entries.append(TokenLogprobs(logprobs[i], ranks[i], ids[at:end], top_logprobs[at:end]))
+        at = end
+    return tuple(entries)
 
 
 def pack_kv_params(params: Mapping[str, Any]) -> bytes:
@@ -343,14 +410,19 @@ def _body(frame: Frame) -> _Map:
             body["k"] = "request"
             return body
         case Chunk():
-            return {
+            chunk: _Map = {
                 "request_id": frame.request_id,
                 "token_ids": frame.token_ids,
                 "finish_reason": frame.finish_reason.value if frame.finish_reason else None,
                 "kv_handle": _handle_body(frame.kv_handle),
                 "cached_tokens": frame.cached_tokens,
-                "k": "chunk",
             }
+            if frame.logprobs is not None:
+                chunk["logprobs"] = pack_logprobs(frame.logprobs)
+            if frame.prompt_logprobs is not None:
+                chunk["prompt_logprobs"] = pack_logprobs(frame.prompt_logprobs)
+            chunk["k"] = "chunk"
+            return chunk
         case Ack():
             return {"request_id": frame.request_id, "k": "ack"}
         case End():
@@ -370,8 +442,11 @@ def _body(frame: Frame) -> _Map:
         case Auth():
             return {"k": "auth", "proof": frame.proof}
         case HelloOk():
-            return {"k": "hello_ok", "version": frame.version, "role": frame.role,
+            body = {"k": "hello_ok", "version": frame.version, "role": frame.role,
                     "worker_id": frame.worker_id, "model": frame.model}
+            if frame.capabilities is not None:  # left out by an older worker
+                body["caps"] = to_plain(frame.capabilities)
+            return body
         case Ping():
             return {"k": "ping", "seq": frame.seq}
         case Pong():
@@ -404,7 +479,7 @@ def _body(frame: Frame) -> _Map:
 
 
 def _sampling_body(sampling: SamplingParams) -> _Map:
-    return {
+    body: _Map = {
         "max_tokens": sampling.max_tokens,
         "min_tokens": sampling.min_tokens,
         "ignore_eos": sampling.ignore_eos,
@@ -413,6 +488,30 @@ def _sampling_body(sampling: SamplingParams) -> _Map:
         "seed": sampling.seed,
         "stop_token_ids": list(sampling.stop_token_ids),
     }
+    # Left out when not asked: what an older peer sends and expects.
+    if sampling.logprobs is not None:
+        body["logprobs"] = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        body["prompt_logprobs"] = sampling.prompt_logprobs
+    # The declared features' fields travel only when they ask for something: a request
+    # without them is byte-identical to what an older peer sends, and such a peer,
+    # which would ignore them, never gets them (the frontend routes by declarations).
+    s = sampling
+    if s.top_k:
+        body["top_k"] = s.top_k
+    if s.min_p:
+        body["min_p"] = s.min_p
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        body["logit_bias"] = [[token, bias] for token, bias in s.logit_bias]
+    if s.structured is not None:
+        body["structured"] = [s.structured.kind.value, s.structured.spec]
+    return body
 
 
 def _handle_body(handle: KvHandle | None) -> _Map | None:
@@ -670,6 +769,14 @@ def _nonneg(d: _Map, key: str, default: int | None = None) -> int:
     return value
 
 
+def _optional_nonneg(d: _Map, key: str) -> int | None:
+    """A non-negative int, or None when absent (or null)."""
+    value = _field(d, key, int, None)
+    if value is not None and value < 0:
+        raise ProtocolError(f"{d.get('k')}: field {key!r} is negative")
+    return value
+
+
 def _int_list(d: _Map, key: str) -> list[int]:
     values: list[object] = _field(d, key, list, [])
     ints = [v for v in values if type(v) is int and v >= 0]
@@ -724,6 +831,15 @@ def _parse_request(d: _Map) -> GenerateRequest:
         top_p=float(_field(sampling, "top_p", float, 1.0)),
         seed=_field(sampling, "seed", int, None),
         stop_token_ids=tuple(_int_list(sampling, "stop_token_ids")),
+        logprobs=_optional_nonneg(sampling, "logprobs"),
+        prompt_logprobs=_optional_nonneg(sampling, "prompt_logprobs"),
+        top_k=_nonneg(sampling, "top_k", 0),
+        min_p=_finite(sampling, "min_p", 0.0),
+        presence_penalty=_finite(sampling, "presence_penalty", 0.0),
+        frequency_penalty=_finite(sampling, "frequency_penalty", 0.0),
+        repetition_penalty=_finite(sampling, "repetition_penalty", 1.0),
+        logit_bias=_logit_bias(sampling),
+        structured=_structured(sampling),
     )
     return GenerateRequest(
         request_id=_request_id(d),
@@ -734,6 +850,48 @@ def _parse_request(d: _Map) -> GenerateRequest:
         eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
         **_trace_fields(d),
     )
+
+
+def _finite(d: _Map, key: str, default: float) -> float:
+    """A finite float (an int passes); *default* when absent."""
+    value = float(_field(d, key, float, default))
+    if not math.isfinite(value):
+        raise ProtocolError(f"{d.get('k')}: field {key!r} is not finite")
+    return value
+
+
+def _logit_bias(d: _Map) -> tuple[tuple[int, float], ...]:
+    """Sampling's optional ``logit_bias``: [[token id, finite bias], ...]."""
+    pairs: list[object] = _field(d, "logit_bias", list, [])
+    bias: list[tuple[int, float]] = []
+    for pair in pairs:
+        if (
+            type(pair) is not list
+            or len(pair) != 2
+            or type(pair[0]) is not int
+            or pair[0] < 0
+            or type(pair[1]) not in (int, float)
+            or not math.isfinite(pair[1])
+        ):
+            raise ProtocolError("request: logit_bias must hold [token id, finite bias] pairs")
+        bias.append((pair[0], float(pair[1])))
+    return tuple(bias)
+
+
+_STRUCTURED_KINDS: Final = {k.value: k for k in StructuredKind}
+
+
+def _structured(d: _Map) -> StructuredOutput | None:
+    """Sampling's optional ``structured``: [kind, spec]."""
+    raw: list[object] | None = _field(d, "structured", list, None)
+    if raw is None:
+        return None
+    if len(raw) != 2 or type(raw[0]) is not str or type(raw[1]) is not str:
+        raise ProtocolError("request: structured must be [kind, spec]")
+    kind = _STRUCTURED_KINDS.get(raw[0])
+    if kind is None:
+        raise ProtocolError(f"request: unknown structured output kind {raw[0]!r}")
+    return StructuredOutput(kind, raw[1])
 
 
 def _trace_fields(d: _Map) -> dict[str, str]:
@@ -752,13 +910,25 @@ def _parse_chunk(d: _Map) -> Chunk:
     finish = None if reason is None else _FINISH_REASONS.get(reason)
     if reason is not None and finish is None:
         raise ProtocolError(f"chunk: unknown finish_reason {reason!r}")
-    return Chunk(
+    chunk = Chunk(
         request_id=_request_id(d),
         token_ids=_int_list(d, "token_ids"),
         finish_reason=finish,
         kv_handle=_kv_handle(d),
         cached_tokens=_nonneg(d, "cached_tokens", 0),
+        logprobs=_logprobs(d, "logprobs"),
+        prompt_logprobs=_logprobs(d, "prompt_logprobs"),
     )
+    if chunk.logprobs is not None and len(chunk.logprobs) != len(chunk.token_ids):
+        raise ProtocolError(
+            f"chunk: {len(chunk.logprobs)} logprobs for {len(chunk.token_ids)} tokens"
+        )
+    return chunk
+
+
+def _logprobs(d: _Map, key: str) -> tuple[TokenLogprobs, ...] | None:
+    value = d.get(key)
+    return None if value is None else unpack_logprobs(value, f"{d.get('k')}: {key}")
 
 
 def _parse_error(d: _Map) -> Error | Fault:
@@ -784,6 +954,17 @@ def _load(d: _Map) -> WorkerLoad | None:
         raise ProtocolError("pong: load must be [active, waiting, kv_usage in [0, 1]]")
     active, waiting, usage = raw
     return WorkerLoad(active, waiting, float(usage))  # type: ignore[arg-type]
+
+
+def _capabilities(d: _Map) -> Capabilities | None:
+    """A hello_ok's optional ``caps``: the worker's declaration."""
+    raw = _field(d, "caps", dict, None)
+    if raw is None:
+        return None
+    try:
+        return from_plain(raw)
+    except ValueError as exc:
+        raise ProtocolError(f"hello_ok: {exc}") from exc
 
 
 def _event_body(event: KvEvent) -> _Map:
@@ -852,7 +1033,7 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "auth": lambda d: Auth(_field(d, "proof", bytes)),
     "hello_ok": lambda d: HelloOk(
         _nonneg(d, "version"), _field(d, "role", str), _field(d, "worker_id", str),
-        _field(d, "model", str),
+        _field(d, "model", str), _capabilities(d),
     ),
     "request": _parse_request,
     "ack": lambda d: Ack(_request_id(d)),

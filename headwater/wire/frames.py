@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headwater.wire.capabilities import Capabilities
 from headwater.wire.kv_events import KvEventBatch
 from headwater.wire.messages import (
     Ack,
@@ -69,12 +70,14 @@ class Auth:
 
 @dataclass(frozen=True, slots=True)
 class HelloOk:
-    """The handshake is done; this is who the worker is."""
+    """The handshake is done; this is who the worker is, and what its engine declared
+    it honours (None: it declared nothing, an older worker)."""
 
     version: int
     role: str
     worker_id: str
     model: str
+    capabilities: Capabilities | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,41 @@ class FinishReason(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+class StructuredKind(enum.StrEnum):
+    """What a :class:`StructuredOutput` constrains the output to, as vLLM names it."""
+
+    JSON = "json"  # valid against a JSON schema (``spec``: the schema as JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object (``spec`` empty)
+    REGEX = "regex"  # ``spec``: the regular expression
+    CHOICE = "choice"  # one of several strings (``spec``: a JSON list of them)
+    GRAMMAR = "grammar"  # ``spec``: an EBNF grammar
+    STRUCTURAL_TAG = "structural_tag"  # ``spec``: xgrammar's structural tag, as JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the generated text (constrained decoding), for engines that
+    declare ``structured_outputs`` (:mod:`headwater.wire.capabilities`)."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """What the engine needs to know to generate; text-level options stay in the frontend."""
+    """What the engine needs to know to generate; text-level options stay in the frontend.
+
+    ``logprobs``: report each generated token's log probability and the ``logprobs``
+    most likely tokens at its position (0: the token's own only); ``prompt_logprobs``:
+    the same for the prompt's tokens, on the first chunk. None: not asked (what an older
+    peer sends).
+
+    The fields after ``prompt_logprobs`` go beyond the baseline every engine honours:
+    each asks for a feature the engine must declare (:mod:`headwater.wire.capabilities`)
+    unless it is at its default, which asks for nothing (and is what an older peer
+    sends). ``logit_bias`` is (token id, bias) pairs, each bias added to that token's
+    logit before sampling.
+    """
 
     max_tokens: int
     min_tokens: int = 0
@@ -47,6 +79,33 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # -- beyond the baseline: declared features --
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log probabilities (natural log) at one position of a sequence.
+
+    ``logprob`` and ``rank`` are the token's at that position (the one sampled, or the
+    prompt's own): ``rank`` counts the tokens at least as likely as it (1: the most
+    likely). ``top_ids`` and ``top_logprobs`` are the most likely tokens there, most
+    likely first, as many as asked (fewer only when the model has fewer to offer). A
+    logprob may be ``-inf`` (a token the model rules out); the response formats clamp it.
+    """
+
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +188,11 @@ class Chunk:
 
     ``finish_reason`` is set on the last chunk of a stream. ``cached_tokens`` reports
     prompt tokens served from the prefix cache, for usage accounting.
+
+    When the request asked (:class:`SamplingParams`), ``logprobs`` holds one entry per
+    token of ``token_ids``, and the first chunk with tokens carries ``prompt_logprobs``:
+    one entry per prompt token from the second on (the first has nothing before it).
+    None otherwise.
     """
 
     request_id: str
@@ -136,6 +200,8 @@ class Chunk:
     finish_reason: FinishReason | None = None
     kv_handle: KvHandle | None = None
     cached_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

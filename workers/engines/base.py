@@ -29,6 +29,7 @@ import trio
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, Role
+from headwater.wire.capabilities import BASELINE, Capabilities
 from headwater.wire.kv_events import KvEventLog
 
 
@@ -82,6 +83,16 @@ class Engine(abc.ABC):
     #: What its prefix cache stores and evicts (``headwater.wire.kv_events``), for
     #: KV-aware routing; None for an engine that publishes no events.
     kv_events: KvEventLog | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this engine honours beyond the baseline (:mod:`headwater.wire.capabilities`).
+
+        The declaration travels with the worker's registration; the runtime refuses a
+        request asking for anything else before the engine sees it. The default is the
+        conservative one, what a worker that declares nothing is taken to honour; an
+        engine that honours more says so."""
+        return BASELINE
 
     @abc.abstractmethod
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

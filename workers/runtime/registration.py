@@ -51,6 +51,7 @@ from headwater.etcd.records import KEY_PREFIX, InstanceRecord, InstanceState, mo
 from headwater.plane.base import WorkerInstance
 from headwater.plane.kv import KvPeers
 from headwater.wire import Role
+from headwater.wire.capabilities import Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -278,8 +279,8 @@ class RegistrationHooks:
     The order matters to frontends: a worker must be gone from routing before it
     stops taking requests, and must stay known until what it accepted is done.
 
-    * :meth:`on_ready` (an ``on_ready`` hook): registers the advertised address and
-      keeps the lease alive in a task of *nursery*. Raises
+    * :meth:`on_ready` (an ``on_ready`` hook): registers the advertised address and the
+      engine's declaration, and keeps the lease alive in a task of *nursery*. Raises
       :class:`~headwater.etcd.EtcdUnavailable` if the first registration does not
       succeed within *register_timeout* seconds (a worker no frontend can find is
       useless, so that is fatal).
@@ -316,10 +317,11 @@ class RegistrationHooks:
         self.registration: EtcdRegistration | None = None
         self._nursery = nursery
 
-    async def on_ready(self, address: str) -> None:
+    async def on_ready(self, address: str, capabilities: Capabilities | None = None) -> None:
         instance = WorkerInstance(
-            self.worker_id, Role(self.role), self.model, address, capacity=self.capacity
-        )
+            self.worker_id, Role(self.role), self.model, address, capacity=self.capacity,
+            capabilities=capabilities,
+        )  # fmt: skip
         registration = EtcdRegistration(
             self.endpoints, instance, ttl=self.ttl, secret=self.secret,
             credentials=self.credentials,

@@ -15,6 +15,8 @@ block lasts::
 
 Per request, in order: ``Ack`` (sent before any engine work, so a busy engine
 never looks dead to the frontend), ``Chunk``\\* and exactly one ``End`` or ``Error``.
+A request asking for a feature its engine does not declare
+(:mod:`headwater.wire.capabilities`) gets only the ``Error`` (``invalid_request``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvSource
 from headwater.tracing import NULL_SPAN, SpanKind, TraceContext, trace_context, tracer
 from headwater.wire import Ack, Chunk, End, Error, ErrorCode, GenerateRequest, Reply, WorkerLoad
+from headwater.wire.capabilities import refusal
 from headwater.wire.kv_events import KvEventBatch
 from workers.engines.base import Engine, EngineError, EngineStats
 
@@ -115,6 +118,13 @@ class WorkerRuntime:
                 else (ErrorCode.INVALID_REQUEST, "duplicate request id")
             )
             self._nursery.start_soon(_refuse, replies, request, code, why)
+            return
+        if (unsupported := refusal(self.engine.capabilities, request.sampling)) is not None:
+            # The frontend refuses these before dispatch; one that reached us anyway (an
+            # older frontend, a client of the plane) is refused, never served without.
+            self._nursery.start_soon(
+                _refuse, replies, request, ErrorCode.INVALID_REQUEST, unsupported
+            )
             return
         scope = trio.CancelScope()
         self._scopes[request.request_id] = scope

@@ -17,18 +17,25 @@ from __future__ import annotations
 from array import array
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
-from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
+from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role, TokenLogprobs
+from headwater.wire.capabilities import LOGPROBS, PROMPT_LOGPROBS, SEED, Capabilities
 from headwater.wire.kv_events import KvEventLog
 from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import KvCache, KvCacheStats
-from workers.engines.mocker.sampling import output_length, seed_key
+from workers.engines.mocker.sampling import (
+    output_length,
+    prompt_key,
+    prompt_logprobs,
+    seed_key,
+)
 from workers.engines.mocker.scheduler import MockerCounters, Scheduler, Sequence
 from workers.engines.mocker.transfers import HeldTransfers
 from workers.engines.stages import stage_spans
@@ -36,6 +43,12 @@ from workers.engines.stages import stage_spans
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
 MIN_SLEEP = 0.5e-3
+#: Prompts shorter than this get their logprobs computed on the loop, longer ones in a
+#: thread (tokens).
+PROMPT_LOGPROBS_INLINE = 2048
+#: What the simulated engine honours beyond the baseline (temperature 0 is greedy: see
+#: :mod:`.sampling`).
+CAPABILITIES = Capabilities("mocker", frozenset({SEED, LOGPROBS, PROMPT_LOGPROBS}))
 
 
 @dataclass(eq=False, slots=True)
@@ -86,6 +99,14 @@ class MockerEngine(Engine):
 
     # ---- Engine API -------------------------------------------------------------
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Seeds and logprobs (:data:`CAPABILITIES`): its simulated distribution is drawn
+        from at temperature 1 (0: its most likely token), and top-k, min-p, penalties,
+        biases and constrained decoding are refused, not simulated (docs/api.md,
+        "Fields")."""
+        return CAPABILITIES
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the scheduler until cancelled. May be called once.
 
@@ -106,7 +127,8 @@ class MockerEngine(Engine):
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         """Serve *request*; see :meth:`Engine.generate`.
 
-        Yields one chunk per output token (``cached_tokens`` on each), the last with
+        Yields one chunk per output token (``cached_tokens`` on each, its logprobs and
+        the first one the prompt's when asked: :mod:`.sampling`), the last with
         ``finish_reason``; a prefill engine yields a single token-less chunk carrying
         the :class:`KvHandle`. Raises EngineError: ``invalid_request`` (empty prompt,
         prompt larger than the cache, ``max_tokens < 1``, bad ``min_tokens`` or
@@ -118,6 +140,7 @@ class MockerEngine(Engine):
         finished = failed = False
         spans = stage_spans()  # None unless this request is traced
         try:
+            prompt = await self._prompt_logprobs(request)
             if request.kv_handle is not None:
                 if spans:
                     spans.stage("engine.kv_pull", {"headwater.kv.tokens":
@@ -143,7 +166,11 @@ class MockerEngine(Engine):
                         [token],
                         finish_reason=seq.finish if last else None,
                         cached_tokens=seq.cached_tokens or 0,
-                    )
+                        logprobs=None if seq.logprobs is None
+                        else (seq.pending_logprobs.popleft(),),
+                        prompt_logprobs=prompt,
+                    )  # fmt: skip
+                    prompt = None  # on the first chunk only
                     if last:
                         return
                 elif seq.error is not None:
@@ -175,6 +202,22 @@ class MockerEngine(Engine):
                 else:
                     self.counters.requests_cancelled += 1
             self._discard(seq, delivered=finished)
+
+    async def _prompt_logprobs(self, request: GenerateRequest) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt's logprobs, when the request asked and this engine generates. A
+        long prompt's are computed in a thread: ~10 µs a token, which in-process would
+        be the frontend's loop's."""
+        top = request.sampling.prompt_logprobs
+        if top is None or self.role is Role.PREFILL:
+            return None
+        cfg = self.config
+        span = cfg.output_token_high - cfg.output_token_low
+        work = partial(
+            prompt_logprobs, copy_tokens(request.token_ids), top, cfg.output_token_low, span
+        )
+        if len(request.token_ids) < PROMPT_LOGPROBS_INLINE:
+            return work()
+        return await trio.to_thread.run_sync(work)
 
     async def release_transfer(self, transfer_id: str) -> int:
         """Free the KV held under *transfer_id*; return its payload size in bytes
@@ -245,7 +288,8 @@ class MockerEngine(Engine):
                 tokens = copy_tokens(prompt)  # a memcpy for a token array
             except ValueError as exc:
                 raise EngineError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
-        key = seed_key(sampling.seed, request.request_id)
+        greedy = sampling.temperature == 0
+        key = seed_key(sampling.seed, request.request_id, greedy=greedy)
         stop_ids = set(sampling.stop_token_ids)
         eos_token = eos_index = None
         if not sampling.ignore_eos:
@@ -253,7 +297,8 @@ class MockerEngine(Engine):
             mean = cfg.mean_output_tokens
             if mean and request.eos_token_ids:
                 eos_token = request.eos_token_ids[0]
-                length = output_length(key, mean, cfg.output_length_sigma)
+                length = output_length(prompt_key(prompt) if greedy else key, mean,
+                                       cfg.output_length_sigma)  # fmt: skip
                 eos_index = max(length - 1, sampling.min_tokens)
         return _Request(
             request_id=request.request_id,
@@ -264,7 +309,9 @@ class MockerEngine(Engine):
             eos_token=eos_token,
             eos_index=eos_index,
             seed_key=key,
+            greedy=greedy,
             prefill_only=self.role is Role.PREFILL,
+            logprobs=None if self.role is Role.PREFILL else sampling.logprobs,
         )
 
     async def _pull(self, handle: KvHandle) -> None:

@@ -39,10 +39,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from headwater.wire import FinishReason, KvHandle
+from headwater.wire import FinishReason, KvHandle, TokenLogprobs
 from workers.engines.mocker.config import MockerConfig
 from workers.engines.mocker.kv_cache import BlockTable, KvCache
-from workers.engines.mocker.sampling import token_at
+from workers.engines.mocker.sampling import logprobs_at, token_at, top_token_at
 from workers.engines.mocker.timing import step_seconds
 from workers.engines.mocker.transfers import HeldTransfers
 
@@ -77,7 +77,8 @@ class Sequence:
 
     The caller fills in the request's part (the fields up to ``block_hashes``) and
     hands it to :meth:`Scheduler.add`; the scheduler writes the rest. Output tokens
-    are appended to ``tokens`` and to ``pending``, which the consumer drains.
+    are appended to ``tokens`` and to ``pending``, which the consumer drains (and
+    their logprobs to ``pending_logprobs`` when the request asked for ``logprobs``).
     """
 
     request_id: str
@@ -88,7 +89,9 @@ class Sequence:
     eos_token: int | None = None
     eos_index: int | None = None  # output index at which eos_token is emitted
     seed_key: int = 0  # sampling.seed_key()
+    greedy: bool = False  # temperature 0: the most likely token, not a draw
     prefill_only: bool = False  # hold the KV once the prompt is computed; sample nothing
+    logprobs: int | None = None  # top logprobs to report per output token; None: none
     transferred: int = 0  # leading tokens whose KV arrived by transfer
     # Prefix-cache hashes of leading full prompt blocks, computed by the prefill worker.
     block_hashes: tuple[int, ...] = ()
@@ -99,6 +102,7 @@ class Sequence:
     cached_tokens: int | None = None  # set at first admission
     num_output: int = 0
     pending: deque[int] = field(default_factory=deque)
+    pending_logprobs: deque[TokenLogprobs] = field(default_factory=deque)
     finish: FinishReason | None = None
     handle: KvHandle | None = None  # a prefill-only sequence's held KV, once computed
 
@@ -242,10 +246,18 @@ class Scheduler(Generic[S]):
                 continue
             # Sample, inline: this runs for every decoding sequence every step.
             index = seq.num_output
-            if index == seq.eos_index and seq.eos_token is not None:
-                token = seq.eos_token
+            eos = seq.eos_token if index == seq.eos_index else None
+            if eos is not None:
+                token = eos
+            elif seq.greedy:
+                token = top_token_at(seq.seed_key, len(tokens) + 1, low, span)
             else:
                 token = token_at(seq.seed_key, len(tokens) + 1, low, span)
+            if seq.logprobs is not None:
+                seq.pending_logprobs.append(logprobs_at(
+                    seq.seed_key, len(tokens) + 1, token, low, span, seq.logprobs,
+                    first=eos,
+                ))  # fmt: skip
             tokens.append(token)
             seq.pending.append(token)
             seq.num_output = index + 1

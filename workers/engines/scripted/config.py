@@ -41,6 +41,10 @@ class ScriptedConfig:
     tokenizer: str = field(
         default="", metadata={"help": "the model's tokenizer.json or its directory"}
     )
+    #: Load the script and read long prompts in threads, off the loop. False does both on
+    #: the loop: what trio's virtual clock needs (a MockClock cannot see a thread's work
+    #: and would jump past it); :mod:`headwater.testing` sets it under one.
+    threads: bool = True
 
     def __post_init__(self) -> None:
         if not self.tokenizer:  # serve's --tokenizer is None when not given

@@ -5,13 +5,15 @@ script and the model's tokenizer in a thread, and encodes every answer once, bef
 reports ready. Per request (:meth:`~ScriptedEngine.generate`) it reads the prompt's
 ids as text (special tokens kept, so a rule may match on the chat template's markers),
 finds the rule that answers (:meth:`.Script.match`) and streams that answer's tokens
-(:func:`.answer_tokens`), one chunk every ``token_delay`` seconds on trio's clock, so a
-test's MockClock makes the stream exact.
+(:func:`.answer_tokens`; after the tokens a migrated request's prompt ends with, as a
+model goes on from there), one chunk every ``token_delay`` seconds on trio's clock, so
+a test's MockClock makes the stream exact.
 
 Reading a prompt as text costs about 0.4 us per token. Prompts up to
 :data:`INLINE_MAX_TOKENS` are read on the loop, where the thread hop would cost more;
 longer ones (an agent's 40k-token session: ~20 ms) in a thread, with a decode call that
-releases the GIL (HF ``decode_batch``; ``decode`` holds it), so the loop stays free.
+releases the GIL (HF ``decode_batch``; ``decode`` holds it), so the loop stays free;
+with ``threads=False`` (virtual-time tests) everything is read on the loop.
 
 No KV: a prefill engine answers with a handle to nothing (and loads neither script nor
 tokenizer), and a decode engine ignores the handle it is given and reads the whole
@@ -30,9 +32,10 @@ import tokenizers
 import trio
 
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role
+from headwater.wire.capabilities import SEED, Capabilities
 from headwater.wire.tokens import token_array
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
-from workers.engines.scripted.answer import answer_tokens
+from workers.engines.scripted.answer import answer_tokens, continued
 from workers.engines.scripted.config import ScriptedConfig
 from workers.engines.scripted.script import Rule, Script, ScriptError, load_script
 from workers.engines.scripted.tokenizer import TokenizerLoadError, load_tokenizer
@@ -42,6 +45,8 @@ from workers.engines.scripted.tokenizer import TokenizerLoadError, load_tokenize
 INLINE_MAX_TOKENS = 256
 #: Threads reading long prompts at once, per engine.
 DECODE_THREADS = 2
+#: What the scripted engine honours beyond the baseline.
+CAPABILITIES = Capabilities("scripted", frozenset({SEED}))
 
 
 @dataclass(slots=True)
@@ -98,6 +103,13 @@ class ScriptedEngine(Engine):
 
     # ---- Engine API -------------------------------------------------------------
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Seeds (trivially: the answer is the script's, the same for every seed) and
+        nothing else: no distribution to reshape, no answer to constrain (docs/api.md,
+        "Fields")."""
+        return CAPABILITIES
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the script and the tokenizer (in a thread; a prefill engine needs
         neither), report ready, then wait until cancelled. May be called once. Raises
@@ -110,7 +122,10 @@ class ScriptedEngine(Engine):
         self._started = True
         if self.role is not Role.PREFILL:  # a prefill answers nothing: it needs neither
             try:
-                self._loaded = await trio.to_thread.run_sync(self._load)
+                if self.config.threads:
+                    self._loaded = await trio.to_thread.run_sync(self._load)
+                else:
+                    self._loaded = self._load()
             except (ScriptError, TokenizerLoadError) as exc:
                 raise EngineFailed(str(exc)) from exc
         self._running = True
@@ -144,7 +159,10 @@ class ScriptedEngine(Engine):
             try:
                 delay = self.config.token_delay
                 start = trio.current_time()
-                tokens = answer_tokens(answer, request.sampling, request.eos_token_ids)
+                eos = request.eos_token_ids
+                # A migrated request's prompt ends with the answer's first tokens: go on.
+                said = continued(request.token_ids, answer, len(answer) - (not eos))
+                tokens = answer_tokens(answer, request.sampling, eos, said)
                 for n, (token, finish) in enumerate(tokens, start=1):
                     if delay:
                         await trio.sleep_until(start + n * delay)
@@ -208,7 +226,7 @@ class ScriptedEngine(Engine):
         """The token ids of the answer to *prompt*. Raises EngineError (no rule)."""
         self._reading += 1
         try:
-            if len(prompt) <= INLINE_MAX_TOKENS:
+            if len(prompt) <= INLINE_MAX_TOKENS or not self.config.threads:
                 rule = _match(loaded, prompt)
             else:
                 rule = await trio.to_thread.run_sync(

@@ -9,8 +9,10 @@ worker's own trio loop, and a poller of vLLM's ``/metrics`` whose last answer
 Per request (:meth:`VllmEngine.generate`), by role:
 
 * ``agg``, or ``decode`` without a handle: one streamed ``POST /inference/v1/generate``,
-  a :class:`~headwater.wire.Chunk` per token event, the finish reason and the cached
-  prompt tokens (from the usage event that follows it) on the last.
+  a :class:`~headwater.wire.Chunk` per token event (with its logprobs when asked), the
+  finish reason and the cached prompt tokens (from the usage event that follows it) on
+  the last. Prompt logprobs, which vLLM's stream does not carry, come from a unary
+  request of one token before it, on the first chunk.
 * ``prefill``: one unary request with ``max_tokens`` 1 and ``kv_transfer_params:
   {"do_remote_decode": true}``; vLLM's answer (its ``kv_transfer_params``) becomes the
   :class:`~headwater.wire.KvHandle`'s opaque ``params``, with the first token in the
@@ -38,13 +40,37 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
+import orjson
 import trio
 
 from headwater.tracing import current_trace
-from headwater.wire import Chunk, ErrorCode, FinishReason, GenerateRequest, KvHandle, Role
+from headwater.wire import (
+    Chunk,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    KvHandle,
+    Role,
+    StructuredKind,
+    StructuredOutput,
+    TokenLogprobs,
+)
+from headwater.wire.capabilities import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    LOGPROBS,
+    MIN_P,
+    PRESENCE_PENALTY,
+    PROMPT_LOGPROBS,
+    REPETITION_PENALTY,
+    SEED,
+    STRUCTURED_OUTPUTS,
+    TOP_K,
+    Capabilities,
+)
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
 from workers.engines.vllm import protocol
 from workers.engines.vllm.config import NO_VOCABULARY, VllmConfig
@@ -129,6 +155,10 @@ class VllmEngine(Engine):
         #: Set from vLLM's /v1/models once it is up (prompt + completion tokens).
         self.max_model_len = config.max_model_len
         self.served_model = ""
+        features = set(SAMPLING_FEATURES)
+        if config.tokenizer_path() is not None:
+            features.add(STRUCTURED_OUTPUTS)
+        self._capabilities = Capabilities("vllm", frozenset(features))
         self.counters = VllmCounters()
         self.server = VllmServer(config, self.role, worker_id, otlp_endpoint=otlp_endpoint)
         self.metrics = VllmMetrics()
@@ -141,6 +171,15 @@ class VllmEngine(Engine):
         self._started = False
 
     # ---- Engine API -------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Every sampling feature maps to vLLM's own (:func:`.protocol.sampling_params`);
+        structured outputs only when the model directory holds a tokenizer, which vLLM
+        builds their grammars over: a started server then loads it, and an attached one
+        is taken to have been started with it (if not, its own refusal reaches the
+        client as a 400)."""
+        return self._capabilities
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start (or attach to) vLLM, report readiness once it is healthy, then keep it
@@ -233,6 +272,10 @@ class VllmEngine(Engine):
             problem = f"prompt token ids must be in [0, {self.vocab_size})"
         elif any(not 0 <= t < self.vocab_size for t in s.stop_token_ids):
             problem = f"stop token ids must be in [0, {self.vocab_size})"
+        elif any(not 0 <= t < self.vocab_size for t, _ in s.logit_bias):
+            problem = f"logit_bias token ids must be in [0, {self.vocab_size})"
+        elif s.structured is not None and not _readable(s.structured):
+            problem = f"structured output spec is not valid {s.structured.kind.value}"
         elif len(ids) >= self.max_model_len:
             problem = (
                 f"prompt of {len(ids)} tokens leaves no room in vLLM's context of "
@@ -279,15 +322,19 @@ class VllmEngine(Engine):
                 f"{self.worker_id}: the KV handle from {handle.worker_id} carries no vLLM "
                 "kv_transfer_params (a prefill worker of another engine?)",
             )
+        prompt = await self._prompt_logprobs(request)
         body = protocol.generate_body(
             request, stream=True, kv_transfer_params=handle.params if handle else None
         )
         rid = request.request_id
+        top = request.sampling.logprobs
         held: Chunk | None = None  # the last token's chunk, until the usage event
         cached = 0
         first_deadline = self.config.kv_pull_timeout if kv else None
         with self._vllm_errors(kv=kv):
-            async with self._open_stream(body, first_deadline) as events, aclosing(events):
+            async with (
+                self._open_stream(body, first_deadline, top) as events, aclosing(events)
+            ):  # fmt: skip
                 async for event in events:
                     if event.cached_tokens is not None:
                         cached = event.cached_tokens
@@ -295,20 +342,41 @@ class VllmEngine(Engine):
                         break
                     if event.finish is not None:
                         held = Chunk(rid, list(event.token_ids),
-                                     finish_reason=_finish(event.finish, self._up))  # fmt: skip
+                                     finish_reason=_finish(event.finish, self._up),
+                                     logprobs=event.logprobs, prompt_logprobs=prompt)  # fmt: skip
                     elif event.token_ids:
-                        yield Chunk(rid, list(event.token_ids))
+                        yield Chunk(rid, list(event.token_ids), logprobs=event.logprobs,
+                                    prompt_logprobs=prompt)  # fmt: skip
+                        prompt = None  # on the first chunk only
         if held is None:
             raise EngineError(
                 ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM's stream ended early"
             )
-        yield Chunk(rid, held.token_ids, finish_reason=held.finish_reason, cached_tokens=cached)
+        yield replace(held, cached_tokens=cached)
+
+    async def _prompt_logprobs(self, request: GenerateRequest) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt's logprobs, when the request asked: vLLM's stream does not carry
+        them, so a unary request of one token asks for them first (vLLM computes the
+        prompt once more for it: it does not read its prefix cache for prompt
+        logprobs)."""
+        top = request.sampling.prompt_logprobs
+        if top is None:
+            return None
+        body = protocol.generate_body(
+            request, stream=False, max_tokens=1, prompt_logprobs=True,
+            request_id=request.request_id + ".prompt",
+        )  # fmt: skip
+        with self._vllm_errors(kv=False):
+            response = await self._post(body)
+            answer = protocol.parse_answer(response, prompt_logprobs=top)
+        return answer.prompt_logprobs
 
     def _open_stream(
-        self, body: bytes, first_deadline: float | None
+        self, body: bytes, first_deadline: float | None, logprobs: int | None
     ) -> _EventStream:
         assert self._http is not None
-        return _EventStream(self, self._http, self.server.url + GENERATE_PATH, body, first_deadline)
+        url = self.server.url + GENERATE_PATH
+        return _EventStream(self, self._http, url, body, first_deadline, logprobs)
 
     async def _post(self, body: bytes) -> bytes:
         assert self._http is not None
@@ -469,12 +537,14 @@ class _EventStream:
         url: str,
         body: bytes,
         first_deadline: float | None,
+        logprobs: int | None = None,
     ) -> None:
         self._engine = engine
         self._http = http
         self._url = url
         self._body = body
         self._first_deadline = first_deadline
+        self._logprobs = logprobs  # top logprobs asked per token, to read them
         self._response: httpx.Response | None = None
 
     async def __aenter__(self) -> AsyncGenerator[StreamEvent, None]:
@@ -510,7 +580,7 @@ class _EventStream:
                 raise self._gone(first=first)
             if line is None:
                 return
-            event = protocol.parse_sse_line(line)
+            event = protocol.parse_sse_line(line, logprobs=self._logprobs)
             if event is None:
                 continue
             if event.token_ids:
@@ -531,6 +601,23 @@ class _EventStream:
 
 
 _JSON = {"Content-Type": "application/json"}
+
+#: The sampling features every vLLM honours (structured outputs need its tokenizer).
+SAMPLING_FEATURES = (
+    SEED, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY, LOGIT_BIAS,
+    LOGPROBS, PROMPT_LOGPROBS,
+)
+
+
+def _readable(structured: StructuredOutput) -> bool:
+    """A choice's spec is a JSON list of strings (vLLM reads the others itself)."""
+    if structured.kind is not StructuredKind.CHOICE:
+        return True
+    try:
+        choices = orjson.loads(structured.spec)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(choices, list) and all(isinstance(c, str) for c in choices)
 
 
 def _headers() -> dict[str, str]:

@@ -29,7 +29,13 @@ from typing import Any
 
 import orjson
 
-from headwater.wire import FinishReason, GenerateRequest
+from headwater.wire import (
+    FinishReason,
+    GenerateRequest,
+    StructuredKind,
+    StructuredOutput,
+    TokenLogprobs,
+)
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -54,14 +60,25 @@ class VllmRequestError(Exception):
         self.message = message
 
 
-def sampling_params(request: GenerateRequest, *, max_tokens: int | None = None) -> dict[str, Any]:
+def sampling_params(
+    request: GenerateRequest, *, max_tokens: int | None = None, prompt_logprobs: bool = False
+) -> dict[str, Any]:
     """vLLM's ``sampling_params`` for *request*.
 
-    Exact: temperature, top_p, seed, max_tokens, min_tokens, ignore_eos and the stop
-    ids pass as they are. The request's EOS ids join the stop ids unless
+    Exact: temperature, top_p, seed, max_tokens, min_tokens, ignore_eos, the stop
+    ids and ``logprobs`` pass as they are; ``prompt_logprobs`` only when asked
+    (*prompt_logprobs*: vLLM's stream drops them, so the engine asks for them in a
+    request of their own). The request's EOS ids join the stop ids unless
     ``ignore_eos`` (vLLM also stops on its own model's EOS then, from
     generation_config.json; the frontend's come from its tokenizer, and both must
     stop). Stop *strings* never reach vLLM: the frontend matches them on text.
+
+    The declared features map one to one, each only when it asks for something (vLLM's
+    defaults are the same neutral values): ``top_k``, ``min_p``, the three penalties,
+    ``logit_bias`` (token id → bias), and the structured output as vLLM's
+    ``structured_outputs`` (``{"json": schema}``, ``{"json_object": true}``,
+    ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}`` or
+    ``{"structural_tag": ...}``).
     """
     s = request.sampling
     stop = list(s.stop_token_ids)
@@ -78,7 +95,35 @@ def sampling_params(request: GenerateRequest, *, max_tokens: int | None = None) 
     }
     if s.seed is not None:
         params["seed"] = s.seed
+    if s.logprobs is not None:
+        params["logprobs"] = s.logprobs
+    if prompt_logprobs and s.prompt_logprobs is not None:
+        params["prompt_logprobs"] = s.prompt_logprobs
+    if s.top_k:
+        params["top_k"] = s.top_k
+    if s.min_p:
+        params["min_p"] = s.min_p
+    if s.presence_penalty:
+        params["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        params["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        params["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+    if s.structured is not None:
+        params["structured_outputs"] = structured_outputs(s.structured)
     return params
+
+
+def structured_outputs(structured: StructuredOutput) -> dict[str, Any]:
+    """vLLM's ``StructuredOutputsParams`` for *structured*: one constraint, by its name."""
+    kind = structured.kind
+    if kind is StructuredKind.JSON_OBJECT:
+        return {"json_object": True}
+    if kind is StructuredKind.CHOICE:
+        return {"choice": orjson.loads(structured.spec)}
+    return {kind.value: structured.spec}
 
 
 def generate_body(
@@ -87,13 +132,17 @@ def generate_body(
     stream: bool,
     max_tokens: int | None = None,
     kv_transfer_params: Mapping[str, Any] | None = None,
+    prompt_logprobs: bool = False,
+    request_id: str | None = None,
 ) -> bytes:
-    """The JSON body of ``POST /inference/v1/generate`` for *request*."""
+    """The JSON body of ``POST /inference/v1/generate`` for *request* (under
+    *request_id* if given)."""
     ids = request.token_ids
+    params = sampling_params(request, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
     body: dict[str, Any] = {
-        "request_id": request.request_id,
+        "request_id": request_id or request.request_id,
         "token_ids": ids.tolist() if isinstance(ids, array) else list(ids),
-        "sampling_params": sampling_params(request, max_tokens=max_tokens),
+        "sampling_params": params,
         "stream": stream,
     }
     if stream:
@@ -109,7 +158,9 @@ class StreamEvent:
 
     ``finish`` is vLLM's finish reason, as it says it ("stop", "length", "abort",
     ...), on the last token's event; ``cached_tokens`` comes with the usage event
-    (None elsewhere); ``done`` marks ``[DONE]``.
+    (None elsewhere); ``done`` marks ``[DONE]``. ``logprobs`` (one per token) and
+    ``prompt_logprobs`` (the prompt's from its second token on; a unary answer's) when
+    the request asked and the reader was told how many top tokens it asked for.
     """
 
     token_ids: Sequence[int] = ()
@@ -117,25 +168,31 @@ class StreamEvent:
     cached_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     done: bool = False
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 DONE = StreamEvent(done=True)
 
 
-def parse_sse_line(line: str) -> StreamEvent | None:
+def parse_sse_line(line: str, *, logprobs: int | None = None) -> StreamEvent | None:
     """The event in one SSE line of a generate stream; None for lines without one
     (blank separators, comments). Raises VllmRequestError for an error event,
-    ProtocolError for anything unreadable."""
+    ProtocolError for anything unreadable. *logprobs*: as :func:`parse_answer`."""
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
     if data == "[DONE]":
         return DONE
-    return parse_answer(data)
+    return parse_answer(data, logprobs=logprobs)
 
 
-def parse_answer(data: str | bytes) -> StreamEvent:
-    """One JSON answer (a stream event, or a whole unary response) as an event.
+def parse_answer(
+    data: str | bytes, *, logprobs: int | None = None, prompt_logprobs: int | None = None
+) -> StreamEvent:
+    """One JSON answer (a stream event, or a whole unary response) as an event; its
+    logprobs read when the request asked for *logprobs* (and *prompt_logprobs*) top
+    tokens.
 
     Raises VllmRequestError for ``{"error": ...}``, ProtocolError otherwise.
     """
@@ -149,11 +206,16 @@ def parse_answer(data: str | bytes) -> StreamEvent:
         raise VllmRequestError(0, error_message(obj))
     tokens: list[int] = []
     finish = None
+    token_logprobs = prompt = None
     choices = obj.get("choices")
     if choices:
         choice = choices[0]
         tokens = choice.get("token_ids") or []
         finish = choice.get("finish_reason")
+        if logprobs is not None:
+            token_logprobs = _token_logprobs(choice.get("logprobs"), tokens, logprobs)
+    if prompt_logprobs is not None:
+        prompt = _prompt_logprobs(obj.get("prompt_logprobs"), prompt_logprobs)
     cached = None
     usage = obj.get("usage")
     if isinstance(usage, dict):
@@ -162,8 +224,61 @@ def parse_answer(data: str | bytes) -> StreamEvent:
             cached = details["cached_tokens"]
     params = obj.get("kv_transfer_params")
     return StreamEvent(
-        tokens, finish, cached, params if isinstance(params, dict) else None
-    )
+        tokens, finish, cached, params if isinstance(params, dict) else None,
+        logprobs=token_logprobs, prompt_logprobs=prompt,
+    )  # fmt: skip
+
+
+def _top(candidates: list[tuple[int, float, int | None]], top: int) -> tuple[
+    tuple[int, ...], tuple[float, ...]
+]:  # fmt: skip
+    """The *top* most likely of (id, logprob, rank) candidates, most likely first.
+
+    vLLM lists the token at the position first, then the top ones (its dict order),
+    so a token ranked below *top* is left out by its rank, and the top list is then
+    one short (vLLM cut it to *top* entries with that token in): the rare case
+    OpenAI documents as "fewer than asked"."""
+    ranked = sorted((c for c in candidates if c[2] is not None and c[2] <= top),
+                    key=lambda c: c[2] or 0)  # fmt: skip
+    return tuple(c[0] for c in ranked), tuple(c[1] for c in ranked)
+
+
+def _token_logprobs(raw: Any, tokens: Sequence[int], top: int) -> tuple[TokenLogprobs, ...]:
+    """A choice's ``logprobs`` (``{"content": [{token_id, logprob, rank,
+    top_logprobs}]}``, one entry per token) as the plane's entries."""
+    content = raw.get("content") if isinstance(raw, dict) else None
+    if not isinstance(content, list) or len(content) != len(tokens):
+        raise ProtocolError(f"logprobs asked, but the answer's are {str(raw)[:200]!r}")
+    try:
+        entries = []
+        for entry in content:
+            candidates = [(int(c["token_id"]), float(c["logprob"]), c.get("rank"))
+                          for c in entry.get("top_logprobs") or ()]  # fmt: skip
+            ids, logprobs = _top(candidates, top)
+            entries.append(TokenLogprobs(float(entry["logprob"]), int(entry.get("rank") or 0),
+                                         ids, logprobs))  # fmt: skip
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"unreadable logprobs: {exc!r}") from exc
+    return tuple(entries)
+
+
+def _prompt_logprobs(raw: Any, top: int) -> tuple[TokenLogprobs, ...]:
+    """A unary answer's ``prompt_logprobs`` (``[null, {"<id>": {logprob, rank}}, ...]``:
+    each position's own token and the top ones, keyed by id) as the plane's entries,
+    from the second position on. The position's own token is the first key (vLLM's
+    order)."""
+    if not isinstance(raw, list) or not raw or raw[0] is not None:
+        raise ProtocolError(f"prompt logprobs asked, but the answer's are {str(raw)[:200]!r}")
+    try:
+        entries = []
+        for position in raw[1:]:
+            candidates = [(int(k), float(v["logprob"]), v.get("rank")) for k, v in position.items()]
+            own = candidates[0]
+            ids, logprobs = _top(candidates, top)
+            entries.append(TokenLogprobs(own[1], int(own[2] or 0), ids, logprobs))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise ProtocolError(f"unreadable prompt logprobs: {exc!r}") from exc
+    return tuple(entries)
 
 
 def error_message(obj: Any) -> str:

@@ -77,10 +77,14 @@ def serve_argv(
         "--max-model-len", str(config.max_model_len),
         # Token ids in and out: the frontend tokenizes. Without --enable-scale-out (or
         # --tokens-only) /inference/v1/generate answers 403.
-        "--skip-tokenizer-init", "--enable-scale-out",
+        "--enable-scale-out",
         # Cached prompt tokens in the usage of each answer.
         "--enable-prompt-tokens-details",
     ]  # fmt: skip
+    if config.tokenizer_path() is None:
+        # No tokenizer to load: ids only, and no structured outputs (their grammars are
+        # built over the tokenizer's vocabulary; the engine declares them only with one).
+        argv.append("--skip-tokenizer-init")
     if config.enforce_eager:
         argv.append("--enforce-eager")
     if otlp_endpoint:
