@@ -977,6 +977,22 @@ async def test_answers_end_with_eos_at_a_length_drawn_from_their_seed(
     assert len(tokens_of(no_eos)) == 100
 
 
+async def test_a_greedy_answers_length_comes_from_its_prompt(autojump_clock: object) -> None:
+    # Every greedy request shares one stream key; its length is its prompt's, as a
+    # model's answer at temperature 0 is, not one length for all.
+    engine = agg(mean_output_tokens=20, output_length_sigma=0.5)
+
+    async def length(rid: str, start: int, seed: int) -> int:
+        req = request(rid, prompt(8, start), 1000, eos=(EOS,), seed=seed, temperature=0.0)
+        return len(tokens_of(await collect(engine, req)))
+
+    async with running(engine):
+        same = {await length(f"s{seed}", 1000, seed) for seed in range(4)}
+        others = {await length(f"p{start}", start, 0) for start in range(2000, 2080, 8)}
+    assert len(same) == 1  # the seed does not matter at temperature 0
+    assert len(others) > 3  # the prompt does
+
+
 async def test_mean_output_tokens_0_runs_every_answer_to_max_tokens(
     autojump_clock: object,
 ) -> None:
