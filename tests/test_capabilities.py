@@ -157,6 +157,7 @@ def test_a_record_carries_the_declaration_under_its_signature() -> None:
     assert InstanceRecord.from_json(older.to_json()).capabilities is None
 
 
+@pytest.mark.slow
 async def test_etcd_registration_publishes_the_engines_declaration(
     etcd_url: str, etcd_prefix: str
 ) -> None:

@@ -184,6 +184,7 @@ def test_the_entry_point_alone_brings_the_fixtures(
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_the_plugin_loads_nothing_until_a_fixture_is_used() -> None:
     # Autoloaded in every project that installs headwater: its import must stay light,
     # and the SDKs optional even for headwater.testing.
