@@ -131,6 +131,7 @@ def _assert_429(r: httpx.Response, limit: int) -> None:
     }}  # fmt: skip
 
 
+@pytest.mark.slow
 async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() -> None:
     async with serve_frontend(max_inflight=2, speedup_ratio=1.0) as (fe, url), \
             httpx.AsyncClient(base_url=url, timeout=30) as c:
@@ -195,6 +196,7 @@ async def test_max_inflight_zero_is_no_limit() -> None:
         assert _rejected(fe, "max_inflight") == 0
 
 
+@pytest.mark.slow
 async def test_ten_times_overload_answers_every_request_cleanly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -27,6 +27,7 @@ def drawn(seed: int) -> int:
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.slow
 async def test_a_request_without_max_tokens_stops_at_its_drawn_length(path: str) -> None:
     async with serve_frontend(engine_config=DEFAULT) as (fe, url), httpx.AsyncClient(
         base_url=url, timeout=30

@@ -40,6 +40,7 @@ def chat(content: str, *, thinking: bool = True, **extra: Any) -> dict[str, Any]
             "chat_template_kwargs": {"thinking": thinking}, "tools": TOOLS, **extra}  # fmt: skip
 
 
+@pytest.mark.slow
 async def test_a_unary_answer_has_reasoning_content_and_tool_calls(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

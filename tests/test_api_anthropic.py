@@ -330,6 +330,7 @@ async def test_stop_sequences_and_max_tokens_are_the_stop_reasons(
 # -- errors ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_errors_are_the_sdks_typed_exceptions(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -395,6 +396,7 @@ async def test_errors_are_the_sdks_typed_exceptions(
             await c.messages.count_tokens(model=MODEL, messages=user("hi"))
 
 
+@pytest.mark.slow
 async def test_a_deadline_is_a_504_timeout_error_or_an_error_event(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

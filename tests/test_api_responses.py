@@ -164,6 +164,7 @@ async def test_a_stream_is_the_responses_event_sequence(
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
 
 
+@pytest.mark.slow
 async def test_the_sdks_stream_helper_gets_what_a_unary_call_gets(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

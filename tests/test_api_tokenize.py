@@ -81,6 +81,7 @@ async def test_messages_tokenize_to_exactly_what_a_chat_request_sends() -> None:
         assert r.json()["tokens"] == hf_ids(fe.template.render(CHAT))
 
 
+@pytest.mark.slow
 def test_special_tokens_are_the_post_processors_wherever_it_puts_them() -> None:
     """``add_special_tokens`` adds what HF's post-processor adds around a text; for a
     tokenizer that adds a BOS and an EOS, both, at their places."""

@@ -94,6 +94,7 @@ async def wait_for(condition: object, within: float = 3.0) -> None:
             await trio.sleep(0.01)
 
 
+@pytest.mark.slow
 async def test_connections_beyond_the_total_are_closed_at_once(nursery: trio.Nursery) -> None:
     worker = await start_worker(
         nursery, ServerConfig(max_connections=6, max_connections_per_address=0)

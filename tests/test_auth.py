@@ -159,6 +159,7 @@ async def test_a_keys_file_is_followed_and_a_bad_one_keeps_the_keys_in_force(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_a_served_frontend_takes_a_rotated_key_without_a_restart(tmp_path: Path) -> None:
     f = tmp_path / "keys"
     f.write_text("k-1\n")

@@ -710,6 +710,7 @@ def test_the_docs_section_links_every_run_to_a_page_of_its_own() -> None:
     assert "[performance.md](performance.md#results)" in page
 
 
+@pytest.mark.slow
 def test_render_command_publishes_report_and_charts(tmp_path: Path) -> None:
     matrix = [_record(phase="matrix", variant=f"{b}/{m}", label=f"headwater {b}/{m}",
                       req_per_s=5.0 if b == "hf" else 100.0)

@@ -59,6 +59,7 @@ def oracle() -> Callable[[str], int]:
 
 
 @pytest.mark.parametrize(("scenario", "tokens", "count"), [("short", 100, 20), ("long", 4000, 3)])
+@pytest.mark.slow
 def test_prompts_hit_the_token_count(
     scenario: str, tokens: int, count: int, oracle: Callable[[str], int]
 ) -> None:

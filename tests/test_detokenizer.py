@@ -149,6 +149,7 @@ def test_special_tokens_skipped() -> None:
     ),
     sizes=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=4),
 )
+@pytest.mark.slow
 def test_property_streaming_equals_full_decode(text: str, sizes: list[int]) -> None:
     ids = encode(text)
     pieces = stream(ids, sizes)
@@ -226,6 +227,7 @@ def naive_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     stops=st.lists(st.text(alphabet="abEND \n", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=8),
 )
+@pytest.mark.slow
 def test_property_stop_matches_char_by_char_scan(
     text: str, stops: list[str], cuts: list[int]
 ) -> None:

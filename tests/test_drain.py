@@ -74,6 +74,7 @@ def _assert_complete(events: list[str], tokens: int) -> None:
 # -- in-process --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_stop_drains_then_exits(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -124,6 +125,7 @@ async def test_stop_with_nothing_in_flight_is_immediate(nursery: trio.Nursery) -
     assert trio.current_time() - start < 2.0  # not the drain timeout
 
 
+@pytest.mark.slow
 async def test_what_outlasts_the_drain_gets_the_graceful_timeout_then_is_cut(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:

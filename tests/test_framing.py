@@ -209,6 +209,7 @@ def test_handle_without_hashes_keeps_the_old_wire_form() -> None:
     assert (chunk.kv_handle.block_hashes, chunk.kv_handle.block_size) == ((), 0)
 
 
+@pytest.mark.slow
 def test_logprobs_travel_only_when_asked_and_packed() -> None:
     # Not asked: the request and the chunk encode as before logprobs existed.
     plain = msgpack.unpackb(encode(REQUEST)[4:])
@@ -560,6 +561,7 @@ def test_arbitrary_bytes_only_raise_protocol_error(data: bytes, step: int) -> No
     st.binary(min_size=1, max_size=8),
     st.booleans(),
 )
+@pytest.mark.slow
 def test_garbled_and_truncated_frames_only_raise_protocol_error(
     frame: Frame, where: int, junk: bytes, truncate: bool
 ) -> None:

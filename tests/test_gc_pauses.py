@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 
+import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
@@ -67,6 +68,7 @@ def test_the_hook_is_gone_after_the_block_even_when_it_raises() -> None:
     assert pauses(metrics.registry, "2") == (0, 0)
 
 
+@pytest.mark.slow
 async def test_a_monitor_times_collections_while_it_runs_and_not_after() -> None:
     monitor = LoopMonitor(None, P, enabled=False)
     reg = monitor.metrics.registry

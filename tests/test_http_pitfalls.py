@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import trio
 import trio.testing
 from hypercorn.events import Closed, RawData
@@ -52,6 +53,7 @@ async def _read_until(stream: trio.SocketStream, marker: bytes) -> bytes:
     return seen
 
 
+@pytest.mark.slow
 async def test_keep_alive_idle_timeout_closes_the_connection() -> None:
     async with serve_frontend(keep_alive_timeout=0.5) as (_, url):
         stream = await _open(url)
@@ -67,6 +69,7 @@ async def test_keep_alive_idle_timeout_closes_the_connection() -> None:
         await stream.aclose()
 
 
+@pytest.mark.slow
 async def test_each_request_moves_the_idle_deadline() -> None:
     # The idle timer is one deadline per connection: a request lifts it, the end of the
     # response sets it afresh. A connection used more often than keep_alive_timeout
@@ -84,6 +87,7 @@ async def test_each_request_moves_the_idle_deadline() -> None:
         await stream.aclose()
 
 
+@pytest.mark.slow
 async def test_a_request_longer_than_the_idle_timeout_is_not_cut() -> None:
     # While a request runs its connection is not idle: a stream taking several
     # keep_alive_timeouts arrives whole, and the connection serves the next request.

@@ -358,6 +358,7 @@ def _instances(cls: type) -> Iterator[Any]:
     return (o for o in gc.get_objects() if type(o) is cls)
 
 
+@pytest.mark.slow
 async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
     before = _snapshot()
     originals = (TCPServer.__init__, TCPServer.protocol_send, TCPServer._read_data,
@@ -483,6 +484,7 @@ async def test_serve_refuses_half_a_tls_config(fields: dict[str, Any]) -> None:
         await serve(_App(), _config(**fields), shutdown_trigger=trio.sleep_forever)
 
 
+@pytest.mark.slow
 async def test_hypercorns_own_serve_alongside_is_hypercorn_as_it_is() -> None:
     # Two servers in one process: the seam's connection gets the seam's classes, a
     # connection of hypercorn's own serve gets hypercorn's.

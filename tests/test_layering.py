@@ -127,6 +127,7 @@ def violations(root: Path = REPO) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_no_forbidden_imports_in_source() -> None:
     for package in PACKAGES:
         assert (REPO / package / "__init__.py").exists()

@@ -132,6 +132,7 @@ async def _cancelled_on_the_worker(fe: Frontend) -> None:
     assert decode.counters.requests_finished == 0
 
 
+@pytest.mark.slow
 async def test_a_unary_request_past_its_deadline_is_a_504_and_cancelled_on_its_worker(
 ) -> None:
     async with serve_frontend(speedup_ratio=1.0, limits=RequestLimits(request_timeout=0.5)) \
@@ -151,6 +152,7 @@ async def test_a_unary_request_past_its_deadline_is_a_504_and_cancelled_on_its_w
         await eventually(idle(fe))
 
 
+@pytest.mark.slow
 async def test_a_stream_past_its_deadline_ends_with_an_error_event_and_done() -> None:
     async with serve_frontend(speedup_ratio=1.0, limits=RequestLimits(request_timeout=0.5)) \
             as (fe, url), httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -170,6 +172,7 @@ async def test_a_stream_past_its_deadline_ends_with_an_error_event_and_done() ->
         await eventually(idle(fe))
 
 
+@pytest.mark.slow
 async def test_the_deadline_covers_preprocess_on_every_api(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -103,6 +103,7 @@ async def test_a_rest_lasts_its_interval_unless_work_arrives(
 
 
 @pytest.mark.parametrize("instrumented", [False, True], ids=["canary", "canary+watchdog"])
+@pytest.mark.slow
 async def test_the_canary_rests_while_idle_and_ticks_again_with_work(instrumented: bool) -> None:
     activity = Activity(idle_after_s=0, rest_interval_s=0.1)
     async with watching(activity, enabled=instrumented) as monitor:
@@ -187,6 +188,7 @@ async def test_each_http_call_counts_as_work_but_lifespan_does_not() -> None:
     assert activity.inflight == 0
 
 
+@pytest.mark.slow
 async def test_the_frontend_counts_a_stream_until_it_ends_then_rests() -> None:
     async with serve_frontend() as (frontend, url):
         body = {"model": "deepseek-v4", "prompt": "hello", "max_tokens": 4, "stream": True}

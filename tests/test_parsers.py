@@ -87,6 +87,7 @@ def test_the_generated_corpus_parses_as_generated() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(CORPUS), st.lists(st.integers(min_value=0), max_size=40))
+@pytest.mark.slow
 def test_any_split_streams_to_the_unary_answer_with_no_markup(case: Case, cuts: list[int]) -> None:
     unary = run(case, [case.text])
     streamed = run(case, split(case.text, cuts))
@@ -281,6 +282,7 @@ def _counting_bytecodes() -> Iterator[list[int]]:
         sys.settrace(previous)
 
 
+@pytest.mark.slow
 def test_the_parse_cost_per_piece_stays_flat_as_the_answer_grows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -74,6 +74,7 @@ def test_the_real_app_uses_the_memo_and_routes_as_werkzeug_does() -> None:
         assert outcome(url_map, path, method) == outcome(plain, path, method), (path, method)
 
 
+@pytest.mark.slow
 def test_matching_a_generation_route_leaves_no_cycle_for_the_gc(no_automatic_gc: None) -> None:
     url_map = real_map()
     adapter = url_map.bind("localhost")
@@ -85,6 +86,7 @@ def test_matching_a_generation_route_leaves_no_cycle_for_the_gc(no_automatic_gc:
     assert gc.collect() < 10
 
 
+@pytest.mark.slow
 def test_werkzeugs_matcher_does_leave_them(no_automatic_gc: None) -> None:
     """The reason for the memo: if werkzeug stops making cycles, drop frontend/http/routing."""
     url_map = real_map()

@@ -644,6 +644,7 @@ def agents_sdk() -> Any:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+@pytest.mark.slow
 async def test_the_agents_sdk_runs_an_agent_with_a_tool(
     tmp_path: Path, nursery: trio.Nursery, agents_sdk: Any, stream: bool
 ) -> None:

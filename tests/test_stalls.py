@@ -181,6 +181,7 @@ async def test_thread_holding_the_gil_is_a_gil_stall() -> None:
     assert stats.gil_stalls_total >= 1
 
 
+@pytest.mark.slow
 async def test_hf_encode_in_a_thread_is_a_gil_stall(
     tokenizer: tokenizers.Tokenizer, long_prompt: str
 ) -> None:
@@ -261,6 +262,7 @@ async def test_hf_encode_on_the_loop_is_a_loop_stall(
 # -- no false stalls ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_idle_loop_waiting_long_in_epoll_is_not_a_stall() -> None:
     # selfcheck_s > the idle time: the only thing the loop does is one long I/O wait
     async with detecting(threshold_s=0.1, selfcheck_s=10.0) as (detector, _):
@@ -294,6 +296,7 @@ async def test_many_short_tasks_are_not_a_stall() -> None:
     assert records == []  # ...but no single step or batch does
 
 
+@pytest.mark.slow
 async def test_watchdog_on_a_busy_healthy_loop_wakes_once_per_threshold() -> None:
     """Each wake-up takes the GIL from the loop: while no phase nears the threshold, the
     watchdog sleeps a whole threshold, not ``poll_s`` (a stall is still sampled: the
@@ -319,6 +322,7 @@ async def test_watchdog_on_a_busy_healthy_loop_wakes_once_per_threshold() -> Non
     assert 3 <= len(ticks) <= 30
 
 
+@pytest.mark.slow
 async def test_idle_monitor_records_delays_but_no_stall() -> None:
     async with monitoring(threshold_s=0.1) as (monitor, _):
         await trio.sleep(0.5)
@@ -535,6 +539,7 @@ def cpu_work(seconds: float) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+@pytest.mark.slow
 async def test_a_loop_that_waits_for_a_cpu_is_a_contention_stall() -> None:
     # The loop thread and four hashing threads share one CPU for ~1 s. Each loop step
     # needs 5 ms of CPU, a quarter of the threshold: alone it never stalls; sharing the

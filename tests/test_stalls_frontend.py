@@ -66,6 +66,7 @@ def _tokenization_stalls(records: list[dict]) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 async def test_gil_holding_tokenization_is_recorded_as_a_gil_stall() -> None:
     records = await _stall_records_under_long_prompts(
         tokenizer_backend="hf", tokenize_mode="thread-gil"
@@ -80,6 +81,7 @@ async def test_default_tokenization_records_no_stall_under_the_same_load() -> No
     assert all(r["duration_s"] < 0.5 for r in records), records
 
 
+@pytest.mark.slow
 async def test_inline_tokenization_is_recorded_in_the_preprocess_stage() -> None:
     records = await _stall_records_under_long_prompts(
         tokenizer_backend="hf", tokenize_mode="inline"

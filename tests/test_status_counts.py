@@ -10,6 +10,7 @@ themselves.
 from __future__ import annotations
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,6 +43,7 @@ async def raw(url: str, data: bytes) -> bytes:
     return answer
 
 
+@pytest.mark.slow
 async def test_each_status_is_counted_by_code_on_metrics_and_the_dashboard() -> None:
     settings = {"api_keys": ("k",), "max_body_bytes": 4096, "max_header_bytes": 2048,
                 "header_timeout": 0.3, "max_inflight": 1, "speedup_ratio": 1.0}  # fmt: skip

@@ -105,6 +105,7 @@ def xgrammar() -> Any:
 @pytest.mark.parametrize("parser", list(XGRAMMAR_MODELS))
 @pytest.mark.parametrize("forced", [False, True])
 @pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.slow
 def test_the_tags_are_xgrammars_own(xgrammar: Any, parser: str, forced: bool,
                                     parallel: bool) -> None:  # fmt: skip
     for constraint, choice in ((REQUIRED, "required"),

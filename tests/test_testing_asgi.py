@@ -172,6 +172,7 @@ async def read_sse(server: HeadwaterServer, client: Any, leave_after: int | None
 
 
 @pytest.mark.parametrize("library", ["httpx", "httpx2"])
+@pytest.mark.slow
 async def test_the_servers_stream_comes_token_by_token(
     autojump_clock: trio.testing.MockClock, library: str
 ) -> None:

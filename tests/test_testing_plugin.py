@@ -116,6 +116,7 @@ def outcomes(result: pytest.RunResult) -> list[str]:
                   if line.startswith(("PASSED ", "FAILED ", "ERROR ", "SKIPPED ")))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_users_test_file_passes_and_runs_the_same_twice(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,6 +131,7 @@ def test_a_users_test_file_passes_and_runs_the_same_twice(
     assert any("60 s of generation took" in line for line in first.outlines)
 
 
+@pytest.mark.slow
 def test_the_examples_pass_twice_alike(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

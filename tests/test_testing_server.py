@@ -63,6 +63,7 @@ async def test_under_a_mock_clock_no_request_work_runs_in_a_thread(
     assert await long_prompt_threads(monkeypatch) == []
 
 
+@pytest.mark.slow
 async def test_on_the_real_clock_a_long_prompt_goes_to_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -96,6 +96,7 @@ async def test_thread_mode_keeps_the_loop_free_with_hf(hf_tokenizer: Tokenizer) 
     assert thread * 3 <= gil, (thread, gil)
 
 
+@pytest.mark.slow
 async def test_fastokens_thread_mode_keeps_the_loop_free(fast_tokenizer: Tokenizer) -> None:
     lag = await _least_lag(fast_tokenizer, "thread", seed=4)
     assert lag < 0.050, f"fastokens thread mode lagged {lag * 1000:.1f} ms"

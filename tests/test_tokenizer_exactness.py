@@ -159,6 +159,7 @@ _segment = st.lists(_pieces, max_size=6).map("".join)
 @settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(_segment, st.sampled_from(SPECIALS)), min_size=1, max_size=8))
+@pytest.mark.slow
 def test_segment_cache_gives_hf_ids_for_repeated_and_overlapping_segments(
     fast: Tokenizer, churning: Tokenizer, parts: list[tuple[str, str]]
 ) -> None:
@@ -171,6 +172,7 @@ def test_segment_cache_gives_hf_ids_for_repeated_and_overlapping_segments(
             assert tok.encode_ids(text) == oracle(fast, text), tok.segment_cache_statistics()
 
 
+@pytest.mark.slow
 def test_segment_cache_hits_and_stays_exact_on_a_repeated_system_prompt(fast: Tokenizer) -> None:
     template = ChatTemplate.from_tokenizer_config(fast.files.config)
     rng = random.Random(7)
@@ -217,6 +219,7 @@ def test_segment_cache_is_exact_under_concurrent_threads(churning: Tokenizer) ->
     assert stats.bytes <= stats.max_bytes
 
 
+@pytest.mark.slow
 def test_segment_cache_off_and_its_default() -> None:
     files = shared_tokenizer("fastokens").files
     off = Tokenizer(files, "fastokens", segment_cache_bytes=0)

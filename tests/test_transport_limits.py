@@ -200,6 +200,7 @@ async def test_a_head_of_exactly_the_limit_is_served() -> None:
 # ---- head time ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_head_that_stops_gets_408_after_the_header_timeout() -> None:
     async with serving(header_timeout=0.5, keep_alive_timeout=10) as server:
         stream = await server.connect()
@@ -213,6 +214,7 @@ async def test_a_head_that_stops_gets_408_after_the_header_timeout() -> None:
         assert server.refusals == ["header_timeout"]
 
 
+@pytest.mark.slow
 async def test_a_head_that_trickles_is_cut_however_steadily_it_comes() -> None:
     async with serving(header_timeout=0.5, keep_alive_timeout=10) as server:
         stream = await server.connect()
@@ -231,6 +233,7 @@ async def test_a_head_that_trickles_is_cut_however_steadily_it_comes() -> None:
         assert server.refusals == ["header_timeout"]
 
 
+@pytest.mark.slow
 async def test_a_head_in_progress_is_not_cut_by_the_keep_alive_timeout() -> None:
     # The connection stops being idle at the head's first byte: a head that takes
     # longer than keep_alive_timeout, but not header_timeout, is served.
@@ -249,6 +252,7 @@ async def test_a_head_in_progress_is_not_cut_by_the_keep_alive_timeout() -> None
 # ---- body stalls --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_body_that_stalls_is_dropped_after_the_read_timeout() -> None:
     app = _App()
     async with serving(app, body_read_timeout=0.5) as server:
@@ -262,6 +266,7 @@ async def test_a_body_that_stalls_is_dropped_after_the_read_timeout() -> None:
         assert app.disconnects == 1  # the app was told
 
 
+@pytest.mark.slow
 async def test_a_body_that_keeps_coming_and_a_silent_client_are_not_cut() -> None:
     async with serving(body_read_timeout=0.5) as server:
         stream = await server.connect()
@@ -416,6 +421,7 @@ async def test_serve_over_tls(ca: trustme.CA, tmp_path: Path) -> None:
         assert server.refusals == []
 
 
+@pytest.mark.slow
 async def test_tls_handshakes_and_heads_have_the_header_timeout(
     ca: trustme.CA, tmp_path: Path
 ) -> None:
@@ -435,6 +441,7 @@ async def test_tls_handshakes_and_heads_have_the_header_timeout(
         assert server.refusals == ["tls_handshake_timeout", "header_timeout"]
 
 
+@pytest.mark.slow
 async def test_a_tls_handshake_under_way_at_shutdown_is_closed(
     ca: trustme.CA, tmp_path: Path
 ) -> None:
@@ -468,6 +475,7 @@ async def _metric_lines(url: str, verify: ssl.SSLContext | bool = True) -> dict[
     }  # fmt: skip
 
 
+@pytest.mark.slow
 async def test_the_frontend_counts_each_refusal_by_reason() -> None:
     settings = {"max_header_bytes": 2048, "header_timeout": 0.5, "max_connections_per_client": 3,
                 "keep_alive_timeout": 10}  # fmt: skip
@@ -501,6 +509,7 @@ async def test_the_frontend_counts_each_refusal_by_reason() -> None:
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
 
 
+@pytest.mark.slow
 async def test_the_frontend_over_https(ca: trustme.CA, tmp_path: Path) -> None:
     pem = issue(ca, tmp_path, "frontend", "127.0.0.1", "localhost")
     async with serve_frontend(ssl_certfile=pem.certfile, ssl_keyfile=pem.keyfile) as (fe, url):

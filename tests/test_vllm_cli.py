@@ -73,6 +73,7 @@ def test_processes_auto_is_one_frontend_with_in_process_vllm_workers(tmp_path: P
     assert processes("--engine", "vllm", "--workers", "tcp://127.0.0.1:1?role=agg") == cores
 
 
+@pytest.mark.slow
 def test_a_tokenizer_with_more_ids_than_the_model_is_refused_at_start(tmp_path: Path) -> None:
     model = model_dir(tmp_path, vocab=32000)
     config = FrontendConfig(tokenizer=str(model), model_vocab_size=32000, port=0)
