@@ -29,8 +29,9 @@ serve: $(STAMP)
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The fast tier: no subprocess, no network beyond in-process loopback, no vLLM (the
-# `slow` and `vllm` markers: pyproject.toml); under 2 minutes. No lint: `make lint`.
+# The fast tier: no subprocess, no network beyond in-process loopback, no vLLM, no test
+# of half a second or more (the `slow` and `vllm` markers: pyproject.toml); under 2
+# minutes. No lint: `make lint`.
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
 
