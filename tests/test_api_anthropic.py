@@ -433,6 +433,11 @@ async def test_other_routes_keep_openais_error_shape(
         r = await c.get("/v1/messages/batches")  # an unknown path under the API: its shape
         assert r.status_code == 404
         assert r.json()["error"]["type"] == "not_found_error"
+        # Claude Code's form of the path: a query string, and the beta header.
+        r = await c.post("/v1/messages?beta=true", json={"model": MODEL, "max_tokens": 4,
+                         "messages": user("hi")}, headers={"anthropic-beta": "x-2025"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["type"] == "message"
         r = await c.post("/v1/messages", content=b"hi")  # not JSON: Anthropic's 400
         assert r.status_code == 400
         assert r.json()["error"]["type"] == "invalid_request_error"

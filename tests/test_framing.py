@@ -56,6 +56,8 @@ from headwater.wire.frames import (
     Hello,
     HelloOk,
     KvData,
+    KvEvents,
+    KvPoll,
     KvPull,
     KvRelease,
     Ping,
@@ -70,6 +72,7 @@ from headwater.wire.handshake import (
     load_secret,
     proof,
 )
+from headwater.wire.kv_events import AllCleared, BlockRemoved, KvEventBatch
 from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
@@ -150,6 +153,8 @@ EXAMPLES: list[Frame] = [
     GetStats(9),
     Stats(9, {"inflight": 2, "draining": False, "role": "agg", "load": 0.5}),
     GoAway("draining"),
+    KvPoll(4, -1, 256),
+    KvEvents(4, KvEventBatch(0, 2, (BlockRemoved((5,)), AllCleared()), dump=True)),
 ]
 
 

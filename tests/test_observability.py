@@ -93,7 +93,7 @@ WORKER_SAMPLES = [
 ]
 WORKER_VIEW_KEYS = {
     "worker_id", "role", "model", "address", "state", "reason", "since", "inflight", "busy",
-    "served", "failures", "last_error", "probe_in_s",
+    "served", "failures", "last_error", "probe_in_s", "cached_blocks", "cache_view",
 }
 
 
@@ -271,6 +271,7 @@ async def test_debug_workers_lists_state_load_and_last_error() -> None:
         assert w["state"] == "healthy"
         assert w["inflight"] == 0
         assert w["last_error"] is None
+        assert (w["cached_blocks"], w["cache_view"]) == (0, "")  # not routing by KV
         assert w["model"] == MODEL
     assert set(after) == {"prefill", "decode"}
     assert after["prefill"]["served"] == 1

@@ -124,7 +124,10 @@ async def test_unary_returns_what_the_mocker_generates_with_exact_usage() -> Non
                                          "sampling_params": {"max_tokens": 12, "seed": 7}})
         named = r.json()["request_id"]
         assert named.startswith("generate-tokens-")
-        assert len(named.removeprefix("generate-tokens-")) == 32
+        # The plane's name: the request's id (its X-Request-Id), a dash, 8 hex digits.
+        plane = named.removeprefix("generate-tokens-")
+        assert plane.startswith(r.headers["x-request-id"] + "-")
+        assert len(plane) == len(r.headers["x-request-id"]) + 9
         assert r.json()["choices"][0]["token_ids"] == ids  # the seed decides, not the id
 
 
