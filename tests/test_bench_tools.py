@@ -516,3 +516,30 @@ async def test_cli_prints_a_json_record_and_a_markdown_row() -> None:
     assert record["loop"]["max_delay_s"] == 0.002
     assert [header, separator] == markdown_header().splitlines()
     assert row.startswith("| cli | stream | 2 | 6/6 |")
+
+
+async def test_agentic_bodies_run_through_the_parse_stage(headwater: Any) -> None:
+    """``--agentic`` bodies (the parse stage's benchmark load) are accepted as they are and
+    answered in thinking mode: the answer lands in ``reasoning_content``, not ``content``."""
+    server = await headwater.start()
+
+    def make() -> list[bytes]:  # synthesising prompts tokenizes: off the loop
+        ps = prompts.make_prompts("short", 2, seed=3)
+        return prompts.build_bodies(ps, stream=False, max_tokens=6, extra=prompts.AGENTIC_EXTRA)
+
+    bodies = await trio.to_thread.run_sync(make)
+    async with server.client() as client:
+        for body in bodies:
+            sent = orjson.loads(body)
+            assert [t["function"]["name"] for t in sent["tools"]] == [
+                "read_file",
+                "run_shell",
+                "search_code",
+            ]
+            reply = await client.post(
+                "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            assert reply.status_code == 200, reply.text
+            message = reply.json()["choices"][0]["message"]
+            assert message["reasoning_content"]
+            assert not message["content"]

@@ -69,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--time-limit", type=float, default=300.0, help="seconds; later requests are not sent")
     a("--stream", action="store_true", help="SSE streaming instead of unary")
     a("--max-tokens", type=int, default=8)
+    a(
+        "--agentic",
+        action="store_true",
+        help="tools in every request and thinking mode on (the parse stage's load)",
+    )
     a("--model", default=prompts.DEFAULT_MODEL)
     a("--seed", type=int, default=None, help="reproducible prompts (default: fresh each run)")
     a("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT)
@@ -111,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
         stream=args.stream,
         max_tokens=args.max_tokens,
         model=args.model,
+        extra=prompts.AGENTIC_EXTRA if args.agentic else None,
     )
     loop_before = _scrape_all(args.metrics_url, args.metrics_prefix)
     procs_before = [scrape.read_proc(pid) for pid in args.pid]

@@ -342,6 +342,32 @@ def completion_body(
     return {**body, **(extra or {})}
 
 
+# What an agent sends (docs/performance.md, "The parse stage"): tools in the prompt and
+# DeepSeek-V4's thinking mode on, so every answer runs through the reasoning parser.
+AGENTIC_EXTRA: dict[str, Any] = {
+    "chat_template_kwargs": {"thinking": True},
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {arg: {"type": "string", "description": arg_doc}},
+                    "required": [arg],
+                },
+            },
+        }
+        for name, description, arg, arg_doc in (
+            ("read_file", "Read a file of the repository.", "path", "relative path"),
+            ("run_shell", "Run a shell command in the sandbox.", "command", "the command"),
+            ("search_code", "Search the repository for a pattern.", "pattern", "a regex"),
+        )
+    ],
+}
+
+
 def build_bodies(
     prompts: PromptSet | Iterable[Prompt],
     *,
