@@ -214,6 +214,9 @@ def test_index_agrees_with_each_mockers_cache_after_random_traffic() -> None:
     probes: list[list[int]] = []
     live: dict[str, list[object]] = {w: [] for w in workers}
     dumps = 0
+    for w in workers:  # the router subscribes as each worker registers, before traffic
+        index.apply(w, workers[w].events.read(index.next_seq(w)))  # type: ignore[union-attr]
+        dumps += 1
     for _ in range(300):
         wid = rng.choice(list(workers))
         cache = workers[wid]
@@ -291,3 +294,38 @@ async def test_router_follows_workers_events_over_tcp_and_memory(nursery: trio.N
     with trio.fail_after(5):
         while router.kv_index.blocks_of("mem"):
             await trio.sleep(0.01)
+
+
+def test_a_cache_publishes_from_its_first_reader_on() -> None:
+    """Publishing costs the mocker eager hashing, so it waits for a reader: unread, the
+    log stays empty and runs stay pending; what was registered before the first read is
+    neither announced nor, when evicted, reported removed; what comes after is."""
+    log = KvEventLog(64)
+    cache = KvCache(num_blocks=8, block_size=BS, events=log)
+    before = tokens(3 * BS, 0)
+    table = cache.allocate(before)
+    assert table is not None
+    cache.commit(table, before, len(before))
+    cache.free(table)
+    assert log.next_seq == 0  # nothing published
+    assert cache._pending  # nothing hashed: the run waits
+    index = KvIndex(BS)
+    index.apply("w", log.read(index.next_seq("w")))  # the first read: a dump
+    assert not cache._pending  # hashed at the switch, unannounced
+    assert index.overlaps(prompt_hashes(before, BS)) == {}
+    assert cache.cached_prefix(before) == 3  # still cached all the same
+    after = tokens(3 * BS, 500)
+    table = cache.allocate(after)
+    assert table is not None
+    cache.commit(table, after, len(after))
+    cache.free(table)
+    index.apply("w", log.read(index.next_seq("w")))
+    assert index.overlaps(prompt_hashes(after, BS)) == {"w": 3}
+    evicting = tokens(8 * BS, 9000)  # the whole cache: both prompts' blocks go
+    table = cache.allocate(evicting)
+    assert table is not None
+    batch = log.read(index.next_seq("w"))
+    removed = [h for e in batch.events if isinstance(e, BlockRemoved) for h in e.block_ids]
+    assert len(removed) == 3  # the announced prompt's blocks only
+    index.apply("w", batch)
+    assert index.overlaps(prompt_hashes(after, BS)) == {}

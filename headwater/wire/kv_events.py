@@ -96,8 +96,18 @@ class KvEventLog:
         self._events: deque[KvEvent] = deque(maxlen=capacity)
         self._next = 0  # the number the next event gets
         self.snapshot: Snapshot | None = None  # set by the engine that owns the cache
+        #: Called once, at the first read: an engine whose events cost it work (the
+        #: mocker hashes eagerly to publish) starts publishing only when someone reads.
+        self.on_first_read: Callable[[], None] | None = None
+        self.read_once = False
         self.published = 0
         self.dumps = 0
+
+    def _first_read(self) -> None:
+        if not self.read_once:
+            self.read_once = True
+            if self.on_first_read is not None:
+                self.on_first_read()
 
     @property
     def next_seq(self) -> int:
@@ -111,6 +121,7 @@ class KvEventLog:
     def read(self, since: int, limit: int = DEFAULT_POLL_LIMIT) -> KvEventBatch:
         """Events from number *since* on, at most *limit*; a dump when *since* is
         negative; a gap when *since* is no longer (or not yet) in the ring."""
+        self._first_read()
         if since < 0:
             return self.dump()
         oldest = self._next - len(self._events)
@@ -122,6 +133,7 @@ class KvEventLog:
 
     def dump(self) -> KvEventBatch:
         """Everything the cache holds now; reading continues from :attr:`next_seq`."""
+        self._first_read()
         self.dumps += 1
         stored = tuple(self.snapshot()) if self.snapshot is not None else ()
         return KvEventBatch(self._next, self._next, (AllCleared(), *stored), dump=True)

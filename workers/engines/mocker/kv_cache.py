@@ -29,11 +29,15 @@ every request looks up is compared with the memo's copy in C instead of being ha
 block by block each time.
 
 With a :class:`~headwater.wire.kv_events.KvEventLog` the cache publishes what it stores
-and evicts, for KV-aware routing: every full block is then hashed as it is committed
-(no pending runs; a block is announced when it becomes reusable, which a lazy run's
-blocks are too), and each registered block keeps its parent, position and tokens for a
-dump. That trades the lazy hashing's savings for an exact feed; the chain hashes are the
-events' block ids.
+and evicts, for KV-aware routing, from the log's first reader on: every full block is
+then hashed as it is committed (no pending runs; a block is announced when it becomes
+reusable, which a lazy run's blocks are too), and each registered block keeps its
+parent, position and tokens for a dump. That trades the lazy hashing's savings for an
+exact feed (about as much CPU again as the rest of a 40k-token request's frontend
+work: docs/routing.md), so it waits for a reader: a frontend that routes by KV
+subscribes as the worker registers, and nobody else pays. Blocks registered before the
+first read are not announced (a router can miss them, never see a block that is not
+there); the chain hashes are the events' block ids.
 
 Python's int/tuple hash is used for the chain: deterministic for ints (str and bytes
 hashes are salted per process, so a chain computed in one worker process is valid in
@@ -200,11 +204,24 @@ class KvCache:
         self._memo = ChainMemo(block_size)
         #: Where stored and removed blocks are published (None: no events, lazy hashing).
         self.events = events
-        #: With events: each registered hash's (parent hash or None, position, tokens).
+        #: Publishing (eager hashing): from the event log's first reader on.
+        self._publishing = False
+        #: While publishing: each announced hash's (parent hash or None, position, tokens).
         self._stored: dict[int, tuple[int | None, int, Sequence[int]]] = {}
         self._removed: list[int] = []  # hashes unregistered by the eviction under way
         if events is not None:
             events.snapshot = self.snapshot
+            events.on_first_read = self._start_publishing
+            if events.read_once:
+                self._start_publishing()
+
+    def _start_publishing(self) -> None:
+        """Switch to eager hashing: the pending runs are hashed now, unannounced (their
+        blocks were registered before anyone read), and every commit from here on is
+        hashed and announced as it happens."""
+        for run in list(self._pending.values()):
+            self._materialize(run)
+        self._publishing = True
 
     @property
     def capacity_tokens(self) -> int:
@@ -309,7 +326,7 @@ class KvCache:
                 if register(h, block) is block:
                     hash_of[block] = h
                     new.append(h)
-            if new and self.events is not None:
+            if new and self._publishing:
                 self._announce(hashes, start, known, token_ids)
         table.num_committed = full
         if full == known:
@@ -317,7 +334,7 @@ class KvCache:
         # From here known == len(hashes): the chain is known up to block `known`.
         lo = max(start, known)
         blocks = table.blocks[lo:full]
-        if self.events is not None:  # published blocks are hashed now, not lazily
+        if self._publishing:  # published blocks are hashed now, not lazily
             self._register_now(hashes, blocks, token_ids, lo * bs)
             return
         run = table.run
@@ -521,8 +538,7 @@ class KvCache:
         if h is not None:
             del self._by_hash[h]
             self._hash[block] = None
-            if self.events is not None:
-                del self._stored[h]
+            if self._publishing and self._stored.pop(h, None) is not None:
                 self._removed.append(h)
 
     def _materialize_at(self, h: int) -> int | None:
@@ -579,7 +595,7 @@ class KvCache:
                 self._materialize(pending[h])
             if register(h, block) is block:
                 hash_of[block] = h
-        if self.events is not None and len(hashes) > first and start == first * self.block_size:
+        if self._publishing and len(hashes) > first and start == first * self.block_size:
             self._announce(hashes, first, len(hashes), token_ids)
 
     def _chain(self, token_ids: Sequence[int], start: int, parent: int, count: int) -> list[int]:
