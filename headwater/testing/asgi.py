@@ -32,7 +32,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import unquote
 
 import httpx
@@ -211,8 +211,11 @@ def http_scope(method: str, url: Any, raw_headers: list[tuple[bytes, bytes]],
     }
 
 
-class ASGITransport(httpx.AsyncBaseTransport):
-    """An httpx transport to *app* running in *nursery*: no socket, responses streamed.
+class ExchangeTransport:
+    """A transport's whole work, for either httpx: a request in, an :class:`Exchange`
+    run, a streamed response out. A subclass names its library (:attr:`http`, the
+    ``httpx`` or ``httpx2`` module, whose classes and errors it answers with) and that
+    library's transport base; the two libraries differ in nothing else here.
 
     Args:
       app: the ASGI app (its lifespan already started, if it has one).
@@ -220,6 +223,9 @@ class ASGITransport(httpx.AsyncBaseTransport):
       state: the lifespan's state, copied into each scope (ASGI's lifespan state).
       client: the client address the app sees.
     """
+
+    http: ClassVar[Any]  # the httpx module (httpx or httpx2)
+    body: ClassVar[type[ExchangeBody]]  # its response-stream class
 
     def __init__(self, app: ASGIApp, nursery: trio.Nursery, *,
                  state: dict[str, Any] | None = None,
@@ -229,7 +235,8 @@ class ASGITransport(httpx.AsyncBaseTransport):
         self.state = state if state is not None else {}
         self.client = client
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: Any) -> Any:
+        http = self.http
         body = await request.aread()
         scope = http_scope(request.method, request.url, request.headers.raw, self.state,
                            self.client)  # fmt: skip
@@ -238,33 +245,49 @@ class ASGITransport(httpx.AsyncBaseTransport):
         try:
             await exchange.start(self.nursery, read_timeout)
         except ReadTimedOut as exc:
-            raise httpx.ReadTimeout(str(exc), request=request) from exc
+            raise http.ReadTimeout(str(exc), request=request) from exc
         assert exchange.status is not None  # a head came (the client has not left)
-        return httpx.Response(
+        return http.Response(
             exchange.status, headers=exchange.headers,
-            stream=_HttpxBody(exchange, read_timeout, request),
+            stream=self.body(exchange, read_timeout, request),
             extensions={"http_version": b"HTTP/1.1"},
         )  # fmt: skip
 
 
-class _HttpxBody(httpx.AsyncByteStream):
-    def __init__(self, exchange: Exchange, read_timeout: float | None,
-                 request: httpx.Request) -> None:  # fmt: skip
+class ExchangeBody:
+    """A response body read from an :class:`Exchange`, with its library's errors (a
+    subclass names the library, :attr:`http`, and its byte-stream base)."""
+
+    http: ClassVar[Any]
+
+    def __init__(self, exchange: Exchange, read_timeout: float | None, request: Any) -> None:
         self._exchange = exchange
         self._body = exchange.body(read_timeout)
         self._request = request
 
-    def __aiter__(self) -> _HttpxBody:
+    def __aiter__(self) -> ExchangeBody:
         return self
 
     async def __anext__(self) -> bytes:
         try:
             return await self._body.__anext__()
         except ReadTimedOut as exc:
-            raise httpx.ReadTimeout(str(exc), request=self._request) from exc
+            raise self.http.ReadTimeout(str(exc), request=self._request) from exc
         except BrokenResponse as exc:
-            raise httpx.RemoteProtocolError(str(exc), request=self._request) from exc
+            raise self.http.RemoteProtocolError(str(exc), request=self._request) from exc
 
     async def aclose(self) -> None:
         self._exchange.close()
         await trio.lowlevel.checkpoint()
+
+
+class _HttpxBody(ExchangeBody, httpx.AsyncByteStream):
+    http: ClassVar[Any] = httpx
+
+
+class ASGITransport(ExchangeTransport, httpx.AsyncBaseTransport):
+    """An httpx transport to *app* running in *nursery*: no socket, responses streamed
+    (:class:`ExchangeTransport` has the arguments)."""
+
+    http: ClassVar[Any] = httpx
+    body: ClassVar[type[ExchangeBody]] = _HttpxBody

@@ -14,74 +14,26 @@ once, on the loop (a few microseconds on Linux).
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx2
-import trio
 
-from headwater.testing.asgi import (
-    ASGIApp,
-    BrokenResponse,
-    Exchange,
-    ReadTimedOut,
-    http_scope,
-)
+from headwater.testing.asgi import ExchangeBody, ExchangeTransport
 
 if TYPE_CHECKING:
     import anthropic
     import openai
 
 
-class HTTPX2Transport(httpx2.AsyncBaseTransport):
+class _Body(ExchangeBody, httpx2.AsyncByteStream):
+    http: ClassVar[Any] = httpx2
+
+
+class HTTPX2Transport(ExchangeTransport, httpx2.AsyncBaseTransport):
     """:class:`~headwater.testing.asgi.ASGITransport` for ``httpx2``; same arguments."""
 
-    def __init__(self, app: ASGIApp, nursery: trio.Nursery, *,
-                 state: dict[str, Any] | None = None,
-                 client: tuple[str, int] = ("127.0.0.1", 50000)) -> None:  # fmt: skip
-        self.app = app
-        self.nursery = nursery
-        self.state = state if state is not None else {}
-        self.client = client
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        body = await request.aread()
-        scope = http_scope(request.method, request.url, request.headers.raw, self.state,
-                           self.client)  # fmt: skip
-        exchange = Exchange(self.app, scope, body)
-        read_timeout = request.extensions.get("timeout", {}).get("read")
-        try:
-            await exchange.start(self.nursery, read_timeout)
-        except ReadTimedOut as exc:
-            raise httpx2.ReadTimeout(str(exc), request=request) from exc
-        assert exchange.status is not None  # a head came (the client has not left)
-        return httpx2.Response(
-            exchange.status, headers=exchange.headers,
-            stream=_Body(exchange, read_timeout, request),
-            extensions={"http_version": b"HTTP/1.1"},
-        )  # fmt: skip
-
-
-class _Body(httpx2.AsyncByteStream):
-    def __init__(self, exchange: Exchange, read_timeout: float | None,
-                 request: httpx2.Request) -> None:  # fmt: skip
-        self._exchange = exchange
-        self._body = exchange.body(read_timeout)
-        self._request = request
-
-    def __aiter__(self) -> _Body:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self._body.__anext__()
-        except ReadTimedOut as exc:
-            raise httpx2.ReadTimeout(str(exc), request=self._request) from exc
-        except BrokenResponse as exc:
-            raise httpx2.RemoteProtocolError(str(exc), request=self._request) from exc
-
-    async def aclose(self) -> None:
-        self._exchange.close()
-        await trio.lowlevel.checkpoint()
+    http: ClassVar[Any] = httpx2
+    body: ClassVar[type[ExchangeBody]] = _Body
 
 
 def openai_client(http: httpx2.AsyncClient, base_url: str, api_key: str,
