@@ -282,7 +282,8 @@ class Frontend:
         )  # fmt: skip
         if (warning := exposure_warning(cfg.host, keys)) is not None:
             log.warning("%s", warning)
-        counted = CountResponses(keyed, self._count_answer, skip=is_own_view)
+        counted = CountResponses(keyed, self._count_answer, skip=is_own_view,
+                                 errors=self.observed.errors)  # fmt: skip
         return RequestIds(
             MarkActivity(ShieldFinalSend(counted, deadline=cfg.write_timeout), self.activity),
             traced_paths=GENERATION_PATHS, max_body_bytes=cfg.max_body_bytes,

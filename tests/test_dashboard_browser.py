@@ -66,6 +66,7 @@ class Seen:
     wide_overflow: tuple[int, int] = (0, 0)
     phone_overflow: tuple[int, int] = (0, 0)
     phone_rows: int = 0
+    errors_text: str = ""
     foreign_requests: list[str] = field(default_factory=list)
     page_errors: list[str] = field(default_factory=list)
 
@@ -91,6 +92,7 @@ def drive_browser(sync_api: Any, base_url: str, seen: Seen) -> None:
                 "() => document.getElementById('status').textContent === 'live'", timeout=10_000
             )
             assert not page.evaluate(HAS_INJECTED_ROW)
+            seen.errors_text = page.text_content("#errors tbody") or ""
 
             r = httpx.post(base_url + "/debug/stall", params={"ms": 150}, timeout=10)
             r.raise_for_status()
@@ -143,6 +145,9 @@ async def test_injected_stall_appears_on_the_dashboard() -> None:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                     "max_tokens": 8, "stream": stream}
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        refused = await c.post("/v1/chat/completions", json={**body, "model": "no-such-model"},
+                               headers={"X-Request-Id": "dash-req-42"})  # fmt: skip
+        assert refused.status_code == 404
         with trio.fail_after(90):
             await trio.to_thread.run_sync(
                 drive_browser, sync_api, url, seen, abandon_on_cancel=True
@@ -154,6 +159,8 @@ async def test_injected_stall_appears_on_the_dashboard() -> None:
     # The stack is shown as text, frame for frame: "<locals>" in a qualname stays text.
     assert seen.stack_text == "\n".join(injected["stack"])
     assert any("<locals>" in frame for frame in injected["stack"])
+    assert "dash-req-42" in seen.errors_text  # the recent errors name the request
+    assert "/v1/chat/completions" in seen.errors_text
     assert seen.foreign_requests == []
     assert seen.page_errors == []
     assert seen.wide_overflow[0] <= seen.wide_overflow[1]

@@ -13,7 +13,8 @@
 
 - :class:`CountResponses`: every answer's status code is counted, whoever sent it (a
   route, an error handler, the API-key check, admission), but for the paths it is told
-  to skip.
+  to skip; error answers are also kept, with their request ids, for the dashboard's
+  recent errors (:mod:`frontend.http.recent_errors`).
 
 All are plain ASGI and know nothing of the server underneath
 (:mod:`frontend.http.serving` holds what is specific to hypercorn).
@@ -21,13 +22,16 @@ All are plain ASGI and know nothing of the server underneath
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
 
 from frontend.http.errors import ApiError, rendered
+from frontend.http.recent_errors import MAX_BODY, ErrorAnswer, RecentErrors, error_fields
 from headwater.instrumentation import Activity
+from headwater.logs import current_request
 
 if TYPE_CHECKING:
     from hypercorn.typing import (
@@ -84,14 +88,24 @@ class ShieldFinalSend:
 class CountResponses:
     """Wraps an ASGI app so that each ``http`` answer's status goes to *count*, once,
     when its head is sent; requests whose path *skip* accepts are not counted. A request
-    that gets no answer (its client left first) is not counted either."""
+    that gets no answer (its client left first) is not counted either. With *errors*,
+    each answer of status 400 or more is added there too, with the request's id (the
+    context :class:`~frontend.http.request_ids.RequestIds` set) and the error's type and
+    message from the first :data:`~frontend.http.recent_errors.MAX_BODY` bytes of its
+    body."""
 
     def __init__(
-        self, app: ASGIFramework, count: Callable[[int], object], *, skip: Callable[[str], bool]
+        self,
+        app: ASGIFramework,
+        count: Callable[[int], object],
+        *,
+        skip: Callable[[str], bool],
+        errors: RecentErrors | None = None,
     ) -> None:
         self.app = app
         self.count = count
         self.skip = skip
+        self.errors = errors
 
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
@@ -99,13 +113,38 @@ class CountResponses:
         if scope["type"] != "http" or self.skip(scope["path"]):
             await self.app(scope, receive, send)
             return
+        failed: tuple[float, int] | None = None  # an error answer's time and status
+        body = b""
+
+        def record() -> None:
+            assert self.errors is not None
+            assert failed is not None
+            context = current_request()
+            kind, message = error_fields(body)
+            self.errors.add(ErrorAnswer(
+                failed[0], failed[1], scope["method"], scope["path"],
+                context.request_id if context is not None else None, kind, message,
+            ))  # fmt: skip
 
         async def counted_send(message: ASGISendEvent) -> None:
+            nonlocal failed, body
             if message["type"] == "http.response.start":
-                self.count(message["status"])
+                status = message["status"]
+                self.count(status)
+                if status >= 400 and self.errors is not None:
+                    failed = (time.time(), status)
+            elif message["type"] == "http.response.body" and failed is not None:
+                body += message.get("body", b"")[: MAX_BODY - len(body)]
+                if not message.get("more_body", False) or len(body) >= MAX_BODY:
+                    record()
+                    failed = None
             await send(message)
 
-        await self.app(scope, receive, counted_send)
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            if failed is not None:  # the body never ended: recorded with what came
+                record()
 
 
 async def discard_body(receive: ASGIReceiveCallable, limit: int) -> bool:

@@ -7,8 +7,9 @@ nor :mod:`frontend.http.dashboard` depends on the object that assembles them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from frontend.http.recent_errors import RecentErrors
 from frontend.metrics import FrontendMetrics
 from frontend.preprocess.pool import TokenizerPool
 from frontend.router import Router
@@ -24,3 +25,4 @@ class Observed:
     monitor: LoopMonitor
     pool: TokenizerPool
     router: Router
+    errors: RecentErrors = field(default_factory=RecentErrors)  # the last error answers

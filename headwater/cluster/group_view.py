@@ -35,6 +35,7 @@ import trio
 from frontend.http.auth import ApiKeys, watch_keys_file
 from frontend.http.dashboard import HISTORY_FIELDS, MAX_STALLS, LoadHistory
 from frontend.http.group import GroupViewUnavailable, Relayed, http_get
+from frontend.http.recent_errors import CAPACITY as RECENT_ERRORS
 from headwater.cluster.group_metrics import Family, GroupMetrics
 from headwater.instrumentation.plain_http import answer_one
 from headwater.procmem import read_memory
@@ -240,8 +241,8 @@ def merge_dashboards(
     Counts add up (in flight, queued, threads, requests by status); the loop's delay
     per time bucket and the latency percentiles are the worst process's (percentiles
     of different processes do not add up; each process's own are on its private
-    page), and ``loop.processes`` keeps every process's delay series; stall records
-    and workers are every process's, each marked with its ``process``. Samples
+    page), and ``loop.processes`` keeps every process's delay series; stall records,
+    recent errors and workers are every process's, each marked with its ``process``. Samples
     *history* with the group's load. Raises ValueError for lists of different lengths.
     """
     if len(members) != len(parts):
@@ -256,6 +257,8 @@ def merge_dashboards(
             worst[t] = max(worst.get(t, 0.0), delay)
     stall_records = [{**r, "process": m.slot} for m, p in answered for r in p["stalls"]["records"]]
     stall_records.sort(key=lambda r: r.get("started_at", 0.0), reverse=True)
+    errors = [{**e, "process": m.slot} for m, p in answered for e in p.get("errors", ())]
+    errors.sort(key=lambda e: e.get("at", 0.0), reverse=True)
     stats = [p["stalls"]["statistics"] for p in snaps if p["stalls"]["statistics"] is not None]
     pool_keys = ("threads", "busy", "waiting", "encoded_total", "inline_total")
     pool: dict[str, Any] = {k: sum(p["pool"].get(k, 0) for p in snaps) for k in pool_keys}
@@ -326,6 +329,7 @@ def merge_dashboards(
         "workers": [{**w, "process": m.slot} for m, p in answered for w in p["workers"]],
         "processes": processes,
         "memory": memory,
+        "errors": errors[:RECENT_ERRORS],
     }
 
 

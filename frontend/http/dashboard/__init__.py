@@ -106,7 +106,8 @@ def snapshot(
     and the detector's statistics), ``pool``, ``requests`` (in-flight, queued, generation
     requests by outcome, HTTP answers by status code), ``history`` (``fields`` and
     ``points``: see :class:`LoadHistory`), ``latency`` (TTFT and ITL percentiles over a
-    recent window), ``workers``, ``memory``. A group's view
+    recent window), ``workers``, ``memory``, ``errors`` (the last error answers, newest
+    first, with their request ids: :mod:`frontend.http.recent_errors`). A group's view
     (``headwater.cluster.group_view``) has the same keys and ``processes``, one row per
     process.
     """
@@ -156,6 +157,7 @@ def snapshot(
         },
         "workers": [dataclasses.asdict(v) for v in frontend.router.views()],
         "memory": memory or [],
+        "errors": [e.to_dict() for e in frontend.errors.records()],
     }
 
 

@@ -351,6 +351,20 @@
     $("workers").tBodies[0].replaceChildren(...rows);
   }
 
+  function renderErrors(data) {
+    const rows = (data.errors || []).map((e) => el("tr", {},
+      el("td", { "data-label": "time" }, fmtClock(e.at)),
+      el("td", { class: "num", "data-label": "status" }, e.status),
+      el("td", { class: "mono", "data-label": "route" },
+        (e.process === undefined ? "" : `p${e.process} · `) + `${e.method} ${e.path}`),
+      el("td", { class: "mono", "data-label": "request id" }, e.request_id || ""),
+      el("td", { "data-label": "type" }, e.type || ""),
+      el("td", { class: "err", "data-label": "message" }, e.message || ""),
+    ));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 6 }, "No error answered.")));
+    $("errors").tBodies[0].replaceChildren(...rows);
+  }
+
   // What each cause means, under an opened stall (docs/observability.md, "Reading a stall record").
   const CAUSES = {
     loop: "this process's code ran or blocked on the loop",
@@ -431,6 +445,7 @@
     renderLatency(data);
     renderProcesses(data);
     renderWorkers(data);
+    renderErrors(data);
   }
 
   function setStatus(kind, text) {
