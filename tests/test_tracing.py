@@ -267,3 +267,47 @@ async def test_tracing_off_makes_no_span() -> None:
         r = await c.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200
         assert "traceparent" not in r.headers
+
+
+async def test_a_retry_and_a_migration_are_spans_of_the_requests_tree(headwater: Any) -> None:
+    """One request refused by its first decode worker (retried on the other), then broken
+    mid-stream (migrated): every leg is a span under the one dispatch span, each with its
+    attempt and migration number, the refusal and the migration recorded on them."""
+    async with traced() as exporter:
+        server = await headwater.start(workers=["prefill", "prefill", "decode", "decode"])
+        server.faults.refuse(worker="local-prefill-0")  # round-robin asks it first
+        server.faults.break_stream(after_tokens=2)
+        async with server.client() as client:
+            r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 6})
+            assert r.status_code == 200
+            assert r.json()["usage"]["completion_tokens"] == 6
+    spans = exporter.get_finished_spans()
+    assert len({s.context.trace_id for s in spans}) == 1
+    (dispatch,) = [s for s in spans if s.name == "dispatch"]
+    legs = sorted((s for s in spans if s.name.startswith("leg ")), key=lambda s: s.start_time)
+    assert all(s.parent is not None and s.parent.span_id == dispatch.context.span_id
+               for s in legs)  # fmt: skip
+
+    def attrs(span: ReadableSpan) -> dict[str, Any]:
+        return dict(span.attributes or {})
+
+    # Round-robin starts anywhere: the refusal hits the first attempt or the migrated one.
+    assert sorted(s.name for s in legs) == ["leg decode"] * 2 + ["leg prefill"] * 3
+    (refused,) = [s for s in legs if "refused" in (s.status.description or "")]
+    assert attrs(refused)["headwater.worker.id"] == "local-prefill-0"
+    (retried,) = [s for s in legs if attrs(s)["headwater.attempt"] == 2]
+    assert retried.name == "leg prefill"
+    assert retried.status.is_ok
+    assert attrs(retried)["headwater.plane.request_id"].endswith(".r1")  # its own id
+    assert attrs(retried)["headwater.migration"] == attrs(refused)["headwater.migration"]
+    broken, migrated = [s for s in legs if s.name == "leg decode"]
+    assert "without End" in (broken.status.description or "")
+    assert attrs(broken)["headwater.migration"] == 0
+    assert migrated.status.is_ok
+    assert attrs(migrated)["headwater.migration"] == 1
+    assert ".m1" in attrs(migrated)["headwater.plane.request_id"]
+    assert attrs(migrated)["headwater.worker.id"] != attrs(broken)["headwater.worker.id"]
+    (event,) = [e for e in dispatch.events if e.name == "migration"]
+    assert event.attributes is not None
+    assert event.attributes["headwater.tokens_delivered"] == 2
+    assert event.attributes["headwater.migration.kind"] == "ongoing_request"
