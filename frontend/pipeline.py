@@ -316,9 +316,10 @@ class Pipeline:
         self.metrics.template_seconds.observe(t1 - t0)
         if isinstance(text_or_ids, str):
             with tracer().span("preprocess.tokenize", parent=root) as span:
-                prompt_ids = await self.pool.encode(text_or_ids)
+                prompt_ids, waited = await self.pool.encode_timed(text_or_ids)
                 span.set_many({"headwater.prompt_chars": len(text_or_ids),
-                               "gen_ai.usage.input_tokens": len(prompt_ids)})  # fmt: skip
+                               "gen_ai.usage.input_tokens": len(prompt_ids),
+                               "headwater.tokenize.queue_wait_s": waited})  # fmt: skip
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)

@@ -115,3 +115,26 @@ async def test_cancelled_encode_keeps_its_thread_slot_until_done(
     while pool.statistics().busy:
         await trio.sleep(0.01)
     assert pool.statistics().busy == 0
+
+
+async def test_an_encode_reports_its_wait_for_a_thread(hf_tokenizer: Tokenizer) -> None:
+    """The queue wait a trace's tokenize span shows: the time a text waited for the
+    pool's only thread while another held it; none for an inline encode."""
+    pool = TokenizerPool(hf_tokenizer, mode="thread", threads=1, inline_max_chars=100)
+    _, inline_wait = await pool.encode_timed("short")
+    assert inline_wait == 0.0
+    text = _long_prompts(1)[0]
+    _, idle_wait = await pool.encode_timed(text)
+    assert 0.0 <= idle_wait < 0.5  # a free thread: only the hand-over
+    waited: list[float] = []
+
+    async def encode() -> None:
+        ids, wait = await pool.encode_timed(text)
+        assert len(ids) > 0
+        waited.append(wait)
+
+    async with trio.open_nursery() as nursery, pool.limiter:  # the only thread: 0.2 s taken
+        nursery.start_soon(encode)
+        await trio.sleep(0.2)
+    (wait,) = waited
+    assert wait >= 0.15

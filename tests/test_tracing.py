@@ -221,6 +221,9 @@ async def test_one_request_is_one_trace_from_the_root_to_the_engine() -> None:
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["gen_ai.usage.output_tokens"] == 5
     assert root.attributes["gen_ai.response.finish_reasons"] == "length"
+    (tokenize,) = [s for s in spans if s.name == "preprocess.tokenize"]
+    assert tokenize.attributes is not None
+    assert tokenize.attributes["headwater.tokenize.queue_wait_s"] == 0.0  # short: inline
     legs = [s for s in spans if s.name.startswith("leg ")]
     assert all(s.attributes and s.attributes["headwater.worker.id"] for s in legs)
     assert all(any(e.name == "ack" for e in s.events) for s in legs)

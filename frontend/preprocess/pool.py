@@ -85,21 +85,29 @@ class TokenizerPool:
 
     async def encode(self, text: str) -> array[int]:
         """Token ids of *text* as a token array (no BOS added: the template writes it)."""
+        return (await self.encode_timed(text))[0]
+
+    async def encode_timed(self, text: str) -> tuple[array[int], float]:
+        """:meth:`encode`, and the seconds the text waited for a pool thread (0 inline):
+        the queue wait a request's trace shows on its tokenize span."""
         self._encoded += 1
-        if self.mode is TokenizeMode.INLINE:
+        if self.mode is TokenizeMode.INLINE or (
+            self.mode is TokenizeMode.THREAD and len(text) <= self.inline_max_chars
+        ):
             self._inline += 1
-            return self.tokenizer.encode_ids(text)
-        if self.mode is TokenizeMode.THREAD_GIL:
-            return await trio.to_thread.run_sync(
-                self.tokenizer.encode_holding_gil, text, limiter=self.limiter,
-                abandon_on_cancel=True,
-            )
-        if len(text) <= self.inline_max_chars:
-            self._inline += 1
-            return self.tokenizer.encode_ids(text)
-        return await trio.to_thread.run_sync(
-            self.tokenizer.encode_ids, text, limiter=self.limiter, abandon_on_cancel=True
-        )
+            return self.tokenizer.encode_ids(text), 0.0
+        encode = (self.tokenizer.encode_holding_gil if self.mode is TokenizeMode.THREAD_GIL
+                  else self.tokenizer.encode_ids)  # fmt: skip
+        queued = time.perf_counter()
+        started = queued
+
+        def run() -> array[int]:
+            nonlocal started
+            started = time.perf_counter()
+            return encode(text)
+
+        ids = await trio.to_thread.run_sync(run, limiter=self.limiter, abandon_on_cancel=True)
+        return ids, started - queued
 
     async def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """The text of *ids* (``/detokenize``): inline up to :data:`INLINE_DECODE_TOKENS`
