@@ -177,6 +177,9 @@ class FrontendConfig:
     log_format: str = "text"  # "text" or "json" (headwater/logs.py)
     # OTLP/HTTP collector to send traces to (``http://host:4318``); "" = tracing off.
     otlp_endpoint: str = ""
+    # The share of requests traced when the client's traceparent does not decide (a
+    # traced request costs ~2-3 ms of CPU: docs/observability.md, "What tracing costs").
+    otlp_sample_ratio: float = 1.0
 
     @property
     def plane_tls(self) -> TlsConfig | None:

@@ -314,6 +314,7 @@ class Frontend:
         async with open_tracing(
             self.config.otlp_endpoint, "headwater-frontend",
             attributes={"headwater.model": self.config.model_name},
+            sample_ratio=self.config.otlp_sample_ratio,
         ) as statistics:  # fmt: skip
             collector = TraceCollector("headwater_frontend_", statistics)
             self.metrics.registry.register(collector)

@@ -175,9 +175,9 @@ async def test_the_request_id_reaches_the_worker_log_lines(
 
 
 @asynccontextmanager
-async def traced() -> AsyncIterator[InMemorySpanExporter]:
+async def traced(sample_ratio: float = 1.0) -> AsyncIterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    async with open_tracing("", "test", exporter=exporter):
+    async with open_tracing("", "test", exporter=exporter, sample_ratio=sample_ratio):
         yield exporter
 
 
@@ -314,3 +314,25 @@ async def test_a_retry_and_a_migration_are_spans_of_the_requests_tree(headwater:
     assert event.attributes is not None
     assert event.attributes["headwater.tokens_delivered"] == 2
     assert event.attributes["headwater.migration.kind"] == "ongoing_request"
+
+
+async def test_sampling_keeps_a_share_and_follows_the_clients_flag() -> None:
+    """At ratio 0 no request this frontend starts is traced, in any process, yet a
+    client's sampled traceparent is (the parent decides); at ratio 1 a client's
+    not-sampled one is not. Requests are served the same either way. (Spans reach the
+    exporter when tracing closes: each block is looked at after its end.)"""
+
+    async def send(sample_ratio: float, headers: dict[str, str]) -> tuple[ReadableSpan, ...]:
+        async with traced(sample_ratio) as exporter, serve_frontend() as (_, url), \
+                httpx.AsyncClient(base_url=url) as c:  # fmt: skip
+            for _ in range(3):
+                r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
+                assert r.status_code == 200
+        return exporter.get_finished_spans()
+
+    assert await send(0.0, {}) == ()
+    spans = await send(0.0, {"traceparent": PARENT})
+    assert {f"{s.context.trace_id:032x}" for s in spans} == {PARENT.split("-")[1]}
+    assert {"dispatch", "worker.request", "engine.decode"} <= {s.name for s in spans}
+    assert await send(1.0, {"traceparent": PARENT[:-2] + "00"}) == ()
+    assert len({s.context.trace_id for s in await send(1.0, {})}) == 3

@@ -255,6 +255,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--otlp-endpoint", default=_D.otlp_endpoint,
                    help="send OpenTelemetry traces over OTLP/HTTP here, e.g. "
                         "http://127.0.0.1:4318 (default: no tracing)")
+    o.add_argument("--otlp-sample-ratio", type=sample_ratio, default=_D.otlp_sample_ratio,
+                   help="the share of requests traced, 0 to 1, when the client's traceparent "
+                        "does not decide (default: 1, every request)")
 
     for name in registry.names():
         group = p.add_argument_group(f"engine {name} (in-process workers)",
@@ -267,6 +270,14 @@ def process_count(text: str) -> int:
     if text.strip().lower() == "auto":
         return 0  # resolved with the engine's config (frontend_config_from_args)
     return positive_int(text)
+
+
+def sample_ratio(text: str) -> float:
+    """An argparse ``type``: a share from 0 to 1."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
 
 
 def _header_bytes(text: str) -> int:

@@ -48,12 +48,18 @@ async def open_tracing(
     attributes: Mapping[str, str | int] | None = None,
     exporter: SpanExporter | None = None,
     export_timeout_s: float = EXPORT_TIMEOUT_S,
+    sample_ratio: float = 1.0,
 ) -> AsyncIterator[Callable[[], TraceStatistics]]:
     """Trace this process for the block; yields a function returning the processor's
     :class:`TraceStatistics`. *exporter* replaces the OTLP one (tests: the SDK's
-    in-memory exporter). Raises ImportError without the ``tracing`` extra."""
+    in-memory exporter). A trace this process starts is recorded with probability
+    *sample_ratio* (by its trace id: OpenTelemetry's ``TraceIdRatioBased``); one that
+    continues a parent (a client's ``traceparent``, a frontend's leg on a worker)
+    follows the parent's sampled flag (``ParentBased``), so every process of a trace
+    agrees. Raises ImportError without the ``tracing`` extra."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     from headwater.tracing.otel import OtelTracer
     from headwater.tracing.queue import QueueSpanProcessor
@@ -65,7 +71,8 @@ async def open_tracing(
     resource = Resource.create({
         "service.name": service, "host.name": socket.gethostname(), **(attributes or {}),
     })  # fmt: skip
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource,
+                              sampler=ParentBased(TraceIdRatioBased(sample_ratio)))  # fmt: skip
     processor = QueueSpanProcessor(exporter)
     provider.add_span_processor(processor)
     previous = set_tracer(OtelTracer(provider.get_tracer("headwater")))

@@ -88,6 +88,9 @@ class OtelTracer(Tracer):
         attributes: Mapping[str, AttributeValue] | None,
     ) -> Iterator[Span]:  # fmt: skip
         otel = self._otel.start_span(name, context=context, kind=kind, attributes=attributes)
+        if not otel.is_recording():  # sampled out: the null span, so children are none
+            yield NULL_SPAN
+            return
         try:
             yield OtelSpan(otel)
         except GeneratorExit:
