@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from headwater.instrumentation.exposition import TextExposition
 
@@ -221,3 +224,53 @@ class FrontendMetrics:
         for hook in self._collect_hooks:
             hook()
         return self._exposition.render(names)
+
+
+class KvRoutingCounts(Protocol):
+    """What :class:`KvRoutingCollector` reads (``frontend.router.KvStats``)."""
+
+    @property
+    def routed(self) -> int: ...
+    @property
+    def overlap_blocks(self) -> int: ...
+    @property
+    def prefill_tokens_saved(self) -> int: ...
+    @property
+    def events(self) -> int: ...
+    @property
+    def dumps(self) -> int: ...
+    @property
+    def gaps(self) -> int: ...
+
+
+class KvRoutingCollector(Collector):
+    """``--router kv``'s counters, read from the router at each scrape (the router
+    counts in plain ints on the loop; nothing is written twice):
+    ``<prefix>kv_routed_requests_total`` (requests routed by cached overlap),
+    ``kv_overlap_blocks_total`` (their leading blocks found cached on the chosen worker;
+    over routed requests: the mean overlap), ``kv_prefill_tokens_saved_total``,
+    ``kv_events_total`` (KV events received from the workers), ``kv_dumps_total``
+    (full dumps asked for), ``kv_event_gaps_total`` (gaps in a worker's numbering).
+    All zero under the other policies (docs/routing.md)."""
+
+    FAMILIES = (
+        ("kv_routed_requests", "Requests routed by their prefix's cached overlap", "routed"),
+        ("kv_overlap_blocks", "Prompt blocks found cached on the chosen worker",
+         "overlap_blocks"),
+        ("kv_prefill_tokens_saved", "Prompt tokens the chosen worker had cached",
+         "prefill_tokens_saved"),
+        ("kv_events", "KV events received from the workers", "events"),
+        ("kv_dumps", "Full dumps of a worker's cache asked for", "dumps"),
+        ("kv_event_gaps", "Gaps seen in a worker's KV event numbers", "gaps"),
+    )  # fmt: skip
+
+    def __init__(self, prefix: str, counts: Callable[[], KvRoutingCounts]) -> None:
+        self.prefix = prefix
+        self.counts = counts
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        counts = self.counts()
+        for name, doc, field in self.FAMILIES:
+            family = CounterMetricFamily(f"{self.prefix}{name}", doc)
+            family.add_metric([], getattr(counts, field))
+            yield family

@@ -35,7 +35,7 @@ from frontend.http.request_ids import RequestIds
 from frontend.http.responses_api.store import ResponseStore
 from frontend.http.serving import REFUSAL_REASONS, ServerConfig, serve
 from frontend.http.serving.balance import AcceptBalance
-from frontend.metrics import FrontendMetrics
+from frontend.metrics import FrontendMetrics, KvRoutingCollector
 from frontend.pipeline import ParserChoice, Pipeline
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
@@ -183,6 +183,9 @@ class Frontend:
             self.app, self.observed, debug_endpoints=config.debug_endpoints, group=self.group
         )
         self.metrics.on_collect(self._refresh_gauges)
+        self.metrics.registry.register(
+            KvRoutingCollector("headwater_frontend_", self.router.kv_statistics)
+        )
         #: Set by :meth:`stop`: the drain, then the shutdown, has begun.
         self.shutdown = trio.Event()
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 
+import httpx
 import trio
 import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.router import Router
 from frontend.router.kv_index import KvIndex, chain_hashes, prompt_hashes
@@ -25,6 +27,8 @@ from headwater.wire.kv_events import (
 )
 from headwater.wire.tokens import token_array
 from workers.engines.mocker.kv_cache import KvCache
+
+from frontend_fixture import serve_frontend
 
 BS = 4
 
@@ -329,3 +333,38 @@ def test_a_cache_publishes_from_its_first_reader_on() -> None:
     assert len(removed) == 3  # the announced prompt's blocks only
     index.apply("w", batch)
     assert index.overlaps(prompt_hashes(after, BS)) == {}
+
+
+async def test_kv_routing_counters_are_on_the_metrics_page() -> None:
+    """``--router kv``'s counters on /metrics: a prompt sent twice is routed twice, the
+    second time with its blocks found cached (the first answer's events were read)."""
+    def counters(text: str) -> dict[str, float]:
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name.startswith("headwater_frontend_kv_")}  # fmt: skip
+
+    words = " ".join(f"river{i}" for i in range(400))  # several 64-token blocks
+    body = {"model": "deepseek-v4", "max_tokens": 2,
+            "messages": [{"role": "user", "content": words}]}  # fmt: skip
+    async with serve_frontend(router="kv") as (frontend, url), httpx.AsyncClient(
+        base_url=url
+    ) as client:
+        before = counters((await client.get("/metrics")).text)
+        assert before["headwater_frontend_kv_routed_requests_total"] == 0
+        router = frontend.router
+        with trio.fail_after(10):  # the router subscribed to each worker: a dump each
+            while router.kv_statistics().dumps < len(router.clients()):
+                await trio.sleep(0.02)
+        dumped = router.kv_statistics().events  # the dumps' "all cleared" events
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        with trio.fail_after(10):  # the stored blocks reach the index at the next poll
+            while router.kv_statistics().events == dumped:
+                await trio.sleep(0.02)
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        after = counters((await client.get("/metrics")).text)
+    assert after["headwater_frontend_kv_routed_requests_total"] == 2
+    overlap = after["headwater_frontend_kv_overlap_blocks_total"]
+    assert overlap >= 400 // 64  # the second request found the prompt's blocks
+    assert after["headwater_frontend_kv_prefill_tokens_saved_total"] == overlap * 64
+    assert after["headwater_frontend_kv_events_total"] > 0
+    assert after["headwater_frontend_kv_dumps_total"] >= 1  # each worker, once at start
+    assert after["headwater_frontend_kv_event_gaps_total"] == 0
