@@ -146,6 +146,9 @@ class FrontendConfig:
     etcd_credentials: EtcdCredentials | None = field(default=None, repr=False)
     migration_limit: int = 3  # times a broken stream may move to another worker
     route_attempts: int = 3  # workers tried when one cannot be reached
+    # Conditional disaggregation: a prompt with at most this many uncached tokens runs
+    # whole on a decode worker, no prefill leg (docs/routing.md); 0: always disaggregate.
+    local_prefill_max_tokens: int = 0
 
     # -- worker health (frontend/router/health.py; docs/fault-tolerance.md) ---------------
     inhibit_after: int = 2  # consecutive faults that take a worker out of routing

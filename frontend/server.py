@@ -146,6 +146,7 @@ class Frontend:
                 route_attempts=config.route_attempts,
                 queue_timeout=config.queue_timeout,
                 queue_size=config.queue_size,
+                local_prefill_max_tokens=config.local_prefill_max_tokens,
             ),
             limits=config.limits,
             parsers=parser_choice(config, self.template),

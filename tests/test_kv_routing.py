@@ -14,6 +14,7 @@ from frontend.router import Router
 from frontend.router.kv_index import KvIndex, chain_hashes, prompt_hashes
 from frontend.router.kv_routing import ApproxIndex, Candidate, KvConfig, choose
 from frontend.router.router import Prompt
+from frontend.server import Frontend
 from headwater.plane.base import WorkerInstance
 from headwater.wire import Role, WorkerLoad
 from headwater.wire.codec import FrameDecoder, encode
@@ -368,3 +369,51 @@ async def test_kv_routing_counters_are_on_the_metrics_page() -> None:
     assert after["headwater_frontend_kv_events_total"] > 0
     assert after["headwater_frontend_kv_dumps_total"] >= 1  # each worker, once at start
     assert after["headwater_frontend_kv_event_gaps_total"] == 0
+
+
+def _served(frontend: Frontend) -> dict[str, int]:
+    """Requests served, by role, from the router's view of its workers."""
+    served: dict[str, int] = {}
+    for view in frontend.router.views():
+        served[view.role.value] = served.get(view.role.value, 0) + view.served
+    return served
+
+
+async def test_conditional_disaggregation_prefills_a_short_uncached_prompt_locally() -> None:
+    """A prompt whose uncached part is at most ``local_prefill_max_tokens`` runs whole
+    on a decode worker: no prefill leg. Under ``--router kv`` what the decode workers
+    hold counts as cached, so a long prompt sent again is prefilled locally too."""
+    short = {"model": "deepseek-v4", "max_tokens": 3, "messages": [{"role": "user",
+             "content": "Hi"}]}  # fmt: skip
+    long = {**short, "messages": [{"role": "user",
+                                   "content": " ".join(f"delta{i}" for i in range(300))}]}
+    async with serve_frontend(local_prefill_max_tokens=0) as (frontend, url), \
+            httpx.AsyncClient(base_url=url) as client:  # fmt: skip
+        r = await client.post("/v1/chat/completions", json=short)
+        assert r.status_code == 200
+        assert _served(frontend) == {"prefill": 1, "decode": 1}  # always disaggregated
+    async with serve_frontend(local_prefill_max_tokens=100) as (frontend, url), \
+            httpx.AsyncClient(base_url=url) as client:  # fmt: skip
+        r = await client.post("/v1/chat/completions", json=short)
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert _served(frontend) == {"prefill": 0, "decode": 1}  # local: short
+        assert (await client.post("/v1/chat/completions", json=long)).status_code == 200
+        assert _served(frontend) == {"prefill": 1, "decode": 2}  # over 100 uncached
+    async with serve_frontend(router="kv", local_prefill_max_tokens=100) as (frontend, url), \
+            httpx.AsyncClient(base_url=url) as client:  # fmt: skip
+        router = frontend.router
+        with trio.fail_after(10):
+            while router.kv_statistics().dumps < len(router.clients()):
+                await trio.sleep(0.02)
+        assert (await client.post("/v1/chat/completions", json=long)).status_code == 200
+        assert _served(frontend) == {"prefill": 1, "decode": 1}
+        def decode_blocks() -> int:
+            return sum(v.cached_blocks for v in router.views() if v.role.value == "decode")
+
+        with trio.fail_after(10):  # the decode worker's stored blocks reach the index
+            while decode_blocks() < 300 // 64:
+                await trio.sleep(0.02)
+        again = await client.post("/v1/chat/completions", json=long)
+        assert again.status_code == 200
+        assert _served(frontend) == {"prefill": 1, "decode": 2}  # cached there: local
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -96,6 +96,11 @@ class DispatchConfig:
     queue_timeout: float = 10.0
     #: Requests that may wait so at once; beyond, 503 at once.
     queue_size: int = 1024
+    #: Conditional disaggregation: a request whose prompt has at most this many tokens
+    #: not cached (on the decode workers, as far as ``--router kv``'s index knows; else
+    #: the whole prompt) runs whole on a decode worker, which prefills it itself: a short
+    #: prefill costs less there than a KV transfer. 0: always disaggregate.
+    local_prefill_max_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +279,7 @@ class Dispatcher:
         role = Role.DECODE  # a decode worker can prefill locally when alone
         held: _HeldKv | None = None  # the prefill's KV, until a decode worker has it
         try:
-            if prefill and decode:
+            if prefill and decode and not self._prefill_locally(request, state):
                 held = await self._prefill(request, state)
                 request = replace(request, kv_handle=held.handle)
             elif routable(Role.AGG) and (
@@ -301,6 +306,24 @@ class Dispatcher:
                 # attempt failed and the next one prefills again): nobody will pull
                 # this KV, so free it now rather than at the prefill's timeout.
                 held.holder.release_kv(held.handle)
+
+    def _prefill_locally(self, request: GenerateRequest, state: _Attempts) -> bool:
+        """Conditional disaggregation (:attr:`DispatchConfig.local_prefill_max_tokens`):
+        the prompt's uncached part is short enough for a decode worker to prefill."""
+        limit = self.config.local_prefill_max_tokens
+        if limit <= 0:
+            return False
+        uncached = len(request.token_ids)
+        if state.prompt is not None and self.router.kv.events:
+            decode = {c.instance.worker_id for c in self.router.clients()
+                      if c.instance.role is Role.DECODE}  # fmt: skip
+            found = self.router.kv_index.overlaps(state.prompt.hashes)
+            cached = max((n for wid, n in found.items() if wid in decode), default=0)
+            uncached -= cached * self.router.kv.block_size
+        local = uncached <= limit
+        if local:
+            state.span.event("local_prefill", {"headwater.uncached_tokens": uncached})
+        return local
 
     async def _prefill(self, request: GenerateRequest, state: _Attempts) -> _HeldKv:
         held = None

@@ -198,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="times a broken stream may move to another worker")
     w.add_argument("--route-attempts", type=positive_int, default=_D.route_attempts,
                    help="workers tried when one cannot be reached")
+    w.add_argument("--local-prefill-max-tokens", type=non_negative_int,
+                   default=_D.local_prefill_max_tokens,
+                   help="disaggregated: a prompt with at most this many uncached tokens is "
+                        "prefilled by its decode worker, no prefill leg (default: 0, never)")
     w.add_argument("--plane-tls-certfile", default=None, metavar="PEM",
                    help="mutual TLS to remote workers (with --plane-tls-keyfile and "
                         "--plane-tls-ca-file): this frontend's certificate chain")
