@@ -67,6 +67,7 @@ class Seen:
     phone_overflow: tuple[int, int] = (0, 0)
     phone_rows: int = 0
     errors_text: str = ""
+    routing_text: str = ""
     foreign_requests: list[str] = field(default_factory=list)
     page_errors: list[str] = field(default_factory=list)
 
@@ -93,6 +94,7 @@ def drive_browser(sync_api: Any, base_url: str, seen: Seen) -> None:
             )
             assert not page.evaluate(HAS_INJECTED_ROW)
             seen.errors_text = page.text_content("#errors tbody") or ""
+            seen.routing_text = page.text_content("#routing") or ""
 
             r = httpx.post(base_url + "/debug/stall", params={"ms": 150}, timeout=10)
             r.raise_for_status()
@@ -159,6 +161,7 @@ async def test_injected_stall_appears_on_the_dashboard() -> None:
     # The stack is shown as text, frame for frame: "<locals>" in a qualname stays text.
     assert seen.stack_text == "\n".join(injected["stack"])
     assert any("<locals>" in frame for frame in injected["stack"])
+    assert seen.routing_text == "router: round-robin"
     assert "dash-req-42" in seen.errors_text  # the recent errors name the request
     assert "/v1/chat/completions" in seen.errors_text
     assert seen.foreign_requests == []

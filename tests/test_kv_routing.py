@@ -362,6 +362,11 @@ async def test_kv_routing_counters_are_on_the_metrics_page() -> None:
                 await trio.sleep(0.02)
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         after = counters((await client.get("/metrics")).text)
+        page = (await client.get("/dashboard/data")).json()
+    assert page["routing"]["policy"] == "kv"
+    assert page["routing"]["routed"] == 2
+    assert page["routing"]["overlap_blocks"] == after["headwater_frontend_kv_overlap_blocks_total"]
+    assert any(w["cached_blocks"] > 0 for w in page["workers"])
     assert after["headwater_frontend_kv_routed_requests_total"] == 2
     overlap = after["headwater_frontend_kv_overlap_blocks_total"]
     assert overlap >= 400 // 64  # the second request found the prompt's blocks

@@ -407,7 +407,7 @@ async def test_dashboard_data_snapshot() -> None:
         workers = (await c.get("/debug/workers")).json()
 
     assert set(data) == {"now", "model", "loop", "stalls", "pool", "requests", "history",
-                         "latency", "workers", "memory", "errors"}
+                         "latency", "workers", "memory", "errors", "routing"}
     assert data["model"] == MODEL
     (memory,) = data["memory"]  # this process's own, from /proc/self/smaps_rollup
     assert memory["role"] == "frontend"

@@ -330,7 +330,17 @@ def merge_dashboards(
         "processes": processes,
         "memory": memory,
         "errors": errors[:RECENT_ERRORS],
+        "routing": _routing([p.get("routing") for p in snaps]),
     }
+
+
+def _routing(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The processes' routing counters added up (one policy: the group's options)."""
+    known = [p for p in parts if p is not None]
+    if not known:
+        return None
+    counts = _summed([{k: v for k, v in p.items() if k != "policy"} for p in known])
+    return {"policy": known[0]["policy"], **counts}
 
 
 def _summed(counts: list[dict[str, int]]) -> dict[str, int]:

@@ -107,7 +107,8 @@ def snapshot(
     requests by outcome, HTTP answers by status code), ``history`` (``fields`` and
     ``points``: see :class:`LoadHistory`), ``latency`` (TTFT and ITL percentiles over a
     recent window), ``workers``, ``memory``, ``errors`` (the last error answers, newest
-    first, with their request ids: :mod:`frontend.http.recent_errors`). A group's view
+    first, with their request ids: :mod:`frontend.http.recent_errors`), ``routing`` (the
+router's policy and ``--router kv``'s counters). A group's view
     (``headwater.cluster.group_view``) has the same keys and ``processes``, one row per
     process.
     """
@@ -158,6 +159,8 @@ def snapshot(
         "workers": [dataclasses.asdict(v) for v in frontend.router.views()],
         "memory": memory or [],
         "errors": [e.to_dict() for e in frontend.errors.records()],
+        "routing": {"policy": frontend.router.policy.value,
+                    **dataclasses.asdict(frontend.router.kv_statistics())},
     }
 
 

@@ -343,12 +343,21 @@
         stateCell,
         el("td", { class: "num", "data-label": "in flight" }, w.inflight),
         el("td", { class: "num", "data-label": "served" }, w.served),
+        el("td", { class: "num", "data-label": "cached blocks" }, w.cached_blocks ?? 0),
         el("td", { class: "num", "data-label": "failures" }, w.failures),
         el("td", { class: "err", "data-label": "last error" }, w.last_error || ""),
       );
     });
-    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7 }, "No worker known yet.")));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 8 }, "No worker known yet.")));
     $("workers").tBodies[0].replaceChildren(...rows);
+    const r = data.routing;
+    if (!r) setText("routing", "–");
+    else if (r.policy !== "kv") setText("routing", `router: ${r.policy}`);
+    else {
+      const mean = r.routed ? (r.overlap_blocks / r.routed).toFixed(1) : "–";
+      setText("routing", `router: kv · ${r.routed} routed by cache · ${mean} cached blocks a request · ` +
+        `${r.prefill_tokens_saved} prompt tokens found cached · ${r.events} KV events, ${r.dumps} dumps, ${r.gaps} gaps`);
+    }
   }
 
   function renderErrors(data) {
