@@ -72,7 +72,8 @@ from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.structured import ConstraintError, structured_output
 from frontend.preprocess.template import ChatTemplate
 from frontend.request import ParsedRequest, SamplingOptions, TokenRequest
-from frontend.router import DispatchConfig, Dispatcher, Router
+from frontend.router import DispatchConfig, Dispatcher, Policy, Router
+from frontend.router.kv_index import prompt_hashes
 from headwater.logs import current_request
 from headwater.tracing import Span, current_trace, tracer
 from headwater.wire import GenerateRequest, Role, SamplingParams, StructuredOutput, TokenLogprobs
@@ -116,6 +117,9 @@ class Prepared(Generic[R]):
     # The rendered prompt ends inside the model's reasoning (``<think>``: DeepSeek-V4's
     # thinking mode), so the answer starts as reasoning, before any ``</think>``.
     reasoning_forced: bool = False
+    # The prompt's block hashes for ``--router kv``, when preprocess computed them
+    # beside the encoding (else dispatch computes them).
+    block_hashes: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +280,9 @@ class Pipeline:
         check_honoured(parsed.needs, self.router, self.model_name,
                        self.parsers.tool_call_parser)  # fmt: skip
         param = "messages" if parsed.endpoint == "chat" else "prompt"
-        prompt_ids, reasoning_forced = await self._prompt(parsed)
+        prompt_ids, reasoning_forced, hashes = await self._prompt(
+            parsed, hashed=self.router.policy is Policy.KV
+        )
         structured = self._structured(parsed, reasoning_forced)
         return Prepared(
             request_id=plane_request_id(),
@@ -286,18 +292,23 @@ class Pipeline:
             created=time.time(),
             started=started,
             reasoning_forced=reasoning_forced,
+            block_hashes=hashes,
         )
 
     async def encode_prompt(self, parsed: ParsedRequest) -> array[int]:
         """The prompt's ids: the chat template rendered (chat) or the prompt normalised
         (completions), then tokenized in the pool; no length is checked (``/tokenize``
         reports a prompt of any length). Raises InvalidRequest."""
-        prompt_ids, _ = await self._prompt(parsed)
+        prompt_ids, _, _ = await self._prompt(parsed, hashed=False)
         return prompt_ids
 
-    async def _prompt(self, parsed: ParsedRequest) -> tuple[array[int], bool]:
-        """:meth:`encode_prompt`, and whether the rendered prompt opened the model's
-        reasoning itself (it ends in ``<think>``)."""
+    async def _prompt(
+        self, parsed: ParsedRequest, *, hashed: bool
+    ) -> tuple[array[int], bool, tuple[int, ...] | None]:
+        """:meth:`encode_prompt`, whether the rendered prompt opened the model's
+        reasoning itself (it ends in ``<think>``), and, when *hashed*, the prompt's
+        block hashes for ``--router kv``, computed beside the encoding in the
+        tokenizer's thread (None when not asked, or for a prompt given as ids)."""
         t0 = time.perf_counter()
         text_or_ids: str | list[int]
         param = "messages" if parsed.endpoint == "chat" else "prompt"
@@ -316,15 +327,21 @@ class Pipeline:
         self.metrics.template_seconds.observe(t1 - t0)
         if isinstance(text_or_ids, str):
             with tracer().span("preprocess.tokenize", parent=root) as span:
-                prompt_ids, waited = await self.pool.encode_timed(text_or_ids)
+                hashes: tuple[int, ...] | None = None
+                if hashed:
+                    block = partial(prompt_hashes, block_size=self.router.kv.block_size)
+                    prompt_ids, waited, hashes = await self.pool.encode_with(text_or_ids, block)
+                else:
+                    prompt_ids, waited = await self.pool.encode_timed(text_or_ids)
                 span.set_many({"headwater.prompt_chars": len(text_or_ids),
                                "gen_ai.usage.input_tokens": len(prompt_ids),
                                "headwater.tokenize.queue_wait_s": waited})  # fmt: skip
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
+            hashes = None
         forced = isinstance(text_or_ids, str) and text_or_ids.rstrip().endswith(THINK_OPEN)
-        return prompt_ids, parsed.endpoint == "chat" and forced
+        return prompt_ids, parsed.endpoint == "chat" and forced, hashes
 
     async def preprocess_tokens(self, request: TokenRequest) -> Prepared[TokenRequest]:
         """The preprocess stage of a token-in request, which has neither a template nor
@@ -497,8 +514,9 @@ class Pipeline:
                 seed=None if seed is None else (seed + index + _INT64 // 2) % _INT64 - _INT64 // 2,
             )  # fmt: skip
             request = replace(request, request_id=f"{prep.request_id}.c{index}", sampling=sampling)
-        dispatched = (self.dispatcher.stream(request) if shared is None
-                      else self.dispatcher.stream(request, shared.affinity))  # fmt: skip
+        dispatched = self.dispatcher.stream(
+            request, None if shared is None else shared.affinity, hashes=prep.block_hashes
+        )
         try:
             async with aclosing(dispatched) as chunks:
                 async for chunk in chunks:

@@ -4,13 +4,15 @@ cost, approximate mode's expiry, and the index against the mocker's real cache."
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.router import Router
+from frontend.router import Router, dispatch
 from frontend.router.kv_index import KvIndex, chain_hashes, prompt_hashes
 from frontend.router.kv_routing import ApproxIndex, Candidate, KvConfig, choose
 from frontend.router.router import Prompt
@@ -422,3 +424,34 @@ async def test_conditional_disaggregation_prefills_a_short_uncached_prompt_local
         assert again.status_code == 200
         assert _served(frontend) == {"prefill": 1, "decode": 2}  # cached there: local
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_a_text_prompts_block_hashes_come_from_the_tokenizers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ``--router kv`` a text prompt is hashed beside its encoding, in the pool's
+    thread: dispatch does not hash it again. A prompt given as ids (the token-in API)
+    is hashed by dispatch."""
+    hashed_in_dispatch: list[int] = []
+    real = dispatch.prompt_hashes
+
+    def counted(token_ids: Any, block_size: int) -> tuple[int, ...]:
+        hashed_in_dispatch.append(len(token_ids))
+        return real(token_ids, block_size)
+
+    monkeypatch.setattr(dispatch, "prompt_hashes", counted)
+    long = {"model": "deepseek-v4", "max_tokens": 2, "messages": [
+        {"role": "user", "content": " ".join(f"gamma{i}" for i in range(2000))}]}  # fmt: skip
+    async with serve_frontend(router="kv") as (frontend, url), httpx.AsyncClient(
+        base_url=url
+    ) as client:
+        for _ in range(2):
+            assert (await client.post("/v1/chat/completions", json=long)).status_code == 200
+        assert hashed_in_dispatch == []
+        stats = frontend.router.kv_statistics()
+        assert stats.routed == 2  # routed by cache all the same
+        ids = {"model": "deepseek-v4", "token_ids": list(range(10, 300)),
+               "sampling_params": {"max_tokens": 2}}  # fmt: skip
+        r = await client.post("/inference/v1/generate", json=ids)
+        assert r.status_code == 200, r.text
+    assert hashed_in_dispatch == [290]

@@ -351,7 +351,7 @@ async def test_an_error_after_the_stream_started_is_an_event(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
-        async def broken(request: GenerateRequest) -> Any:
+        async def broken(request: GenerateRequest, *_: Any, **__: Any) -> Any:
             yield Chunk(request.request_id, [42, 43])
             raise WorkerFailed("the worker broke the stream")
 

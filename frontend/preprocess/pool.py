@@ -90,24 +90,43 @@ class TokenizerPool:
     async def encode_timed(self, text: str) -> tuple[array[int], float]:
         """:meth:`encode`, and the seconds the text waited for a pool thread (0 inline):
         the queue wait a request's trace shows on its tokenize span."""
+        ids, waited, _ = await self._encode(text, None)
+        return ids, waited
+
+    async def encode_with(
+        self, text: str, also: Callable[[array[int]], T]
+    ) -> tuple[array[int], float, T]:
+        """:meth:`encode_timed`, then *also* of the ids in the same thread (inline when
+        the encode is): work on a prompt's ids (``--router kv``'s block hashes) that then
+        costs the loop nothing and no second thread hop."""
+        ids, waited, extra = await self._encode(text, also)
+        return ids, waited, extra  # Any from _encode: T, as *also* is given
+
+    async def _encode(
+        self, text: str, also: Callable[[array[int]], Any] | None
+    ) -> tuple[array[int], float, Any]:
         self._encoded += 1
         if self.mode is TokenizeMode.INLINE or (
             self.mode is TokenizeMode.THREAD and len(text) <= self.inline_max_chars
         ):
             self._inline += 1
-            return self.tokenizer.encode_ids(text), 0.0
+            ids = self.tokenizer.encode_ids(text)
+            return ids, 0.0, None if also is None else also(ids)
         encode = (self.tokenizer.encode_holding_gil if self.mode is TokenizeMode.THREAD_GIL
                   else self.tokenizer.encode_ids)  # fmt: skip
         queued = time.perf_counter()
         started = queued
 
-        def run() -> array[int]:
+        def run() -> tuple[array[int], Any]:
             nonlocal started
             started = time.perf_counter()
-            return encode(text)
+            ids = encode(text)
+            return ids, None if also is None else also(ids)
 
-        ids = await trio.to_thread.run_sync(run, limiter=self.limiter, abandon_on_cancel=True)
-        return ids, started - queued
+        ids, extra = await trio.to_thread.run_sync(
+            run, limiter=self.limiter, abandon_on_cancel=True
+        )
+        return ids, started - queued, extra
 
     async def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """The text of *ids* (``/detokenize``): inline up to :data:`INLINE_DECODE_TOKENS`

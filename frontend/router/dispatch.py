@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -180,18 +180,25 @@ class Dispatcher:
         return disagg or r.routable(Role.AGG, m) > 0
 
     async def stream(
-        self, request: GenerateRequest, affinity: dict[Role, str] | None = None
+        self,
+        request: GenerateRequest,
+        affinity: dict[Role, str] | None = None,
+        *,
+        hashes: Sequence[int] | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The request's chunks, from one or more workers; the last carries
         ``finish_reason`` (unless the caller stops reading first). *affinity*: shared
-        by the streams of one request (see the module docstring).
+        by the streams of one request (see the module docstring). *hashes*: the
+        prompt's block hashes for ``--router kv`` when preprocess computed them (else
+        they are computed here).
 
         Raises InvalidRequest, NoCapacity or WorkerFailed (see the module docstring).
         """
         generated = token_array()
         state = _Attempts(affinity=affinity)
         if self.router.policy is Policy.KV:
-            state.prompt = await self._prompt(request)
+            state.prompt = (await self._prompt(request) if hashes is None
+                            else Prompt(len(request.token_ids), hashes))  # fmt: skip
         with tracer().span("dispatch", parent=current_trace().span) as state.span:
             while True:
                 attempt = self._continuation(request, generated, state.migrations)
