@@ -540,6 +540,12 @@ async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.N
     assert [n for n in WORKER_SAMPLES if n not in names] == []
     assert value(found, "headwater_worker_info", worker_id=worker_id, role="agg") == 1
     assert value(found, "headwater_worker_kv_blocks_total") == 512
+    # The Gateway API Inference Extension's endpoint picker reads vLLM's names.
+    used = value(found, "headwater_worker_kv_blocks_used")
+    assert value(found, "vllm:kv_cache_usage_perc") == used / 512
+    assert value(found, "vllm:gpu_cache_usage_perc") == used / 512
+    assert value(found, "vllm:num_requests_waiting") == 0
+    assert value(found, "vllm:num_requests_running") == 0
     assert value(found, "headwater_worker_requests_served_total") == 1
     assert value(found, "headwater_worker_inflight_requests") == 0
     assert value(found, "headwater_worker_event_loop_delay_seconds_count") > 0

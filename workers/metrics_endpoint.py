@@ -110,6 +110,18 @@ class WorkerCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{p}{name}", doc, value=value)
+        # The model-server protocol of the Gateway API Inference Extension: its endpoint
+        # picker scrapes these names (vLLM's) from every pod of an InferencePool.
+        usage = engine.kv_blocks_used / engine.kv_blocks_total if engine.kv_blocks_total else 0.0
+        picker: tuple[tuple[str, str, float], ...] = (
+            ("vllm:num_requests_waiting", "Requests waiting (the endpoint picker's queue)",
+             engine.waiting_requests),
+            ("vllm:num_requests_running", "Requests running", engine.active_requests),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", usage),
+            ("vllm:gpu_cache_usage_perc", "KV cache usage, 0 to 1 (the older name)", usage),
+        )  # fmt: skip
+        for name, doc, share in picker:
+            yield GaugeMetricFamily(name, doc, value=share)
 
 
 async def serve_worker_metrics(
