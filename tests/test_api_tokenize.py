@@ -119,7 +119,7 @@ async def test_long_inputs_are_encoded_and_decoded_off_the_loop() -> None:
             assert tokens == hf_ids(text)
             back = await c.post("/detokenize", json={"tokens": tokens})
             assert back.json()["prompt"] == text
-        assert calls == ["encode_ids", "look_up", "partial"], calls
+        assert calls == ["encode_in_thread", "look_up", "partial"], calls
         assert fe.pool.statistics().encoded_total >= 1
 
 

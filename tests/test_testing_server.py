@@ -69,9 +69,10 @@ async def test_on_the_real_clock_a_long_prompt_goes_to_threads(
 ) -> None:
     # What the test above would see without the virtual-time settings.
     calls = await long_prompt_threads(monkeypatch)
-    assert "Tokenizer.encode_ids" in calls
+    # The chat prompt's encode, with its block hashes for the KV router beside it.
+    assert "TokenizerPool._encode.<locals>.encode_in_thread" in calls
     assert "_match" in calls  # the scripted engine reading the prompt
-    assert "prompt_hashes" in calls  # the KV router's
+    assert "prompt_hashes" in calls  # the KV router's, for the prompt given as ids
     assert len(calls) >= 5  # and the echo's, the token strings'
 
 

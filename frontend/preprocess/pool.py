@@ -117,14 +117,14 @@ class TokenizerPool:
         queued = time.perf_counter()
         started = queued
 
-        def run() -> tuple[array[int], Any]:
+        def encode_in_thread() -> tuple[array[int], Any]:
             nonlocal started
             started = time.perf_counter()
             ids = encode(text)
             return ids, None if also is None else also(ids)
 
         ids, extra = await trio.to_thread.run_sync(
-            run, limiter=self.limiter, abandon_on_cancel=True
+            encode_in_thread, limiter=self.limiter, abandon_on_cancel=True
         )
         return ids, started - queued, extra
 
