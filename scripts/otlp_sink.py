@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import AsyncIterator
 
 import trio
 
@@ -27,30 +28,37 @@ class Counts:
     body_bytes = 0
 
 
-async def handle(stream: trio.SocketStream, counts: Counts) -> None:
-    """One keep-alive connection: requests with a Content-Length body, each answered."""
+async def request_bodies(stream: trio.SocketStream) -> AsyncIterator[bytes]:
+    """The body of each request on one keep-alive HTTP/1.1 connection (each with a
+    Content-Length), until the client closes it; the caller answers each in turn."""
     buffer = b""
+    while True:
+        while b"\r\n\r\n" not in buffer:
+            data = await stream.receive_some()
+            if not data:
+                return
+            buffer += data
+        head, _, buffer = buffer.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(buffer) < length:
+            data = await stream.receive_some()
+            if not data:
+                return
+            buffer += data
+        body, buffer = buffer[:length], buffer[length:]
+        yield body
+
+
+async def handle(stream: trio.SocketStream, counts: Counts) -> None:
+    """One connection: every request counted and answered."""
     async with stream:
-        while True:
-            while b"\r\n\r\n" not in buffer:
-                data = await stream.receive_some()
-                if not data:
-                    return
-                buffer += data
-            head, _, buffer = buffer.partition(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            while len(buffer) < length:
-                data = await stream.receive_some()
-                if not data:
-                    return
-                buffer += data
-            buffer = buffer[length:]
+        async for body in request_bodies(stream):
             counts.requests += 1
-            counts.body_bytes += length
+            counts.body_bytes += len(body)
             await stream.send_all(ANSWER)
 
 

@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from headwater.cluster.recipes import start_worker
+from scripts.otlp_sink import request_bodies
 
 from frontend_fixture import eventually, serve_frontend
 
@@ -50,22 +51,8 @@ class Receiver:
 
 async def _serve_otlp(receiver: Receiver, stream: trio.SocketStream) -> None:
     """One HTTP/1.1 connection: each POST's body decoded as OTLP traces, answered 200."""
-    buffer = b""
     async with stream:
-        while True:
-            while b"\r\n\r\n" not in buffer:
-                data = await stream.receive_some()
-                if not data:
-                    return
-                buffer += data
-            head, _, buffer = buffer.partition(b"\r\n\r\n")
-            headers = dict(
-                line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line
-            )
-            length = int({k.strip().lower(): v for k, v in headers.items()}[b"content-length"])
-            while len(buffer) < length:
-                buffer += await stream.receive_some()
-            body, buffer = buffer[:length], buffer[length:]
+        async for body in request_bodies(stream):
             request = ExportTraceServiceRequest.FromString(body)
             for resource_spans in request.resource_spans:
                 attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
