@@ -36,7 +36,8 @@ test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check frontend workers headwater tests scripts
+	$(VENV)/bin/ruff check frontend workers headwater tests scripts docs/examples
+	$(VENV)/bin/ruff format --check frontend workers headwater tests scripts docs/examples
 	$(VENV)/bin/mypy
 
 cluster: $(STAMP)

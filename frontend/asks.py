@@ -89,9 +89,9 @@ def fill_in_middle(prompt: str | list[int], suffix: str, tokenizer: Tokenizer) -
         raise InvalidRequest("'suffix' needs a text prompt, not token ids", param="suffix")
     if any(tokenizer.token_to_id(t) is None for t in (FIM_BEGIN, FIM_HOLE, FIM_END)):
         raise InvalidRequest(
-            "'suffix' is not supported: this model's tokenizer has no fill-in-the-middle "
-            "tokens", param="suffix",
-        )  # fmt: skip
+            "'suffix' is not supported: this model's tokenizer has no fill-in-the-middle tokens",
+            param="suffix",
+        )
     return f"{FIM_BEGIN}{prompt}{FIM_HOLE}{suffix}{FIM_END}"
 
 

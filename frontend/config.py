@@ -216,11 +216,15 @@ class FrontendConfig:
             raise ValueError("header_timeout and read_timeout must be positive")
         tls_config(self.plane_tls_certfile, self.plane_tls_keyfile, self.plane_tls_ca_file)
         if self.max_connections_per_client < 0:
-            raise ValueError("max_connections_per_client must be >= 0 (0: no limit), got "
-                             f"{self.max_connections_per_client}")
+            raise ValueError(
+                "max_connections_per_client must be >= 0 (0: no limit), got "
+                f"{self.max_connections_per_client}"
+            )
         if self.reasoning_field not in ("reasoning_content", "reasoning"):
-            raise ValueError("reasoning_field must be 'reasoning_content' or 'reasoning', "
-                             f"got {self.reasoning_field!r}")
+            raise ValueError(
+                "reasoning_field must be 'reasoning_content' or 'reasoning', "
+                f"got {self.reasoning_field!r}"
+            )
         # ValueError naming the known parsers for an unknown one.
         check_names(self.tool_call_parser or "none", self.reasoning_parser or "none")
         cls = registry.config_type(self.engine)  # ValueError for an unknown engine

@@ -56,8 +56,9 @@ class ContextTooLong(LimitExceeded):
     """Prompt plus requested completion exceed the model's context length."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message, limit="context_length", param=param,
-                         code="context_length_exceeded")  # fmt: skip
+        super().__init__(
+            message, limit="context_length", param=param, code="context_length_exceeded"
+        )
 
 
 class UnknownModel(FrontendError):

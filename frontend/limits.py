@@ -101,35 +101,64 @@ class RequestLimits:
     """The limits on one request (see the module docstring for each default's reason).
     0 turns a limit off. Raises ValueError for a negative or non-finite value."""
 
-    max_tokens_cap: int = field(default=0, metadata={
-        "help": "largest max_tokens a request may ask for (and the default when it asks "
-                "none); 0: only the context length bounds it"})
-    max_messages: int = field(default=2048, metadata={
-        "help": "most messages in one chat request (0: no limit)"})
-    max_prompt_chars: int = field(default=2 * 1024 * 1024, metadata={
-        "help": "most characters of message content (or of a completions prompt) in one "
-                "request, counted before the template and the tokenizer (0: no limit)"})
-    max_stop_strings: int = field(default=16, metadata={
-        "help": "most stop strings in one request (0: no limit)"})
-    max_stop_length: int = field(default=256, metadata={
-        "help": "most characters in one stop string (0: no limit)"})
-    request_timeout: float = field(default=0.0, metadata={
-        "help": "seconds a generation request may take, from its arrival to its last "
-                "byte: preprocess, queueing and generation; then 504, or an error event "
-                "in a stream, and the work is cancelled on the worker (0: no deadline)"})
-    max_tools: int = field(default=128, metadata={
-        "help": "most tool definitions in one chat request (0: no limit)"})
-    max_stop_token_ids: int = field(default=256, metadata={
-        "help": "most stop_token_ids in one request (0: no limit)"})
-    max_json_values: int = field(default=512 * 1024, metadata={
-        "help": "most JSON values in one request body, counted before it is parsed (its "
-                "commas, [ and {, strings included) when it is larger than twice this "
-                "many bytes (0: no limit)"})
+    max_tokens_cap: int = field(
+        default=0,
+        metadata={
+            "help": "largest max_tokens a request may ask for (and the default when it asks "
+            "none); 0: only the context length bounds it"
+        },
+    )
+    max_messages: int = field(
+        default=2048, metadata={"help": "most messages in one chat request (0: no limit)"}
+    )
+    max_prompt_chars: int = field(
+        default=2 * 1024 * 1024,
+        metadata={
+            "help": "most characters of message content (or of a completions prompt) in one "
+            "request, counted before the template and the tokenizer (0: no limit)"
+        },
+    )
+    max_stop_strings: int = field(
+        default=16, metadata={"help": "most stop strings in one request (0: no limit)"}
+    )
+    max_stop_length: int = field(
+        default=256, metadata={"help": "most characters in one stop string (0: no limit)"}
+    )
+    request_timeout: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds a generation request may take, from its arrival to its last "
+            "byte: preprocess, queueing and generation; then 504, or an error event "
+            "in a stream, and the work is cancelled on the worker (0: no deadline)"
+        },
+    )
+    max_tools: int = field(
+        default=128, metadata={"help": "most tool definitions in one chat request (0: no limit)"}
+    )
+    max_stop_token_ids: int = field(
+        default=256, metadata={"help": "most stop_token_ids in one request (0: no limit)"}
+    )
+    max_json_values: int = field(
+        default=512 * 1024,
+        metadata={
+            "help": "most JSON values in one request body, counted before it is parsed (its "
+            "commas, [ and {, strings included) when it is larger than twice this "
+            "many bytes (0: no limit)"
+        },
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens_cap", "max_messages", "max_prompt_chars",
-                     "max_stop_strings", "max_stop_length", "request_timeout", "max_tools",
-                     "max_stop_token_ids", "max_json_values"):  # fmt: skip
+        for name in (
+            "max_tokens_cap",
+            "max_messages",
+            "max_prompt_chars",
+            "max_stop_strings",
+            "max_stop_length",
+            "request_timeout",
+            "max_tools",
+            "max_stop_token_ids",
+            "max_json_values",
+        ):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):  # NaN too
                 raise ValueError(f"{name} must be >= 0 (0: no limit), got {value}")
@@ -143,8 +172,10 @@ class RequestLimits:
             raise LimitExceeded(
                 f"'{param}' is too large: {value}. This server allows at most {cap} "
                 "completion tokens per request.",
-                limit="max_tokens_cap", param=param, code=INTEGER_TOO_LARGE,
-            )  # fmt: skip
+                limit="max_tokens_cap",
+                param=param,
+                code=INTEGER_TOO_LARGE,
+            )
 
     def default_max_tokens(self, room: int) -> int:
         """The ``max_tokens`` of a request that asked none, given *room* (the tokens the
@@ -156,8 +187,10 @@ class RequestLimits:
         if limit and count > limit:
             raise LimitExceeded(
                 f"'messages' holds {count} messages; this server takes at most {limit}.",
-                limit="max_messages", param="messages", code=ARRAY_TOO_LONG,
-            )  # fmt: skip
+                limit="max_messages",
+                param="messages",
+                code=ARRAY_TOO_LONG,
+            )
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """*chars*, the characters of the prompt's text (in *param*), are within the
@@ -167,24 +200,30 @@ class RequestLimits:
             raise LimitExceeded(
                 f"'{param}' holds {chars} characters of text; this server takes at most "
                 f"{limit} per request.",
-                limit="max_prompt_chars", param=param, code=STRING_TOO_LONG,
-            )  # fmt: skip
+                limit="max_prompt_chars",
+                param=param,
+                code=STRING_TOO_LONG,
+            )
 
     def check_tools(self, count: int) -> None:
         limit = self.max_tools
         if limit and count > limit:
             raise LimitExceeded(
                 f"'tools' holds {count} tools; this server takes at most {limit}.",
-                limit="max_tools", param="tools", code=ARRAY_TOO_LONG,
-            )  # fmt: skip
+                limit="max_tools",
+                param="tools",
+                code=ARRAY_TOO_LONG,
+            )
 
     def check_stop_token_ids(self, count: int, param: str) -> None:
         limit = self.max_stop_token_ids
         if limit and count > limit:
             raise LimitExceeded(
                 f"'{param}' holds {count} token ids; this server takes at most {limit}.",
-                limit="max_stop_token_ids", param=param, code=ARRAY_TOO_LONG,
-            )  # fmt: skip
+                limit="max_stop_token_ids",
+                param=param,
+                code=ARRAY_TOO_LONG,
+            )
 
     def check_json_values(self, values: int) -> None:
         """*values*, the JSON values counted in a body so far, are within the limit."""
@@ -193,8 +232,10 @@ class RequestLimits:
             raise LimitExceeded(
                 f"The request body holds more than {limit} JSON values (counted as its "
                 "commas, '[' and '{'); this server parses at most that many.",
-                limit="max_json_values", param=None, code=JSON_TOO_COMPLEX,
-            )  # fmt: skip
+                limit="max_json_values",
+                param=None,
+                code=JSON_TOO_COMPLEX,
+            )
 
     def check_stop(self, stops: Sequence[str], param: str = "stop") -> None:
         """The stop strings are few enough, and each short enough."""
@@ -202,12 +243,16 @@ class RequestLimits:
             raise LimitExceeded(
                 f"'{param}' holds {len(stops)} stop strings; this server takes at most "
                 f"{self.max_stop_strings}.",
-                limit="max_stop_strings", param=param, code=ARRAY_TOO_LONG,
-            )  # fmt: skip
+                limit="max_stop_strings",
+                param=param,
+                code=ARRAY_TOO_LONG,
+            )
         longest = max(map(len, stops), default=0)
         if self.max_stop_length and longest > self.max_stop_length:
             raise LimitExceeded(
                 f"'{param}' holds a stop string of {longest} characters; this server takes "
                 f"at most {self.max_stop_length}.",
-                limit="max_stop_length", param=param, code=STRING_TOO_LONG,
-            )  # fmt: skip
+                limit="max_stop_length",
+                param=param,
+                code=STRING_TOO_LONG,
+            )

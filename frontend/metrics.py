@@ -27,7 +27,22 @@ from headwater.instrumentation.exposition import TextExposition
 PREFIX = "headwater_frontend_"
 
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
 )
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 32768, 65536, 131072, 262144)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -117,13 +132,17 @@ class FrontendMetrics:
         self.registry = registry or CollectorRegistry()
         r, p = self.registry, PREFIX
         self.requests_total = Counter(
-            f"{p}requests", "Requests finished, by endpoint, request type and status",
-            ["endpoint", "request_type", "status"], registry=r,
+            f"{p}requests",
+            "Requests finished, by endpoint, request type and status",
+            ["endpoint", "request_type", "status"],
+            registry=r,
         )
         self.http_responses_total = Counter(
             f"{p}http_responses",
             "HTTP answers by status code, on every path but the server's own views "
-            "(/metrics, /health, /live, /dashboard, /debug)", ["code"], registry=r,
+            "(/metrics, /health, /live, /dashboard, /debug)",
+            ["code"],
+            registry=r,
         )
         self.inflight_requests = Gauge(
             f"{p}inflight_requests",
@@ -134,51 +153,74 @@ class FrontendMetrics:
             f"{p}queued_requests", "Requests waiting for a tokenizer thread", registry=r
         )
         self.request_duration_seconds = Histogram(
-            f"{p}request_duration_seconds", "End-to-end request time", buckets=_LATENCY_BUCKETS,
+            f"{p}request_duration_seconds",
+            "End-to-end request time",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.time_to_first_token_seconds = WindowedHistogram(Histogram(
-            f"{p}time_to_first_token_seconds", "Time from request to the first token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        ))
-        self.inter_token_latency_seconds = WindowedHistogram(Histogram(
-            f"{p}inter_token_latency_seconds", "Time between streamed tokens",
-            buckets=_ITL_BUCKETS, registry=r,
-        ))
+        self.time_to_first_token_seconds = WindowedHistogram(
+            Histogram(
+                f"{p}time_to_first_token_seconds",
+                "Time from request to the first token",
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
+        )
+        self.inter_token_latency_seconds = WindowedHistogram(
+            Histogram(
+                f"{p}inter_token_latency_seconds",
+                "Time between streamed tokens",
+                buckets=_ITL_BUCKETS,
+                registry=r,
+            )
+        )
         self.input_sequence_tokens = Histogram(
-            f"{p}input_sequence_tokens", "Prompt length in tokens", buckets=_TOKEN_BUCKETS,
+            f"{p}input_sequence_tokens",
+            "Prompt length in tokens",
+            buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.output_sequence_tokens = Histogram(
-            f"{p}output_sequence_tokens", "Completion length in tokens", buckets=_TOKEN_BUCKETS,
+            f"{p}output_sequence_tokens",
+            "Completion length in tokens",
+            buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.tokenize_seconds = Histogram(
-            f"{p}tokenize_seconds", "Time to tokenize a prompt (preprocess stage)",
-            buckets=_STAGE_BUCKETS, registry=r,
+            f"{p}tokenize_seconds",
+            "Time to tokenize a prompt (preprocess stage)",
+            buckets=_STAGE_BUCKETS,
+            registry=r,
         )
         self.template_seconds = Histogram(
-            f"{p}template_seconds", "Time to render a chat template (preprocess stage)",
-            buckets=_STAGE_BUCKETS, registry=r,
+            f"{p}template_seconds",
+            "Time to render a chat template (preprocess stage)",
+            buckets=_STAGE_BUCKETS,
+            registry=r,
         )
         self.disconnected_clients = Counter(
-            f"{p}disconnected_clients", "Clients that went away before their response ended",
+            f"{p}disconnected_clients",
+            "Clients that went away before their response ended",
             registry=r,
         )
         self.model_migration_total = Counter(
             f"{p}model_migration",
             "Requests moved to other workers after a worker failed them, before any token "
             "reached the client (new_request) or during the stream (ongoing_request)",
-            ["migration_type"], registry=r,
+            ["migration_type"],
+            registry=r,
         )
         self.excused_timeouts_total = Counter(
             f"{p}excused_timeouts",
             "Missed ACKs and heartbeats not blamed on the worker: this frontend's loop "
-            "was stalled while it waited", registry=r,
+            "was stalled while it waited",
+            registry=r,
         )
         self.worker_state_transitions_total = Counter(
-            f"{p}worker_state_transitions", "Changes of a worker's routing state",
-            ["from", "to"], registry=r,
+            f"{p}worker_state_transitions",
+            "Changes of a worker's routing state",
+            ["from", "to"],
+            registry=r,
         )
         self.model_cancellation_total = Counter(
             f"{p}model_cancellation", "Requests cancelled on the worker", registry=r
@@ -186,23 +228,26 @@ class FrontendMetrics:
         self.tokenizer_threads_busy = Gauge(
             f"{p}tokenizer_threads_busy", "Tokenizer pool threads encoding now", registry=r
         )
-        self.tokenizer_threads = Gauge(
-            f"{p}tokenizer_threads", "Tokenizer pool size", registry=r
-        )
+        self.tokenizer_threads = Gauge(f"{p}tokenizer_threads", "Tokenizer pool size", registry=r)
         self.worker_state = Gauge(
-            f"{p}worker_state", "1 for the state each worker is in, 0 for the others",
-            ["worker_id", "role", "state"], registry=r,
+            f"{p}worker_state",
+            "1 for the state each worker is in, 0 for the others",
+            ["worker_id", "role", "state"],
+            registry=r,
         )
         self.worker_inflight = Gauge(
-            f"{p}worker_inflight_requests", "In-flight requests per worker",
-            ["worker_id", "role"], registry=r,
+            f"{p}worker_inflight_requests",
+            "In-flight requests per worker",
+            ["worker_id", "role"],
+            registry=r,
         )
         # Admission (frontend.http.admission): the reasons are the labels of the one
         # counter, so another limit counts its refusals here under a reason of its own.
         self.rejected_requests_total = Counter(
             f"{p}rejected_requests",
             "Requests and connections turned away before any work, by reason",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.max_inflight_requests = Gauge(
             f"{p}max_inflight_requests", "The limit on admitted requests (0: none)", registry=r
@@ -255,14 +300,16 @@ class KvRoutingCollector(Collector):
 
     FAMILIES = (
         ("kv_routed_requests", "Requests routed by their prefix's cached overlap", "routed"),
-        ("kv_overlap_blocks", "Prompt blocks found cached on the chosen worker",
-         "overlap_blocks"),
-        ("kv_prefill_tokens_saved", "Prompt tokens the chosen worker had cached",
-         "prefill_tokens_saved"),
+        ("kv_overlap_blocks", "Prompt blocks found cached on the chosen worker", "overlap_blocks"),
+        (
+            "kv_prefill_tokens_saved",
+            "Prompt tokens the chosen worker had cached",
+            "prefill_tokens_saved",
+        ),
         ("kv_events", "KV events received from the workers", "events"),
         ("kv_dumps", "Full dumps of a worker's cache asked for", "dumps"),
         ("kv_event_gaps", "Gaps seen in a worker's KV event numbers", "gaps"),
-    )  # fmt: skip
+    )
 
     def __init__(self, prefix: str, counts: Callable[[], KvRoutingCounts]) -> None:
         self.prefix = prefix

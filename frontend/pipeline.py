@@ -277,8 +277,7 @@ class Pipeline:
         """Template and tokenize; validate lengths. Raises InvalidRequest (also, before
         any work, for what the workers cannot honour: :mod:`frontend.asks`)."""
         started = trio.current_time()
-        check_honoured(parsed.needs, self.router, self.model_name,
-                       self.parsers.tool_call_parser)  # fmt: skip
+        check_honoured(parsed.needs, self.router, self.model_name, self.parsers.tool_call_parser)
         param = "messages" if parsed.endpoint == "chat" else "prompt"
         prompt_ids, reasoning_forced, hashes = await self._prompt(
             parsed, hashed=self.router.policy is Policy.KV
@@ -333,9 +332,13 @@ class Pipeline:
                     prompt_ids, waited, hashes = await self.pool.encode_with(text_or_ids, block)
                 else:
                     prompt_ids, waited = await self.pool.encode_timed(text_or_ids)
-                span.set_many({"headwater.prompt_chars": len(text_or_ids),
-                               "gen_ai.usage.input_tokens": len(prompt_ids),
-                               "headwater.tokenize.queue_wait_s": waited})  # fmt: skip
+                span.set_many(
+                    {
+                        "headwater.prompt_chars": len(text_or_ids),
+                        "gen_ai.usage.input_tokens": len(prompt_ids),
+                        "headwater.tokenize.queue_wait_s": waited,
+                    }
+                )
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t1)
         else:
             prompt_ids = self._token_ids(text_or_ids, param)
@@ -384,9 +387,11 @@ class Pipeline:
 
         def work() -> str:
             return self.template.render(
-                parsed.messages or [], add_generation_prompt=parsed.add_generation_prompt,
-                chat_template_kwargs=kwargs, tools=tools,
-            )  # fmt: skip
+                parsed.messages or [],
+                add_generation_prompt=parsed.add_generation_prompt,
+                chat_template_kwargs=kwargs,
+                tools=tools,
+            )
 
         # The parser's count has the tools and their arguments too: a large one renders
         # off the loop like a long conversation.
@@ -401,11 +406,12 @@ class Pipeline:
             return None
         try:
             return structured_output(
-                parsed.constraint, tools=parsed.tools,
+                parsed.constraint,
+                tools=parsed.tools,
                 tool_call_parser=self.parsers.tool_call_parser,
                 reasoning_forced=reasoning_forced,
                 parallel_tool_calls=parsed.parallel_tool_calls,
-            )  # fmt: skip
+            )
         except ConstraintError as exc:
             raise InvalidRequest(str(exc), param=parsed.constraint.param) from exc
 
@@ -429,20 +435,25 @@ class Pipeline:
                 "prompt or the completion.",
                 param=param,
             )
-        max_tokens = (options.max_tokens if options.max_tokens is not None
-                      else self.limits.default_max_tokens(room))  # fmt: skip
+        max_tokens = (
+            options.max_tokens
+            if options.max_tokens is not None
+            else self.limits.default_max_tokens(room)
+        )
         if options.min_tokens > max_tokens:
             # Only when max_tokens was not asked (the schema checks it against one that
             # was): refused here, before any worker would refuse it mid-stream.
             raise InvalidRequest(
                 f"'min_tokens' ({options.min_tokens}) exceeds the {max_tokens} tokens this "
-                "request may generate", param="min_tokens",
-            )  # fmt: skip
+                "request may generate",
+                param="min_tokens",
+            )
         vocab = self.tokenizer.vocab_size
         if any(token >= vocab for token, _ in options.logit_bias):
             bias = "sampling_params.logit_bias" if param == "token_ids" else "logit_bias"
-            raise InvalidRequest(f"'{bias}' token ids must be below the vocabulary size "
-                                 f"({vocab})", param=bias)  # fmt: skip
+            raise InvalidRequest(
+                f"'{bias}' token ids must be below the vocabulary size ({vocab})", param=bias
+            )
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=options.min_tokens,
@@ -510,9 +521,10 @@ class Pipeline:
             # prompt's logprobs asked of choice 0 alone.
             seed = sampling.seed
             sampling = replace(
-                sampling, prompt_logprobs=None,
+                sampling,
+                prompt_logprobs=None,
                 seed=None if seed is None else (seed + index + _INT64 // 2) % _INT64 - _INT64 // 2,
-            )  # fmt: skip
+            )
             request = replace(request, request_id=f"{prep.request_id}.c{index}", sampling=sampling)
         dispatched = self.dispatcher.stream(
             request, None if shared is None else shared.affinity, hashes=prep.block_hashes
@@ -523,8 +535,12 @@ class Pipeline:
                     now = trio.current_time()
                     if n := len(chunk.token_ids):
                         if first:
-                            self._check_logprobs(sampling, chunk.logprobs, chunk.prompt_logprobs,
-                                                 len(prep.prompt_ids))  # fmt: skip
+                            self._check_logprobs(
+                                sampling,
+                                chunk.logprobs,
+                                chunk.prompt_logprobs,
+                                len(prep.prompt_ids),
+                            )
                             if shared is not None and index == 0:
                                 shared.prompt_logprobs = chunk.prompt_logprobs
                                 shared.first_token.set()
@@ -550,12 +566,19 @@ class Pipeline:
                     if chunk.finish_reason is not None or chunk.token_ids:
                         reason = chunk.finish_reason and chunk.finish_reason.value
                         if reason is not None and shared is None:  # n > 1: _choices'
-                            _trace_usage(self.model_name, len(prep.prompt_ids), generated,
-                                         cached, reason)  # fmt: skip
+                            _trace_usage(
+                                self.model_name, len(prep.prompt_ids), generated, cached, reason
+                            )
                         yield TokenDelta(
-                            chunk.token_ids, generated, reason, cached, index, chunk.logprobs,
-                            chunk.prompt_logprobs, final=reason is not None,
-                        )  # fmt: skip
+                            chunk.token_ids,
+                            generated,
+                            reason,
+                            cached,
+                            index,
+                            chunk.logprobs,
+                            chunk.prompt_logprobs,
+                            final=reason is not None,
+                        )
                         if reason is not None:
                             return
         finally:
@@ -591,22 +614,34 @@ class Pipeline:
             async for step in steps:
                 if choice is None:  # the first step: completions' echo goes first
                     post = TextPostprocessor(
-                        self.tokenizer.decode, stops=parsed.stop, track_tokens=asked,
+                        self.tokenizer.decode,
+                        stops=parsed.stop,
+                        track_tokens=asked,
                         special_ids=self.tokenizer.special_ids,
-                    )  # fmt: skip
+                    )
                     prompt = await self._echo(prep, step, shared) if parsed.echo else None
                     choice = ChoiceStream(
-                        index, post, texts=self.token_texts if asked else None, echo=prompt,
+                        index,
+                        post,
+                        texts=self.token_texts if asked else None,
+                        echo=prompt,
                         parser=self._parser(prep),
-                    )  # fmt: skip
+                    )
                 out = choice.step(step.token_ids, step.logprobs, step.finish_reason)
                 if out.finish_reason is not None or out:
                     ended = out.finish_reason is not None
                     yield Delta(
-                        out.text, choice.completion_tokens, out.finish_reason,
-                        step.cached_tokens, out.reasoning, out.tool_calls, index, out.logprobs,
-                        final=ended, stop_sequence=post.stop_string if ended else None,
-                    )  # fmt: skip
+                        out.text,
+                        choice.completion_tokens,
+                        out.finish_reason,
+                        step.cached_tokens,
+                        out.reasoning,
+                        out.tool_calls,
+                        index,
+                        out.logprobs,
+                        final=ended,
+                        stop_sequence=post.stop_string if ended else None,
+                    )
                 if out.finish_reason is not None:
                     # A matched stop string ends the choice: closing its token stream
                     # cancels the rest of its generation.
@@ -630,9 +665,13 @@ class Pipeline:
         prompt = completion_prompt(prep.parsed.prompt)
         texts = self.token_texts if prep.parsed.sampling.logprobs is not None else None
         work = partial(
-            echo, prompt if isinstance(prompt, str) else None, prep.prompt_ids,
-            partial(self.tokenizer.decode, skip_special_tokens=False), texts, prompt_logprobs,
-        )  # fmt: skip
+            echo,
+            prompt if isinstance(prompt, str) else None,
+            prep.prompt_ids,
+            partial(self.tokenizer.decode, skip_special_tokens=False),
+            texts,
+            prompt_logprobs,
+        )
         cheap = texts is None and isinstance(prompt, str)  # no decoding at all
         if cheap or len(prep.prompt_ids) < ECHO_OFFLOAD_TOKENS:
             return work()
@@ -689,10 +728,19 @@ class Pipeline:
                         reasons[item.index] = item.finish_reason
                         finished += 1
                         if finished == n:
-                            _trace_usage(self.model_name, len(prep.prompt_ids), sum(counts),
-                                         cached, ",".join(reasons))  # fmt: skip
-                    yield replace(item, completion_tokens=sum(counts), cached_tokens=cached,
-                                  final=finished == n)  # fmt: skip
+                            _trace_usage(
+                                self.model_name,
+                                len(prep.prompt_ids),
+                                sum(counts),
+                                cached,
+                                ",".join(reasons),
+                            )
+                    yield replace(
+                        item,
+                        completion_tokens=sum(counts),
+                        cached_tokens=cached,
+                        final=finished == n,
+                    )
         finally:
             for scope in scopes:
                 scope.cancel()
@@ -712,21 +760,25 @@ class Pipeline:
         if tool_parser == "none" and choice.reasoning_parser == "none":
             return None
         parser = make_parser(
-            tool_parser, choice.reasoning_parser,
-            tools=parsed.tools if offered else None, reasoning_forced=prep.reasoning_forced,
-        )  # fmt: skip
+            tool_parser,
+            choice.reasoning_parser,
+            tools=parsed.tools if offered else None,
+            reasoning_forced=prep.reasoning_forced,
+        )
         return parser if parsed.parallel_tool_calls else OneCall(parser)
 
 
 def _trace_usage(model: str, prompt: int, generated: int, cached: int, reasons: str) -> None:
     """The request's usage on its trace's span (the request's, every choice's)."""
-    current_trace().span.set_many({
-        "gen_ai.request.model": model,
-        "gen_ai.usage.input_tokens": prompt,
-        "gen_ai.usage.output_tokens": generated,
-        "headwater.cached_tokens": cached,
-        "gen_ai.response.finish_reasons": reasons,
-    })  # fmt: skip
+    current_trace().span.set_many(
+        {
+            "gen_ai.request.model": model,
+            "gen_ai.usage.input_tokens": prompt,
+            "gen_ai.usage.output_tokens": generated,
+            "headwater.cached_tokens": cached,
+            "gen_ai.response.finish_reasons": reasons,
+        }
+    )
 
 
 def plane_request_id() -> str:
@@ -748,8 +800,9 @@ def _postprocess_span(
     return _timed(steps, parent) if parent.recording else steps
 
 
-async def _timed(steps: AsyncGenerator[TokenDelta, None], parent: Span
-                 ) -> AsyncGenerator[TokenDelta, None]:  # fmt: skip
+async def _timed(
+    steps: AsyncGenerator[TokenDelta, None], parent: Span
+) -> AsyncGenerator[TokenDelta, None]:
     spent = 0.0
     with tracer().span("postprocess", parent=parent) as span:
         try:

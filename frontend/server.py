@@ -87,10 +87,15 @@ def parser_choice(config: FrontendConfig, template: ChatTemplate) -> ParserChoic
 class Frontend:
     """One frontend process's parts, wired; see the module docstring."""
 
-    def __init__(self, config: FrontendConfig, *, tokenizer: Tokenizer | None = None,
-                 accept_balance: AcceptBalance | None = None,
-                 discovery: Discovery | None = None,
-                 admission: type[Admission] = Admission) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: FrontendConfig,
+        *,
+        tokenizer: Tokenizer | None = None,
+        accept_balance: AcceptBalance | None = None,
+        discovery: Discovery | None = None,
+        admission: type[Admission] = Admission,
+    ) -> None:
         """Build every part; *tokenizer* reuses an already loaded one (tests, benchmarks);
         *accept_balance*: this process's share of its group's accepts on the shared
         socket (:mod:`frontend.http.serving.balance`). *discovery* replaces the one the
@@ -169,17 +174,23 @@ class Frontend:
         # Generation requests in flight, and whether to take another (--max-inflight, drain).
         self.admission = admission(config.max_inflight, gauge=self.metrics.inflight_requests)
         self.app = create_app(
-            self.pipeline, self.metrics, max_body_bytes=config.max_body_bytes,
-            admission=self.admission, limits=config.limits,
+            self.pipeline,
+            self.metrics,
+            max_body_bytes=config.max_body_bytes,
+            admission=self.admission,
+            limits=config.limits,
             api_keys=bool(config.api_keys or config.api_keys_file),
             responses_store=ResponseStore(config.responses_store),
-        )  # fmt: skip
+        )
         self.observed = Observed(
             config.model_name, self.metrics, self.monitor, self.pool, self.router
         )
         #: One of a group's processes: the shared port's views are the supervisor's.
-        self.group = (GroupRelay(config.group_url, config.listen_fd)
-                      if config.group_url and config.listen_fd is not None else None)  # fmt: skip
+        self.group = (
+            GroupRelay(config.group_url, config.listen_fd)
+            if config.group_url and config.listen_fd is not None
+            else None
+        )
         add_observability_routes(
             self.app, self.observed, debug_endpoints=config.debug_endpoints, group=self.group
         )
@@ -197,9 +208,7 @@ class Frontend:
         self.shutdown.set()
 
     def _count_transition(self, worker_id: str, change: Transition) -> None:
-        self.metrics.worker_state_transitions_total.labels(
-            change.old.value, change.new.value
-        ).inc()
+        self.metrics.worker_state_transitions_total.labels(change.old.value, change.new.value).inc()
 
     def _refresh_gauges(self) -> None:
         admitted = self.admission.statistics()
@@ -262,9 +271,13 @@ class Frontend:
         # encoder's lazy set-up, each loop-side path's first call) are not stalls
         # of the serving loop (frontend/warmup.py).
         warm = await warm_up(self.pipeline)
-        log.info("request path warm (%s, %s mode, %d threads) in %.0f ms",
-                 self.tokenizer.backend.value, self.pool.mode.value,
-                 self.pool.statistics().threads, warm * 1000)
+        log.info(
+            "request path warm (%s, %s mode, %d threads) in %.0f ms",
+            self.tokenizer.backend.value,
+            self.pool.mode.value,
+            self.pool.statistics().threads,
+            warm * 1000,
+        )
         # The warm-up's encodes leave their buffers in malloc's arenas (one per pool
         # thread): tens of MB per process that nothing uses. Before serving, once.
         trim_heap()
@@ -274,27 +287,36 @@ class Frontend:
         await nursery.start(self.pipeline.run)  # the choices of requests with n > 1
         await self._start_workers(nursery)
         admitted = AdmissionControl(
-            self.app, self.admission, paths=ADMITTED_PATHS, metrics=self.metrics,
+            self.app,
+            self.admission,
+            paths=ADMITTED_PATHS,
+            metrics=self.metrics,
             max_body_bytes=cfg.max_body_bytes,
-        )  # fmt: skip
+        )
         keys = ApiKeys(cfg.api_keys)
         if cfg.api_keys_file is not None:  # kept in step with the file (rotation)
             await nursery.start(partial(watch_keys_file, keys, cfg.api_keys, cfg.api_keys_file))
         keyed = RequireApiKey(
-            admitted, keys, metrics=self.metrics,
-            metrics_open=not cfg.metrics_auth, max_body_bytes=cfg.max_body_bytes,
-        )  # fmt: skip
+            admitted,
+            keys,
+            metrics=self.metrics,
+            metrics_open=not cfg.metrics_auth,
+            max_body_bytes=cfg.max_body_bytes,
+        )
         if (warning := exposure_warning(cfg.host, keys)) is not None:
             log.warning("%s", warning)
-        counted = CountResponses(keyed, self._count_answer, skip=is_own_view,
-                                 errors=self.observed.errors)  # fmt: skip
+        counted = CountResponses(
+            keyed, self._count_answer, skip=is_own_view, errors=self.observed.errors
+        )
         return RequestIds(
             MarkActivity(ShieldFinalSend(counted, deadline=cfg.write_timeout), self.activity),
-            traced_paths=GENERATION_PATHS, max_body_bytes=cfg.max_body_bytes,
-        )  # fmt: skip
+            traced_paths=GENERATION_PATHS,
+            max_body_bytes=cfg.max_body_bytes,
+        )
 
-    async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Serve until :attr:`shutdown` is set; reports the listening URLs."""
         async with self._tracing(), trio.open_nursery() as nursery:
             app = await self.start(nursery)
@@ -316,10 +338,11 @@ class Frontend:
             yield
             return
         async with open_tracing(
-            self.config.otlp_endpoint, "headwater-frontend",
+            self.config.otlp_endpoint,
+            "headwater-frontend",
             attributes={"headwater.model": self.config.model_name},
             sample_ratio=self.config.otlp_sample_ratio,
-        ) as statistics:  # fmt: skip
+        ) as statistics:
             collector = TraceCollector("headwater_frontend_", statistics)
             self.metrics.registry.register(collector)
             try:
@@ -335,14 +358,20 @@ class Frontend:
         await self.shutdown.wait()
         self.admission.drain()
         timeout = self.config.drain_timeout
-        log.info("draining: %d requests in flight get up to %g s",
-                 self.admission.statistics().inflight, timeout)  # fmt: skip
+        log.info(
+            "draining: %d requests in flight get up to %g s",
+            self.admission.statistics().inflight,
+            timeout,
+        )
         with trio.move_on_after(timeout):
             await self.admission.wait_idle()
         left = self.admission.statistics().inflight
         if left:
-            log.warning("drain timed out with %d requests in flight; they get %g s more",
-                        left, self.config.graceful_timeout)  # fmt: skip
+            log.warning(
+                "drain timed out with %d requests in flight; they get %g s more",
+                left,
+                self.config.graceful_timeout,
+            )
         else:
             log.info("drained: no request in flight")
 
@@ -350,5 +379,10 @@ class Frontend:
         """The workers this frontend routes to, from whichever source the config names
         (in-process by default, ``--workers``, or etcd), all through one membership."""
         await nursery.start(self.router.run)  # the probes of inhibited workers
-        await start_discovery(nursery, self.config, self.router, attribution=self.attribution,
-                              discovery=self.discovery)  # fmt: skip
+        await start_discovery(
+            nursery,
+            self.config,
+            self.router,
+            attribution=self.attribution,
+            discovery=self.discovery,
+        )

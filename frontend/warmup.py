@@ -25,11 +25,16 @@ from frontend.preprocess.messages import completion_prompt
 
 #: One short request per text endpoint, as a client would send them.
 _SAMPLES: Final[dict[str, dict[str, Any]]] = {
-    "chat": {"model": "warm-up", "messages": [{"role": "user", "content": "Hello!"}],
-             "max_tokens": 16, "stop": ["\n\n"], "stream": True,
-             "stream_options": {"include_usage": True}},
+    "chat": {
+        "model": "warm-up",
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "max_tokens": 16,
+        "stop": ["\n\n"],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
     "completions": {"model": "warm-up", "prompt": "Once upon a time", "max_tokens": 16},
-}  # fmt: skip
+}
 
 
 async def warm_up(pipeline: Pipeline) -> float:
@@ -50,8 +55,9 @@ async def warm_up(pipeline: Pipeline) -> float:
         ids = list(tokenizer.encode_ids(text))
         if tokenizer.eos_token_id is not None:  # an answer's end, which is not text
             ids.append(tokenizer.eos_token_id)
-        post = TextPostprocessor(tokenizer.decode, stops=parsed.stop,
-                                 special_ids=tokenizer.special_ids)  # fmt: skip
+        post = TextPostprocessor(
+            tokenizer.decode, stops=parsed.stop, special_ids=tokenizer.special_ids
+        )
         for token in ids:
             post.step([token])
         post.finish()

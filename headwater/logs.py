@@ -91,8 +91,11 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        extra = [f"{key}={value}" for key in ("worker", "request_id", "trace_id")
-                 if (value := getattr(record, key, ""))]  # fmt: skip
+        extra = [
+            f"{key}={value}"
+            for key in ("worker", "request_id", "trace_id")
+            if (value := getattr(record, key, ""))
+        ]
         if not extra:
             return line
         head, sep, tail = line.partition("\n")  # a traceback stays below the line

@@ -74,17 +74,35 @@ def one_side(
     serve_args: list[str],
 ) -> list[dict[str, float]]:
     port = free_port()
-    proc = subprocess.Popen(serve_command(checkout, port, serve_args), cwd=checkout,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        serve_command(checkout, port, serve_args),
+        cwd=checkout,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_ready(port, proc)
         out = []
         for scenario, concurrency, stream, requests in runs:
-            argv = [sys.executable, "-m", "scripts.bench.loadgen",
-                    "--url", f"http://127.0.0.1:{port}", "--scenario", scenario,
-                    "--concurrency", str(concurrency), "--requests", str(requests),
-                    "--time-limit", "120", "--no-progress",
-                    "--metrics-url", f"http://127.0.0.1:{port}/metrics", *loadgen_args]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "scripts.bench.loadgen",
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--scenario",
+                scenario,
+                "--concurrency",
+                str(concurrency),
+                "--requests",
+                str(requests),
+                "--time-limit",
+                "120",
+                "--no-progress",
+                "--metrics-url",
+                f"http://127.0.0.1:{port}/metrics",
+                *loadgen_args,
+            ]
             if stream:
                 argv.append("--stream")
             before = cpu_seconds(proc.pid)
@@ -92,10 +110,15 @@ def one_side(
             cpu = cpu_seconds(proc.pid) - before
             record = json.loads(done.stdout.splitlines()[0])
             loop = record.get("loop") or {}
-            out.append({"req_per_s": record["req_per_s"], "ok": record["ok"],
-                        "cpu_ms_per_req": 1000 * cpu / max(1, record["ok"]),
-                        "loop_p99_ms": 1000 * (loop.get("delay_p99_s") or 0.0),
-                        "loop_max_ms": 1000 * (loop.get("max_delay_s") or 0.0)})  # fmt: skip
+            out.append(
+                {
+                    "req_per_s": record["req_per_s"],
+                    "ok": record["ok"],
+                    "cpu_ms_per_req": 1000 * cpu / max(1, record["ok"]),
+                    "loop_p99_ms": 1000 * (loop.get("delay_p99_s") or 0.0),
+                    "loop_max_ms": 1000 * (loop.get("max_delay_s") or 0.0),
+                }
+            )
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -111,19 +134,36 @@ def parse_run(text: str) -> tuple[str, int, bool, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--a", type=Path, required=True, help="checkout A (the baseline)")
     p.add_argument("--b", type=Path, required=True, help="checkout B")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--run", action="append", type=parse_run, required=True,
-                   metavar="'SCENARIO CONCURRENCY unary|stream REQUESTS'")
-    p.add_argument("--loadgen-arg", action="append", default=[], metavar="ARG",
-                   help="passed to every load run, e.g. --loadgen-arg=--agentic")
-    p.add_argument("--a-arg", action="append", default=[], metavar="ARG",
-                   help="passed to A's server (A and B may then be one checkout)")
-    p.add_argument("--b-arg", action="append", default=[], metavar="ARG",
-                   help="passed to B's server")
+    p.add_argument(
+        "--run",
+        action="append",
+        type=parse_run,
+        required=True,
+        metavar="'SCENARIO CONCURRENCY unary|stream REQUESTS'",
+    )
+    p.add_argument(
+        "--loadgen-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to every load run, e.g. --loadgen-arg=--agentic",
+    )
+    p.add_argument(
+        "--a-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to A's server (A and B may then be one checkout)",
+    )
+    p.add_argument(
+        "--b-arg", action="append", default=[], metavar="ARG", help="passed to B's server"
+    )
     args = p.parse_args()
     sides = {"A": args.a.resolve(), "B": args.b.resolve()}
     results: dict[str, list[list[dict[str, float]]]] = {"A": [], "B": []}
@@ -134,13 +174,17 @@ def main() -> int:
             results[side].append(got)
             for (scenario, c, stream, _), rec in zip(args.run, got, strict=True):
                 kind = "stream" if stream else "unary"
-                print(f"round {r + 1} {side} {scenario} {kind} c{c}: {rec['req_per_s']:.1f} "
-                      f"req/s, {rec['cpu_ms_per_req']:.2f} ms CPU/req, loop p99 "
-                      f"{rec['loop_p99_ms']:.1f} ms, max {rec['loop_max_ms']:.1f} ms, "
-                      f"ok {rec['ok']:.0f}",
-                      flush=True)  # fmt: skip
-    print("\n| run | A req/s (median) | B req/s (median) | B/A | A CPU ms/req | B CPU ms/req "
-          "| A loop p99 ms | B loop p99 ms | A loop max ms | B loop max ms |")
+                print(
+                    f"round {r + 1} {side} {scenario} {kind} c{c}: {rec['req_per_s']:.1f} "
+                    f"req/s, {rec['cpu_ms_per_req']:.2f} ms CPU/req, loop p99 "
+                    f"{rec['loop_p99_ms']:.1f} ms, max {rec['loop_max_ms']:.1f} ms, "
+                    f"ok {rec['ok']:.0f}",
+                    flush=True,
+                )
+    print(
+        "\n| run | A req/s (median) | B req/s (median) | B/A | A CPU ms/req | B CPU ms/req "
+        "| A loop p99 ms | B loop p99 ms | A loop max ms | B loop max ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for i, (scenario, c, stream, _) in enumerate(args.run):
         med = {s: statistics.median(rnd[i]["req_per_s"] for rnd in results[s]) for s in sides}
@@ -148,9 +192,11 @@ def main() -> int:
         p99 = {s: statistics.median(rnd[i]["loop_p99_ms"] for rnd in results[s]) for s in sides}
         top = {s: statistics.median(rnd[i]["loop_max_ms"] for rnd in results[s]) for s in sides}
         kind = "stream" if stream else "unary"
-        print(f"| {scenario} {kind} c{c} | {med['A']:.1f} | {med['B']:.1f} | "
-              f"{med['B'] / med['A']:.3f} | {cpu['A']:.2f} | {cpu['B']:.2f} | "
-              f"{p99['A']:.1f} | {p99['B']:.1f} | {top['A']:.1f} | {top['B']:.1f} |")
+        print(
+            f"| {scenario} {kind} c{c} | {med['A']:.1f} | {med['B']:.1f} | "
+            f"{med['B'] / med['A']:.3f} | {cpu['A']:.2f} | {cpu['B']:.2f} | "
+            f"{p99['A']:.1f} | {p99['B']:.1f} | {top['A']:.1f} | {top['B']:.1f} |"
+        )
     return 0
 
 

@@ -62,8 +62,11 @@ def main() -> None:
         repeat = args.repeat if "640k" not in name and "40k" not in name else args.repeat // 50
         plain = min(per_frame_us(frame, repeat, False) for _ in range(3))
         tagged = min(per_frame_us(frame, repeat, True) for _ in range(3))
-        results[name] = {"plain_us": round(plain, 2), "tagged_us": round(tagged, 2),
-                         "tag_cost_us": round(tagged - plain, 2)}  # fmt: skip
+        results[name] = {
+            "plain_us": round(plain, 2),
+            "tagged_us": round(tagged, 2),
+            "tag_cost_us": round(tagged - plain, 2),
+        }
     print(json.dumps(results, indent=2))
 
 

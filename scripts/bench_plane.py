@@ -82,9 +82,12 @@ async def _measure(client: WorkerClient, args: argparse.Namespace) -> dict[str, 
     prompt = list(range(3, 3 + args.prompt_tokens))
     for i in range(args.warmup):
         await first_chunk_s(client, _request(-i - 1, prompt, args.tokens))
-    latencies = sorted([
-        await first_chunk_s(client, _request(i, prompt, args.tokens)) for i in range(args.requests)
-    ])
+    latencies = sorted(
+        [
+            await first_chunk_s(client, _request(i, prompt, args.tokens))
+            for i in range(args.requests)
+        ]
+    )
     start = time.perf_counter()
     for i in range(args.requests):
         await first_chunk_s(client, _request(i, prompt, args.tokens))

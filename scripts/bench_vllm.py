@@ -85,9 +85,13 @@ def server(name: str, argv: Sequence[str], port: int, log: Path, ready: str) -> 
     env = {**os.environ, **VLLM_ENV}
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            list(argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
             start_new_session=True,
-        )  # fmt: skip
+        )
     url = f"http://127.0.0.1:{port}"
     srv = Server(name, url, process, log)
     try:
@@ -131,10 +135,18 @@ WORKER_EXTRA: list[str] = []
 
 def vllm_server(model: Path, port: int, log: Path, eager: bool, max_len: int) -> Any:
     argv = [
-        *VLLM_COMMAND, "serve", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
-        "--max-model-len", str(max_len),
-    ]  # fmt: skip
+        *VLLM_COMMAND,
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        str(max_len),
+    ]
     if eager:
         argv.append("--enforce-eager")
     return server("vllm", argv, port, log, "/health")
@@ -144,11 +156,28 @@ def headwater_server(
     model: Path, port: int, log: Path, eager: bool, max_len: int, mode: str = "agg"
 ) -> Any:
     argv = [
-        sys.executable, "-m", "headwater", "serve", "--engine", "vllm", "--model", str(model),
-        "--mode", mode, "--port", str(port), "--model-name", MODEL_NAME,
-        "--max-model-len", str(max_len), "--cpu-kv-cache-gib", VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
-        "--cpu-bind", "role", *WORKER_EXTRA,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "headwater",
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        str(model),
+        "--mode",
+        mode,
+        "--port",
+        str(port),
+        "--model-name",
+        MODEL_NAME,
+        "--max-model-len",
+        str(max_len),
+        "--cpu-kv-cache-gib",
+        VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
+        "--cpu-bind",
+        "role",
+        *WORKER_EXTRA,
+    ]
     if eager:
         argv.append("--enforce-eager")
     return server(f"headwater-{mode}", argv, port, log, "/health")
@@ -196,9 +225,13 @@ def run_load_matrix(
     url = srv.url + "/v1/completions"
     for size, ps in prompt_sets.items():
         bodies = bench_prompts.build_bodies(
-            ps, endpoint="completions", stream=True, max_tokens=args.max_tokens,
-            model=MODEL_NAME, extra={"ignore_eos": True, "temperature": 0},
-        )  # fmt: skip
+            ps,
+            endpoint="completions",
+            stream=True,
+            max_tokens=args.max_tokens,
+            model=MODEL_NAME,
+            extra={"ignore_eos": True, "temperature": 0},
+        )
         # One warm-up request, not counted.
         run_load(url, bodies[-1:], 1, 1, 120, True, progress=False)
         offset = 0
@@ -211,13 +244,21 @@ def run_load_matrix(
             after = cpu_by_process(srv)
             s = summarise(result, f"{srv.name} {size} c{concurrency}")
             cpu_ms = {k: round(1000 * (after[k] - before.get(k, 0.0)) / n, 1) for k in after}
-            rows.append({
-                "server": srv.name, "prompt_tokens": size, "concurrency": concurrency,
-                "requests": s.requests, "ok": s.ok, "req_per_s": s.req_per_s,
-                "ttft_p50_ms": s.ttft_p50_ms, "ttft_p99_ms": s.ttft_p99_ms,
-                "prompt_tokens_mean": s.prompt_tokens_mean,
-                "cpu_ms_per_request": cpu_ms, "first_error": s.first_error,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "server": srv.name,
+                    "prompt_tokens": size,
+                    "concurrency": concurrency,
+                    "requests": s.requests,
+                    "ok": s.ok,
+                    "req_per_s": s.req_per_s,
+                    "ttft_p50_ms": s.ttft_p50_ms,
+                    "ttft_p99_ms": s.ttft_p99_ms,
+                    "prompt_tokens_mean": s.prompt_tokens_mean,
+                    "cpu_ms_per_request": cpu_ms,
+                    "first_error": s.first_error,
+                }
+            )
             print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
@@ -250,22 +291,37 @@ def run_probe(srv: Server, bodies: list[bytes], workdir: Path) -> dict[str, Any]
         [sys.executable, "-c", PROBE_CODE, srv.url + "/v1/models", str(out), "0.02"]
     )
     time.sleep(1.0)  # the probe's own warm-up, outside the window
-    result = run_load(srv.url + "/v1/completions", bodies, len(bodies), len(bodies), 1800,
-                      True, progress=False, request_timeout=1800)  # fmt: skip
+    result = run_load(
+        srv.url + "/v1/completions",
+        bodies,
+        len(bodies),
+        len(bodies),
+        1800,
+        True,
+        progress=False,
+        request_timeout=1800,
+    )
     stop.touch()
     probe.wait(timeout=60)
     lat = json.loads(out.read_text())
     s = summarise(result, srv.name)
     ms = sorted(x * 1000 for x in lat)
     row = {
-        "server": srv.name, "long_requests": len(bodies), "ok": s.ok,
-        "probe_samples": len(ms), "probe_p50_ms": ms[len(ms) // 2],
-        "probe_p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))], "probe_max_ms": ms[-1],
-        "long_ttft_p50_ms": s.ttft_p50_ms, "long_ttft_p99_ms": s.ttft_p99_ms,
-        "long_e2e_p50_ms": s.e2e_p50_ms, "long_e2e_p99_ms": s.e2e_p99_ms,
-        "wall_s": s.wall_s, "prompt_tokens_mean": s.prompt_tokens_mean,
+        "server": srv.name,
+        "long_requests": len(bodies),
+        "ok": s.ok,
+        "probe_samples": len(ms),
+        "probe_p50_ms": ms[len(ms) // 2],
+        "probe_p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+        "probe_max_ms": ms[-1],
+        "long_ttft_p50_ms": s.ttft_p50_ms,
+        "long_ttft_p99_ms": s.ttft_p99_ms,
+        "long_e2e_p50_ms": s.e2e_p50_ms,
+        "long_e2e_p99_ms": s.e2e_p99_ms,
+        "wall_s": s.wall_s,
+        "prompt_tokens_mean": s.prompt_tokens_mean,
         "first_error": s.first_error,
-    }  # fmt: skip
+    }
     print(json.dumps(row), file=sys.stderr)
     return row
 
@@ -292,9 +348,13 @@ def nixl(url: str) -> tuple[float, float]:
 
 def run_disagg(srv: Server, ps: Any, args: argparse.Namespace) -> dict[str, Any]:
     bodies = bench_prompts.build_bodies(
-        ps, endpoint="completions", stream=True, max_tokens=args.decode_tokens,
-        model=MODEL_NAME, extra={"ignore_eos": True, "temperature": 0},
-    )  # fmt: skip
+        ps,
+        endpoint="completions",
+        stream=True,
+        max_tokens=args.decode_tokens,
+        model=MODEL_NAME,
+        extra={"ignore_eos": True, "temperature": 0},
+    )
     run_load(srv.url + "/v1/completions", bodies[-1:], 1, 1, 300, True, progress=False)
     children = vllm_children(srv)
     decode_url = next((u for w, u in children.items() if "decode" in w), None)
@@ -302,9 +362,10 @@ def run_disagg(srv: Server, ps: Any, args: argparse.Namespace) -> dict[str, Any]
     row: dict[str, Any] = {"server": srv.name}
     for concurrency in (1, 4):
         n = 4 * concurrency
-        chunk = bodies[: n] if concurrency == 1 else bodies[4 : 4 + n]
-        result = run_load(srv.url + "/v1/completions", chunk, concurrency, n, 900, True,
-                          progress=False)  # fmt: skip
+        chunk = bodies[:n] if concurrency == 1 else bodies[4 : 4 + n]
+        result = run_load(
+            srv.url + "/v1/completions", chunk, concurrency, n, 900, True, progress=False
+        )
         s = summarise(result, srv.name)
         # Tokens after the first over the time after it (a chunk may carry several).
         rates = [
@@ -313,10 +374,12 @@ def run_disagg(srv: Server, ps: Any, args: argparse.Namespace) -> dict[str, Any]
             if r.completion_tokens and r.ttft_s is not None and r.e2e_s > r.ttft_s
         ]
         row[f"c{concurrency}"] = {
-            "ttft_p50_ms": s.ttft_p50_ms, "itl_p50_ms": s.itl_p50_ms,
+            "ttft_p50_ms": s.ttft_p50_ms,
+            "itl_p50_ms": s.itl_p50_ms,
             "decode_tok_per_s_per_request": statistics.median(rates) if rates else None,
-            "output_tok_per_s": s.output_tokens_per_s, "ok": s.ok,
-        }  # fmt: skip
+            "output_tok_per_s": s.output_tokens_per_s,
+            "ok": s.ok,
+        }
     if decode_url:
         after = nixl(decode_url)
         transfers = after[1] - before[1]
@@ -343,8 +406,10 @@ def _span(rows: list[dict[str, Any]], key: str, digits: int = 1) -> str:
     values = [row[key] for row in rows if isinstance(row.get(key), int | float)]
     if len(values) < 2:
         return _fmt(_median(rows, key), digits)
-    return (f"{_fmt(statistics.median(values), digits)} "
-            f"({_fmt(min(values), digits)}–{_fmt(max(values), digits)})")  # fmt: skip
+    return (
+        f"{_fmt(statistics.median(values), digits)} "
+        f"({_fmt(min(values), digits)}–{_fmt(max(values), digits)})"
+    )
 
 
 def _grouped(rows: list[dict[str, Any]], *keys: str) -> dict[tuple[Any, ...], list[Any]]:
@@ -363,54 +428,101 @@ def markdown(results: dict[str, Any]) -> str:
     out: list[str] = []
     if rows := results.get("load"):
         out += [
-            _row("server", "prompt tokens", "c", "rounds", "req/s", "TTFT p50 ms",
-                 "TTFT p99 ms", "CPU ms/req: headwater", "vLLM API server", "vLLM engine"),
+            _row(
+                "server",
+                "prompt tokens",
+                "c",
+                "rounds",
+                "req/s",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "CPU ms/req: headwater",
+                "vLLM API server",
+                "vLLM engine",
+            ),
             _row(*["---"] * 10),
-        ]  # fmt: skip
+        ]
         groups = _grouped(rows, "server", "prompt_tokens", "concurrency")
         for (server, size, c), group in sorted(groups.items()):
             cpu = [
                 f"{statistics.median(g['cpu_ms_per_request'].get(k, 0.0) for g in group):.1f}"
-                if any(k in g["cpu_ms_per_request"] for g in group) else "-"
+                if any(k in g["cpu_ms_per_request"] for g in group)
+                else "-"
                 for k in ("headwater", "vllm_api_server", "vllm_engine")
             ]
-            out.append(_row(
-                server, size, c, len(group), _span(group, "req_per_s", 2),
-                _span(group, "ttft_p50_ms", 0), _span(group, "ttft_p99_ms", 0),
-                *cpu,
-            ))  # fmt: skip
+            out.append(
+                _row(
+                    server,
+                    size,
+                    c,
+                    len(group),
+                    _span(group, "req_per_s", 2),
+                    _span(group, "ttft_p50_ms", 0),
+                    _span(group, "ttft_p99_ms", 0),
+                    *cpu,
+                )
+            )
         out.append("")
     if rows := results.get("probe"):
         out += [
-            _row("server", "rounds", "probes", "probe p50 ms", "probe p99 ms", "probe max ms",
-                 "long e2e p50 s", "wall s"),
+            _row(
+                "server",
+                "rounds",
+                "probes",
+                "probe p50 ms",
+                "probe p99 ms",
+                "probe max ms",
+                "long e2e p50 s",
+                "wall s",
+            ),
             _row(*["---"] * 8),
-        ]  # fmt: skip
+        ]
         for (server,), group in sorted(_grouped(rows, "server").items()):
             e2e = _median(group, "long_e2e_p50_ms")
-            out.append(_row(
-                server, len(group), _fmt(_median(group, "probe_samples"), 0),
-                _span(group, "probe_p50_ms"), _span(group, "probe_p99_ms"),
-                _span(group, "probe_max_ms", 0),
-                _fmt(None if e2e is None else e2e / 1000), _span(group, "wall_s", 0),
-            ))  # fmt: skip
+            out.append(
+                _row(
+                    server,
+                    len(group),
+                    _fmt(_median(group, "probe_samples"), 0),
+                    _span(group, "probe_p50_ms"),
+                    _span(group, "probe_p99_ms"),
+                    _span(group, "probe_max_ms", 0),
+                    _fmt(None if e2e is None else e2e / 1000),
+                    _span(group, "wall_s", 0),
+                )
+            )
         out.append("")
     if rows := results.get("disagg"):
         out += [
-            _row("mode", "rounds", "c", "TTFT p50 ms", "ITL p50 ms", "decode tok/s per request",
-                 "output tok/s", "NIXL transfers", "KV transfer ms (mean)"),
+            _row(
+                "mode",
+                "rounds",
+                "c",
+                "TTFT p50 ms",
+                "ITL p50 ms",
+                "decode tok/s per request",
+                "output tok/s",
+                "NIXL transfers",
+                "KV transfer ms (mean)",
+            ),
             _row(*["---"] * 9),
-        ]  # fmt: skip
+        ]
         for (server,), group in sorted(_grouped(rows, "server").items()):
             for c in ("c1", "c4"):
                 cells = [g[c] for g in group if c in g]
-                out.append(_row(
-                    server, len(group), c[1:], _span(cells, "ttft_p50_ms", 0),
-                    _span(cells, "itl_p50_ms"), _span(cells, "decode_tok_per_s_per_request"),
-                    _span(cells, "output_tok_per_s"),
-                    _fmt(_median(group, "nixl_transfers"), 0),
-                    _span(group, "nixl_xfer_ms_mean", 2),
-                ))  # fmt: skip
+                out.append(
+                    _row(
+                        server,
+                        len(group),
+                        c[1:],
+                        _span(cells, "ttft_p50_ms", 0),
+                        _span(cells, "itl_p50_ms"),
+                        _span(cells, "decode_tok_per_s_per_request"),
+                        _span(cells, "output_tok_per_s"),
+                        _fmt(_median(group, "nixl_transfers"), 0),
+                        _span(group, "nixl_xfer_ms_mean", 2),
+                    )
+                )
     return "\n".join(out)
 
 
@@ -419,24 +531,38 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=REPO / "artifacts" / "tiny-llama")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "vllm")
     parser.add_argument("--only", default="load,probe,disagg")
-    parser.add_argument("--compiled", action="store_true",
-                        help="let vLLM compile its graphs (slower start, ~30%% faster decode)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds per measurement, the peers alternating which goes first; "
-                             "the summary gives medians over them")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="let vLLM compile its graphs (slower start, ~30%% faster decode)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds per measurement, the peers alternating which goes first; "
+        "the summary gives medians over them",
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="per load request")
     parser.add_argument("--requests", type=int, default=32, help="per load cell (at least 2c)")
     parser.add_argument("--long-requests", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--probe-tokens", type=int, default=40000,
-                        help="size of each long prompt of the probe run")
-    parser.add_argument("--vllm-command", default="",
-                        help="vLLM's CLI (default: this Python with headwater's launcher; "
-                             "`vllm` for upstream)")
+    parser.add_argument(
+        "--probe-tokens", type=int, default=40000, help="size of each long prompt of the probe run"
+    )
+    parser.add_argument(
+        "--vllm-command",
+        default="",
+        help="vLLM's CLI (default: this Python with headwater's launcher; `vllm` for upstream)",
+    )
     parser.add_argument("--kv-buffer-device", default="cpu", help="NIXL's (cuda on GPUs)")
-    parser.add_argument("--render", type=Path, nargs="+", metavar="RESULTS_JSON",
-                        help="measure nothing: print the tables of these results.json "
-                             "files, their rounds pooled")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="measure nothing: print the tables of these results.json files, their rounds pooled",
+    )
     args = parser.parse_args()
     if args.render:
         pooled: dict[str, Any] = {}
@@ -457,10 +583,14 @@ def main() -> int:
     results: dict[str, Any] = {"eager": eager, "model": str(args.model)}
 
     print("# building prompts", file=sys.stderr)
-    sets = {
-        size: bench_prompts.make_prompts("long", 2 * args.requests + 32 + 2, tokens=size)
-        for size in (2000, 7000)
-    } if "load" in only else {}  # fmt: skip
+    sets = (
+        {
+            size: bench_prompts.make_prompts("long", 2 * args.requests + 32 + 2, tokens=size)
+            for size in (2000, 7000)
+        }
+        if "load" in only
+        else {}
+    )
 
     def order(kinds: tuple[str, str], r: int) -> tuple[str, ...]:
         """The peers alternate which goes first, round by round."""
@@ -488,9 +618,13 @@ def main() -> int:
                 )
                 bodies = bench_prompts.build_bodies(
                     # 4 tokens: the first one's text may be a partial character (no TTFT).
-                    long_set, endpoint="completions", stream=True, max_tokens=4,
-                    model=MODEL_NAME, extra={"ignore_eos": True},
-                )  # fmt: skip
+                    long_set,
+                    endpoint="completions",
+                    stream=True,
+                    max_tokens=4,
+                    model=MODEL_NAME,
+                    extra={"ignore_eos": True},
+                )
                 port = free_port()
                 log = workdir / f"probe-{kind}-{r}.log"
                 start = vllm_server if kind == "vllm" else headwater_server

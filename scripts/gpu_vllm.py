@@ -59,23 +59,44 @@ def gpus() -> int:
 class Worker:
     """One ``headwater worker --engine vllm`` process starting upstream vLLM."""
 
-    def __init__(self, role: str, model: Path, workdir: Path, env: dict[str, str],
-                 vllm_args: str) -> None:  # fmt: skip
+    def __init__(
+        self, role: str, model: Path, workdir: Path, env: dict[str, str], vllm_args: str
+    ) -> None:
         self.role = role
         self.out = workdir / f"{role}.out"
         self.err = workdir / f"{role}.err"
         argv = [
-            sys.executable, "-m", "headwater", "worker", "--engine", "vllm",
-            "--model", str(model), "--role", role, "--vllm-command", "vllm",
-            "--kv-buffer-device", "cuda", "--listen", "127.0.0.1:0",
-            "--worker-id", f"gpu-{role}", f"--vllm-args={vllm_args}",
-            "--vllm-log", str(workdir / f"vllm-{role}.log"),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "headwater",
+            "worker",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--role",
+            role,
+            "--vllm-command",
+            "vllm",
+            "--kv-buffer-device",
+            "cuda",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-id",
+            f"gpu-{role}",
+            f"--vllm-args={vllm_args}",
+            "--vllm-log",
+            str(workdir / f"vllm-{role}.log"),
+        ]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.process = subprocess.Popen(
-                argv, stdout=out, stderr=err, cwd=REPO, env={**os.environ, **env},
+                argv,
+                stdout=out,
+                stderr=err,
+                cwd=REPO,
+                env={**os.environ, **env},
                 start_new_session=True,
-            )  # fmt: skip
+            )
         self.address = self.worker_id = self.vllm_url = ""
 
     def ready(self) -> bool:
@@ -116,8 +137,10 @@ async def checks(workers: dict[str, Worker], vocab: int) -> list[str]:
 
     async def reference(url: str, ids: list[int], n: int) -> list[int]:
         async with httpx.AsyncClient(timeout=300) as http:
-            r = await http.post(url + "/inference/v1/generate", json={
-                "token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": n}})
+            r = await http.post(
+                url + "/inference/v1/generate",
+                json={"token_ids": ids, "sampling_params": {"temperature": 0, "max_tokens": n}},
+            )
         r.raise_for_status()
         return list(r.json()["choices"][0]["token_ids"])
 
@@ -125,8 +148,9 @@ async def checks(workers: dict[str, Worker], vocab: int) -> list[str]:
         return WorkerInstance(w.worker_id, Role(w.role), "deepseek-v4", w.address)
 
     def req(rid: str, ids: list[int], n: int, handle: Any = None) -> GenerateRequest:
-        return GenerateRequest(rid, "deepseek-v4", ids, SamplingParams(max_tokens=n,
-                               temperature=0.0), handle)  # fmt: skip
+        return GenerateRequest(
+            rid, "deepseek-v4", ids, SamplingParams(max_tokens=n, temperature=0.0), handle
+        )
 
     async def run(client: Any, r: GenerateRequest) -> list[Any]:
         async with client.stream(r) as replies:
@@ -171,9 +195,12 @@ async def checks(workers: dict[str, Worker], vocab: int) -> list[str]:
         nursery.cancel_scope.cancel()
     async with httpx.AsyncClient(timeout=10) as http:
         text = (await http.get(workers["decode"].vllm_url + "/metrics")).text
-    moved = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("vllm:prompt_tokens_by_source_total")
-                and 'source="external_kv_transfer"' in line)  # fmt: skip
+    moved = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total")
+        and 'source="external_kv_transfer"' in line
+    )
     print(f"decode prompt tokens over NIXL: {moved:.0f}")
     if moved < 2400:
         failures.append(f"the decode server counted {moved:.0f} prompt tokens from NIXL, not 2400")
@@ -185,17 +212,25 @@ def main() -> int:
     parser.add_argument("--model", type=Path, required=False)
     parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "gpu")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="benchmark rounds, the peers alternating (medians over them)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="benchmark rounds, the peers alternating (medians over them)",
+    )
     args = parser.parse_args()
     count = gpus()
     if count == 0:
-        print("gpu_vllm.py: no CUDA GPU here (nvidia-smi lists none): this script runs the vLLM "
-              "checks and benchmarks on a GPU machine; stopping.", file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_vllm.py: no CUDA GPU here (nvidia-smi lists none): this script runs the vLLM "
+            "checks and benchmarks on a GPU machine; stopping.",
+            file=sys.stderr,
+        )
         return 2
     if args.model is None or not (args.model / "config.json").is_file():
-        print("gpu_vllm.py: --model must be a local model directory with config.json",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_vllm.py: --model must be a local model directory with config.json", file=sys.stderr
+        )
         return 2
     if shutil.which("vllm") is None:
         print("gpu_vllm.py: no `vllm` command: pip install vllm nixl", file=sys.stderr)
@@ -208,10 +243,7 @@ def main() -> int:
         "prefill": {"CUDA_VISIBLE_DEVICES": "0"},
         "decode": {"CUDA_VISIBLE_DEVICES": "1" if count > 1 else "0"},
     }
-    workers = {
-        role: Worker(role, args.model, workdir, env, share)
-        for role, env in env_for.items()
-    }  # fmt: skip
+    workers = {role: Worker(role, args.model, workdir, env, share) for role, env in env_for.items()}
     try:
         deadline = time.monotonic() + 900
         while not all(w.ready() for w in workers.values()):
@@ -227,11 +259,25 @@ def main() -> int:
     for line in failures:
         print(f"FAILED: {line}")
     if not args.skip_bench:
-        subprocess.run([
-            sys.executable, str(REPO / "scripts" / "bench_vllm.py"), "--model", str(args.model),
-            "--out", str(args.out), "--compiled", "--vllm-command", "vllm",
-            "--kv-buffer-device", "cuda", "--rounds", str(args.rounds),
-        ], check=False, cwd=REPO)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "bench_vllm.py"),
+                "--model",
+                str(args.model),
+                "--out",
+                str(args.out),
+                "--compiled",
+                "--vllm-command",
+                "vllm",
+                "--kv-buffer-device",
+                "cuda",
+                "--rounds",
+                str(args.rounds),
+            ],
+            check=False,
+            cwd=REPO,
+        )
     print(f"# logs in {workdir}")
     return 1 if failures else 0
 

@@ -24,14 +24,19 @@ from frontend.preprocess.tokenizer import Tokenizer
 from scripts.bench.prompts import WORDS
 
 D = "｜DSML｜"
-PROPERTIES = {"path": {"type": "string"}, "content": {"type": "string"},
-              "lines": {"type": "array"}}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": {
-    "type": "object", "properties": PROPERTIES}}} for n in ("read", "write", "grep")]
+PROPERTIES = {"path": {"type": "string"}, "content": {"type": "string"}, "lines": {"type": "array"}}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": n, "parameters": {"type": "object", "properties": PROPERTIES}},
+    }
+    for n in ("read", "write", "grep")
+]
 
 
 def answer(rng: random.Random, reasoning_words: int) -> str:
     """Reasoning (the prompt opened it), a sentence, then three calls."""
+
     def words(n: int) -> str:
         return " ".join(rng.choices(WORDS, k=n))
 
@@ -43,15 +48,19 @@ def answer(rng: random.Random, reasoning_words: int) -> str:
         f"</{D}invoke>"
         for name in ("read", "write", "grep")
     )
-    return (f"{words(reasoning_words)}</think>{words(60)}\n\n<{D}tool_calls>\n{calls}\n"
-            f"</{D}tool_calls>")  # fmt: skip
+    return (
+        f"{words(reasoning_words)}</think>{words(60)}\n\n<{D}tool_calls>\n{calls}\n</{D}tool_calls>"
+    )
 
 
 def one(tokenizer: Tokenizer, ids: list[int], parse: bool) -> tuple[float, float]:
     """(CPU seconds for the answer, the longest step) through postprocess [+ parse]."""
     post = TextPostprocessor(tokenizer.decode, special_ids=tokenizer.special_ids)
-    parser = (make_parser("deepseek_v4", "deepseek_v4", tools=TOOLS, reasoning_forced=True)
-              if parse else None)  # fmt: skip
+    parser = (
+        make_parser("deepseek_v4", "deepseek_v4", tools=TOOLS, reasoning_forced=True)
+        if parse
+        else None
+    )
     longest = 0.0
     start = time.perf_counter()
     for token in ids:
@@ -86,12 +95,17 @@ def main() -> None:
         total = statistics.median(r[0] for r in runs)
         longest = statistics.median(r[1] for r in runs)
         label = "postprocess + parse" if parse else "postprocess only   "
-        print(f"{label}: {total * 1e3:7.2f} ms per answer ({total / len(ids) * 1e6:5.2f} µs "
-              f"per token), longest step {longest * 1e6:6.1f} µs")  # fmt: skip
+        print(
+            f"{label}: {total * 1e3:7.2f} ms per answer ({total / len(ids) * 1e6:5.2f} µs "
+            f"per token), longest step {longest * 1e6:6.1f} µs"
+        )
     extra = statistics.median(r[0] for r in results[True]) - statistics.median(
-        r[0] for r in results[False])
-    print(f"the parse stage adds {extra * 1e3:.2f} ms per answer "
-          f"({extra / len(ids) * 1e6:.2f} µs per token)")
+        r[0] for r in results[False]
+    )
+    print(
+        f"the parse stage adds {extra * 1e3:.2f} ms per answer "
+        f"({extra / len(ids) * 1e6:.2f} µs per token)"
+    )
 
 
 if __name__ == "__main__":

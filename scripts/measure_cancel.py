@@ -37,18 +37,28 @@ async def measure(requests: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         async with trio.open_nursery() as nursery:
             worker = await start_worker(
-                nursery, "agg", log_dir=Path(tmp), model=MODEL,
+                nursery,
+                "agg",
+                log_dir=Path(tmp),
+                model=MODEL,
                 extra_args=["--log-level", "warning"],
-            )  # fmt: skip
+            )
             frontend = await start_frontend(
-                nursery, log_dir=Path(tmp), workers=worker.static_url(MODEL),
+                nursery,
+                log_dir=Path(tmp),
+                workers=worker.static_url(MODEL),
                 extra_args=["--log-level", "warning"],
-            )  # fmt: skip
+            )
             await wait_healthy(frontend.address)
             instance = WorkerInstance(worker.worker_id, Role.AGG, MODEL, worker.address)
             stats = await connect_worker(instance, nursery)
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
-                    "max_tokens": 2000, "stream": True, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "go"}],
+                "max_tokens": 2000,
+                "stream": True,
+                "ignore_eos": True,
+            }
             async with httpx.AsyncClient(base_url=frontend.address, timeout=10) as http:
                 for _ in range(requests):
                     before = (await stats.fetch_stats())["cancelled_total"]
@@ -69,14 +79,17 @@ async def measure(requests: int) -> list[float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=50)
     args = p.parse_args()
     ms = sorted(1000 * s for s in trio.run(measure, args.requests))
     p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
-    print(f"{len(ms)} disconnects: p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms, "
-          f"max {ms[-1]:.1f} ms")  # fmt: skip
+    print(
+        f"{len(ms)} disconnects: p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms, "
+        f"max {ms[-1]:.1f} ms"
+    )
     return 0
 
 

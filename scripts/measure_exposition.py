@@ -76,11 +76,16 @@ def main() -> None:
             figures[name].append(ms)
         ratios.append(figures["generate_latest_ms"][-1] / figures["text_exposition_ms"][-1])
         print(json.dumps(record))
-    print(json.dumps({
-        "median_of_rounds": args.rounds, "lines": lines,
-        **{name: round(statistics.median(ms), 3) for name, ms in figures.items()},
-        "generate_latest_over_text_exposition": round(statistics.median(ratios), 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "median_of_rounds": args.rounds,
+                "lines": lines,
+                **{name: round(statistics.median(ms), 3) for name, ms in figures.items()},
+                "generate_latest_over_text_exposition": round(statistics.median(ratios), 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

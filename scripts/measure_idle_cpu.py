@@ -48,8 +48,19 @@ def tree_ticks(root: int) -> int:
 
 def one_round(serve_args: list[str], settle_s: float, window_s: float) -> dict[str, object]:
     # One process unless asked (`-- --processes 2`: a later flag wins).
-    cmd = [sys.executable, "-m", "headwater", "serve", "--port", "0", "--log-level", "warning",
-           "--processes", "1", *serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "headwater",
+        "serve",
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+        "--processes",
+        "1",
+        *serve_args,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(settle_s)

@@ -29,15 +29,27 @@ def bodies() -> dict[str, bytes]:
     """The bodies measured: what the benchmark's long and short scenarios send."""
     rng = random.Random(7)
     long_text = " ".join(rng.choices(WORDS, k=40_000))
-    common = {"model": "deepseek-v4", "max_tokens": 64, "temperature": 0.7,
-              "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    common = {
+        "model": "deepseek-v4",
+        "max_tokens": 64,
+        "temperature": 0.7,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     return {
-        "long chat (40k tokens)": orjson.dumps({**common, "messages": [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": long_text}]}),
-        "short chat": orjson.dumps({**common, "messages": [
-            {"role": "user", "content": "Write a haiku about rivers."}]}),
-    }  # fmt: skip
+        "long chat (40k tokens)": orjson.dumps(
+            {
+                **common,
+                "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": long_text},
+                ],
+            }
+        ),
+        "short chat": orjson.dumps(
+            {**common, "messages": [{"role": "user", "content": "Write a haiku about rivers."}]}
+        ),
+    }
 
 
 def median_us(fn: Callable[[bytes], Any], body: bytes, runs: int) -> float:
@@ -62,8 +74,10 @@ def main() -> None:
     for name, body in bodies().items():
         decode = median_us(orjson.loads, body, args.runs)
         full = median_us(lambda b: parse_request(orjson.loads(b), "chat"), body, args.runs)
-        print(f"{name:24s} {len(body):>8,d} B   decode {decode:7.1f} us   "
-              f"decode + validate {full:7.1f} us   (median of {args.runs})")
+        print(
+            f"{name:24s} {len(body):>8,d} B   decode {decode:7.1f} us   "
+            f"decode + validate {full:7.1f} us   (median of {args.runs})"
+        )
 
 
 if __name__ == "__main__":

@@ -103,8 +103,9 @@ def http_status(port: int, path: str) -> tuple[int, bytes]:
     """GET on 127.0.0.1:*port*; (0, b"") when nothing answers."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-                      .encode())  # fmt: skip
+            s.sendall(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+            )
             data = b""
             while chunk := s.recv(65536):
                 data += chunk
@@ -128,8 +129,19 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def headwater_once(processes: str, extra: Sequence[str]) -> dict[str, float]:
     """One start of ``headwater serve --processes PROCESSES``: seconds to the serving line
     and to the first /health 200, and the CPU seconds spent until then."""
-    cmd = [sys.executable, "-m", "headwater", "serve", "--port", "0", "--log-level", "warning",
-           "--processes", processes, *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "headwater",
+        "serve",
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+        "--processes",
+        processes,
+        *extra,
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
@@ -151,8 +163,11 @@ def headwater_once(processes: str, extra: Sequence[str]) -> dict[str, float]:
         cpu = tree_cpu_s(proc.pid)
     finally:
         stop(proc)
-    return {"listening_s": round(listening, 2), "healthy_s": round(ready, 2),
-            "cpu_s": round(cpu, 2)}  # fmt: skip
+    return {
+        "listening_s": round(listening, 2),
+        "healthy_s": round(ready, 2),
+        "cpu_s": round(cpu, 2),
+    }
 
 
 def dynamo_once(dynamo_dir: Path) -> dict[str, float]:
@@ -160,8 +175,12 @@ def dynamo_once(dynamo_dir: Path) -> dict[str, float]:
     scripts = REPO / "scripts" / "peers" / "dynamo"
     env = {**os.environ, "DYN_DIR": str(dynamo_dir)}
     t0 = time.perf_counter()
-    starter = subprocess.Popen(["bash", str(scripts / "start_agg.sh"), "--speedup-ratio", "1000"],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    starter = subprocess.Popen(
+        ["bash", str(scripts / "start_agg.sh"), "--speedup-ratio", "1000"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while True:
             status, body = http_status(DYNAMO_PORT, "/v1/models")
@@ -178,8 +197,9 @@ def dynamo_once(dynamo_dir: Path) -> dict[str, float]:
         cpu = sum(tree_cpu_s(pid) for pid in pids)
     finally:
         starter.wait()
-        subprocess.run(["bash", str(scripts / "stop.sh")], env=env, check=False,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["bash", str(scripts / "stop.sh")], env=env, check=False, capture_output=True
+        )
         deadline = time.monotonic() + 20
         while http_status(DYNAMO_PORT, "/v1/models")[0] and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -188,25 +208,35 @@ def dynamo_once(dynamo_dir: Path) -> dict[str, float]:
 
 def summary(runs: list[dict[str, float]]) -> dict[str, object]:
     keys = runs[0].keys()
-    return {k: {"median": round(statistics.median(r[k] for r in runs), 2),
-                "all": [r[k] for r in runs]} for k in keys}  # fmt: skip
+    return {
+        k: {"median": round(statistics.median(r[k] for r in runs), 2), "all": [r[k] for r in runs]}
+        for k in keys
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="warm starts per layout")
-    p.add_argument("--processes", nargs="+", default=["auto", "1"],
-                   help="the --processes values measured")
+    p.add_argument(
+        "--processes", nargs="+", default=["auto", "1"], help="the --processes values measured"
+    )
     p.add_argument("--no-cold", dest="cold", action="store_false", help="warm starts only")
-    p.add_argument("--dynamo-dir", type=Path, default=None,
-                   help="measure Dynamo too, installed here by the peer's install.sh")
+    p.add_argument(
+        "--dynamo-dir",
+        type=Path,
+        default=None,
+        help="measure Dynamo too, installed here by the peer's install.sh",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: serve options")
     args = p.parse_args()
     extra = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     venv = Path(sys.prefix)
-    out: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"),
-                              "load_avg_start": os.getloadavg(), "nproc": os.cpu_count()}
+    out: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load_avg_start": os.getloadavg(),
+        "nproc": os.cpu_count(),
+    }
     for processes in args.processes:
         label = f"headwater --processes {processes}"
         result: dict[str, object] = {}

@@ -74,10 +74,24 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def one_run(args: argparse.Namespace, n: int) -> dict[str, float]:
-    loadgen = [sys.executable, "-m", "scripts.bench", "--url", args.url, "--endpoint",
-               args.endpoint, "--scenario", args.scenario, "--concurrency",
-               str(args.concurrency), "--requests", str(args.requests), "--time-limit",
-               str(args.time_limit), "--no-progress"]  # fmt: skip
+    loadgen = [
+        sys.executable,
+        "-m",
+        "scripts.bench",
+        "--url",
+        args.url,
+        "--endpoint",
+        args.endpoint,
+        "--scenario",
+        args.scenario,
+        "--concurrency",
+        str(args.concurrency),
+        "--requests",
+        str(args.requests),
+        "--time-limit",
+        str(args.time_limit),
+        "--no-progress",
+    ]
     latencies: list[float] = []
     stop = trio.Event()
     async with httpx.AsyncClient(timeout=10.0) as http:
@@ -91,7 +105,9 @@ async def one_run(args: argparse.Namespace, n: int) -> dict[str, float]:
     ok = max(1, record["ok"])
     user, system, faults = (b - a for a, b in zip(cpu0, cpu1, strict=True))
     return {
-        "run": n, "ok": record["ok"], "req_per_s": record["req_per_s"],
+        "run": n,
+        "ok": record["ok"],
+        "req_per_s": record["req_per_s"],
         "cpu_ms_per_req": round((user + system) * 1e3 / ok, 2),
         "sys_ms_per_req": round(system * 1e3 / ok, 2),
         "minor_faults_per_req": round(faults / ok),
@@ -109,11 +125,13 @@ async def main_async(args: argparse.Namespace) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     rates = [r["req_per_s"] for r in rows]
-    print(f"req/s {', '.join(f'{r:.0f}' for r in rates)} (slowest/fastest "
-          f"{min(rates) / max(rates):.2f}); CPU ms/req "
-          f"{', '.join(str(r['cpu_ms_per_req']) for r in rows)}; probe p99 ms "
-          f"{', '.join(str(r['probe_p99_ms']) for r in rows)}; median req/s "
-          f"{statistics.median(rates):.0f}")  # fmt: skip
+    print(
+        f"req/s {', '.join(f'{r:.0f}' for r in rates)} (slowest/fastest "
+        f"{min(rates) / max(rates):.2f}); CPU ms/req "
+        f"{', '.join(str(r['cpu_ms_per_req']) for r in rows)}; probe p99 ms "
+        f"{', '.join(str(r['probe_p99_ms']) for r in rows)}; median req/s "
+        f"{statistics.median(rates):.0f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,9 @@ from frontend.preprocess.tokenizer import Tokenizer
 
 
 def words_text(rng: random.Random, n_words: int) -> str:
-    vocab = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9)))
-             for _ in range(5000)]
+    vocab = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(5000)
+    ]
     return " ".join(rng.choices(vocab, k=n_words))
 
 
@@ -86,8 +87,11 @@ async def loop_lag(tok: Tokenizer, mode: str, texts: list[str]) -> dict[str, flo
         done.set()
     lags.sort()
     return {
-        "backend": tok.backend.value, "mode": mode, "wall_s": elapsed,
-        "lag_max_ms": lags[-1] * 1000, "lag_p99_ms": lags[int(len(lags) * 0.99)] * 1000,
+        "backend": tok.backend.value,
+        "mode": mode,
+        "wall_s": elapsed,
+        "lag_max_ms": lags[-1] * 1000,
+        "lag_p99_ms": lags[int(len(lags) * 0.99)] * 1000,
     }
 
 
@@ -101,8 +105,11 @@ async def main(quick: bool) -> None:
         for n_words in (20, 100, 400, 1600):
             r = await short_inline_vs_thread(tok, words_text(rng, n_words), 200 if quick else 1000)
             print(json.dumps({"figure": "inline_vs_thread", "backend": backend, **r}))
-        print(json.dumps({"figure": "coalesce", "backend": backend,
-                          **await coalesce(tok, long_texts)}))
+        print(
+            json.dumps(
+                {"figure": "coalesce", "backend": backend, **await coalesce(tok, long_texts)}
+            )
+        )
         for mode in ("inline", "thread-gil", "thread"):
             print(json.dumps({"figure": "loop_lag", **await loop_lag(tok, mode, long_texts)}))
 

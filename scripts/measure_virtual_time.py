@@ -37,8 +37,10 @@ async def measure(rounds: int) -> None:
             )
             walls.append(time.perf_counter() - wall)
             assert trio.current_time() - virtual == 60.0
-    print(f"60 s of generation: median {statistics.median(walls) * 1000:.0f} ms, "
-          f"max {max(walls) * 1000:.0f} ms of real time over {rounds} rounds")  # fmt: skip
+    print(
+        f"60 s of generation: median {statistics.median(walls) * 1000:.0f} ms, "
+        f"max {max(walls) * 1000:.0f} ms of real time over {rounds} rounds"
+    )
     starts = []
     for _ in range(rounds):
         wall = time.perf_counter()

@@ -67,8 +67,9 @@ class Traffic:
         self._prefill, self._decode = prefill, decode
         self._rng = random.Random(seed)
         rng = self._rng
-        self._pool = {n: [[rng.randrange(3, 128_000) for _ in range(n)] for _ in range(8)]
-                      for n in set(SIZES)}  # fmt: skip
+        self._pool = {
+            n: [[rng.randrange(3, 128_000) for _ in range(n)] for _ in range(8)] for n in set(SIZES)
+        }
         self.sent = 0
         self.errors = 0
 
@@ -81,8 +82,9 @@ class Traffic:
         sampling = SamplingParams(max_tokens=rng.randint(4, 64), ignore_eos=True, seed=n)
         mode = rng.random()
         try:
-            async with self._prefill.stream(GenerateRequest(f"r{n}", MODEL, tokens, sampling)
-                                            ) as chunks:  # fmt: skip
+            async with self._prefill.stream(
+                GenerateRequest(f"r{n}", MODEL, tokens, sampling)
+            ) as chunks:
                 handle = [c async for c in chunks][-1].kv_handle
             assert handle is not None
             if mode < 0.15:
@@ -117,7 +119,7 @@ async def main(args: argparse.Namespace) -> None:
         workers = [
             await nursery.start(partial(serve_worker, WorkerConfig(role=r, engine_config=engine)))
             for r in (Role.PREFILL, Role.DECODE)
-        ]  # fmt: skip
+        ]
         prefill, decode = [await connect_worker(_instance(w), nursery) for w in workers]
         traffic = Traffic(prefill, decode, args.seed)
         await traffic.send(args.warmup, args.concurrency)
@@ -126,8 +128,10 @@ async def main(args: argparse.Namespace) -> None:
         gc.collect()
         before = tracemalloc.take_snapshot()
         base = tracemalloc.get_traced_memory()[0]
-        print(f"{'requests':>9} {'traced since warm-up (MiB)':>27} {'RSS (MiB)':>10}"
-              + (f" {'RSS trimmed':>12}" if args.trim else ""))  # fmt: skip
+        print(
+            f"{'requests':>9} {'traced since warm-up (MiB)':>27} {'RSS (MiB)':>10}"
+            + (f" {'RSS trimmed':>12}" if args.trim else "")
+        )
         for _ in range(args.steps):
             await traffic.send(args.step, args.concurrency)
             await trio.sleep(args.quiet)  # idle: expired holds freed, streams closed
@@ -142,8 +146,10 @@ async def main(args: argparse.Namespace) -> None:
         print(f"\nkept since warm-up, by allocating line ({traffic.errors} request errors):")
         for stat in after.compare_to(before, "lineno")[: args.top]:
             frame = stat.traceback[0]
-            print(f"{stat.size_diff / 1024:>9.0f} KiB {stat.count_diff:>6} blocks  "
-                  f"{frame.filename.rsplit('/', 3)[-1]}:{frame.lineno}")  # fmt: skip
+            print(
+                f"{stat.size_diff / 1024:>9.0f} KiB {stat.count_diff:>6} blocks  "
+                f"{frame.filename.rsplit('/', 3)[-1]}:{frame.lineno}"
+            )
         nursery.cancel_scope.cancel()
 
 

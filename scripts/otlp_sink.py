@@ -19,8 +19,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
-ANSWER = (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n"
-          b"Content-Length: 0\r\n\r\n")  # fmt: skip
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n"
 
 
 class Counts:
@@ -68,8 +67,9 @@ async def main(port: int) -> None:
         async with trio.open_nursery() as nursery:
             listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
             nursery.start_soon(trio.serve_listeners, lambda s: handle(s, counts), listeners)
-            print(f"otlp sink on http://127.0.0.1:{listeners[0].socket.getsockname()[1]}",
-                  flush=True)  # fmt: skip
+            print(
+                f"otlp sink on http://127.0.0.1:{listeners[0].socket.getsockname()[1]}", flush=True
+            )
             async for _ in signals:
                 nursery.cancel_scope.cancel()
                 break

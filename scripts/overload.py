@@ -49,16 +49,25 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
 async def server_metrics(http: httpx.AsyncClient) -> dict[str, Any]:
     """The server's refusals by reason and the worst event-loop delay it saw."""
     samples = [
-        s for family in text_string_to_metric_families((await http.get("/metrics")).text)
+        s
+        for family in text_string_to_metric_families((await http.get("/metrics")).text)
         for s in family.samples
-    ]  # fmt: skip
+    ]
     return {
-        "rejected": {s.labels["reason"]: s.value for s in samples
-                     if s.name == "headwater_frontend_rejected_requests_total"},
-        "loop_max_delay_s": next((round(s.value, 3) for s in samples
-                                  if s.name == "headwater_frontend_event_loop_max_delay_seconds"),
-                                 None),
-    }  # fmt: skip
+        "rejected": {
+            s.labels["reason"]: s.value
+            for s in samples
+            if s.name == "headwater_frontend_rejected_requests_total"
+        },
+        "loop_max_delay_s": next(
+            (
+                round(s.value, 3)
+                for s in samples
+                if s.name == "headwater_frontend_event_loop_max_delay_seconds"
+            ),
+            None,
+        ),
+    }
 
 
 class Connection:
@@ -80,10 +89,15 @@ class Connection:
             self.stream = await trio.open_tcp_stream(self.host, self.port)
             self.h11 = h11.Connection(h11.CLIENT)
         h = self.h11
-        head = h11.Request(method="POST", target=target, headers=[
-            ("Host", self.host), ("Content-Type", "application/json"),
-            ("Content-Length", str(len(payload))),
-        ])  # fmt: skip
+        head = h11.Request(
+            method="POST",
+            target=target,
+            headers=[
+                ("Host", self.host),
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(payload))),
+            ],
+        )
         await self.stream.send_all(
             h.send(head) + h.send(h11.Data(data=payload)) + h.send(h11.EndOfMessage())
         )
@@ -133,12 +147,19 @@ async def run_overload(
     rss_samples: list[float] = []
     # Every client is on loopback: no limit per client address, which would refuse
     # connections beyond 256 before admission control saw them.
-    extra = ("--max-inflight", str(max_inflight), "--speedup-ratio", "1", "--log-level", "info",
-             "--max-connections-per-client", "0", *serve_args)  # fmt: skip
+    extra = (
+        "--max-inflight",
+        str(max_inflight),
+        "--speedup-ratio",
+        "1",
+        "--log-level",
+        "info",
+        "--max-connections-per-client",
+        "0",
+        *serve_args,
+    )
     async with trio.open_nursery() as nursery:
-        server = await start_frontend(
-            nursery, log_dir=log_dir, extra_args=extra, ready_within=120
-        )
+        server = await start_frontend(nursery, log_dir=log_dir, extra_args=extra, ready_within=120)
         await wait_healthy(server.address, within=60, child=server)
         host, port = server.address.removeprefix("http://").rsplit(":", 1)
         async with httpx.AsyncClient(base_url=server.address, timeout=30) as http:
@@ -150,18 +171,26 @@ async def run_overload(
             async def client(i: int) -> None:
                 nonlocal whole, broken
                 stream = i % 2 == 0
-                payload = json.dumps({"model": "deepseek-v4", "messages": messages,
-                                      "max_tokens": max_tokens, "ignore_eos": True,
-                                      "stream": stream}).encode()  # fmt: skip
+                payload = json.dumps(
+                    {
+                        "model": "deepseek-v4",
+                        "messages": messages,
+                        "max_tokens": max_tokens,
+                        "ignore_eos": True,
+                        "stream": stream,
+                    }
+                ).encode()
                 conn = Connection(host, int(port))
                 while trio.current_time() < deadline:
                     try:
                         with trio.fail_after(30):
-                            status, headers, body = await conn.post(
-                                "/v1/chat/completions", payload
-                            )
-                    except (OSError, trio.BrokenResourceError, trio.TooSlowError,
-                            h11.ProtocolError) as exc:  # fmt: skip
+                            status, headers, body = await conn.post("/v1/chat/completions", payload)
+                    except (
+                        OSError,
+                        trio.BrokenResourceError,
+                        trio.TooSlowError,
+                        h11.ProtocolError,
+                    ) as exc:
                         answers[type(exc).__name__] += 1
                         await conn.aclose()
                         continue
@@ -192,8 +221,9 @@ async def run_overload(
             exit_status = await server.stop(grace=60)
         nursery.cancel_scope.cancel()
     log_text = (log_dir / "frontend.log").read_text(errors="replace")
-    error_lines = [line for line in log_text.splitlines()
-                   if " ERROR " in line or line.startswith("Traceback")]  # fmt: skip
+    error_lines = [
+        line for line in log_text.splitlines() if " ERROR " in line or line.startswith("Traceback")
+    ]
     total = sum(answers.values())
     return {
         "max_inflight": max_inflight,
@@ -209,9 +239,13 @@ async def run_overload(
         "server_rejected": seen["rejected"],
         "server_loop_max_delay_s": seen["loop_max_delay_s"],
         "health_after_load": health,
-        "rss_mb": {"start": round(rss_start, 1), "max_during_load": round(max(rss_samples), 1),
-                   "end": round(rss_end, 1), "process_peak_VmHWM": round(rss_peak, 1),
-                   "every_5_s": [round(v) for v in rss_samples[::10]]},
+        "rss_mb": {
+            "start": round(rss_start, 1),
+            "max_during_load": round(max(rss_samples), 1),
+            "end": round(rss_end, 1),
+            "process_peak_VmHWM": round(rss_peak, 1),
+            "every_5_s": [round(v) for v in rss_samples[::10]],
+        },
         "server_exit_status": exit_status,
         "server_error_lines": error_lines[:20],
     }
@@ -220,29 +254,46 @@ async def run_overload(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-inflight", type=int, default=32, help="the server's limit (default 32)")
-    p.add_argument("--factor", type=int, default=10,
-                   help="clients per slot: the overload (default 10)")
-    p.add_argument("--clients", type=int, default=None,
-                   help="clients, instead of factor x max-inflight (to compare a run with "
-                        "--max-inflight 0)")
+    p.add_argument(
+        "--factor", type=int, default=10, help="clients per slot: the overload (default 10)"
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="clients, instead of factor x max-inflight (to compare a run with --max-inflight 0)",
+    )
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20)")
     p.add_argument("--max-tokens", type=int, default=32, help="per request (default 32)")
-    p.add_argument("--prompt-words", type=int, default=0,
-                   help="a prompt of this many words (~1 token each) instead of a short one")
-    p.add_argument("--honour-retry-after", action="store_true",
-                   help="clients wait Retry-After after a 429 (default: retry at once)")
+    p.add_argument(
+        "--prompt-words",
+        type=int,
+        default=0,
+        help="a prompt of this many words (~1 token each) instead of a short one",
+    )
+    p.add_argument(
+        "--honour-retry-after",
+        action="store_true",
+        help="clients wait Retry-After after a 429 (default: retry at once)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: headwater serve args")
     args = p.parse_args()
     serve_args = tuple(a for a in args.serve_args if a != "--")
     with tempfile.TemporaryDirectory(prefix="headwater-overload-") as tmp:
-        report = trio.run(lambda: run_overload(
-            max_inflight=args.max_inflight, factor=args.factor, clients=args.clients,
-            duration=args.duration,
-            max_tokens=args.max_tokens, prompt_words=args.prompt_words,
-            honour_retry_after=args.honour_retry_after,
-            serve_args=serve_args, log_dir=Path(tmp),
-        ))  # fmt: skip
+        report = trio.run(
+            lambda: run_overload(
+                max_inflight=args.max_inflight,
+                factor=args.factor,
+                clients=args.clients,
+                duration=args.duration,
+                max_tokens=args.max_tokens,
+                prompt_words=args.prompt_words,
+                honour_retry_after=args.honour_retry_after,
+                serve_args=serve_args,
+                log_dir=Path(tmp),
+            )
+        )
     if args.json:
         print(json.dumps(report))
     else:

@@ -329,9 +329,14 @@ def count_log_events(lines: Iterable[str]) -> dict[str, int]:
 #: Counters whose increase over a run is reported (names without ``_total``).
 TOTAL_COUNTERS = tuple(
     HEADWATER_PREFIX + name
-    for name in ("requests", "worker_state_transitions", "excused_timeouts",
-                 "model_migration", "event_loop_stall")
-)  # fmt: skip
+    for name in (
+        "requests",
+        "worker_state_transitions",
+        "excused_timeouts",
+        "model_migration",
+        "event_loop_stall",
+    )
+)
 
 
 def counter_values(text: str, names: Sequence[str] = TOTAL_COUNTERS) -> dict[str, float]:
@@ -429,9 +434,13 @@ async def _poll_workers(
 #: What each worker's own counters poll keeps (``stats`` over a plane connection of
 #: this script's: the frontend's loop plays no part in it).
 WORKER_STATS = (
-    "inflight", "engine_active_requests", "engine_waiting_requests", "engine_kv_blocks_used",
-    "engine_kv_blocks_total", "engine_kv_transfers_held",
-)  # fmt: skip
+    "inflight",
+    "engine_active_requests",
+    "engine_waiting_requests",
+    "engine_kv_blocks_used",
+    "engine_kv_blocks_total",
+    "engine_kv_transfers_held",
+)
 
 
 async def _poll_worker_stats(
@@ -445,11 +454,12 @@ async def _poll_worker_stats(
     async with trio.open_nursery() as nursery:
         clients = [
             await connect_worker(
-                WorkerInstance(w.worker_id, Role(w.role), MODEL, w.address), nursery,
+                WorkerInstance(w.worker_id, Role(w.role), MODEL, w.address),
+                nursery,
                 client_id="seed-scenario-stats",
             )
             for w in workers
-        ]  # fmt: skip
+        ]
         tick = trio.current_time()
         with trio.move_on_after(limit_s):
             while not done.is_set():
@@ -508,24 +518,37 @@ async def run_one(
     env = child_env({"PYTHONPATH": str(ROOT)})
     engine_args = ["--speedup-ratio", f"{settings.speedup_ratio:g}"]
     frontend_args = [
-        "--ack-timeout", f"{settings.ack_timeout_s:g}", "--log-level", "info",
+        "--ack-timeout",
+        f"{settings.ack_timeout_s:g}",
+        "--log-level",
+        "info",
         *spec.frontend_args,
-    ]  # fmt: skip
+    ]
     with trio.fail_after(settings.duration_s + 300):
         async with trio.open_nursery() as nursery:
             workers = [
                 await start_worker(
-                    nursery, role, log_dir=workdir, name=f"{spec.name}-{role}", model=MODEL,
-                    engine_args=engine_args, drain_timeout=WORKER_DRAIN_S,
-                    extra_args=["--log-level", "info"], env=env,
+                    nursery,
+                    role,
+                    log_dir=workdir,
+                    name=f"{spec.name}-{role}",
+                    model=MODEL,
+                    engine_args=engine_args,
+                    drain_timeout=WORKER_DRAIN_S,
+                    extra_args=["--log-level", "info"],
+                    env=env,
                 )
                 for role in ("prefill", "decode")
-            ]  # fmt: skip
+            ]
             frontend = await start_frontend(
-                nursery, log_dir=workdir, name=f"{spec.name}-frontend", model=MODEL,
+                nursery,
+                log_dir=workdir,
+                name=f"{spec.name}-frontend",
+                model=MODEL,
                 workers=",".join(w.static_url(MODEL) for w in workers),
-                extra_args=frontend_args, env=env,
-            )  # fmt: skip
+                extra_args=frontend_args,
+                env=env,
+            )
             await wait_healthy(frontend.address, child=frontend)
             url = frontend.address + prompts.ENDPOINT_PATHS["chat"]
             metrics_url = frontend.address + "/metrics"
@@ -536,8 +559,10 @@ async def run_one(
             if warm_failed:
                 # Possible in the inline runs (two concurrent encodes can outlast a short
                 # ACK timeout): reported, and the load waits until the workers are routable.
-                print(f"  warm-up: {warm_failed} failed ({summarise(warm).first_error})",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"  warm-up: {warm_failed} failed ({summarise(warm).first_error})",
+                    file=sys.stderr,
+                )
                 await wait_healthy(frontend.address, child=frontend)
 
             children: list[ChildProcess] = [frontend, *workers]
@@ -555,16 +580,26 @@ async def run_one(
             limit = settings.duration_s + 120
             async with trio.open_nursery() as sampling:
                 sampling.start_soon(
-                    timeline.sample, [metrics_url], HEADWATER_PREFIX, [frontend.pid], epoch,
-                    samples, done,
-                )  # fmt: skip
+                    timeline.sample,
+                    [metrics_url],
+                    HEADWATER_PREFIX,
+                    [frontend.pid],
+                    epoch,
+                    samples,
+                    done,
+                )
                 sampling.start_soon(_poll_workers, frontend.address, epoch, polls, done, limit)
                 sampling.start_soon(_poll_worker_stats, workers, epoch, worker_stats, done, limit)
                 try:
                     load = await run_load_trio(
-                        url, bodies, settings.concurrency, 10_000_000, settings.duration_s,
-                        False, request_timeout=60.0,
-                    )  # fmt: skip
+                        url,
+                        bodies,
+                        settings.concurrency,
+                        10_000_000,
+                        settings.duration_s,
+                        False,
+                        request_timeout=60.0,
+                    )
                 finally:
                     done.set()
             stat_after, self_after = cpu_busy_s(_read(Path("/proc/stat"))), _self_cpu_s()
@@ -580,10 +615,14 @@ async def run_one(
     unix_t0 = time.time() - (time.perf_counter() - load.t0)
     ours = (
         sum(procs_after[n] - procs_before[n] for n in procs_before)
-        + load.client.cpu_s + self_after - self_before
-    )  # fmt: skip
+        + load.client.cpu_s
+        + self_after
+        - self_before
+    )
     record = analyse(
-        spec, settings, load,
+        spec,
+        settings,
+        load,
         loop_snapshots=[
             (s.t_s - shift, s.loop.delay if s.loop is not None else None) for s in samples
         ],
@@ -595,7 +634,7 @@ async def run_one(
             wid: [{**p, "t_s": round(p["t_s"] - shift, 3)} for p in points]
             for wid, points in worker_stats.items()
         },
-    )  # fmt: skip
+    )
     record["warmup_failed"] = warm_failed
     record["process_cpu_s"] = {n: round(procs_after[n] - procs_before[n], 2) for n in procs_before}
     record["machine"] = {
@@ -605,10 +644,12 @@ async def run_one(
         "cpu_interval_s": round(stat_s, 3),
     }
     record["polls"] = {
-        "answered": len(polls.answers), "failed": polls.failures,
+        "answered": len(polls.answers),
+        "failed": polls.failures,
         "slowest_s": round(polls.slowest_s, 3),
-        "loop_scrapes": len(samples), "loop_scrapes_failed": sum(s.loop is None for s in samples),
-    }  # fmt: skip
+        "loop_scrapes": len(samples),
+        "loop_scrapes_failed": sum(s.loop is None for s in samples),
+    }
     return record, load
 
 
@@ -683,16 +724,25 @@ def analyse(
             for r, lb in zip(requests, loop, strict=True)
         ],
         "workers": {
-            wid: {"role": roles.get(wid, "?"), "bands": [asdict(b) for b in bs],
-                  "seconds_in": time_in_states(bs),
-                  "busy_share_of_polls": round(busy[wid] / seen_polls[wid], 3)
-                  if seen_polls[wid] else None,
-                  "stats": list((worker_stats or {}).get(wid, ()))}
+            wid: {
+                "role": roles.get(wid, "?"),
+                "bands": [asdict(b) for b in bs],
+                "seconds_in": time_in_states(bs),
+                "busy_share_of_polls": round(busy[wid] / seen_polls[wid], 3)
+                if seen_polls[wid]
+                else None,
+                "stats": list((worker_stats or {}).get(wid, ())),
+            }
             for wid, bs in bands.items()
         },
         "transitions_logged": [
-            {"t_s": round(tr.unix - unix_t0, 3), "worker_id": tr.worker_id, "from": tr.old,
-             "to": tr.new, "reason": tr.reason}
+            {
+                "t_s": round(tr.unix - unix_t0, 3),
+                "worker_id": tr.worker_id,
+                "from": tr.old,
+                "to": tr.new,
+                "reason": tr.reason,
+            }
             for tr in in_run
         ],
         "wall_s": round(load.wall_s, 3),
@@ -710,8 +760,10 @@ def machine_info() -> dict[str, Any]:
 
 
 async def run_all(names: Sequence[str], settings: Settings, out_dir: Path) -> dict[str, Any]:
-    print(f"building {settings.prompt_count} prompts of ~{settings.prompt_tokens} tokens ...",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"building {settings.prompt_count} prompts of ~{settings.prompt_tokens} tokens ...",
+        file=sys.stderr,
+    )
     prompt_set = await trio.to_thread.run_sync(
         lambda: prompts.make_prompts(
             "long", settings.prompt_count, tokens=settings.prompt_tokens, seed=settings.seed
@@ -723,12 +775,14 @@ async def run_all(names: Sequence[str], settings: Settings, out_dir: Path) -> di
         "started": datetime.now().isoformat(timespec="seconds"),
         "settings": asdict(settings),
         "machine": machine_info(),
-        "prompts": {"nonce": prompt_set.nonce, "count": len(prompt_set),
-                    "tokens_mean": round(sum(p.tokens for p in prompt_set.prompts)
-                                         / len(prompt_set), 1),
-                    "body_bytes_mean": round(sum(map(len, bodies)) / len(bodies))},
+        "prompts": {
+            "nonce": prompt_set.nonce,
+            "count": len(prompt_set),
+            "tokens_mean": round(sum(p.tokens for p in prompt_set.prompts) / len(prompt_set), 1),
+            "body_bytes_mean": round(sum(map(len, bodies)) / len(bodies)),
+        },
         "runs": [],
-    }  # fmt: skip
+    }
     for name in names:
         print(f"run {name}: {RUNS[name].title} ...", file=sys.stderr)
         record, load = await run_one(RUNS[name], bodies, settings, out_dir)
@@ -769,47 +823,86 @@ def plot(results: Mapping[str, Any], path: Path) -> Path:
     ack_ms = 1000 * settings["ack_timeout_s"]
     width = BIN_S
     fig, axes = plt.subplots(
-        4, len(runs), figsize=(5.0 * len(runs), 10.4), sharex=True, sharey="row",
-        squeeze=False, gridspec_kw={"height_ratios": [3, 3, 1.2, 1.8]},
-    )  # fmt: skip
+        4,
+        len(runs),
+        figsize=(5.0 * len(runs), 10.4),
+        sharex=True,
+        sharey="row",
+        squeeze=False,
+        gridspec_kw={"height_ratios": [3, 3, 1.2, 1.8]},
+    )
     failure_colors = ("#c44e52", "#e5ae38", "#8172b3", "#937860")
     for col, run in enumerate(runs):
         ax_rate, ax_loop, ax_state, ax_kv = (axes[row][col] for row in range(4))
         bins = run["bins"]
         t = [b["t_s"] for b in bins]
-        ax_rate.bar(t, [b["ok"] for b in bins], width=width, align="edge", color="#4c72b0",
-                    label="completed")  # fmt: skip
+        ax_rate.bar(
+            t,
+            [b["ok"] for b in bins],
+            width=width,
+            align="edge",
+            color="#4c72b0",
+            label="completed",
+        )
         statuses = sorted({s for b in bins for s in b["failed"]})
         bottom = [float(b["ok"]) for b in bins]
         for i, status in enumerate(statuses):
             n = [b["failed"].get(status, 0) for b in bins]
             label = "no response" if status == "none" else f"HTTP {status}"
-            ax_rate.bar(t, n, width=width, align="edge", bottom=bottom,
-                        color=failure_colors[i % len(failure_colors)],
-                        label=f"failed: {label}")  # fmt: skip
+            ax_rate.bar(
+                t,
+                n,
+                width=width,
+                align="edge",
+                bottom=bottom,
+                color=failure_colors[i % len(failure_colors)],
+                label=f"failed: {label}",
+            )
             bottom = [a + b for a, b in zip(bottom, n, strict=True)]
         tot = run["totals"]
         ax_rate.set_title(
             f"{run['name']}: {tot['req_per_s']:g} req/s, {tot['failed']} failed\n"
             f"{tot['to_inhibited']} times a worker inhibited, "
-            f"{tot['excused_timeouts']} misses excused", fontsize=10,
-        )  # fmt: skip
+            f"{tot['excused_timeouts']} misses excused",
+            fontsize=10,
+        )
         ax_rate.legend(fontsize=7, loc="upper right")
         ax_rate.grid(True, axis="y", alpha=0.3)
         seen = [b for b in bins if b["loop_samples"]]
         lt = [b["t_s"] + width / 2 for b in seen]
-        ax_loop.plot(lt, [b["loop_p99_ms"] for b in seen], "-o", ms=2.5, lw=1,
-                     color="#4c72b0", label="p99 per second")  # fmt: skip
-        ax_loop.plot(lt, [b["loop_max_ms"] for b in seen], "^", ms=3.5, color="#c44e52",
-                     alpha=0.7, label="highest bucket reached")  # fmt: skip
+        ax_loop.plot(
+            lt,
+            [b["loop_p99_ms"] for b in seen],
+            "-o",
+            ms=2.5,
+            lw=1,
+            color="#4c72b0",
+            label="p99 per second",
+        )
+        ax_loop.plot(
+            lt,
+            [b["loop_max_ms"] for b in seen],
+            "^",
+            ms=3.5,
+            color="#c44e52",
+            alpha=0.7,
+            label="highest bucket reached",
+        )
         above = [b for b in seen if b.get("loop_max_above")]
         if above:
-            ax_loop.plot([b["t_s"] + width / 2 for b in above], [b["loop_max_ms"] for b in above],
-                         "v", ms=6, color="black", label="above 5 s (the last bucket)")  # fmt: skip
+            ax_loop.plot(
+                [b["t_s"] + width / 2 for b in above],
+                [b["loop_max_ms"] for b in above],
+                "v",
+                ms=6,
+                color="black",
+                label="above 5 s (the last bucket)",
+            )
         blind = "no canary reading reached /metrics"
         for i, b in enumerate(b for b in bins if not b["loop_samples"]):
-            ax_loop.axvspan(b["t_s"], b["t_s"] + width, color="#dddddd", lw=0,
-                            label=blind if i == 0 else None)  # fmt: skip
+            ax_loop.axvspan(
+                b["t_s"], b["t_s"] + width, color="#dddddd", lw=0, label=blind if i == 0 else None
+            )
         ax_loop.axhline(ack_ms, color="black", lw=0.9, ls="--", label=f"ACK timeout {ack_ms:g} ms")
         ax_loop.axhline(20, color="grey", lw=0.8, ls="-.", label="stall threshold 20 ms")
         ax_loop.set_yscale("log")
@@ -820,21 +913,23 @@ def plot(results: Mapping[str, Any], path: Path) -> Path:
             spans = [(b["start_s"], b["end_s"] - b["start_s"]) for b in w["bands"]]
             colors = [STATE_COLORS.get(b["state"], "#cccccc") for b in w["bands"]]
             ax_state.broken_barh(spans, (lane + 0.1, 0.8), facecolors=colors, edgecolor="none")
-        ax_state.set_yticks([i + 0.5 for i in range(len(lanes))],
-                            [w["role"] for _wid, w in lanes])  # fmt: skip
+        ax_state.set_yticks([i + 0.5 for i in range(len(lanes))], [w["role"] for _wid, w in lanes])
         ax_state.set_ylim(0, max(1, len(lanes)))
         for _wid, w in lanes:
             points = [p for p in w.get("stats", ()) if p.get("engine_kv_blocks_total")]
             if not points:
                 continue
             held = max(int(p.get("engine_kv_transfers_held", 0)) for p in points)
-            ax_kv.plot([p["t_s"] for p in points],
-                       [100 * p["engine_kv_blocks_used"] / p["engine_kv_blocks_total"]
-                        for p in points],
-                       "-" if w["role"] == "prefill" else "--", lw=1.2,
-                       color="#c44e52" if w["role"] == "prefill" else "#4c72b0",
-                       label=f"{w['role']} (at most {held} transfers held)"
-                       if w["role"] == "prefill" else w["role"])  # fmt: skip
+            ax_kv.plot(
+                [p["t_s"] for p in points],
+                [100 * p["engine_kv_blocks_used"] / p["engine_kv_blocks_total"] for p in points],
+                "-" if w["role"] == "prefill" else "--",
+                lw=1.2,
+                color="#c44e52" if w["role"] == "prefill" else "#4c72b0",
+                label=f"{w['role']} (at most {held} transfers held)"
+                if w["role"] == "prefill"
+                else w["role"],
+            )
         ax_kv.axhline(95, color="black", lw=0.8, ls=":", label="busy at 95%")
         ax_kv.set_ylim(0, 105)
         ax_kv.grid(True, alpha=0.3)
@@ -847,13 +942,13 @@ def plot(results: Mapping[str, Any], path: Path) -> Path:
     axes[3][0].set_ylabel("worker KV cache in use (%)")
     shown = {b["state"] for r in runs for w in r["workers"].values() for b in w["bands"]}
     handles = [Patch(color=c, label=s) for s, c in STATE_COLORS.items() if s in shown]
-    fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles),
-               frameon=False)  # fmt: skip
+    fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles), frameon=False)
     fig.suptitle(
         f"The seed failure chain: ~{settings['prompt_tokens'] // 1000}k-token prompts, unary, "
         f"c{settings['concurrency']}, ACK timeout {settings['ack_timeout_s']:g} s, "
-        "1 prefill + 1 decode worker over TCP", fontsize=11,
-    )  # fmt: skip
+        "1 prefill + 1 decode worker over TCP",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=_DPI)
@@ -892,8 +987,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d = Settings()
-    p.add_argument("--runs", default="chain,defaults,attribution",
-                   help=f"comma-separated, from {', '.join(RUNS)} (default: all, in that order)")
+    p.add_argument(
+        "--runs",
+        default="chain,defaults,attribution",
+        help=f"comma-separated, from {', '.join(RUNS)} (default: all, in that order)",
+    )
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load per run")
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--ack-timeout", type=float, default=d.ack_timeout_s)
@@ -902,13 +1000,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     p.add_argument("--speedup-ratio", type=float, default=d.speedup_ratio)
     p.add_argument("--seed", type=int, default=d.seed, help="prompt synthesis seed")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: bench-results/seed-<timestamp>)")
-    p.add_argument("--render", type=Path, default=None,
-                   help="only redraw the plot and table from this results.json")
-    p.add_argument("--docs", action="store_true",
-                   help="also write docs/img/seed_scenario.png and docs/data/seed_scenario.json")
-    args = p.parse_args(argv)  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: bench-results/seed-<timestamp>)",
+    )
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="only redraw the plot and table from this results.json",
+    )
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="also write docs/img/seed_scenario.png and docs/data/seed_scenario.json",
+    )
+    args = p.parse_args(argv)
     if args.render is not None:
         results = orjson.loads(args.render.read_bytes())
         out_dir = args.render.parent
@@ -918,11 +1027,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown or not names:
             p.error(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
         settings = Settings(
-            duration_s=args.duration, concurrency=args.concurrency,
-            ack_timeout_s=args.ack_timeout, max_tokens=args.max_tokens,
-            prompt_count=args.prompts, prompt_tokens=args.prompt_tokens,
-            speedup_ratio=args.speedup_ratio, seed=args.seed,
-        )  # fmt: skip
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            ack_timeout_s=args.ack_timeout,
+            max_tokens=args.max_tokens,
+            prompt_count=args.prompts,
+            prompt_tokens=args.prompt_tokens,
+            speedup_ratio=args.speedup_ratio,
+            seed=args.seed,
+        )
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         out_dir = args.out or ROOT / "bench-results" / f"seed-{stamp}"
         out_dir.mkdir(parents=True, exist_ok=True)

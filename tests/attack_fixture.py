@@ -58,8 +58,9 @@ class Answer:
         return error
 
 
-async def read_answer(stream: trio.abc.Stream, buffered: bytearray | None = None,
-                      within: float = 5.0) -> Answer:  # fmt: skip
+async def read_answer(
+    stream: trio.abc.Stream, buffered: bytearray | None = None, within: float = 5.0
+) -> Answer:
     """One HTTP/1.1 response with a Content-Length (informational ones included: a
     ``100 Continue`` is an answer of its own). *buffered* holds bytes read past an earlier
     answer, and keeps those read past this one."""
@@ -91,7 +92,10 @@ def post(path: str, body: bytes, *, headers: bytes = b"", length: int | None = N
     size = len(body) if length is None else length
     return (
         f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {size}\r\n".encode() + headers + b"\r\n" + body
+        f"Content-Length: {size}\r\n".encode()
+        + headers
+        + b"\r\n"
+        + body
     )
 
 

@@ -65,8 +65,9 @@ class Launched:
 
     def restarted(self, name: str) -> int | None:
         """The pid of *name*'s latest restart, from the launcher's log; None if none yet."""
-        found = re.findall(rf"supervisor: {re.escape(name)} is back \(pid (\d+)\)",
-                           self.log.read_text())  # fmt: skip
+        found = re.findall(
+            rf"supervisor: {re.escape(name)} is back \(pid (\d+)\)", self.log.read_text()
+        )
         return int(found[-1]) if found else None
 
 
@@ -82,12 +83,26 @@ async def launch(tmp_path: Path, *args: str, speedup: float = FAST) -> AsyncIter
     workdir = tmp_path / "cluster"
     with (tmp_path / "launch.log").open("wb") as log:
         launcher = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "headwater", "launch", "--port", "0",
-             "--speedup-ratio", f"{speedup:g}", "--workdir", str(workdir), *args],
-            stdout=subprocess.PIPE, stderr=log,
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("HEADWATER_")},
-                 "HEADWATER_PLANE_SECRET": LAUNCH_SECRET.decode()},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "headwater",
+                "launch",
+                "--port",
+                "0",
+                "--speedup-ratio",
+                f"{speedup:g}",
+                "--workdir",
+                str(workdir),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("HEADWATER_")},
+                "HEADWATER_PLANE_SECRET": LAUNCH_SECRET.decode(),
+            },
+        )
     try:
         assert launcher.stdout is not None
         output = b""

@@ -11,9 +11,15 @@ from tls_fixture import ca
 from vllm_fixture import start_in_background, stop_cluster, vllm_cluster
 
 __all__ = [
-    "ca", "etcd_prefix", "etcd_server", "etcd_url", "frozen_heap", "make_netns",
-    "private_etcd", "vllm_cluster",
-]  # fmt: skip
+    "ca",
+    "etcd_prefix",
+    "etcd_server",
+    "etcd_url",
+    "frozen_heap",
+    "make_netns",
+    "private_etcd",
+    "vllm_cluster",
+]
 
 
 @pytest.hookimpl(trylast=True)  # after ``-m`` deselected: ``-m "not vllm"`` starts none

@@ -38,8 +38,7 @@ def require_etcd() -> str:
     path = find_etcd()
     if path is None:
         why = (
-            f"etcd binary not found (install the Debian package etcd-server, "
-            f"or set {ETCD_BIN_ENV})"
+            f"etcd binary not found (install the Debian package etcd-server, or set {ETCD_BIN_ENV})"
         )
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{why}; CI must provide it")

@@ -61,7 +61,10 @@ async def start_frontend(
     speedup = overrides.pop("speedup_ratio", 1000.0)
     engine = MockerConfig(speedup_ratio=speedup, mean_output_tokens=0)
     settings: dict[str, Any] = {
-        "port": 0, "tokenizer_threads": 2, "engine_config": engine, **overrides,
+        "port": 0,
+        "tokenizer_threads": 2,
+        "engine_config": engine,
+        **overrides,
     }
     config = FrontendConfig(**settings)
     frontend = Frontend(config, tokenizer=shared_tokenizer(config.tokenizer_backend))
@@ -94,7 +97,7 @@ async def sse_events(response: httpx.Response) -> list[Any]:
         if not line.startswith("data: "):
             assert line == "", f"unexpected SSE line {line!r}"
             continue
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append("DONE" if data == "[DONE]" else orjson.loads(data))
     return events
 
@@ -120,8 +123,9 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     return err
 
 
-async def raw_chunks(url: str, body: dict[str, Any], path: str = "/v1/chat/completions"
-                     ) -> list[bytes]:
+async def raw_chunks(
+    url: str, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> list[bytes]:
     """POST *body* over a bare socket and return the chunked response's chunks, as written."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     payload = orjson.dumps(body)

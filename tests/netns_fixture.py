@@ -93,8 +93,10 @@ class Netns:
         return ("ip", "netns", "exec", self.name)
 
     def _rules(self) -> list[list[str]]:
-        return [["INPUT", "-i", self.inner_dev, "-j", "DROP"],
-                ["OUTPUT", "-o", self.inner_dev, "-j", "DROP"]]  # fmt: skip
+        return [
+            ["INPUT", "-i", self.inner_dev, "-j", "DROP"],
+            ["OUTPUT", "-o", self.inner_dev, "-j", "DROP"],
+        ]
 
     async def _iptables(self, op: str) -> None:
         for rule in self._rules():

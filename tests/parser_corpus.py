@@ -18,17 +18,40 @@ BLOCK = f"<{D}tool_calls>"
 BLOCK_END = f"</{D}tool_calls>"
 
 TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {
-            "city": {"type": "string"}, "days": {"type": "integer"},
-            "units": {"type": "array", "items": {"type": "string"}}}}}},
-    {"type": "function", "function": {"name": "write_file", "parameters": {
-        "type": "object", "properties": {
-            "path": {"type": "string"}, "content": {"type": "string"},
-            "options": {"type": "object"}, "overwrite": {"type": "boolean"}}}}},
-    {"type": "function", "function": {"name": "noop", "parameters": {
-        "type": "object", "properties": {}}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "units": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "content": {"type": "string"},
+                    "options": {"type": "object"},
+                    "overwrite": {"type": "boolean"},
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}},
+    },
+]
 TYPES = {t["function"]["name"]: t["function"]["parameters"]["properties"] for t in TOOLS}
 
 
@@ -69,56 +92,175 @@ def hand_written() -> list[Case]:
     w_call = invoke("get_weather", [param("city", "Paris"), param("days", 3)])
     return [
         Case("plain", "Hello, world.", content="Hello, world."),
-        Case("reasoning only, forced", "Let me think about it.", forced=True,
-             reasoning="Let me think about it."),
-        Case("reasoning then answer, forced", "Hmm.</think>The answer is 4.", forced=True,
-             reasoning="Hmm.", content="The answer is 4."),
-        Case("reasoning tags in the answer", "<think>Hmm.</think>Four.", reasoning="Hmm.",
-             content="Four."),
+        Case(
+            "reasoning only, forced",
+            "Let me think about it.",
+            forced=True,
+            reasoning="Let me think about it.",
+        ),
+        Case(
+            "reasoning then answer, forced",
+            "Hmm.</think>The answer is 4.",
+            forced=True,
+            reasoning="Hmm.",
+            content="The answer is 4.",
+        ),
+        Case(
+            "reasoning tags in the answer",
+            "<think>Hmm.</think>Four.",
+            reasoning="Hmm.",
+            content="Four.",
+        ),
         Case("one call", block([w_call]), calls=[("get_weather", w)]),
-        Case("content before a call", "Let me check.\n\n" + block([w_call]),
-             content="Let me check.\n\n", calls=[("get_weather", w)]),
-        Case("reasoning, content, two calls",
-             "I need the weather.</think>Checking." + block([w_call, invoke("noop", [])]),
-             forced=True, reasoning="I need the weather.", content="Checking.",
-             calls=[("get_weather", w), ("noop", {})]),
-        Case("unicode and markup in a string", block([invoke("write_file", [
-            param("path", "/tmp/ünï 文件.txt"),
-            param("content", CODE),
-        ])]), calls=[("write_file", {"path": "/tmp/ünï 文件.txt", "content": CODE})]),
-        Case("nested JSON argument", block([invoke("write_file", [
-            param("path", "a"), param("options", {"mode": [1, {"x": None}], "é": True}),
-            param("overwrite", False)])]),
-            calls=[("write_file", {"path": "a", "options": {"mode": [1, {"x": None}], "é": True},
-                                   "overwrite": False})]),
-        Case("missing string attribute", block([invoke("get_weather", [
-            param("city", "Paris", string=None), param("days", 3, string=None)])]),
-            calls=[("get_weather", w)]),
-        Case("spelling variant toolcalls", block([w_call], start=f"<{D}toolcalls>"),
-             calls=[("get_weather", w)]),
-        Case("spelling variant tool", block([w_call], start=f"<{D}tool>"),
-             calls=[("get_weather", w)]),
-        Case("a call inside the reasoning", "Calling now." + block([w_call]), forced=True,
-             reasoning="Calling now.", calls=[("get_weather", w)]),
-        Case("cut inside the second call",
-             block([w_call, invoke("write_file", [param("path", "a")])])[:-40],
-             truncated=True, calls=[("get_weather", w)]),
+        Case(
+            "content before a call",
+            "Let me check.\n\n" + block([w_call]),
+            content="Let me check.\n\n",
+            calls=[("get_weather", w)],
+        ),
+        Case(
+            "reasoning, content, two calls",
+            "I need the weather.</think>Checking." + block([w_call, invoke("noop", [])]),
+            forced=True,
+            reasoning="I need the weather.",
+            content="Checking.",
+            calls=[("get_weather", w), ("noop", {})],
+        ),
+        Case(
+            "unicode and markup in a string",
+            block(
+                [
+                    invoke(
+                        "write_file",
+                        [
+                            param("path", "/tmp/ünï 文件.txt"),
+                            param("content", CODE),
+                        ],
+                    )
+                ]
+            ),
+            calls=[("write_file", {"path": "/tmp/ünï 文件.txt", "content": CODE})],
+        ),
+        Case(
+            "nested JSON argument",
+            block(
+                [
+                    invoke(
+                        "write_file",
+                        [
+                            param("path", "a"),
+                            param("options", {"mode": [1, {"x": None}], "é": True}),
+                            param("overwrite", False),
+                        ],
+                    )
+                ]
+            ),
+            calls=[
+                (
+                    "write_file",
+                    {
+                        "path": "a",
+                        "options": {"mode": [1, {"x": None}], "é": True},
+                        "overwrite": False,
+                    },
+                )
+            ],
+        ),
+        Case(
+            "missing string attribute",
+            block(
+                [
+                    invoke(
+                        "get_weather",
+                        [param("city", "Paris", string=None), param("days", 3, string=None)],
+                    )
+                ]
+            ),
+            calls=[("get_weather", w)],
+        ),
+        Case(
+            "spelling variant toolcalls",
+            block([w_call], start=f"<{D}toolcalls>"),
+            calls=[("get_weather", w)],
+        ),
+        Case(
+            "spelling variant tool", block([w_call], start=f"<{D}tool>"), calls=[("get_weather", w)]
+        ),
+        Case(
+            "a call inside the reasoning",
+            "Calling now." + block([w_call]),
+            forced=True,
+            reasoning="Calling now.",
+            calls=[("get_weather", w)],
+        ),
+        Case(
+            "cut inside the second call",
+            block([w_call, invoke("write_file", [param("path", "a")])])[:-40],
+            truncated=True,
+            calls=[("get_weather", w)],
+        ),
         Case("cut inside the first call", block([w_call])[:60], truncated=True),
-        Case("cut inside a marker", "Let me check." + BLOCK[:5], truncated=True,
-             content="Let me check." + BLOCK[:5]),
-        Case("a lone less-than", "a < b, and <thinking> is not a tag",
-             content="a < b, and <thinking> is not a tag"),
+        Case(
+            "cut inside a marker",
+            "Let me check." + BLOCK[:5],
+            truncated=True,
+            content="Let me check." + BLOCK[:5],
+        ),
+        Case(
+            "a lone less-than",
+            "a < b, and <thinking> is not a tag",
+            content="a < b, and <thinking> is not a tag",
+        ),
         # The string attribute the wrong way round: the tool's schema decides.
-        Case("string attribute the wrong way round", block([invoke("get_weather", [
-            param("city", "123", string="false"), param("days", "7", string="true")])]),
-            calls=[("get_weather", {"city": "123", "days": 7})]),
-        Case("a call without its block", "Let me check.\n\n" + w_call,
-             content="Let me check.\n\n", calls=[("get_weather", w)]),
-    ]  # fmt: skip
+        Case(
+            "string attribute the wrong way round",
+            block(
+                [
+                    invoke(
+                        "get_weather",
+                        [param("city", "123", string="false"), param("days", "7", string="true")],
+                    )
+                ]
+            ),
+            calls=[("get_weather", {"city": "123", "days": 7})],
+        ),
+        Case(
+            "a call without its block",
+            "Let me check.\n\n" + w_call,
+            content="Let me check.\n\n",
+            calls=[("get_weather", w)],
+        ),
+    ]
 
 
-_WORDS = ["the", "weather", "is", "Paris", "文件", "naïve", "<", ">", '"', "'", "&", "\\",
-          "{", "}", "[", "]", ":", "\n", "  ", "é", "😀", "<b>", "</", "=", "DSML", "｜"]
+_WORDS = [
+    "the",
+    "weather",
+    "is",
+    "Paris",
+    "文件",
+    "naïve",
+    "<",
+    ">",
+    '"',
+    "'",
+    "&",
+    "\\",
+    "{",
+    "}",
+    "[",
+    "]",
+    ":",
+    "\n",
+    "  ",
+    "é",
+    "😀",
+    "<b>",
+    "</",
+    "=",
+    "DSML",
+    "｜",
+]
 
 
 def _words(rng: random.Random, low: int, high: int) -> str:
@@ -168,9 +310,14 @@ def generated(n: int, seed: int = 20261203) -> list[Case]:
         # What a parse gives: the reasoning without its trailing whitespace (as vLLM's),
         # the content with the blank line before the calls, unless it is only whitespace.
         said = content + "\n\n" if calls else content
-        case = Case(f"generated {i}", text, forced=forced, reasoning=reasoning.rstrip(),
-                    content="" if calls and not said.strip() else said,
-                    calls=[(c[0], c[1]) for c in calls])
+        case = Case(
+            f"generated {i}",
+            text,
+            forced=forced,
+            reasoning=reasoning.rstrip(),
+            content="" if calls and not said.strip() else said,
+            calls=[(c[0], c[1]) for c in calls],
+        )
         if calls and rng.random() < 0.2:  # cut by max_tokens inside the last call
             last = text.rindex(f'<{D}invoke name="')
             cut = rng.randint(last + 1, len(text) - len(BLOCK_END) - len(f"</{D}invoke>") - 2)

@@ -77,8 +77,10 @@ async def group(slots: int) -> AsyncIterator[tuple[int, AcceptShares, list[Proce
     sock.listen(16)
     sock.setblocking(False)
     shares = AcceptShares(slots)
-    processes = [Process(sock if i == 0 else sock.dup(), shares.balance(i, sock.fileno()))
-                 for i in range(slots)]  # fmt: skip
+    processes = [
+        Process(sock if i == 0 else sock.dup(), shares.balance(i, sock.fileno()))
+        for i in range(slots)
+    ]
     try:
         yield sock.getsockname()[1], shares, processes
     finally:
@@ -186,4 +188,3 @@ async def test_a_process_that_falls_behind_accepts_again() -> None:
                 await trio.sleep(0.05)
         assert [len(p.held) for p in processes] == [2, 2]
         nursery.cancel_scope.cancel()
-

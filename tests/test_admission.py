@@ -42,7 +42,10 @@ def test_admission_counts_slots_up_to_its_limit() -> None:
     assert admission.admit() is None
     stats = admission.statistics()
     assert (stats.inflight, stats.max_inflight, stats.admitted_total, stats.rejected_total) == (
-        2, 2, 3, 1,
+        2,
+        2,
+        3,
+        1,
     )
     admission.release()
     admission.release()
@@ -124,23 +127,36 @@ def _assert_429(r: httpx.Response, limit: int) -> None:
     assert r.status_code == 429, r.text
     assert r.headers["retry-after"] == "1"
     assert r.headers["content-type"] == "application/json"
-    assert r.json() == {"error": {
-        "message": f"This frontend is serving its limit of {limit} requests at once. "
-                   "Please try again in 1s.",
-        "type": "requests", "param": None, "code": "rate_limit_exceeded",
-    }}  # fmt: skip
+    assert r.json() == {
+        "error": {
+            "message": f"This frontend is serving its limit of {limit} requests at once. "
+            "Please try again in 1s.",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
 
 
 @pytest.mark.slow
 async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() -> None:
-    async with serve_frontend(max_inflight=2, speedup_ratio=1.0) as (fe, url), \
-            httpx.AsyncClient(base_url=url, timeout=30) as c:
+    async with (
+        serve_frontend(max_inflight=2, speedup_ratio=1.0) as (fe, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
         # Two streams in flight: ~2.5 s of decoding for the first, far more for the second.
-        short = {"model": MODEL, "messages": CHAT, "max_tokens": 400, "ignore_eos": True,
-                 "stream": True}  # fmt: skip
+        short = {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
         long = {**short, "max_tokens": 100_000}
-        async with c.stream("POST", "/v1/chat/completions", json=short) as first, \
-                c.stream("POST", "/v1/chat/completions", json=long) as second:
+        async with (
+            c.stream("POST", "/v1/chat/completions", json=short) as first,
+            c.stream("POST", "/v1/chat/completions", json=long) as second,
+        ):
             first_lines, second_lines = first.aiter_lines(), second.aiter_lines()
             await _first_event(first_lines)
             await _first_event(second_lines)
@@ -152,8 +168,11 @@ async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() ->
             _assert_429(await c.post("/v1/completions", json={**unary, "prompt": "hi"}), 2)
             _assert_429(await c.post("/inference/v1/generate", json={"token_ids": [5, 6]}), 2)
             # Refused before its body is read: not even parsed (no 400 for bad JSON) ...
-            junk = await c.post("/v1/chat/completions", content=b"{not json",
-                                headers={"content-type": "application/json"})  # fmt: skip
+            junk = await c.post(
+                "/v1/chat/completions",
+                content=b"{not json",
+                headers={"content-type": "application/json"},
+            )
             _assert_429(junk, 2)
             # ... nor tokenized: a 40k-token prompt costs the pool nothing, and the
             # connection stays usable (its body was read to the end and dropped).
@@ -186,8 +205,10 @@ async def test_over_max_inflight_is_429_before_any_work_until_a_stream_ends() ->
 
 
 async def test_max_inflight_zero_is_no_limit() -> None:
-    async with serve_frontend(max_inflight=0) as (fe, url), \
-            httpx.AsyncClient(base_url=url, timeout=30) as c:
+    async with (
+        serve_frontend(max_inflight=0) as (fe, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
         async with trio.open_nursery() as nursery:
             for _ in range(20):
@@ -206,14 +227,21 @@ async def test_ten_times_overload_answers_every_request_cleanly(
     caplog.set_level(logging.WARNING)
     n, limit = 80, 8
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with serve_frontend(max_inflight=limit, speedup_ratio=1.0) as (fe, url), \
-            httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+    async with (
+        serve_frontend(max_inflight=limit, speedup_ratio=1.0) as (fe, url),
+        httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c,
+    ):
         statuses: Counter[int] = Counter()
         complete: list[bool] = []
 
         async def one(i: int) -> None:
-            body: dict[str, Any] = {"model": MODEL, "messages": CHAT, "max_tokens": 16,
-                                    "ignore_eos": True, "stream": i % 2 == 0}  # fmt: skip
+            body: dict[str, Any] = {
+                "model": MODEL,
+                "messages": CHAT,
+                "max_tokens": 16,
+                "ignore_eos": True,
+                "stream": i % 2 == 0,
+            }
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                 statuses[r.status_code] += 1
                 raw = await r.aread()

@@ -22,22 +22,27 @@ DEFAULT = MockerConfig(speedup_ratio=1000)
 
 def drawn(seed: int) -> int:
     """The length, EOS included, of a seeded answer under the default config."""
-    return output_length(seed_key(seed, ""), DEFAULT.mean_output_tokens,
-                         DEFAULT.output_length_sigma)  # fmt: skip
+    return output_length(
+        seed_key(seed, ""), DEFAULT.mean_output_tokens, DEFAULT.output_length_sigma
+    )
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.slow
 async def test_a_request_without_max_tokens_stops_at_its_drawn_length(path: str) -> None:
-    async with serve_frontend(engine_config=DEFAULT) as (fe, url), httpx.AsyncClient(
-        base_url=url, timeout=30
-    ) as c:
+    async with (
+        serve_frontend(engine_config=DEFAULT) as (fe, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
         tokenizer = shared_tokenizer()
         eos_text = tokenizer.hf.id_to_token(tokenizer.eos_token_id)
         lengths = []
         for seed in range(6):
-            body = {"model": MODEL, "seed": seed,
-                    **({"messages": CHAT} if "chat" in path else {"prompt": "Rivers"})}  # fmt: skip
+            body = {
+                "model": MODEL,
+                "seed": seed,
+                **({"messages": CHAT} if "chat" in path else {"prompt": "Rivers"}),
+            }
             r = await c.post(path, json=body)
             assert r.status_code == 200, r.text
             data = r.json()
@@ -53,9 +58,10 @@ async def test_a_request_without_max_tokens_stops_at_its_drawn_length(path: str)
 
 
 async def test_ignore_eos_and_min_tokens_give_exact_lengths() -> None:
-    async with serve_frontend(engine_config=DEFAULT) as (_, url), httpx.AsyncClient(
-        base_url=url, timeout=30
-    ) as c:
+    async with (
+        serve_frontend(engine_config=DEFAULT) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
         seed = next(s for s in range(100) if drawn(s) < 50)
         exact = {"model": MODEL, "messages": CHAT, "seed": seed, "max_tokens": 300}
         for extra in ({"ignore_eos": True}, {"min_tokens": 300}):

@@ -15,29 +15,43 @@ from tests.frontend_fixture import sse_events, start_frontend
 from tests.parser_corpus import BLOCK, BLOCK_END, TOOLS, D, invoke, param
 from workers.engines.scripted import ScriptedConfig
 
-CALL = "Let me look.\n\n" + BLOCK + "\n" + invoke("get_weather", [
-    param("city", "Paris"), param("days", 3)]) + "\n" + invoke("noop", []) + "\n" + BLOCK_END
+CALL = (
+    "Let me look.\n\n"
+    + BLOCK
+    + "\n"
+    + invoke("get_weather", [param("city", "Paris"), param("days", 3)])
+    + "\n"
+    + invoke("noop", [])
+    + "\n"
+    + BLOCK_END
+)
 THOUGHT = "The user wants the weather.</think>"
 SCRIPT = [
     {"prompt_contains": "WEATHER-Q", "text": THOUGHT + CALL},
     {"prompt_contains": "THINK-ONLY", "text": "Still thinking about it"},
     {"prompt_contains": "FAKE-CALL", "text": CALL},
     {"default": True, "text": "<think>Easy.</think>It is 4."},
-]  # fmt: skip
+]
 
 
 async def frontend(nursery: trio.Nursery, tmp_path: Path, **overrides: Any) -> str:
     path = tmp_path / "script.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in SCRIPT) + "\n")
     config = ScriptedConfig(script=str(path), token_delay=0)
-    _, url, _ = await start_frontend(nursery, engine="scripted", engine_config=config,
-                                     mode="agg", **overrides)  # fmt: skip
+    _, url, _ = await start_frontend(
+        nursery, engine="scripted", engine_config=config, mode="agg", **overrides
+    )
     return url
 
 
 def chat(content: str, *, thinking: bool = True, **extra: Any) -> dict[str, Any]:
-    return {"model": "deepseek-v4", "messages": [{"role": "user", "content": content}],
-            "chat_template_kwargs": {"thinking": thinking}, "tools": TOOLS, **extra}  # fmt: skip
+    return {
+        "model": "deepseek-v4",
+        "messages": [{"role": "user", "content": content}],
+        "chat_template_kwargs": {"thinking": thinking},
+        "tools": TOOLS,
+        **extra,
+    }
 
 
 @pytest.mark.slow
@@ -66,8 +80,9 @@ async def test_a_stream_says_the_same_in_openais_incremental_shape(
     url = await frontend(nursery, tmp_path)
     async with httpx.AsyncClient(base_url=url) as client:
         unary = (await client.post("/v1/chat/completions", json=chat("WEATHER-Q"))).json()
-        async with client.stream("POST", "/v1/chat/completions",
-                                 json=chat("WEATHER-Q", stream=True)) as r:  # fmt: skip
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat("WEATHER-Q", stream=True)
+        ) as r:
             events = await sse_events(r)
     assert events[-1] == "DONE"
     chunks = [e for e in events[:-1] if e["choices"]]
@@ -90,7 +105,8 @@ async def test_a_stream_says_the_same_in_openais_incremental_shape(
     assert (reasoning, content) == (message["reasoning_content"], message["content"])
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"]))
-        for c in message["tool_calls"]]  # fmt: skip
+        for c in message["tool_calls"]
+    ]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -160,8 +176,7 @@ async def test_the_reasoning_field_and_the_parsers_are_options(
 async def test_completions_stay_raw(nursery: trio.Nursery, tmp_path: Path) -> None:
     url = await frontend(nursery, tmp_path)
     async with httpx.AsyncClient(base_url=url) as client:
-        r = await client.post("/v1/completions", json={"model": "deepseek-v4",
-                                                       "prompt": "2+2?"})  # fmt: skip
+        r = await client.post("/v1/completions", json={"model": "deepseek-v4", "prompt": "2+2?"})
     assert r.json()["choices"][0]["text"] == "<think>Easy.</think>It is 4."
 
 

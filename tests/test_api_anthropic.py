@@ -37,24 +37,44 @@ from workers.engines.scripted import ScriptedConfig
 from frontend_fixture import eventually, idle, shared_tokenizer, start_frontend
 
 MODEL = "deepseek-v4"
-WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city",
-                "input_schema": {"type": "object", "properties": {
-                    "city": {"type": "string"}, "days": {"type": "integer"}},
-                    "required": ["city"]}}  # fmt: skip
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
 CLOCK_TOOL = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
-CALL = "Let me look.\n\n" + BLOCK + "\n" + invoke("get_weather", [
-    param("city", "Paris"), param("days", 3)]) + "\n" + BLOCK_END
-TWO_CALLS = BLOCK + "\n" + invoke("get_weather", [param("city", "Oslo")]) + "\n" + invoke(
-    "get_time", []) + "\n" + BLOCK_END  # fmt: skip
+CALL = (
+    "Let me look.\n\n"
+    + BLOCK
+    + "\n"
+    + invoke("get_weather", [param("city", "Paris"), param("days", 3)])
+    + "\n"
+    + BLOCK_END
+)
+TWO_CALLS = (
+    BLOCK
+    + "\n"
+    + invoke("get_weather", [param("city", "Oslo")])
+    + "\n"
+    + invoke("get_time", [])
+    + "\n"
+    + BLOCK_END
+)
 THOUGHT = "The user asks about the weather, so I call the tool."
 SCRIPT = [
-    {"prompt_contains": "<tool_result>22 degrees",
-     "text": "I have the result.</think>It is 22 degrees in Paris."},
+    {
+        "prompt_contains": "<tool_result>22 degrees",
+        "text": "I have the result.</think>It is 22 degrees in Paris.",
+    },
     {"prompt_contains": "weather in Paris", "text": THOUGHT + "</think>" + CALL},
     {"prompt_contains": "two tools", "text": TWO_CALLS},
     {"prompt_contains": "count to ten", "text": "one two three four five six seven"},
     {"default": True, "text": "Hello! I am a script, not a model."},
-]  # fmt: skip
+]
 
 
 async def start(nursery: trio.Nursery, tmp_path: Path, **overrides: Any) -> tuple[Any, str]:
@@ -63,14 +83,16 @@ async def start(nursery: trio.Nursery, tmp_path: Path, **overrides: Any) -> tupl
     path.write_text("\n".join(json.dumps(line) for line in SCRIPT) + "\n")
     delay = overrides.pop("token_delay", 0.0)
     config = ScriptedConfig(script=str(path), token_delay=delay)
-    fe, url, _ = await start_frontend(nursery, engine="scripted", engine_config=config,
-                                      mode="agg", **overrides)  # fmt: skip
+    fe, url, _ = await start_frontend(
+        nursery, engine="scripted", engine_config=config, mode="agg", **overrides
+    )
     return fe, url
 
 
 def client(url: str, **kwargs: Any) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=url, api_key=kwargs.pop("api_key", "unused"),
-                                    max_retries=0, **kwargs)  # fmt: skip
+    return anthropic.AsyncAnthropic(
+        base_url=url, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs
+    )
 
 
 def user(text: str) -> list[dict[str, Any]]:
@@ -85,10 +107,17 @@ async def test_the_sdk_gets_a_message_whose_usage_is_the_prompts(
 ) -> None:
     fe, url = await start(nursery, tmp_path)
     async with client(url) as c:
-        system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=ab12"},
-                  {"type": "text", "text": "Be brief."}]  # fmt: skip
-        m = await c.messages.create(model=MODEL, max_tokens=64, system=system,
-                                    messages=user("hi"), metadata={"user_id": "u1"})  # fmt: skip
+        system = [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=ab12"},
+            {"type": "text", "text": "Be brief."},
+        ]
+        m = await c.messages.create(
+            model=MODEL,
+            max_tokens=64,
+            system=system,
+            messages=user("hi"),
+            metadata={"user_id": "u1"},
+        )
         assert m.type == "message"
         assert m.role == "assistant"
         assert m.id.startswith("msg_")
@@ -99,14 +128,18 @@ async def test_the_sdk_gets_a_message_whose_usage_is_the_prompts(
         assert m.stop_sequence is None
         # The prompt is the chat template's render of the translated conversation: the
         # billing header (a per-request hash) left out, so the prefix cache keeps working.
-        rendered = fe.template.render([{"role": "system", "content": "Be brief."},
-                                       {"role": "user", "content": "hi"}])  # fmt: skip
+        rendered = fe.template.render(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        )
         prompt = len(shared_tokenizer().hf.encode(rendered, add_special_tokens=False).ids)
         usage = m.usage
         assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == prompt
         assert usage.cache_creation_input_tokens == 0
-        assert usage.output_tokens == len(shared_tokenizer().hf.encode(
-            m.content[0].text, add_special_tokens=False).ids) + 1  # and EOS  # fmt: skip
+        assert (
+            usage.output_tokens
+            == len(shared_tokenizer().hf.encode(m.content[0].text, add_special_tokens=False).ids)
+            + 1
+        )  # and EOS
         counted = await c.messages.count_tokens(model=MODEL, system=system, messages=user("hi"))
         assert counted.input_tokens == prompt
 
@@ -125,7 +158,8 @@ async def test_the_sdks_stream_helpers_get_what_a_unary_call_gets(
         assert final.stop_reason == "end_turn"
         assert final.usage.output_tokens == unary.usage.output_tokens
         assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == (
-            unary.usage.input_tokens + (unary.usage.cache_read_input_tokens or 0))  # fmt: skip
+            unary.usage.input_tokens + (unary.usage.cache_read_input_tokens or 0)
+        )
 
 
 async def test_the_event_stream_is_anthropics_sequence(
@@ -136,9 +170,14 @@ async def test_the_event_stream_is_anthropics_sequence(
     stop reason and the final usage; nothing follows message_stop; the document's
     schemas validate every event."""
     _, url = await start(nursery, tmp_path)
-    body = {"model": MODEL, "max_tokens": 2000, "stream": True, "tools": [WEATHER_TOOL],
-            "thinking": {"type": "enabled", "budget_tokens": 1024},
-            "messages": user("What is the weather in Paris?")}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": 2000,
+        "stream": True,
+        "tools": [WEATHER_TOOL],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": user("What is the weather in Paris?"),
+    }
     async with httpx.AsyncClient(base_url=url) as c:
         doc = (await c.get("/openapi.json")).json()
         headers = {"anthropic-version": "2023-06-01", "x-api-key": "unused"}
@@ -156,10 +195,21 @@ async def test_the_event_stream_is_anthropics_sequence(
         event = json.loads(data[6:])
         assert event["type"] == kind[7:]
         events.append(event)
-    schema = {"anyOf": [{"$ref": f"#/components/schemas/{n}"} for n in (
-        "MessageStartEvent", "ContentBlockStartEvent", "ContentBlockDeltaEvent",
-        "ContentBlockStopEvent", "MessageDeltaEvent", "MessageStopEvent", "PingEvent")],
-        "components": doc["components"]}  # fmt: skip
+    schema = {
+        "anyOf": [
+            {"$ref": f"#/components/schemas/{n}"}
+            for n in (
+                "MessageStartEvent",
+                "ContentBlockStartEvent",
+                "ContentBlockDeltaEvent",
+                "ContentBlockStopEvent",
+                "MessageDeltaEvent",
+                "MessageStopEvent",
+                "PingEvent",
+            )
+        ],
+        "components": doc["components"],
+    }
     validator = jsonschema_rs.Draft202012Validator(schema)
     for e in events:
         assert not [x.message for x in validator.iter_errors(e)], e
@@ -180,8 +230,11 @@ async def test_the_event_stream_is_anthropics_sequence(
         elif e["type"] == "content_block_delta":
             assert e["index"] == open_index
             block, delta = blocks[e["index"]], e["delta"]
-            field = {"thinking_delta": "thinking", "text_delta": "text",
-                     "input_json_delta": "partial_json"}[delta["type"]]  # fmt: skip
+            field = {
+                "thinking_delta": "thinking",
+                "text_delta": "text",
+                "input_json_delta": "partial_json",
+            }[delta["type"]]
             block[field] = block.get(field, "") + delta[field]
         else:
             assert e == {"type": "content_block_stop", "index": open_index}
@@ -209,8 +262,12 @@ async def test_a_tool_use_loop_with_thinking_through_the_sdk(
     fe, url = await start(nursery, tmp_path)
     async with client(url) as c:
         history: list[Any] = user("What is the weather in Paris?")
-        ask: dict[str, Any] = {"model": MODEL, "max_tokens": 2000, "tools": [WEATHER_TOOL],
-                               "thinking": {"type": "enabled", "budget_tokens": 1024}}  # fmt: skip
+        ask: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": 2000,
+            "tools": [WEATHER_TOOL],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        }
 
         async def turn() -> Any:
             if not stream:
@@ -227,23 +284,41 @@ async def test_a_tool_use_loop_with_thinking_through_the_sdk(
         assert call.name == "get_weather"
         assert call.input == {"city": "Paris", "days": 3}
         history += [
-            {"role": "assistant", "content": [b.model_dump(exclude_none=True)
-                                              for b in first.content]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                          "content": "22 degrees, sunny"}]},
-        ]  # fmt: skip
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in first.content],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": call.id, "content": "22 degrees, sunny"}
+                ],
+            },
+        ]
         second = await turn()
         assert second.stop_reason == "end_turn"
         assert [b.type for b in second.content] == ["thinking", "text"]
         assert second.content[1].text == "It is 22 degrees in Paris."
         # The rendered history holds the call and its result, in DeepSeek-V4's terms.
-        counted = await c.messages.count_tokens(model=MODEL, messages=history,
-                                                tools=[WEATHER_TOOL], thinking=ask["thinking"])
-        prompt = fe.template.render(translate(decode(
-            {**ask, "messages": history}, MessagesRequest), RequestLimits()).parsed.messages,
-            tools=[{"type": "function", "function": {"name": "get_weather", "description":
-                    WEATHER_TOOL["description"], "parameters": WEATHER_TOOL["input_schema"]}}],
-            chat_template_kwargs={"thinking": True})  # fmt: skip
+        counted = await c.messages.count_tokens(
+            model=MODEL, messages=history, tools=[WEATHER_TOOL], thinking=ask["thinking"]
+        )
+        prompt = fe.template.render(
+            translate(
+                decode({**ask, "messages": history}, MessagesRequest), RequestLimits()
+            ).parsed.messages,
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "description": WEATHER_TOOL["description"],
+                        "parameters": WEATHER_TOOL["input_schema"],
+                    },
+                }
+            ],
+            chat_template_kwargs={"thinking": True},
+        )
         assert "<tool_result>22 degrees, sunny</tool_result>" in prompt
         assert 'invoke name="get_weather"' in prompt
         assert THOUGHT in prompt  # with tools, earlier reasoning stays in the prompt
@@ -258,10 +333,13 @@ async def test_thinking_switches_deepseeks_thinking_mode(
     async with client(url) as c:
         messages = user("hi")
         counts = {}
-        for name, thinking in (("on", {"type": "enabled", "budget_tokens": 1024}),
-                               ("adaptive", {"type": "adaptive"}),
-                               ("between", {"type": "between_tools"}),
-                               ("off", {"type": "disabled"}), ("unsaid", None)):  # fmt: skip
+        for name, thinking in (
+            ("on", {"type": "enabled", "budget_tokens": 1024}),
+            ("adaptive", {"type": "adaptive"}),
+            ("between", {"type": "between_tools"}),
+            ("off", {"type": "disabled"}),
+            ("unsaid", None),
+        ):
             extra = {"thinking": thinking} if thinking else {}
             counted = await c.messages.count_tokens(model=MODEL, messages=messages, **extra)
             counts[name] = counted.input_tokens
@@ -272,18 +350,24 @@ async def test_thinking_switches_deepseeks_thinking_mode(
         assert counts["on"] == counts["adaptive"] == counts["between"] == len(tok.encode_ids(on))
         assert counts["off"] == counts["unsaid"] == len(tok.encode_ids(off))
         # The answer to a thinking prompt starts as reasoning: a thinking block.
-        m = await c.messages.create(model=MODEL, max_tokens=2000, messages=user(
-            "weather in Paris"), thinking={"type": "enabled", "budget_tokens": 1024})  # fmt: skip
+        m = await c.messages.create(
+            model=MODEL,
+            max_tokens=2000,
+            messages=user("weather in Paris"),
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
         assert m.content[0].type == "thinking"
         assert m.content[0].thinking == THOUGHT
         assert m.content[0].signature == ""
         # display "omitted": the block is there, its text is not.
         hidden = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
-        m = await c.messages.create(model=MODEL, max_tokens=2000, thinking=hidden,
-                                    messages=user("weather in Paris"))  # fmt: skip
+        m = await c.messages.create(
+            model=MODEL, max_tokens=2000, thinking=hidden, messages=user("weather in Paris")
+        )
         assert (m.content[0].type, m.content[0].thinking) == ("thinking", "")
-        async with c.messages.stream(model=MODEL, max_tokens=2000, thinking=hidden,
-                                     messages=user("weather in Paris")) as s:  # fmt: skip
+        async with c.messages.stream(
+            model=MODEL, max_tokens=2000, thinking=hidden, messages=user("weather in Paris")
+        ) as s:
             final = await s.get_final_message()
         assert (final.content[0].type, final.content[0].thinking) == ("thinking", "")
         assert final.content[1].text == m.content[1].text
@@ -294,18 +378,26 @@ async def test_disable_parallel_tool_use_keeps_the_first_call(
 ) -> None:
     _, url = await start(nursery, tmp_path)
     async with client(url) as c:
-        ask: dict[str, Any] = {"model": MODEL, "max_tokens": 500, "messages": user("two tools"),
-                               "tools": [WEATHER_TOOL, CLOCK_TOOL]}  # fmt: skip
+        ask: dict[str, Any] = {
+            "model": MODEL,
+            "max_tokens": 500,
+            "messages": user("two tools"),
+            "tools": [WEATHER_TOOL, CLOCK_TOOL],
+        }
         both = await c.messages.create(**ask)
         assert [(b.name, b.input) for b in both.content] == [
-            ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+            ("get_weather", {"city": "Oslo"}),
+            ("get_time", {}),
+        ]
         assert len({b.id for b in both.content}) == 2
-        one = await c.messages.create(**ask, tool_choice={
-            "type": "auto", "disable_parallel_tool_use": True})  # fmt: skip
+        one = await c.messages.create(
+            **ask, tool_choice={"type": "auto", "disable_parallel_tool_use": True}
+        )
         assert [(b.name, b.input) for b in one.content] == [("get_weather", {"city": "Oslo"})]
         assert one.stop_reason == "tool_use"
-        async with c.messages.stream(**ask, tool_choice={
-                "type": "auto", "disable_parallel_tool_use": True}) as s:  # fmt: skip
+        async with c.messages.stream(
+            **ask, tool_choice={"type": "auto", "disable_parallel_tool_use": True}
+        ) as s:
             final = await s.get_final_message()
         assert [(b.name, b.input) for b in final.content] == [("get_weather", {"city": "Oslo"})]
 
@@ -331,11 +423,10 @@ async def test_stop_sequences_and_max_tokens_are_the_stop_reasons(
 
 
 @pytest.mark.slow
-async def test_errors_are_the_sdks_typed_exceptions(
-    nursery: trio.Nursery, tmp_path: Path
-) -> None:
-    fe, url = await start(nursery, tmp_path, api_keys=("k1",), max_body_bytes=1 << 20,
-                          max_inflight=1)  # fmt: skip
+async def test_errors_are_the_sdks_typed_exceptions(nursery: trio.Nursery, tmp_path: Path) -> None:
+    fe, url = await start(
+        nursery, tmp_path, api_keys=("k1",), max_body_bytes=1 << 20, max_inflight=1
+    )
     ok: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "messages": user("hi")}
     async with client(url, api_key="wrong") as c:
         with pytest.raises(anthropic.AuthenticationError) as auth:
@@ -348,23 +439,41 @@ async def test_errors_are_the_sdks_typed_exceptions(
         assert (await c.messages.create(**ok)).stop_reason == "end_turn"
     async with client(url, api_key="k1") as c:
         with pytest.raises(anthropic.BadRequestError, match="max_tokens"):  # required
-            await c.post("/v1/messages", cast_to=anthropic.types.Message,
-                         body={"model": MODEL, "messages": user("hi")})  # fmt: skip
+            await c.post(
+                "/v1/messages",
+                cast_to=anthropic.types.Message,
+                body={"model": MODEL, "messages": user("hi")},
+            )
         bad: list[dict[str, Any]] = [
             {**ok, "messages": []},
-            {**ok, "messages": [{"role": "user", "content": [{"type": "image", "source": {
-                "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+            {
+                **ok,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "iVBORw0KGgo=",
+                                },
+                            }
+                        ],
+                    }
+                ],
+            },
             {**ok, "thinking": {"type": "enabled", "budget_tokens": 1024}},  # >= max_tokens
             {**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
             {**ok, "tool_choice": {"type": "any"}},  # and no tools
             # A forced call needs constrained decoding, which no engine here has yet.
             {**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}},
-            {**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool",
-                                                            "name": "get_weather"}},
+            {**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}},
             {**ok, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
             {**ok, "extra_body": {"top_k": 5}},
             {**ok, "extra_body": {"temperature": 1.5}},
-        ]  # fmt: skip
+        ]
         for body in bad:
             with pytest.raises(anthropic.BadRequestError) as err:
                 await c.messages.create(**body)
@@ -400,8 +509,9 @@ async def test_errors_are_the_sdks_typed_exceptions(
 async def test_a_deadline_is_a_504_timeout_error_or_an_error_event(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    _, url = await start(nursery, tmp_path, token_delay=0.2,
-                         limits=RequestLimits(request_timeout=0.5))  # fmt: skip
+    _, url = await start(
+        nursery, tmp_path, token_delay=0.2, limits=RequestLimits(request_timeout=0.5)
+    )
     async with client(url) as c:
         with pytest.raises(anthropic.GatewayTimeoutError) as late:
             await c.messages.create(model=MODEL, max_tokens=64, messages=user("hi"))
@@ -414,30 +524,38 @@ async def test_a_deadline_is_a_504_timeout_error_or_an_error_event(
             raw = (await r.aread()).decode()
     last = raw.rstrip("\n").rsplit("\n\n", 1)[-1]
     assert last.startswith("event: error\ndata: ")
-    assert json.loads(last.split("data: ", 1)[1]) == {"type": "error", "error": {
-        "type": "timeout_error",
-        "message": "The request did not complete within this server's limit of 0.5 seconds"}}
+    assert json.loads(last.split("data: ", 1)[1]) == {
+        "type": "error",
+        "error": {
+            "type": "timeout_error",
+            "message": "The request did not complete within this server's limit of 0.5 seconds",
+        },
+    }
     assert raw.startswith("event: message_start")
 
 
-async def test_other_routes_keep_openais_error_shape(
-    nursery: trio.Nursery, tmp_path: Path
-) -> None:
+async def test_other_routes_keep_openais_error_shape(nursery: trio.Nursery, tmp_path: Path) -> None:
     _, url = await start(nursery, tmp_path)
     async with httpx.AsyncClient(base_url=url) as c:
         r = await c.post("/v1/chat/completions", json={"model": "nope", "messages": user("hi")})
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-        r = await c.post("/v1/messages", json={"model": "nope", "max_tokens": 1,
-                                               "messages": user("hi")})  # fmt: skip
+        r = await c.post(
+            "/v1/messages", json={"model": "nope", "max_tokens": 1, "messages": user("hi")}
+        )
         assert r.status_code == 404
-        assert r.json() == {"type": "error", "error": {
-            "type": "not_found_error", "message": "The model 'nope' does not exist"}}
+        assert r.json() == {
+            "type": "error",
+            "error": {"type": "not_found_error", "message": "The model 'nope' does not exist"},
+        }
         r = await c.get("/v1/messages/batches")  # an unknown path under the API: its shape
         assert r.status_code == 404
         assert r.json()["error"]["type"] == "not_found_error"
         # Claude Code's form of the path: a query string, and the beta header.
-        r = await c.post("/v1/messages?beta=true", json={"model": MODEL, "max_tokens": 4,
-                         "messages": user("hi")}, headers={"anthropic-beta": "x-2025"})  # fmt: skip
+        r = await c.post(
+            "/v1/messages?beta=true",
+            json={"model": MODEL, "max_tokens": 4, "messages": user("hi")},
+            headers={"anthropic-beta": "x-2025"},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["type"] == "message"
         r = await c.post("/v1/messages", content=b"hi")  # not JSON: Anthropic's 400
@@ -449,41 +567,93 @@ async def test_other_routes_keep_openais_error_shape(
 
 
 def test_tool_use_and_tool_result_blocks_become_the_templates_calls_and_results() -> None:
-    body = {"model": MODEL, "max_tokens": 100, "system": "Be brief.", "messages": [
-        {"role": "user", "content": "Weather in Paris and Oslo?"},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "Two calls.", "signature": "sig"},
-            {"type": "redacted_thinking", "data": "opaque"},
-            {"type": "text", "text": "Checking."},
-            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
-            {"type": "tool_use", "id": "t2", "name": "get_weather", "input": {"city": "Oslo"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "t1", "content": "22 degrees"},
-            {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
-             "content": [{"type": "text", "text": "no station"}]},
-            {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}},
-        ]},
-    ], "tools": [WEATHER_TOOL], "tool_choice": {"type": "auto"}, "stop_sequences": ["END"],
-        "temperature": 0.5, "top_p": 0.9, "metadata": {"user_id": "u"}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": 100,
+        "system": "Be brief.",
+        "messages": [
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Two calls.", "signature": "sig"},
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "text", "text": "Checking."},
+                    {
+                        "type": "tool_use",
+                        "id": "t1",
+                        "name": "get_weather",
+                        "input": {"city": "Paris"},
+                    },
+                    {
+                        "type": "tool_use",
+                        "id": "t2",
+                        "name": "get_weather",
+                        "input": {"city": "Oslo"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "22 degrees"},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t2",
+                        "is_error": True,
+                        "content": [{"type": "text", "text": "no station"}],
+                    },
+                    {
+                        "type": "text",
+                        "text": "And tomorrow?",
+                        "cache_control": {"type": "ephemeral"},
+                    },
+                ],
+            },
+        ],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "auto"},
+        "stop_sequences": ["END"],
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "metadata": {"user_id": "u"},
+    }
     out = translate(decode(body, MessagesRequest), RequestLimits())
     p = out.parsed
     assert p.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris and Oslo?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two calls.",
-         "tool_calls": [
-             {"id": "t1", "type": "function",
-              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-             {"id": "t2", "type": "function",
-              "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Two calls.",
+            "tool_calls": [
+                {
+                    "id": "t1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                },
+                {
+                    "id": "t2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "t1", "content": "22 degrees"},
         {"role": "tool", "tool_call_id": "t2", "content": "Error: no station"},
         {"role": "user", "content": "And tomorrow?"},
-    ]  # fmt: skip
-    assert p.tools == [{"type": "function", "function": {
-        "name": "get_weather", "description": "The weather in a city",
-        "parameters": WEATHER_TOOL["input_schema"]}}]  # fmt: skip
+    ]
+    assert p.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": WEATHER_TOOL["input_schema"],
+            },
+        }
+    ]
     assert p.tool_choice == "auto"
     assert out.max_tool_calls is None
     assert (p.stop, p.user, p.stream) == (("END",), "u", False)
@@ -500,8 +670,9 @@ def test_tool_use_and_tool_result_blocks_become_the_templates_calls_and_results(
 def test_limits_apply_to_the_translated_conversation() -> None:
     ok = {"model": MODEL, "max_tokens": 10, "messages": user("hi")}
     with pytest.raises(LimitExceeded, match="max_tokens"):
-        translate(decode({**ok, "max_tokens": 100}, MessagesRequest),
-                  RequestLimits(max_tokens_cap=50))  # fmt: skip
+        translate(
+            decode({**ok, "max_tokens": 100}, MessagesRequest), RequestLimits(max_tokens_cap=50)
+        )
     limited = RequestLimits(max_messages=1, max_prompt_chars=10, max_stop_strings=1)
     for body, field, limit in (
         ({**ok, "messages": user("a") * 2}, "messages", "max_messages"),
@@ -516,9 +687,14 @@ def test_limits_apply_to_the_translated_conversation() -> None:
 def _prep() -> Prepared[Any]:
     from frontend.request import ParsedRequest
 
-    return Prepared(request_id="abc", parsed=ParsedRequest(endpoint="chat", model=MODEL),
-                    prompt_ids=token_array([1] * 10), sampling=SamplingParams(max_tokens=9),
-                    created=0.0, started=0.0)  # fmt: skip
+    return Prepared(
+        request_id="abc",
+        parsed=ParsedRequest(endpoint="chat", model=MODEL),
+        prompt_ids=token_array([1] * 10),
+        sampling=SamplingParams(max_tokens=9),
+        created=0.0,
+        started=0.0,
+    )
 
 
 def _events(data: bytes) -> list[dict[str, Any]]:
@@ -540,12 +716,15 @@ def test_the_format_makes_blocks_of_any_deltas() -> None:
         Delta("", 1, reasoning="Think", cached_tokens=4),
         Delta("", 2, reasoning="ing.", cached_tokens=4),
         Delta("Hi ", 3, reasoning="", cached_tokens=4),
-        Delta("there", 4, tool_calls=(ToolCallDelta(0, "call_1", "f", '{"a": '),),
-              cached_tokens=4),
-        Delta("", 5, tool_calls=(ToolCallDelta(0, arguments="1}"),
-                                 ToolCallDelta(1, "call_2", "g", "{}")), cached_tokens=4),
+        Delta("there", 4, tool_calls=(ToolCallDelta(0, "call_1", "f", '{"a": '),), cached_tokens=4),
+        Delta(
+            "",
+            5,
+            tool_calls=(ToolCallDelta(0, arguments="1}"), ToolCallDelta(1, "call_2", "g", "{}")),
+            cached_tokens=4,
+        ),
         Delta("", 6, finish_reason="tool_calls", cached_tokens=4),
-    ]  # fmt: skip
+    ]
     message = json.loads(MessagesFormat(_prep()).unary(deltas))
     assert message["content"] == [
         {"type": "thinking", "thinking": "Thinking.", "signature": ""},
@@ -554,18 +733,35 @@ def test_the_format_makes_blocks_of_any_deltas() -> None:
         {"type": "tool_use", "id": "call_2", "name": "g", "input": {}},
     ]
     assert message["stop_reason"] == "tool_use"
-    assert message["usage"] == {"input_tokens": 6, "output_tokens": 6,
-                                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4}
+    assert message["usage"] == {
+        "input_tokens": 6,
+        "output_tokens": 6,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+    }
     fmt = MessagesFormat(_prep())
     events = _events(b"".join(fmt.event(d) for d in deltas))
     assert [e["type"] for e in events] == [
-        "message_start", "ping",
-        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
-        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
-        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
-        "content_block_start", "content_block_delta", "content_block_stop",
-        "message_delta", "message_stop",
-    ]  # fmt: skip
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert events[0]["message"]["usage"]["cache_read_input_tokens"] == 4
     assert events[-2]["usage"] == message["usage"]
     # One call only (disable_parallel_tool_use): the second call is not in the answer.
@@ -576,12 +772,19 @@ def test_the_format_makes_blocks_of_any_deltas() -> None:
 def test_an_empty_answer_is_one_empty_text_block_and_errors_are_events() -> None:
     last = Delta("", 1, finish_reason="length")
     assert json.loads(MessagesFormat(_prep()).unary([last]))["content"] == [
-        {"type": "text", "text": ""}]
+        {"type": "text", "text": ""}
+    ]
     events = _events(MessagesFormat(_prep()).event(last))
     assert [e["type"] for e in events] == [
-        "message_start", "ping", "content_block_start", "content_block_stop",
-        "message_delta", "message_stop"]  # fmt: skip
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert events[2]["content_block"] == {"type": "text", "text": ""}
     assert events[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert _events(MessagesFormat(_prep()).error(ApiError(503, "busy"))) == [
-        {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}]
+        {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+    ]

@@ -41,10 +41,16 @@ pytestmark = pytest.mark.slow
 MODEL = "deepseek-v4"
 LIMITS = RequestLimits(max_tokens_cap=32)
 CONTEXT = 4096
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-         "generate": "/inference/v1/generate", "tokenize": "/tokenize",
-         "detokenize": "/detokenize", "messages": "/v1/messages",
-         "count_tokens": "/v1/messages/count_tokens", "responses": "/v1/responses"}  # fmt: skip
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "generate": "/inference/v1/generate",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+    "messages": "/v1/messages",
+    "count_tokens": "/v1/messages/count_tokens",
+    "responses": "/v1/responses",
+}
 #: The routes that answer in Anthropic's shape, and the streams with no [DONE].
 ANTHROPIC = frozenset({"messages", "count_tokens"})
 NAMED_EVENTS = frozenset({"messages", "responses"})
@@ -53,18 +59,27 @@ SCHEMAS: dict[str, Any] = openapi_document(
 )["components"]["schemas"]
 
 FUZZ = settings(
-    max_examples=60, deadline=None, derandomize=os.environ.get("CI") == "true",
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                           HealthCheck.function_scoped_fixture],
-)  # fmt: skip
+    max_examples=60,
+    deadline=None,
+    derandomize=os.environ.get("CI") == "true",
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
+)
 
 
 def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
@@ -76,8 +91,9 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if "oneOf" in schema and "properties" in schema:  # an object, refined by each branch
         base = {k: v for k, v in schema.items() if k != "oneOf"}
         exclusive = {name for b in schema["oneOf"] for name in b["required"]}
-        return st.one_of([from_schema(_refined(base, b["required"], exclusive))
-                          for b in schema["oneOf"]])  # fmt: skip
+        return st.one_of(
+            [from_schema(_refined(base, b["required"], exclusive)) for b in schema["oneOf"]]
+        )
     if "anyOf" in schema:
         return st.one_of([from_schema(b) for b in schema["anyOf"]])
     if "enum" in schema:
@@ -96,16 +112,20 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
         )
     if kind == "array":
         low = schema.get("minItems", 0)
-        return st.lists(from_schema(schema.get("items", {})), min_size=low,
-                        max_size=max(low, min(schema.get("maxItems", 4), 4)))  # fmt: skip
+        return st.lists(
+            from_schema(schema.get("items", {})),
+            min_size=low,
+            max_size=max(low, min(schema.get("maxItems", 4), 4)),
+        )
     if kind == "string":
         low = schema.get("minLength", 0)
         return st.text(min_size=low, max_size=max(low, min(schema.get("maxLength", 30), 30)))
     if kind == "integer":
         return st.integers(schema.get("minimum"), schema.get("maximum"))
     if kind == "number":
-        return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False,
-                         allow_infinity=False)  # fmt: skip
+        return st.floats(
+            schema.get("minimum"), schema.get("maximum"), allow_nan=False, allow_infinity=False
+        )
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
@@ -113,14 +133,13 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     return JSON
 
 
-def _refined(base: dict[str, Any], required: list[str], exclusive: set[str]
-             ) -> dict[str, Any]:  # fmt: skip
+def _refined(base: dict[str, Any], required: list[str], exclusive: set[str]) -> dict[str, Any]:
     """An object's schema *base* with *required* fields required and the other fields
     of its one-of (*exclusive*) left out."""
-    properties = {k: v for k, v in base["properties"].items()
-                  if k in required or k not in exclusive}  # fmt: skip
-    return {**base, "properties": properties, "required": [*base.get("required", []),
-                                                          *required]}  # fmt: skip
+    properties = {
+        k: v for k, v in base["properties"].items() if k in required or k not in exclusive
+    }
+    return {**base, "properties": properties, "required": [*base.get("required", []), *required]}
 
 
 def valid(endpoint: str) -> st.SearchStrategy[dict[str, Any]]:
@@ -137,8 +156,11 @@ def nearly_valid(draw: st.DrawFn, endpoint: str) -> bytes:
     body: Any = draw(valid(endpoint))
     schema = SCHEMAS[REQUEST_MODELS[endpoint].__name__]
     field = draw(st.sampled_from(sorted(schema["properties"])))
-    fault = draw(st.sampled_from(["type", "range", "missing", "huge", "deep", "surrogate",
-                                  "unknown", "not_object"]))  # fmt: skip
+    fault = draw(
+        st.sampled_from(
+            ["type", "range", "missing", "huge", "deep", "surrogate", "unknown", "not_object"]
+        )
+    )
     if fault == "type":
         body[field] = draw(JSON)
     elif fault == "range":
@@ -204,7 +226,10 @@ def _answered_well(r: httpx.Response, endpoint: str) -> None:
         if endpoint in NAMED_EVENTS:  # `event: <type>` lines, and no [DONE]
             events = [chunk.split("\ndata: ", 1)[1] for chunk in chunks]
             assert orjson.loads(events[-1])["type"] in (
-                "message_stop", "response.completed", "response.incomplete"), events[-1]
+                "message_stop",
+                "response.completed",
+                "response.incomplete",
+            ), events[-1]
         else:
             events = [chunk[6:] for chunk in chunks]
             assert events[-1] == "[DONE]", events[-3:]
@@ -218,8 +243,9 @@ def _answered_well(r: httpx.Response, endpoint: str) -> None:
 
 
 def _post(client: httpx.Client, endpoint: str, content: bytes) -> httpx.Response:
-    return client.post(PATHS[endpoint], content=content,
-                       headers={"content-type": "application/json"})  # fmt: skip
+    return client.post(
+        PATHS[endpoint], content=content, headers={"content-type": "application/json"}
+    )
 
 
 @pytest.mark.parametrize("endpoint", sorted(PATHS))
@@ -245,6 +271,7 @@ def test_nearly_valid_bodies_are_refused_in_their_apis_way(
 
     check()
     # And the server still serves.
-    ok = client.post("/inference/v1/generate", json={"token_ids": [1, 2],
-                                                     "sampling_params": {"max_tokens": 2}})
+    ok = client.post(
+        "/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}
+    )
     assert ok.status_code == 200, ok.text

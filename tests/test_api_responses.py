@@ -38,16 +38,30 @@ from workers.engines.scripted import ScriptedConfig
 from frontend_fixture import shared_tokenizer, start_frontend
 
 MODEL = "deepseek-v4"
-TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string"}, "days": {"type": "integer"}}},
-        "strict": None}  # fmt: skip
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    },
+    "strict": None,
+}
 THOUGHT = "The user asks about the weather, so I call the tool."
-CALL = "Let me look.\n\n" + BLOCK + "\n" + invoke("get_weather", [
-    param("city", "Paris"), param("days", 3)]) + "\n" + BLOCK_END
+CALL = (
+    "Let me look.\n\n"
+    + BLOCK
+    + "\n"
+    + invoke("get_weather", [param("city", "Paris"), param("days", 3)])
+    + "\n"
+    + BLOCK_END
+)
 SCRIPT = [
-    {"prompt_contains": "<tool_result>22 degrees",
-     "text": "I have it.</think>It is 22 degrees in Paris."},
+    {
+        "prompt_contains": "<tool_result>22 degrees",
+        "text": "I have it.</think>It is 22 degrees in Paris.",
+    },
     {"prompt_contains": "weather in Paris", "text": THOUGHT + "</think>" + CALL},
     {"prompt_contains": "NOTE-EVERY-TURN", "text": "I saw the note."},
     {"prompt_contains": "count to ten", "text": "one two three four five six seven"},
@@ -56,7 +70,7 @@ SCRIPT = [
     {"prompt_contains": "MODE?<｜Assistant｜><think>", "text": "t</think>THINKING"},
     {"prompt_contains": "MODE?<｜Assistant｜></think>", "text": "CHAT"},
     {"default": True, "text": "Hello! I am a script, not a model."},
-]  # fmt: skip
+]
 THINK = {"effort": "high"}
 
 
@@ -64,8 +78,9 @@ async def start(nursery: trio.Nursery, tmp_path: Path, **overrides: Any) -> tupl
     path = tmp_path / "script.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in SCRIPT) + "\n")
     config = ScriptedConfig(script=str(path), token_delay=0.0)
-    fe, url, _ = await start_frontend(nursery, engine="scripted", engine_config=config,
-                                      mode="agg", **overrides)  # fmt: skip
+    fe, url, _ = await start_frontend(
+        nursery, engine="scripted", engine_config=config, mode="agg", **overrides
+    )
     return fe, url
 
 
@@ -85,28 +100,36 @@ async def test_the_sdk_gets_a_response_whose_usage_is_the_prompts(
 ) -> None:
     fe, url = await start(nursery, tmp_path)
     async with client(url) as c:
-        r = await c.responses.create(model=MODEL, input="hi", instructions="Be brief.",
-                                     metadata={"k": "v"}, user="u1")  # fmt: skip
+        r = await c.responses.create(
+            model=MODEL, input="hi", instructions="Be brief.", metadata={"k": "v"}, user="u1"
+        )
         assert r.object == "response"
         assert r.id.startswith("resp_")
         assert r.status == "completed"
         assert r.incomplete_details is None
         assert r.output_text == "Hello! I am a script, not a model."
         [message] = r.output
-        assert (message.type, message.role, message.status) == ("message", "assistant",
-                                                                 "completed")  # fmt: skip
+        assert (message.type, message.role, message.status) == ("message", "assistant", "completed")
         assert message.id.startswith("msg_")
-        assert (r.instructions, r.metadata, r.user, r.store) == ("Be brief.", {"k": "v"}, "u1",
-                                                                 True)  # fmt: skip
+        assert (r.instructions, r.metadata, r.user, r.store) == (
+            "Be brief.",
+            {"k": "v"},
+            "u1",
+            True,
+        )
         assert r.usage is not None
-        assert r.usage.input_tokens == prompt_tokens(fe, [
-            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+        assert r.usage.input_tokens == prompt_tokens(
+            fe, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        )
         assert r.usage.output_tokens == len(shared_tokenizer().encode_ids(r.output_text)) + 1
         assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
         assert r.usage.output_tokens_details.reasoning_tokens == 0
         # Items as input, the "easy" message (no type) among them.
-        again = await c.responses.create(model=MODEL, instructions="Be brief.", input=[
-            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}])  # fmt: skip
+        again = await c.responses.create(
+            model=MODEL,
+            instructions="Be brief.",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        )
         assert again.usage is not None
         assert again.usage.input_tokens == r.usage.input_tokens
 
@@ -118,8 +141,13 @@ async def test_a_stream_is_the_responses_event_sequence(
     items that are added, filled and done in order, the deltas adding up to the done
     events' text, and every event valid against the published schema."""
     _, url = await start(nursery, tmp_path)
-    body = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [TOOL],
-            "reasoning": THINK, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "input": "What is the weather in Paris?",
+        "tools": [TOOL],
+        "reasoning": THINK,
+        "stream": True,
+    }
     async with httpx.AsyncClient(base_url=url) as h:
         doc = (await h.get("/openapi.json")).json()
         async with h.stream("POST", "/v1/responses", json=body) as r:
@@ -132,8 +160,9 @@ async def test_a_stream_is_the_responses_event_sequence(
             event = json.loads(data.removeprefix("data: "))
             assert kind == "event: " + event["type"]
             events.append(event)
-    validator = jsonschema_rs.Draft202012Validator({
-        "$ref": "#/components/schemas/ResponsesStreamEvent", "components": doc["components"]})
+    validator = jsonschema_rs.Draft202012Validator(
+        {"$ref": "#/components/schemas/ResponsesStreamEvent", "components": doc["components"]}
+    )
     for e in events:
         assert not [x.message for x in validator.iter_errors(e)], e
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -157,8 +186,11 @@ async def test_a_stream_is_the_responses_event_sequence(
         elif e["type"] == "response.output_item.done":
             assert e["item"] == final["output"][index]
     reasoning, message, call = final["output"]
-    assert texts == {0: reasoning["content"][0]["text"], 1: message["content"][0]["text"],
-                     2: call["arguments"]}  # fmt: skip
+    assert texts == {
+        0: reasoning["content"][0]["text"],
+        1: message["content"][0]["text"],
+        2: call["arguments"],
+    }
     assert reasoning["content"][0]["text"] == THOUGHT
     assert json.loads(call["arguments"]) == {"city": "Paris", "days": 3}
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
@@ -170,8 +202,12 @@ async def test_the_sdks_stream_helper_gets_what_a_unary_call_gets(
 ) -> None:
     _, url = await start(nursery, tmp_path)
     async with client(url) as c:
-        ask: dict[str, Any] = {"model": MODEL, "input": "What is the weather in Paris?",
-                               "tools": [TOOL], "reasoning": THINK}  # fmt: skip
+        ask: dict[str, Any] = {
+            "model": MODEL,
+            "input": "What is the weather in Paris?",
+            "tools": [TOOL],
+            "reasoning": THINK,
+        }
         unary = await c.responses.create(**ask)
         async with c.responses.stream(**ask) as s:
             deltas = [e.delta async for e in s if e.type == "response.output_text.delta"]
@@ -212,8 +248,11 @@ async def test_a_function_call_loop_stateless_and_chained(
         assert call.call_id.startswith("call_")
         assert json.loads(call.arguments) == {"city": "Paris", "days": 3}
         assert decrypt(reasoning.encrypted_content, "x") == THOUGHT
-        result = {"type": "function_call_output", "call_id": call.call_id,
-                  "output": "22 degrees, sunny"}  # fmt: skip
+        result = {
+            "type": "function_call_output",
+            "call_id": call.call_id,
+            "output": "22 degrees, sunny",
+        }
 
         chained = await create(previous_response_id=first.id, input=[result])
         assert chained.previous_response_id == first.id
@@ -237,24 +276,31 @@ async def test_stored_responses_are_retrieved_deleted_and_chained_without_instru
 ) -> None:
     _, url = await start(nursery, tmp_path)
     async with client(url) as c, httpx.AsyncClient(base_url=url) as h:
-        first = await c.responses.create(model=MODEL, input="hi",
-                                         instructions="NOTE-EVERY-TURN")  # fmt: skip
+        first = await c.responses.create(model=MODEL, input="hi", instructions="NOTE-EVERY-TURN")
         assert first.output_text == "I saw the note."
         got = await h.get(f"/v1/responses/{first.id}")
         assert got.json() == first.model_dump(mode="json", exclude_unset=True)
         assert (await c.responses.retrieve(first.id)).output_text == first.output_text
         # Instructions are not carried over by previous_response_id, as OpenAI's.
-        second = await c.responses.create(model=MODEL, input="and now?",
-                                          previous_response_id=first.id)  # fmt: skip
+        second = await c.responses.create(
+            model=MODEL, input="and now?", previous_response_id=first.id
+        )
         assert second.output_text == "Hello! I am a script, not a model."
-        third = await c.responses.create(model=MODEL, input="and now?", instructions=(
-            "NOTE-EVERY-TURN"), previous_response_id=second.id)  # fmt: skip
+        third = await c.responses.create(
+            model=MODEL,
+            input="and now?",
+            instructions=("NOTE-EVERY-TURN"),
+            previous_response_id=second.id,
+        )
         assert third.output_text == "I saw the note."
         # Deleted: gone for GET, DELETE and previous_response_id alike.
         r = await h.delete(f"/v1/responses/{first.id}")
         assert r.json() == {"id": first.id, "object": "response.deleted", "deleted": True}
-        for call in (c.responses.retrieve(first.id), c.responses.delete(first.id),
-                     c.responses.create(model=MODEL, input="x", previous_response_id=first.id)):
+        for call in (
+            c.responses.retrieve(first.id),
+            c.responses.delete(first.id),
+            c.responses.create(model=MODEL, input="x", previous_response_id=first.id),
+        ):
             with pytest.raises(openai.NotFoundError):
                 await call
         # A chain whose start is gone cannot be continued, and says why.
@@ -267,8 +313,7 @@ async def test_stored_responses_are_retrieved_deleted_and_chained_without_instru
 async def test_the_store_is_bounded_oldest_first_and_per_process(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    _, url = await start(nursery, tmp_path, responses_store=StoreConfig(
-        responses_store_entries=2))  # fmt: skip
+    _, url = await start(nursery, tmp_path, responses_store=StoreConfig(responses_store_entries=2))
     _, other = await start(nursery, tmp_path)
     async with client(url) as c, client(other) as o:
         ids = [(await c.responses.create(model=MODEL, input=f"hi {i}")).id for i in range(3)]
@@ -295,25 +340,26 @@ async def test_max_output_tokens_makes_an_incomplete_response(
         assert r.output[-1].status == "incomplete"
         assert r.usage is not None
         assert r.usage.output_tokens == 3
-        stream = await c.responses.create(model=MODEL, input="count to ten",
-                                          max_output_tokens=3, stream=True)  # fmt: skip
+        stream = await c.responses.create(
+            model=MODEL, input="count to ten", max_output_tokens=3, stream=True
+        )
         events = [e async for e in stream]
         assert events[-1].type == "response.incomplete"
         assert events[-1].response.output_text == r.output_text
 
 
-async def test_reasoning_effort_picks_deepseeks_mode(
-    nursery: trio.Nursery, tmp_path: Path
-) -> None:
+async def test_reasoning_effort_picks_deepseeks_mode(nursery: trio.Nursery, tmp_path: Path) -> None:
     fe, url = await start(nursery, tmp_path)
     messages = [{"role": "user", "content": "MODE?"}]
     async with client(url) as c:
         for effort, kwargs, answer in (
-            ("none", {"thinking": False}, "CHAT"), ("minimal", {"thinking": True}, "THINKING"),
-            ("high", {"thinking": True}, "THINKING"), (None, {}, "CHAT"),
+            ("none", {"thinking": False}, "CHAT"),
+            ("minimal", {"thinking": True}, "THINKING"),
+            ("high", {"thinking": True}, "THINKING"),
+            (None, {}, "CHAT"),
             ("xhigh", {"thinking": True, "reasoning_effort": "max"}, "MAX"),
             ("max", {"thinking": True, "reasoning_effort": "max"}, "MAX"),
-        ):  # fmt: skip
+        ):
             reasoning = {"effort": effort} if effort else None
             r = await c.responses.create(model=MODEL, input="MODE?", reasoning=reasoning)
             assert r.output_text == answer, effort
@@ -327,8 +373,15 @@ async def test_reasoning_effort_picks_deepseeks_mode(
 async def test_parallel_tool_calls_false_keeps_one_call(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    two = BLOCK + "\n" + invoke("get_weather", [param("city", "Oslo")]) + "\n" + invoke(
-        "get_weather", [param("city", "Rome")]) + "\n" + BLOCK_END  # fmt: skip
+    two = (
+        BLOCK
+        + "\n"
+        + invoke("get_weather", [param("city", "Oslo")])
+        + "\n"
+        + invoke("get_weather", [param("city", "Rome")])
+        + "\n"
+        + BLOCK_END
+    )
     SCRIPT.insert(0, {"prompt_contains": "two cities", "text": two})
     try:
         _, url = await start(nursery, tmp_path)
@@ -348,26 +401,42 @@ async def test_what_cannot_be_honoured_is_refused_the_openai_way(
     _, url = await start(nursery, tmp_path)
     async with client(url) as c:
         bad: list[tuple[dict[str, Any], str]] = [
-            ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-             "text.format"),
-            ({"input": [{"role": "user", "content": [
-                {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input"),
+            (
+                {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+                "text.format",
+            ),
+            (
+                {
+                    "input": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "input_image", "image_url": "https://example.com/a.png"}
+                            ],
+                        }
+                    ]
+                },
+                "input",
+            ),
             ({"tools": [{"type": "web_search"}]}, "tools"),
             ({"tool_choice": "required"}, "tool_choice"),
             # A forced call needs constrained decoding, which no engine here has yet.
             ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-            ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"}},
-             "tool_choice"),
-            ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
-             "tool_choice"),
+            (
+                {"tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"}},
+                "tool_choice",
+            ),
+            ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
             ({"truncation": "auto"}, "truncation"),
             ({"background": True}, "background"),
             ({"include": ["message.output_text.logprobs"]}, "include"),
             ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
-            ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]},
-             "input"),
+            (
+                {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]},
+                "input",
+            ),
             ({"temperature": 3}, "temperature"),
-        ]  # fmt: skip
+        ]
         for extra, field in bad:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.responses.create(**{"model": MODEL, "input": "hi", **extra})
@@ -381,40 +450,82 @@ async def test_what_cannot_be_honoured_is_refused_the_openai_way(
 
 
 def test_input_items_become_the_templates_conversation() -> None:
-    body = ({"model": MODEL, "instructions": "Be brief.", "input": [
-        {"role": "developer", "content": "Use tools."},
-        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
-                                     {"type": "input_text", "text": "Paris?"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [],
-         "content": [{"type": "reasoning_text", "text": "Call it."}]},
-        {"type": "message", "role": "assistant", "content": [
-            {"type": "output_text", "text": "Checking.", "annotations": []}]},
-        {"type": "function_call", "call_id": "c1", "name": "get_weather",
-         "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "22 degrees"},
-        {"type": "reasoning", "summary": [], "encrypted_content": encrypt("Now answer.")},
-        {"type": "message", "role": "assistant", "content": [
-            {"type": "output_text", "text": "It is 22.", "annotations": []}]},
-        {"role": "user", "content": "Thanks"},
-    ], "tools": [TOOL], "tool_choice": "auto",
-        "max_output_tokens": 50, "temperature": 0.2})  # fmt: skip
+    body = {
+        "model": MODEL,
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "developer", "content": "Use tools."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Weather in "},
+                    {"type": "input_text", "text": "Paris?"},
+                ],
+            },
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Call it."}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
+            },
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "get_weather",
+                "arguments": '{"city": "Paris"}',
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "22 degrees"},
+            {"type": "reasoning", "summary": [], "encrypted_content": encrypt("Now answer.")},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "It is 22.", "annotations": []}],
+            },
+            {"role": "user", "content": "Thanks"},
+        ],
+        "tools": [TOOL],
+        "tool_choice": "auto",
+        "max_output_tokens": 50,
+        "temperature": 0.2,
+    }
     out = translate(decode(body, ResponsesWire), RequestLimits(), ResponseStore())
     assert out.parsed.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "developer", "content": "Use tools."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "Call it.",
-         "tool_calls": [{"id": "c1", "type": "function", "function": {
-             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Call it.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "22 degrees"},
         {"role": "assistant", "content": "It is 22.", "reasoning_content": "Now answer."},
         {"role": "user", "content": "Thanks"},
-    ]  # fmt: skip
+    ]
     assert out.turn == out.parsed.messages[1:]  # what is stored: not the instructions
     assert out.parsed.tool_choice == "auto"
-    assert out.parsed.tools == [{"type": "function", "function": {
-        "name": "get_weather", "description": "The weather in a city",
-        "parameters": TOOL["parameters"]}}]  # fmt: skip
+    assert out.parsed.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": TOOL["parameters"],
+            },
+        }
+    ]
     assert (out.parsed.sampling.max_tokens, out.parsed.sampling.temperature) == (50, 0.2)
     assert out.echo["tool_choice"] == "auto"
 
@@ -445,9 +556,14 @@ def test_the_store_evicts_oldest_first_by_count_and_by_bytes() -> None:
 
 
 def _prep() -> Prepared[Any]:
-    return Prepared(request_id="abc", parsed=ParsedRequest(endpoint="chat", model=MODEL),
-                    prompt_ids=token_array([1] * 10), sampling=SamplingParams(max_tokens=9),
-                    created=0.0, started=0.0)  # fmt: skip
+    return Prepared(
+        request_id="abc",
+        parsed=ParsedRequest(endpoint="chat", model=MODEL),
+        prompt_ids=token_array([1] * 10),
+        sampling=SamplingParams(max_tokens=9),
+        created=0.0,
+        started=0.0,
+    )
 
 
 def test_the_format_makes_items_of_any_deltas_and_hands_the_finished_response_over() -> None:
@@ -456,22 +572,30 @@ def test_the_format_makes_items_of_any_deltas_and_hands_the_finished_response_ov
         Delta("Hi", 3, tool_calls=(ToolCallDelta(0, "call_1", "f", '{"a"'),), cached_tokens=3),
         Delta("", 4, tool_calls=(ToolCallDelta(0, arguments=": 1}"),), cached_tokens=3),
         Delta("", 5, finish_reason="tool_calls", cached_tokens=3),
-    ]  # fmt: skip
+    ]
     done: list[tuple[str, bytes, dict[str, Any]]] = []
     fmt = ResponsesFormat(_prep(), echo={}, on_done=lambda *a: done.append(a))
     response = json.loads(fmt.unary(deltas))
     assert [i["type"] for i in response["output"]] == ["reasoning", "message", "function_call"]
     assert response["output"][2]["arguments"] == '{"a": 1}'
     assert response["usage"] == {
-        "input_tokens": 10, "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
-        "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 2},
-        "total_tokens": 15}  # fmt: skip
+        "input_tokens": 10,
+        "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
+        "output_tokens": 5,
+        "output_tokens_details": {"reasoning_tokens": 2},
+        "total_tokens": 15,
+    }
     [(response_id, body, answer)] = done
     assert response_id == "resp_abc"
     assert json.loads(body) == response
-    assert answer == {"role": "assistant", "content": "Hi", "reasoning_content": "Think.",
-                      "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                          "name": "f", "arguments": '{"a": 1}'}}]}  # fmt: skip
+    assert answer == {
+        "role": "assistant",
+        "content": "Hi",
+        "reasoning_content": "Think.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+        ],
+    }
     # Streamed: the same response at the end, and the same hand-over.
     fmt = ResponsesFormat(_prep(), echo={}, on_done=lambda *a: done.append(a))
     raw = b"".join(fmt.event(d) for d in deltas).decode()

@@ -22,11 +22,20 @@ from frontend.preprocess.pool import INLINE_DECODE_TOKENS
 from frontend_fixture import assert_error, eventually, idle, serve_frontend, shared_tokenizer
 
 MODEL = "deepseek-v4"
-CHAT = [{"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Write a haiku about rivers."}]  # fmt: skip
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Write a haiku about rivers."},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def hf_ids(text: str) -> list[int]:
@@ -67,11 +76,15 @@ async def test_messages_tokenize_to_exactly_what_a_chat_request_sends() -> None:
             assert r.status_code == 200, r.text
             tokens = r.json()["tokens"]
             rendered = fe.template.render(
-                CHAT, tools=extra.get("tools"),
-                chat_template_kwargs=extra.get("chat_template_kwargs"))  # fmt: skip
+                CHAT,
+                tools=extra.get("tools"),
+                chat_template_kwargs=extra.get("chat_template_kwargs"),
+            )
             assert tokens == hf_ids(rendered)
-            chat = await c.post("/v1/chat/completions", json={
-                "model": MODEL, "messages": CHAT, "max_tokens": 1, **extra})  # fmt: skip
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": CHAT, "max_tokens": 1, **extra},
+            )
             assert chat.json()["usage"]["prompt_tokens"] == len(tokens)
         # add_generation_prompt false leaves the assistant's opener out.
         r = await c.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False})
@@ -89,13 +102,16 @@ def test_special_tokens_are_the_post_processors_wherever_it_puts_them() -> None:
     assert special_affixes(hf) == ([], [])  # DeepSeek-V4's adds none
     bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
     ids = (hf.token_to_id(bos), hf.token_to_id(eos))
-    hf.post_processor = TemplateProcessing(single=f"{bos} $A {eos}",
-                                           special_tokens=list(zip((bos, eos), ids, strict=True)))
+    hf.post_processor = TemplateProcessing(
+        single=f"{bos} $A {eos}", special_tokens=list(zip((bos, eos), ids, strict=True))
+    )
     prefix, suffix = special_affixes(hf)
     assert (prefix, suffix) == ([ids[0]], [ids[1]])
     text = "a longer text, to check the affixes against"
-    assert prefix + hf.encode(text, add_special_tokens=False).ids + suffix == hf.encode(
-        text, add_special_tokens=True).ids  # fmt: skip
+    assert (
+        prefix + hf.encode(text, add_special_tokens=False).ids + suffix
+        == hf.encode(text, add_special_tokens=True).ids
+    )
 
 
 async def test_long_inputs_are_encoded_and_decoded_off_the_loop() -> None:
@@ -124,8 +140,10 @@ async def test_long_inputs_are_encoded_and_decoded_off_the_loop() -> None:
 
 
 async def test_bad_requests_are_refused_with_the_field_named() -> None:
-    async with serve_frontend(limits=RequestLimits(max_messages=2, max_prompt_chars=100)) \
-            as (fe, url), httpx.AsyncClient(base_url=url) as c:  # fmt: skip
+    async with (
+        serve_frontend(limits=RequestLimits(max_messages=2, max_prompt_chars=100)) as (fe, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         cases: list[tuple[dict[str, Any], int, str | None]] = [
             ({}, 400, "prompt"),
             ({"prompt": "a", "messages": CHAT}, 400, "messages"),
@@ -156,12 +174,15 @@ async def test_bad_requests_are_refused_with_the_field_named() -> None:
 
 
 async def test_keys_and_admission_apply_as_on_the_other_routes() -> None:
-    async with serve_frontend(api_keys=("k1",), max_inflight=1) as (fe, url), \
-            httpx.AsyncClient(base_url=url) as c:  # fmt: skip
+    async with (
+        serve_frontend(api_keys=("k1",), max_inflight=1) as (fe, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         assert_error(await c.post("/tokenize", json={"prompt": "hi"}), 401)
         assert_error(await c.post("/detokenize", json={"tokens": [1]}), 401)
-        ok = await c.post("/tokenize", json={"prompt": "hi"},
-                          headers={"Authorization": "Bearer k1"})  # fmt: skip
+        ok = await c.post(
+            "/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer k1"}
+        )
         assert ok.status_code == 200
         ok = await c.post("/tokenize", json={"prompt": "hi"}, headers={"x-api-key": "k1"})
         assert ok.status_code == 200
@@ -169,8 +190,9 @@ async def test_keys_and_admission_apply_as_on_the_other_routes() -> None:
         await eventually(idle(fe))
         assert fe.admission.admit() is None  # one slot taken, as by a request in flight
         try:
-            r = await c.post("/tokenize", json={"prompt": "hi"},
-                             headers={"Authorization": "Bearer k1"})  # fmt: skip
+            r = await c.post(
+                "/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer k1"}
+            )
             assert_error(r, 429)
         finally:
             fe.admission.release()

@@ -74,7 +74,8 @@ async def test_plain_content_length_and_chunked_requests_are_served() -> None:
         chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
         await stream.send_all(
             b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            b"Content-Length: %d\r\n\r\n%s"
+            % (len(body), body)
             + b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n" + chunked
         )

@@ -27,10 +27,16 @@ async def test_the_prior_knowledge_preface_is_a_505_and_a_close() -> None:
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     for stream_id in range(1, 400, 2):  # 200 streams without a key, each waiting for a body
-        client.send_headers(stream_id, [
-            (":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
-            (":authority", "test"), ("content-type", "application/json"),
-        ])  # fmt: skip
+        client.send_headers(
+            stream_id,
+            [
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                (":scheme", "http"),
+                (":authority", "test"),
+                ("content-type", "application/json"),
+            ],
+        )
     async with serve_frontend(api_keys=(KEY,)) as (fe, url):
         stream = await open_raw(url)
         await stream.send_all(client.data_to_send())
@@ -42,8 +48,10 @@ async def test_the_prior_knowledge_preface_is_a_505_and_a_close() -> None:
 
 
 async def test_an_h2c_upgrade_is_ignored_and_served_as_http11_behind_the_keys() -> None:
-    upgrade = (b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
-               b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n")  # fmt: skip
+    upgrade = (
+        b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n"
+    )
     async with serve_frontend(api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n" + upgrade + b"\r\n")
@@ -52,8 +60,9 @@ async def test_an_h2c_upgrade_is_ignored_and_served_as_http11_behind_the_keys() 
         assert answer.error()["code"] == "invalid_api_key"
         await stream.aclose()
         stream = await open_raw(url)
-        await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n" + AUTH + upgrade
-                              + b"\r\n")  # fmt: skip
+        await stream.send_all(
+            b"GET /v1/models HTTP/1.1\r\nHost: test\r\n" + AUTH + upgrade + b"\r\n"
+        )
         answer = await read_answer(stream)
         assert answer.status == 200
         assert answer.head.startswith(b"HTTP/1.1 200")

@@ -38,16 +38,23 @@ async def test_a_32_mib_bomb_is_refused_before_its_parse_without_stalling_the_lo
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as client:
         before = _peak_mb()
         async with LoopGaps() as gaps:
-            r = await client.post("/v1/chat/completions", content=bomb,
-                                  headers={"Content-Type": "application/json"}, timeout=30)
+            r = await client.post(
+                "/v1/chat/completions",
+                content=bomb,
+                headers={"Content-Type": "application/json"},
+                timeout=30,
+            )
         err = assert_error(r, 400)
         assert err["code"] == "json_too_complex"
         assert gaps.worst < 0.25, gaps.worst  # was 3.0 s
         assert _peak_mb() - before < 400  # the body's own copies; was +1,040 MB
         counted = fe.metrics.rejected_requests_total.labels("max_json_values")._value.get()
         assert counted == 1
-        ok = await client.post("/v1/chat/completions", content=HEAD + b"}",
-                               headers={"Content-Type": "application/json"})
+        ok = await client.post(
+            "/v1/chat/completions",
+            content=HEAD + b"}",
+            headers={"Content-Type": "application/json"},
+        )
         assert ok.status_code == 200
 
 
@@ -57,8 +64,9 @@ async def test_a_bomb_under_the_budget_is_skipped_unbuilt() -> None:
     body = HEAD + b', "x": [' + b"[]," * 300_000 + b"[]]}"
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as client:
         async with LoopGaps() as gaps:
-            r = await client.post("/v1/chat/completions", content=body,
-                                  headers={"Content-Type": "application/json"})
+            r = await client.post(
+                "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
         assert r.status_code == 200, r.text
         assert gaps.worst < 0.1, gaps.worst
 
@@ -66,18 +74,25 @@ async def test_a_bomb_under_the_budget_is_skipped_unbuilt() -> None:
 @pytest.mark.parametrize("where", ["chat_template_kwargs", "parameters", "arguments"])
 async def test_a_bomb_in_free_form_json_is_refused_before_its_decode(where: str) -> None:
     bomb = {"x": [[] for _ in range(MAX_JSON_CONTAINERS + 1)]}
-    body: dict[str, object] = {"model": MODEL, "max_tokens": 2,
-                               "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    body: dict[str, object] = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     if where == "chat_template_kwargs":
         body["chat_template_kwargs"] = bomb
     elif where == "parameters":
         body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": bomb}}]
     else:
-        body["messages"] = [{"role": "assistant", "tool_calls": [
-            {"function": {"name": "f", "arguments": bomb}}]}]  # fmt: skip
+        body["messages"] = [
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": bomb}}]}
+        ]
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as client:
-        r = await client.post("/v1/chat/completions", content=orjson.dumps(body),
-                              headers={"Content-Type": "application/json"})  # fmt: skip
+        r = await client.post(
+            "/v1/chat/completions",
+            content=orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
         err = assert_error(r, 400)
         assert "objects and arrays" in err["message"]
 
@@ -87,11 +102,15 @@ async def test_deep_nesting_is_a_400_not_a_500(depth: int) -> None:
     nested = "[" * depth + "]" * depth
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as client:
         tool = f'{{"function": {{"name": "f", "parameters": {{"a": {nested}}}}}}}'
-        for field in (f'"chat_template_kwargs": {{"a": {nested}}}', f'"tools": [{tool}]',
-                      f'"x": {nested}'):  # fmt: skip
+        for field in (
+            f'"chat_template_kwargs": {{"a": {nested}}}',
+            f'"tools": [{tool}]',
+            f'"x": {nested}',
+        ):
             body = HEAD + b", " + field.encode() + b"}"
-            r = await client.post("/v1/chat/completions", content=body,
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+            r = await client.post(
+                "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
             if field.startswith('"x"') and r.status_code == 200:
                 continue  # an unknown field nested within msgspec's own bound: skipped
             assert_error(r, 400)

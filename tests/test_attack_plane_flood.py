@@ -53,9 +53,7 @@ def request(rid: str) -> GenerateRequest:
 async def flood(address: str, count: int) -> list[trio.SocketStream]:
     """*count* connections from FLOODER that send nothing."""
     host, port = parse_tcp_address(address)
-    return [
-        await trio.open_tcp_stream(host, port, local_address=FLOODER) for _ in range(count)
-    ]
+    return [await trio.open_tcp_stream(host, port, local_address=FLOODER) for _ in range(count)]
 
 
 @pytest.mark.slow
@@ -63,9 +61,12 @@ async def test_a_flood_from_one_address_leaves_room_for_the_frontends(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     worker = await start_worker_process(
-        nursery, "agg", log_dir=tmp_path, prefix_argv=with_fd_limit(FD_LIMIT),
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        prefix_argv=with_fd_limit(FD_LIMIT),
         engine_args=["--speedup-ratio", "100000"],
-    )  # fmt: skip
+    )
     instance = WorkerInstance(worker.worker_id, Role.AGG, MODEL, worker.address)
     before = await connect_worker(instance, nursery)  # connected before the flood
     silent = await flood(worker.address, 300)  # more than the worker has descriptors

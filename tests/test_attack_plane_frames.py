@@ -59,9 +59,11 @@ async def start_worker(
 
 def request(rid: str, max_tokens: int = 4, **sampling: object) -> GenerateRequest:
     return GenerateRequest(
-        rid, MODEL, list(range(3, 40)),
+        rid,
+        MODEL,
+        list(range(3, 40)),
         SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
 
 
 async def client_for(worker: RunningWorker, nursery: trio.Nursery) -> TcpWorkerClient:
@@ -109,9 +111,10 @@ async def test_over_http_the_request_is_a_400_and_the_others_on_the_connection_f
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     async with httpx.AsyncClient(base_url=url, timeout=DEADLINE) as http:
         async with http.stream(
-            "POST", "/v1/chat/completions",
+            "POST",
+            "/v1/chat/completions",
             json={**body, "max_tokens": 60, "ignore_eos": True, "stream": True},
-        ) as streaming:  # fmt: skip
+        ) as streaming:
             lines = streaming.aiter_lines()
             assert (await lines.__anext__()).startswith("data: ")
             poison = await http.post(
@@ -178,10 +181,14 @@ class RawClient:
 
 def request_body(rid: str, **sampling: object) -> dict[str, object]:
     return {
-        "request_id": rid, "model": MODEL, "token_ids": pack_token_ids(range(3, 40)),
+        "request_id": rid,
+        "model": MODEL,
+        "token_ids": pack_token_ids(range(3, 40)),
         "sampling": {"max_tokens": 4, "ignore_eos": True, **sampling},
-        "kv_handle": None, "eos_token_ids": [], "k": "request",
-    }  # fmt: skip
+        "kv_handle": None,
+        "eos_token_ids": [],
+        "k": "request",
+    }
 
 
 MALFORMED = {

@@ -254,8 +254,9 @@ def test_the_session_binds_what_the_hello_and_hello_ok_said() -> None:
     """A relay that rewrites the client's hello (its role or id) or the worker's
     hello_ok (its id, model) leaves the two ends with different keys."""
     nonce_c, nonce_s = b"c" * 32, b"s" * 32
-    honest = derive_session(SECRET, "client", nonce_c, nonce_s, ("frontend", "fe", ""),
-                            ("agg", "w1", MODEL))  # fmt: skip
+    honest = derive_session(
+        SECRET, "client", nonce_c, nonce_s, ("frontend", "fe", ""), ("agg", "w1", MODEL)
+    )
     for hello, hello_ok in [
         (("decode", "fe", ""), ("agg", "w1", MODEL)),
         (("frontend", "fe", ""), ("agg", "w2", MODEL)),

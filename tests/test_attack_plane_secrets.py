@@ -74,9 +74,13 @@ def test_a_generated_secret_passes_and_differs_each_time() -> None:
 
 def run_cli(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "headwater", *argv], env={**os.environ, **env},
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "headwater", *argv],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.mark.slow
@@ -86,8 +90,9 @@ def test_worker_and_serve_exit_2_on_a_weak_secret(tmp_path: Path) -> None:
     worker = run_cli("worker", "--plane-secret-file", str(weak), env={})
     assert worker.returncode == 2, worker.stderr
     assert "too weak" in worker.stderr
-    serve = run_cli("serve", "--workers", "tcp://127.0.0.1:9?role=agg&id=w",
-                    env={SECRET_ENV: "hunter2"})  # fmt: skip
+    serve = run_cli(
+        "serve", "--workers", "tcp://127.0.0.1:9?role=agg&id=w", env={SECRET_ENV: "hunter2"}
+    )
     assert serve.returncode == 2, serve.stderr
     assert "too weak" in serve.stderr
 
@@ -100,8 +105,9 @@ async def test_launch_gives_its_workers_a_secret_and_they_refuse_a_client_withou
     nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    plan = ClusterPlan(prefill=0, decode=0, agg=1, discovery="static",
-                       engine_args=("--speedup-ratio", "100000"))  # fmt: skip
+    plan = ClusterPlan(
+        prefill=0, decode=0, agg=1, discovery="static", engine_args=("--speedup-ratio", "100000")
+    )
     cluster = Cluster(plan, tmp_path, trio.CancelScope())
     secret = cluster.env[SECRET_ENV]
     check_secret_strength(secret.encode())
@@ -164,8 +170,11 @@ def test_hide_in_cmdline_overwrites_the_values_the_kernel_shows() -> None:
     )
     out = subprocess.run(
         [sys.executable, "-c", code, "--api-key", "s3cr3t-key", "--api-key=other-key", "x"],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert out.startswith("2 ")
     assert "s3cr3t-key" not in out
     assert "other-key" not in out
@@ -177,10 +186,26 @@ def test_hide_in_cmdline_overwrites_the_values_the_kernel_shows() -> None:
 def test_serve_with_an_api_key_shows_it_in_no_process_of_its_group(tmp_path: Path) -> None:
     key = "sk-" + "q" * 40
     process = subprocess.Popen(
-        [sys.executable, "-m", "headwater", "serve", "--port", "0", "--processes", "2",
-         "--api-key", key, "--speedup-ratio", "1000", "--tokenizer-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "headwater",
+            "serve",
+            "--port",
+            "0",
+            "--processes",
+            "2",
+            "--api-key",
+            key,
+            "--speedup-ratio",
+            "1000",
+            "--tokenizer-threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert process.stdout is not None
         for line in process.stdout:
@@ -199,8 +224,9 @@ def test_serve_with_an_api_key_shows_it_in_no_process_of_its_group(tmp_path: Pat
 
 
 def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True, check=False).stdout  # fmt: skip
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
     children = [int(p) for p in out.split()]
     return [p for c in children for p in (c, *_descendants(c))]
 

@@ -57,9 +57,11 @@ async def test_a_decode_worker_does_not_dial_an_address_no_prefill_worker_has(
 ) -> None:
     service, connections = await internal_service(nursery)
     config = WorkerConfig(
-        role=Role.DECODE, engine_config=MockerConfig(speedup_ratio=100_000.0),
-        secret=SECRET, kv_peers=("tcp://127.0.0.1:1",),  # its one known prefill worker
-    )  # fmt: skip
+        role=Role.DECODE,
+        engine_config=MockerConfig(speedup_ratio=100_000.0),
+        secret=SECRET,
+        kv_peers=("tcp://127.0.0.1:1",),  # its one known prefill worker
+    )
     worker = await nursery.start(partial(serve_worker, config))
     instance = WorkerInstance(worker.worker_id, Role.DECODE, MODEL, worker.address)
     client = await connect_worker(instance, nursery, secret=SECRET)
@@ -104,9 +106,9 @@ async def test_the_prefill_workers_registered_in_etcd_are_the_peers(
     fake = InstanceRecord("p2", Role.PREFILL, MODEL, "tcp://127.0.0.1:2379", 256)
     async with EtcdClient(private_etcd.url) as etcd:
         await etcd.put(genuine.key(), genuine.to_json(SECRET))
-        await nursery.start(partial(
-            follow_prefill_workers, private_etcd.url, MODEL, peers, secret=SECRET
-        ))  # fmt: skip
+        await nursery.start(
+            partial(follow_prefill_workers, private_etcd.url, MODEL, peers, secret=SECRET)
+        )
         peers.check(handle(genuine.address, "p1"))
         await etcd.put(fake.key(), fake.to_json())  # unsigned: a fake registrant
         later = InstanceRecord("p3", Role.PREFILL, MODEL, "tcp://127.0.0.1:7003", 256)

@@ -64,8 +64,9 @@ def _unbounded(schemas: dict[str, Any], root: dict[str, Any]) -> list[str]:
 
 
 def test_every_list_string_and_mapping_of_every_request_model_is_bounded() -> None:
-    doc = openapi_document(models.REQUEST_MODELS, limits=LIMITS, context_length=131072,
-                           api_keys=False)  # fmt: skip
+    doc = openapi_document(
+        models.REQUEST_MODELS, limits=LIMITS, context_length=131072, api_keys=False
+    )
     schemas = doc["components"]["schemas"]
     for model in models.REQUEST_MODELS.values():
         assert _unbounded(schemas, schemas[model.__name__]) == [], model.__name__
@@ -80,8 +81,9 @@ async def test_140000_stop_token_ids_are_a_400_before_any_worker_sees_them(path:
     ids = [2] * 140_000
     body: dict[str, Any] = (
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop_token_ids": ids}
-        if path.startswith("/v1") else {"token_ids": [5, 6], "sampling_params": {
-            "stop_token_ids": ids}})  # fmt: skip
+        if path.startswith("/v1")
+        else {"token_ids": [5, 6], "sampling_params": {"stop_token_ids": ids}}
+    )
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as client:
         r = await client.post(path, json=body)
         err = assert_error(r, 400)
@@ -89,15 +91,23 @@ async def test_140000_stop_token_ids_are_a_400_before_any_worker_sees_them(path:
         assert str(err["param"]).endswith("stop_token_ids")
         assert fe.metrics.rejected_requests_total.labels("max_stop_token_ids")._value.get() == 1
         at = ids[: LIMITS.max_stop_token_ids]
-        ok = dict(body, stop_token_ids=at) if path.startswith("/v1") else dict(
-            body, sampling_params={"stop_token_ids": at, "max_tokens": 2})  # fmt: skip
-        assert (await client.post(path, json={**ok, "max_tokens": 2} if path.startswith("/v1")
-                                  else ok)).status_code == 200  # fmt: skip
+        ok = (
+            dict(body, stop_token_ids=at)
+            if path.startswith("/v1")
+            else dict(body, sampling_params={"stop_token_ids": at, "max_tokens": 2})
+        )
+        assert (
+            await client.post(path, json={**ok, "max_tokens": 2} if path.startswith("/v1") else ok)
+        ).status_code == 200
 
 
 def _chat(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "max_tokens": 2,
-            "messages": [{"role": "user", "content": "hi"}], **fields}  # fmt: skip
+    return {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+        **fields,
+    }
 
 
 def _call(n: int) -> dict[str, Any]:
@@ -106,31 +116,61 @@ def _call(n: int) -> dict[str, Any]:
 
 # Each bound: a body holding *n* of what it bounds; the bound; the param refused past it.
 BOUNDS: dict[str, tuple[Any, int, str]] = {
-    "messages": (lambda n: _chat(messages=[{"role": "user", "content": "hi"}] * n),
-                 LIMITS.max_messages, "messages"),
-    "tools": (lambda n: _chat(tools=[{"type": "function", "function": {"name": f"t{i}"}}
-                                     for i in range(n)]), LIMITS.max_tools, "tools"),
+    "messages": (
+        lambda n: _chat(messages=[{"role": "user", "content": "hi"}] * n),
+        LIMITS.max_messages,
+        "messages",
+    ),
+    "tools": (
+        lambda n: _chat(
+            tools=[{"type": "function", "function": {"name": f"t{i}"}} for i in range(n)]
+        ),
+        LIMITS.max_tools,
+        "tools",
+    ),
     "stop": (lambda n: _chat(stop=[f"s{i}" for i in range(n)]), LIMITS.max_stop_strings, "stop"),
     "stop length": (lambda n: _chat(stop="s" * n), LIMITS.max_stop_length, "stop"),
-    "stop_token_ids": (lambda n: _chat(stop_token_ids=[2] * n), LIMITS.max_stop_token_ids,
-                       "stop_token_ids"),
-    "content parts": (lambda n: _chat(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "a"}] * n}]), MAX_PARTS, "messages"),
-    "tool calls": (lambda n: _chat(messages=[
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "tool_calls": [_call(i) for i in range(n)]},
-        {"role": "user", "content": "go on"}]), MAX_PARTS, "messages"),
+    "stop_token_ids": (
+        lambda n: _chat(stop_token_ids=[2] * n),
+        LIMITS.max_stop_token_ids,
+        "stop_token_ids",
+    ),
+    "content parts": (
+        lambda n: _chat(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * n}]
+        ),
+        MAX_PARTS,
+        "messages",
+    ),
+    "tool calls": (
+        lambda n: _chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [_call(i) for i in range(n)]},
+                {"role": "user", "content": "go on"},
+            ]
+        ),
+        MAX_PARTS,
+        "messages",
+    ),
     "model name": (lambda n: {**_chat(), "model": "m" * n}, MAX_NAME_CHARS, "model"),
-    "prompt chars": (lambda n: _chat(messages=[{"role": "user", "content": "a" * n}]),
-                     LIMITS.max_prompt_chars, "messages"),
-    "tools chars": (lambda n: _chat(tools=[{"function": {"name": "f", "description": "d" * (
-        n - 3)}}]), LIMITS.max_prompt_chars, "tools"),
-}  # fmt: skip
+    "prompt chars": (
+        lambda n: _chat(messages=[{"role": "user", "content": "a" * n}]),
+        LIMITS.max_prompt_chars,
+        "messages",
+    ),
+    "tools chars": (
+        lambda n: _chat(tools=[{"function": {"name": "f", "description": "d" * (n - 3)}}]),
+        LIMITS.max_prompt_chars,
+        "tools",
+    ),
+}
 
 
 @pytest.mark.slow  # ~10 s: a request at and past every bound
-@settings(max_examples=24, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(name=st.sampled_from(sorted(BOUNDS)), past=st.booleans())
 def test_a_body_at_each_bound_is_served_and_one_past_it_refused(
     served: str, name: str, past: bool
@@ -163,10 +203,15 @@ def served() -> Any:
 
 
 async def test_the_largest_body_the_bounds_allow_does_not_stall_the_loop() -> None:
-    body = _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 8}]
-                 * LIMITS.max_messages, stop_token_ids=[2] * LIMITS.max_stop_token_ids,
-                 tools=[{"function": {"name": f"t{i}", "parameters": {"type": "object"}}}
-                        for i in range(LIMITS.max_tools)])  # fmt: skip
+    body = _chat(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 8}]
+        * LIMITS.max_messages,
+        stop_token_ids=[2] * LIMITS.max_stop_token_ids,
+        tools=[
+            {"function": {"name": f"t{i}", "parameters": {"type": "object"}}}
+            for i in range(LIMITS.max_tools)
+        ],
+    )
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as client:
         async with LoopGaps() as gaps:
             r = await client.post("/v1/chat/completions", json=body, timeout=30)

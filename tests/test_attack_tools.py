@@ -26,31 +26,48 @@ MODEL = "deepseek-v4"
 
 
 def _chat(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "max_tokens": 2,
-            "messages": [{"role": "user", "content": "hi"}], **fields}  # fmt: skip
+    return {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+        **fields,
+    }
 
 
 def _tool(name: str, size: int) -> dict[str, Any]:
     properties = {f"p{i}": {"type": "string", "description": "x" * 90} for i in range(size)}
-    return {"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": properties}}}  # fmt: skip
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": properties}},
+    }
 
 
 async def test_tools_and_object_arguments_count_against_max_prompt_chars() -> None:
-    async with serve_frontend(limits=RequestLimits(max_prompt_chars=20_000)) as (fe, url), \
-            httpx.AsyncClient(base_url=url) as client:
+    async with (
+        serve_frontend(limits=RequestLimits(max_prompt_chars=20_000)) as (fe, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
         r = await client.post("/v1/chat/completions", json=_chat(tools=[_tool("f", 300)]))
         err = assert_error(r, 400, "tools")
         assert err["code"] == "string_above_max_length"
         big_args = {"x": "y" * 25_000}
-        r = await client.post("/v1/chat/completions", json=_chat(messages=[
-            {"role": "user", "content": "hi"},
-            {"role": "assistant",
-             "tool_calls": [{"function": {"name": "f", "arguments": big_args}}]},
-            {"role": "tool", "content": "ok"}]))  # fmt: skip
+        r = await client.post(
+            "/v1/chat/completions",
+            json=_chat(
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": big_args}}],
+                    },
+                    {"role": "tool", "content": "ok"},
+                ]
+            ),
+        )
         assert_error(r, 400, "messages")
-        r = await client.post("/v1/chat/completions",
-                              json=_chat(chat_template_kwargs={"x": "y" * 25_000}))  # fmt: skip
+        r = await client.post(
+            "/v1/chat/completions", json=_chat(chat_template_kwargs={"x": "y" * 25_000})
+        )
         assert_error(r, 400, "chat_template_kwargs")
         counted = fe.metrics.rejected_requests_total.labels("max_prompt_chars")._value.get()
         assert counted == 3
@@ -73,9 +90,11 @@ async def test_large_tools_render_off_the_loop() -> None:
 async def test_a_tool_nested_1000_deep_is_a_400() -> None:
     deep = '{"type": "object", "properties": {"a": ' * 1000 + "{}" + "}}" * 1000
     tool = '{"type": "function", "function": {"name": "f", "parameters": ' + deep + "}}"
-    body = orjson.dumps(_chat()).replace(b'"messages"', b'"tools": [' + tool.encode()
-                                         + b'], "messages"')  # fmt: skip
+    body = orjson.dumps(_chat()).replace(
+        b'"messages"', b'"tools": [' + tool.encode() + b'], "messages"'
+    )
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as client:
-        r = await client.post("/v1/chat/completions", content=body,
-                              headers={"Content-Type": "application/json"})  # fmt: skip
+        r = await client.post(
+            "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+        )
         assert_error(r, 400)

@@ -26,8 +26,11 @@ async def test_a_401_leaves_before_the_body_and_invites_none() -> None:
     async with serve_frontend(api_keys=(KEY,), read_timeout=30) as (fe, url):
         stream = await open_raw(url)
         start = trio.current_time()
-        await stream.send_all(post("/v1/chat/completions", b"", length=10_000_000,
-                                   headers=b"Expect: 100-continue\r\n"))  # fmt: skip
+        await stream.send_all(
+            post(
+                "/v1/chat/completions", b"", length=10_000_000, headers=b"Expect: 100-continue\r\n"
+            )
+        )
         answer = await read_answer(stream, within=2)
         assert answer.status == 401  # the first answer: no 100 Continue before it
         assert trio.current_time() - start < 2
@@ -45,8 +48,9 @@ async def test_a_client_that_writes_its_whole_body_first_still_gets_its_401() ->
     body = b'{"model": "deepseek-v4", "prompt": "' + b"a" * 4_000_000 + b'"}'
     async with serve_frontend(api_keys=(KEY,)) as (_, url), httpx.AsyncClient() as client:
         for _ in range(3):
-            r = await client.post(url + "/v1/completions", content=body,
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+            r = await client.post(
+                url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+            )
             assert r.status_code == 401
             assert r.json()["error"]["code"] == "invalid_api_key"
 
@@ -54,8 +58,14 @@ async def test_a_client_that_writes_its_whole_body_first_still_gets_its_401() ->
 async def test_an_authenticated_client_that_expects_100_continue_gets_it() -> None:
     async with serve_frontend(api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
-        await stream.send_all(post("/v1/chat/completions", b"", length=len(CHAT),
-                                   headers=AUTH + b"Expect: 100-continue\r\n"))  # fmt: skip
+        await stream.send_all(
+            post(
+                "/v1/chat/completions",
+                b"",
+                length=len(CHAT),
+                headers=AUTH + b"Expect: 100-continue\r\n",
+            )
+        )
         buffered = bytearray()
         assert (await read_answer(stream, buffered)).status == 100
         await stream.send_all(CHAT)

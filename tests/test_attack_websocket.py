@@ -25,8 +25,10 @@ from frontend.metrics import FrontendMetrics
 from attack_fixture import AUTH, KEY, open_raw, read_answer
 from frontend_fixture import serve_frontend
 
-UPGRADE = (b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
-           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")  # fmt: skip
+UPGRADE = (
+    b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+)
 
 
 @pytest.mark.parametrize("path", [b"/v1/models", b"/v1/chat/completions", b"/ws", b"/debug/x"])
@@ -48,8 +50,9 @@ async def test_an_upgrade_with_a_key_is_served_as_http11() -> None:
     async with serve_frontend(api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
         for path, status in ((b"/v1/models", 200), (b"/ws", 404)):
-            await stream.send_all(b"GET %s HTTP/1.1\r\nHost: test\r\n%s%s\r\n"
-                                  % (path, AUTH, UPGRADE))  # fmt: skip
+            await stream.send_all(
+                b"GET %s HTTP/1.1\r\nHost: test\r\n%s%s\r\n" % (path, AUTH, UPGRADE)
+            )
             answer = await read_answer(stream)
             assert answer.status == status
             assert answer.head.startswith(b"HTTP/1.1 ")
@@ -71,8 +74,11 @@ async def test_the_key_check_refuses_a_websocket_scope() -> None:
         return {"type": "websocket.connect"}
 
     keyed = RequireApiKey(app, ApiKeys([KEY]), metrics=FrontendMetrics(), max_body_bytes=1024)
-    scope = {"type": "websocket", "path": "/v1/models", "headers": [
-        (b"authorization", f"Bearer {KEY}".encode())]}  # fmt: skip
+    scope = {
+        "type": "websocket",
+        "path": "/v1/models",
+        "headers": [(b"authorization", f"Bearer {KEY}".encode())],
+    }
     await keyed(scope, receive, send)  # type: ignore[arg-type]
     assert reached == []
     assert sent == [{"type": "websocket.close", "code": 1008, "reason": None}]
@@ -88,14 +94,16 @@ async def test_a_crafted_path_in_an_error_log_stays_on_its_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async with serve_frontend() as (fe, url):
+
         @fe.app.before_request
         async def fail() -> None:  # an unexpected error, on a path the client chose
             if request.path.startswith("/boom"):
                 raise RuntimeError("boom")
 
         stream = await open_raw(url)
-        await stream.send_all(b"GET /boom/x%0a2026-01-01%20CRITICAL%20forged HTTP/1.1\r\n"
-                              b"Host: test\r\n\r\n")  # fmt: skip
+        await stream.send_all(
+            b"GET /boom/x%0a2026-01-01%20CRITICAL%20forged HTTP/1.1\r\nHost: test\r\n\r\n"
+        )
         answer = await read_answer(stream)
         await stream.aclose()
         assert answer.status == 500

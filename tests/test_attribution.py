@@ -59,9 +59,11 @@ async def test_an_in_process_ack_missed_while_the_loop_stalled_is_excused(
     log = StallLog()
     runtime = _Silent()
     client = MemoryWorkerClient(
-        WorkerInstance("w", Role.AGG, "m", "memory://w"), runtime, ack_timeout=4.0,
+        WorkerInstance("w", Role.AGG, "m", "memory://w"),
+        runtime,
+        ack_timeout=4.0,
         attribution=StallAttribution(log),
-    )  # fmt: skip
+    )
     start = trio.current_time()
     if stall_s:
         log.add(start + 3.0, stall_s)

@@ -29,8 +29,12 @@ def test_keys_come_from_options_the_environment_and_a_file(tmp_path: Path) -> No
     f = tmp_path / "keys"
     f.write_text("# rotated 2026-12-01\nk-file-1\n\n  k-file-2  \nk-opt\n")
     assert load_api_keys(["k-opt"], env="k-env-1, k-env-2", file=f) == (
-        "k-opt", "k-env-1", "k-env-2", "k-file-1", "k-file-2",
-    )  # fmt: skip
+        "k-opt",
+        "k-env-1",
+        "k-env-2",
+        "k-file-1",
+        "k-file-2",
+    )
     assert load_api_keys() == ()
     for bad in (["a b"], [" "]):
         with pytest.raises(ValueError, match="API key"):
@@ -43,8 +47,17 @@ def test_only_a_bearer_token_that_is_a_key_is_allowed() -> None:
     keys = ApiKeys(["k1", "longer-key-2"])
     assert keys.allows(b"Bearer k1")
     assert keys.allows(b"bearer longer-key-2")
-    for header in (None, b"", b"Bearer", b"Bearer ", b"Bearer k2", b"Basic k1", b"k1",
-                   b"Bearer k1x", b"Bearer longer-key-"):  # fmt: skip
+    for header in (
+        None,
+        b"",
+        b"Bearer",
+        b"Bearer ",
+        b"Bearer k2",
+        b"Basic k1",
+        b"k1",
+        b"Bearer k1x",
+        b"Bearer longer-key-",
+    ):
         assert not keys.allows(header), header
     assert not ApiKeys([])
 
@@ -59,28 +72,42 @@ def test_binding_beyond_loopback_without_keys_is_warned_about() -> None:
 
 
 async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
-    async with serve_frontend(api_keys=("secret-1", "secret-2")) as (fe, url), \
-            httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_frontend(api_keys=("secret-1", "secret-2")) as (fe, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         # Probes, (by default) scrapes and the dashboard's page without its data stay
         # open: a browser loads the page, which asks for the key.
-        for path in ("/live", "/health", "/metrics", "/dashboard", "/dashboard/dashboard.js",
-                     "/dashboard/dashboard.css"):  # fmt: skip
+        for path in (
+            "/live",
+            "/health",
+            "/metrics",
+            "/dashboard",
+            "/dashboard/dashboard.js",
+            "/dashboard/dashboard.css",
+        ):
             assert (await c.get(path)).status_code == 200, path
         for method, path, body in (
-            ("GET", "/v1/models", None), ("POST", "/v1/chat/completions", CHAT),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/chat/completions", CHAT),
             ("POST", "/v1/completions", {"model": "deepseek-v4", "prompt": "hi"}),
             ("POST", "/inference/v1/generate", {"token_ids": [5, 6]}),
-            ("GET", "/dashboard/data", None), ("GET", "/dashboard/nothing.js", None),
-            ("GET", "/debug/workers", None), ("GET", "/debug/stalls", None),
-            ("GET", "/debug/runtime", None), ("GET", "/no/such/path", None),
+            ("GET", "/dashboard/data", None),
+            ("GET", "/dashboard/nothing.js", None),
+            ("GET", "/debug/workers", None),
+            ("GET", "/debug/stalls", None),
+            ("GET", "/debug/runtime", None),
+            ("GET", "/no/such/path", None),
         ):
             r = await c.request(method, path, json=body)
             assert r.status_code == 401, (path, r.text)
             assert r.headers["www-authenticate"].startswith("Bearer")
             error = r.json()["error"]
             assert (error["type"], error["code"], error["param"]) == (
-                "invalid_request_error", "invalid_api_key", None,
-            )  # fmt: skip
+                "invalid_request_error",
+                "invalid_api_key",
+                None,
+            )
             assert "didn't provide an API key" in error["message"]
         wrong = await c.post("/v1/chat/completions", json=CHAT, headers=bearer("secret-3"))
         assert wrong.status_code == 401
@@ -95,8 +122,10 @@ async def test_with_keys_every_route_but_the_probes_needs_one() -> None:
 
 
 async def test_metrics_can_need_a_key_too() -> None:
-    async with serve_frontend(api_keys=("s",), metrics_auth=True) as (_, url), \
-            httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_frontend(api_keys=("s",), metrics_auth=True) as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         assert (await c.get("/metrics")).status_code == 401
         assert (await c.get("/metrics", headers=bearer("s"))).status_code == 200
         assert (await c.get("/health")).status_code == 200
@@ -163,8 +192,10 @@ async def test_a_keys_file_is_followed_and_a_bad_one_keeps_the_keys_in_force(
 async def test_a_served_frontend_takes_a_rotated_key_without_a_restart(tmp_path: Path) -> None:
     f = tmp_path / "keys"
     f.write_text("k-1\n")
-    async with serve_frontend(api_keys_file=str(f)) as (_, url), \
-            httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_frontend(api_keys_file=str(f)) as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         assert (await c.get("/v1/models", headers=bearer("k-1"))).status_code == 200
         assert (await c.get("/v1/models", headers=bearer("k-2"))).status_code == 401
         f.write_text("k-2\n")

@@ -35,8 +35,12 @@ from scripts.bench.scrape import LoopSnapshot, ProcReport, ProcSample, loop_repo
 
 def _exposition(delays: list[float], max_delay: float) -> str:
     reg = CollectorRegistry()
-    hist = Histogram("headwater_frontend_event_loop_delay_seconds", "d", registry=reg,
-                     buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1))  # fmt: skip
+    hist = Histogram(
+        "headwater_frontend_event_loop_delay_seconds",
+        "d",
+        registry=reg,
+        buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1),
+    )
     for d in delays:
         hist.observe(d)
     Counter("headwater_frontend_event_loop_stall_total", "s", registry=reg).inc(
@@ -49,50 +53,113 @@ def _exposition(delays: list[float], max_delay: float) -> str:
 def _record(**overrides: Any) -> dict[str, Any]:
     """A run record as build_record writes it, with plausible figures."""
     r: dict[str, Any] = {
-        "phase": "vs dynamo fastokens", "pair": None, "server": "headwater",
-        "variant": "fastokens/thread", "label": "headwater fastokens/thread",
-        "scenario": "long", "key": "long unary c16", "started_unix": 1000.0,
-        "ended_unix": 1010.0, "load_avg_1m": 0.3, "content_tokens_mean": 40000.0,
-        "max_tokens": 8, "stream": False, "concurrency": 16, "requests": 100, "ok": 100,
-        "failed": 0, "cut_off": 0, "wall_s": 1.0, "req_per_s": 100.0,
-        "output_tokens_per_s": 800.0, "ttft_p50_ms": 50.0, "ttft_p99_ms": 90.0,
-        "itl_p50_ms": None, "itl_p99_ms": None, "e2e_p50_ms": 50.0, "e2e_p99_ms": 90.0,
-        "prompt_tokens_mean": 40010.0, "completion_tokens_mean": 8.0, "client_cpu_s": 0.1,
-        "client_cpu_pct": 10.0, "first_error": None, "prompt_tokens_per_s": 4_001_000.0,
-        "frontend_cpu_s": 1.0, "frontend_cpu_ms_per_req": 10.0, "frontend_cpu_pct": 50.0,
-        "server_cpu_ms_per_req": 10.0, "server_pids": [1], "peak_rss_mb": 320.0,
-        "rss_start_mb": 300.0, "rss_end_mb": 305.0, "loop_samples": 100,
-        "loop_mean_ms": 1.0, "loop_p99_ms": 3.0, "loop_max_ms": 12.0, "loop_max_exact": True,
-        "stalls": 0, "stall_threshold_ms": 20.0, "stall_records": 0,
-        "stall_record_max_ms": None, "threads_cpu_s": {"loop": 0.8, "tokenizer": 0.15,
-                                                       "other": 0.05},
+        "phase": "vs dynamo fastokens",
+        "pair": None,
+        "server": "headwater",
+        "variant": "fastokens/thread",
+        "label": "headwater fastokens/thread",
+        "scenario": "long",
+        "key": "long unary c16",
+        "started_unix": 1000.0,
+        "ended_unix": 1010.0,
+        "load_avg_1m": 0.3,
+        "content_tokens_mean": 40000.0,
+        "max_tokens": 8,
+        "stream": False,
+        "concurrency": 16,
+        "requests": 100,
+        "ok": 100,
+        "failed": 0,
+        "cut_off": 0,
+        "wall_s": 1.0,
+        "req_per_s": 100.0,
+        "output_tokens_per_s": 800.0,
+        "ttft_p50_ms": 50.0,
+        "ttft_p99_ms": 90.0,
+        "itl_p50_ms": None,
+        "itl_p99_ms": None,
+        "e2e_p50_ms": 50.0,
+        "e2e_p99_ms": 90.0,
+        "prompt_tokens_mean": 40010.0,
+        "completion_tokens_mean": 8.0,
+        "client_cpu_s": 0.1,
+        "client_cpu_pct": 10.0,
+        "first_error": None,
+        "prompt_tokens_per_s": 4_001_000.0,
+        "frontend_cpu_s": 1.0,
+        "frontend_cpu_ms_per_req": 10.0,
+        "frontend_cpu_pct": 50.0,
+        "server_cpu_ms_per_req": 10.0,
+        "server_pids": [1],
+        "peak_rss_mb": 320.0,
+        "rss_start_mb": 300.0,
+        "rss_end_mb": 305.0,
+        "loop_samples": 100,
+        "loop_mean_ms": 1.0,
+        "loop_p99_ms": 3.0,
+        "loop_max_ms": 12.0,
+        "loop_max_exact": True,
+        "stalls": 0,
+        "stall_threshold_ms": 20.0,
+        "stall_records": 0,
+        "stall_record_max_ms": None,
+        "threads_cpu_s": {"loop": 0.8, "tokenizer": 0.15, "other": 0.05},
         "threads_cpu_ms_per_req": {"loop": 8.0, "tokenizer": 1.5, "other": 0.5},
         "timeline": [
-            {"t_s": 0.25 * i, "loop_samples": 25, "loop_p99_ms": 1.0 + i % 3,
-             "loop_max_ms": 5.0, "rss_mb": 300.0 + i, "cpu_pct": 50.0} for i in range(1, 9)
+            {
+                "t_s": 0.25 * i,
+                "loop_samples": 25,
+                "loop_p99_ms": 1.0 + i % 3,
+                "loop_max_ms": 5.0,
+                "rss_mb": 300.0 + i,
+                "cpu_pct": 50.0,
+            }
+            for i in range(1, 9)
         ],
-    }  # fmt: skip
+    }
     r.update(overrides)
     return r
 
 
 def _results(runs: list[dict[str, Any]], **overrides: Any) -> dict[str, Any]:
     res: dict[str, Any] = {
-        "config": {}, "started": "2026-11-29T22:00:00", "quick": False,
-        "machine": {"nproc": 2, "usable_cpus": 2, "cpu_model": "test CPU", "memory_gb": 8,
-                    "os": "Linux", "python": "3.11", "packages": {"trio": "0.35"},
-                    "commit": "abc1234", "dirty": False},
-        "load_avg_start": [0.2, 0.2, 0.2], "load_avg_end": [0.4, 0.3, 0.2],
-        "runs": runs, "calibration": [
-            {"backend": "fastokens", "texts": 8, "tokens": 1, "tokens_per_cpu_s": 10_000_000,
-             "tokens_per_wall_s": 9_000_000},
+        "config": {},
+        "started": "2026-11-29T22:00:00",
+        "quick": False,
+        "machine": {
+            "nproc": 2,
+            "usable_cpus": 2,
+            "cpu_model": "test CPU",
+            "memory_gb": 8,
+            "os": "Linux",
+            "python": "3.11",
+            "packages": {"trio": "0.35"},
+            "commit": "abc1234",
+            "dirty": False,
+        },
+        "load_avg_start": [0.2, 0.2, 0.2],
+        "load_avg_end": [0.4, 0.3, 0.2],
+        "runs": runs,
+        "calibration": [
+            {
+                "backend": "fastokens",
+                "texts": 8,
+                "tokens": 1,
+                "tokens_per_cpu_s": 10_000_000,
+                "tokens_per_wall_s": 9_000_000,
+            },
         ],
-        "idle_rss_mb": {"headwater fastokens/thread": 290.0,
-                        "headwater fastokens/thread (after warm-up)": 300.0,
-                        "dynamo fastokens": 285.0},
-        "profile": [], "skipped": [], "dynamo_version": "1.6.1", "finished": True,
+        "idle_rss_mb": {
+            "headwater fastokens/thread": 290.0,
+            "headwater fastokens/thread (after warm-up)": 300.0,
+            "dynamo fastokens": 285.0,
+        },
+        "profile": [],
+        "skipped": [],
+        "dynamo_version": "1.6.1",
+        "finished": True,
         "elapsed_s": 100.0,
-    }  # fmt: skip
+    }
     res.update(overrides)
     return res
 
@@ -100,13 +167,24 @@ def _results(runs: list[dict[str, Any]], **overrides: Any) -> dict[str, Any]:
 def _pair_runs(hw_rps: float, dyn_rps: float, key: str = "long unary c16") -> list[dict]:
     scenario = key.split()[0]
     pair = f"vs dynamo fastokens: {key}"
-    common = {"pair": pair, "key": key, "scenario": scenario,
-              "concurrency": int(key.rsplit("c", 1)[1])}  # fmt: skip
+    common = {
+        "pair": pair,
+        "key": key,
+        "scenario": scenario,
+        "concurrency": int(key.rsplit("c", 1)[1]),
+    }
     return [
         _record(**common, req_per_s=hw_rps, ttft_p50_ms=40.0),
-        _record(**common, server="dynamo", variant="fastokens", label="dynamo fastokens",
-                req_per_s=dyn_rps, ttft_p50_ms=80.0, started_unix=1011.0),
-    ]  # fmt: skip
+        _record(
+            **common,
+            server="dynamo",
+            variant="fastokens",
+            label="dynamo fastokens",
+            req_per_s=dyn_rps,
+            ttft_p50_ms=80.0,
+            started_unix=1011.0,
+        ),
+    ]
 
 
 # --- timeline ---------------------------------------------------------------------------
@@ -167,12 +245,30 @@ APP, PIPE, PRE = "/r/frontend/http/app.py", "/r/frontend/pipeline.py", "/r/front
 @pytest.mark.parametrize(
     ("stack", "stage"),
     [
-        ([_frame("get_events", "/v/site-packages/trio/_core/_io_epoll.py"),
-          _frame("epoll.poll", "<built-in>")], profile.IDLE),
-        ([_frame("_serve", APP), _frame("preprocess", PIPE),
-          _frame("render", PRE + "template.py"), _frame("join", "<built-in>")], "template"),
-        ([_frame("_serve", APP), _frame("encode", PRE + "pool.py"),
-          _frame("encode", PRE + "tokenizer.py")], "tokenize"),
+        (
+            [
+                _frame("get_events", "/v/site-packages/trio/_core/_io_epoll.py"),
+                _frame("epoll.poll", "<built-in>"),
+            ],
+            profile.IDLE,
+        ),
+        (
+            [
+                _frame("_serve", APP),
+                _frame("preprocess", PIPE),
+                _frame("render", PRE + "template.py"),
+                _frame("join", "<built-in>"),
+            ],
+            "template",
+        ),
+        (
+            [
+                _frame("_serve", APP),
+                _frame("encode", PRE + "pool.py"),
+                _frame("encode", PRE + "tokenizer.py"),
+            ],
+            "tokenize",
+        ),
         ([_frame("_parse", APP), _frame("loads", "<built-in>")], "receive+parse"),
         ([_frame("_stream_on", PIPE), _frame("stream", "/r/frontend/plane/memory.py")], "route"),
         ([_frame("step", "/r/workers/engines/mocker/engine.py")], "engine (in-process mocker)"),
@@ -180,16 +276,31 @@ APP, PIPE, PRE = "/r/frontend/http/app.py", "/r/frontend/pipeline.py", "/r/front
         ([_frame("render", "/r/frontend/metrics.py")], "observability"),
         ([_frame("protocol_send", "/v/site-packages/hypercorn/trio/tcp_server.py")], "stream out"),
         ([_frame("_read_data", "/v/site-packages/hypercorn/trio/tcp_server.py")], "receive+parse"),
-        ([_frame("_read_data", "/r/frontend/http/serving/tcp_server.py"),
-          _frame("receive_some", "/v/site-packages/trio/_highlevel_socket.py")], "receive+parse"),
-        ([_frame("protocol_send", "/r/frontend/http/serving/tcp_server.py"),
-          _frame("_write_now", "/r/frontend/http/serving/tcp_server.py")], "stream out"),
-        ([_frame("protocol_send", "/r/frontend/http/serving/tcp_server.py"),
-          _frame("_send_bounded", "/r/frontend/http/serving/tcp_server.py"),
-          _frame("send_all", "/v/site-packages/trio/_highlevel_socket.py")], "stream out"),
+        (
+            [
+                _frame("_read_data", "/r/frontend/http/serving/tcp_server.py"),
+                _frame("receive_some", "/v/site-packages/trio/_highlevel_socket.py"),
+            ],
+            "receive+parse",
+        ),
+        (
+            [
+                _frame("protocol_send", "/r/frontend/http/serving/tcp_server.py"),
+                _frame("_write_now", "/r/frontend/http/serving/tcp_server.py"),
+            ],
+            "stream out",
+        ),
+        (
+            [
+                _frame("protocol_send", "/r/frontend/http/serving/tcp_server.py"),
+                _frame("_send_bounded", "/r/frontend/http/serving/tcp_server.py"),
+                _frame("send_all", "/v/site-packages/trio/_highlevel_socket.py"),
+            ],
+            "stream out",
+        ),
         ([_frame("reschedule", TRIO)], "HTTP server + trio (other)"),
     ],
-)  # fmt: skip
+)
 def test_stage_of_takes_the_innermost_stage_frame(stack: list[str], stage: str) -> None:
     assert profile.stage_of(ROOT + stack) == stage
 
@@ -311,20 +422,26 @@ def test_process_figures_add_up() -> None:
     reports = [ProcReport(10, 1.0, 50.0, 2**20), ProcReport(11, 2.0, 90.0, 3 * 2**20)]
     assert measure.sum_reports(reports) == ProcReport(10, 3.0, 140.0, 4 * 2**20)
     assert measure.sum_reports([]) is None
-    cpu = measure.sum_thread_cpu([profile.ThreadCpu(1.0, 0.5, 0.25),
-                                  profile.ThreadCpu(2.0, 1.5, 0.25)])  # fmt: skip
+    cpu = measure.sum_thread_cpu(
+        [profile.ThreadCpu(1.0, 0.5, 0.25), profile.ThreadCpu(2.0, 1.5, 0.25)]
+    )
     assert cpu == profile.ThreadCpu(3.0, 2.0, 0.5)
     assert measure.sum_thread_cpu([]) is None
 
 
 def _server(**overrides: Any) -> servers.ServerInfo:
     fields: dict[str, Any] = {
-        "kind": "headwater", "variant": "fastokens/thread ×2 procs",
-        "base_url": "http://127.0.0.1:9000", "model": "m", "pids": (10, 11, 12, 20),
-        "metrics_prefix": "headwater_frontend_", "stall_threshold_ms": 20.0,
-        "log_path": Path("x.log"), "frontend_pids": (11, 12),
+        "kind": "headwater",
+        "variant": "fastokens/thread ×2 procs",
+        "base_url": "http://127.0.0.1:9000",
+        "model": "m",
+        "pids": (10, 11, 12, 20),
+        "metrics_prefix": "headwater_frontend_",
+        "stall_threshold_ms": 20.0,
+        "log_path": Path("x.log"),
+        "frontend_pids": (11, 12),
         "member_urls": ("http://127.0.0.1:9001", "http://127.0.0.1:9002"),
-    }  # fmt: skip
+    }
     fields.update(overrides)
     return servers.ServerInfo(**fields)
 
@@ -347,32 +464,66 @@ def _load_result(ok: int) -> LoadResult:
         RequestRecord(i, i, 0.01 * i, 0.05, 0.05, (), 1, 100, 8, 200, True, False, None)
         for i in range(ok)
     )
-    return LoadResult("http://127.0.0.1:9000/v1/chat/completions", 4, ok, 30.0, False, 0.0,
-                      1.0, ok, False, records, ClientUsage(0.1, 0.0, 1000))  # fmt: skip
+    return LoadResult(
+        "http://127.0.0.1:9000/v1/chat/completions",
+        4,
+        ok,
+        30.0,
+        False,
+        0.0,
+        1.0,
+        ok,
+        False,
+        records,
+        ClientUsage(0.1, 0.0, 1000),
+    )
 
 
 def test_build_record_sums_supervisor_and_members_but_not_workers() -> None:
     mb = 2**20
     before = (  # supervisor 10, members 11 and 12, worker 20: (pid, t, CPU, RSS, peak RSS)
-        ProcSample(10, 0.0, 1.0, 40 * mb, 40 * mb), ProcSample(11, 0.0, 5.0, 250 * mb, 260 * mb),
-        ProcSample(12, 0.0, 6.0, 240 * mb, 250 * mb), ProcSample(20, 0.0, 9.0, 90 * mb, 90 * mb),
-    )  # fmt: skip
+        ProcSample(10, 0.0, 1.0, 40 * mb, 40 * mb),
+        ProcSample(11, 0.0, 5.0, 250 * mb, 260 * mb),
+        ProcSample(12, 0.0, 6.0, 240 * mb, 250 * mb),
+        ProcSample(20, 0.0, 9.0, 90 * mb, 90 * mb),
+    )
     cpu_used = {10: 0.01, 11: 0.4, 12: 0.6, 20: 0.3}
-    after = tuple(ProcSample(p.pid, 2.0, p.cpu_s + cpu_used[p.pid], p.rss_bytes + 10 * mb,
-                             p.peak_rss_bytes + 10 * mb) for p in before)  # fmt: skip
+    after = tuple(
+        ProcSample(
+            p.pid, 2.0, p.cpu_s + cpu_used[p.pid], p.rss_bytes + 10 * mb, p.peak_rss_bytes + 10 * mb
+        )
+        for p in before
+    )
     loop_a0, loop_a1 = _snap([0.0005] * 10, 0.002), _snap([0.0005] * 60, 0.002)
     loop_b0, loop_b1 = _snap([0.0005] * 10, 0.001), _snap([0.0005] * 55 + [0.03] * 5, 0.03)
     loop_before, loop_after = measure.merge_run_snapshots([loop_a0, loop_b0], [loop_a1, loop_b1])
-    stall = {"duration_s": 0.03, "cause": "cpu", "task": "t", "stack": ["f.py:1 in g"],
-             "process": 1}  # fmt: skip
+    stall = {
+        "duration_s": 0.03,
+        "cause": "cpu",
+        "task": "t",
+        "stack": ["f.py:1 in g"],
+        "process": 1,
+    }
     m = measure.Measurement(
-        spec=measure.RunSpec("short", False, 4, 10), server=_server(), phase="main", pair=None,
-        result=_load_result(10), started_unix=0.0, ended_unix=2.0, loop_before=loop_before,
-        loop_after=loop_after, procs_before=before, procs_after=after,
-        threads=measure.sum_thread_cpu([profile.ThreadCpu(0.3, 0.05, 0.01),
-                                        profile.ThreadCpu(0.5, 0.05, 0.01)]),
-        timeline=(), stall_records=(stall,), load_avg=(0.0, 0.0, 0.0), content_tokens_mean=100,
-    )  # fmt: skip
+        spec=measure.RunSpec("short", False, 4, 10),
+        server=_server(),
+        phase="main",
+        pair=None,
+        result=_load_result(10),
+        started_unix=0.0,
+        ended_unix=2.0,
+        loop_before=loop_before,
+        loop_after=loop_after,
+        procs_before=before,
+        procs_after=after,
+        threads=measure.sum_thread_cpu(
+            [profile.ThreadCpu(0.3, 0.05, 0.01), profile.ThreadCpu(0.5, 0.05, 0.01)]
+        ),
+        timeline=(),
+        stall_records=(stall,),
+        load_avg=(0.0, 0.0, 0.0),
+        content_tokens_mean=100,
+    )
     r = measure.build_record(m)
     assert r["frontend_processes"] == 2
     assert r["frontend_group_pids"] == [10, 11, 12]
@@ -394,15 +545,21 @@ def test_build_record_sums_supervisor_and_members_but_not_workers() -> None:
 
 
 def test_process_layout_and_variant_names() -> None:
-    members = [processes.FrontendMember(1, 12, "http://127.0.0.1:2"),
-               processes.FrontendMember(0, 11, "http://127.0.0.1:1")]  # fmt: skip
+    members = [
+        processes.FrontendMember(1, 12, "http://127.0.0.1:2"),
+        processes.FrontendMember(0, 11, "http://127.0.0.1:1"),
+    ]
     assert servers.process_layout(10, members, [20, 21]) == (
-        (10, 11, 12, 20, 21), (11, 12), ("http://127.0.0.1:1", "http://127.0.0.1:2"))
+        (10, 11, 12, 20, 21),
+        (11, 12),
+        ("http://127.0.0.1:1", "http://127.0.0.1:2"),
+    )
     alone = [processes.FrontendMember(0, 10, "http://127.0.0.1:1")]
     assert servers.process_layout(10, alone, []) == ((10,), (10,), ("http://127.0.0.1:1",))
     assert servers.variant_name("fastokens", "thread", "inprocess", 1) == "fastokens/thread"
     assert servers.variant_name("fastokens", "thread", "inprocess", 2) == (
-        "fastokens/thread ×2 procs")
+        "fastokens/thread ×2 procs"
+    )
     assert servers.variant_name("hf", "inline", "processes", 1) == "hf/inline +worker procs"
 
 
@@ -419,9 +576,12 @@ time.sleep(60)
 async def test_a_supervisors_start_up_lines_name_the_members(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         child = await processes.spawn_frontend(
-            nursery, [sys.executable, "-c", _FAKE_SUPERVISOR], name="fake",
-            log_path=tmp_path / "fake.log", ready_within=20,
-        )  # fmt: skip
+            nursery,
+            [sys.executable, "-c", _FAKE_SUPERVISOR],
+            name="fake",
+            log_path=tmp_path / "fake.log",
+            ready_within=20,
+        )
         try:
             pids, serving, urls = servers.process_layout(child.pid, child.members, [99])
         finally:
@@ -434,16 +594,32 @@ async def test_a_supervisors_start_up_lines_name_the_members(tmp_path: Path) -> 
 
 def test_the_multi_process_variant_is_planned(tmp_path: Path) -> None:
     def cfg(n: int, **kw: Any) -> suite.SuiteConfig:
-        return suite.SuiteConfig(out_dir=tmp_path, repo_root=tmp_path, quick=True,
-                                 matrix=False, profile=False, frontend_processes=n, **kw)
+        return suite.SuiteConfig(
+            out_dir=tmp_path,
+            repo_root=tmp_path,
+            quick=True,
+            matrix=False,
+            profile=False,
+            frontend_processes=n,
+            **kw,
+        )
 
     assert suite.headwater_variants(cfg(2)) == [
-        suite.HeadwaterVariant("inprocess", 1), suite.HeadwaterVariant("inprocess", 2)]
-    assert suite.headwater_variants(cfg(0)) == suite.headwater_variants(cfg(1)) == [
-        suite.HeadwaterVariant("inprocess", 1)]
+        suite.HeadwaterVariant("inprocess", 1),
+        suite.HeadwaterVariant("inprocess", 2),
+    ]
+    assert (
+        suite.headwater_variants(cfg(0))
+        == suite.headwater_variants(cfg(1))
+        == [suite.HeadwaterVariant("inprocess", 1)]
+    )
     both = cfg(3, topologies=("inprocess", "processes"))
     assert [(v.topology, v.frontend_processes) for v in suite.headwater_variants(both)] == [
-        ("inprocess", 1), ("processes", 1), ("inprocess", 3), ("processes", 3)]
+        ("inprocess", 1),
+        ("processes", 1),
+        ("inprocess", 3),
+        ("processes", 3),
+    ]
     plan = len(suite.main_plan(cfg(2)))
     # Per Dynamo tokenizer: each spec once per headwater server and once for Dynamo.
     assert suite.Suite(cfg(2)).planned_runs(2) == plan * 3 * 2
@@ -454,7 +630,8 @@ def test_the_multi_process_variant_is_planned(tmp_path: Path) -> None:
 def test_each_round_pairs_its_own_runs() -> None:
     spec = suite.RunSpec("short", True, 64, 100)
     assert suite.pair_id("vs dynamo fastokens", spec, 0, 1) == (
-        "vs dynamo fastokens: short stream c64")
+        "vs dynamo fastokens: short stream c64"
+    )
     ids = {suite.pair_id("vs dynamo fastokens", spec, i, 3) for i in range(3)}
     assert ids == {f"vs dynamo fastokens: short stream c64 #{i}" for i in (1, 2, 3)}
 
@@ -474,8 +651,9 @@ def test_bench_cli_chooses_the_process_count(tmp_path: Path) -> None:
     assert count() == (cpus if cpus > 1 else 0)
     with pytest.raises(SystemExit):
         parser.parse_args(["--frontend-processes", "-1"])
-    assert "--frontend-processes 0" in bench._command(parser.parse_args(
-        ["--frontend-processes", "0"]))
+    assert "--frontend-processes 0" in bench._command(
+        parser.parse_args(["--frontend-processes", "0"])
+    )
     rounds = parser.parse_args(["--dynamo-install-dir", str(tmp_path), "--rounds", "3"])
     assert bench._config(rounds, tmp_path / "run").rounds == 3
     assert "--rounds 3" in bench._command(rounds)
@@ -483,14 +661,23 @@ def test_bench_cli_chooses_the_process_count(tmp_path: Path) -> None:
 
 
 async def test_the_suite_runs_beside_the_dynamo_tokenizers_asked_for(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--dynamo-tokenizers", "fastokens,sentencepiece"])
-    asked = parser.parse_args(["--dynamo-install-dir", str(tmp_path), "--dynamo-tokenizers",
-                               "fastokens", "--requests-scale", "6"])  # fmt: skip
+    asked = parser.parse_args(
+        [
+            "--dynamo-install-dir",
+            str(tmp_path),
+            "--dynamo-tokenizers",
+            "fastokens",
+            "--requests-scale",
+            "6",
+        ]
+    )
     command = bench._command(asked)
     assert "--dynamo-tokenizers fastokens" in command
     assert "--requests-scale 6" in command
@@ -509,21 +696,39 @@ async def test_the_suite_runs_beside_the_dynamo_tokenizers_asked_for(
 
 
 def _multi(**overrides: Any) -> dict[str, Any]:
-    return _record(variant="fastokens/thread ×2 procs", label="headwater fastokens/thread ×2 procs",
-                   frontend_processes=2, **overrides)  # fmt: skip
+    return _record(
+        variant="fastokens/thread ×2 procs",
+        label="headwater fastokens/thread ×2 procs",
+        frontend_processes=2,
+        **overrides,
+    )
 
 
 def test_report_judges_the_multi_process_variant_beside_the_default() -> None:
     pair = "vs dynamo fastokens: long unary c16"
     runs = [
         *_pair_runs(120.0, 100.0),
-        _multi(pair=pair, req_per_s=190.0, loop_max_ms=35.0, started_unix=1012.0,
-               rss_end_mb=600.0, peak_rss_mb=640.0, prompt_tokens_per_s=7_000_000.0),
-    ]  # fmt: skip
+        _multi(
+            pair=pair,
+            req_per_s=190.0,
+            loop_max_ms=35.0,
+            started_unix=1012.0,
+            rss_end_mb=600.0,
+            peak_rss_mb=640.0,
+            prompt_tokens_per_s=7_000_000.0,
+        ),
+    ]
     label = "headwater fastokens/thread ×2 procs"
-    results = _results(runs, idle_rss_mb={
-        "headwater fastokens/thread": 290.0, "headwater fastokens/thread (after warm-up)": 300.0,
-        label: 570.0, label + " (after warm-up)": 590.0, "dynamo fastokens": 285.0})  # fmt: skip
+    results = _results(
+        runs,
+        idle_rss_mb={
+            "headwater fastokens/thread": 290.0,
+            "headwater fastokens/thread (after warm-up)": 300.0,
+            label: 570.0,
+            label + " (after warm-up)": 590.0,
+            "dynamo fastokens": 285.0,
+        },
+    )
     assert report.multi_process_labels(results) == [label]
     default = {t.name: t.passed for t in report.targets(results)}
     multi = {t.name: t for t in report.targets(results, label)}
@@ -531,7 +736,8 @@ def test_report_judges_the_multi_process_variant_beside_the_default() -> None:
     assert multi["long prompts c16: loop max delay"].passed is False  # the variant's 35 ms
     assert default["long prompts c16: req/s vs Dynamo + fastokens"] is False  # 1.2 < 1.5
     assert multi["long prompts c16: req/s vs Dynamo + fastokens"].measured == (
-        "long unary c16 1.90×")
+        "long unary c16 1.90×"
+    )
     assert multi["long prompts c16: req/s vs Dynamo + fastokens"].passed is True
     assert multi["frontend RSS idle, default tokenizer"].passed is False  # 570 MB in total
     assert "over 2 processes + supervisor" in multi["frontend RSS idle, default tokenizer"].measured
@@ -546,8 +752,10 @@ def test_report_judges_the_multi_process_variant_beside_the_default() -> None:
     assert memory[f"{label} (total: supervisor + 2 processes)"] == "570"
     assert memory[f"{label} (after warm-up; total: supervisor + 2 processes)"] == "590"
     assert memory["headwater fastokens/thread (after warm-up)"] == "300"
-    assert memory[f"{label}: peak RSS (VmHWM) over the main phase "
-                  "(total: supervisor + 2 processes)"] == "640"  # fmt: skip
+    assert (
+        memory[f"{label}: peak RSS (VmHWM) over the main phase (total: supervisor + 2 processes)"]
+        == "640"
+    )
     (fastokens,) = report.limit_rows(results)
     assert fastokens["achieved"] == 7_000_000.0  # the variant's run is the best
     assert fastokens["run"].endswith("(fastokens/thread ×2 procs)")
@@ -565,21 +773,33 @@ def test_report_judges_whether_a_group_shares_its_memory() -> None:
     runs = [*_pair_runs(120.0, 100.0), _multi(pair="vs dynamo fastokens: long unary c16")]
 
     def judged(group_pss: float) -> report.Target:
-        memory = {"headwater fastokens/thread": {"rss_mb": 240.0, "pss_mb": 220.0},
-                  label: {"rss_mb": 860.0, "pss_mb": group_pss, "uss_mb": 80.0, "processes": [
-                      {"role": "supervisor", "pid": 1, "rss_mb": 220.0, "pss_mb": 60.0,
-                       "uss_mb": 5.0}]}}  # fmt: skip
+        memory = {
+            "headwater fastokens/thread": {"rss_mb": 240.0, "pss_mb": 220.0},
+            label: {
+                "rss_mb": 860.0,
+                "pss_mb": group_pss,
+                "uss_mb": 80.0,
+                "processes": [
+                    {"role": "supervisor", "pid": 1, "rss_mb": 220.0, "pss_mb": 60.0, "uss_mb": 5.0}
+                ],
+            },
+        }
         results = _results(runs, idle_memory_mb=memory)
-        (target,) = [t for t in report.targets(results, label) if t.name.startswith(
-            "frontend PSS idle")]  # fmt: skip
+        (target,) = [
+            t for t in report.targets(results, label) if t.name.startswith("frontend PSS idle")
+        ]
         return target
 
     shared = judged(270.0)
     assert shared.passed is True
     assert "1.23× one process's 220 MB" in shared.measured
     assert judged(300.0).passed is False  # 1.36×
-    results = _results(runs, idle_memory_mb={
-        "headwater fastokens/thread": {"rss_mb": 240.0, "pss_mb": 220.0, "uss_mb": 215.0}})
+    results = _results(
+        runs,
+        idle_memory_mb={
+            "headwater fastokens/thread": {"rss_mb": 240.0, "pss_mb": 220.0, "uss_mb": 215.0}
+        },
+    )
     (one,) = [t for t in report.targets(results) if t.name.startswith("frontend PSS idle")]
     assert one.passed is None  # the reference itself
     assert "220 MB (the reference)" in one.measured
@@ -591,10 +811,12 @@ def test_report_judges_whether_a_group_shares_its_memory() -> None:
 
 
 def test_targets_judge_pass_and_miss() -> None:
-    good = _results([
-        *_pair_runs(160.0, 100.0),
-        *_pair_runs(1100.0, 1000.0, key="short unary c16"),
-    ])  # fmt: skip
+    good = _results(
+        [
+            *_pair_runs(160.0, 100.0),
+            *_pair_runs(1100.0, 1000.0, key="short unary c16"),
+        ]
+    )
     verdicts = {t.name: t.passed for t in report.targets(good)}
     assert verdicts["long prompts c16: loop max delay"] is True
     assert verdicts["long prompts c16: loop p99 delay"] is True
@@ -607,15 +829,25 @@ def test_targets_judge_pass_and_miss() -> None:
 
     bad_runs = _pair_runs(140.0, 100.0) + _pair_runs(950.0, 1000.0, key="short unary c16")
     bad_runs[0].update(loop_max_ms=35.0, loop_p99_ms=6.0, rss_end_mb=400.0)
-    bad = _results(bad_runs, idle_rss_mb={"headwater fastokens/thread": 310.0,
-                                          "headwater fastokens/thread (after warm-up)": 300.0})
+    bad = _results(
+        bad_runs,
+        idle_rss_mb={
+            "headwater fastokens/thread": 310.0,
+            "headwater fastokens/thread (after warm-up)": 300.0,
+        },
+    )
     verdicts = {t.name: t.passed for t in report.targets(bad)}
-    assert not any(verdicts[n] for n in (
-        "long prompts c16: loop max delay", "long prompts c16: loop p99 delay",
-        "long prompts c16: req/s vs Dynamo + fastokens",
-        "short prompts: req/s vs Dynamo + fastokens",
-        "frontend RSS idle, default tokenizer", "frontend RSS flat across the run",
-    ))  # fmt: skip
+    assert not any(
+        verdicts[n]
+        for n in (
+            "long prompts c16: loop max delay",
+            "long prompts c16: loop p99 delay",
+            "long prompts c16: req/s vs Dynamo + fastokens",
+            "short prompts: req/s vs Dynamo + fastokens",
+            "frontend RSS idle, default tokenizer",
+            "frontend RSS flat across the run",
+        )
+    )
 
 
 @pytest.mark.parametrize(("second_pass_mb", "flat"), [(345.0, True), (400.0, False)])
@@ -663,18 +895,30 @@ def test_rounds_are_summarised_by_their_median() -> None:
     assert "| 1,150 | 1,000 | 1.15 (0.90-1.30, 3 rounds) |" in row
     # The verdict goes by the median round, not by the best or the worst one.
     target = {t.name: t for t in report.targets(_results(runs))}[
-        "short prompts: req/s vs Dynamo + fastokens"]
+        "short prompts: req/s vs Dynamo + fastokens"
+    ]
     assert target.passed is True  # 1.15 ≥ 1.0, though one round read 0.90
     assert target.measured == "short unary c16 1.15× (0.90-1.30, 3 rounds)"
     low = _rounds("short unary c16", [(900.0, 1000.0), (950.0, 1000.0), (1300.0, 1000.0)])
     assert {t.name: t for t in report.targets(_results(low))}[
-        "short prompts: req/s vs Dynamo + fastokens"].passed is False  # median 0.95
+        "short prompts: req/s vs Dynamo + fastokens"
+    ].passed is False  # median 0.95
 
 
 def test_render_and_update_docs_keep_the_prose(tmp_path: Path) -> None:
-    results = _results([*_pair_runs(120.0, 100.0), _record(
-        phase="matrix", variant="hf/inline", label="headwater hf/inline", loop_max_ms=900.0,
-        loop_max_exact=False, req_per_s=5.0)])  # fmt: skip
+    results = _results(
+        [
+            *_pair_runs(120.0, 100.0),
+            _record(
+                phase="matrix",
+                variant="hf/inline",
+                label="headwater hf/inline",
+                loop_max_ms=900.0,
+                loop_max_exact=False,
+                req_per_s=5.0,
+            ),
+        ]
+    )
     text = report.render(results, [("chart", "img/chart.png")])
     assert "### Targets" in text
     assert "headwater ÷ Dynamo" in text
@@ -712,16 +956,32 @@ def test_the_docs_section_links_every_run_to_a_page_of_its_own() -> None:
 
 @pytest.mark.slow
 def test_render_command_publishes_report_and_charts(tmp_path: Path) -> None:
-    matrix = [_record(phase="matrix", variant=f"{b}/{m}", label=f"headwater {b}/{m}",
-                      req_per_s=5.0 if b == "hf" else 100.0)
-              for b in ("fastokens", "hf") for m in ("inline", "thread")]  # fmt: skip
-    profiled = {"key": "long unary c16", "scenario": "long", "requests": 100, "req_per_s": 50,
-                "frontend_cpu_ms_per_req": 25.0, "loop_busy_s": 1.0, "loop_idle_s": 1.0,
-                "stage_ms_per_req": {s: 1.0 for s in (*profile.STAGES, "other threads")},
-                "stage_share_of_loop": {s: 1 / len(profile.STAGES) for s in profile.STAGES},
-                "session": "x"}  # fmt: skip
-    results = _results([*_pair_runs(120.0, 100.0), *_pair_runs(900.0, 1000.0, "short unary c16"),
-                        *matrix], profile=[profiled])  # fmt: skip
+    matrix = [
+        _record(
+            phase="matrix",
+            variant=f"{b}/{m}",
+            label=f"headwater {b}/{m}",
+            req_per_s=5.0 if b == "hf" else 100.0,
+        )
+        for b in ("fastokens", "hf")
+        for m in ("inline", "thread")
+    ]
+    profiled = {
+        "key": "long unary c16",
+        "scenario": "long",
+        "requests": 100,
+        "req_per_s": 50,
+        "frontend_cpu_ms_per_req": 25.0,
+        "loop_busy_s": 1.0,
+        "loop_idle_s": 1.0,
+        "stage_ms_per_req": {s: 1.0 for s in (*profile.STAGES, "other threads")},
+        "stage_share_of_loop": {s: 1 / len(profile.STAGES) for s in profile.STAGES},
+        "session": "x",
+    }
+    results = _results(
+        [*_pair_runs(120.0, 100.0), *_pair_runs(900.0, 1000.0, "short unary c16"), *matrix],
+        profile=[profiled],
+    )
     path = tmp_path / "run" / "results.json"
     path.parent.mkdir()
     path.write_bytes(orjson.dumps(results))
@@ -731,8 +991,16 @@ def test_render_command_publishes_report_and_charts(tmp_path: Path) -> None:
     text = (path.parent / "report.md").read_text()
     assert "Frontend CPU per request by stage" in text
     images = sorted(p.name for p in (path.parent / "img").iterdir())
-    assert images == sorted(["throughput.png", "ttft.png", "loop_delay_by_mode.png",
-                             "matrix.png", "stages.png", "rss_over_time.png"])  # fmt: skip
+    assert images == sorted(
+        [
+            "throughput.png",
+            "ttft.png",
+            "loop_delay_by_mode.png",
+            "matrix.png",
+            "stages.png",
+            "rss_over_time.png",
+        ]
+    )
     for name in images:
         data = (path.parent / "img" / name).read_bytes()
         assert data.startswith(b"\x89PNG")
@@ -743,23 +1011,57 @@ def test_render_command_publishes_report_and_charts(tmp_path: Path) -> None:
 # --- one real run -----------------------------------------------------------------------
 
 RECORD_FIELDS = {
-    "phase", "server", "variant", "label", "scenario", "key", "stream", "concurrency",
-    "requests", "ok", "failed", "req_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-    "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "frontend_cpu_ms_per_req",
-    "server_cpu_ms_per_req", "peak_rss_mb", "loop_p99_ms", "loop_max_ms", "loop_max_exact",
-    "stalls", "client_cpu_s", "client_cpu_pct", "threads_cpu_ms_per_req", "timeline",
+    "phase",
+    "server",
+    "variant",
+    "label",
+    "scenario",
+    "key",
+    "stream",
+    "concurrency",
+    "requests",
+    "ok",
+    "failed",
+    "req_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+    "frontend_cpu_ms_per_req",
+    "server_cpu_ms_per_req",
+    "peak_rss_mb",
+    "loop_p99_ms",
+    "loop_max_ms",
+    "loop_max_exact",
+    "stalls",
+    "client_cpu_s",
+    "client_cpu_pct",
+    "threads_cpu_ms_per_req",
+    "timeline",
 }
 
 
 @pytest.mark.slow
 async def test_a_tiny_real_run_writes_complete_records(tmp_path: Path) -> None:
     cfg = suite.SuiteConfig(
-        out_dir=tmp_path / "out", repo_root=bench.REPO_ROOT, scenarios=("short",),
-        quick=True, dynamo=True, dynamo_scripts=tmp_path / "no-dynamo-here",
-        dynamo_install=tmp_path / "dyn", matrix=False, profile=False, progress=False,
-        requests={("short", 4): 10}, concurrency={"short": (4,)}, time_limit_s=30.0,
-        idle_settle_s=0.2, frontend_processes=2,
-    )  # fmt: skip
+        out_dir=tmp_path / "out",
+        repo_root=bench.REPO_ROOT,
+        scenarios=("short",),
+        quick=True,
+        dynamo=True,
+        dynamo_scripts=tmp_path / "no-dynamo-here",
+        dynamo_install=tmp_path / "dyn",
+        matrix=False,
+        profile=False,
+        progress=False,
+        requests={("short", 4): 10},
+        concurrency={"short": (4,)},
+        time_limit_s=30.0,
+        idle_settle_s=0.2,
+        frontend_processes=2,
+    )
     with trio.fail_after(90):
         results = await suite.Suite(cfg, log=lambda _: None).run()
     assert results.finished
@@ -768,9 +1070,11 @@ async def test_a_tiny_real_run_writes_complete_records(tmp_path: Path) -> None:
     records = [orjson.loads(line) for line in lines]
     multi = "headwater fastokens/thread ×2 procs"
     assert [(r["key"], r["label"]) for r in records] == [
-        ("short unary c4", "headwater fastokens/thread"), ("short unary c4", multi),
-        ("short stream c4", "headwater fastokens/thread"), ("short stream c4", multi),
-    ]  # fmt: skip
+        ("short unary c4", "headwater fastokens/thread"),
+        ("short unary c4", multi),
+        ("short stream c4", "headwater fastokens/thread"),
+        ("short stream c4", multi),
+    ]
     for r in records:
         assert r.keys() >= RECORD_FIELDS
         assert (r["ok"], r["requests"], r["failed"]) == (10, 10, 0), r["first_error"]

@@ -489,15 +489,39 @@ REPO = Path(__file__).resolve().parents[1]
 async def test_cli_prints_a_json_record_and_a_markdown_row() -> None:
     async with trio.open_nursery() as nursery:
         base = await _start_fake(nursery)
-        argv = [sys.executable, "-m", "scripts.bench.loadgen", "--url", base, "--stream",
-                "--scenario", "short", "--prompt-tokens", "50", "--concurrency", "2",
-                "--requests", "6", "--max-tokens", "3", "--pid", str(os.getpid()),
-                "--label", "cli", "--header", "--no-progress",
-                # one page per frontend process: here the same one twice, merged
-                "--metrics-url", base + "/metrics", "--metrics-url", base + "/metrics"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "scripts.bench.loadgen",
+            "--url",
+            base,
+            "--stream",
+            "--scenario",
+            "short",
+            "--prompt-tokens",
+            "50",
+            "--concurrency",
+            "2",
+            "--requests",
+            "6",
+            "--max-tokens",
+            "3",
+            "--pid",
+            str(os.getpid()),
+            "--label",
+            "cli",
+            "--header",
+            "--no-progress",
+            # one page per frontend process: here the same one twice, merged
+            "--metrics-url",
+            base + "/metrics",
+            "--metrics-url",
+            base + "/metrics",
+        ]
         with trio.fail_after(30):
-            done = await trio.run_process(argv, cwd=REPO, capture_stdout=True, check=False,
-                                          capture_stderr=True)  # fmt: skip
+            done = await trio.run_process(
+                argv, cwd=REPO, capture_stdout=True, check=False, capture_stderr=True
+            )
         nursery.cancel_scope.cancel()
     assert done.returncode == 0, done.stderr.decode()
     record_line, header, separator, row = done.stdout.decode().splitlines()

@@ -53,10 +53,16 @@ from helpers import start_runtime
 MODEL = "deepseek-v4"
 VLLM_LIKE = Capabilities("vllm", frozenset(FEATURES))
 EVERY_FIELD = SamplingParams(
-    max_tokens=5, seed=3, top_k=4, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
-    repetition_penalty=1.2, logit_bias=((7, -100.0), (9, 2.5)),
+    max_tokens=5,
+    seed=3,
+    top_k=4,
+    min_p=0.05,
+    presence_penalty=0.5,
+    frequency_penalty=-0.5,
+    repetition_penalty=1.2,
+    logit_bias=((7, -100.0), (9, 2.5)),
     structured=StructuredOutput(StructuredKind.CHOICE, '["a","b"]'),
-)  # fmt: skip
+)
 
 
 def roundtrip(frame: Any) -> Any:
@@ -76,9 +82,15 @@ def test_a_request_asks_for_what_leaves_its_neutral_values() -> None:
     neutral = SamplingParams(max_tokens=1, top_k=0, min_p=0.0, repetition_penalty=1.0)
     assert list(needed(neutral)) == []
     assert list(needed(EVERY_FIELD)) == [
-        "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "logit_bias", "structured_outputs",
-    ]  # fmt: skip
+        "seed",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "structured_outputs",
+    ]
     assert refusal(VLLM_LIKE, EVERY_FIELD) is None
     assert refusal(MOCKER, EVERY_FIELD) == "'top_k' is not supported by the mocker engine"
     assert refusal(BASELINE, SamplingParams(max_tokens=1, seed=1)) is None
@@ -88,8 +100,14 @@ def test_a_request_asks_for_what_leaves_its_neutral_values() -> None:
 def test_a_declaration_as_plain_data_is_checked() -> None:
     assert from_plain(to_plain(VLLM_LIKE)) == VLLM_LIKE
     assert from_plain({"engine": "new", "features": ["seed", "telepathy"]}).honours("telepathy")
-    for bad in ([], {"engine": 3}, {"features": "seed"}, {"features": [""]},
-                {"features": ["x"] * 65}, {"engine": "e" * 65}):  # fmt: skip
+    for bad in (
+        [],
+        {"engine": 3},
+        {"features": "seed"},
+        {"features": [""]},
+        {"features": ["x"] * 65},
+        {"engine": "e" * 65},
+    ):
         with pytest.raises(ValueError, match="capabilities"):
             from_plain(bad)
 
@@ -105,16 +123,31 @@ def test_the_new_sampling_fields_cross_the_wire_exactly() -> None:
 def test_a_request_asking_for_nothing_new_is_byte_identical_to_an_older_peers() -> None:
     plain = SamplingParams(max_tokens=5, temperature=0.7, seed=3)
     unpacked = msgspec.msgpack.decode(encode(request(plain))[4:])
-    assert set(unpacked["sampling"]) == {"max_tokens", "min_tokens", "ignore_eos",
-                                         "temperature", "top_p", "seed", "stop_token_ids"}
+    assert set(unpacked["sampling"]) == {
+        "max_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop_token_ids",
+    }
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("top_k", -1), ("min_p", math.nan), ("repetition_penalty", math.inf),
-     ("logit_bias", [[1]]), ("logit_bias", [[-1, 0.0]]), ("logit_bias", [["1", 0.0]]),
-     ("structured", ["telepathy", ""]), ("structured", ["json"]), ("top_k", "5")],
-)  # fmt: skip
+    [
+        ("top_k", -1),
+        ("min_p", math.nan),
+        ("repetition_penalty", math.inf),
+        ("logit_bias", [[1]]),
+        ("logit_bias", [[-1, 0.0]]),
+        ("logit_bias", [["1", 0.0]]),
+        ("structured", ["telepathy", ""]),
+        ("structured", ["json"]),
+        ("top_k", "5"),
+    ],
+)
 def test_malformed_sampling_fields_make_the_request_unreadable(key: str, value: Any) -> None:
     body = msgspec.msgpack.decode(encode(request(SamplingParams(max_tokens=1)))[4:])
     body["sampling"][key] = value
@@ -177,8 +210,9 @@ async def test_etcd_registration_publishes_the_engines_declaration(
     worker = WorkerInstance("w1", Role.AGG, MODEL, "tcp://127.0.0.1:7301", capabilities=MOCKER)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            await nursery.start(EtcdDiscovery(etcd_url, model=MODEL, prefix=etcd_prefix).run,
-                                Sink())  # fmt: skip
+            await nursery.start(
+                EtcdDiscovery(etcd_url, model=MODEL, prefix=etcd_prefix).run, Sink()
+            )
             async with EtcdRegistration(etcd_url, worker, ttl=2, prefix=etcd_prefix):
                 while "w1" not in seen:
                     await trio.sleep(0.02)
@@ -195,8 +229,9 @@ async def test_the_router_names_a_worker_that_lacks_a_feature(nursery: trio.Nurs
     for worker_id, caps in (("a", VLLM_LIKE), ("b", MOCKER)):
         engine = MockerEngine(MockerConfig(speedup_ratio=1000), Role.AGG, worker_id)
         runtime = await start_runtime(nursery, engine, worker_id)
-        instance = WorkerInstance(worker_id, Role.AGG, MODEL, f"memory://{worker_id}",
-                                  capabilities=caps)  # fmt: skip
+        instance = WorkerInstance(
+            worker_id, Role.AGG, MODEL, f"memory://{worker_id}", capabilities=caps
+        )
         router.add(MemoryWorkerClient(instance, runtime))
     assert router.lacking(MODEL, "seed") is None
     assert router.lacking(MODEL, TOP_K) == MOCKER  # any of them may get the request
@@ -231,14 +266,22 @@ async def test_a_tcp_client_learns_the_declaration_in_the_handshake(
     assert instance.capabilities is None
     client = await connect_worker(instance, nursery)
     assert client.capabilities == MOCKER
-    async with serve_frontend(workers=f"{worker.address}?role=agg&id={worker.worker_id}") as (
-        _, url,
-    ), httpx.AsyncClient(base_url=url, timeout=30) as http:  # fmt: skip
+    async with (
+        serve_frontend(workers=f"{worker.address}?role=agg&id={worker.worker_id}") as (
+            _,
+            url,
+        ),
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+    ):
         with trio.fail_after(20):
             while (await http.get("/health")).status_code != 200:
                 await trio.sleep(0.02)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 2, "min_p": 0.2}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "min_p": 0.2,
+        }
         err = assert_error(await http.post("/v1/chat/completions", json=body), 400, "min_p")
         assert "mocker" in err["message"]
         body.pop("min_p")

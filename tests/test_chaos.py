@@ -72,8 +72,10 @@ class Outcome:
     def text(self) -> str:
         return "".join(
             c["delta"].get("content") or ""
-            for e in self.events if isinstance(e, dict) for c in e.get("choices", [])
-        )  # fmt: skip
+            for e in self.events
+            if isinstance(e, dict)
+            for c in e.get("choices", [])
+        )
 
 
 def expected_text(seed: int, prompt_tokens: int) -> str:
@@ -95,8 +97,13 @@ def problems(i: int, outcome: Outcome) -> list[str]:
         found.append(f"error events: {errors}")
     if not outcome.events or outcome.events[-1] != "[DONE]":
         found.append(f"does not end with [DONE]: {outcome.events[-2:]}")
-    finish = [c["finish_reason"] for e in outcome.events if isinstance(e, dict)
-              for c in e.get("choices", []) if c.get("finish_reason")]  # fmt: skip
+    finish = [
+        c["finish_reason"]
+        for e in outcome.events
+        if isinstance(e, dict)
+        for c in e.get("choices", [])
+        if c.get("finish_reason")
+    ]
     if finish != ["length"]:
         found.append(f"finish reasons {finish}")
     if outcome.usage.get("completion_tokens") != MAX_TOKENS:
@@ -141,10 +148,14 @@ class Load:
 
     async def _one(self, http: httpx.AsyncClient, i: int) -> Outcome:
         body = {
-            "model": MODEL, "messages": [{"role": "user", "content": f"Chaos {i}. {FILLER}"}],
-            "max_tokens": MAX_TOKENS, "ignore_eos": True, "seed": seed(i), "stream": True,
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Chaos {i}. {FILLER}"}],
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "seed": seed(i),
+            "stream": True,
             "stream_options": {"include_usage": True},
-        }  # fmt: skip
+        }
         async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 return Outcome(r.status_code, body=(await r.aread()).decode(errors="replace"))
@@ -201,9 +212,17 @@ async def back(cluster: Launched, etcd_url: str, name: str, worker_id: str, dead
 @pytest.mark.timeout(150)
 async def test_streams_survive_sigkilled_workers(tmp_path: Path) -> None:
     async with launch(
-        tmp_path, "--prefill", "2", "--decode", "3", "--etcd-binary", require_etcd(),
-        "--", *FRONTEND_ARGS, speedup=SPEEDUP,
-    ) as cluster:  # fmt: skip
+        tmp_path,
+        "--prefill",
+        "2",
+        "--decode",
+        "3",
+        "--etcd-binary",
+        require_etcd(),
+        "--",
+        *FRONTEND_ARGS,
+        speedup=SPEEDUP,
+    ) as cluster:
         etcd_url = cluster.addresses["etcd"]
         with trio.fail_after(20):  # /health needed one pair; the router gets all five
             while len(view := await debug_workers(cluster.url)) < 5:
@@ -238,8 +257,7 @@ async def test_streams_survive_sigkilled_workers(tmp_path: Path) -> None:
                 pids[name] = await back(cluster, etcd_url, name, ids[name], pids[name])
                 load.enough.set()
 
-        bad = {i: p for i, outcome in sorted(load.outcomes.items())
-               if (p := problems(i, outcome))}  # fmt: skip
+        bad = {i: p for i, outcome in sorted(load.outcomes.items()) if (p := problems(i, outcome))}
         assert not bad, f"{len(bad)} of {len(load.outcomes)} requests failed: {bad}"
         assert len(load.outcomes) >= MIN_REQUESTS
         assert all(n >= BUSY for name, n in killed if name.startswith("decode")), killed

@@ -32,9 +32,14 @@ REQUEST_BOUND_S = 30.0  # no request may take longer, whatever happens to its wo
 
 async def one_stream(http: httpx.AsyncClient, model: str, i: int) -> int:
     """One streamed chat; returns its completion tokens (usage). Fails on any error."""
-    body = {"model": model, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": f"tell me about river {i}"}]}  # fmt: skip
+    body = {
+        "model": model,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": f"tell me about river {i}"}],
+    }
     usage = None
     with trio.fail_after(REQUEST_BOUND_S):
         async with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -58,18 +63,34 @@ async def test_workers_join_drain_and_die_under_load(
 
     async def worker(role: str, name: str) -> WorkerProcess:
         return await start_worker(
-            nursery, role, log_dir=tmp_path, name=name, discovery=discovery, model=model,
-            engine_args=engine, lease_ttl=2, drain_timeout=10,
+            nursery,
+            role,
+            log_dir=tmp_path,
+            name=name,
+            discovery=discovery,
+            model=model,
+            engine_args=engine,
+            lease_ttl=2,
+            drain_timeout=10,
             extra_args=["--log-level", "warning"],
-        )  # fmt: skip
+        )
 
     prefill = [await worker("prefill", "prefill-0")]
     decode = [await worker("decode", f"decode-{i}") for i in range(2)]
     frontend = await start_frontend(
-        nursery, log_dir=tmp_path, discovery=discovery, model=model,
-        extra_args=["--tokenizer-backend", "hf", "--log-level", "warning",
-                    "--probe-backoff", "0.5"],
-    )  # fmt: skip
+        nursery,
+        log_dir=tmp_path,
+        discovery=discovery,
+        model=model,
+        extra_args=[
+            "--tokenizer-backend",
+            "hf",
+            "--log-level",
+            "warning",
+            "--probe-backoff",
+            "0.5",
+        ],
+    )
     await wait_healthy(frontend.address, within=30)
     done: list[int] = []
     churned = trio.Event()

@@ -13,12 +13,35 @@ from headwater.cli import build_parser, env_name
 from headwater.cli.serve import frontend_config_from_args as config_from_args
 
 SERVE_OPTIONS = [
-    "--host", "--port", "--model-name", "--tokenizer", "--context-length", "--tokenizer-backend",
-    "--tokenize-mode", "--tokenizer-threads", "--engine", "--mode", "--speedup-ratio",
-    "--log-level", "--max-body-bytes", "--workers", "--discovery", "--router", "--ack-timeout",
-    "--no-instrument", "--stall-threshold-ms", "--max-inflight", "--drain-timeout",
-    "--graceful-timeout", "--write-timeout", "--ssl-certfile", "--ssl-keyfile",
-    "--max-header-bytes", "--header-timeout", "--read-timeout", "--max-connections-per-client",
+    "--host",
+    "--port",
+    "--model-name",
+    "--tokenizer",
+    "--context-length",
+    "--tokenizer-backend",
+    "--tokenize-mode",
+    "--tokenizer-threads",
+    "--engine",
+    "--mode",
+    "--speedup-ratio",
+    "--log-level",
+    "--max-body-bytes",
+    "--workers",
+    "--discovery",
+    "--router",
+    "--ack-timeout",
+    "--no-instrument",
+    "--stall-threshold-ms",
+    "--max-inflight",
+    "--drain-timeout",
+    "--graceful-timeout",
+    "--write-timeout",
+    "--ssl-certfile",
+    "--ssl-keyfile",
+    "--max-header-bytes",
+    "--header-timeout",
+    "--read-timeout",
+    "--max-connections-per-client",
 ]
 
 
@@ -63,9 +86,14 @@ def test_environment_variables_mirror_options(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("HEADWATER_TOKENIZER_THREADS", "zero"), ("HEADWATER_TOKENIZE_MODE", "sideways"),
-     ("HEADWATER_TOKENIZER_THREADS", "0"), ("HEADWATER_MAX_INFLIGHT", "-1"),
-     ("HEADWATER_DRAIN_TIMEOUT", "-1"), ("HEADWATER_DRAIN_TIMEOUT", "nan")],
+    [
+        ("HEADWATER_TOKENIZER_THREADS", "zero"),
+        ("HEADWATER_TOKENIZE_MODE", "sideways"),
+        ("HEADWATER_TOKENIZER_THREADS", "0"),
+        ("HEADWATER_MAX_INFLIGHT", "-1"),
+        ("HEADWATER_DRAIN_TIMEOUT", "-1"),
+        ("HEADWATER_DRAIN_TIMEOUT", "nan"),
+    ],
 )
 def test_bad_environment_values_are_clear_errors(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], var: str, value: str
@@ -86,8 +114,11 @@ def test_bad_flags_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.slow
 def test_python_dash_m_headwater_is_the_headwater_command() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "headwater", "serve", "--help"], capture_output=True, text=True,
-        timeout=60, check=True,
+        [sys.executable, "-m", "headwater", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     assert out.startswith("usage: headwater serve")
 
@@ -111,9 +142,7 @@ def test_api_keys_come_from_flags_and_the_environment(
     assert "flag-1" not in repr(config)  # keys stay out of logs
 
 
-def test_tls_files_are_checked_at_start(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_tls_files_are_checked_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from headwater.cli import main
 
     missing = str(tmp_path / "missing.pem")

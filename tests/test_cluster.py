@@ -97,10 +97,15 @@ async def start_workers(
 
     async def one(i: int, role: str) -> None:
         started[i] = await start_worker(
-            nursery, role, log_dir=tmp_path, name=f"{role}-{first_index + i}",
-            discovery=discovery, model=model, engine_args=["--speedup-ratio", f"{FAST:g}"],
+            nursery,
+            role,
+            log_dir=tmp_path,
+            name=f"{role}-{first_index + i}",
+            discovery=discovery,
+            model=model,
+            engine_args=["--speedup-ratio", f"{FAST:g}"],
             **options,
-        )  # fmt: skip
+        )
 
     async with trio.open_nursery() as starting:
         for i, role in enumerate(roles):
@@ -191,9 +196,12 @@ async def test_every_request_goes_prefill_then_decode(
 ) -> None:
     model, discovery = new_model(), discovery_of(etcd_url)
     workers = await start_workers(
-        nursery, tmp_path, ["prefill", "prefill", "decode", "decode"],
-        discovery=discovery, model=model,
-    )  # fmt: skip
+        nursery,
+        tmp_path,
+        ["prefill", "prefill", "decode", "decode"],
+        discovery=discovery,
+        model=model,
+    )
     prefill, decode = [w.worker_id for w in workers[:2]], [w.worker_id for w in workers[2:]]
     frontend = await start_frontend(
         nursery, log_dir=tmp_path, discovery=discovery, model=model, extra_args=FRONTEND_ARGS
@@ -224,10 +232,16 @@ async def test_two_frontends_share_the_workers_and_both_use_a_late_joiner(
     frontends: list[ChildProcess] = []
 
     async def frontend(name: str) -> None:
-        frontends.append(await start_frontend(
-            nursery, log_dir=tmp_path, name=name, discovery=discovery, model=model,
-            extra_args=RANDOM_ROUTER,
-        ))  # fmt: skip
+        frontends.append(
+            await start_frontend(
+                nursery,
+                log_dir=tmp_path,
+                name=name,
+                discovery=discovery,
+                model=model,
+                extra_args=RANDOM_ROUTER,
+            )
+        )
 
     async with trio.open_nursery() as starting:
         starting.start_soon(frontend, "frontend-a")
@@ -267,9 +281,13 @@ async def test_killed_decode_worker_leaves_routing_within_the_lease_ttl(
     ttl = 2  # seconds: about the shortest lease etcd grants
     model, discovery = new_model(), discovery_of(etcd_url)
     workers = await start_workers(
-        nursery, tmp_path, ["prefill", "decode", "decode"],
-        discovery=discovery, model=model, lease_ttl=ttl,
-    )  # fmt: skip
+        nursery,
+        tmp_path,
+        ["prefill", "decode", "decode"],
+        discovery=discovery,
+        model=model,
+        lease_ttl=ttl,
+    )
     prefill, survivor, victim = workers
     frontend = await start_frontend(
         nursery, log_dir=tmp_path, discovery=discovery, model=model, extra_args=RANDOM_ROUTER
@@ -292,15 +310,21 @@ async def test_killed_decode_worker_leaves_routing_within_the_lease_ttl(
         assert stats[wid][key] - base[wid][key] == 8
 
     (newcomer,) = await start_workers(
-        nursery, tmp_path, ["decode"], discovery=discovery, model=model, lease_ttl=ttl,
+        nursery,
+        tmp_path,
+        ["decode"],
+        discovery=discovery,
+        model=model,
+        lease_ttl=ttl,
         first_index=2,
-    )  # fmt: skip
+    )
     await wait_routing(frontend.address, all_healthy([prefill, survivor, newcomer]))
     await send(frontend.address, model, SPREAD, 4)
     after = await worker_stats([survivor, newcomer], model)
     assert after[newcomer.worker_id]["kv_pulls_total"] > 0
     assert (
-        after[survivor.worker_id]["kv_pulls_total"] - stats[survivor.worker_id]["kv_pulls_total"]
+        after[survivor.worker_id]["kv_pulls_total"]
+        - stats[survivor.worker_id]["kv_pulls_total"]
         + after[newcomer.worker_id]["kv_pulls_total"]
     ) == SPREAD
     await stop_all([frontend, prefill, survivor, newcomer])
@@ -331,14 +355,21 @@ async def test_worker_is_draining_in_etcd_before_it_stops_and_gone_after(
     # Mocker at 1/2 of GPU time: the request below runs for about 1.5 s, far longer
     # than an etcd write takes to reach a watcher.
     worker = await start_worker(
-        nursery, "agg", log_dir=tmp_path, discovery=discovery, model=model,
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        discovery=discovery,
+        model=model,
         engine_args=["--speedup-ratio", "2.0"],
     )
     async with EtcdClient(etcd_url) as etcd:
         (kv,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
     record = InstanceRecord.from_json(kv.value)
     assert (record.address, record.worker_id, record.pid, record.state) == (
-        worker.address, worker.worker_id, worker.pid, InstanceState.READY
+        worker.address,
+        worker.worker_id,
+        worker.pid,
+        InstanceState.READY,
     )
 
     instance = WorkerInstance(worker.worker_id, Role.AGG, model, worker.address)
@@ -376,16 +407,23 @@ def test_launcher_reads_the_line_workers_print(role: Role) -> None:
     assert line.startswith(WORKER_READY_PREFIX + " ")
 
 
-
-
 @pytest.mark.slow
 async def test_launch_serves_then_stops_in_order_on_sigint(tmp_path: Path) -> None:
     etcd = require_etcd()
     async with launch(
-        tmp_path, "--prefill", "1", "--decode", "1", "--etcd-binary", etcd,
-        "--drain-timeout", "7",
-        "--", "--tokenizer-backend", "hf",  # passed through to headwater serve
-    ) as cluster:  # fmt: skip
+        tmp_path,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--etcd-binary",
+        etcd,
+        "--drain-timeout",
+        "7",
+        "--",
+        "--tokenizer-backend",
+        "hf",  # passed through to headwater serve
+    ) as cluster:
         assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*", cluster.url)  # the real port
         assert set(cluster.children) == {"etcd", "prefill-0", "decode-0", "frontend"}
         assert set(cluster.children.values()) == children_of(cluster.process.pid)
@@ -414,10 +452,21 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
     delays of 1.5-3 s keep the restarted worker out of the first requests after the kill.
     With --worker-metrics each worker's metrics port is its own and survives the restart."""
     async with launch(
-        tmp_path, "--prefill", "1", "--decode", "2", "--discovery", "static",
-        "--restart-backoff", "3", "--restart-backoff-max", "3", "--worker-metrics",
-        "--", *FRONTEND_ARGS,
-    ) as cluster:  # fmt: skip
+        tmp_path,
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--discovery",
+        "static",
+        "--restart-backoff",
+        "3",
+        "--restart-backoff-max",
+        "3",
+        "--worker-metrics",
+        "--",
+        *FRONTEND_ARGS,
+    ) as cluster:
         model = "deepseek-v4"
         assert set(cluster.metrics) == {"prefill-0", "decode-0", "decode-1"}
         assert len(set(cluster.metrics.values())) == 3
@@ -427,7 +476,7 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
         survivor, victim = (
             Worker(view[cluster.addresses[name]]["worker_id"], "decode", cluster.addresses[name])
             for name in ("decode-0", "decode-1")
-        )  # fmt: skip
+        )
         before = await worker_stats([survivor], model, LAUNCH_SECRET)
 
         os.kill(cluster.children["decode-1"], signal.SIGKILL)
@@ -451,8 +500,9 @@ async def test_launch_restarts_a_killed_worker_with_its_id_and_port(tmp_path: Pa
         assert view[victim.address]["worker_id"] == victim.worker_id
         assert view[victim.address]["state"] == "healthy"
         log = (cluster.workdir / "decode-1.log").read_text()
-        assert re.search(r"^----- .* decode-1 exited \(killed by SIGKILL\): restart 1 in ", log,
-                         re.M)  # fmt: skip
+        assert re.search(
+            r"^----- .* decode-1 exited \(killed by SIGKILL\): restart 1 in ", log, re.M
+        )
         assert log.count(f"{READY_PREFIX} {victim.address} {victim.worker_id}") == 2
         assert await runtime_pid(cluster.metrics["decode-1"]) == pid
 
@@ -487,11 +537,14 @@ async def test_launch_restarts_etcd_and_the_frontend_on_their_ports(tmp_path: Pa
         async with EtcdClient(etcd_url) as etcd:
             (after,) = (await etcd.range(model_prefix(model), prefix=True)).kvs
         assert (after.key, after.lease, after.create_revision) == (
-            before.key, before.lease, before.create_revision
+            before.key,
+            before.lease,
+            before.create_revision,
         )
-        assert "registered" not in (cluster.workdir / "agg-0.log").read_text().split(
-            "HEADWATER_WORKER_READY"
-        )[1]  # once, before its READY line; never again
+        assert (
+            "registered"
+            not in (cluster.workdir / "agg-0.log").read_text().split("HEADWATER_WORKER_READY")[1]
+        )  # once, before its READY line; never again
         cluster.process.send_signal(signal.SIGINT)
         with trio.fail_after(30):
             assert await cluster.process.wait() == 0
@@ -504,10 +557,22 @@ async def test_launch_gives_up_on_a_process_that_keeps_failing(tmp_path: Path) -
     names it, stops the rest and exits 1. Restart delays of 1-2 s leave the test time
     to take the port first."""
     async with launch(
-        tmp_path, "--agg", "1", "--discovery", "static", "--restart-budget", "2",
-        "--restart-window", "60", "--restart-backoff", "2", "--restart-backoff-max", "2",
-        "--", *FRONTEND_ARGS,
-    ) as cluster:  # fmt: skip
+        tmp_path,
+        "--agg",
+        "1",
+        "--discovery",
+        "static",
+        "--restart-budget",
+        "2",
+        "--restart-window",
+        "60",
+        "--restart-backoff",
+        "2",
+        "--restart-backoff-max",
+        "2",
+        "--",
+        *FRONTEND_ARGS,
+    ) as cluster:
         assert set(cluster.children) == {"agg-0", "frontend"}
         port = int(cluster.addresses["agg-0"].rsplit(":", 1)[1])
         os.kill(cluster.children["agg-0"], signal.SIGKILL)
@@ -526,8 +591,9 @@ async def test_launch_gives_up_on_a_process_that_keeps_failing(tmp_path: Path) -
         f"127.0.0.1:{port} is taken by another process"
     )
     assert len(re.findall(rf"WARNING \S+: {re.escape(why)}; restarting it in ", err)) == 1
-    (failure,) = re.findall(rf"ERROR headwater.launch: {re.escape(why)}; giving up on it: (.*)",
-                            err)  # fmt: skip
+    (failure,) = re.findall(
+        rf"ERROR headwater.launch: {re.escape(why)}; giving up on it: (.*)", err
+    )
     assert failure.startswith("restarted 2 times in the last 60 s, its whole budget")
     assert "the port is in use" in err.split("giving up on it")[1]  # its log's last lines
     assert "stopping: frontend, then workers, then etcd" in err
@@ -564,21 +630,38 @@ def test_launch_plan_discovery() -> None:
 
 def test_launch_plan_restart_policy() -> None:
     assert plan().restart == RestartPolicy()  # the options' defaults are the policy's
-    given = plan("--restart-backoff", "1", "--restart-backoff-max", "2", "--restart-budget", "0",
-                 "--restart-window", "5").restart  # fmt: skip
+    given = plan(
+        "--restart-backoff",
+        "1",
+        "--restart-backoff-max",
+        "2",
+        "--restart-budget",
+        "0",
+        "--restart-window",
+        "5",
+    ).restart
     assert given == RestartPolicy(backoff=1, backoff_max=2, budget=0, window=5)
     with pytest.raises(ValueError, match="--restart-backoff-max"):
         plan("--restart-backoff", "3", "--restart-backoff-max", "1")
     text = " ".join(build_parser("launch").format_help().split())
-    for option, default in (("backoff", "0.5"), ("backoff-max", "10.0"), ("budget", "5"),
-                            ("window", "60.0")):  # fmt: skip
-        assert re.search(rf"--restart-{option} \S+ [^[]+\[env HEADWATER_RESTART_"
-                         rf"{option.upper().replace('-', '_')}\] \(default: {default}\)", text)
+    for option, default in (
+        ("backoff", "0.5"),
+        ("backoff-max", "10.0"),
+        ("budget", "5"),
+        ("window", "60.0"),
+    ):
+        assert re.search(
+            rf"--restart-{option} \S+ [^[]+\[env HEADWATER_RESTART_"
+            rf"{option.upper().replace('-', '_')}\] \(default: {default}\)",
+            text,
+        )
 
 
 def test_ready_lines_parse() -> None:
     assert parse_worker_ready(f"{READY_PREFIX} tcp://127.0.0.1:7 d-1 decode") == (
-        "tcp://127.0.0.1:7", "d-1", "decode"
+        "tcp://127.0.0.1:7",
+        "d-1",
+        "decode",
     )
     assert parse_worker_ready("HEADWATER_WORKER_READY tcp://x:1") is None
     line = "headwater: serving m on http://127.0.0.1:8123/ http://[::1]:8123"

@@ -26,8 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
 ]
 STALL_VISIBLE_WITHIN_S = 2.0
 MODEL = "deepseek-v4"
@@ -86,8 +90,9 @@ def drive_browser(sync_api: Any, base_url: str, seen: Seen) -> None:
             context.on("request", on_request)
             page = context.new_page()
             page.on("pageerror", lambda exc: seen.page_errors.append(str(exc)))
-            page.on("console", lambda msg: msg.type == "error"
-                    and seen.page_errors.append(msg.text))
+            page.on(
+                "console", lambda msg: msg.type == "error" and seen.page_errors.append(msg.text)
+            )
             page.goto(base_url + "/dashboard")
             page.wait_for_function(
                 "() => document.getElementById('status').textContent === 'live'", timeout=10_000
@@ -112,8 +117,10 @@ def drive_browser(sync_api: Any, base_url: str, seen: Seen) -> None:
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
 
             phone = browser.new_context(
-                viewport={"width": 390, "height": 844}, device_scale_factor=2,
-                is_mobile=True, has_touch=True,
+                viewport={"width": 390, "height": 844},
+                device_scale_factor=2,
+                is_mobile=True,
+                has_touch=True,
             )
             phone.on("request", on_request)
             small = phone.new_page()
@@ -144,11 +151,18 @@ async def test_injected_stall_appears_on_the_dashboard() -> None:
         httpx.AsyncClient(base_url=url) as c,
     ):
         for stream in (False, True):  # some traffic, so every panel has data
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                    "max_tokens": 8, "stream": stream}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 8,
+                "stream": stream,
+            }
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
-        refused = await c.post("/v1/chat/completions", json={**body, "model": "no-such-model"},
-                               headers={"X-Request-Id": "dash-req-42"})  # fmt: skip
+        refused = await c.post(
+            "/v1/chat/completions",
+            json={**body, "model": "no-such-model"},
+            headers={"X-Request-Id": "dash-req-42"},
+        )
         assert refused.status_code == 404
         with trio.fail_after(90):
             await trio.to_thread.run_sync(

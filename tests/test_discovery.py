@@ -232,9 +232,13 @@ def test_record_roundtrip_and_key_layout() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [b"not json", b"[]", b'{"worker_id": "w", "role": "x", "model": "m", "address": "a"}',
-     b'{"role": "decode", "model": "m", "address": "a"}',
-     b'{"worker_id": "w", "role": "decode", "model": "m", "address": "a", "state": "gone"}'],
+    [
+        b"not json",
+        b"[]",
+        b'{"worker_id": "w", "role": "x", "model": "m", "address": "a"}',
+        b'{"role": "decode", "model": "m", "address": "a"}',
+        b'{"worker_id": "w", "role": "decode", "model": "m", "address": "a", "state": "gone"}',
+    ],
 )
 def test_record_rejects_malformed(value: bytes) -> None:
     with pytest.raises(ValueError, match="bad instance record"):
@@ -356,9 +360,7 @@ async def test_draining_reaches_router(etcd_url: str, etcd_prefix: str) -> None:
     connect = FakeConnect()
     worker = inst("d1", Role.DECODE, model="m1", port=7102)
     async with open_membership(router, connect) as membership, trio.open_nursery() as nursery:
-        await follow(
-            nursery, EtcdDiscovery(etcd_url, model="m1", prefix=etcd_prefix), membership
-        )
+        await follow(nursery, EtcdDiscovery(etcd_url, model="m1", prefix=etcd_prefix), membership)
         async with EtcdRegistration(etcd_url, worker, ttl=2, prefix=etcd_prefix) as registration:
             await wait_router(router, lambda: states(router) == {"d1": WorkerState.HEALTHY})
             assert router.pick(Role.DECODE, "m1").instance == worker

@@ -124,8 +124,13 @@ class FakeWorker(WorkerClient):
             await trio.sleep(0.01)
             if behaviour.break_first:
                 raise Disconnected(f"{self.worker_id} died while prefilling")
-            yield Chunk(rid, [], kv_handle=KvHandle(self.worker_id, self.instance.address,
-                                                    f"kv-{rid}", len(request.token_ids)))
+            yield Chunk(
+                rid,
+                [],
+                kv_handle=KvHandle(
+                    self.worker_id, self.instance.address, f"kv-{rid}", len(request.token_ids)
+                ),
+            )
             return
         assert isinstance(behaviour, Stream)
         start, n = len(request.token_ids), request.sampling.max_tokens
@@ -259,8 +264,10 @@ async def test_a_constrained_answer_migrates_only_before_its_first_token(
     # Its grammar cannot resume on tokens fed back as prompt: after the first token a
     # broken stream fails the request rather than continue it unconstrained.
     structured = StructuredOutput(StructuredKind.JSON_OBJECT)
-    constrained = replace(request(max_tokens=8), sampling=replace(
-        request().sampling, max_tokens=8, structured=structured))  # fmt: skip
+    constrained = replace(
+        request(max_tokens=8),
+        sampling=replace(request().sampling, max_tokens=8, structured=structured),
+    )
     a = FakeWorker("a", Role.AGG, [Stream(break_after=3)])
     b = FakeWorker("b", Role.AGG, [Stream()])
     with pytest.raises(WorkerFailed, match="constrained answer cannot continue"):
@@ -531,10 +538,11 @@ async def test_a_migration_waits_for_a_worker_that_is_about_to_join(
     assert migrations(metrics) == 1
 
 
-
 def migration_kinds(metrics: FrontendMetrics) -> dict[str, float]:
-    return {kind: metrics.model_migration_total.labels(kind)._value.get()
-            for kind in ("new_request", "ongoing_request")}  # fmt: skip
+    return {
+        kind: metrics.model_migration_total.labels(kind)._value.get()
+        for kind in ("new_request", "ongoing_request")
+    }
 
 
 async def test_migrations_are_counted_by_whether_tokens_had_reached_the_client(

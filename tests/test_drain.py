@@ -33,8 +33,13 @@ UNARY = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
 
 
 def _stream_body(tokens: int) -> dict[str, Any]:
-    return {"model": MODEL, "messages": CHAT, "max_tokens": tokens, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 async def _first_event(lines: AsyncIterator[str]) -> None:
@@ -50,16 +55,21 @@ async def _rest(lines: AsyncIterator[str]) -> list[str]:
     return [line async for line in lines if line.startswith("data: ")]
 
 
-def _assert_draining_answers(health: httpx.Response, live: httpx.Response,
-                             refused: httpx.Response) -> None:  # fmt: skip
+def _assert_draining_answers(
+    health: httpx.Response, live: httpx.Response, refused: httpx.Response
+) -> None:
     assert health.status_code == 503, health.text
     assert health.json()["status"] == "draining"
     assert live.status_code == 200
     assert refused.status_code == 503, refused.text
-    assert refused.json() == {"error": {
-        "message": "This frontend is shutting down; send the request to another instance",
-        "type": "service_unavailable_error", "param": None, "code": "shutting_down",
-    }}  # fmt: skip
+    assert refused.json() == {
+        "error": {
+            "message": "This frontend is shutting down; send the request to another instance",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": "shutting_down",
+        }
+    }
     assert refused.headers["connection"] == "close"
 
 
@@ -89,9 +99,10 @@ async def test_stop_drains_then_exits(
             fe.stop()
             # At once: /health is 503, /live 200, a new request 503, the rest as before.
             _assert_draining_answers(
-                await c.get("/health"), await c.get("/live"),
+                await c.get("/health"),
+                await c.get("/live"),
                 await c.post("/v1/chat/completions", json=UNARY),
-            )  # fmt: skip
+            )
             assert (await c.get("/v1/models")).status_code == 200
             metrics = (await c.get("/metrics")).text
             assert "headwater_frontend_draining 1.0" in metrics
@@ -154,16 +165,34 @@ async def test_what_outlasts_the_drain_gets_the_graceful_timeout_then_is_cut(
 # -- real processes ------------------------------------------------------------------------
 
 # One process unless a test asks for more (a later --processes wins).
-SERVE = (sys.executable, "-m", "headwater", "serve", "--port", "0", "--tokenizer-backend", "hf",
-         "--speedup-ratio", "1", "--log-level", "info", "--drain-timeout", "30",
-         "--processes", "1")  # fmt: skip
+SERVE = (
+    sys.executable,
+    "-m",
+    "headwater",
+    "serve",
+    "--port",
+    "0",
+    "--tokenizer-backend",
+    "hf",
+    "--speedup-ratio",
+    "1",
+    "--log-level",
+    "info",
+    "--drain-timeout",
+    "30",
+    "--processes",
+    "1",
+)
 
 
 async def _spawn(nursery: trio.Nursery, tmp_path: Path, *extra: str) -> FrontendProcess:
     frontend = await spawn_frontend(
-        nursery, [*SERVE, *extra], name="frontend", log_path=tmp_path / "frontend.log",
+        nursery,
+        [*SERVE, *extra],
+        name="frontend",
+        log_path=tmp_path / "frontend.log",
         ready_within=90,
-    )  # fmt: skip
+    )
     await wait_healthy(frontend.address, within=60, child=frontend)
     return frontend
 
@@ -187,9 +216,10 @@ async def test_sigterm_drains_a_serving_process(tmp_path: Path, nursery: trio.Nu
         frontend.send_signal(signal.SIGTERM)
         await _poll_status(c, "/health", 503)
         _assert_draining_answers(
-            await c.get("/health"), await c.get("/live"),
+            await c.get("/health"),
+            await c.get("/live"),
             await c.post("/v1/chat/completions", json=UNARY),
-        )  # fmt: skip
+        )
         assert frontend.returncode is None
         _assert_complete(await _rest(lines), 400)
     with trio.fail_after(30):
@@ -218,9 +248,10 @@ async def test_every_process_of_a_group_drains(tmp_path: Path, nursery: trio.Nur
             for url in (busy.url, frontend.address):
                 await _poll_status(c, url + "/health", 503)
                 _assert_draining_answers(
-                    await c.get(url + "/health"), await c.get(url + "/live"),
+                    await c.get(url + "/health"),
+                    await c.get(url + "/live"),
                     await c.post(url + "/v1/chat/completions", json=UNARY),
-                )  # fmt: skip
+                )
             assert frontend.returncode is None
             _assert_complete(await _rest(lines), 400)
     with trio.fail_after(30):

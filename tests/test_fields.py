@@ -40,15 +40,21 @@ from test_vllm_engine import URL, FakeVllm
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "deepseek-v4"
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-         GENERATE: "/inference/v1/generate"}  # fmt: skip
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    GENERATE: "/inference/v1/generate",
+}
 BASE: dict[str, dict[str, Any]] = {
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     "completions": {"model": MODEL, "prompt": "def f(", "max_tokens": 2},
     GENERATE: {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}},
 }
-CASES = [pytest.param(row, route, id=f"{route}:{row.where(route)}")
-         for row in FIELDS for route in row.routes]  # fmt: skip
+CASES = [
+    pytest.param(row, route, id=f"{route}:{row.where(route)}")
+    for row in FIELDS
+    for route in row.routes
+]
 
 
 def body(row: Field, route: str) -> dict[str, Any]:
@@ -89,16 +95,19 @@ def test_every_field_of_every_request_model_has_a_row() -> None:
             assert have_sampling == sampling, f"sampling_params rows: {have_sampling ^ sampling}"
         else:
             have = {r.name for r in rows(route)}
-        assert have == declared, f"{route}: rows without a field or fields without a row: " \
-            f"{have ^ declared}"  # fmt: skip
+        assert have == declared, (
+            f"{route}: rows without a field or fields without a row: {have ^ declared}"
+        )
     assert len({(r.where(route), route) for r in FIELDS for route in r.routes}) == len(CASES)
 
 
 def test_the_docs_publish_the_table() -> None:
     table = markdown({"mocker": MOCKER, "scripted": SCRIPTED, "vllm": vllm_declaration()})
     docs = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
-    assert table in docs, "docs/api.md's Fields table differs from frontend.http.fields " \
-        "(regenerate it with markdown())"  # fmt: skip
+    assert table in docs, (
+        "docs/api.md's Fields table differs from frontend.http.fields "
+        "(regenerate it with markdown())"
+    )
 
 
 def test_the_engines_declare_what_the_table_says(tmp_path: Path) -> None:
@@ -125,8 +134,9 @@ def http() -> Iterator[httpx.Client]:
         yield client
 
 
-def check(http: httpx.Client, url: str, row: Field, route: str, caps: Capabilities
-          ) -> httpx.Response:  # fmt: skip
+def check(
+    http: httpx.Client, url: str, row: Field, route: str, caps: Capabilities
+) -> httpx.Response:
     r = http.post(url + PATHS[route], json=body(row, route))
     if row.honoured(caps):
         assert r.status_code == 200, r.text
@@ -196,17 +206,21 @@ class RoomyVllm(FakeVllm):
             ids = body["token_ids"]
             ranks = [{str(t): {"logprob": -1.0, "rank": 1}} for t in ids[1:]]
             for entry in ranks:  # a most likely other token for each but the first
-                entry.update({str(11 + k): {"logprob": -2.0, "rank": 2 + k}
-                              for k in range(top)})  # fmt: skip
-            return httpx.Response(200, json={"choices": [{"token_ids": [11]}],
-                                             "prompt_logprobs": [None, *ranks]})  # fmt: skip
+                entry.update({str(11 + k): {"logprob": -2.0, "rank": 2 + k} for k in range(top)})
+            return httpx.Response(
+                200, json={"choices": [{"token_ids": [11]}], "prompt_logprobs": [None, *ranks]}
+            )
         asked = params.get("logprobs")
         events = []
         for token, finish in ((11, None), (12, "length")):
             choice: dict[str, Any] = {"token_ids": [token], "finish_reason": finish}
             if asked is not None:
-                entry = {"token_id": token, "logprob": -0.5, "rank": 1,
-                         "top_logprobs": [{"token_id": token, "logprob": -0.5, "rank": 1}]}
+                entry = {
+                    "token_id": token,
+                    "logprob": -0.5,
+                    "rank": 1,
+                    "top_logprobs": [{"token_id": token, "logprob": -0.5, "rank": 1}],
+                }
                 choice["logprobs"] = {"content": [entry]}
             events.append({"choices": [choice]})
         usage = {"choices": [], "usage": {"prompt_tokens": len(body["token_ids"])}}

@@ -86,7 +86,12 @@ REQUEST = GenerateRequest(
     model="deepseek-v4",
     token_ids=token_array([0, 1, 127_999, 128_000, 2**32 - 1]),
     sampling=SamplingParams(
-        max_tokens=64, min_tokens=2, ignore_eos=True, temperature=0.7, top_p=0.9, seed=42,
+        max_tokens=64,
+        min_tokens=2,
+        ignore_eos=True,
+        temperature=0.7,
+        top_p=0.9,
+        seed=42,
         stop_token_ids=(7, 8),
     ),
     kv_handle=HANDLE,
@@ -109,11 +114,14 @@ LOGPROBS_REQUEST = GenerateRequest(
     "r4", "m", token_array([5, 6]), SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=0)
 )
 LOGPROBS_CHUNK = Chunk(
-    "r4", [17, 18],
-    logprobs=(TokenLogprobs(-0.25, 1, (17, 9), (-0.25, -1.5)),
-              TokenLogprobs(float("-inf"), 2**32 - 1, (3, 4), (-0.5, -0.75))),
+    "r4",
+    [17, 18],
+    logprobs=(
+        TokenLogprobs(-0.25, 1, (17, 9), (-0.25, -1.5)),
+        TokenLogprobs(float("-inf"), 2**32 - 1, (3, 4), (-0.5, -0.75)),
+    ),
     prompt_logprobs=(TokenLogprobs(-3.0, 7),),
-)  # fmt: skip
+)
 
 HASHED_REQUEST = GenerateRequest(
     "r3", "m", token_array([5] * 1234), SamplingParams(max_tokens=1), HASHED_HANDLE
@@ -125,14 +133,30 @@ EXAMPLES: list[Frame] = [
     Challenge(b"s" * 32, b"p" * 32),
     Auth(b"q" * 32),
     HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4"),
-    HelloOk(PROTOCOL_VERSION, "agg", "agg-1", "deepseek-v4",
-            Capabilities("vllm", frozenset({"seed", "top_k", "structured_outputs"}))),
+    HelloOk(
+        PROTOCOL_VERSION,
+        "agg",
+        "agg-1",
+        "deepseek-v4",
+        Capabilities("vllm", frozenset({"seed", "top_k", "structured_outputs"})),
+    ),
     REQUEST,
     GenerateRequest("r2", "m", token_array([5]), SamplingParams(max_tokens=1)),
-    GenerateRequest("r3", "m", token_array([5, 6]), SamplingParams(
-        max_tokens=4, top_k=3, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
-        repetition_penalty=1.2, logit_bias=((5, 1.5), (9, -100.0)),
-        structured=StructuredOutput(StructuredKind.JSON, '{"type": "object"}'))),
+    GenerateRequest(
+        "r3",
+        "m",
+        token_array([5, 6]),
+        SamplingParams(
+            max_tokens=4,
+            top_k=3,
+            min_p=0.1,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.2,
+            logit_bias=((5, 1.5), (9, -100.0)),
+            structured=StructuredOutput(StructuredKind.JSON, '{"type": "object"}'),
+        ),
+    ),
     HASHED_REQUEST,
     LOGPROBS_REQUEST,
     Ack("req-1"),
@@ -215,7 +239,13 @@ def test_logprobs_travel_only_when_asked_and_packed() -> None:
     plain = msgpack.unpackb(encode(REQUEST)[4:])
     assert not {"logprobs", "prompt_logprobs"} & set(plain["sampling"])
     assert msgpack.unpackb(encode(Chunk("r", [1]))[4:]).keys() == {
-        "request_id", "token_ids", "finish_reason", "kv_handle", "cached_tokens", "k"}
+        "request_id",
+        "token_ids",
+        "finish_reason",
+        "kv_handle",
+        "cached_tokens",
+        "k",
+    }
     # Asked: the counts in the request, the numbers as five packed columns per field.
     asked = msgpack.unpackb(encode(LOGPROBS_REQUEST)[4:])["sampling"]
     assert (asked["logprobs"], asked["prompt_logprobs"]) == (20, 0)
@@ -238,8 +268,7 @@ def test_logprobs_travel_only_when_asked_and_packed() -> None:
         {"lp": b"\0" * 8, "rk": b"", "tn": b"", "ti": b"", "tl": b""},  # one logprob, no rank
         {"lp": b"\0" * 7, "rk": b"", "tn": b"", "ti": b"", "tl": b""},  # a ragged float
         # One entry that claims two top tokens but brings one.
-        {"lp": b"\0" * 8, "rk": b"\1\0\0\0", "tn": b"\2\0\0\0", "ti": b"\0" * 4,
-         "tl": b"\0" * 8},
+        {"lp": b"\0" * 8, "rk": b"\1\0\0\0", "tn": b"\2\0\0\0", "ti": b"\0" * 4, "tl": b"\0" * 8},
         {"lp": [0.5], "rk": b"", "tn": b"", "ti": b"", "tl": b""},  # not bytes
     ],
 )
@@ -253,8 +282,9 @@ def test_logprobs_must_match_the_chunks_tokens() -> None:
     with pytest.raises(ProtocolError, match="2 logprobs for 1 tokens"):
         FrameDecoder().feed(_body({**GOOD_CHUNK, "logprobs": two}))
     # A request asking for a negative count fails alone (the frame itself read).
-    (refused,) = FrameDecoder().feed(_body({**GOOD_REQUEST, "sampling": {
-        **GOOD_REQUEST["sampling"], "logprobs": -1}}))  # fmt: skip
+    (refused,) = FrameDecoder().feed(
+        _body({**GOOD_REQUEST, "sampling": {**GOOD_REQUEST["sampling"], "logprobs": -1}})
+    )
     assert isinstance(refused, Unreadable)
     assert "'logprobs' is negative" in refused.reason
 
@@ -401,8 +431,10 @@ def _hashed_chunk(**handle: object) -> dict[str, object]:
         (_hashed_chunk(block_size=-64), "negative"),
         (_hashed_chunk(block_size=65), "block hashes"),  # 1234 tokens: 18 full blocks of 65
         (_hashed_chunk(num_tokens=64 * 19 - 1), "block hashes"),
-        ({"k": "hello", "version": 1, "role": "x", "peer_id": "p", "model": "", "nonce": b"1"},
-         "nonce"),
+        (
+            {"k": "hello", "version": 1, "role": "x", "peer_id": "p", "model": "", "nonce": b"1"},
+            "nonce",
+        ),
         ({"k": "stats", "seq": 1, "values": {"a": [1]}}, "scalars"),
         ({"k": "ping"}, "seq"),
     ],
@@ -667,8 +699,10 @@ def test_a_rotation_keeps_every_pair_of_ends_talking() -> None:
 
 
 def test_a_rotation_accepts_no_secret_it_was_not_given() -> None:
-    for client, server in [(b"other", PlaneSecret(b"new", [b"old"])),
-                           (PlaneSecret(b"new", [b"old"]), b"other")]:  # fmt: skip
+    for client, server in [
+        (b"other", PlaneSecret(b"new", [b"old"])),
+        (PlaneSecret(b"new", [b"old"]), b"other"),
+    ]:
         with pytest.raises(AuthError, match="does not know"):
             _run_handshake(client, server)
     # The worker's own check, of a client that answers without having checked it.
@@ -741,5 +775,6 @@ def test_load_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert secret.accepted == (b"the-new-secret-one", b"the-old-secret-one")
     monkeypatch.setenv("HEADWATER_PLANE_SECRET", "the-new-secret-one\nthe-old-secret-one")
     assert load_secret(None).accepted == (  # type: ignore[union-attr]
-        b"the-new-secret-one", b"the-old-secret-one"
+        b"the-new-secret-one",
+        b"the-old-secret-one",
     )

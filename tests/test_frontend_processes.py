@@ -33,8 +33,16 @@ from headwater.cluster.recipes import (
     wait_healthy,
 )
 
-ARGS = ("--port", "0", "--tokenizer-backend", "hf", "--speedup-ratio", "100",
-        "--log-level", "warning")  # fmt: skip
+ARGS = (
+    "--port",
+    "0",
+    "--tokenizer-backend",
+    "hf",
+    "--speedup-ratio",
+    "100",
+    "--log-level",
+    "warning",
+)
 CHAT = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -148,8 +156,9 @@ async def test_keep_alive_clients_are_shared_between_the_processes(
     # out 3:1 or 4:0 most of the time. The processes take turns (balance.py): 2:2.
     frontend = await start(nursery, tmp_path, "--processes", "2")
     await wait_healthy(frontend.address, within=60, child=frontend)
-    clients = [httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=1))
-               for _ in range(4)]  # fmt: skip
+    clients = [
+        httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=1)) for _ in range(4)
+    ]
     try:
         for http in clients:  # one after the other: each connection is held when the next comes
             await chat(http, frontend.address)
@@ -178,9 +187,15 @@ async def test_a_lost_process_is_restarted_while_the_others_serve(
             assert r.status_code == 200, r.text
     log = trio.Path(tmp_path / "frontend.log")
     with trio.fail_after(90):  # restarted: a new member line, its new pid and private URL
-        while not (back := [m for line in (await log.read_text()).splitlines()
-                            if (m := parse_member_line(line)) and m.index == victim.index
-                            and m.pid != victim.pid]):  # fmt: skip
+        while not (
+            back := [
+                m
+                for line in (await log.read_text()).splitlines()
+                if (m := parse_member_line(line))
+                and m.index == victim.index
+                and m.pid != victim.pid
+            ]
+        ):
             await trio.sleep(0.2)
     assert alive(other.pid)
     assert frontend.returncode is None
@@ -227,8 +242,17 @@ async def test_children_that_cannot_start_fail_the_supervisor(tmp_path: Path) ->
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "tokenizer.json").write_text("{not json")
-    argv = [sys.executable, "-m", "headwater", "serve", *ARGS, "--processes", "2",
-            "--tokenizer", str(broken)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "headwater",
+        "serve",
+        *ARGS,
+        "--processes",
+        "2",
+        "--tokenizer",
+        str(broken),
+    ]
     with trio.fail_after(60):
         proc = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
     assert proc.returncode == 1
@@ -276,9 +300,13 @@ async def test_the_shared_port_shows_the_group_and_keeps_counting_across_a_resta
         os.kill(first.pid, signal.SIGKILL)
         log = trio.Path(tmp_path / "frontend.log")
         with trio.fail_after(60):
-            while not (back := [m for line in (await log.read_text()).splitlines()
-                                if (m := parse_member_line(line)) and m.index == 0
-                                and m.pid != first.pid]):  # fmt: skip
+            while not (
+                back := [
+                    m
+                    for line in (await log.read_text()).splitlines()
+                    if (m := parse_member_line(line)) and m.index == 0 and m.pid != first.pid
+                ]
+            ):
                 await trio.sleep(0.1)
         restarted = back[0]
         assert parent(restarted.pid) == zygote  # forked again from the same zygote
@@ -315,8 +343,12 @@ async def test_a_groups_keys_file_rotates_on_every_process_and_on_the_shared_vie
         r = await http.get(frontend.address + "/metrics", headers=auth)
         if r.status_code != 200:
             return None
-        return sum(s.value for f in text_string_to_metric_families(r.text)
-                   for s in f.samples if s.name == up)  # fmt: skip
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(r.text)
+            for s in f.samples
+            if s.name == up
+        )
 
     async with httpx.AsyncClient(timeout=30) as http:
         assert await group_up("k-old") == 2  # both processes answered the supervisor
@@ -325,7 +357,8 @@ async def test_a_groups_keys_file_rotates_on_every_process_and_on_the_shared_vie
         with trio.fail_after(20):  # each process and the supervisor poll every 2 s
             while await group_up("k-new") != 2 or await group_up("k-old") is not None:
                 await trio.sleep(0.2)
-        r = await http.get(frontend.address + "/dashboard/data",
-                           headers={"Authorization": "Bearer k-new"})  # fmt: skip
+        r = await http.get(
+            frontend.address + "/dashboard/data", headers={"Authorization": "Bearer k-new"}
+        )
         assert r.status_code == 200
         assert r.json()["group"] == {"processes": 2, "up": 2}

@@ -44,9 +44,7 @@ def test_each_collection_is_timed_by_its_generation_in_any_thread() -> None:
         worker.start()
         worker.join()
     reg = metrics.registry
-    (young, young_s), (middle, middle_s), (full, full_s) = (
-        pauses(reg, g) for g in ("0", "1", "2")
-    )
+    (young, young_s), (middle, middle_s), (full, full_s) = (pauses(reg, g) for g in ("0", "1", "2"))
     assert min(young, middle, full) >= 1
     assert full_s > 0
     longest = reg.get_sample_value(f"{P}gc_max_pause_seconds")

@@ -58,8 +58,11 @@ async def test_every_query_names_a_metric_and_label_the_frontend_exports(
 ) -> None:
     board = json.loads(BOARD.read_text())
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as client:
-        body = {"model": "deepseek-v4", "max_tokens": 4,
-                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        body = {
+            "model": "deepseek-v4",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         with trio.fail_after(10):
             families = exported((await client.get("/metrics")).text)

@@ -40,8 +40,11 @@ class Process:
 
 def samples(page: bytes | str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = page.decode() if isinstance(page, bytes) else page
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def value(page: bytes, name: str, **labels: str) -> float:
@@ -150,7 +153,8 @@ def test_a_filtered_scrape_keeps_the_other_series() -> None:
     page = group.render()
     assert value(page, f"{P}requests_total", **SUCCESS) == 2
     assert set(samples(group.render(names=loop_only))) == {
-        (f"{P}event_loop_delay_seconds_count", ())}
+        (f"{P}event_loop_delay_seconds_count", ())
+    }
 
 
 def test_the_rendered_page_parses_back_with_its_types() -> None:
@@ -158,8 +162,12 @@ def test_the_rendered_page_parses_back_with_its_types() -> None:
     a.served(1)
     group = GroupMetrics(started_at=STARTED)
     group.observe(0, 1, a.page())
-    extra = Family("x_restarts", "counter", 'a "quoted"\\ help',
-                   (("x_restarts_total", (("why", 'a"b\nc'),), 2.0),))  # fmt: skip
+    extra = Family(
+        "x_restarts",
+        "counter",
+        'a "quoted"\\ help',
+        (("x_restarts_total", (("why", 'a"b\nc'),), 2.0),),
+    )
     families = {f.name: f for f in text_string_to_metric_families(group.render([extra]).decode())}
     assert families[f"{P}requests"].type == "counter"
     assert families[f"{P}request_duration_seconds"].type == "histogram"
@@ -180,39 +188,83 @@ def test_a_page_that_does_not_parse_is_refused() -> None:
 
 
 def snapshot(inflight: int, ok: int, delays: list[list[float]], p99: float) -> dict[str, Any]:
-    window = {"window_s": 60.0, "count": 10, "p50": p99 / 2, "p90": p99 / 1.5, "p99": p99,
-              "max": p99}  # fmt: skip
+    window = {
+        "window_s": 60.0,
+        "count": 10,
+        "p50": p99 / 2,
+        "p90": p99 / 1.5,
+        "p99": p99,
+        "max": p99,
+    }
     return {
-        "now": 0.0, "model": "deepseek-v4",
-        "loop": {"threshold_s": 0.02, "window_s": 60.0, "bucket_s": 0.25, "delays": delays,
-                 "max_delay_s": max(d for _, d in delays), "instrumented": True},
-        "stalls": {"records": [{"started_at": delays[0][0], "duration_s": 0.03}],
-                   "statistics": {"stalls_total": 2, "loop_stalls_total": 1,
-                                  "gil_stalls_total": 0, "contention_stalls_total": 1,
-                                  "last_duration_s": 0.03, "max_duration_s": 0.03,
-                                  "tracking": True}},
-        "pool": {"mode": "thread", "threads": 2, "busy": 1, "waiting": 0, "encoded_total": 5,
-                 "inline_total": 3,
-                 "segment_cache": {"hits": ok, "misses": 1, "hit_bytes": 100 * ok,
-                                   "miss_bytes": 10, "entries": 2, "bytes": 110,
-                                   "max_bytes": 1 << 20}},
-        "requests": {"inflight": inflight, "queued": 0, "by_status": {"success": ok},
-                     "by_code": {"200": ok, "404": 1}, "disconnected_clients": 0},
+        "now": 0.0,
+        "model": "deepseek-v4",
+        "loop": {
+            "threshold_s": 0.02,
+            "window_s": 60.0,
+            "bucket_s": 0.25,
+            "delays": delays,
+            "max_delay_s": max(d for _, d in delays),
+            "instrumented": True,
+        },
+        "stalls": {
+            "records": [{"started_at": delays[0][0], "duration_s": 0.03}],
+            "statistics": {
+                "stalls_total": 2,
+                "loop_stalls_total": 1,
+                "gil_stalls_total": 0,
+                "contention_stalls_total": 1,
+                "last_duration_s": 0.03,
+                "max_duration_s": 0.03,
+                "tracking": True,
+            },
+        },
+        "pool": {
+            "mode": "thread",
+            "threads": 2,
+            "busy": 1,
+            "waiting": 0,
+            "encoded_total": 5,
+            "inline_total": 3,
+            "segment_cache": {
+                "hits": ok,
+                "misses": 1,
+                "hit_bytes": 100 * ok,
+                "miss_bytes": 10,
+                "entries": 2,
+                "bytes": 110,
+                "max_bytes": 1 << 20,
+            },
+        },
+        "requests": {
+            "inflight": inflight,
+            "queued": 0,
+            "by_status": {"success": ok},
+            "by_code": {"200": ok, "404": 1},
+            "disconnected_clients": 0,
+        },
         "history": {"fields": [], "points": []},
         "latency": {"ttft": window, "itl": window},
         "workers": [{"worker_id": "local-prefill-0"}],
         "memory": [],
-    }  # fmt: skip
+    }
 
 
 def test_dashboards_merge_into_the_group_with_every_process_kept() -> None:
-    members = [Member(0, 11, "http://127.0.0.1:1", True, 0),
-               Member(1, 12, "http://127.0.0.1:2", True, 1),
-               Member(2, 13, "http://127.0.0.1:3", False, 2)]  # fmt: skip
-    parts = [snapshot(2, 5, [[10.0, 0.001], [10.25, 0.004]], 0.2),
-             snapshot(1, 7, [[10.25, 0.002], [10.5, 0.030]], 0.5), None]  # fmt: skip
-    memory = [{"role": "supervisor", "pid": 1, "rss_mb": 200.0, "pss_mb": 60.0, "uss_mb": 5.0},
-              {"role": "process 0", "pid": 11, "rss_mb": 220.0, "pss_mb": 80.0, "uss_mb": 30.0}]
+    members = [
+        Member(0, 11, "http://127.0.0.1:1", True, 0),
+        Member(1, 12, "http://127.0.0.1:2", True, 1),
+        Member(2, 13, "http://127.0.0.1:3", False, 2),
+    ]
+    parts = [
+        snapshot(2, 5, [[10.0, 0.001], [10.25, 0.004]], 0.2),
+        snapshot(1, 7, [[10.25, 0.002], [10.5, 0.030]], 0.5),
+        None,
+    ]
+    memory = [
+        {"role": "supervisor", "pid": 1, "rss_mb": 200.0, "pss_mb": 60.0, "uss_mb": 5.0},
+        {"role": "process 0", "pid": 11, "rss_mb": 220.0, "pss_mb": 80.0, "uss_mb": 30.0},
+    ]
     data = merge_dashboards(members, parts, LoadHistory(), 11.0, memory)
     assert data["group"] == {"processes": 3, "up": 2}
     assert data["requests"]["inflight"] == 3
@@ -232,7 +284,10 @@ def test_dashboards_merge_into_the_group_with_every_process_kept() -> None:
     assert [w["process"] for w in data["workers"]] == [0, 1]
     rows = data["processes"]
     assert [(r["process"], r["up"], r.get("finished")) for r in rows] == [
-        (0, True, 5), (1, True, 7), (2, False, None)]
+        (0, True, 5),
+        (1, True, 7),
+        (2, False, None),
+    ]
     assert rows[0]["memory"]["pss_mb"] == 80.0
     assert rows[1]["memory"] is None
     assert data["memory"] == memory

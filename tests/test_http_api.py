@@ -98,8 +98,9 @@ async def test_completions_unary_and_stream() -> None:
         data = r.json()
         assert data["object"] == "text_completion"
         assert data["id"].startswith("cmpl-")
-        expected = len(shared_tokenizer().hf.encode("The river flows",
-                                                    add_special_tokens=False).ids)
+        expected = len(
+            shared_tokenizer().hf.encode("The river flows", add_special_tokens=False).ids
+        )
         assert data["usage"]["prompt_tokens"] == expected
         assert data["usage"]["completion_tokens"] == 9
         async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
@@ -133,7 +134,7 @@ async def test_stop_string_across_tokens_ends_the_stream() -> None:
         text = full["choices"][0]["message"]["content"]
         # A stop string from the middle of the output, long enough to span tokens.
         start = len(text) // 2
-        stop = text[start:start + 8]
+        stop = text[start : start + 8]
         assert len(stop) == 8
         cut = text.index(stop)
         r = (await c.post("/v1/chat/completions", json={**body, "stop": [stop]})).json()
@@ -195,12 +196,10 @@ async def test_models_health_live() -> None:
         ({"model": MODEL, "messages": CHAT, "n": 2, "best_of": 1}, "best_of"),
         ({"model": MODEL, "messages": CHAT, "logprobs": 1}, "logprobs"),
         ({"model": MODEL, "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-        ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 21},
-         "top_logprobs"),
+        ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"model": MODEL, "messages": CHAT, "stream": "yes"}, "stream"),
         ({"model": MODEL, "messages": CHAT, "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
-        ({"model": MODEL, "messages": CHAT, "chat_template_kwargs": []},
-         "chat_template_kwargs"),
+        ({"model": MODEL, "messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ],
 )
 async def test_bad_chat_requests_are_400(body: dict[str, Any], param: str) -> None:
@@ -210,22 +209,27 @@ async def test_bad_chat_requests_are_400(body: dict[str, Any], param: str) -> No
 
 
 async def test_error_statuses_and_the_server_keeps_serving() -> None:
-    async with serve_frontend(max_body_bytes=4096, context_length=64) as (fe, url), \
-            httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_frontend(max_body_bytes=4096, context_length=64) as (fe, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         post = "/v1/chat/completions"
-        assert_error(await c.post(post, content=b"{not json", headers={
-            "content-type": "application/json"}), 400)
-        assert_error(await c.post(post, content=b"[1, 2]", headers={
-            "content-type": "application/json"}), 400)
-        assert_error(await c.post(post, content=b"hello", headers={
-            "content-type": "text/plain"}), 415)
+        assert_error(
+            await c.post(post, content=b"{not json", headers={"content-type": "application/json"}),
+            400,
+        )
+        assert_error(
+            await c.post(post, content=b"[1, 2]", headers={"content-type": "application/json"}), 400
+        )
+        assert_error(
+            await c.post(post, content=b"hello", headers={"content-type": "text/plain"}), 415
+        )
         assert_error(await c.post(post, json={"model": "nope", "messages": CHAT}), 404, "model")
         assert_error(await c.get("/v1/nowhere"), 404)
         assert_error(await c.get(post), 405)
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 8000}]}
         assert_error(await c.post(post, json=big), 413)
-        long_prompt = {"model": MODEL, "messages": [{"role": "user",
-                                                     "content": "word " * 200}]}
+        long_prompt = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}]}
         err = assert_error(await c.post(post, json=long_prompt), 400, "messages")
         assert err["code"] == "context_length_exceeded"
         too_many = {"model": MODEL, "messages": CHAT, "max_tokens": 60}
@@ -250,6 +254,7 @@ async def test_no_routable_worker_is_503_and_health_says_so() -> None:
 
 async def test_internal_errors_are_sanitized(monkeypatch: pytest.MonkeyPatch) -> None:
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
+
         async def explode(parsed: Any) -> Any:
             raise RuntimeError("secret internals /etc/passwd")
 
@@ -269,11 +274,18 @@ async def test_internal_errors_are_sanitized(monkeypatch: pytest.MonkeyPatch) ->
 
 async def test_client_disconnect_mid_stream_cancels_and_frees_kv() -> None:
     # Slow engine (speedup 1): the stream is still generating when the client leaves.
-    async with serve_frontend(speedup_ratio=1.0) as (fe, url), \
-            httpx.AsyncClient(base_url=url, timeout=30) as c:
+    async with (
+        serve_frontend(speedup_ratio=1.0) as (fe, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
         decode = next(e for e in engines(fe) if e.role.value == "decode")
-        body = {"model": MODEL, "messages": CHAT, "max_tokens": 5000, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 5000,
+            "stream": True,
+            "ignore_eos": True,
+        }
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
             got = 0
             async for line in r.aiter_lines():
@@ -297,8 +309,14 @@ async def test_client_disconnect_mid_stream_cancels_and_frees_kv() -> None:
 
 async def test_stream_writes_events_that_are_ready_together_at_once() -> None:
     async with serve_frontend() as (_, url):
-        body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "seed": 5, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 6,
+            "seed": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         chunks = await raw_chunks(url, body)
     events = [[e for e in c.split(b"\n\n") if e] for c in chunks]
     # The role chunk leaves with the first token, not on its own.

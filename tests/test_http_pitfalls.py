@@ -32,8 +32,13 @@ async def _read_response(stream: trio.SocketStream) -> bytes:
     while b"\r\n\r\n" not in data:
         data += await stream.receive_some(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
+    length = int(
+        next(
+            line.split(b":")[1]
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+    )
     while len(body) < length:
         body += await stream.receive_some(65536)
     return head
@@ -42,7 +47,8 @@ async def _read_response(stream: trio.SocketStream) -> bytes:
 async def _post_json(stream: trio.SocketStream, path: bytes, payload: bytes) -> None:
     await stream.send_all(
         b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n" % path
-        + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+        + b"Content-Length: %d\r\n\r\n" % len(payload)
+        + payload
     )
 
 
@@ -92,8 +98,12 @@ async def test_a_request_longer_than_the_idle_timeout_is_not_cut() -> None:
     # While a request runs its connection is not idle: a stream taking several
     # keep_alive_timeouts arrives whole, and the connection serves the next request.
     async with serve_frontend(keep_alive_timeout=0.3, speedup_ratio=1.0) as (fe, url):
-        body = {"model": fe.pipeline.model_name, "prompt": "hello", "max_tokens": 200,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": fe.pipeline.model_name,
+            "prompt": "hello",
+            "max_tokens": 200,
+            "stream": True,
+        }
         async with httpx.AsyncClient(base_url=url) as client:
             start = trio.current_time()
             async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -282,8 +292,9 @@ async def test_a_client_gone_mid_request_leaves_no_connection_task_behind() -> N
     async with serve_frontend(keep_alive_timeout=60, speedup_ratio=1.0) as (fe, url):
         assert not _tasks_named("serve_listeners._run_handler")
         stream = await _open(url)
-        payload = orjson.dumps({"model": fe.pipeline.model_name, "prompt": "hello",
-                                "max_tokens": 500, "stream": True})  # fmt: skip
+        payload = orjson.dumps(
+            {"model": fe.pipeline.model_name, "prompt": "hello", "max_tokens": 500, "stream": True}
+        )
         await _post_json(stream, b"/v1/completions", payload)
         await _read_until(stream, b"data: ")
         assert len(_tasks_named("serve_listeners._run_handler")) == 1
@@ -306,8 +317,13 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
     monkeypatch.setattr(tcp_server, "_write_now", recording)
     async with serve_frontend() as (fe, url):
         stream = await _open(url)
-        chat = orjson.dumps({"model": fe.pipeline.model_name, "max_tokens": 3,
-                             "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+        chat = orjson.dumps(
+            {
+                "model": fe.pipeline.model_name,
+                "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hello"}],
+            }
+        )
         for body, status in ((chat, b"200"), (b"{", b"400")):
             writes.clear()
             await _post_json(stream, b"/v1/chat/completions", body)
@@ -327,8 +343,9 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
         assert (await _read_response(stream)).startswith(b"HTTP/1.1 200")
 
         writes.clear()
-        streamed = orjson.dumps({"model": fe.pipeline.model_name, "max_tokens": 3,
-                                 "prompt": "hello", "stream": True})  # fmt: skip
+        streamed = orjson.dumps(
+            {"model": fe.pipeline.model_name, "max_tokens": 3, "prompt": "hello", "stream": True}
+        )
         await _post_json(stream, b"/v1/completions", streamed)
         await _read_until(stream, b"data: [DONE]")
         assert writes[0].startswith(b"HTTP/1.1 200")
@@ -343,8 +360,12 @@ async def test_a_stream_in_flight_at_shutdown_runs_to_its_end() -> None:
     # No drain (drain_timeout 0): hypercorn's graceful shutdown alone lets the stream finish.
     settings: dict[str, Any] = {"speedup_ratio": 1.0, "graceful_timeout": 10.0, "drain_timeout": 0}
     async with serve_frontend(**settings) as (fe, url):
-        body = {"model": fe.pipeline.model_name, "prompt": "hello", "max_tokens": 30,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": fe.pipeline.model_name,
+            "prompt": "hello",
+            "max_tokens": 30,
+            "stream": True,
+        }
         events: list[str] = []
         async with (
             httpx.AsyncClient(base_url=url) as client,

@@ -211,8 +211,7 @@ UPSTREAM: dict[str, Fingerprint] = {
     ),
     "h11._receivebuffer.ReceiveBuffer.maybe_extract_lines": Fingerprint(
         "435e54e6db463e3195959055e6d7c544e29f1afe3daaa3785e3208ceb3401052",
-        "a head ends at the first blank line (blank_line_regex, which limits._BLANK_LINE "
-        "copies)",
+        "a head ends at the first blank line (blank_line_regex, which limits._BLANK_LINE copies)",
     ),
     # -- ShieldFinalSend (frontend/http/middleware.py) ---------------------------------------
     "hypercorn.protocol.http_stream.HTTPStream.app_send": Fingerprint(
@@ -290,11 +289,10 @@ def test_the_default_read_size_is_hypercorns() -> None:
     assert ServerConfig.read_size == MAX_RECV
 
 
-@pytest.mark.parametrize(("ours", "theirs"), [(HeadwaterTCPServer, TCPServer),
-                                              (HeadWithBodyH11Protocol, H11Protocol)])  # fmt: skip
-def test_every_override_is_fingerprinted_and_no_new_name_clashes(
-    ours: type, theirs: type
-) -> None:
+@pytest.mark.parametrize(
+    ("ours", "theirs"), [(HeadwaterTCPServer, TCPServer), (HeadWithBodyH11Protocol, H11Protocol)]
+)
+def test_every_override_is_fingerprinted_and_no_new_name_clashes(ours: type, theirs: type) -> None:
     # An upgrade that adds a method of the same name as one of ours would be overridden
     # silently; one that an override replaces must have a fingerprint to notice changes.
     upstream_source = inspect.getsource(inspect.getmodule(theirs))  # type: ignore[arg-type]
@@ -312,10 +310,19 @@ def test_the_config_fields_of_the_fixes_are_not_hypercorns() -> None:
     # hypercorn reads its own fields; one of the same name added upstream would be both.
     ours = {name for name in vars(ServerConfig) if not name.startswith("_")}
     assert ours == {
-        "write_timeout", "read_size", "read_size_large", "header_timeout", "body_read_timeout",
-        "max_connections_per_client", "on_refusal", "refused", "on_answer", "answered",
-        "accept_balance", "linger_timeout",
-    }  # fmt: skip
+        "write_timeout",
+        "read_size",
+        "read_size_large",
+        "header_timeout",
+        "body_read_timeout",
+        "max_connections_per_client",
+        "on_refusal",
+        "refused",
+        "on_answer",
+        "answered",
+        "accept_balance",
+        "linger_timeout",
+    }
     assert not [name for name in ours if hasattr(Config, name)]
 
 
@@ -332,10 +339,19 @@ def test_the_public_names() -> None:
 
 
 _WATCHED: tuple[Any, ...] = (
-    hypercorn.trio, hypercorn.trio.run, hypercorn.trio.tcp_server,
-    hypercorn.trio.worker_context, hypercorn.protocol, hypercorn.protocol.h11,
-    TCPServer, TrioSingleTask, WorkerContext, ProtocolWrapper, H11Protocol, Config,
-)  # fmt: skip
+    hypercorn.trio,
+    hypercorn.trio.run,
+    hypercorn.trio.tcp_server,
+    hypercorn.trio.worker_context,
+    hypercorn.protocol,
+    hypercorn.protocol.h11,
+    TCPServer,
+    TrioSingleTask,
+    WorkerContext,
+    ProtocolWrapper,
+    H11Protocol,
+    Config,
+)
 
 
 def _snapshot() -> dict[str, dict[str, Any]]:
@@ -361,12 +377,20 @@ def _instances(cls: type) -> Iterator[Any]:
 @pytest.mark.slow
 async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
     before = _snapshot()
-    originals = (TCPServer.__init__, TCPServer.protocol_send, TCPServer._read_data,
-                 H11Protocol._send_h11_event, hypercorn.trio.tcp_server.TrioSingleTask)
+    originals = (
+        TCPServer.__init__,
+        TCPServer.protocol_send,
+        TCPServer._read_data,
+        H11Protocol._send_h11_event,
+        hypercorn.trio.tcp_server.TrioSingleTask,
+    )
     # The keep-alive outlasts _instances()'s gc.collect() (0.3-0.4 s on a busy machine).
     async with serve_frontend(keep_alive_timeout=1.5) as (fe, url), httpx.AsyncClient() as client:
-        body = {"model": fe.pipeline.model_name, "max_tokens": 3,
-                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        body = {
+            "model": fe.pipeline.model_name,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
         assert (await client.post(url + "/v1/chat/completions", json=body)).status_code == 200
         # The connection being served is the seam's, its protocol the subclass. (Only
         # this frontend's: a connection of an earlier test may not be collected yet.)
@@ -375,13 +399,21 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         assert type(server.protocol.protocol) is HeadWithBodyH11Protocol
         assert type(server.idle_task) is IdleDeadline
         # A connection of its own: the first may have idled out during the collection.
-        async with httpx.AsyncClient() as second, second.stream(
-            "POST", url + "/v1/completions", json={**body, "prompt": "hi", "stream": True}
-        ) as r:
+        async with (
+            httpx.AsyncClient() as second,
+            second.stream(
+                "POST", url + "/v1/completions", json={**body, "prompt": "hi", "stream": True}
+            ) as r,
+        ):
             assert [line async for line in r.aiter_lines()][-2] == "data: [DONE]"
         await trio.sleep(2.0)  # the connection idles out
-    assert (TCPServer.__init__, TCPServer.protocol_send, TCPServer._read_data,
-            H11Protocol._send_h11_event, hypercorn.trio.tcp_server.TrioSingleTask) == originals
+    assert (
+        TCPServer.__init__,
+        TCPServer.protocol_send,
+        TCPServer._read_data,
+        H11Protocol._send_h11_event,
+        hypercorn.trio.tcp_server.TrioSingleTask,
+    ) == originals
     after = _snapshot()
     for owner, names in before.items():
         assert after[owner].keys() == names.keys(), owner
@@ -411,8 +443,13 @@ class _App:
         if scope["path"] == "/slow":
             await trio.sleep(0.3)
         body = orjson.dumps({"path": scope["path"]})
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"%d" % len(body))]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

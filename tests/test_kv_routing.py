@@ -110,8 +110,12 @@ def test_a_worker_that_leaves_takes_its_blocks() -> None:
 
 def test_orphans_and_other_block_sizes_are_dropped() -> None:
     index = KvIndex(BS)
-    index.apply("w", batch(0, stored((5,), 99, 3, tokens(4)),
-                           BlockStored((6,), None, 0, tokens(8), 8), dump=True))  # fmt: skip
+    index.apply(
+        "w",
+        batch(
+            0, stored((5,), 99, 3, tokens(4)), BlockStored((6,), None, 0, tokens(8), 8), dump=True
+        ),
+    )
     assert index.statistics().blocks == 0
     assert index.statistics().orphans == 1
     assert index.statistics().mismatched == 1
@@ -187,8 +191,7 @@ class _Stub:
 
 async def test_router_kv_follows_the_prefix_and_decode_by_load() -> None:
     router = Router("kv", rng=random.Random(3), kv=KvConfig(block_size=BS, events=False))
-    for wid, role in (("a0", Role.AGG), ("a1", Role.AGG), ("d0", Role.DECODE),
-                      ("d1", Role.DECODE)):  # fmt: skip
+    for wid, role in (("a0", Role.AGG), ("a1", Role.AGG), ("d0", Role.DECODE), ("d1", Role.DECODE)):
         router.add(_Stub(wid, role))  # type: ignore[arg-type]
     t = tokens(64)
     p = Prompt(len(t), prompt_hashes(t, BS))
@@ -214,8 +217,9 @@ def test_index_agrees_with_each_mockers_cache_after_random_traffic() -> None:
     events carried to the index in random-sized polls; after each step every worker's
     overlap in the index equals what its cache would find."""
     rng = random.Random(31)
-    workers = {f"w{i}": KvCache(num_blocks=24, block_size=BS, events=KvEventLog(64))
-               for i in range(3)}  # fmt: skip
+    workers = {
+        f"w{i}": KvCache(num_blocks=24, block_size=BS, events=KvEventLog(64)) for i in range(3)
+    }
     index = KvIndex(BS)
     prefixes = [tokens(rng.randrange(4, 40), 1000 * k) for k in range(6)]
     probes: list[list[int]] = []
@@ -268,29 +272,35 @@ async def test_router_follows_workers_events_over_tcp_and_memory(nursery: trio.N
     from helpers import start_runtime
 
     fast = MockerConfig(speedup_ratio=100_000.0)
-    worker = await nursery.start(partial(serve_worker, WorkerConfig(role=Role.AGG,
-                                                                    engine_config=fast)))
+    worker = await nursery.start(
+        partial(serve_worker, WorkerConfig(role=Role.AGG, engine_config=fast))
+    )
     tcp = await connect_worker(
         WorkerInstance(worker.worker_id, Role.AGG, worker.model, worker.address), nursery
     )
     runtime = await start_runtime(nursery, MockerEngine(fast, Role.AGG, "mem"), "mem")
-    mem = MemoryWorkerClient(WorkerInstance("mem", Role.AGG, worker.model, "memory://mem"),
-                             runtime)
+    mem = MemoryWorkerClient(WorkerInstance("mem", Role.AGG, worker.model, "memory://mem"), runtime)
     router = Router("kv", kv=KvConfig(poll_interval=0.01))
     router.add(tcp)
     router.add(mem)
     await nursery.start(router.run)
     prompts = {tcp: tokens(200, 5000), mem: tokens(300, 9000)}
     for client, toks in prompts.items():
-        req = GenerateRequest(f"r-{client.instance.worker_id}", worker.model, toks,
-                              SamplingParams(max_tokens=2, ignore_eos=True))
+        req = GenerateRequest(
+            f"r-{client.instance.worker_id}",
+            worker.model,
+            toks,
+            SamplingParams(max_tokens=2, ignore_eos=True),
+        )
         async with client.stream(req) as chunks:
             async for _ in chunks:
                 pass
     want = {tcp: 3, mem: 4}  # full blocks of 64 among the prompt's tokens
     with trio.fail_after(10):
-        while any(router.kv_index.overlaps(prompt_hashes(t, 64)).get(c.instance.worker_id)
-                  != want[c] for c, t in prompts.items()):  # fmt: skip
+        while any(
+            router.kv_index.overlaps(prompt_hashes(t, 64)).get(c.instance.worker_id) != want[c]
+            for c, t in prompts.items()
+        ):
             await trio.sleep(0.01)
     p = Prompt(300, prompt_hashes(prompts[mem], 64))
     assert router.pick(Role.AGG, worker.model, prompt=p) is mem
@@ -341,16 +351,25 @@ def test_a_cache_publishes_from_its_first_reader_on() -> None:
 async def test_kv_routing_counters_are_on_the_metrics_page() -> None:
     """``--router kv``'s counters on /metrics: a prompt sent twice is routed twice, the
     second time with its blocks found cached (the first answer's events were read)."""
+
     def counters(text: str) -> dict[str, float]:
-        return {s.name: s.value for f in text_string_to_metric_families(text)
-                for s in f.samples if s.name.startswith("headwater_frontend_kv_")}  # fmt: skip
+        return {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.startswith("headwater_frontend_kv_")
+        }
 
     words = " ".join(f"river{i}" for i in range(400))  # several 64-token blocks
-    body = {"model": "deepseek-v4", "max_tokens": 2,
-            "messages": [{"role": "user", "content": words}]}  # fmt: skip
-    async with serve_frontend(router="kv") as (frontend, url), httpx.AsyncClient(
-        base_url=url
-    ) as client:
+    body = {
+        "model": "deepseek-v4",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": words}],
+    }
+    async with (
+        serve_frontend(router="kv") as (frontend, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
         before = counters((await client.get("/metrics")).text)
         assert before["headwater_frontend_kv_routed_requests_total"] == 0
         router = frontend.router
@@ -390,30 +409,42 @@ async def test_conditional_disaggregation_prefills_a_short_uncached_prompt_local
     """A prompt whose uncached part is at most ``local_prefill_max_tokens`` runs whole
     on a decode worker: no prefill leg. Under ``--router kv`` what the decode workers
     hold counts as cached, so a long prompt sent again is prefilled locally too."""
-    short = {"model": "deepseek-v4", "max_tokens": 3, "messages": [{"role": "user",
-             "content": "Hi"}]}  # fmt: skip
-    long = {**short, "messages": [{"role": "user",
-                                   "content": " ".join(f"delta{i}" for i in range(300))}]}
-    async with serve_frontend(local_prefill_max_tokens=0) as (frontend, url), \
-            httpx.AsyncClient(base_url=url) as client:  # fmt: skip
+    short = {
+        "model": "deepseek-v4",
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    long = {
+        **short,
+        "messages": [{"role": "user", "content": " ".join(f"delta{i}" for i in range(300))}],
+    }
+    async with (
+        serve_frontend(local_prefill_max_tokens=0) as (frontend, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
         r = await client.post("/v1/chat/completions", json=short)
         assert r.status_code == 200
         assert _served(frontend) == {"prefill": 1, "decode": 1}  # always disaggregated
-    async with serve_frontend(local_prefill_max_tokens=100) as (frontend, url), \
-            httpx.AsyncClient(base_url=url) as client:  # fmt: skip
+    async with (
+        serve_frontend(local_prefill_max_tokens=100) as (frontend, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
         r = await client.post("/v1/chat/completions", json=short)
         assert r.json()["usage"]["completion_tokens"] == 3
         assert _served(frontend) == {"prefill": 0, "decode": 1}  # local: short
         assert (await client.post("/v1/chat/completions", json=long)).status_code == 200
         assert _served(frontend) == {"prefill": 1, "decode": 2}  # over 100 uncached
-    async with serve_frontend(router="kv", local_prefill_max_tokens=100) as (frontend, url), \
-            httpx.AsyncClient(base_url=url) as client:  # fmt: skip
+    async with (
+        serve_frontend(router="kv", local_prefill_max_tokens=100) as (frontend, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
         router = frontend.router
         with trio.fail_after(10):
             while router.kv_statistics().dumps < len(router.clients()):
                 await trio.sleep(0.02)
         assert (await client.post("/v1/chat/completions", json=long)).status_code == 200
         assert _served(frontend) == {"prefill": 1, "decode": 1}
+
         def decode_blocks() -> int:
             return sum(v.cached_blocks for v in router.views() if v.role.value == "decode")
 
@@ -440,18 +471,25 @@ async def test_a_text_prompts_block_hashes_come_from_the_tokenizers_thread(
         return real(token_ids, block_size)
 
     monkeypatch.setattr(dispatch, "prompt_hashes", counted)
-    long = {"model": "deepseek-v4", "max_tokens": 2, "messages": [
-        {"role": "user", "content": " ".join(f"gamma{i}" for i in range(2000))}]}  # fmt: skip
-    async with serve_frontend(router="kv") as (frontend, url), httpx.AsyncClient(
-        base_url=url
-    ) as client:
+    long = {
+        "model": "deepseek-v4",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": " ".join(f"gamma{i}" for i in range(2000))}],
+    }
+    async with (
+        serve_frontend(router="kv") as (frontend, url),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
         for _ in range(2):
             assert (await client.post("/v1/chat/completions", json=long)).status_code == 200
         assert hashed_in_dispatch == []
         stats = frontend.router.kv_statistics()
         assert stats.routed == 2  # routed by cache all the same
-        ids = {"model": "deepseek-v4", "token_ids": list(range(10, 300)),
-               "sampling_params": {"max_tokens": 2}}  # fmt: skip
+        ids = {
+            "model": "deepseek-v4",
+            "token_ids": list(range(10, 300)),
+            "sampling_params": {"max_tokens": 2},
+        }
         r = await client.post("/inference/v1/generate", json=ids)
         assert r.status_code == 200, r.text
     assert hashed_in_dispatch == [290]

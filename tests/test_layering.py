@@ -232,9 +232,13 @@ _IMPORT_LAYER = textwrap.dedent(
 def test_importing_a_layer_loads_nothing_it_may_not_import(wanted: str) -> None:
     package = {"core": "headwater", "workers": "workers", "frontend": "frontend"}[wanted]
     result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_LAYER, package, *TOP], cwd=REPO, capture_output=True,
-        text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [sys.executable, "-c", _IMPORT_LAYER, package, *TOP],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.split()
     assert any(layer(m) == wanted for m in loaded)

@@ -48,8 +48,7 @@ def mocker_ids(seed: int, prompt_tokens: int, n: int) -> list[int]:
     return [token_at(key, prompt_tokens + k + 1, LOW, SPAN) for k in range(n)]
 
 
-def mocker_logprobs(seed: int, prompt_tokens: int, ids: list[int], top: int
-                    ) -> list[TokenLogprobs]:  # fmt: skip
+def mocker_logprobs(seed: int, prompt_tokens: int, ids: list[int], top: int) -> list[TokenLogprobs]:
     key = seed_key(seed, "")
     return [logprobs_at(key, prompt_tokens + k + 1, t, LOW, SPAN, top) for k, t in enumerate(ids)]
 
@@ -69,13 +68,15 @@ def fake_logprobs(ids: list[int]) -> list[TokenLogprobs]:
 # -- which text a token's logprobs go with -------------------------------------------------
 
 
-def run_choice(ids: list[int], splits: list[int], stops: tuple[str, ...] = ()
-               ) -> list[tuple[str, list[Any]]]:  # fmt: skip
+def run_choice(
+    ids: list[int], splits: list[int], stops: tuple[str, ...] = ()
+) -> list[tuple[str, list[Any]]]:
     """Feed *ids* to a ChoiceStream in chunks cut at *splits*; each output's text and
     logprob entries (the last one's finish included)."""
     tok = shared_tokenizer()
-    post = TextPostprocessor(tok.decode, stops=stops, special_ids=tok.special_ids,
-                             track_tokens=True)  # fmt: skip
+    post = TextPostprocessor(
+        tok.decode, stops=stops, special_ids=tok.special_ids, track_tokens=True
+    )
     choice = ChoiceStream(0, post, texts=texts())
     lps = fake_logprobs(ids)
     cuts = [0, *sorted(set(splits)), len(ids)]
@@ -109,7 +110,7 @@ def test_a_chunk_carries_the_logprobs_of_the_tokens_whose_text_it_carries(seed: 
     for e in entries:  # text_offset: where the token's text begins (in characters, so
         # the tokens of one character's bytes share its offset)
         if whole_chars(e.bytes):
-            assert whole.encode()[len(whole[: e.offset].encode()):].startswith(e.bytes)
+            assert whole.encode()[len(whole[: e.offset].encode()) :].startswith(e.bytes)
     assert [e.logprob for e in entries] == [lp.logprob for lp in fake_logprobs(ids)]
 
 
@@ -138,8 +139,10 @@ def test_with_the_parse_stage_logprobs_wait_with_the_text_it_holds(seed: int) ->
     lps = fake_logprobs(ids)
     rng = random.Random(seed)
     cuts = [0, *sorted(rng.sample(range(1, len(ids)), 5)), len(ids)]
-    steps = [choice.step(ids[a:b], lps[a:b], "length" if b == len(ids) else None)
-             for a, b in itertools.pairwise(cuts)]  # fmt: skip
+    steps = [
+        choice.step(ids[a:b], lps[a:b], "length" if b == len(ids) else None)
+        for a, b in itertools.pairwise(cuts)
+    ]
     reported = b""
     for step in steps:
         reported += b"".join(e.bytes for e in step.logprobs)
@@ -183,7 +186,7 @@ def test_echo_places_every_prompt_token_in_the_prompt_text() -> None:
     assert (got.entries[0].logprob, got.entries[0].top) == (None, None)
     for e in got.entries:
         if whole_chars(e.bytes):
-            assert TEXT.encode()[len(TEXT[: e.offset].encode()):].startswith(e.bytes)
+            assert TEXT.encode()[len(TEXT[: e.offset].encode()) :].startswith(e.bytes)
     assert echo(None, ids, decode).text == TEXT  # ids in: the decoded prompt
     assert echo("as sent", ids, decode).entries == ()  # no logprobs asked
 
@@ -200,8 +203,13 @@ async def chat(c: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:
 async def test_chat_logprobs_are_the_mockers_distribution_in_openais_shape() -> None:
     t = texts()
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
-        body = {"max_tokens": 12, "seed": 5, "logprobs": True, "top_logprobs": 3,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "max_tokens": 12,
+            "seed": 5,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "ignore_eos": True,
+        }
         data = await chat(c, **body)
         prompt_tokens = data["usage"]["prompt_tokens"]
         choice = data["choices"][0]
@@ -214,14 +222,18 @@ async def test_chat_logprobs_are_the_mockers_distribution_in_openais_shape() -> 
             assert (entry["token"], bytes(entry["bytes"])) == t(token)
             assert entry["logprob"] == lp.logprob
             assert [(e["token"], e["logprob"]) for e in entry["top_logprobs"]] == [
-                (t(i)[0], v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+                (t(i)[0], v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ]
             assert all(set(e) == {"token", "logprob", "bytes"} for e in entry["top_logprobs"])
         text = choice["message"]["content"]
         assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
 
         # Streamed: the same entries, each chunk with the tokens of its own text.
-        async with c.stream("POST", "/v1/chat/completions", json={
-            "model": MODEL, "messages": CHAT, **body, "stream": True}) as r:  # fmt: skip
+        async with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": CHAT, **body, "stream": True},
+        ) as r:
             events = [e for e in await sse_events(r) if e != "DONE"]
         streamed = []
         for event in events[1:]:  # after the role's
@@ -250,18 +262,32 @@ async def test_a_stop_string_cuts_the_logprobs_with_the_text() -> None:
         text = full["choices"][0]["message"]["content"]
         before = text[: text.index(stop)]
         for stream in (False, True):
-            body = {"model": MODEL, "messages": CHAT, "max_tokens": 16, "seed": 9,
-                    "logprobs": True, "ignore_eos": True, "stop": [stop], "stream": stream}
+            body = {
+                "model": MODEL,
+                "messages": CHAT,
+                "max_tokens": 16,
+                "seed": 9,
+                "logprobs": True,
+                "ignore_eos": True,
+                "stop": [stop],
+                "stream": stream,
+            }
             if stream:
                 async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                     events = [e for e in await sse_events(r) if e != "DONE"]
-                got = [e for ev in events for ch in ev["choices"]
-                       for e in (ch["logprobs"] or {}).get("content", [])]  # fmt: skip
-                answer = "".join(ch["delta"].get("content", "") for ev in events
-                                 for ch in ev["choices"])  # fmt: skip
+                got = [
+                    e
+                    for ev in events
+                    for ch in ev["choices"]
+                    for e in (ch["logprobs"] or {}).get("content", [])
+                ]
+                answer = "".join(
+                    ch["delta"].get("content", "") for ev in events for ch in ev["choices"]
+                )
             else:
-                data = await chat(c, **{k: v for k, v in body.items() if k not in
-                                        ("model", "messages")})  # fmt: skip
+                data = await chat(
+                    c, **{k: v for k, v in body.items() if k not in ("model", "messages")}
+                )
                 got = data["choices"][0]["logprobs"]["content"]
                 answer = data["choices"][0]["message"]["content"]
             assert answer == before
@@ -279,8 +305,14 @@ async def test_completions_logprobs_and_echo_in_openais_columns() -> None:
     prompt = "The river flows to the sea"
     prompt_ids = list(tok.encode_ids(prompt))
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "seed": 3, "logprobs": 2,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 6,
+            "seed": 3,
+            "logprobs": 2,
+            "ignore_eos": True,
+        }
         data = (await c.post("/v1/completions", json=body)).json()
         choice = data["choices"][0]
         lp = choice["logprobs"]
@@ -299,7 +331,7 @@ async def test_completions_logprobs_and_echo_in_openais_columns() -> None:
         text = choice["text"]
         for offset, token in zip(lp["text_offset"], ids, strict=True):
             if whole_chars(t(token)[1]):
-                assert text.encode()[len(text[:offset].encode()):].startswith(t(token)[1])
+                assert text.encode()[len(text[:offset].encode()) :].startswith(t(token)[1])
 
         # Echo: the prompt first, its tokens' logprobs too (the first has none).
         echoed = (await c.post("/v1/completions", json={**body, "echo": True})).json()
@@ -311,18 +343,21 @@ async def test_completions_logprobs_and_echo_in_openais_columns() -> None:
         assert elp["token_logprobs"][0] is None
         assert elp["top_logprobs"][0] is None
         assert elp["token_logprobs"][1:n] == [
-            p.logprob for p in prompt_logprobs(prompt_ids, 2, LOW, SPAN)]
+            p.logprob for p in prompt_logprobs(prompt_ids, 2, LOW, SPAN)
+        ]
         assert elp["token_logprobs"][n:] == lp["token_logprobs"]
         assert elp["text_offset"][n:] == [len(prompt) + o for o in lp["text_offset"]]
         assert elp["text_offset"][:2] == [0, len(t(prompt_ids[0])[0])]
 
         # Echo alone, and streamed: the prompt's text opens the first chunk.
-        plain = (await c.post("/v1/completions", json={**body, "echo": True,
-                                                       "logprobs": None})).json()  # fmt: skip
+        plain = (
+            await c.post("/v1/completions", json={**body, "echo": True, "logprobs": None})
+        ).json()
         assert plain["choices"][0]["text"] == prompt + text
         assert plain["choices"][0]["logprobs"] is None
-        async with c.stream("POST", "/v1/completions", json={
-            **body, "echo": True, "stream": True}) as r:  # fmt: skip
+        async with c.stream(
+            "POST", "/v1/completions", json={**body, "echo": True, "stream": True}
+        ) as r:
             events = [x for x in await sse_events(r) if x != "DONE"]
         first = events[0]["choices"][0]
         assert first["text"].startswith(prompt)
@@ -332,17 +367,28 @@ async def test_completions_logprobs_and_echo_in_openais_columns() -> None:
         assert streamed == elp["text_offset"]
 
         # Echo of a prompt sent as token ids: the decoded prompt.
-        by_ids = (await c.post("/v1/completions", json={**body, "prompt": prompt_ids,
-                                                        "echo": True})).json()  # fmt: skip
+        by_ids = (
+            await c.post("/v1/completions", json={**body, "prompt": prompt_ids, "echo": True})
+        ).json()
         assert by_ids["choices"][0]["text"] == prompt + text
 
 
 async def test_the_token_in_api_answers_in_vllms_shape() -> None:
     prompt = [5, 900, 17, 42]
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
-        r = await c.post("/inference/v1/generate", json={"token_ids": prompt, "sampling_params": {
-            "max_tokens": 4, "seed": 2, "logprobs": 2, "prompt_logprobs": 1,
-            "ignore_eos": True}})  # fmt: skip
+        r = await c.post(
+            "/inference/v1/generate",
+            json={
+                "token_ids": prompt,
+                "sampling_params": {
+                    "max_tokens": 4,
+                    "seed": 2,
+                    "logprobs": 2,
+                    "prompt_logprobs": 1,
+                    "ignore_eos": True,
+                },
+            },
+        )
         assert r.status_code == 200, r.text
         data = r.json()
         (choice,) = data["choices"]
@@ -354,24 +400,36 @@ async def test_the_token_in_api_answers_in_vllms_shape() -> None:
             assert own == (token, w.logprob, w.rank)
             # vLLM's order: the token first, then the most likely others, 2 in all.
             listed = [(token, w.logprob, w.rank)] + [
-                (i, v, r) for r, (i, v) in enumerate(zip(w.top_ids, w.top_logprobs, strict=True), 1)
-                if i != token]  # fmt: skip
-            assert [(e["token_id"], e["logprob"], e["rank"]) for e in entry["top_logprobs"]] \
-                == listed[:2]
+                (i, v, r)
+                for r, (i, v) in enumerate(zip(w.top_ids, w.top_logprobs, strict=True), 1)
+                if i != token
+            ]
+            assert [
+                (e["token_id"], e["logprob"], e["rank"]) for e in entry["top_logprobs"]
+            ] == listed[:2]
         # Prompt logprobs: null first, then per token its own and the top one, by id.
         plp = data["prompt_logprobs"]
         assert plp[0] is None
-        for position, token, w in zip(plp[1:], prompt[1:], prompt_logprobs(prompt, 1, LOW, SPAN),
-                                      strict=True):  # fmt: skip
+        for position, token, w in zip(
+            plp[1:], prompt[1:], prompt_logprobs(prompt, 1, LOW, SPAN), strict=True
+        ):
             assert next(iter(position)) == str(token)
-            assert position[str(token)] == {"logprob": w.logprob, "rank": w.rank,
-                                            "decoded_token": None}  # fmt: skip
+            assert position[str(token)] == {
+                "logprob": w.logprob,
+                "rank": w.rank,
+                "decoded_token": None,
+            }
             assert position[str(w.top_ids[0])]["rank"] == 1
         # Streamed: each event's logprobs are its ids'.
-        async with c.stream("POST", "/inference/v1/generate", json={
-            "token_ids": prompt, "stream": True,
-            "sampling_params": {"max_tokens": 4, "seed": 2, "logprobs": 2, "ignore_eos": True},
-        }) as s:  # fmt: skip
+        async with c.stream(
+            "POST",
+            "/inference/v1/generate",
+            json={
+                "token_ids": prompt,
+                "stream": True,
+                "sampling_params": {"max_tokens": 4, "seed": 2, "logprobs": 2, "ignore_eos": True},
+            },
+        ) as s:
             events = [e for e in await sse_events(s) if e != "DONE"]
         streamed = [x for e in events for ch in e["choices"] for x in ch["logprobs"]["content"]]
         assert streamed == choice["logprobs"]["content"]
@@ -391,9 +449,7 @@ async def test_logprob_bounds_and_dependencies_are_400s() -> None:
             ({"prompt": "x", "logprobs": True}, "logprobs"),
             ({"prompt": "x", "echo": "yes"}, "echo"),
         ]:
-            assert_error(await c.post("/v1/completions", json={"model": MODEL, **body}), 400,
-                         param)  # fmt: skip
-
+            assert_error(await c.post("/v1/completions", json={"model": MODEL, **body}), 400, param)
 
 
 async def test_an_engine_without_logprobs_never_answers_without_them(tmp_path: Path) -> None:
@@ -402,10 +458,14 @@ async def test_an_engine_without_logprobs_never_answers_without_them(tmp_path: P
     script = tmp_path / "script.jsonl"
     script.write_text(json.dumps({"default": True, "text": "The sea."}) + "\n")
     config = ScriptedConfig(script=str(script), token_delay=0)
-    async with serve_frontend(engine="scripted", engine_config=config, mode="agg") as (_, url), \
-            httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_frontend(engine="scripted", engine_config=config, mode="agg") as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         assert (await chat(c, max_tokens=4))["choices"][0]["message"]["content"] == "The sea."
-        r = await c.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": CHAT, "max_tokens": 4, "logprobs": True})  # fmt: skip
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": CHAT, "max_tokens": 4, "logprobs": True},
+        )
         assert r.status_code in (400, 502), r.text
         assert "logprobs" in r.json()["error"]["message"]

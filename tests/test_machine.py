@@ -23,9 +23,14 @@ def test_cgroup_v2_quota_and_the_tightest_along_the_path(tmp_path: Path) -> None
     proc = tmp_path / "proc-cgroup"
     proc.write_text("0::/kubepods/pod1/ctr\n")
     root = tmp_path / "cg"
-    _files(root, {"cpu.max": "max 100000\n",
-                  "kubepods/pod1/cpu.max": "300000 100000\n",
-                  "kubepods/pod1/ctr/cpu.max": "150000 100000\n"})  # fmt: skip
+    _files(
+        root,
+        {
+            "cpu.max": "max 100000\n",
+            "kubepods/pod1/cpu.max": "300000 100000\n",
+            "kubepods/pod1/ctr/cpu.max": "150000 100000\n",
+        },
+    )
     assert cgroup_cpu_limit(root, proc) == 1.5
     _files(root, {"kubepods/pod1/ctr/cpu.max": "max 100000\n"})  # the pod's limit remains
     assert cgroup_cpu_limit(root, proc) == 3.0
@@ -37,8 +42,13 @@ def test_cgroup_v1_cfs_quota(tmp_path: Path) -> None:
     proc = tmp_path / "proc-cgroup"
     proc.write_text("4:memory:/x\n2:cpu,cpuacct:/docker/abc\n")
     root = tmp_path / "cg"
-    _files(root, {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "250000\n",
-                  "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"})  # fmt: skip
+    _files(
+        root,
+        {
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "250000\n",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        },
+    )
     assert cgroup_cpu_limit(root, proc) == 2.5
     _files(root, {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "-1\n"})
     assert cgroup_cpu_limit(root, proc) is None

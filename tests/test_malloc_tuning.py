@@ -27,8 +27,9 @@ _CHURN = textwrap.dedent("""
 
 
 def _faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _CHURN, mode], capture_output=True, text=True,
-                         check=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _CHURN, mode], capture_output=True, text=True, check=True, timeout=60
+    )
     return int(out.stdout)
 
 

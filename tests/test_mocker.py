@@ -948,8 +948,9 @@ async def test_answers_end_with_eos_at_a_length_drawn_from_their_seed(
             assert chunks[-1].finish_reason is FinishReason.STOP
             outs.append(out)
         # The same seed under another id (another worker, a rerun): the same answer.
-        again = tokens_of(await collect(engine, request("again", prompt(5), 1000, eos=(EOS,),
-                                                        seed=3)))  # fmt: skip
+        again = tokens_of(
+            await collect(engine, request("again", prompt(5), 1000, eos=(EOS,), seed=3))
+        )
         capped = await collect(engine, request("c", prompt(5), 2, eos=(EOS,), seed=5))
         floor = tokens_of(
             await collect(engine, request("m", prompt(5), 1000, eos=(EOS,), seed=1, min_tokens=50))
@@ -998,8 +999,10 @@ async def test_mean_output_tokens_0_runs_every_answer_to_max_tokens(
 ) -> None:
     engine = agg(mean_output_tokens=0)
     async with running(engine):
-        chunks = [await collect(engine, request(f"r{s}", prompt(5), 300, eos=(EOS,), seed=s))
-                  for s in range(8)]  # fmt: skip
+        chunks = [
+            await collect(engine, request(f"r{s}", prompt(5), 300, eos=(EOS,), seed=s))
+            for s in range(8)
+        ]
     assert all(len(tokens_of(c)) == 300 for c in chunks)
     assert all(c[-1].finish_reason is FinishReason.LENGTH for c in chunks)
 

@@ -213,8 +213,10 @@ def test_preemption_takes_the_newest_sequence_and_requeues_it_first() -> None:
 def test_a_preempted_sequence_recomputes_and_draws_the_same_tokens() -> None:
     def run(num_gpu_blocks: int) -> tuple[list[list[int]], int]:
         sched = scheduler(num_gpu_blocks=num_gpu_blocks, block_size=4)
-        seqs = [seq(rid, 8, 12, start=1000 + 100 * i, seed_key=seed_key(i, rid))
-                for i, rid in enumerate("ab")]  # fmt: skip
+        seqs = [
+            seq(rid, 8, 12, start=1000 + 100 * i, seed_key=seed_key(i, rid))
+            for i, rid in enumerate("ab")
+        ]
         for s in seqs:
             sched.add(s)
         while sched.running or sched.waiting:

@@ -92,8 +92,21 @@ WORKER_SAMPLES = [
     "headwater_worker_requests_cancelled_total",
 ]
 WORKER_VIEW_KEYS = {
-    "worker_id", "role", "model", "address", "state", "reason", "since", "inflight", "busy",
-    "served", "failures", "last_error", "probe_in_s", "cached_blocks", "cache_view",
+    "worker_id",
+    "role",
+    "model",
+    "address",
+    "state",
+    "reason",
+    "since",
+    "inflight",
+    "busy",
+    "served",
+    "failures",
+    "last_error",
+    "probe_in_s",
+    "cached_blocks",
+    "cache_view",
 }
 
 
@@ -178,22 +191,23 @@ class _ChurningSeries:
         g = GaugeMetricFamily("churn_gauge", "One series per round", labels=["worker"])
         g.add_metric([f"w{self.round}"], self.round * 1.5, timestamp=1700000000.25)
         g.add_metric(["steady"], 1e21)
-        gh = GaugeHistogramMetricFamily("churn_ghist", "A gauge histogram",
-                                        buckets=[("1.0", 2), ("+Inf", 3)], gsum_value=4.5)
+        gh = GaugeHistogramMetricFamily(
+            "churn_ghist", "A gauge histogram", buckets=[("1.0", 2), ("+Inf", 3)], gsum_value=4.5
+        )
         return [g, gh]
 
 
 def _zoo() -> tuple[CollectorRegistry, Counter, _ChurningSeries]:
     """A registry with every metric type, escapes in help and label values, NaN/Inf."""
     reg = CollectorRegistry()
-    c = Counter("zoo_requests", "Help with a back\\slash and a\nnewline", ["path", "code"],
-                registry=reg)
+    c = Counter(
+        "zoo_requests", "Help with a back\\slash and a\nnewline", ["path", "code"], registry=reg
+    )
     c.labels(path='/v1/"chat"', code="200").inc(3)
     c.labels(path="back\\slash\nnew line ünïcode", code="500").inc()
     Gauge("zoo_gauge", "A gauge", registry=reg).set(float("nan"))
     Gauge("zoo_inf", "An infinite gauge", registry=reg).set(float("-inf"))
-    h = Histogram("zoo_seconds", "A histogram", ["stage"], buckets=(0.001, 0.5, 10),
-                  registry=reg)
+    h = Histogram("zoo_seconds", "A histogram", ["stage"], buckets=(0.001, 0.5, 10), registry=reg)
     h.labels(stage="route").observe(0.2)
     h.labels(stage="route").observe(1234567.0)
     Summary("zoo_summary", "A summary", registry=reg).observe(7)
@@ -400,14 +414,24 @@ async def test_dashboard_data_snapshot() -> None:
         data = r.json()
         newest = data["stalls"]["records"][0]["started_at"]
         none_newer = (await c.get("/dashboard/data", params={"stalls_after": newest})).json()
-        just_one = (
-            await c.get("/dashboard/data", params={"stalls_after": newest - 1e-6})
-        ).json()
+        just_one = (await c.get("/dashboard/data", params={"stalls_after": newest - 1e-6})).json()
         bad = await c.get("/dashboard/data", params={"stalls_after": "soon"})
         workers = (await c.get("/debug/workers")).json()
 
-    assert set(data) == {"now", "model", "loop", "stalls", "pool", "requests", "history",
-                         "latency", "workers", "memory", "errors", "routing"}
+    assert set(data) == {
+        "now",
+        "model",
+        "loop",
+        "stalls",
+        "pool",
+        "requests",
+        "history",
+        "latency",
+        "workers",
+        "memory",
+        "errors",
+        "routing",
+    }
     assert data["model"] == MODEL
     (memory,) = data["memory"]  # this process's own, from /proc/self/smaps_rollup
     assert memory["role"] == "frontend"
@@ -431,8 +455,15 @@ async def test_dashboard_data_snapshot() -> None:
     assert [rec["started_at"] for rec in just_one["stalls"]["records"]] == [newest]
     assert bad.status_code == 400
 
-    assert set(data["pool"]) == {"mode", "threads", "busy", "waiting", "encoded_total",
-                                 "inline_total", "segment_cache"}
+    assert set(data["pool"]) == {
+        "mode",
+        "threads",
+        "busy",
+        "waiting",
+        "encoded_total",
+        "inline_total",
+        "segment_cache",
+    }
     cache = data["pool"]["segment_cache"]  # fastokens', on by default (None when off, or hf)
     assert cache is not None
     assert {"hits", "misses", "bytes", "max_bytes"} <= set(cache)
@@ -444,8 +475,14 @@ async def test_dashboard_data_snapshot() -> None:
     history = data["history"]
     assert history["fields"] == ["t", "inflight", "queued", "busy", "threads", "finished"]
     point = dict(zip(history["fields"], history["points"][-1], strict=True))
-    assert point == {"t": pytest.approx(data["now"], abs=1e-3), "inflight": 0, "queued": 0,
-                     "busy": 0, "threads": 2, "finished": 1}
+    assert point == {
+        "t": pytest.approx(data["now"], abs=1e-3),
+        "inflight": 0,
+        "queued": 0,
+        "busy": 0,
+        "threads": 2,
+        "finished": 1,
+    }
     ttft, itl = data["latency"]["ttft"], data["latency"]["itl"]
     assert ttft["count"] == 1
     assert 0 < ttft["p50"] == ttft["p99"] == ttft["max"]
@@ -518,16 +555,21 @@ def test_load_history_keeps_one_point_per_interval_over_the_window() -> None:
 async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.Nursery) -> None:
     port = free_port()
     worker = await start_worker(
-        nursery, "agg", log_dir=tmp_path, model=MODEL, ready_within=10,
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        model=MODEL,
+        ready_within=10,
         engine_args=["--num-gpu-blocks", "512", "--speedup-ratio", "1000"],
         extra_args=["--metrics-port", str(port)],
-    )  # fmt: skip
+    )
     worker_id = worker.worker_id
     client = await connect_worker(
         WorkerInstance(worker_id, Role(worker.role), MODEL, worker.address), nursery
     )
-    request = GenerateRequest("m1", MODEL, list(range(3, 200)),
-                              SamplingParams(max_tokens=4, ignore_eos=True))
+    request = GenerateRequest(
+        "m1", MODEL, list(range(3, 200)), SamplingParams(max_tokens=4, ignore_eos=True)
+    )
     async with client.stream(request) as chunks:
         assert len([t async for c in chunks for t in c.token_ids]) == 4
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:

@@ -25,25 +25,37 @@ from frontend_fixture import assert_error, serve_frontend, sse_events
 MODEL = "deepseek-v4"
 CHAT = [{"role": "user", "content": "Write a haiku about rivers."}]
 PUBLIC = {
-    "/v1/chat/completions": "post", "/v1/completions": "post",
-    "/inference/v1/generate": "post", "/tokenize": "post", "/detokenize": "post",
-    "/v1/messages": "post", "/v1/messages/count_tokens": "post", "/v1/responses": "post",
+    "/v1/chat/completions": "post",
+    "/v1/completions": "post",
+    "/inference/v1/generate": "post",
+    "/tokenize": "post",
+    "/detokenize": "post",
+    "/v1/messages": "post",
+    "/v1/messages/count_tokens": "post",
+    "/v1/responses": "post",
     "/v1/responses/{response_id}": "get",
-    "/v1/models": "get", "/v1/models/{model_id}": "get",
-    "/health": "get", "/live": "get",
-}  # fmt: skip
+    "/v1/models": "get",
+    "/v1/models/{model_id}": "get",
+    "/health": "get",
+    "/live": "get",
+}
 
 
 def _doc(**kwargs: Any) -> dict[str, Any]:
-    settings: dict[str, Any] = {"limits": RequestLimits(), "context_length": 131072,
-                                "api_keys": False, **kwargs}  # fmt: skip
+    settings: dict[str, Any] = {
+        "limits": RequestLimits(),
+        "context_length": 131072,
+        "api_keys": False,
+        **kwargs,
+    }
     return openapi_document(models.REQUEST_MODELS, **settings)
 
 
 def _refs(node: Any) -> list[str]:
     if isinstance(node, dict):
         return [v for k, v in node.items() if k == "$ref"] + [
-            r for v in node.values() for r in _refs(v)]
+            r for v in node.values() for r in _refs(v)
+        ]
     if isinstance(node, list):
         return [r for v in node for r in _refs(v)]
     return []
@@ -66,11 +78,10 @@ def test_the_document_describes_every_public_route() -> None:
         _validator(doc, name)
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     assert chat["requestBody"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ChatCompletionRequest"}
-    assert set(chat["responses"]) == {"200", "400", "404", "413", "415", "429", "500", "502",
-                                      "503"}  # fmt: skip
-    assert set(chat["responses"]["200"]["content"]) == {"application/json",
-                                                        "text/event-stream"}  # fmt: skip
+        "$ref": "#/components/schemas/ChatCompletionRequest"
+    }
+    assert set(chat["responses"]) == {"200", "400", "404", "413", "415", "429", "500", "502", "503"}
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     assert chat["responses"]["429"]["headers"]["Retry-After"]["required"] is True
     assert set(doc["paths"]["/health"]["get"]["responses"]) == {"200", "500", "503"}
     assert "security" not in doc
@@ -86,8 +97,10 @@ def test_keys_and_a_deadline_add_their_statuses_and_the_bearer_scheme() -> None:
     doc = _doc(api_keys=True, limits=RequestLimits(request_timeout=30))
     assert doc["security"] == [{"bearerAuth": []}]
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {
-        "type": "http", "scheme": "bearer",
-        "description": "Authorization: Bearer <one of --api-key>"}  # fmt: skip
+        "type": "http",
+        "scheme": "bearer",
+        "description": "Authorization: Bearer <one of --api-key>",
+    }
     for path, ops in doc["paths"].items():
         op = next(iter(ops.values()))
         open_route = path in ("/health", "/live")
@@ -97,8 +110,13 @@ def test_keys_and_a_deadline_add_their_statuses_and_the_bearer_scheme() -> None:
 
 
 def test_the_limits_in_the_document_are_the_configured_ones() -> None:
-    limits = RequestLimits(max_tokens_cap=99, max_messages=7, max_stop_strings=3,
-                           max_stop_length=11, max_prompt_chars=12345)  # fmt: skip
+    limits = RequestLimits(
+        max_tokens_cap=99,
+        max_messages=7,
+        max_stop_strings=3,
+        max_stop_length=11,
+        max_prompt_chars=12345,
+    )
     schemas = _doc(limits=limits, context_length=4096)["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["messages"]["maxItems"] == 7
@@ -108,15 +126,15 @@ def test_the_limits_in_the_document_are_the_configured_ones() -> None:
         assert (integer["minimum"], integer["maximum"]) == (1, 99)
     [string, array] = [b for b in chat["stop"]["anyOf"] if b["type"] != "null"]
     assert (string["maxLength"], array["maxItems"], array["items"]["maxLength"]) == (11, 3, 11)
-    assert "12345 characters" in schemas["CompletionRequest"]["properties"]["prompt"][
-        "description"]
+    assert "12345 characters" in schemas["CompletionRequest"]["properties"]["prompt"]["description"]
     sampling = schemas["SamplingParams"]["properties"]
     assert [b["maximum"] for b in sampling["max_tokens"]["anyOf"] if "maximum" in b] == [99]
     generate = schemas["GenerateRequest"]["properties"]
     assert generate["token_ids"]["maxItems"] == 4095
     # Off: the context length is the bound.
     chat = _doc(limits=RequestLimits(max_stop_strings=0))["components"]["schemas"][
-        "ChatCompletionRequest"]["properties"]  # fmt: skip
+        "ChatCompletionRequest"
+    ]["properties"]
     assert [b["maximum"] for b in chat["max_tokens"]["anyOf"] if "maximum" in b] == [131072]
     assert next(b for b in chat["stop"]["anyOf"] if b["type"] == "array").get("maxItems") is None
 
@@ -140,15 +158,20 @@ async def test_a_field_added_to_a_model_is_published_and_checked(
         field = doc["components"]["schemas"]["WithBudget"]["properties"]["reasoning_budget"]
         assert {"type": "integer", "minimum": 0} in field["anyOf"]
         chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
-        assert_error(await c.post("/v1/chat/completions",
-                                  json={**chat, "reasoning_budget": -1}), 400, "reasoning_budget")
+        assert_error(
+            await c.post("/v1/chat/completions", json={**chat, "reasoning_budget": -1}),
+            400,
+            "reasoning_budget",
+        )
         ok = await c.post("/v1/chat/completions", json={**chat, "reasoning_budget": 5})
         assert ok.status_code == 200, ok.text
 
 
 async def test_the_served_document_is_the_generated_one_and_keyed_like_the_api() -> None:
-    async with serve_frontend(api_keys=("k1",), limits=RequestLimits(request_timeout=9)) \
-            as (fe, url), httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_frontend(api_keys=("k1",), limits=RequestLimits(request_timeout=9)) as (fe, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         assert_error(await c.get("/openapi.json"), 401)
         # A 405 names the methods the path takes (RFC 9110), as schemathesis checks.
         r = await c.request("TRACE", "/health")
@@ -157,9 +180,16 @@ async def test_the_served_document_is_the_generated_one_and_keyed_like_the_api()
         r = await c.get("/openapi.json", headers={"Authorization": "Bearer k1"})
         assert r.status_code == 200
         assert r.headers["content-type"] == "application/json"
-        assert r.json() == orjson.loads(orjson.dumps(_doc(
-            api_keys=True, limits=fe.config.limits, context_length=fe.config.context_length,
-            model_name=MODEL)))
+        assert r.json() == orjson.loads(
+            orjson.dumps(
+                _doc(
+                    api_keys=True,
+                    limits=fe.config.limits,
+                    context_length=fe.config.context_length,
+                    model_name=MODEL,
+                )
+            )
+        )
 
 
 async def test_live_responses_match_the_response_schemas() -> None:
@@ -187,11 +217,14 @@ async def test_live_responses_match_the_response_schemas() -> None:
         check(await c.post("/detokenize", json={"tokens": [1, 2]}), "DetokenizeResponse")
         message = {"model": MODEL, "messages": CHAT, "max_tokens": 5}
         check(await c.post("/v1/messages", json=message), "MessageResponse")
-        check(await c.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": CHAT}),
-              "CountTokensResponse")  # fmt: skip
+        check(
+            await c.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": CHAT}),
+            "CountTokensResponse",
+        )
         check(await c.post("/v1/messages", json={"model": MODEL}), "AnthropicErrorResponse")
-        created = await c.post("/v1/responses", json={"model": MODEL, "input": "hi",
-                                                      "max_output_tokens": 5})  # fmt: skip
+        created = await c.post(
+            "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 5}
+        )
         check(created, "Response")
         response_id = created.json()["id"]
         check(await c.get(f"/v1/responses/{response_id}"), "Response")
@@ -201,7 +234,7 @@ async def test_live_responses_match_the_response_schemas() -> None:
             ("/v1/chat/completions", chat, "ChatCompletionChunk"),
             ("/v1/completions", completion, "Completion"),
             ("/inference/v1/generate", tokens, "GenerateResponse"),
-        ):  # fmt: skip
+        ):
             streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
             async with c.stream("POST", path, json=streamed) as r:
                 events = await sse_events(r)
@@ -211,11 +244,13 @@ async def test_live_responses_match_the_response_schemas() -> None:
                 assert not [x.message for x in validator.iter_errors(e)], (event, e)
         # The event stream's schema: one event, its data JSON of that schema or [DONE].
         stream = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"][
-            "text/event-stream"]["schema"]  # fmt: skip
+            "text/event-stream"
+        ]["schema"]
         data = stream["properties"]["data"]["anyOf"]
         assert data[0] == {"const": "[DONE]"}
-        assert {"$ref": "#/components/schemas/ChatCompletionChunk"} in data[1][
-            "contentSchema"]["anyOf"]  # fmt: skip
+        assert {"$ref": "#/components/schemas/ChatCompletionChunk"} in data[1]["contentSchema"][
+            "anyOf"
+        ]
         # The served model is the one value of `model`.
         model = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]
         assert model["enum"] == [MODEL]

@@ -94,9 +94,14 @@ def test_the_guard_stops_its_program_when_the_supervisor_is_killed() -> None:
             supervisor.kill()
 
 
-@pytest.mark.parametrize(("script", "status"), [
-    ("exit 3", 3), ("kill -TERM $$", -signal.SIGTERM), ("kill -KILL $$", -signal.SIGKILL),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("script", "status"),
+    [
+        ("exit 3", 3),
+        ("kill -TERM $$", -signal.SIGTERM),
+        ("kill -KILL $$", -signal.SIGKILL),
+    ],
+)
 @pytest.mark.slow
 def test_the_guard_exits_as_its_program_did(script: str, status: int) -> None:
     guard = [sys.executable, "-m", "headwater.cluster.guard", "sh", "-c", script]
@@ -105,16 +110,21 @@ def test_the_guard_exits_as_its_program_did(script: str, status: int) -> None:
 
 @pytest.mark.slow
 def test_the_guard_passes_a_stop_on_and_names_a_missing_program() -> None:
-    with subprocess.Popen([sys.executable, "-m", "headwater.cluster.guard", "sleep", "60"]
-                          ) as guard:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-m", "headwater.cluster.guard", "sleep", "60"]
+    ) as guard:
         try:
             wait_until(lambda: children_of(guard.pid), within=10)
             guard.send_signal(signal.SIGTERM)
             assert guard.wait(timeout=10) == -signal.SIGTERM  # sleep died of it; so did the guard
         finally:
             guard.kill()
-    missing = subprocess.run([sys.executable, "-m", "headwater.cluster.guard", "/no/such"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    missing = subprocess.run(
+        [sys.executable, "-m", "headwater.cluster.guard", "/no/such"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert missing.returncode == 127
     assert "cannot run /no/such" in missing.stderr
 
@@ -125,9 +135,18 @@ async def test_a_launch_killed_outright_leaves_no_process_behind(tmp_path: Path)
     processes (its supervisor, the zygote, the forked processes): all stop once the
     launcher is SIGKILLed, the workers and frontends by draining."""
     async with launch(
-        tmp_path, "--prefill", "1", "--decode", "1", "--etcd-binary", require_etcd(),
-        "--", *FRONTEND_ARGS, "--processes", "2",
-    ) as cluster:  # fmt: skip
+        tmp_path,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--etcd-binary",
+        require_etcd(),
+        "--",
+        *FRONTEND_ARGS,
+        "--processes",
+        "2",
+    ) as cluster:
         tree = descendants(cluster.process.pid)
         assert len(tree) >= 8  # guard, etcd, 2 workers, group supervisor, zygote, 2 processes
         cluster.process.kill()
@@ -155,8 +174,11 @@ child.wait()
 
 @pytest.mark.slow
 def test_a_process_vllm_started_stops_once_the_api_server_is_gone() -> None:
-    with subprocess.Popen([sys.executable, "-c", VLLM_PROCESS], stdout=subprocess.PIPE,
-                          cwd=Path(__file__).parent.parent) as api_server:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", VLLM_PROCESS],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parent.parent,
+    ) as api_server:
         try:
             assert api_server.stdout is not None
             engine_core = int(api_server.stdout.readline())

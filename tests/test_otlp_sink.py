@@ -16,15 +16,21 @@ pytestmark = pytest.mark.slow
 
 def test_the_sink_takes_exports_and_counts_them() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.otlp_sink", "--port", str(port)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.otlp_sink", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == f"otlp sink on http://127.0.0.1:{port}"
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
             for size in (10, 70_000):  # one small, one over a read's worth
-                r = client.post("/v1/traces", content=b"x" * size,
-                                headers={"content-type": "application/x-protobuf"})  # fmt: skip
+                r = client.post(
+                    "/v1/traces",
+                    content=b"x" * size,
+                    headers={"content-type": "application/x-protobuf"},
+                )
                 assert r.status_code == 200
                 assert r.content == b""
         proc.send_signal(signal.SIGTERM)

@@ -16,9 +16,12 @@ from scripts.overload import run_overload
 @pytest.mark.slow
 async def test_overload_answers_cleanly_and_the_server_drains(tmp_path: Path) -> None:
     report = await run_overload(
-        max_inflight=4, factor=10, duration=2.0, serve_args=("--tokenizer-backend", "hf"),
+        max_inflight=4,
+        factor=10,
+        duration=2.0,
+        serve_args=("--tokenizer-backend", "hf"),
         log_dir=tmp_path,
-    )  # fmt: skip
+    )
     assert report["clients"] == 40
     assert set(report["answers"]) <= {"200", "429", "503"}, report["answers"]
     assert report["answers"].get("429", 0) > 0

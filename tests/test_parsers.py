@@ -73,7 +73,10 @@ def split(text: str, cuts: list[int]) -> list[str]:
 def test_each_hand_written_case_parses_as_stated(case: Case) -> None:
     got = run(case, [case.text])
     assert (got["reasoning"], got["content"], got["calls"]) == (
-        case.reasoning, case.content, case.calls)
+        case.reasoning,
+        case.content,
+        case.calls,
+    )
     assert got["made"] == len(case.calls)
 
 
@@ -82,7 +85,10 @@ def test_the_generated_corpus_parses_as_generated() -> None:
     for case in CORPUS:
         got = run(case, [case.text])
         assert (got["reasoning"], got["content"], got["calls"]) == (
-            case.reasoning, case.content, case.calls), case.name
+            case.reasoning,
+            case.content,
+            case.calls,
+        ), case.name
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,9 +137,11 @@ def test_a_call_is_sent_whole_when_it_ends_and_never_when_it_is_cut() -> None:
 
 def test_arguments_are_typed_by_the_tools_schema_when_the_attribute_is_missing() -> None:
     p = make_parser("deepseek_v4", "none", tools=TOOLS)
-    text = (f'<{D}tool_calls><{D}invoke name="get_weather">'
-            f'<{D}parameter name="city">123</{D}parameter>'
-            f'<{D}parameter name="days">123</{D}parameter></{D}invoke></{D}tool_calls>')
+    text = (
+        f'<{D}tool_calls><{D}invoke name="get_weather">'
+        f'<{D}parameter name="city">123</{D}parameter>'
+        f'<{D}parameter name="days">123</{D}parameter></{D}invoke></{D}tool_calls>'
+    )
     args = json.loads(p.feed(text).tool_calls[1].arguments)
     assert args == {"city": "123", "days": 123}  # city is a string in the schema
 
@@ -146,11 +154,17 @@ def test_without_a_reasoning_parser_think_tags_stay_text() -> None:
 @pytest.mark.parametrize(
     ("text", "calls", "content"),
     [
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-         [("get_weather", {"city": "Paris"})], ""),
-        ('Sure.\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n'
-         '<tool_call>{"name": "get_weather", "arguments": "{\\"days\\": 2}"}</tool_call>',
-         [("noop", {}), ("get_weather", {"days": 2})], "Sure.\n"),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            [("get_weather", {"city": "Paris"})],
+            "",
+        ),
+        (
+            'Sure.\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": "{\\"days\\": 2}"}</tool_call>',
+            [("noop", {}), ("get_weather", {"days": 2})],
+            "Sure.\n",
+        ),
         # Not JSON: not a call; the model's text is kept, not lost (the tags are markup).
         ("<tool_call>{oops</tool_call>", [], "{oops"),
     ],
@@ -163,13 +177,17 @@ def test_hermes(text: str, calls: list[Any], content: str) -> None:
 
 
 def test_deepseek_v31_and_v32() -> None:
-    v31 = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
-           '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    v31 = (
+        "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
     got = run(Case("v31", v31), list(v31), parser="deepseek_v31")
     assert (got["content"], got["calls"]) == ("Checking.", [("get_weather", {"city": "Paris"})])
-    v32 = (f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
-           f'<{D}parameter name="days" string="false">5</{D}parameter>\n'
-           f"</{D}invoke>\n</{D}function_calls>")
+    v32 = (
+        f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
+        f'<{D}parameter name="days" string="false">5</{D}parameter>\n'
+        f"</{D}invoke>\n</{D}function_calls>"
+    )
     got = run(Case("v32", v32), list(v32), parser="deepseek_v32")
     assert (got["content"], got["calls"]) == ("", [("get_weather", {"days": 5})])
 
@@ -224,22 +242,25 @@ def test_deepseek_v31_arguments_that_are_not_json_are_passed_on_as_written() -> 
     assert [(s.name, s.arguments) for s in steps] == [("get_weather", ""), (None, "{city: Paris}")]
 
 
-@pytest.mark.parametrize(("text", "string", "types", "value"), [
-    ("Paris", True, {"string"}, "Paris"),
-    ("123", True, {"string"}, "123"),           # a string stays a string, JSON-like or not
-    ("123", False, {"string"}, "123"),          # the schema wants a string: the text
-    ('"quoted"', False, {"string"}, "quoted"),  # a JSON string is a string
-    ("7", True, {"integer"}, 7),                # the hint the wrong way round: the schema
-    ("seven", True, {"integer"}, "seven"),      # fits nothing: never invented
-    ("3", None, {"integer"}, 3),                # no hint: JSON
-    ("[1, 2]", None, None, [1, 2]),             # no schema: the hint decides
-    ("[1, 2]", True, None, "[1, 2]"),
-    ("not json", False, None, "not json"),
-    ("NaN", False, None, "NaN"),                # not JSON
-    ("1e999", None, {"number"}, "1e999"),       # not representable in JSON
-    ("null", False, {"string", "null"}, None),
-    ('{"a": 1}', False, {"integer"}, {"a": 1}),  # meets no schema: the model's JSON
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "string", "types", "value"),
+    [
+        ("Paris", True, {"string"}, "Paris"),
+        ("123", True, {"string"}, "123"),  # a string stays a string, JSON-like or not
+        ("123", False, {"string"}, "123"),  # the schema wants a string: the text
+        ('"quoted"', False, {"string"}, "quoted"),  # a JSON string is a string
+        ("7", True, {"integer"}, 7),  # the hint the wrong way round: the schema
+        ("seven", True, {"integer"}, "seven"),  # fits nothing: never invented
+        ("3", None, {"integer"}, 3),  # no hint: JSON
+        ("[1, 2]", None, None, [1, 2]),  # no schema: the hint decides
+        ("[1, 2]", True, None, "[1, 2]"),
+        ("not json", False, None, "not json"),
+        ("NaN", False, None, "NaN"),  # not JSON
+        ("1e999", None, {"number"}, "1e999"),  # not representable in JSON
+        ("null", False, {"string", "null"}, None),
+        ('{"a": 1}', False, {"integer"}, {"a": 1}),  # meets no schema: the model's JSON
+    ],
+)
 def test_a_dsml_value_is_typed_by_its_hint_and_the_schema(
     text: str, string: bool | None, types: set[str] | None, value: Any
 ) -> None:

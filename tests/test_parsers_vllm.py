@@ -71,9 +71,11 @@ def vllm_parse() -> Any:
     def parse(case: Case) -> tuple[str, str, list[tuple[str, dict[str, Any]]]]:
         kwargs = {"thinking": case.forced}
         request = ChatCompletionRequest(
-            model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=TOOLS,
             chat_template_kwargs=kwargs,
-        )  # fmt: skip
+        )
         parser = DeepSeekV4Parser(tokenizer, tools=request.tools, chat_template_kwargs=kwargs)
         reasoning, content, calls = parser.parse(case.text, request, enable_auto_tools=True)
         found = [(c.name, json.loads(c.arguments)) for c in calls or []]
@@ -125,16 +127,22 @@ def test_vllm_server_cuts_think_tags_out_of_an_argument() -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.parser.parser_manager import ParserManager
 
-        composed = ParserManager.get_parser(tool_parser_name="deepseek_v4",
-                                            reasoning_parser_name="deepseek_v4",
-                                            enable_auto_tools=True)  # fmt: skip
+        composed = ParserManager.get_parser(
+            tool_parser_name="deepseek_v4",
+            reasoning_parser_name="deepseek_v4",
+            enable_auto_tools=True,
+        )
         assert composed is not None
         tokenizer = _VocabOnce(AutoTokenizer.from_pretrained(str(ensure_tiny_model())))
     value = "<think>a note</think> kept"
     text = block([invoke("write_file", [param("content", value)])])
     kwargs = {"thinking": False}
-    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                    tools=TOOLS, chat_template_kwargs=kwargs)  # fmt: skip
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=TOOLS,
+        chat_template_kwargs=kwargs,
+    )
     parser = composed(tokenizer, request.tools, chat_template_kwargs=kwargs)
     reasoning, _, calls = parser.parse(text, request, enable_auto_tools=True)
     assert reasoning == "a note"

@@ -61,8 +61,14 @@ WORKER_DETECTS = SERVER.heartbeat_timeout
 SLACK = 5.0  # s: process scheduling on a shared 2-core machine
 #: The frontend probes an inhibited worker at most this far apart (its default is 30 s).
 PROBE_BACKOFF_MAX = 4.0
-FRONTEND_ARGS = ("--tokenizer-backend", "hf", "--log-level", "info",
-                 "--probe-backoff-max", f"{PROBE_BACKOFF_MAX:g}")  # fmt: skip
+FRONTEND_ARGS = (
+    "--tokenizer-backend",
+    "hf",
+    "--log-level",
+    "info",
+    "--probe-backoff-max",
+    f"{PROBE_BACKOFF_MAX:g}",
+)
 #: A request still streaming when the partition comes: ~170 tokens/s at GPU speed,
 #: so about 20 s on the worker it starts on, longer than any detection here.
 LONG = 3000
@@ -74,8 +80,13 @@ HOLD = 10.0
 #: attempt (after at most one backoff period), the router's next probe of it (at most
 #: PROBE_BACKOFF_MAX after the last one) and the probes in a row that let it back.
 _HEALTH = HealthConfig(probe_backoff_max=PROBE_BACKOFF_MAX)
-HEAL_BOUND = (PLANE.connect_timeout + PLANE.backoff_max + _HEALTH.probe_backoff_max
-              + _HEALTH.recover_after * _HEALTH.probe_interval + SLACK)  # fmt: skip
+HEAL_BOUND = (
+    PLANE.connect_timeout
+    + PLANE.backoff_max
+    + _HEALTH.probe_backoff_max
+    + _HEALTH.recover_after * _HEALTH.probe_interval
+    + SLACK
+)
 
 
 def plane_env(secret: str) -> dict[str, str]:
@@ -94,9 +105,10 @@ async def stream_chat(url: str, max_tokens: int, arrivals: list[float]) -> int:
         "stream_options": {"include_usage": True},
     }
     events: list[Any] = []
-    async with httpx.AsyncClient(timeout=60.0) as http, http.stream(
-        "POST", url + "/v1/chat/completions", json=body
-    ) as r:
+    async with (
+        httpx.AsyncClient(timeout=60.0) as http,
+        http.stream("POST", url + "/v1/chat/completions", json=body) as r,
+    ):
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
@@ -183,23 +195,37 @@ async def test_streams_leave_a_partitioned_worker_and_it_comes_back(
     # The far worker at GPU speed (its streams are still running when the partition
     # comes), the near one 100x faster (what migrates there finishes at once).
     far = await start_worker(
-        nursery, "agg", log_dir=tmp_path, name="far", listen=f"{ns.inner}:0",
-        prefix_argv=ns.prefix, env=env, engine_args=["--speedup-ratio", "1"],
-    )  # fmt: skip
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        name="far",
+        listen=f"{ns.inner}:0",
+        prefix_argv=ns.prefix,
+        env=env,
+        engine_args=["--speedup-ratio", "1"],
+    )
     near = await start_worker(
-        nursery, "agg", log_dir=tmp_path, name="near", env=env,
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        name="near",
+        env=env,
         engine_args=["--speedup-ratio", "100"],
-    )  # fmt: skip
+    )
     assert far.address.startswith(f"tcp://{ns.inner}:")
     frontend = await start_frontend(
-        nursery, log_dir=tmp_path, workers=f"{far.static_url()},{near.static_url()}",
-        extra_args=FRONTEND_ARGS, env=env,
-    )  # fmt: skip
+        nursery,
+        log_dir=tmp_path,
+        workers=f"{far.static_url()},{near.static_url()}",
+        extra_args=FRONTEND_ARGS,
+        env=env,
+    )
     url, fid, nid = frontend.address, far.worker_id, near.worker_id
     await wait_routing(
-        url, lambda v: all(v.get(w, {}).get("state") == "healthy" for w in (fid, nid)),
+        url,
+        lambda v: all(v.get(w, {}).get("state") == "healthy" for w in (fid, nid)),
         within=30,
-    )  # fmt: skip
+    )
 
     arrivals: list[list[float]] = [[] for _ in range(4)]
     tokens: dict[int, int] = {}
@@ -245,9 +271,12 @@ async def test_streams_leave_a_partitioned_worker_and_it_comes_back(
     assert max(latencies) <= max(PLANE.ack_timeout, PLANE.connect_timeout) + SLACK, latencies
     log.info(
         "partition: streams moved %s s after it; %d requests meanwhile, slowest %.2f s; "
-        "the far worker at the heal: %s", [round(m, 2) for m in moved], len(latencies),
-        max(latencies), at_heal[fid],
-    )  # fmt: skip
+        "the far worker at the heal: %s",
+        [round(m, 2) for m in moved],
+        len(latencies),
+        max(latencies),
+        at_heal[fid],
+    )
 
     healed_at, healed_wall = trio.current_time(), datetime.now()
     await ns.heal()
@@ -265,8 +294,13 @@ async def test_streams_leave_a_partitioned_worker_and_it_comes_back(
     reconnected = logged_at(frontend.log_path, f"reconnected to {fid} ")
     reconnect_after = (reconnected - healed_wall).total_seconds()
     assert reconnect_after <= PLANE.connect_timeout + PLANE.backoff_max + SLACK
-    log.info("heal: the frontend reconnected %.2f s after it; the far worker served again "
-             "%.2f s after it (%d probes)", reconnect_after, back_after, probes)  # fmt: skip
+    log.info(
+        "heal: the frontend reconnected %.2f s after it; the far worker served again "
+        "%.2f s after it (%d probes)",
+        reconnect_after,
+        back_after,
+        probes,
+    )
 
     # The far worker let go too: it dropped the frontend's connection and cancelled the
     # two streams (their KV freed) instead of generating into the void. Streaming at GPU
@@ -276,14 +310,19 @@ async def test_streams_leave_a_partitioned_worker_and_it_comes_back(
     stats = await client.fetch_stats()
     await client.aclose()
     assert counters(stats, "cancelled_total", "inflight", "engine_kv_blocks_used") == {
-        "cancelled_total": 2, "inflight": 0, "engine_kv_blocks_used": 0,
-    }  # fmt: skip
+        "cancelled_total": 2,
+        "inflight": 0,
+        "engine_kv_blocks_used": 0,
+    }
     dropped = counters(stats, "plane_peer_timeouts_total", "plane_write_timeouts_total")
     assert sum(dropped.values()) == 1, dropped
     assert far.log_path is not None
     let_go = logged_at(far.log_path, "stopped reading for|nothing from")
-    log.info("partition: the far worker dropped the frontend's connection %.2f s after it (%s)",
-             (let_go - partitioned_wall).total_seconds(), dropped)  # fmt: skip
+    log.info(
+        "partition: the far worker dropped the frontend's connection %.2f s after it (%s)",
+        (let_go - partitioned_wall).total_seconds(),
+        dropped,
+    )
     await stop_all([frontend, far, near])
 
 
@@ -303,13 +342,22 @@ async def test_worker_frees_the_requests_of_a_frontend_that_vanished(
     # The mocker at 1/50 of GPU speed: a token every ~0.3 s per stream, so its writes
     # never fill the socket buffers and only the silence can give the frontend away.
     worker = await start_worker(
-        nursery, "agg", log_dir=tmp_path, listen=f"{ns.outer}:0", env=env,
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        listen=f"{ns.outer}:0",
+        env=env,
         engine_args=["--speedup-ratio", "0.02"],
-    )  # fmt: skip
+    )
     frontend = await start_frontend(
-        nursery, log_dir=tmp_path, host=ns.inner, prefix_argv=ns.prefix,
-        workers=worker.static_url(), extra_args=FRONTEND_ARGS, env=env,
-    )  # fmt: skip
+        nursery,
+        log_dir=tmp_path,
+        host=ns.inner,
+        prefix_argv=ns.prefix,
+        workers=worker.static_url(),
+        extra_args=FRONTEND_ARGS,
+        env=env,
+    )
     await wait_healthy(frontend.address, within=30, child=frontend)
     # Ours reaches the worker's address from the root namespace: never over the veth.
     client = await stats_client(nursery, worker, secret)
@@ -340,12 +388,21 @@ async def test_worker_frees_the_requests_of_a_frontend_that_vanished(
         while (stats := await client.fetch_stats())["inflight"]:
             await trio.sleep(0.1)
     assert counters(
-        stats, "inflight", "engine_kv_blocks_used", "cancelled_total", "plane_connections",
-        "plane_peer_timeouts_total", "plane_write_timeouts_total",
+        stats,
+        "inflight",
+        "engine_kv_blocks_used",
+        "cancelled_total",
+        "plane_connections",
+        "plane_peer_timeouts_total",
+        "plane_write_timeouts_total",
     ) == {
-        "inflight": 0, "engine_kv_blocks_used": 0, "cancelled_total": 2,
-        "plane_connections": 1, "plane_peer_timeouts_total": 1, "plane_write_timeouts_total": 0,
-    }  # fmt: skip
+        "inflight": 0,
+        "engine_kv_blocks_used": 0,
+        "cancelled_total": 2,
+        "plane_connections": 1,
+        "plane_peer_timeouts_total": 1,
+        "plane_write_timeouts_total": 0,
+    }
     await client.aclose()
     await ns.heal()
     await stop_all([frontend, worker])

@@ -152,18 +152,32 @@ def fuzz_request(rid: str, max_tokens: int) -> GenerateRequest:
 #: What a client may send after the handshake (each valid, some refused by the engine:
 #: max_tokens 0; some long-running: max_tokens 10**6, cancelled when the peer goes).
 CLIENT_FRAMES: list[Frame] = [
-    Ping(1), Pong(2), GetStats(3), Cancel("nobody"), Cancel("fz-1"), KvRelease("t-none"),
-    KvPull("t-none"), fuzz_request("fz-1", 3), fuzz_request("fz-2", 0),
+    Ping(1),
+    Pong(2),
+    GetStats(3),
+    Cancel("nobody"),
+    Cancel("fz-1"),
+    KvRelease("t-none"),
+    KvPull("t-none"),
+    fuzz_request("fz-1", 3),
+    fuzz_request("fz-2", 0),
     fuzz_request("fz-3", 10**6),
-]  # fmt: skip
+]
 #: What only a worker sends, and the handshake's frames again: refused after it.
 WRONG_WAY: list[Frame] = [
-    Hello(PROTOCOL_VERSION, "frontend", "fz", "", NONCE), Auth(b"a" * 32),
-    Challenge(NONCE, b"p" * 32), HelloOk(PROTOCOL_VERSION, "agg", "x", MODEL), Ack("fz-1"),
-    Chunk("fz-1", [1]), End("fz-1"), Error("fz-1", ErrorCode.INTERNAL, "x"),
-    Fault("protocol_error", "x"), KvData("t-none", b"\0" * 64, True), Stats(1, {"a": 1}),
+    Hello(PROTOCOL_VERSION, "frontend", "fz", "", NONCE),
+    Auth(b"a" * 32),
+    Challenge(NONCE, b"p" * 32),
+    HelloOk(PROTOCOL_VERSION, "agg", "x", MODEL),
+    Ack("fz-1"),
+    Chunk("fz-1", [1]),
+    End("fz-1"),
+    Error("fz-1", ErrorCode.INTERNAL, "x"),
+    Fault("protocol_error", "x"),
+    KvData("t-none", b"\0" * 64, True),
+    Stats(1, {"a": 1}),
     GoAway("x"),
-]  # fmt: skip
+]
 ACCEPTED_AFTER_HANDSHAKE = (GenerateRequest, Cancel, Ping, Pong, KvPull, KvRelease, GetStats)
 FROM_A_WORKER = (HelloOk, Challenge, Fault, Ack, Chunk, End, Error, Pong, Stats, KvData, GoAway)
 
@@ -363,9 +377,13 @@ async def run_script(address: str, secret: bytes | None, script: Script) -> Seen
             if isinstance(frames[0], HelloOk) and secret is not None:
                 hello_ok = frames[0]
                 session = derive_session(
-                    secret, "client", NONCE, server_nonce, ("frontend", "fuzzer", ""),
+                    secret,
+                    "client",
+                    NONCE,
+                    server_nonce,
+                    ("frontend", "fuzzer", ""),
                     (hello_ok.role, hello_ok.worker_id, hello_ok.model),
-                )  # fmt: skip
+                )
                 decoder.mac = session.receive
         return True
 
@@ -455,9 +473,7 @@ def oversize(limit: int) -> st.SearchStrategy[bytes]:
     )
 
 
-FRAME_BYTES = st.builds(
-    mutate, st.sampled_from(CLIENT_FRAMES + WRONG_WAY).map(encode), MUTATIONS
-)
+FRAME_BYTES = st.builds(mutate, st.sampled_from(CLIENT_FRAMES + WRONG_WAY).map(encode), MUTATIONS)
 JUNK = st.one_of(
     st.binary(min_size=1, max_size=64),
     FRAME_BYTES,
@@ -530,11 +546,12 @@ LIVE_EXAMPLES = int(os.environ.get("HEADWATER_FUZZ_EXAMPLES", "15"))
 
 
 @settings(
-    max_examples=LIVE_EXAMPLES, deadline=None,
+    max_examples=LIVE_EXAMPLES,
+    deadline=None,
     # Replaying a failure takes seconds per step: report it as found, unshrunk.
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)  # fmt: skip
+)
 @given(
     scripts=st.lists(SCRIPTS, min_size=1, max_size=6),
     secret=st.sampled_from([None, SECRET]),
@@ -573,15 +590,19 @@ async def _fuzz_one_worker(
     worker: RunningWorker = await nursery.start(partial(serve_worker, config))
     instance = WorkerInstance(worker.worker_id, worker.role, worker.model, worker.address)
     honest = await connect_worker(
-        instance, nursery, secret=secret,
+        instance,
+        nursery,
+        secret=secret,
         config=PlaneConfig(heartbeat_interval=0.1, heartbeat_timeout=2.0),
-    )  # fmt: skip
+    )
 
     async def one_honest(i: int) -> list[Chunk]:
         req = GenerateRequest(
-            f"honest-{i}", MODEL, list(range(5, 105)),
+            f"honest-{i}",
+            MODEL,
+            list(range(5, 105)),
             SamplingParams(max_tokens=16, ignore_eos=True, seed=11),
-        )  # fmt: skip
+        )
         async with honest.stream(req) as chunks:
             got = [c async for c in chunks]
         handle = got[-1].kv_handle
@@ -600,9 +621,11 @@ async def _fuzz_one_worker(
     def quiet() -> bool:
         stats = worker.runtime.statistics()
         return (
-            worker.server.statistics().connections == 1 and stats.inflight == 0
-            and stats.engine.kv_blocks_used == 0 and stats.engine.kv_transfers_held == 0
-        )  # fmt: skip
+            worker.server.statistics().connections == 1
+            and stats.inflight == 0
+            and stats.engine.kv_blocks_used == 0
+            and stats.engine.kv_transfers_held == 0
+        )
 
     await wait_until(quiet)
     before, tasks, fds = worker.server.statistics(), task_count(), open_fds()
@@ -618,8 +641,7 @@ async def _fuzz_one_worker(
             honest_runs += 1
             # The same prompt and seed: the same tokens, however busy the worker is.
             assert [c.token_ids for c in got] == [c.token_ids for c in reference] or (
-                [t for c in got for t in c.token_ids]
-                == [t for c in reference for t in c.token_ids]
+                [t for c in got for t in c.token_ids] == [t for c in reference for t in c.token_ids]
             )
             assert got[-1].finish_reason == reference[-1].finish_reason
 
@@ -769,8 +791,7 @@ class FakePrefill:
                             await send(encode(Pong(frame.seq)))
                         elif isinstance(frame, KvPull):
                             moves = self.answers.pop(frame.transfer_id, [("error", 0)])
-                            nursery.start_soon(self._answer, send, stream, frame.transfer_id,
-                                               moves)  # fmt: skip
+                            nursery.start_soon(self._answer, send, stream, frame.transfer_id, moves)
             nursery.cancel_scope.cancel()
 
     async def _greet(
@@ -840,14 +861,13 @@ class FakePrefill:
 
 
 @settings(
-    max_examples=LIVE_EXAMPLES, deadline=None,
+    max_examples=LIVE_EXAMPLES,
+    deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)  # fmt: skip
+)
 @given(
-    pulls=st.lists(
-        st.tuples(st.lists(MOVES, max_size=4), ENDS, GREETINGS), min_size=1, max_size=6
-    ),
+    pulls=st.lists(st.tuples(st.lists(MOVES, max_size=4), ENDS, GREETINGS), min_size=1, max_size=6),
     secret=st.sampled_from([None, SECRET]),
 )
 async def test_a_decode_worker_pulling_from_a_fuzzed_prefill_worker(
@@ -869,9 +889,11 @@ async def _fuzz_pulls(
     nursery: trio.Nursery, pulls: list[tuple[list[Move], Move, str]], secret: bytes | None
 ) -> None:
     config = WorkerConfig(
-        role=Role.DECODE, engine_config=MockerConfig(speedup_ratio=FAST), secret=secret,
+        role=Role.DECODE,
+        engine_config=MockerConfig(speedup_ratio=FAST),
+        secret=secret,
         plane=PULL_TIMEOUTS,
-    )  # fmt: skip
+    )
     decode: RunningWorker = await nursery.start(partial(serve_worker, config))
     assert decode.kv_transfer is not None
     fake = FakePrefill(secret)
@@ -881,9 +903,12 @@ async def _fuzz_pulls(
 
     def leg(rid: str, handle: KvHandle | None) -> GenerateRequest:
         return GenerateRequest(
-            rid, MODEL, list(range(7, 7 + PROMPT)),
-            SamplingParams(max_tokens=4, ignore_eos=True, seed=3), handle,
-        )  # fmt: skip
+            rid,
+            MODEL,
+            list(range(7, 7 + PROMPT)),
+            SamplingParams(max_tokens=4, ignore_eos=True, seed=3),
+            handle,
+        )
 
     async def pull_through(rid: str, prefill: FakePrefill, moves: list[Move]) -> bool:
         """A decode leg whose KV the fake answers with *moves*: True if it ran."""
@@ -906,9 +931,10 @@ async def _fuzz_pulls(
     def quiet() -> bool:
         stats = decode.runtime.statistics()
         return (
-            stats.inflight == 0 and stats.engine.kv_blocks_used == 0
+            stats.inflight == 0
+            and stats.engine.kv_blocks_used == 0
             and stats.engine.waiting_requests == 0
-        )  # fmt: skip
+        )
 
     assert await pull_through("warm-up", fake, [("last", 4096)])
     await wait_until(quiet)

@@ -132,8 +132,12 @@ async def test_a_merge_stops_at_a_finish_a_kv_handle_and_an_error() -> None:
     handle = KvHandle("p", "memory://p", "t", 3)
     send, receive = trio.open_memory_channel[Reply](REPLY_BUFFER)
     for reply in (
-        Chunk("r", [1]), Chunk("r", [2]), Chunk("r", [], kv_handle=handle),
-        Chunk("r", [3]), Chunk("r", [4], FinishReason.STOP), Chunk("r", [5]),
+        Chunk("r", [1]),
+        Chunk("r", [2]),
+        Chunk("r", [], kv_handle=handle),
+        Chunk("r", [3]),
+        Chunk("r", [4], FinishReason.STOP),
+        Chunk("r", [5]),
         Error("r", ErrorCode.INTERNAL, "boom"),
     ):
         send.send_nowait(reply)

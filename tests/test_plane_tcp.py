@@ -77,7 +77,9 @@ def request(
     rid: str, max_tokens: int = 8, prompt: int = 100, seed: int | None = 7
 ) -> GenerateRequest:
     return GenerateRequest(
-        rid, MODEL, list(range(3, 3 + prompt)),
+        rid,
+        MODEL,
+        list(range(3, 3 + prompt)),
         SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed),
     )
 
@@ -87,8 +89,12 @@ def instance_of(worker: RunningWorker) -> WorkerInstance:
 
 
 async def start_worker(
-    nursery: trio.Nursery, *, speedup: float = FAST, role: Role = Role.AGG,
-    kv_bytes_per_token: int = 16, **kw: object,
+    nursery: trio.Nursery,
+    *,
+    speedup: float = FAST,
+    role: Role = Role.AGG,
+    kv_bytes_per_token: int = 16,
+    **kw: object,
 ) -> RunningWorker:
     engine_config = MockerConfig(speedup_ratio=speedup, kv_bytes_per_token=kv_bytes_per_token)
     config = WorkerConfig(role=role, engine_config=engine_config, **kw)  # type: ignore[arg-type]
@@ -248,8 +254,10 @@ def _frame(body: object) -> bytes:
         (b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", "protocol_error"),
         (struct.pack(">I", 64 * 1024 * 1024 + 1), "frame_too_large"),
         (_frame({"k": "no_such_kind"}), "protocol_error"),
-        (_frame({"k": "hello_ok", "version": 1, "role": "x", "worker_id": "y", "model": ""}),
-         "protocol_error"),
+        (
+            _frame({"k": "hello_ok", "version": 1, "role": "x", "worker_id": "y", "model": ""}),
+            "protocol_error",
+        ),
     ],
     ids=["garbage", "oversize", "unknown-kind", "wrong-direction"],
 )
@@ -337,8 +345,9 @@ async def test_kv_nobody_will_pull_is_released_over_either_transport(
         MemoryWorkerClient(instance_of(prefill), runtime),
     ]
     for client, worker_runtime in zip(clients, (prefill.runtime, runtime), strict=True):
-        held = [(await collect(client, request(f"r{i}", prompt=300)))[0].kv_handle
-                for i in range(2)]  # fmt: skip
+        held = [
+            (await collect(client, request(f"r{i}", prompt=300)))[0].kv_handle for i in range(2)
+        ]
         assert worker_runtime.statistics().engine.kv_transfers_held == 2
         assert held[0] is not None
         client.release_kv(held[0])
@@ -929,9 +938,12 @@ async def test_worker_cancels_the_kv_pull_of_a_silent_peer(
     )
     runtime = await start_runtime(nursery, engine, "p1")
     server = PlaneServer(
-        runtime, role=Role.PREFILL, model=MODEL, kv_source=engine,
+        runtime,
+        role=Role.PREFILL,
+        model=MODEL,
+        kv_source=engine,
         config=ServerConfig(write_timeout=3600),  # only the silence may end it
-    )  # fmt: skip
+    )
     ours = await handshaken_peer(nursery, server, lockstep=True)  # a write waits for us
     await ours.send_all(encode(request("p", max_tokens=1, prompt=500)))
     decoder: FrameDecoder = FrameDecoder()
@@ -950,7 +962,6 @@ async def test_worker_cancels_the_kv_pull_of_a_silent_peer(
     assert server.statistics().connections == 0  # the pull task is gone with it
     assert server.statistics().peer_timeouts_total == 1
     assert trio.current_time() - silent_since == server.config.heartbeat_timeout
-
 
 
 def _lowat(stream: object) -> int:

@@ -41,9 +41,11 @@ CONNECT = 2.0  # connect_timeout: every refusal must come well before it
 
 def request(rid: str, max_tokens: int = 8, prompt: int = 100) -> GenerateRequest:
     return GenerateRequest(
-        rid, MODEL, list(range(3, 3 + prompt)),
+        rid,
+        MODEL,
+        list(range(3, 3 + prompt)),
         SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=7),
-    )  # fmt: skip
+    )
 
 
 def tls_of(pem: Pem) -> TlsConfig:
@@ -58,9 +60,12 @@ async def start_worker(
     nursery: trio.Nursery, pem: Pem | None, *, role: Role = Role.AGG, **kw: object
 ) -> RunningWorker:
     config = WorkerConfig(
-        role=role, engine_config=MockerConfig(speedup_ratio=100_000.0, kv_bytes_per_token=16),
-        secret=SECRET, tls=tls_of(pem) if pem else None, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+        role=role,
+        engine_config=MockerConfig(speedup_ratio=100_000.0, kv_bytes_per_token=16),
+        secret=SECRET,
+        tls=tls_of(pem) if pem else None,
+        **kw,  # type: ignore[arg-type]
+    )
     return await nursery.start(partial(serve_worker, config))
 
 
@@ -93,8 +98,9 @@ async def test_a_frontend_client_and_a_worker_over_mutual_tls(
 ) -> None:
     worker = await start_worker(nursery, issue(ca, tmp_path, "worker", "127.0.0.1"))
     frontend = issue(ca, tmp_path, "frontend", "frontend.headwater")
-    client = await connect_worker(instance_of(worker), nursery, secret=SECRET,
-                                  config=plane(frontend))  # fmt: skip
+    client = await connect_worker(
+        instance_of(worker), nursery, secret=SECRET, config=plane(frontend)
+    )
     assert len(await tokens(client, request("a"))) == 8
     conn = client._conn
     assert conn is not None
@@ -111,8 +117,9 @@ async def test_a_worker_that_closes_a_tls_connection_is_seen_to_close_it(
     # the client reads that as the worker closing, not as a broken read.
     worker = await start_worker(nursery, issue(ca, tmp_path, "worker", "127.0.0.1"))
     frontend = issue(ca, tmp_path, "frontend", "frontend.headwater")
-    client = await connect_worker(instance_of(worker), nursery, secret=SECRET,
-                                  config=plane(frontend))  # fmt: skip
+    client = await connect_worker(
+        instance_of(worker), nursery, secret=SECRET, config=plane(frontend)
+    )
     conn = client._conn
     assert conn is not None
     await worker.server.close_connections(1.0)
@@ -130,28 +137,38 @@ async def test_a_client_without_a_certificate_is_refused(
     async def no_certificate() -> trio.SSLStream[trio.SocketStream]:
         context = ssl.create_default_context()
         ca.configure_trust(context)  # trusts the worker, has nothing to show it
-        stream = trio.SSLStream(await trio.open_tcp_stream(host, port), context,
-                                server_hostname=host)  # fmt: skip
+        stream = trio.SSLStream(
+            await trio.open_tcp_stream(host, port), context, server_hostname=host
+        )
         await stream.do_handshake()  # TLS 1.3: the client's side ends before the check
         return stream
 
-    failure = await refused(partial(
-        dial, no_certificate, role="frontend", peer_id="anon", secret=SECRET, config=plane(None)
-    ))  # fmt: skip
+    failure = await refused(
+        partial(
+            dial, no_certificate, role="frontend", peer_id="anon", secret=SECRET, config=plane(None)
+        )
+    )
     assert isinstance(failure, HandshakeFailed)
     assert failure.code == "tls"
     assert "does it accept this end's certificate?" in str(failure)
     # A client that does not speak TLS at all gets no further.
-    failure = await refused(partial(
-        dial, tcp_connector(worker.address), role="frontend", peer_id="plain", secret=SECRET,
-        config=plane(None),
-    ))  # fmt: skip
+    failure = await refused(
+        partial(
+            dial,
+            tcp_connector(worker.address),
+            role="frontend",
+            peer_id="plain",
+            secret=SECRET,
+            config=plane(None),
+        )
+    )
     assert "TLS" in str(failure)
     assert worker.server.statistics().tls_failures_total == 2
     # The worker serves on, to a client with a certificate.
     frontend = issue(ca, tmp_path, "frontend", "frontend.headwater")
-    client = await connect_worker(instance_of(worker), nursery, secret=SECRET,
-                                  config=plane(frontend))  # fmt: skip
+    client = await connect_worker(
+        instance_of(worker), nursery, secret=SECRET, config=plane(frontend)
+    )
     assert len(await tokens(client, request("b"))) == 8
 
 
@@ -162,17 +179,19 @@ async def test_a_wrong_ca_is_refused_either_way(
     other = trustme.CA()
     # The client trusts another CA: it refuses the worker.
     mistrusting = issue(ca, tmp_path, "mistrusting", "frontend.headwater", trusting=other)
-    failure = await refused(partial(
-        connect_worker, instance_of(worker), nursery, secret=SECRET, config=plane(mistrusting)
-    ))  # fmt: skip
+    failure = await refused(
+        partial(
+            connect_worker, instance_of(worker), nursery, secret=SECRET, config=plane(mistrusting)
+        )
+    )
     assert isinstance(failure, HandshakeFailed)
     assert failure.code == "tls"
     assert "certificate verify failed" in str(failure)
     # The client's certificate is another CA's: the worker refuses it.
     stranger = issue(other, tmp_path, "stranger", "frontend.headwater", trusting=ca)
-    failure = await refused(partial(
-        connect_worker, instance_of(worker), nursery, secret=SECRET, config=plane(stranger)
-    ))  # fmt: skip
+    failure = await refused(
+        partial(connect_worker, instance_of(worker), nursery, secret=SECRET, config=plane(stranger))
+    )
     assert isinstance(failure, HandshakeFailed)
     assert failure.code == "tls"
     assert "refused by the worker" in str(failure)
@@ -189,16 +208,15 @@ async def test_a_worker_whose_certificate_does_not_name_its_host_is_refused(
     # A worker that skipped that check (a PlaneServer of its own) is refused by clients.
     engine = MockerEngine(MockerConfig(speedup_ratio=100_000.0), Role.AGG, "w-else")
     runtime = await start_runtime(nursery, engine, "w-else")
-    server = PlaneServer(runtime, role=Role.AGG, model=MODEL, secret=SECRET,
-                         tls=tls_of(elsewhere))  # fmt: skip
+    server = PlaneServer(runtime, role=Role.AGG, model=MODEL, secret=SECRET, tls=tls_of(elsewhere))
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     await nursery.start(server.serve, listeners)
     port = listeners[0].socket.getsockname()[1]
     instance = WorkerInstance("w-else", Role.AGG, MODEL, f"tcp://127.0.0.1:{port}")
     frontend = issue(ca, tmp_path, "frontend", "frontend.headwater")
-    failure = await refused(partial(
-        connect_worker, instance, nursery, secret=SECRET, config=plane(frontend)
-    ))  # fmt: skip
+    failure = await refused(
+        partial(connect_worker, instance, nursery, secret=SECRET, config=plane(frontend))
+    )
     assert isinstance(failure, HandshakeFailed)
     assert failure.code == "tls"
     assert "IP address mismatch" in str(failure)
@@ -211,9 +229,9 @@ async def test_tls_against_a_plain_worker_is_refused(
 ) -> None:
     worker = await start_worker(nursery, None)
     frontend = issue(ca, tmp_path, "frontend", "frontend.headwater")
-    failure = await refused(partial(
-        connect_worker, instance_of(worker), nursery, secret=SECRET, config=plane(frontend)
-    ))  # fmt: skip
+    failure = await refused(
+        partial(connect_worker, instance_of(worker), nursery, secret=SECRET, config=plane(frontend))
+    )
     assert isinstance(failure, HandshakeFailed)
     assert failure.code == "tls"
     assert "TLS handshake with 127.0.0.1" in str(failure)
@@ -225,15 +243,15 @@ async def test_tls_against_a_plain_worker_is_refused(
 async def test_the_kv_pull_between_two_tls_workers(
     ca: trustme.CA, tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    prefill = await start_worker(nursery, issue(ca, tmp_path, "prefill", "127.0.0.1"),
-                                 role=Role.PREFILL)  # fmt: skip
-    decode = await start_worker(nursery, issue(ca, tmp_path, "decode", "127.0.0.1"),
-                                role=Role.DECODE)  # fmt: skip
+    prefill = await start_worker(
+        nursery, issue(ca, tmp_path, "prefill", "127.0.0.1"), role=Role.PREFILL
+    )
+    decode = await start_worker(
+        nursery, issue(ca, tmp_path, "decode", "127.0.0.1"), role=Role.DECODE
+    )
     frontend = plane(issue(ca, tmp_path, "frontend", "frontend.headwater"))
-    to_prefill = await connect_worker(instance_of(prefill), nursery, secret=SECRET,
-                                      config=frontend)  # fmt: skip
-    to_decode = await connect_worker(instance_of(decode), nursery, secret=SECRET,
-                                     config=frontend)  # fmt: skip
+    to_prefill = await connect_worker(instance_of(prefill), nursery, secret=SECRET, config=frontend)
+    to_decode = await connect_worker(instance_of(decode), nursery, secret=SECRET, config=frontend)
     req = request("disagg", max_tokens=5, prompt=3000)
     async with to_prefill.stream(req) as chunks:
         (handoff,) = [c async for c in chunks]
@@ -254,19 +272,21 @@ async def test_the_kv_pull_between_two_tls_workers(
 async def test_a_decode_worker_without_tls_cannot_pull_from_a_tls_prefill_worker(
     ca: trustme.CA, tmp_path: Path, nursery: trio.Nursery
 ) -> None:
-    prefill = await start_worker(nursery, issue(ca, tmp_path, "prefill", "127.0.0.1"),
-                                 role=Role.PREFILL)  # fmt: skip
+    prefill = await start_worker(
+        nursery, issue(ca, tmp_path, "prefill", "127.0.0.1"), role=Role.PREFILL
+    )
     decode = await start_worker(nursery, None, role=Role.DECODE)
     frontend = plane(issue(ca, tmp_path, "frontend", "frontend.headwater"))
-    to_prefill = await connect_worker(instance_of(prefill), nursery, secret=SECRET,
-                                      config=frontend)  # fmt: skip
-    to_decode = await connect_worker(instance_of(decode), nursery, secret=SECRET,
-                                     config=plane(None))  # fmt: skip
+    to_prefill = await connect_worker(instance_of(prefill), nursery, secret=SECRET, config=frontend)
+    to_decode = await connect_worker(
+        instance_of(decode), nursery, secret=SECRET, config=plane(None)
+    )
     req = request("disagg", max_tokens=5)
     async with to_prefill.stream(req) as chunks:
         (handoff,) = [c async for c in chunks]
-    decode_leg = GenerateRequest(req.request_id, MODEL, req.token_ids, req.sampling,
-                                 handoff.kv_handle)  # fmt: skip
+    decode_leg = GenerateRequest(
+        req.request_id, MODEL, req.token_ids, req.sampling, handoff.kv_handle
+    )
     with trio.fail_after(10), pytest.raises(WorkerError) as info:
         await tokens(to_decode, decode_leg)
     assert info.value.code is ErrorCode.KV_TRANSFER_FAILED
@@ -292,8 +312,14 @@ def test_headwater_worker_refuses_bad_tls_options(
     pem = issue(ca, tmp_path, "worker", "gpu-7.internal")
     assert headwater_main(["worker", "--plane-tls-certfile", pem.certfile]) == 2
     assert "all three" in capsys.readouterr().err
-    files = ["--plane-tls-certfile", pem.certfile, "--plane-tls-keyfile", pem.keyfile,
-             "--plane-tls-ca-file", pem.ca_file]  # fmt: skip
+    files = [
+        "--plane-tls-certfile",
+        pem.certfile,
+        "--plane-tls-keyfile",
+        pem.keyfile,
+        "--plane-tls-ca-file",
+        pem.ca_file,
+    ]
     assert headwater_main(["worker", *files]) == 2  # advertised as 127.0.0.1
     assert "mismatch" in capsys.readouterr().err
     missing = [*files[:-1], str(tmp_path / "missing.pem")]
@@ -308,20 +334,30 @@ async def test_a_frontend_serves_through_tls_workers(
     ca: trustme.CA, tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HEADWATER_PLANE_SECRET", SECRET.decode())
-    prefill = await start_worker(nursery, issue(ca, tmp_path, "prefill", "127.0.0.1"),
-                                 role=Role.PREFILL)  # fmt: skip
-    decode = await start_worker(nursery, issue(ca, tmp_path, "decode", "127.0.0.1"),
-                                role=Role.DECODE)  # fmt: skip
+    prefill = await start_worker(
+        nursery, issue(ca, tmp_path, "prefill", "127.0.0.1"), role=Role.PREFILL
+    )
+    decode = await start_worker(
+        nursery, issue(ca, tmp_path, "decode", "127.0.0.1"), role=Role.DECODE
+    )
     workers = ",".join(f"{w.address}?role={w.role}&id={w.worker_id}" for w in (prefill, decode))
     mine = issue(ca, tmp_path, "frontend", "frontend.headwater")
-    settings = {"workers": workers, "plane_tls_certfile": mine.certfile,
-                "plane_tls_keyfile": mine.keyfile, "plane_tls_ca_file": mine.ca_file}
+    settings = {
+        "workers": workers,
+        "plane_tls_certfile": mine.certfile,
+        "plane_tls_keyfile": mine.keyfile,
+        "plane_tls_ca_file": mine.ca_file,
+    }
     async with serve_frontend(**settings) as (_, url), httpx.AsyncClient(base_url=url) as c:
         with trio.fail_after(10):  # static workers are connected in the background
             while (await c.get("/health")).status_code != 200:
                 await trio.sleep(0.02)
-        body = {"model": MODEL, "max_tokens": 4, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
         r = await c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4

@@ -42,9 +42,10 @@ async def test_error_answers_reach_the_dashboard_with_their_request_ids(headwate
     async with server.client() as client:
         assert (await client.post("/v1/chat/completions", json=ok)).status_code == 200
         bad_json = await client.post(
-            "/v1/chat/completions", content=b"{not json", headers={
-                "content-type": "application/json", "X-Request-Id": "client-id-1"},
-        )  # fmt: skip
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json", "X-Request-Id": "client-id-1"},
+        )
         assert bad_json.status_code == 400
         unknown = await client.post("/v1/chat/completions", json={**ok, "model": "nope"})
         assert unknown.status_code == 404
@@ -71,23 +72,33 @@ def test_a_groups_dashboard_merges_every_processs_errors_newest_first() -> None:
     def snapshot(errors: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "model": MODEL,
-            "loop": {"threshold_s": 0.02, "window_s": 60.0, "bucket_s": 0.25, "delays": [],
-                     "max_delay_s": 0.0, "instrumented": True},
+            "loop": {
+                "threshold_s": 0.02,
+                "window_s": 60.0,
+                "bucket_s": 0.25,
+                "delays": [],
+                "max_delay_s": 0.0,
+                "instrumented": True,
+            },
             "stalls": {"records": [], "statistics": None},
             "pool": {"mode": "thread"},
-            "requests": {"inflight": 0, "by_status": {}, "by_code": {},
-                         "disconnected_clients": 0},
+            "requests": {"inflight": 0, "by_status": {}, "by_code": {}, "disconnected_clients": 0},
             "latency": {name: {"window_s": 60.0, "count": 0} for name in ("ttft", "itl")},
             "workers": [],
             "errors": errors,
-        }  # fmt: skip
+        }
 
     def error(at: float, rid: str) -> dict[str, Any]:
         return ErrorAnswer(at, 429, "POST", "/v1/completions", rid, "rate_limit", "m").to_dict()
 
-    members = [Member(slot=i, pid=100 + i, url=f"http://127.0.0.1:{9000 + i}", running=True,
-                      restarts=0) for i in (0, 1)]  # fmt: skip
+    members = [
+        Member(slot=i, pid=100 + i, url=f"http://127.0.0.1:{9000 + i}", running=True, restarts=0)
+        for i in (0, 1)
+    ]
     parts = [snapshot([error(3.0, "a3"), error(1.0, "a1")]), snapshot([error(2.0, "b2")])]
     merged = merge_dashboards(members, parts, LoadHistory(), 10.0, [])
     assert [(e["request_id"], e["process"]) for e in merged["errors"]] == [
-        ("a3", 0), ("b2", 1), ("a1", 0)]  # fmt: skip
+        ("a3", 0),
+        ("b2", 1),
+        ("a1", 0),
+    ]

@@ -26,8 +26,12 @@ class _Stub:
 
 def _router(policy: str, **kw: object) -> Router:
     router = Router(policy, rng=random.Random(1), **kw)  # type: ignore[arg-type]
-    for wid, role in (("p0", Role.PREFILL), ("p1", Role.PREFILL),
-                      ("d0", Role.DECODE), ("d1", Role.DECODE)):  # fmt: skip
+    for wid, role in (
+        ("p0", Role.PREFILL),
+        ("p1", Role.PREFILL),
+        ("d0", Role.DECODE),
+        ("d1", Role.DECODE),
+    ):
         router.add(_Stub(wid, role))  # type: ignore[arg-type]
     return router
 
@@ -82,7 +86,9 @@ async def test_a_worker_is_inhibited_after_consecutive_faults_only() -> None:
         router.report_failure(d0, ConnectionError("no ACK"))
         view = {v.worker_id: v for v in router.views()}["d0"]
         assert (view.state, view.failures, view.last_error) == (
-            WorkerState.HEALTHY, failures, "no ACK"
+            WorkerState.HEALTHY,
+            failures,
+            "no ACK",
         )
     router.report_success(d0)  # a served request: the faults in a row start again
     for _ in range(2):
@@ -115,12 +121,20 @@ async def test_an_inhibited_worker_is_probed_with_backoff_and_comes_back(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     changes: list[tuple[str, str, str]] = []
-    health = HealthConfig(inhibit_after=1, probe_backoff=1.0, probe_backoff_max=3.0,
-                          probe_jitter=0.0, recover_after=2, probe_interval=0.5)  # fmt: skip
+    health = HealthConfig(
+        inhibit_after=1,
+        probe_backoff=1.0,
+        probe_backoff_max=3.0,
+        probe_jitter=0.0,
+        recover_after=2,
+        probe_interval=0.5,
+    )
     router = Router(
-        "round-robin", health=health, rng=random.Random(1),
+        "round-robin",
+        health=health,
+        rng=random.Random(1),
         on_transition=lambda wid, c: changes.append((wid, c.old.value, c.new.value)),
-    )  # fmt: skip
+    )
     # Probes: one unanswered, then one answered and one unanswered, then two answered.
     worker = _Probed("d0", Role.DECODE, [False, True, False, True, True])
     router.add(worker)  # type: ignore[arg-type]
@@ -137,10 +151,13 @@ async def test_an_inhibited_worker_is_probed_with_backoff_and_comes_back(
     assert times == [1.0, 3.01, 3.52, 6.53, 7.04]
     assert changes == [
         ("d0", "healthy", "inhibited"),
-        ("d0", "inhibited", "probing"), ("d0", "probing", "inhibited"),
-        ("d0", "inhibited", "probing"), ("d0", "probing", "inhibited"),
-        ("d0", "inhibited", "probing"), ("d0", "probing", "healthy"),
-    ]  # fmt: skip
+        ("d0", "inhibited", "probing"),
+        ("d0", "probing", "inhibited"),
+        ("d0", "inhibited", "probing"),
+        ("d0", "probing", "inhibited"),
+        ("d0", "inhibited", "probing"),
+        ("d0", "probing", "healthy"),
+    ]
     assert router.routable(Role.DECODE, "m") == 1
 
 
@@ -164,7 +181,8 @@ async def test_a_busy_worker_is_skipped_while_another_is_free() -> None:
     assert router.all_busy(Role.DECODE, "m")
     assert router.pick(Role.DECODE, "m").instance.worker_id in ("d0", "d1")  # still picks
     assert {v.worker_id: v.busy for v in router.views() if v.role is Role.DECODE} == {
-        "d0": True, "d1": True,
+        "d0": True,
+        "d1": True,
     }
 
 

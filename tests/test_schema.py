@@ -34,8 +34,7 @@ def _chat(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": CHAT, **fields}
 
 
-def _refusal(body: Any, endpoint: str = "chat", limits: RequestLimits | None = None
-             ) -> ApiError:  # fmt: skip
+def _refusal(body: Any, endpoint: str = "chat", limits: RequestLimits | None = None) -> ApiError:
     with pytest.raises(ApiError) as caught:
         parse_request(body, endpoint, limits or RequestLimits())
     assert caught.value.status == 400
@@ -55,23 +54,30 @@ class Outer(msgspec.Struct):
     mapping: dict[str, int]
 
 
-
 @pytest.mark.parametrize(
     ("body", "param", "where"),
     [
         ({"messages": CHAT}, "model", "'model' is required"),  # missing at the root
         (_chat(max_tokens="5"), "max_tokens", "'max_tokens'"),
-        (_chat(stream_options={"include_usage": 1}), "stream_options.include_usage",
-         "'stream_options.include_usage'"),
-        (_chat(messages=[{"role": "wizard", "content": "x"}]), "messages",
-         "'messages[0].role'"),
-        (_chat(messages=[CHAT[0], {"role": "user"}]), "messages",
-         "'messages[1].content' is required"),  # missing below an index
+        (
+            _chat(stream_options={"include_usage": 1}),
+            "stream_options.include_usage",
+            "'stream_options.include_usage'",
+        ),
+        (_chat(messages=[{"role": "wizard", "content": "x"}]), "messages", "'messages[0].role'"),
+        (
+            _chat(messages=[CHAT[0], {"role": "user"}]),
+            "messages",
+            "'messages[1].content' is required",
+        ),  # missing below an index
         (_chat(stop=["a", ""]), "stop", "'stop[1]'"),
-        (_chat(chat_template_kwargs={"a": {"b": 1}}, tools=[{"function": {}}]), "tools",
-         "'tools[0].function.name' is required"),
+        (
+            _chat(chat_template_kwargs={"a": {"b": 1}}, tools=[{"function": {}}]),
+            "tools",
+            "'tools[0].function.name' is required",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_validation_error_names_the_field_and_the_exact_place(
     body: dict[str, Any], param: str, where: str
 ) -> None:
@@ -105,11 +111,23 @@ def test_the_error_text_of_msgspec_is_the_one_the_parser_reads() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_tokens", True), ("max_tokens", "5"), ("max_tokens", 1.5), ("seed", "7"),
-     ("temperature", "1"), ("temperature", True),
-     ("stream", 1), ("stop", 3), ("n", 1.0), ("n", 129), ("top_p", 1.01),
-     ("presence_penalty", -3), ("logprobs", 1), ("top_logprobs", -1)],
-)  # fmt: skip
+    [
+        ("max_tokens", True),
+        ("max_tokens", "5"),
+        ("max_tokens", 1.5),
+        ("seed", "7"),
+        ("temperature", "1"),
+        ("temperature", True),
+        ("stream", 1),
+        ("stop", 3),
+        ("n", 1.0),
+        ("n", 129),
+        ("top_p", 1.01),
+        ("presence_penalty", -3),
+        ("logprobs", 1),
+        ("top_logprobs", -1),
+    ],
+)
 def test_types_are_strict(field: str, value: Any) -> None:
     assert _refusal(_chat(**{field: value})).param == field
 
@@ -120,8 +138,17 @@ def test_an_infinite_number_is_out_of_range() -> None:
 
 
 def test_unknown_fields_pass_and_an_integer_is_a_number() -> None:
-    parsed = parse_request(_chat(temperature=1, top_p=0, tool_choice="auto", x={"y": [1]},
-                                 max_tokens=None, logprobs=False), "chat")  # fmt: skip
+    parsed = parse_request(
+        _chat(
+            temperature=1,
+            top_p=0,
+            tool_choice="auto",
+            x={"y": [1]},
+            max_tokens=None,
+            logprobs=False,
+        ),
+        "chat",
+    )
     assert parsed.sampling == SamplingOptions(temperature=1.0, top_p=0.0)
     assert parsed.messages == CHAT
 
@@ -141,10 +168,14 @@ def test_logprobs_n_and_echo_become_sampling_options() -> None:
     plain = parse_request({**completion, "logprobs": False}, "completions")
     assert plain.echo
     assert (plain.sampling.logprobs, plain.sampling.prompt_logprobs) == (None, None)
-    generate = parse_generate_request({"token_ids": [5], "sampling_params": {
-        "n": 2, "logprobs": 0, "prompt_logprobs": 20}})  # fmt: skip
-    assert (generate.sampling.n, generate.sampling.logprobs, generate.sampling.prompt_logprobs) \
-        == (2, 0, 20)
+    generate = parse_generate_request(
+        {"token_ids": [5], "sampling_params": {"n": 2, "logprobs": 0, "prompt_logprobs": 20}}
+    )
+    assert (generate.sampling.n, generate.sampling.logprobs, generate.sampling.prompt_logprobs) == (
+        2,
+        0,
+        20,
+    )
 
 
 @pytest.mark.parametrize(
@@ -155,13 +186,21 @@ def test_logprobs_n_and_echo_become_sampling_options() -> None:
         (_chat(n=2, best_of=1), "chat", "best_of", "less than 'n'"),
         (_chat(n=2, best_of=4), "chat", "best_of", "not supported"),
         (_chat(best_of=2), "chat", "best_of", "not supported"),
-        ({"model": MODEL, "prompt": "x", "logprobs": True}, "completions", "logprobs",
-         "an integer"),
+        (
+            {"model": MODEL, "prompt": "x", "logprobs": True},
+            "completions",
+            "logprobs",
+            "an integer",
+        ),
         ({"model": MODEL, "prompt": "x", "logprobs": 21}, "completions", "logprobs", "<= 20"),
-        ({"model": MODEL, "prompt": "x", "top_logprobs": 1}, "completions", "top_logprobs",
-         "chat field"),
+        (
+            {"model": MODEL, "prompt": "x", "top_logprobs": 1},
+            "completions",
+            "top_logprobs",
+            "chat field",
+        ),
     ],
-)  # fmt: skip
+)
 def test_logprobs_and_n_refusals_name_the_field(
     body: dict[str, Any], endpoint: str, param: str, says: str
 ) -> None:
@@ -182,27 +221,53 @@ def test_the_token_in_api_does_not_stream_prompt_logprobs() -> None:
 def test_messages_reach_the_template_with_the_fields_the_models_declare() -> None:
     """As vLLM's server passes them: role, content, name, tool calls, reasoning; a field
     the models do not declare is dropped (a bomb in one costs nothing)."""
-    messages = [{"role": "user", "content": "hi", "name": "ann", "x-custom": [[]] * 1000},
-                {"role": "assistant", "content": None, "prefix": True, "reasoning": "r",
-                 "tool_calls": [{"function": {"name": "f", "arguments": "{}"}, "extra": 1},
-                                {"id": "c2", "type": "function",
-                                 "function": {"name": "g", "arguments": {"x": [1]}}}]},
-                {"role": "tool", "content": [{"type": "text", "text": "42"}],
-                 "tool_call_id": "c2"}]  # fmt: skip
-    tools = [{"type": "function", "function": {"name": "f", "strict": True,
-                                               "parameters": {"type": "object"}}}]
-    parsed = parse_request(_chat(messages=messages, tools=tools,
-                                 chat_template_kwargs={"thinking": True}), "chat")
+    messages = [
+        {"role": "user", "content": "hi", "name": "ann", "x-custom": [[]] * 1000},
+        {
+            "role": "assistant",
+            "content": None,
+            "prefix": True,
+            "reasoning": "r",
+            "tool_calls": [
+                {"function": {"name": "f", "arguments": "{}"}, "extra": 1},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "g", "arguments": {"x": [1]}},
+                },
+            ],
+        },
+        {"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c2"},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "strict": True, "parameters": {"type": "object"}},
+        }
+    ]
+    parsed = parse_request(
+        _chat(messages=messages, tools=tools, chat_template_kwargs={"thinking": True}), "chat"
+    )
     assert parsed.messages == [
         {"role": "user", "content": "hi", "name": "ann"},
-        {"role": "assistant", "content": None, "reasoning": "r", "tool_calls": [
-            {"function": {"name": "f", "arguments": "{}"}},
-            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {"x": [1]}}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning": "r",
+            "tool_calls": [
+                {"function": {"name": "f", "arguments": "{}"}},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "g", "arguments": {"x": [1]}},
+                },
+            ],
+        },
         {"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c2"},
-    ]  # fmt: skip
-    assert parsed.tools == [{"type": "function",
-                             "function": {"name": "f", "parameters": {"type": "object"}}}]
+    ]
+    assert parsed.tools == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
     assert parsed.chat_template_kwargs == {"thinking": True}
 
 
@@ -230,35 +295,106 @@ def _limit(body: Any, limits: RequestLimits, endpoint: str = "chat") -> LimitExc
 @pytest.mark.parametrize(
     ("limits", "over", "at", "limit", "param", "code"),
     [
-        (RequestLimits(max_tokens_cap=64), _chat(max_tokens=65), _chat(max_tokens=64),
-         "max_tokens_cap", "max_tokens", "integer_above_max_value"),
-        (RequestLimits(max_tokens_cap=64), _chat(max_completion_tokens=65),
-         _chat(max_completion_tokens=64), "max_tokens_cap", "max_completion_tokens",
-         "integer_above_max_value"),
-        (RequestLimits(max_messages=3), _chat(messages=CHAT * 4), _chat(messages=CHAT * 3),
-         "max_messages", "messages", "array_above_max_length"),
-        (RequestLimits(max_prompt_chars=10),
-         _chat(messages=[{"role": "system", "content": "12345"},
-                         {"role": "user", "content": [{"type": "text", "text": "123456"}]}]),
-         _chat(messages=[{"role": "system", "content": "12345"},
-                         {"role": "user", "content": [{"type": "text", "text": "12345"}]}]),
-         "max_prompt_chars", "messages", "string_above_max_length"),
-        (RequestLimits(max_prompt_chars=10),
-         _chat(messages=[{"role": "assistant", "content": "1", "reasoning_content": "23456",
-                          "tool_calls": [{"function": {"name": "f", "arguments": "78901"}}]}]),
-         _chat(messages=[{"role": "assistant", "content": "1", "reasoning_content": "2345",
-                          "tool_calls": [{"function": {"name": "f", "arguments": "78901"}}]}]),
-         "max_prompt_chars", "messages", "string_above_max_length"),
-        (RequestLimits(max_stop_strings=2), _chat(stop=["a", "b", "c"]), _chat(stop=["a", "b"]),
-         "max_stop_strings", "stop", "array_above_max_length"),
-        (RequestLimits(max_stop_length=4), _chat(stop="abcde"), _chat(stop="abcd"),
-         "max_stop_length", "stop", "string_above_max_length"),
-        (RequestLimits(max_stop_length=4), _chat(stop=["a", "abcde"]), _chat(stop=["abcd"]),
-         "max_stop_length", "stop", "string_above_max_length"),
+        (
+            RequestLimits(max_tokens_cap=64),
+            _chat(max_tokens=65),
+            _chat(max_tokens=64),
+            "max_tokens_cap",
+            "max_tokens",
+            "integer_above_max_value",
+        ),
+        (
+            RequestLimits(max_tokens_cap=64),
+            _chat(max_completion_tokens=65),
+            _chat(max_completion_tokens=64),
+            "max_tokens_cap",
+            "max_completion_tokens",
+            "integer_above_max_value",
+        ),
+        (
+            RequestLimits(max_messages=3),
+            _chat(messages=CHAT * 4),
+            _chat(messages=CHAT * 3),
+            "max_messages",
+            "messages",
+            "array_above_max_length",
+        ),
+        (
+            RequestLimits(max_prompt_chars=10),
+            _chat(
+                messages=[
+                    {"role": "system", "content": "12345"},
+                    {"role": "user", "content": [{"type": "text", "text": "123456"}]},
+                ]
+            ),
+            _chat(
+                messages=[
+                    {"role": "system", "content": "12345"},
+                    {"role": "user", "content": [{"type": "text", "text": "12345"}]},
+                ]
+            ),
+            "max_prompt_chars",
+            "messages",
+            "string_above_max_length",
+        ),
+        (
+            RequestLimits(max_prompt_chars=10),
+            _chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "content": "1",
+                        "reasoning_content": "23456",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "78901"}}],
+                    }
+                ]
+            ),
+            _chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "content": "1",
+                        "reasoning_content": "2345",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "78901"}}],
+                    }
+                ]
+            ),
+            "max_prompt_chars",
+            "messages",
+            "string_above_max_length",
+        ),
+        (
+            RequestLimits(max_stop_strings=2),
+            _chat(stop=["a", "b", "c"]),
+            _chat(stop=["a", "b"]),
+            "max_stop_strings",
+            "stop",
+            "array_above_max_length",
+        ),
+        (
+            RequestLimits(max_stop_length=4),
+            _chat(stop="abcde"),
+            _chat(stop="abcd"),
+            "max_stop_length",
+            "stop",
+            "string_above_max_length",
+        ),
+        (
+            RequestLimits(max_stop_length=4),
+            _chat(stop=["a", "abcde"]),
+            _chat(stop=["abcd"]),
+            "max_stop_length",
+            "stop",
+            "string_above_max_length",
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_limit_refuses_one_past_it_and_takes_it(
-    limits: RequestLimits, over: dict[str, Any], at: dict[str, Any], limit: str, param: str,
+    limits: RequestLimits,
+    over: dict[str, Any],
+    at: dict[str, Any],
+    limit: str,
+    param: str,
     code: str,
 ) -> None:
     err = _limit(over, limits)
@@ -279,16 +415,26 @@ def test_completions_and_token_in_limits() -> None:
     with pytest.raises(LimitExceeded) as caught:
         parse_generate_request({"token_ids": [1], "sampling_params": {"max_tokens": 9}}, limits)
     assert (caught.value.limit, caught.value.param) == (
-        "max_tokens_cap", "sampling_params.max_tokens")
+        "max_tokens_cap",
+        "sampling_params.max_tokens",
+    )
     parse_generate_request({"token_ids": [1], "sampling_params": {"max_tokens": 8}}, limits)
 
 
 def test_a_benchmark_long_prompt_passes_the_default_limits() -> None:
     """The suite's ~40k-token prompts (docs/performance.md) are within every default."""
     words = random.Random(1).choices(WORDS, k=40_000)
-    body = orjson.loads(orjson.dumps(_chat(messages=[
-        {"role": "system", "content": " ".join(words)},
-        {"role": "user", "content": " ".join(words[:100])}], stop=["\n\nUser:"] * 16)))
+    body = orjson.loads(
+        orjson.dumps(
+            _chat(
+                messages=[
+                    {"role": "system", "content": " ".join(words)},
+                    {"role": "user", "content": " ".join(words[:100])},
+                ],
+                stop=["\n\nUser:"] * 16,
+            )
+        )
+    )
     parse_request(body, "chat")
     parse_request({"model": MODEL, "prompt": " ".join(words)}, "completions")
 

@@ -33,12 +33,38 @@ import trio
 from headwater.cluster.recipes import spawn_frontend, wait_healthy
 
 KEY = "schemathesis-key"
-SERVE = (sys.executable, "-m", "headwater", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--tokenizer-backend", "hf", "--speedup-ratio", "1000", "--context-length", "4096",
-         "--max-tokens-cap", "64", "--request-timeout", "30", "--log-level", "warning")  # fmt: skip
-CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
-          "response_headers_conformance", "response_schema_conformance",
-          "negative_data_rejection", "unsupported_method", "ignored_auth")  # fmt: skip
+SERVE = (
+    sys.executable,
+    "-m",
+    "headwater",
+    "serve",
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "0",
+    "--tokenizer-backend",
+    "hf",
+    "--speedup-ratio",
+    "1000",
+    "--context-length",
+    "4096",
+    "--max-tokens-cap",
+    "64",
+    "--request-timeout",
+    "30",
+    "--log-level",
+    "warning",
+)
+CHECKS = (
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_headers_conformance",
+    "response_schema_conformance",
+    "negative_data_rejection",
+    "unsupported_method",
+    "ignored_auth",
+)
 
 
 def _schemathesis() -> str:
@@ -62,24 +88,51 @@ TRANSLATED_POSTS = "^/(tokenize|detokenize|v1/messages|v1/messages/count_tokens|
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("operations", [("--exclude-path-regex", TRANSLATED),
-                                        ("--include-path-regex", TRANSLATED_POSTS)],
-                         ids=["core", "translated"])  # fmt: skip
+@pytest.mark.parametrize(
+    "operations",
+    [("--exclude-path-regex", TRANSLATED), ("--include-path-regex", TRANSLATED_POSTS)],
+    ids=["core", "translated"],
+)
 async def test_schemathesis_finds_no_server_error_and_no_schema_violation(
     tmp_path: Path, nursery: trio.Nursery, operations: tuple[str, str]
 ) -> None:
     st = _schemathesis()
     env = {**os.environ, "HEADWATER_API_KEYS": KEY}
-    frontend = await spawn_frontend(nursery, SERVE, name="frontend", env=env,
-                                    log_path=tmp_path / "frontend.log", ready_within=90)
+    frontend = await spawn_frontend(
+        nursery,
+        SERVE,
+        name="frontend",
+        env=env,
+        log_path=tmp_path / "frontend.log",
+        ready_within=90,
+    )
     await wait_healthy(frontend.address, within=60, child=frontend)
     run = await trio.run_process(
-        [st, "run", f"{frontend.address}/openapi.json", "--header", f"Authorization: Bearer {KEY}",
-         "--checks", ",".join(CHECKS), "--max-examples", "15", "--seed", "20261201",
-         "--generation-database", "none", "--workers", "2", "--request-timeout", "60",
-         *operations],
-        cwd=tmp_path, capture_stdout=True, capture_stderr=True, check=False,
-    )  # fmt: skip
+        [
+            st,
+            "run",
+            f"{frontend.address}/openapi.json",
+            "--header",
+            f"Authorization: Bearer {KEY}",
+            "--checks",
+            ",".join(CHECKS),
+            "--max-examples",
+            "15",
+            "--seed",
+            "20261201",
+            "--generation-database",
+            "none",
+            "--workers",
+            "2",
+            "--request-timeout",
+            "60",
+            *operations,
+        ],
+        cwd=tmp_path,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
     out = (run.stdout + run.stderr).decode(errors="replace")
     assert run.returncode == 0, out[-20_000:] + "\n--- server log ---\n" + frontend.log_tail()
     assert "No issues found" in out, out[-5_000:]

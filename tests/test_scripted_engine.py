@@ -83,9 +83,12 @@ def request(
     prompt: str, max_tokens: int = 100, rid: str = "r1", **sampling: Any
 ) -> GenerateRequest:
     return GenerateRequest(
-        rid, MODEL, prompt_ids(prompt), SamplingParams(max_tokens=max_tokens, **sampling),
+        rid,
+        MODEL,
+        prompt_ids(prompt),
+        SamplingParams(max_tokens=max_tokens, **sampling),
         eos_token_ids=(EOS,),
-    )  # fmt: skip
+    )
 
 
 # -- the script: parsing and matching ---------------------------------------------------
@@ -119,8 +122,10 @@ def test_the_first_matching_line_answers_else_the_default() -> None:
     [
         (b"", "no rules"),
         (b"\n  \n", "no rules"),
-        (b'{"default": true, "text": "x"}\n{"text": "y", "prompt_contains": "a"\n',
-         "line 2: not JSON"),
+        (
+            b'{"default": true, "text": "x"}\n{"text": "y", "prompt_contains": "a"\n',
+            "line 2: not JSON",
+        ),
         (b'["text", "x"]', "line 1: expected a JSON object, got list"),
         (b'{"prompt_contains": "a"}', 'line 1: needs "text"'),
         (b'{"prompt_contains": "a", "text": ""}', 'line 1: needs "text"'),
@@ -128,14 +133,18 @@ def test_the_first_matching_line_answers_else_the_default() -> None:
         (b'{"text": "x"}', 'line 1: needs either "prompt_contains" or "default"'),
         (b'{"default": true, "prompt_contains": "a", "text": "x"}', "line 1: needs either"),
         (b'{"default": false, "text": "x"}', 'line 1: "default" can only be true'),
-        (b'{"prompt_contains": "", "text": "x"}', "line 1: \"prompt_contains\" must be"),
-        (b'{"prompt_contains": null, "text": "x"}', "line 1: \"prompt_contains\" must be"),
+        (b'{"prompt_contains": "", "text": "x"}', 'line 1: "prompt_contains" must be'),
+        (b'{"prompt_contains": null, "text": "x"}', 'line 1: "prompt_contains" must be'),
         (b'{"promt_contains": "a", "text": "x"}', "line 1: unknown key 'promt_contains'"),
-        (b'{"default": true, "text": "x"}\n\n{"default": true, "text": "y"}',
-         "line 3: a second default rule (the first is on line 1)"),
-        (b'{"prompt_contains": "weather", "text": "x"}\n'
-         b'{"prompt_contains": "the weather in Paris", "text": "y"}',
-         "line 2: never answers: line 1's prompt_contains 'weather'"),
+        (
+            b'{"default": true, "text": "x"}\n\n{"default": true, "text": "y"}',
+            "line 3: a second default rule (the first is on line 1)",
+        ),
+        (
+            b'{"prompt_contains": "weather", "text": "x"}\n'
+            b'{"prompt_contains": "the weather in Paris", "text": "y"}',
+            "line 2: never answers: line 1's prompt_contains 'weather'",
+        ),
         (b'{"prompt_contains": "a", "text": "\xff"}', "line 1: not JSON"),
     ],
 )
@@ -189,20 +198,29 @@ def test_stop_token_ids_min_tokens_and_ignore_eos_bend_it_as_a_model() -> None:
     assert plan([7, 8, 9], stop_token_ids=(8,)) == [(7, None), (8, stop)]
     # ... but not before min_tokens: the text goes on, then starts over, until allowed.
     assert plan([7, 8, 9], stop_token_ids=(8,), min_tokens=2) == [
-        (7, None), (8, None), (9, None), (EOS, stop)
-    ]  # fmt: skip
+        (7, None),
+        (8, None),
+        (9, None),
+        (EOS, stop),
+    ]
     assert plan([7, 8, 9], stop_token_ids=(8,), min_tokens=4) == [
-        (7, None), (8, None), (9, None), (7, None), (8, stop)
-    ]  # fmt: skip
+        (7, None),
+        (8, None),
+        (9, None),
+        (7, None),
+        (8, stop),
+    ]
     # The text is said whole each time: EOS comes at the end of a pass.
-    assert plan([7, 8], min_tokens=3) == [
-        (7, None), (8, None), (7, None), (8, None), (EOS, stop)
-    ]  # fmt: skip
+    assert plan([7, 8], min_tokens=3) == [(7, None), (8, None), (7, None), (8, None), (EOS, stop)]
     assert plan([7, 8], min_tokens=2) == [(7, None), (8, None), (EOS, stop)]
     # ignore_eos: the text over and over, up to max_tokens; EOS is no stop token then.
     assert plan([7, EOS, 8], ignore_eos=True, max_tokens=5) == [
-        (7, None), (EOS, None), (8, None), (7, None), (EOS, length)
-    ]  # fmt: skip
+        (7, None),
+        (EOS, None),
+        (8, None),
+        (7, None),
+        (EOS, length),
+    ]
     # EOS written in the text stops it, as a model's EOS does.
     assert plan([7, EOS, 8]) == [(7, None), (EOS, stop)]
 
@@ -220,8 +238,12 @@ def test_a_prompt_ending_with_the_texts_start_is_continued() -> None:
     assert list(answer_tokens([7, 8, 9], params, (EOS,), 2)) == [(9, None), (EOS, stop)]
     assert list(answer_tokens([7, 8, 9], params, (EOS,), 3)) == [(EOS, stop)]
     # min_tokens past the rest: the text starts over, whole.
-    assert list(answer_tokens([7, 8], SamplingParams(max_tokens=9, min_tokens=2), (EOS,), 1)
-                ) == [(8, None), (7, None), (8, None), (EOS, stop)]  # fmt: skip
+    assert list(answer_tokens([7, 8], SamplingParams(max_tokens=9, min_tokens=2), (EOS,), 1)) == [
+        (8, None),
+        (7, None),
+        (8, None),
+        (EOS, stop),
+    ]
     with pytest.raises(ValueError, match="past the text"):
         list(answer_tokens([7, 8], params, (), 2))  # no EOS: nothing is left to say
 
@@ -413,12 +435,8 @@ async def test_no_match_is_a_400_naming_the_script(tmp_path: Path, nursery: trio
     await eventually(idle(frontend))
 
 
-async def test_a_client_that_leaves_cancels_its_answer(
-    script: str, nursery: trio.Nursery
-) -> None:
-    frontend, url = await scripted_frontend(
-        nursery, script, token_delay=0.05
-    )
+async def test_a_client_that_leaves_cancels_its_answer(script: str, nursery: trio.Nursery) -> None:
+    frontend, url = await scripted_frontend(nursery, script, token_delay=0.05)
     body = chat("hi", stream=True, max_tokens=1000, ignore_eos=True)
     async with (
         httpx.AsyncClient(base_url=url, timeout=30) as c,
@@ -444,8 +462,10 @@ def test_every_command_refuses_a_bad_script_at_start(
     bad = write_script(tmp_path / "bad.jsonl", lines)
     assert headwater_main([command, "--engine", "scripted", "--script", bad]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f'headwater {command}: script {bad}, line 2: needs either "prompt_contains" ' \
-                  'or "default": true'
+    assert (
+        err == f'headwater {command}: script {bad}, line 2: needs either "prompt_contains" '
+        'or "default": true'
+    )
 
 
 def test_one_tokenizer_option_serves_the_frontend_and_the_engine(script: str) -> None:
@@ -457,8 +477,11 @@ def test_one_tokenizer_option_serves_the_frontend_and_the_engine(script: str) ->
     assert config.tokenizer == tok
     assert frontend_config_from_args(serve.parse_args(given)).tokenizer is None
     # launch: the workers get the engine's options, the frontend the same tokenizer.
-    plan = plan_from_args(build_parser("launch").parse_args(
-        [*given, "--tokenizer", tok, "--agg", "1", "--discovery", "static"]))  # fmt: skip
+    plan = plan_from_args(
+        build_parser("launch").parse_args(
+            [*given, "--tokenizer", tok, "--agg", "1", "--discovery", "static"]
+        )
+    )
     assert plan.engine == "scripted"
     assert plan.engine_args == ("--script", script, "--token-delay", "0.02", "--tokenizer", tok)
     assert plan.serve_args == ("--tokenizer", tok)
@@ -472,9 +495,14 @@ async def test_a_worker_process_answers_over_tcp(
     tmp_path: Path, script: str, nursery: trio.Nursery
 ) -> None:
     worker = await start_worker(
-        nursery, "agg", log_dir=tmp_path, model=MODEL, engine="scripted",
-        engine_args=["--script", script, "--token-delay", "0"], ready_within=60,
-    )  # fmt: skip
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        model=MODEL,
+        engine="scripted",
+        engine_args=["--script", script, "--token-delay", "0"],
+        ready_within=60,
+    )
     _, url, _ = await start_frontend(nursery, workers=worker.static_url(MODEL))
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         body = chat("weather", stream=True)
@@ -504,9 +532,11 @@ async def test_the_openai_sdk_streams_a_scripted_answer(
     _, url = await scripted_frontend(nursery, script)
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Any weather news?"}],
-            stream=True, stream_options={"include_usage": True},
-        )  # fmt: skip
+            model=MODEL,
+            messages=[{"role": "user", "content": "Any weather news?"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         pieces, finish, usage = [], None, None
         async with stream:
             async for chunk in stream:
@@ -548,15 +578,20 @@ TOOL_SCRIPT = [
     {"prompt_contains": "<tool_result>", "text": FINAL},
     {"prompt_contains": "weather in Paris", "text": CALL},
 ]
-TOOLS: list[Any] = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city now.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
-    },
-}]  # fmt: skip
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city now.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 QUESTION = "What is the weather in Paris?"
 
 
@@ -573,15 +608,22 @@ async def ask(
     if not stream:
         r = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
         message, finish = r.choices[0].message, r.choices[0].finish_reason
-        calls = [{"id": c.id, "type": c.type, "name": c.function.name,  # type: ignore[union-attr]
-                  "arguments": c.function.arguments}  # type: ignore[union-attr]
-                 for c in message.tool_calls or []]  # fmt: skip
+        calls = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "name": c.function.name,  # type: ignore[union-attr]
+                "arguments": c.function.arguments,
+            }  # type: ignore[union-attr]
+            for c in message.tool_calls or []
+        ]
         return message.content, calls, finish
     parts: list[str] = []
     slots: dict[int, dict[str, str]] = {}
     finish = None
-    s = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                             stream=True)  # fmt: skip
+    s = await client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, stream=True
+    )
     async with s:
         async for chunk in s:
             for choice in chunk.choices:
@@ -618,12 +660,19 @@ async def test_the_openai_sdk_drives_a_tool_call_loop(
         assert json.loads(call["arguments"]) == {"city": "Paris"}
         # The client runs the tool and sends its result back, as an agent loop does.
         messages += [
-            {"role": "assistant", "content": content or None, "tool_calls": [
-                {"id": call["id"], "type": "function",
-                 "function": {"name": call["name"], "arguments": call["arguments"]}},
-            ]},
+            {
+                "role": "assistant",
+                "content": content or None,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    },
+                ],
+            },
             {"role": "tool", "tool_call_id": call["id"], "content": TOOL_RESULT},
-        ]  # fmt: skip
+        ]
         content, calls, finish = await ask(client, messages, stream)
     assert content == FINAL
     assert calls == []
@@ -662,8 +711,9 @@ async def test_the_agents_sdk_runs_an_agent_with_a_tool(
         # reaches this test's frontend over loopback like any client.
         agents.set_tracing_disabled(True)
         # Its own timeout bounds the run: a thread cannot be cancelled from here.
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
-                                      timeout=20) as client:  # fmt: skip
+        async with openai.AsyncOpenAI(
+            base_url=base_url, api_key="unused", max_retries=0, timeout=20
+        ) as client:
             agent = agents.Agent(
                 name="forecaster",
                 instructions="Answer questions about the weather with the get_weather tool.",

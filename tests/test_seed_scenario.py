@@ -22,10 +22,20 @@ def record(
     start: float, e2e: float, *, status: int | None = 200, ok: bool = True, cut_off: bool = False
 ) -> RequestRecord:
     return RequestRecord(
-        index=0, body=0, start_s=start, e2e_s=e2e, ttft_s=None, itl_s=(), chunks=1,
-        prompt_tokens=None, completion_tokens=None, status=status, ok=ok, cut_off=cut_off,
+        index=0,
+        body=0,
+        start_s=start,
+        e2e_s=e2e,
+        ttft_s=None,
+        itl_s=(),
+        chunks=1,
+        prompt_tokens=None,
+        completion_tokens=None,
+        status=status,
+        ok=ok,
+        cut_off=cut_off,
         error=None if ok else "failed",
-    )  # fmt: skip
+    )
 
 
 def hist(*observations: float) -> Histogram:
@@ -115,9 +125,10 @@ def test_state_bands_from_polls_and_logged_transitions() -> None:
         seed.Band(4.1, 6.0, "healthy"),
     ]
     assert seed.time_in_states(bands) == {
-        "healthy": pytest.approx(4.3), "inhibited": pytest.approx(0.9),
+        "healthy": pytest.approx(4.3),
+        "inhibited": pytest.approx(0.9),
         "probing": pytest.approx(0.8),
-    }  # fmt: skip
+    }
 
 
 def test_state_is_unknown_until_first_seen_and_equal_neighbours_merge() -> None:
@@ -139,8 +150,9 @@ def test_router_transition_lines_are_parsed_in_local_time() -> None:
     ]
     found = seed.parse_transitions(lines)
     assert [(t.worker_id, t.old, t.new) for t in found] == [
-        ("prefill-1a", "healthy", "inhibited"), ("decode-2b", "inhibited", "probing"),
-    ]  # fmt: skip
+        ("prefill-1a", "healthy", "inhibited"),
+        ("decode-2b", "inhibited", "probing"),
+    ]
     assert found[0].unix == pytest.approx(1_800_000_000.25)
     assert found[0].reason.startswith("2 faults in a row")
     counts = seed.count_log_events(lines)
@@ -169,8 +181,9 @@ def test_counter_increase_and_transitions_by_kind() -> None:
     increase = seed.counter_increase(before, after)
     assert increase[f"{HEADWATER_PREFIX}excused_timeouts_total"] == 3
     assert seed.transitions_by_kind(increase) == {
-        "healthy->inhibited": 3, "inhibited->probing": 3,
-    }  # fmt: skip
+        "healthy->inhibited": 3,
+        "inhibited->probing": 3,
+    }
     assert seed.counter_increase(after, after) == {}
 
 

@@ -47,21 +47,42 @@ MIB = 2**20
 # --- the judgement ------------------------------------------------------------------------
 
 
-def idle(phase: str, rss_mib: float, fds: int, tasks: int, threads: int = 3,
-         names: dict[str, int] | None = None, t: float = 0.0) -> Sample:  # fmt: skip
-    return Sample(t, phase, "frontend", rss_bytes=int(rss_mib * MIB), fds=fds, threads=threads,
-                  tasks=tasks, tasks_by_name=names or {"x": tasks})  # fmt: skip
+def idle(
+    phase: str,
+    rss_mib: float,
+    fds: int,
+    tasks: int,
+    threads: int = 3,
+    names: dict[str, int] | None = None,
+    t: float = 0.0,
+) -> Sample:
+    return Sample(
+        t,
+        phase,
+        "frontend",
+        rss_bytes=int(rss_mib * MIB),
+        fds=fds,
+        threads=threads,
+        tasks=tasks,
+        tasks_by_name=names or {"x": tasks},
+    )
 
 
 def checks_of(samples: list[Sample]) -> dict[str, bool]:
-    return {c.name: c.passed
-            for c in judge_process("frontend", samples, has_tasks=True, limits=Limits())}
+    return {
+        c.name: c.passed
+        for c in judge_process("frontend", samples, has_tasks=True, limits=Limits())
+    }
 
 
 def test_idle_reads_equal_within_jitter_pass() -> None:
-    samples = [idle("idle_start", 300, 11, 25), idle("idle_start", 301, 12, 26),
-               idle("load", 420, 40, 120),  # the load itself is never compared
-               idle("idle_end", 320, 11, 25), idle("idle_end", 322, 12, 27)]  # fmt: skip
+    samples = [
+        idle("idle_start", 300, 11, 25),
+        idle("idle_start", 301, 12, 26),
+        idle("load", 420, 40, 120),  # the load itself is never compared
+        idle("idle_end", 320, 11, 25),
+        idle("idle_end", 322, 12, 27),
+    ]
     assert checks_of(samples) == {"rss": True, "fds": True, "tasks": True, "threads": True}
 
 
@@ -88,10 +109,13 @@ def test_what_the_tokenizer_cache_holds_is_left_out_of_the_rss_rule() -> None:
 def test_a_task_or_descriptor_in_every_end_read_is_a_leak_and_named() -> None:
     assert leaked([25, 26], [26, 27]) == 0  # 26 was seen at the start: jitter
     assert leaked([25, 26], [27, 28]) == 1
-    samples = [idle("idle_start", 300, 11, 25, names={"a": 20, "b": 5}),
-               idle("idle_end", 300, 13, 27, names={"a": 20, "b": 7})]  # fmt: skip
-    checks = {c.name: c for c in judge_process("frontend", samples, has_tasks=True,
-                                               limits=Limits())}  # fmt: skip
+    samples = [
+        idle("idle_start", 300, 11, 25, names={"a": 20, "b": 5}),
+        idle("idle_end", 300, 13, 27, names={"a": 20, "b": 7}),
+    ]
+    checks = {
+        c.name: c for c in judge_process("frontend", samples, has_tasks=True, limits=Limits())
+    }
     assert not checks["tasks"].passed
     assert "{'b': 2}" in checks["tasks"].detail
     assert not checks["fds"].passed
@@ -113,19 +137,34 @@ def test_loaded_trend_is_the_fitted_rise_over_the_load() -> None:
 def test_rss_floor_is_the_lowest_read_of_each_window_of_the_load() -> None:
     # Reads every 10 s from t=100: a saw (in flight at the read) on a floor that rises
     # 1 MiB per window; reads outside the load and unread figures are left out.
-    reads = [{"t_s": 100 + 10 * i, "rss_bytes": (200 + i // 6 + 50 * (i % 2)) * MIB}
-             for i in range(18)]
-    reads += [{"t_s": 50, "rss_bytes": MIB}, {"t_s": 290, "rss_bytes": MIB},
-              {"t_s": 150, "rss_bytes": None}]
+    reads = [
+        {"t_s": 100 + 10 * i, "rss_bytes": (200 + i // 6 + 50 * (i % 2)) * MIB} for i in range(18)
+    ]
+    reads += [
+        {"t_s": 50, "rss_bytes": MIB},
+        {"t_s": 290, "rss_bytes": MIB},
+        {"t_s": 150, "rss_bytes": None},
+    ]
     assert rss_floors(reads, 100, 280, 60) == [200 * MIB, 201 * MIB, 202 * MIB]
     assert rss_floors(reads, 100, 285, 60) == [200 * MIB, 201 * MIB, 202 * MIB]  # folded
     assert rss_floors(reads, 100, 400, 60)[-2:] == [MIB, None]
-    results = {"targets": [{
-        "target": "serve", "phases": [{"name": "load", "start_s": 100, "end_s": 280}],
-        "processes": [{"name": "frontend", "judged": True, "idle_start": {"rss_bytes": 190 * MIB},
-                       "idle_end": {"rss_bytes": 203 * MIB}}],
-        "samples": [{**r, "process": "frontend"} for r in reads],
-    }]}  # fmt: skip
+    results = {
+        "targets": [
+            {
+                "target": "serve",
+                "phases": [{"name": "load", "start_s": 100, "end_s": 280}],
+                "processes": [
+                    {
+                        "name": "frontend",
+                        "judged": True,
+                        "idle_start": {"rss_bytes": 190 * MIB},
+                        "idle_end": {"rss_bytes": 203 * MIB},
+                    }
+                ],
+                "samples": [{**r, "process": "frontend"} for r in reads],
+            }
+        ]
+    }
     row = "| serve | frontend | 190 | 200 | 201 | 202 | 203 |"
     assert floor_table(results).splitlines()[-1] == row
 
@@ -135,11 +174,21 @@ def test_requests_and_end_state() -> None:
     assert all(c.passed for c in judge_requests(ok))
     assert not judge_requests({**ok, "lost": 1}, ["x"])[0].passed
     assert not judge_requests({**ok, "wrong": 1})[0].passed
-    good = {"inflight": {"frontend": 0.0, "decode-0": 0}, "kv": {"decode-0": {"used": 0}},
-            "restarted": [], "health": 200, "exit_status": 0}  # fmt: skip
+    good = {
+        "inflight": {"frontend": 0.0, "decode-0": 0},
+        "kv": {"decode-0": {"used": 0}},
+        "restarted": [],
+        "health": 200,
+        "exit_status": 0,
+    }
     assert all(c.passed for c in judge_end_state(good))
-    for bad in ({"inflight": {"frontend": 1.0}}, {"kv": {"prefill-0": {"held": 2}}},
-                {"restarted": ["decode-0"]}, {"health": 503}, {"exit_status": 1}):  # fmt: skip
+    for bad in (
+        {"inflight": {"frontend": 1.0}},
+        {"kv": {"prefill-0": {"held": 2}}},
+        {"restarted": ["decode-0"]},
+        {"health": 503},
+        {"exit_status": 1},
+    ):
         failed = [c.name for c in judge_end_state({**good, **bad}) if not c.passed]
         assert len(failed) == 1, bad
 
@@ -148,8 +197,9 @@ def test_requests_and_end_state() -> None:
 
 VALID = RequestPlan("short_stream", "POST", "/v1/chat/completions", b"{}", stream=True)
 UNARY = RequestPlan("short_unary", "POST", "/v1/chat/completions", b"{}", stream=False)
-INVALID = RequestPlan("invalid:x", "POST", "/v1/chat/completions", b"[", stream=False,
-                      expect="client_error")  # fmt: skip
+INVALID = RequestPlan(
+    "invalid:x", "POST", "/v1/chat/completions", b"[", stream=False, expect="client_error"
+)
 
 
 def read(plan: RequestPlan, status: int, content_type: str, *chunks: bytes) -> ResponseReader:
@@ -162,8 +212,9 @@ def read(plan: RequestPlan, status: int, content_type: str, *chunks: bytes) -> R
 
 
 def sse(*objs: object) -> bytes:
-    return b"".join(b"data: " + (o if isinstance(o, bytes) else orjson.dumps(o)) + b"\n\n"
-                    for o in objs)  # fmt: skip
+    return b"".join(
+        b"data: " + (o if isinstance(o, bytes) else orjson.dumps(o)) + b"\n\n" for o in objs
+    )
 
 
 CHUNK = {"choices": [{"delta": {"content": "hi"}}]}
@@ -200,8 +251,7 @@ def test_verdicts() -> None:
 # --- the client against fake servers --------------------------------------------------------
 
 Handler = Callable[[trio.SocketStream], Awaitable[None]]
-HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
 def chunk(data: bytes) -> bytes:
@@ -265,16 +315,34 @@ async def serve(nursery: trio.Nursery, handler: Handler) -> ConnectionPool:
         (cut_stream, VALID, Outcome.LOST, "a broken response"),
         (reset_at_once, VALID, Outcome.LOST, "before any response"),
         (silent, VALID, Outcome.LOST, "no whole answer within 0.3 s"),
-        (good_stream, RequestPlan("c", "POST", "/", b"{}", stream=True, how="cancel",
-                                  after_events=2), Outcome.CANCELLED, "closed after 2 events"),
-        (good_stream, RequestPlan("r", "POST", "/", b"{}", stream=True, how="reset_events",
-                                  after_events=1), Outcome.DISCONNECTED, "reset after 1 events"),
-        (silent, RequestPlan("w", "POST", "/", b"{}", stream=True, how="reset_wait",
-                             after_s=0.05), Outcome.DISCONNECTED, "reset after waiting"),
-        (silent, RequestPlan("u", "POST", "/", b"x" * 1000, stream=False, how="reset_upload",
-                             upload_fraction=0.5), Outcome.DISCONNECTED, "reset after 500 of"),
+        (
+            good_stream,
+            RequestPlan("c", "POST", "/", b"{}", stream=True, how="cancel", after_events=2),
+            Outcome.CANCELLED,
+            "closed after 2 events",
+        ),
+        (
+            good_stream,
+            RequestPlan("r", "POST", "/", b"{}", stream=True, how="reset_events", after_events=1),
+            Outcome.DISCONNECTED,
+            "reset after 1 events",
+        ),
+        (
+            silent,
+            RequestPlan("w", "POST", "/", b"{}", stream=True, how="reset_wait", after_s=0.05),
+            Outcome.DISCONNECTED,
+            "reset after waiting",
+        ),
+        (
+            silent,
+            RequestPlan(
+                "u", "POST", "/", b"x" * 1000, stream=False, how="reset_upload", upload_fraction=0.5
+            ),
+            Outcome.DISCONNECTED,
+            "reset after 500 of",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_client_tells_who_ended_the_exchange(
     nursery: trio.Nursery, handler: Handler, plan: RequestPlan, outcome: Outcome, detail: str
 ) -> None:
@@ -292,8 +360,11 @@ async def test_client_reuses_a_kept_alive_connection_and_a_storm_resets(
     first = await perform(VALID, pool, deadline_s=5)
     second = await perform(VALID, pool, deadline_s=5)
     assert (first.outcome, first.reused, second.outcome, second.reused) == (
-        Outcome.OK, False, Outcome.OK, True
-    )  # fmt: skip
+        Outcome.OK,
+        False,
+        Outcome.OK,
+        True,
+    )
     stormy = await serve(nursery, silent)
     in_flight: set = set()
     results: list = []
@@ -355,8 +426,10 @@ def test_launch_listing_parses() -> None:
 
 def test_proc_parsers() -> None:
     assert parse_status("Name:\tpython\nVmRSS:\t  2048 kB\nThreads:\t7\n") == (2 * MIB, 7)
-    rollup = ("5555-6666 ---p 00000000 00:00 0  [rollup]\nRss:  300 kB\nPss:  200 kB\n"
-              "Private_Clean:  10 kB\nPrivate_Dirty:  90 kB\n")  # fmt: skip
+    rollup = (
+        "5555-6666 ---p 00000000 00:00 0  [rollup]\nRss:  300 kB\nPss:  200 kB\n"
+        "Private_Clean:  10 kB\nPrivate_Dirty:  90 kB\n"
+    )
     assert parse_smaps_rollup(rollup) == (200 * 1024, 100 * 1024)
     with pytest.raises(ValueError, match="Pss"):
         parse_smaps_rollup("nothing")

@@ -546,8 +546,10 @@ async def test_a_loop_that_waits_for_a_cpu_is_a_contention_stall() -> None:
     # CPU five ways it takes ~25 ms, most of it in the run queue. Not the GIL, not code.
     cpu = min(os.sched_getaffinity(0))
     stop = threading.Event()
-    spinners = [threading.Thread(target=hash_without_the_gil, args=(cpu, stop), daemon=True)
-                for _ in range(4)]  # fmt: skip
+    spinners = [
+        threading.Thread(target=hash_without_the_gil, args=(cpu, stop), daemon=True)
+        for _ in range(4)
+    ]
 
     async def steps() -> None:
         end = time.perf_counter() + 1.0
@@ -575,8 +577,7 @@ async def test_a_loop_that_waits_for_a_cpu_is_a_contention_stall() -> None:
     contention = [r for r in records if r.cause == "contention"]
     assert contention, [(r.cause, r.cpu_wait_fraction) for r in records]
     assert not [r for r in records if r.cause == "gil"]
-    assert all(r.cpu_wait_fraction is not None and r.cpu_wait_fraction >= 0.5
-               for r in contention)  # fmt: skip
+    assert all(r.cpu_wait_fraction is not None and r.cpu_wait_fraction >= 0.5 for r in contention)
     if PSI:  # the kernel saw tasks waiting for a CPU too
         assert all(r.cpu_pressure is not None and r.cpu_pressure > 0 for r in contention)
     assert detector.statistics().contention_stalls_total >= len(contention)

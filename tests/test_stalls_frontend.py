@@ -27,8 +27,9 @@ THRESHOLD_MS = 50
 
 def _prompts(seed: int) -> list[str]:
     rng = random.Random(seed)
-    vocab = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9)))
-             for _ in range(5000)]
+    vocab = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(5000)
+    ]
     return [" ".join(rng.choices(vocab, k=30_000)) for _ in range(CONCURRENT)]
 
 
@@ -36,12 +37,17 @@ async def _stall_records_under_long_prompts(**config: object) -> list[dict]:
     # The test's own blocking work comes first: httpx loads CA certificates when the
     # client is created (~0.1 s), which the detector would rightly report as a stall.
     prompts = _prompts(seed=len(config))  # built before the frontend watches its loop
-    async with httpx.AsyncClient(timeout=120) as client, \
-            serve_frontend(stall_threshold_ms=THRESHOLD_MS, **config) as (_, url):
+    async with (
+        httpx.AsyncClient(timeout=120) as client,
+        serve_frontend(stall_threshold_ms=THRESHOLD_MS, **config) as (_, url),
+    ):
 
         async def one(text: str) -> None:
-            body = {"model": "deepseek-v4", "max_tokens": 1,
-                    "messages": [{"role": "user", "content": text}]}
+            body = {
+                "model": "deepseek-v4",
+                "max_tokens": 1,
+                "messages": [{"role": "user", "content": text}],
+            }
             r = await client.post(f"{url}/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens"] > 30_000
@@ -60,7 +66,8 @@ def _tokenization_stalls(records: list[dict]) -> list[dict]:
     not what this test is about.
     """
     return [
-        r for r in records
+        r
+        for r in records
         if r["cause"] == "gil"
         or any("preprocess" in frame or "tokeniz" in frame for frame in r["stack"])
     ]

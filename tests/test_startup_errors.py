@@ -42,9 +42,12 @@ def refusing_url() -> Iterator[str]:
 def run(command: str, *args: str) -> tuple[int, list[str]]:
     """Exit status and the non-empty stderr lines of ``headwater <command> <args>``."""
     done = subprocess.run(
-        [sys.executable, "-m", "headwater", command, *args], cwd=REPO, capture_output=True,
-        text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "headwater", command, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
 
 
@@ -88,6 +91,7 @@ def test_a_missing_vllm_model_directory(command: str, tmp_path: Path) -> None:
 def test_an_unreachable_vllm_url(command: str, refusing_url: str) -> None:
     # Without the check, the worker waits vllm_start_timeout (300 s) for it.
     where = ["--role", "agg"] if command == "worker" else ["--port", "0", "--mode", "agg"]
-    status, lines = run(command, "--engine", "vllm", "--vllm-url", refusing_url,
-                        "--vocab-size", "1000", *where)  # fmt: skip
+    status, lines = run(
+        command, "--engine", "vllm", "--vllm-url", refusing_url, "--vocab-size", "1000", *where
+    )
     assert_one_line(command, status, lines, f"--vllm-url {refusing_url}", "cannot connect")

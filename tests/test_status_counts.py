@@ -25,8 +25,7 @@ def counts(metrics_text: str) -> dict[str, float]:
     """``http_responses_total`` by code, from a /metrics page."""
     for family in text_string_to_metric_families(metrics_text):
         if family.name == "headwater_frontend_http_responses":
-            return {s.labels["code"]: s.value for s in family.samples
-                    if s.name.endswith("_total")}  # fmt: skip
+            return {s.labels["code"]: s.value for s in family.samples if s.name.endswith("_total")}
     return {}
 
 
@@ -45,10 +44,18 @@ async def raw(url: str, data: bytes) -> bytes:
 
 @pytest.mark.slow
 async def test_each_status_is_counted_by_code_on_metrics_and_the_dashboard() -> None:
-    settings = {"api_keys": ("k",), "max_body_bytes": 4096, "max_header_bytes": 2048,
-                "header_timeout": 0.3, "max_inflight": 1, "speedup_ratio": 1.0}  # fmt: skip
-    async with serve_frontend(**settings) as (fe, url), \
-            httpx.AsyncClient(base_url=url, headers=KEY, timeout=30) as c:  # fmt: skip
+    settings = {
+        "api_keys": ("k",),
+        "max_body_bytes": 4096,
+        "max_header_bytes": 2048,
+        "header_timeout": 0.3,
+        "max_inflight": 1,
+        "speedup_ratio": 1.0,
+    }
+    async with (
+        serve_frontend(**settings) as (fe, url),
+        httpx.AsyncClient(base_url=url, headers=KEY, timeout=30) as c,
+    ):
         expected: dict[str, int] = {}
 
         async def asks(status: int, method: str, path: str, **kw: object) -> None:
@@ -58,16 +65,26 @@ async def test_each_status_is_counted_by_code_on_metrics_and_the_dashboard() -> 
 
         await asks(200, "POST", "/v1/chat/completions", json=CHAT)
         await asks(200, "GET", "/v1/models")
-        await asks(400, "POST", "/v1/chat/completions", content=b"{not json",
-                   headers={**KEY, "content-type": "application/json"})  # fmt: skip
+        await asks(
+            400,
+            "POST",
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={**KEY, "content-type": "application/json"},
+        )
         await asks(400, "POST", "/v1/chat/completions", json={**CHAT, "max_tokens": -1})
         await asks(401, "POST", "/v1/chat/completions", json=CHAT, headers={"Authorization": ""})
         await asks(404, "GET", "/v1/embeddings")
         await asks(404, "POST", "/v1/chat/completions", json={**CHAT, "model": "other"})
         await asks(405, "GET", "/v1/chat/completions")
         await asks(413, "POST", "/v1/completions", json={**CHAT, "prompt": "x" * 5000})
-        await asks(415, "POST", "/v1/chat/completions", content=b"hi",
-                   headers={**KEY, "content-type": "text/plain"})  # fmt: skip
+        await asks(
+            415,
+            "POST",
+            "/v1/chat/completions",
+            content=b"hi",
+            headers={**KEY, "content-type": "text/plain"},
+        )
         # 429: one stream holds the only slot (--max-inflight 1).
         long = {**CHAT, "max_tokens": 100_000, "ignore_eos": True, "stream": True}
         async with c.stream("POST", "/v1/chat/completions", json=long) as held:
@@ -86,8 +103,14 @@ async def test_each_status_is_counted_by_code_on_metrics_and_the_dashboard() -> 
         # 503: draining; /health says so too, but the server's own views are not counted.
         fe.admission.drain()
         await asks(503, "POST", "/v1/chat/completions", json=CHAT)
-        for path in ("/health", "/live", "/metrics", "/dashboard", "/dashboard/data",
-                     "/debug/stalls"):  # fmt: skip
+        for path in (
+            "/health",
+            "/live",
+            "/metrics",
+            "/dashboard",
+            "/dashboard/data",
+            "/debug/stalls",
+        ):
             await c.get(path)
 
         assert counts((await c.get("/metrics")).text) == {k: float(v) for k, v in expected.items()}

@@ -27,22 +27,44 @@ from headwater.wire import StructuredKind
 
 from vllm_fixture import require_vllm
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city"],
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city"],
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 TOOLS = [WEATHER, TIME]
 REQUIRED = Constraint("tool_calls", "tool_choice", tools=("get_weather", "get_time"))
 NAMED = Constraint("tool_call", "tool_choice", tools=("get_weather",))
 #: The parse stage's formats, by xgrammar's name for the same model's structural tag.
-XGRAMMAR_MODELS = {"deepseek_v4": "deepseek_v4", "deepseek_v32": "deepseek_v3_2",
-                   "deepseek_v31": "deepseek_v3_1"}  # fmt: skip
+XGRAMMAR_MODELS = {
+    "deepseek_v4": "deepseek_v4",
+    "deepseek_v32": "deepseek_v3_2",
+    "deepseek_v31": "deepseek_v3_1",
+}
 
 
-def tag(constraint: Constraint, parser: str = "deepseek_v4", *, forced: bool = False,
-        parallel: bool = True) -> Any:  # fmt: skip
-    out = structured_output(constraint, tools=TOOLS, tool_call_parser=parser,
-                            reasoning_forced=forced, parallel_tool_calls=parallel)  # fmt: skip
+def tag(
+    constraint: Constraint,
+    parser: str = "deepseek_v4",
+    *,
+    forced: bool = False,
+    parallel: bool = True,
+) -> Any:
+    out = structured_output(
+        constraint,
+        tools=TOOLS,
+        tool_call_parser=parser,
+        reasoning_forced=forced,
+        parallel_tool_calls=parallel,
+    )
     assert out.kind is StructuredKind.STRUCTURAL_TAG
     return json.loads(out.spec)
 
@@ -52,11 +74,19 @@ def tag(constraint: Constraint, parser: str = "deepseek_v4", *, forced: bool = F
 
 def test_response_format_is_vllms_json_or_json_object() -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
-    out = structured_output(Constraint("json_schema", "response_format", schema), tools=None,
-                            tool_call_parser="none", reasoning_forced=False)  # fmt: skip
+    out = structured_output(
+        Constraint("json_schema", "response_format", schema),
+        tools=None,
+        tool_call_parser="none",
+        reasoning_forced=False,
+    )
     assert (out.kind, json.loads(out.spec)) == (StructuredKind.JSON, schema)
-    out = structured_output(Constraint("json_object", "response_format"), tools=None,
-                            tool_call_parser="none", reasoning_forced=False)  # fmt: skip
+    out = structured_output(
+        Constraint("json_object", "response_format"),
+        tools=None,
+        tool_call_parser="none",
+        reasoning_forced=False,
+    )
     assert (out.kind, out.spec) == (StructuredKind.JSON_OBJECT, "")
 
 
@@ -77,7 +107,9 @@ def test_a_forced_call_is_in_the_models_own_format() -> None:
     assert closer["value"] == "</｜DSML｜tool_calls>"
     calls = tag(REQUIRED)["format"]["elements"][1]
     assert [t["begin"] for t in calls["tags"]] == [
-        '<｜DSML｜invoke name="get_weather">\n', '<｜DSML｜invoke name="get_time">\n']
+        '<｜DSML｜invoke name="get_weather">\n',
+        '<｜DSML｜invoke name="get_time">\n',
+    ]
     assert calls["tags"][1]["content"]["json_schema"] is True  # no parameters: any
     assert (calls["at_least_one"], calls["stop_after_first"]) == (True, False)
     assert tag(REQUIRED, parallel=False)["format"]["elements"][1]["stop_after_first"]
@@ -85,8 +117,7 @@ def test_a_forced_call_is_in_the_models_own_format() -> None:
 
 def test_a_forced_call_needs_a_format_to_hold_the_answer_to() -> None:
     with pytest.raises(ConstraintError, match="tool-call parser"):
-        structured_output(REQUIRED, tools=TOOLS, tool_call_parser="none",
-                          reasoning_forced=False)  # fmt: skip
+        structured_output(REQUIRED, tools=TOOLS, tool_call_parser="none", reasoning_forced=False)
 
 
 # ---- against xgrammar ---------------------------------------------------------------------
@@ -106,16 +137,24 @@ def xgrammar() -> Any:
 @pytest.mark.parametrize("forced", [False, True])
 @pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.slow
-def test_the_tags_are_xgrammars_own(xgrammar: Any, parser: str, forced: bool,
-                                    parallel: bool) -> None:  # fmt: skip
-    for constraint, choice in ((REQUIRED, "required"),
-                               (NAMED, {"type": "function", "function": {"name": "get_weather"}})):
+def test_the_tags_are_xgrammars_own(
+    xgrammar: Any, parser: str, forced: bool, parallel: bool
+) -> None:
+    for constraint, choice in (
+        (REQUIRED, "required"),
+        (NAMED, {"type": "function", "function": {"name": "get_weather"}}),
+    ):
         theirs = xgrammar.get_model_structural_tag(
-            XGRAMMAR_MODELS[parser], tools=TOOLS, tool_choice=choice, reasoning=forced,
-            force_reasoning=forced, parallel_tool_calls=parallel,
-        )  # fmt: skip
+            XGRAMMAR_MODELS[parser],
+            tools=TOOLS,
+            tool_choice=choice,
+            reasoning=forced,
+            force_reasoning=forced,
+            parallel_tool_calls=parallel,
+        )
         ours = xgrammar.StructuralTag.model_validate(
-            tag(constraint, parser, forced=forced, parallel=parallel))
+            tag(constraint, parser, forced=forced, parallel=parallel)
+        )
         assert ours.model_dump() == theirs.model_dump(), (parser, choice)
 
 
@@ -127,16 +166,20 @@ def accepts(xgrammar: Any, doc: Any, text: str) -> bool:
 
 
 def test_the_grammar_takes_the_models_call_and_the_parser_reads_it(xgrammar: Any) -> None:
-    call = _render_tool_calls([{"function": {"name": "get_weather",
-                                             "arguments": {"city": "Paris", "days": 3}}}])
+    call = _render_tool_calls(
+        [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]
+    )
     assert accepts(xgrammar, tag(NAMED), call)
     assert accepts(xgrammar, tag(REQUIRED), call)
     assert not accepts(xgrammar, tag(NAMED), call.replace("get_weather", "get_time"))
     assert not accepts(xgrammar, tag(NAMED), call.replace(">3<", ">soon<"))  # not an integer
     assert not accepts(xgrammar, tag(NAMED), "Sure! " + call)  # nothing but the call
-    two = _render_tool_calls([{"function": {"name": "get_time", "arguments": {}}},
-                              {"function": {"name": "get_weather",
-                                            "arguments": {"city": "Oslo"}}}])  # fmt: skip
+    two = _render_tool_calls(
+        [
+            {"function": {"name": "get_time", "arguments": {}}},
+            {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+        ]
+    )
     assert accepts(xgrammar, tag(REQUIRED), two)
     assert not accepts(xgrammar, tag(REQUIRED, parallel=False), two)
     assert accepts(xgrammar, tag(NAMED, forced=True), "The user wants Paris.</think>" + call)
@@ -146,7 +189,9 @@ def test_the_grammar_takes_the_models_call_and_the_parser_reads_it(xgrammar: Any
     end = parser.finish()
     steps = out.tool_calls + end.tool_calls
     assert (out.reasoning + end.reasoning, out.content + end.content) == (
-        "The user wants Paris.", "")
+        "The user wants Paris.",
+        "",
+    )
     assert steps[0].name == "get_weather"
     assert json.loads("".join(s.arguments for s in steps)) == {"city": "Paris", "days": 3}
 
@@ -155,10 +200,13 @@ def test_the_other_formats_take_their_calls(xgrammar: Any) -> None:
     hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert accepts(xgrammar, tag(NAMED, "hermes"), hermes)
     assert accepts(xgrammar, tag(REQUIRED, "hermes"), hermes.replace("\n", ""))
-    assert not accepts(xgrammar, tag(NAMED, "hermes"), hermes.replace("Paris", "3").replace(
-        '"3"', "3"))  # fmt: skip
-    v31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
-           '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
+    assert not accepts(
+        xgrammar, tag(NAMED, "hermes"), hermes.replace("Paris", "3").replace('"3"', "3")
+    )
+    v31 = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
     assert accepts(xgrammar, tag(NAMED, "deepseek_v31"), v31)
     assert set(TOOL_CALL_FORMATS) == {"deepseek_v4", "deepseek_v32", "deepseek_v31", "hermes"}
 

@@ -102,9 +102,12 @@ class Script:
 def supervised(script: Script, **policy: Any) -> tuple[Supervised[Any], list[str]]:
     given_up: list[str] = []
     process: Supervised[Any] = Supervised(
-        "p", script, RestartPolicy(**policy),
-        on_give_up=lambda p: given_up.append(p.failure or ""), rng=TopOfRange(),
-    )  # fmt: skip
+        "p",
+        script,
+        RestartPolicy(**policy),
+        on_give_up=lambda p: given_up.append(p.failure or ""),
+        rng=TopOfRange(),
+    )
     return process, given_up
 
 
@@ -119,16 +122,20 @@ def test_policy_defaults_and_validation() -> None:
     p = RestartPolicy()
     assert (p.backoff, p.backoff_max, p.budget, p.window) == (0.5, 10.0, 5, 60.0)
     assert p.describe() == "5 restarts per 60 s"
-    for bad, option in (({"backoff": 0}, "--restart-backoff "),
-                        ({"backoff": 2, "backoff_max": 1}, "--restart-backoff-max"),
-                        ({"budget": -1}, "--restart-budget"), ({"window": 0}, "--restart-window")):
+    for bad, option in (
+        ({"backoff": 0}, "--restart-backoff "),
+        ({"backoff": 2, "backoff_max": 1}, "--restart-backoff-max"),
+        ({"budget": -1}, "--restart-budget"),
+        ({"window": 0}, "--restart-window"),
+    ):
         with pytest.raises(ValueError, match=option):
             RestartPolicy(**bad)  # type: ignore[arg-type]
 
 
 def test_budget_counts_restarts_in_a_sliding_window() -> None:
-    budget = RestartBudget(RestartPolicy(backoff=1, backoff_max=8, budget=3, window=10),
-                           rng=TopOfRange())  # fmt: skip
+    budget = RestartBudget(
+        RestartPolicy(backoff=1, backoff_max=8, budget=3, window=10), rng=TopOfRange()
+    )
     assert [budget.exited(t, 0.0) for t in (0, 1, 2)] == [1, 2, 4]  # doubling
     assert budget.exited(3, 0.0) is None  # a 4th within 10 s: spent, nothing counted
     assert budget.recent(3) == 3
@@ -139,8 +146,9 @@ def test_budget_counts_restarts_in_a_sliding_window() -> None:
 
 
 def test_jitter_stays_between_half_the_first_delay_and_the_cap() -> None:
-    budget = RestartBudget(RestartPolicy(backoff=0.5, backoff_max=10, budget=100, window=1e9),
-                           rng=random.Random(7))  # fmt: skip
+    budget = RestartBudget(
+        RestartPolicy(backoff=0.5, backoff_max=10, budget=100, window=1e9), rng=random.Random(7)
+    )
     delays = [budget.exited(float(i), 0.0) for i in range(40)]
     caps = [min(10.0, 0.5 * 2**i) for i in range(40)]
     assert all(d is not None and 0.25 <= d <= cap for d, cap in zip(delays, caps, strict=True))
@@ -289,6 +297,4 @@ async def test_a_separator_line_goes_into_the_log_before_each_restart(
     first, separator = log.read_text().splitlines()
     assert first == "first run"
     assert separator.startswith("----- ")
-    assert separator.endswith(
-        " p exited (killed by SIGKILL): restart 1 in 2.00 s -----"
-    )
+    assert separator.endswith(" p exited (killed by SIGKILL): restart 1 in 2.00 s -----")

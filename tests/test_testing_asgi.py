@@ -30,8 +30,13 @@ def client(app: Any, nursery: trio.Nursery) -> httpx.AsyncClient:
 
 
 async def start(send: Send, status: int = 200) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain")],
+        }
+    )
 
 
 class Ticker:
@@ -57,8 +62,9 @@ class Ticker:
 
                 nursery.start_soon(listen)
                 for n in range(self.ticks):
-                    await send({"type": "http.response.body", "body": b"tick %d\n" % n,
-                                "more_body": True})  # fmt: skip
+                    await send(
+                        {"type": "http.response.body", "body": b"tick %d\n" % n, "more_body": True}
+                    )
                     await trio.sleep(1)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -156,8 +162,9 @@ async def test_a_head_request_gets_no_body(
 # -- the in-process server's clients -----------------------------------------------------
 
 
-async def read_sse(server: HeadwaterServer, client: Any, leave_after: int | None = None
-                   ) -> list[float]:  # fmt: skip
+async def read_sse(
+    server: HeadwaterServer, client: Any, leave_after: int | None = None
+) -> list[float]:
     """Stream CHAT with *client* (httpx or httpx2); the trio time of each SSE event, up
     to *leave_after* events (then the client leaves)."""
     times: list[float] = []
@@ -201,8 +208,11 @@ async def test_a_client_that_leaves_cancels_the_answer_on_its_worker(
         assert decode.outcome == "cancelled"
         assert decode.tokens < record.tokens + 1 < 10  # it stopped early
         assert server.metric("disconnected_clients_total") == 1
-        (engine,) = [c.runtime.engine for c in server.frontend.router.clients()
-                     if c.instance.role.value == "decode"]  # type: ignore[attr-defined]
+        (engine,) = [
+            c.runtime.engine
+            for c in server.frontend.router.clients()
+            if c.instance.role.value == "decode"
+        ]  # type: ignore[attr-defined]
         assert engine.counters.requests_cancelled == 1
 
 
@@ -215,22 +225,22 @@ async def test_the_server_runs_on_the_real_clock_too() -> None:
         assert r.choices[0].message.content == TEXT
 
 
-async def test_the_anthropic_sdk_talks_to_the_server(autojump_clock: trio.testing.MockClock
-                                                     ) -> None:  # fmt: skip
+async def test_the_anthropic_sdk_talks_to_the_server(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     anthropic = pytest.importorskip("anthropic")
     async with open_server(script=SCRIPT, token_delay=0.5, api_keys=("k1",)) as server:
         client = server.anthropic_client()
         assert isinstance(client, anthropic.AsyncAnthropic)
         ask: Any = [{"role": "user", "content": "Hi"}]
-        message = await client.messages.create(model="deepseek-v4", max_tokens=100,
-                                               messages=ask)  # fmt: skip
+        message = await client.messages.create(model="deepseek-v4", max_tokens=100, messages=ask)
         assert message.content[0].text == TEXT  # type: ignore[union-attr]
         assert message.stop_reason == "end_turn"
         start_time = trio.current_time()
-        async with client.messages.stream(model="deepseek-v4", max_tokens=100,
-                                          messages=ask) as stream:  # fmt: skip
-            pieces = [(text, trio.current_time() - start_time)
-                      async for text in stream.text_stream]  # fmt: skip
+        async with client.messages.stream(
+            model="deepseek-v4", max_tokens=100, messages=ask
+        ) as stream:
+            pieces = [(text, trio.current_time() - start_time) async for text in stream.text_stream]
         assert "".join(text for text, _ in pieces) == TEXT
         assert [t for _, t in pieces[:2]] == [0.5, 1.0]  # token by token
         # The SDK's key, in the header its version sends, passed the API-key check.

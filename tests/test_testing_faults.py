@@ -37,14 +37,20 @@ SCRIPT = [
     {"prompt_contains": "weather", "text": CALL},
     {"default": True, "text": STORY},
 ]
-TOOLS: list[Any] = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather", "description": "The weather in a city now.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
-    },
-}]  # fmt: skip
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city now.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 ASK = [{"role": "user", "content": "Tell me a story."}]
 pytestmark = pytest.mark.headwater(script=SCRIPT, token_delay=DELAY)
 
@@ -56,8 +62,7 @@ def tokens(server: HeadwaterServer, text: str) -> int:
 
 async def stream_text(client: openai.AsyncOpenAI, **kwargs: Any) -> tuple[str, list[float]]:
     """A streamed chat answer's content and the trio time each content piece arrived."""
-    stream = await client.chat.completions.create(model=MODEL, messages=ASK, stream=True,
-                                                  **kwargs)  # fmt: skip
+    stream = await client.chat.completions.create(model=MODEL, messages=ASK, stream=True, **kwargs)
     parts, times = [], []
     async with stream:
         async for chunk in stream:
@@ -100,8 +105,10 @@ async def test_a_request_is_recorded_as_the_frontend_saw_it(
     decode = record.legs[1]
     assert decode.ended is not None
     assert decode.ended - decode.started == pytest.approx(record.tokens * DELAY)
-    assert server.metric("requests_total", endpoint="chat", request_type="unary",
-                         status="success") == 1  # fmt: skip
+    assert (
+        server.metric("requests_total", endpoint="chat", request_type="unary", status="success")
+        == 1
+    )
 
 
 async def test_the_same_scenario_gives_the_same_records_twice(
@@ -114,12 +121,22 @@ async def test_the_same_scenario_gives_the_same_records_twice(
             server.faults.reject()
             text, times = await stream_text(server.openai_client())
             await server.openai_client().chat.completions.create(model=MODEL, messages=ASK)
-            return [text, [t - start for t in times], [
-                (r.status, r.started - start, r.faults,
-                 [(leg.worker_id, leg.outcome, leg.tokens, leg.started - start)
-                  for leg in r.legs])
-                for r in server.requests
-            ]]  # fmt: skip
+            return [
+                text,
+                [t - start for t in times],
+                [
+                    (
+                        r.status,
+                        r.started - start,
+                        r.faults,
+                        [
+                            (leg.worker_id, leg.outcome, leg.tokens, leg.started - start)
+                            for leg in r.legs
+                        ],
+                    )
+                    for r in server.requests
+                ],
+            ]
 
     first = await scenario()
     assert first[0] == STORY
@@ -142,7 +159,10 @@ async def test_a_broken_or_malformed_stream_migrates_and_the_sdk_sees_one_answer
     assert record.faults == [fault]
     first, again = record.generated
     assert (first.outcome, first.tokens, first.faults) == (
-        "broken" if fault == "break_stream" else "malformed", 5, [fault])
+        "broken" if fault == "break_stream" else "malformed",
+        5,
+        [fault],
+    )
     assert (again.outcome, again.request_id) == ("finished", f"{first.request_id}.m1")
     assert record.tokens == tokens(server, STORY)
     assert server.metric("model_migration_total", migration_type="ongoing_request") == 1
@@ -232,9 +252,7 @@ async def test_admission_answers_429_with_retry_after_and_the_sdk_waits_it(
     server = headwater_server
     server.faults.reject(times=2)
     with pytest.raises(openai.RateLimitError) as refused:
-        await server.openai_client(max_retries=0).chat.completions.create(
-            model=MODEL, messages=ASK
-        )
+        await server.openai_client(max_retries=0).chat.completions.create(model=MODEL, messages=ASK)
     assert refused.value.response.headers["retry-after"] == "1"
     assert refused.value.code == "rate_limit_exceeded"
     r = await server.openai_client().chat.completions.create(model=MODEL, messages=ASK)
@@ -289,7 +307,7 @@ async def test_a_loop_stall_is_seen_by_the_frontend_and_delays_the_stream(
     assert text == STORY
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) == pytest.approx(5, abs=DELAY)  # the stall, between the 3rd and 4th
-    (start, end), = server.stalls
+    ((start, end),) = server.stalls
     assert 4.9 <= end - start <= 5  # the canary ticks every 0.1 s in virtual time
     assert server.metric("event_loop_stall_total") == 1
 

@@ -31,7 +31,7 @@ PLUGIN = "headwater.testing.plugin"
 
 #: A user's test file: the issue's agent test, the marker, the 60-second generation; each
 #: writes what it saw (without ids: they are random) for the second run to compare.
-USER_TESTS = '''
+USER_TESTS = """
 import json, os, time
 import pytest, trio
 
@@ -84,7 +84,7 @@ async def test_a_60_second_generation_takes_no_real_time(headwater, autojump_clo
     assert wall < 1.0, wall
     print(f"60 s of generation took {wall:.3f} s")
     see("minute", [r.choices[0].message.content, r.usage.completion_tokens])
-'''
+"""
 
 
 #: Warnings are errors, but the SDKs' streams' unfinished async generators, which they
@@ -97,23 +97,33 @@ filterwarnings =
 """
 
 
-def run_twice(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-              ) -> list[pytest.RunResult]:  # fmt: skip
+def run_twice(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> list[pytest.RunResult]:
     pytester.makeini(INI)
     results = []
     for run in ("1", "2"):
         monkeypatch.setenv("RUN", run)
         # importlib: the examples' modules may be imported already, from docs/examples.
-        results.append(pytester.runpytest_inprocess(
-            "-p", PLUGIN, "-p", "no:cacheprovider", "--import-mode=importlib", "-rA", "-s",
-        ))  # fmt: skip
+        results.append(
+            pytester.runpytest_inprocess(
+                "-p",
+                PLUGIN,
+                "-p",
+                "no:cacheprovider",
+                "--import-mode=importlib",
+                "-rA",
+                "-s",
+            )
+        )
     return results
 
 
 def outcomes(result: pytest.RunResult) -> list[str]:
     """``PASSED test_x.py::test_y`` lines, sorted."""
-    return sorted(line for line in result.outlines
-                  if line.startswith(("PASSED ", "FAILED ", "ERROR ", "SKIPPED ")))  # fmt: skip
+    return sorted(
+        line
+        for line in result.outlines
+        if line.startswith(("PASSED ", "FAILED ", "ERROR ", "SKIPPED "))
+    )
 
 
 @pytest.mark.slow
@@ -136,7 +146,9 @@ def test_the_examples_pass_twice_alike(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert [p.name for p in EXAMPLES] == [
-        "test_agent_loop.py", "test_retry_policy.py", "test_streaming_consumer.py"
+        "test_agent_loop.py",
+        "test_retry_policy.py",
+        "test_streaming_consumer.py",
     ]
     for example in EXAMPLES:
         pytester.makepyfile(**{example.stem: example.read_text()})
@@ -146,13 +158,15 @@ def test_the_examples_pass_twice_alike(
 
 
 def test_the_marker_takes_one_script(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_marker=textwrap.dedent('''
+    pytester.makepyfile(
+        test_marker=textwrap.dedent("""
         import pytest
         @pytest.mark.trio
         @pytest.mark.headwater([{"default": True, "text": "a"}], script="b.jsonl")
         async def test_two_scripts(headwater_server):
             pass
-    '''))
+    """)
+    )
     result = pytester.runpytest_inprocess("-p", PLUGIN, "-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*takes the script as its only positional argument*"])
@@ -173,7 +187,8 @@ def test_the_entry_point_alone_brings_the_fixtures(
         "[pytest11]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items())
     )
     monkeypatch.syspath_prepend(str(pytester.path / "site"))
-    pytester.makepyfile(test_hello=textwrap.dedent('''
+    pytester.makepyfile(
+        test_hello=textwrap.dedent("""
         import pytest
         @pytest.mark.trio
         @pytest.mark.headwater([{"default": True, "text": "Hello."}])
@@ -181,7 +196,8 @@ def test_the_entry_point_alone_brings_the_fixtures(
             r = await headwater_server.client().post("/v1/completions",
                                                      json={"model": "deepseek-v4", "prompt": "Hi"})
             assert r.json()["choices"][0]["text"] == "Hello."
-    '''))
+    """)
+    )
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-W", "error")
     result.assert_outcomes(passed=1)
 
@@ -198,6 +214,12 @@ def test_the_plugin_loads_nothing_until_a_fixture_is_used() -> None:
         print(sorted(m for m in ("frontend", "quart", "tokenizers") if m in plugin_only))
         print(sorted(m for m in ("openai", "anthropic", "httpx2") if m in sys.modules))
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split("\n")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split("\n")
     assert out[:2] == ["[]", "[]"]

@@ -46,11 +46,14 @@ async def long_prompt_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         if server.virtual_time:  # exact: nothing ran behind the clock's back
             assert trio.current_time() - start == server.requests[0].tokens * 0.5
         ids = list(server.frontend.tokenizer.encode_ids(WORDS))  # echoed: decoded
-        r = await client.post("/v1/completions", json={
-            "model": "deepseek-v4", "prompt": ids, "echo": True, "max_tokens": 2})  # fmt: skip
+        r = await client.post(
+            "/v1/completions",
+            json={"model": "deepseek-v4", "prompt": ids, "echo": True, "max_tokens": 2},
+        )
         assert r.json()["choices"][0]["text"].startswith(WORDS)
-        r = await client.post("/tokenize", json={"model": "deepseek-v4", "prompt": WORDS,
-                                                 "return_token_strs": True})  # fmt: skip
+        r = await client.post(
+            "/tokenize", json={"model": "deepseek-v4", "prompt": WORDS, "return_token_strs": True}
+        )
         assert len(r.json()["token_strs"]) > 4096
         monkeypatch.undo()
     return calls
@@ -79,12 +82,17 @@ async def test_on_the_real_clock_a_long_prompt_goes_to_threads(
 async def test_the_stack_is_the_servers_api_keys_and_admission(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with open_server(script=SCRIPT, token_delay=0.1, api_keys=("k1",),
-                           max_inflight=1) as server:  # fmt: skip
-        assert (await server.client(headers={"Authorization": "Bearer nope"}).post(
-            "/v1/chat/completions", json=CHAT)).status_code == 401  # fmt: skip
+    async with open_server(
+        script=SCRIPT, token_delay=0.1, api_keys=("k1",), max_inflight=1
+    ) as server:
+        assert (
+            await server.client(headers={"Authorization": "Bearer nope"}).post(
+                "/v1/chat/completions", json=CHAT
+            )
+        ).status_code == 401
         client = server.client()  # sends the server's first key
         async with trio.open_nursery() as nursery:
+
             async def first() -> None:
                 r = await client.post("/v1/chat/completions", json=CHAT)
                 assert r.status_code == 200
@@ -128,7 +136,11 @@ async def test_every_api_of_the_server_is_there(autojump_clock: trio.testing.Moc
         generated = await http.post("/inference/v1/generate", json=body)
         assert generated.status_code == 200, generated.text
         assert [r.path for r in server.requests] == [
-            "/v1/responses", "/v1/completions", "/tokenize", "/inference/v1/generate"]
+            "/v1/responses",
+            "/v1/completions",
+            "/tokenize",
+            "/inference/v1/generate",
+        ]
 
 
 async def test_the_mocker_by_default_and_the_same_answer_for_a_seed(
@@ -138,12 +150,15 @@ async def test_the_mocker_by_default_and_the_same_answer_for_a_seed(
         async with open_server(workers="agg") as server:
             assert server.frontend.config.engine == "mocker"
             start = trio.current_time()
-            r = await server.client().post("/v1/chat/completions",
-                                           json={**CHAT, "seed": 7, "max_tokens": 20})  # fmt: skip
+            r = await server.client().post(
+                "/v1/chat/completions", json={**CHAT, "seed": 7, "max_tokens": 20}
+            )
             assert r.json()["usage"]["completion_tokens"] == 20
             # Rounded: the two runs start at different virtual times.
-            return (r.json()["choices"][0]["message"]["content"],
-                    round(trio.current_time() - start, 9))  # fmt: skip
+            return (
+                r.json()["choices"][0]["message"]["content"],
+                round(trio.current_time() - start, 9),
+            )
 
     first = await answer()
     assert first[1] > 0  # the mocker's simulated step times, on trio's clock
@@ -173,15 +188,18 @@ async def test_the_frontends_tokenizer_is_the_scripted_engines(
         assert r.choices[0].message.content == TEXT
 
 
-@pytest.mark.parametrize(("options", "problem"), [
-    ({"workers": "both"}, "workers must be"),
-    ({"workers": ["prefill"]}, "nothing generates"),
-    ({"token_delay": 0.1}, "token_delay is the scripted engine's"),
-    ({"script": [{"text": "no prompt_contains"}]}, "the script given, line 1"),
-    ({"script": {"default": True, "text": "a dict"}}, "a list of rules"),
-    ({"script": SCRIPT, "max_inflight": -1}, "max_inflight"),
-    ({"script": SCRIPT, "engine": "vllm"}, "chosen by headwater.testing"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        ({"workers": "both"}, "workers must be"),
+        ({"workers": ["prefill"]}, "nothing generates"),
+        ({"token_delay": 0.1}, "token_delay is the scripted engine's"),
+        ({"script": [{"text": "no prompt_contains"}]}, "the script given, line 1"),
+        ({"script": {"default": True, "text": "a dict"}}, "a list of rules"),
+        ({"script": SCRIPT, "max_inflight": -1}, "max_inflight"),
+        ({"script": SCRIPT, "engine": "vllm"}, "chosen by headwater.testing"),
+    ],
+)
 async def test_a_bad_option_is_a_clear_error_before_anything_starts(
     options: dict[str, Any], problem: str
 ) -> None:

@@ -51,9 +51,12 @@ async def _engine_output(fe: Frontend, token_ids: list[int], **sampling: Any) ->
     own (aggregated: the output does not depend on the layout)."""
     engine = MockerEngine(fe.config.engine_config, Role.AGG, "reference")
     request = GenerateRequest(
-        request_id="reference", model=MODEL, token_ids=token_ids,
-        sampling=SamplingParams(**sampling), eos_token_ids=fe.pipeline.eos_token_ids,
-    )  # fmt: skip
+        request_id="reference",
+        model=MODEL,
+        token_ids=token_ids,
+        sampling=SamplingParams(**sampling),
+        eos_token_ids=fe.pipeline.eos_token_ids,
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         async with aclosing(engine.generate(request)) as chunks:
@@ -66,26 +69,54 @@ async def _engine_output(fe: Frontend, token_ids: list[int], **sampling: Any) ->
 
 
 async def test_every_sampling_param_headwater_supports_reaches_the_engine_request() -> None:
-    body = {"request_id": "r", "model": MODEL, "token_ids": PROMPT, "stream": True,
-            "stream_options": {"include_usage": True},
-            "sampling_params": {"max_tokens": 9, "min_tokens": 2, "temperature": 0.5,
-                                "top_p": 0.9, "seed": 3, "stop_token_ids": [7, 8],
-                                "ignore_eos": True, "top_k": 40}}  # fmt: skip
+    body = {
+        "request_id": "r",
+        "model": MODEL,
+        "token_ids": PROMPT,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "sampling_params": {
+            "max_tokens": 9,
+            "min_tokens": 2,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop_token_ids": [7, 8],
+            "ignore_eos": True,
+            "top_k": 40,
+        },
+    }
     parsed = parse_generate_request(body)
-    sampling = SamplingOptions(max_tokens=9, min_tokens=2, stop_token_ids=(7, 8),
-                               ignore_eos=True, temperature=0.5, top_p=0.9, seed=3, top_k=40)
+    sampling = SamplingOptions(
+        max_tokens=9,
+        min_tokens=2,
+        stop_token_ids=(7, 8),
+        ignore_eos=True,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        top_k=40,
+    )
     needs = (("seed", "sampling_params.seed"), ("top_k", "sampling_params.top_k"))
-    assert parsed == TokenRequest(PROMPT, "r", MODEL, stream=True, include_usage=True,
-                                  sampling=sampling, needs=needs)  # fmt: skip
+    assert parsed == TokenRequest(
+        PROMPT, "r", MODEL, stream=True, include_usage=True, sampling=sampling, needs=needs
+    )
     fe = Frontend(FrontendConfig(tokenizer_threads=1), tokenizer=shared_tokenizer())
     prep = await fe.pipeline.preprocess_tokens(parsed)
     assert prep.parsed is parsed
     assert prep.prompt_ids.typecode == "I"
     assert list(prep.prompt_ids) == PROMPT
     assert prep.request_id != "r"  # the plane's id is the frontend's own
-    assert prep.sampling == SamplingParams(max_tokens=9, min_tokens=2, ignore_eos=True,
-                                           temperature=0.5, top_p=0.9, seed=3,
-                                           stop_token_ids=(7, 8), top_k=40)  # fmt: skip
+    assert prep.sampling == SamplingParams(
+        max_tokens=9,
+        min_tokens=2,
+        ignore_eos=True,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        stop_token_ids=(7, 8),
+        top_k=40,
+    )
     defaults = await fe.pipeline.preprocess_tokens(parse_generate_request({"token_ids": [1]}))
     assert defaults.sampling == SamplingParams(max_tokens=fe.config.context_length - 1)
 
@@ -95,8 +126,11 @@ async def test_every_sampling_param_headwater_supports_reaches_the_engine_reques
 
 async def test_unary_returns_what_the_mocker_generates_with_exact_usage() -> None:
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
-        body = {"request_id": "rollout-7", "token_ids": PROMPT,
-                "sampling_params": {"max_tokens": 12, "seed": 7}}  # fmt: skip
+        body = {
+            "request_id": "rollout-7",
+            "token_ids": PROMPT,
+            "sampling_params": {"max_tokens": 12, "seed": 7},
+        }
         r = await c.post(GENERATE, json=body)
         assert r.status_code == 200, r.text
         assert r.headers["content-type"].startswith("application/json")
@@ -120,8 +154,14 @@ async def test_unary_returns_what_the_mocker_generates_with_exact_usage() -> Non
         assert text["usage"]["completion_tokens"] == 12
 
         # Without a request_id the frontend names the request; the model may be given.
-        r = await c.post(GENERATE, json={"model": MODEL, "token_ids": PROMPT,
-                                         "sampling_params": {"max_tokens": 12, "seed": 7}})
+        r = await c.post(
+            GENERATE,
+            json={
+                "model": MODEL,
+                "token_ids": PROMPT,
+                "sampling_params": {"max_tokens": 12, "seed": 7},
+            },
+        )
         named = r.json()["request_id"]
         assert named.startswith("generate-tokens-")
         # The plane's name: the request's id (its X-Request-Id), a dash, 8 hex digits.
@@ -133,8 +173,11 @@ async def test_unary_returns_what_the_mocker_generates_with_exact_usage() -> Non
 
 async def test_stream_carries_the_unary_ids_then_usage_then_done() -> None:
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
-        body = {"request_id": "s1", "token_ids": PROMPT,
-                "sampling_params": {"max_tokens": 20, "seed": 3}}  # fmt: skip
+        body = {
+            "request_id": "s1",
+            "token_ids": PROMPT,
+            "sampling_params": {"max_tokens": 20, "seed": 3},
+        }
         unary = (await c.post(GENERATE, json=body)).json()
         stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         async with c.stream("POST", GENERATE, json=stream_body) as r:
@@ -143,8 +186,7 @@ async def test_stream_carries_the_unary_ids_then_usage_then_done() -> None:
             events = await sse_events(r)
         assert events[-1] == "DONE"
         *deltas, usage = events[:-1]
-        assert usage == {"request_id": "generate-tokens-s1", "choices": [],
-                         "usage": unary["usage"]}  # fmt: skip
+        assert usage == {"request_id": "generate-tokens-s1", "choices": [], "usage": unary["usage"]}
         assert all(e["request_id"] == "generate-tokens-s1" for e in deltas)
         assert all(len(e["choices"]) == 1 and e["choices"][0]["token_ids"] for e in deltas)
         streamed = [t for e in deltas for t in e["choices"][0]["token_ids"]]
@@ -163,13 +205,15 @@ async def test_stream_carries_the_unary_ids_then_usage_then_done() -> None:
 async def test_sampling_params_reach_the_engine() -> None:
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
         params = {"max_tokens": 16, "seed": 11}
-        full = (await c.post(GENERATE, json={"token_ids": PROMPT, "sampling_params": params}))
+        full = await c.post(GENERATE, json={"token_ids": PROMPT, "sampling_params": params})
         ids = full.json()["choices"][0]["token_ids"]
         # A stop token id ends the output at that token, which is returned (as vLLM does).
         stop = ids[5]
         cut = ids.index(stop) + 1
-        r = await c.post(GENERATE, json={"token_ids": PROMPT, "sampling_params": {
-            **params, "stop_token_ids": [stop]}})
+        r = await c.post(
+            GENERATE,
+            json={"token_ids": PROMPT, "sampling_params": {**params, "stop_token_ids": [stop]}},
+        )
         choice = r.json()["choices"][0]
         assert choice["token_ids"] == ids[:cut]
         assert choice["finish_reason"] == "stop"
@@ -225,26 +269,47 @@ BAD: list[tuple[Any, str | None]] = [
     ({"token_ids": PROMPT, "model": 3}, "model"),
     ({"token_ids": PROMPT, "stream": "yes"}, "stream"),
     ({"token_ids": PROMPT, "stream_options": []}, "stream_options"),
-    ({"token_ids": PROMPT, "stream_options": {"include_usage": 1}},
-     "stream_options.include_usage"),
+    ({"token_ids": PROMPT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"token_ids": PROMPT, "stop": "\n"}, "stop"),  # OpenAI's place for stop strings
     ({"token_ids": PROMPT, "sampling_params": []}, "sampling_params"),
-    *[({"token_ids": PROMPT, "sampling_params": {name: value}}, f"sampling_params.{name}")
-      for name, value in [
-          ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 0), ("max_tokens", 1.5),
-          ("min_tokens", -1), ("temperature", 5), ("temperature", "hot"), ("top_p", -1),
-          ("seed", "7"), ("ignore_eos", "yes"), ("stop_token_ids", [-1]),
-          ("stop_token_ids", 2), ("presence_penalty", 3),
-          ("n", 0), ("n", 129), ("best_of", 2), ("logprobs", -1), ("logprobs", 21),
-          ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("stop", ["</s>"]), ("stop", "\n"),
-      ]],
+    *[
+        ({"token_ids": PROMPT, "sampling_params": {name: value}}, f"sampling_params.{name}")
+        for name, value in [
+            ("max_tokens", "5"),
+            ("max_tokens", True),
+            ("max_tokens", 0),
+            ("max_tokens", 1.5),
+            ("min_tokens", -1),
+            ("temperature", 5),
+            ("temperature", "hot"),
+            ("top_p", -1),
+            ("seed", "7"),
+            ("ignore_eos", "yes"),
+            ("stop_token_ids", [-1]),
+            ("stop_token_ids", 2),
+            ("presence_penalty", 3),
+            ("n", 0),
+            ("n", 129),
+            ("best_of", 2),
+            ("logprobs", -1),
+            ("logprobs", 21),
+            ("prompt_logprobs", -1),
+            ("prompt_logprobs", 21),
+            ("stop", ["</s>"]),
+            ("stop", "\n"),
+        ]
+    ],
     # vLLM's stream has no place for the prompt's logprobs.
-    ({"token_ids": PROMPT, "stream": True, "sampling_params": {"prompt_logprobs": 0}},
-     "sampling_params.prompt_logprobs"),
+    (
+        {"token_ids": PROMPT, "stream": True, "sampling_params": {"prompt_logprobs": 0}},
+        "sampling_params.prompt_logprobs",
+    ),
     ({"token_ids": PROMPT, "sampling_params": {"n": 2, "best_of": 3}}, "sampling_params.best_of"),
-    ({"token_ids": PROMPT, "sampling_params": {"min_tokens": 9, "max_tokens": 2}},
-     "sampling_params.min_tokens"),
-]  # fmt: skip
+    (
+        {"token_ids": PROMPT, "sampling_params": {"min_tokens": 9, "max_tokens": 2}},
+        "sampling_params.min_tokens",
+    ),
+]
 
 
 async def test_every_bad_request_is_a_400_naming_its_param() -> None:
@@ -258,12 +323,24 @@ async def test_every_bad_request_is_a_400_naming_its_param() -> None:
         # What a client serializing a whole vLLM SamplingParams sends, and fields
         # headwater does not know (top_k, priority, ...), pass: they ask for nothing.
         lenient = {
-            "token_ids": PROMPT, "priority": 0, "cache_salt": "x", "stream": False,
-            "sampling_params": {"max_tokens": 3, "n": 1, "best_of": None, "stop": [],
-                                "logprobs": None, "prompt_logprobs": None, "top_k": -1,
-                                "skip_special_tokens": True, "detokenize": False,
-                                "repetition_penalty": 1.0, "presence_penalty": 0.0},
-        }  # fmt: skip
+            "token_ids": PROMPT,
+            "priority": 0,
+            "cache_salt": "x",
+            "stream": False,
+            "sampling_params": {
+                "max_tokens": 3,
+                "n": 1,
+                "best_of": None,
+                "stop": [],
+                "logprobs": None,
+                "prompt_logprobs": None,
+                "top_k": -1,
+                "skip_special_tokens": True,
+                "detokenize": False,
+                "repetition_penalty": 1.0,
+                "presence_penalty": 0.0,
+            },
+        }
         r = await c.post(GENERATE, json=lenient)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
@@ -284,23 +361,33 @@ async def test_an_id_at_the_vocabulary_size_never_reaches_a_worker() -> None:
         assert _requests(fe, "unary", "rejected") == 2
         assert _requests(fe, "stream", "rejected") == 1
         # The last id of the vocabulary is one.
-        ok = await c.post(GENERATE, json={"token_ids": [5, vocab - 1],
-                                          "sampling_params": {"max_tokens": 2}})
+        ok = await c.post(
+            GENERATE, json={"token_ids": [5, vocab - 1], "sampling_params": {"max_tokens": 2}}
+        )
         assert ok.status_code == 200, ok.text
         assert sum(e.counters.requests_started for e in engines(fe)) > 0
 
 
 async def test_http_errors_and_the_context_length() -> None:
-    async with serve_frontend(max_body_bytes=4096, context_length=64) as (fe, url), \
-            httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_frontend(max_body_bytes=4096, context_length=64) as (fe, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         json_type = {"content-type": "application/json"}
         assert_error(await c.post(GENERATE, content=b"{not json", headers=json_type), 400)
-        assert_error(await c.post(GENERATE, content=orjson.dumps({"token_ids": PROMPT}),
-                                  headers={"content-type": "text/plain"}), 415)
+        assert_error(
+            await c.post(
+                GENERATE,
+                content=orjson.dumps({"token_ids": PROMPT}),
+                headers={"content-type": "text/plain"},
+            ),
+            415,
+        )
         assert_error(await c.post(GENERATE, json={"token_ids": [5] * 3000}), 413)
         assert_error(await c.get(GENERATE), 405)
-        assert_error(await c.post(GENERATE, json={"model": "other", "token_ids": PROMPT}),
-                     404, "model")
+        assert_error(
+            await c.post(GENERATE, json={"model": "other", "token_ids": PROMPT}), 404, "model"
+        )
         # Prompt plus max_tokens over the context length: OpenAI's error, naming token_ids.
         for body in (
             {"token_ids": [5] * 60, "sampling_params": {"max_tokens": 5}},
@@ -308,10 +395,14 @@ async def test_http_errors_and_the_context_length() -> None:
         ):
             err = assert_error(await c.post(GENERATE, json=body), 400, "token_ids")
             assert err["code"] == "context_length_exceeded"
-        ok = await c.post(GENERATE, json={"token_ids": [5] * 60,
-                                          "sampling_params": {"max_tokens": 4}})
-        assert ok.json()["usage"] == {"prompt_tokens": 60, "completion_tokens": 4,
-                                      "total_tokens": 64}  # fmt: skip
+        ok = await c.post(
+            GENERATE, json={"token_ids": [5] * 60, "sampling_params": {"max_tokens": 4}}
+        )
+        assert ok.json()["usage"] == {
+            "prompt_tokens": 60,
+            "completion_tokens": 4,
+            "total_tokens": 64,
+        }
         # No sampling_params: every default, and max_tokens what the context leaves.
         ok = await c.post(GENERATE, json={"token_ids": PROMPT})
         assert ok.json()["usage"]["completion_tokens"] == 64 - len(PROMPT)
@@ -351,6 +442,7 @@ async def test_an_error_after_the_stream_started_is_an_event(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
+
         async def broken(request: GenerateRequest, *_: Any, **__: Any) -> Any:
             yield Chunk(request.request_id, [42, 43])
             raise WorkerFailed("the worker broke the stream")
@@ -362,9 +454,14 @@ async def test_an_error_after_the_stream_started_is_an_event(
             events = await sse_events(r)
         first, error, done = events
         assert first["choices"][0]["token_ids"] == [42, 43]
-        assert error == {"error": {"message": "the worker broke the stream",
-                                   "type": "internal_server_error", "param": None,
-                                   "code": None}}  # fmt: skip
+        assert error == {
+            "error": {
+                "message": "the worker broke the stream",
+                "type": "internal_server_error",
+                "param": None,
+                "code": None,
+            }
+        }
         assert done == "DONE"
         assert _requests(fe, "stream", "error") == 1
         # Before any output, the same error is the response's status.
@@ -373,11 +470,16 @@ async def test_an_error_after_the_stream_started_is_an_event(
 
 async def test_client_disconnect_mid_stream_cancels_and_frees_kv() -> None:
     # Slow engine (speedup 1): the stream is still generating when the client leaves.
-    async with serve_frontend(speedup_ratio=1.0) as (fe, url), \
-            httpx.AsyncClient(base_url=url, timeout=30) as c:
+    async with (
+        serve_frontend(speedup_ratio=1.0) as (fe, url),
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
         decode = next(e for e in engines(fe) if e.role.value == "decode")
-        body = {"token_ids": list(range(1000, 1300)), "stream": True,
-                "sampling_params": {"max_tokens": 5000, "ignore_eos": True}}  # fmt: skip
+        body = {
+            "token_ids": list(range(1000, 1300)),
+            "stream": True,
+            "sampling_params": {"max_tokens": 5000, "ignore_eos": True},
+        }
         async with c.stream("POST", GENERATE, json=body) as r:
             got = 0
             async for line in r.aiter_lines():

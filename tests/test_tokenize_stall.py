@@ -28,8 +28,9 @@ WORDS_PER_PROMPT = 30_000  # ~40k DeepSeek-V4 tokens of random words
 
 def _long_prompts(seed: int) -> list[str]:
     rng = random.Random(seed)
-    vocab = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9)))
-             for _ in range(5000)]
+    vocab = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(5000)
+    ]
     return [" ".join(rng.choices(vocab, k=WORDS_PER_PROMPT)) for _ in range(PROMPTS)]
 
 
@@ -47,8 +48,9 @@ async def _max_lag_while_tokenizing(tokenizer: Tokenizer, mode: str, seed: int) 
     """Max lateness of a 1 ms sleep on the loop while the prompts are encoded."""
     # One thread fewer than cores leaves the loop a core, as a deployment would; the
     # benchmark measures the default (all usable cores) too.
-    pool = TokenizerPool(tokenizer, mode=mode, threads=max(1, usable_cpus() - 1),
-                         inline_max_chars=0)
+    pool = TokenizerPool(
+        tokenizer, mode=mode, threads=max(1, usable_cpus() - 1), inline_max_chars=0
+    )
     await pool.warm_up()
     prompts = _long_prompts(seed)
     lags: list[float] = []

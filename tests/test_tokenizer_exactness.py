@@ -30,8 +30,14 @@ from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 from frontend_fixture import shared_tokenizer
 
-SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-            "<think>", "</think>"]
+SPECIALS = [
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +51,7 @@ def fast() -> Tokenizer:
 def churning() -> Tokenizer:
     """The segment cache on a 64 KiB budget: segments up to 1 KiB are kept, and the
     budget is full after a few examples, so entries come and go all the time."""
-    tok = Tokenizer(shared_tokenizer("fastokens").files, "fastokens",
-                    segment_cache_bytes=64 * 1024)  # fmt: skip
+    tok = Tokenizer(shared_tokenizer("fastokens").files, "fastokens", segment_cache_bytes=64 * 1024)
     assert tok.segment_cache_statistics() is not None
     return tok
 
@@ -56,8 +61,9 @@ def oracle(tok: Tokenizer, text: str) -> array[int]:
     return token_array(tok.hf.encode(text, add_special_tokens=False).ids)
 
 
-_settings = settings(max_examples=150, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+_settings = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @_settings
@@ -73,12 +79,14 @@ def test_text_with_special_tokens_matches_hf(fast: Tokenizer, parts: list[str]) 
     assert fast.encode_ids(text) == oracle(fast, text)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(
         st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=200)),
-        min_size=1, max_size=6,
+        min_size=1,
+        max_size=6,
     ),
     st.booleans(),
 )
@@ -156,8 +164,9 @@ _pieces = st.sampled_from(["hello", " world", "你好", "🚀", "\n\n", " the", 
 _segment = st.lists(_pieces, max_size=6).map("".join)
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(st.tuples(_segment, st.sampled_from(SPECIALS)), min_size=1, max_size=8))
 @pytest.mark.slow
 def test_segment_cache_gives_hf_ids_for_repeated_and_overlapping_segments(

@@ -40,11 +40,15 @@ def test_traceparent_parse_and_format() -> None:
     tp = TraceParent.parse(PARENT)
     assert tp == TraceParent("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331", 1)
     assert str(tp) == PARENT
-    for bad in ("", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
-                "00-" + "0" * 32 + "-b7ad6b7169203331-01",
-                "00-0af7651916cd43dd8448eb211c80319c-" + "0" * 16 + "-01",
-                "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-                PARENT + "-extra", PARENT.upper()):  # fmt: skip
+    for bad in (
+        "",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+        "00-" + "0" * 32 + "-b7ad6b7169203331-01",
+        "00-0af7651916cd43dd8448eb211c80319c-" + "0" * 16 + "-01",
+        "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        PARENT + "-extra",
+        PARENT.upper(),
+    ):
         assert TraceParent.parse(bad) is None, bad
     # A later version may append fields: read what version 00 defines.
     assert TraceParent.parse("01-" + PARENT[3:] + "-what") is not None
@@ -73,11 +77,14 @@ def test_the_request_frame_carries_trace_context_only_when_set() -> None:
     assert decode_body(plain[4:], len(plain)) == _request()
 
 
-@pytest.mark.parametrize("trace", [
-    {"traceparent": "00-zz-bad-01"},
-    {"traceparent": PARENT, "tracestate": "bad key=1"},
-    {"traceparent": PARENT, "tracestate": "k=" + "v" * 600},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "trace",
+    [
+        {"traceparent": "00-zz-bad-01"},
+        {"traceparent": PARENT, "tracestate": "bad key=1"},
+        {"traceparent": PARENT, "tracestate": "k=" + "v" * 600},
+    ],
+)
 def test_a_malformed_trace_context_fails_its_request(trace: dict[str, str]) -> None:
     frame = encode(_request(**trace))  # the sender does not check: the receiver must
     got = decode_body(frame[4:], len(frame))
@@ -149,7 +156,7 @@ async def test_request_ids_are_echoed_generated_and_validated() -> None:
         r = await c.get("/nowhere", headers={"X-Request-Id": "on-a-404"})
         assert r.status_code == 404
         assert r.headers["x-request-id"] == "on-a-404"
-        for bad in ("x" * 129, "has space", "quote\"d"):
+        for bad in ("x" * 129, "has space", 'quote"d'):
             r = await c.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": bad})
             assert r.status_code == 400, bad
             assert r.json()["error"]["code"] == "invalid_request_id"
@@ -165,8 +172,11 @@ async def test_the_request_id_reaches_the_worker_log_lines(
     async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as c:
         r = await c.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "find-me"})
         assert r.status_code == 200
-    served = [rec for rec in caplog.records if rec.name == "workers.runtime.runtime"
-              and rec.getMessage().endswith("served")]  # fmt: skip
+    served = [
+        rec
+        for rec in caplog.records
+        if rec.name == "workers.runtime.runtime" and rec.getMessage().endswith("served")
+    ]
     assert len(served) == 2  # prefill and decode
     assert all(rec.request_id.startswith("find-me-") for rec in served)  # type: ignore[attr-defined]
 
@@ -185,20 +195,24 @@ def tree(spans: list[ReadableSpan]) -> dict[str, Any]:
     """Spans by name (the last of each name), and the parent names of each."""
     by_id = {s.context.span_id: s for s in spans}
     return {
-        s.name: (by_id[s.parent.span_id].name if s.parent and s.parent.span_id in by_id
-                 else None)
+        s.name: (by_id[s.parent.span_id].name if s.parent and s.parent.span_id in by_id else None)
         for s in spans
-    }  # fmt: skip
+    }
 
 
 async def test_one_request_is_one_trace_from_the_root_to_the_engine() -> None:
-    async with traced() as exporter, serve_frontend() as (_, url), httpx.AsyncClient(
-        base_url=url
-    ) as c:
-            r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True},
-                             headers={"X-Request-Id": "trace-me"})  # fmt: skip
-            assert r.status_code == 200
-            assert (await c.get("/v1/models")).status_code == 200  # not traced
+    async with (
+        traced() as exporter,
+        serve_frontend() as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        r = await c.post(
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True},
+            headers={"X-Request-Id": "trace-me"},
+        )
+        assert r.status_code == 200
+        assert (await c.get("/v1/models")).status_code == 200  # not traced
     spans = exporter.get_finished_spans()
     assert len({s.context.trace_id for s in spans}) == 1
     parents = tree(list(spans))
@@ -237,17 +251,23 @@ def tree_parent(spans: tuple[ReadableSpan, ...], span: ReadableSpan) -> str:
 
 
 async def test_a_client_traceparent_is_continued() -> None:
-    async with traced() as exporter, serve_frontend() as (_, url), httpx.AsyncClient(
-        base_url=url
-    ) as c:
-            headers = {"traceparent": PARENT, "tracestate": "congo=t61rcWkgMzE"}
-            r = await c.post("/v1/completions", headers=headers,
-                             json={"model": MODEL, "prompt": "hi", "max_tokens": 3})  # fmt: skip
-            assert r.status_code == 200
-            bad = {"traceparent": "00-nope-01"}  # a malformed one starts a new trace
-            r = await c.post("/v1/completions", headers=bad,
-                             json={"model": MODEL, "prompt": "hi", "max_tokens": 3})  # fmt: skip
-            assert r.status_code == 200
+    async with (
+        traced() as exporter,
+        serve_frontend() as (_, url),
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        headers = {"traceparent": PARENT, "tracestate": "congo=t61rcWkgMzE"}
+        r = await c.post(
+            "/v1/completions",
+            headers=headers,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+        )
+        assert r.status_code == 200
+        bad = {"traceparent": "00-nope-01"}  # a malformed one starts a new trace
+        r = await c.post(
+            "/v1/completions", headers=bad, json={"model": MODEL, "prompt": "hi", "max_tokens": 3}
+        )
+        assert r.status_code == 200
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.name == "POST /v1/completions"]
     assert len(roots) == 2
@@ -288,8 +308,7 @@ async def test_a_retry_and_a_migration_are_spans_of_the_requests_tree(headwater:
     assert len({s.context.trace_id for s in spans}) == 1
     (dispatch,) = [s for s in spans if s.name == "dispatch"]
     legs = sorted((s for s in spans if s.name.startswith("leg ")), key=lambda s: s.start_time)
-    assert all(s.parent is not None and s.parent.span_id == dispatch.context.span_id
-               for s in legs)  # fmt: skip
+    assert all(s.parent is not None and s.parent.span_id == dispatch.context.span_id for s in legs)
 
     def attrs(span: ReadableSpan) -> dict[str, Any]:
         return dict(span.attributes or {})
@@ -323,8 +342,11 @@ async def test_sampling_keeps_a_share_and_follows_the_clients_flag() -> None:
     exporter when tracing closes: each block is looked at after its end.)"""
 
     async def send(sample_ratio: float, headers: dict[str, str]) -> tuple[ReadableSpan, ...]:
-        async with traced(sample_ratio) as exporter, serve_frontend() as (_, url), \
-                httpx.AsyncClient(base_url=url) as c:  # fmt: skip
+        async with (
+            traced(sample_ratio) as exporter,
+            serve_frontend() as (_, url),
+            httpx.AsyncClient(base_url=url) as c,
+        ):
             for _ in range(3):
                 r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
                 assert r.status_code == 200

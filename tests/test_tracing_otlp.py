@@ -58,11 +58,16 @@ async def _serve_otlp(receiver: Receiver, stream: trio.SocketStream) -> None:
                 attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
                 for scope in resource_spans.scope_spans:
                     for s in scope.spans:
-                        receiver.spans.append(ReceivedSpan(
-                            attrs.get("service.name", ""), s.name, s.trace_id.hex(),
-                            s.span_id.hex(), s.parent_span_id.hex(),
-                            {a.key: _value(a.value) for a in s.attributes},
-                        ))  # fmt: skip
+                        receiver.spans.append(
+                            ReceivedSpan(
+                                attrs.get("service.name", ""),
+                                s.name,
+                                s.trace_id.hex(),
+                                s.span_id.hex(),
+                                s.parent_span_id.hex(),
+                                {a.key: _value(a.value) for a in s.attributes},
+                            )
+                        )
             answer = ExportTraceServiceResponse().SerializeToString()
             await stream.send_all(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\n"
@@ -91,15 +96,25 @@ async def otlp_receiver() -> AsyncIterator[Receiver]:
 async def test_one_trace_across_the_frontend_and_a_worker_process(tmp_path: Path) -> None:
     async with otlp_receiver() as receiver, trio.open_nursery() as nursery:
         worker = await start_worker(
-            nursery, "agg", log_dir=tmp_path, model=MODEL, ready_within=20,
+            nursery,
+            "agg",
+            log_dir=tmp_path,
+            model=MODEL,
+            ready_within=20,
             extra_args=("--otlp-endpoint", receiver.url, "--speedup-ratio", "50"),
-        )  # fmt: skip
+        )
         spec = f"tcp://{worker.address.removeprefix('tcp://')}?role=agg&id={worker.worker_id}"
         async with serve_frontend(workers=spec, otlp_endpoint=receiver.url) as (_, url):
             async with httpx.AsyncClient(base_url=url) as c:
-                r = await c.post("/v1/chat/completions", headers={"X-Request-Id": "otlp-1"},
-                                 json={"model": MODEL, "max_tokens": 4,
-                                       "messages": [{"role": "user", "content": "hi"}]})
+                r = await c.post(
+                    "/v1/chat/completions",
+                    headers={"X-Request-Id": "otlp-1"},
+                    json={
+                        "model": MODEL,
+                        "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                )
                 assert r.status_code == 200, r.text
 
             def arrived() -> bool:
@@ -124,19 +139,19 @@ async def test_one_trace_across_the_frontend_and_a_worker_process(tmp_path: Path
     assert by_name["worker.request"].service == "headwater-worker"
     assert by_name["leg agg"].attributes["headwater.worker.id"] == worker.worker_id
     assert str(by_name["worker.request"].attributes["headwater.plane.request_id"]).startswith(
-        "otlp-1-")
+        "otlp-1-"
+    )
 
 
 async def test_a_collector_that_is_down_costs_only_spans() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{s.getsockname()[1]}"
-    async with serve_frontend(otlp_endpoint=down) as (_, url), httpx.AsyncClient(
-        base_url=url
-    ) as c:  # fmt: skip
+    async with serve_frontend(otlp_endpoint=down) as (_, url), httpx.AsyncClient(base_url=url) as c:
         for _ in range(3):
-            r = await c.post("/v1/completions",
-                             json={"model": MODEL, "prompt": "hi", "max_tokens": 3})  # fmt: skip
+            r = await c.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}
+            )
             assert r.status_code == 200
         dropped = 'headwater_frontend_trace_spans_dropped_total{reason="export_failed"}'
 
@@ -148,6 +163,6 @@ async def test_a_collector_that_is_down_costs_only_spans() -> None:
         with trio.fail_after(20):
             while await lost() == 0:
                 await trio.sleep(0.2)
-        assert (await c.post("/v1/completions",
-                             json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
-                ).status_code == 200  # fmt: skip
+        assert (
+            await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        ).status_code == 200

@@ -69,8 +69,13 @@ class _App:
             body = bytes(range(256)) * (32 * 1024)  # 8 MiB: more than a socket buffer
         else:
             body = json.dumps({"received": size, "scheme": scope["scheme"]}).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"%d" % len(body))]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -90,8 +95,9 @@ class _Server:
         self._opened.append(stream)
         return stream
 
-    async def connect_tls(self, ca: trustme.CA, alpn: list[str] | None = None
-                          ) -> trio.SSLStream[trio.SocketStream]:  # fmt: skip
+    async def connect_tls(
+        self, ca: trustme.CA, alpn: list[str] | None = None
+    ) -> trio.SSLStream[trio.SocketStream]:
         context = client_context(ca)
         if alpn:
             context.set_alpn_protocols(alpn)
@@ -116,9 +122,11 @@ async def serving(app: _App | None = None, **fields: Any) -> AsyncIterator[_Serv
     config.on_refusal = refusals.append
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        urls = await nursery.start(lambda task_status: serve(
-            app or _App(), config, shutdown_trigger=stop.wait, task_status=task_status
-        ))  # fmt: skip
+        urls = await nursery.start(
+            lambda task_status: serve(
+                app or _App(), config, shutdown_trigger=stop.wait, task_status=task_status
+            )
+        )
         server = _Server(urls, refusals)
         try:
             yield server
@@ -394,8 +402,7 @@ async def test_no_limit_on_connections_per_client_with_zero() -> None:
 
 async def test_serve_over_tls(ca: trustme.CA, tmp_path: Path) -> None:
     pem = issue(ca, tmp_path, "server", "127.0.0.1", "localhost")
-    settings = {"certfile": pem.certfile, "keyfile": pem.keyfile,
-                "insecure_bind": ["127.0.0.1:0"]}  # fmt: skip
+    settings = {"certfile": pem.certfile, "keyfile": pem.keyfile, "insecure_bind": ["127.0.0.1:0"]}
     async with serving(**settings) as server:
         secure, plain = server.urls
         assert secure.startswith("https://127.0.0.1:")
@@ -426,8 +433,12 @@ async def test_tls_handshakes_and_heads_have_the_header_timeout(
     ca: trustme.CA, tmp_path: Path
 ) -> None:
     pem = issue(ca, tmp_path, "server", "127.0.0.1")
-    settings = {"certfile": pem.certfile, "keyfile": pem.keyfile, "header_timeout": 0.5,
-                "keep_alive_timeout": 10}  # fmt: skip
+    settings = {
+        "certfile": pem.certfile,
+        "keyfile": pem.keyfile,
+        "header_timeout": 0.5,
+        "keep_alive_timeout": 10,
+    }
     async with serving(**settings) as server:
         silent = await server.connect()  # TCP, then not a byte of the TLS handshake
         start = trio.current_time()
@@ -457,9 +468,16 @@ async def test_a_tls_handshake_under_way_at_shutdown_is_closed(
 
 
 def test_every_reason_is_named() -> None:
-    assert REFUSAL_REASONS == ("header_too_large", "header_timeout", "tls_handshake_timeout",
-                               "read_timeout", "write_timeout", "too_many_connections",
-                               "invalid_framing", "unsupported_protocol")
+    assert REFUSAL_REASONS == (
+        "header_too_large",
+        "header_timeout",
+        "tls_handshake_timeout",
+        "read_timeout",
+        "write_timeout",
+        "too_many_connections",
+        "invalid_framing",
+        "unsupported_protocol",
+    )
 
 
 # ---- through the frontend -----------------------------------------------------------------
@@ -471,14 +489,19 @@ async def _metric_lines(url: str, verify: ssl.SSLContext | bool = True) -> dict[
     rejected = "headwater_frontend_rejected_requests_total{reason="
     return {
         line.split('"')[1]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines() if line.startswith(rejected)
-    }  # fmt: skip
+        for line in text.splitlines()
+        if line.startswith(rejected)
+    }
 
 
 @pytest.mark.slow
 async def test_the_frontend_counts_each_refusal_by_reason() -> None:
-    settings = {"max_header_bytes": 2048, "header_timeout": 0.5, "max_connections_per_client": 3,
-                "keep_alive_timeout": 10}  # fmt: skip
+    settings = {
+        "max_header_bytes": 2048,
+        "header_timeout": 0.5,
+        "max_connections_per_client": 3,
+        "keep_alive_timeout": 10,
+    }
     async with serve_frontend(**settings) as (fe, url):
         counts = await _metric_lines(url)
         assert {r: counts[r] for r in REFUSAL_REASONS} == dict.fromkeys(REFUSAL_REASONS, 0.0)
@@ -503,8 +526,11 @@ async def test_the_frontend_counts_each_refusal_by_reason() -> None:
         assert counts["read_timeout"] == counts["write_timeout"] == 0
         assert counts["max_inflight"] == 0
         # Normal requests were never touched.
-        body = {"model": fe.pipeline.model_name, "max_tokens": 3,
-                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        body = {
+            "model": fe.pipeline.model_name,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
         async with httpx.AsyncClient(base_url=url) as client:
             assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
 
@@ -514,13 +540,18 @@ async def test_the_frontend_over_https(ca: trustme.CA, tmp_path: Path) -> None:
     pem = issue(ca, tmp_path, "frontend", "127.0.0.1", "localhost")
     async with serve_frontend(ssl_certfile=pem.certfile, ssl_keyfile=pem.keyfile) as (fe, url):
         assert url.startswith("https://127.0.0.1:")
-        body = {"model": fe.pipeline.model_name, "max_tokens": 40, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        body = {
+            "model": fe.pipeline.model_name,
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
         async with httpx.AsyncClient(base_url=url, verify=client_context(ca)) as client:
             unary = await client.post("/v1/chat/completions", json=body)
             assert unary.json()["usage"]["completion_tokens"] == 40
-            async with client.stream("POST", "/v1/chat/completions",
-                                     json={**body, "stream": True}) as r:  # fmt: skip
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**body, "stream": True}
+            ) as r:
                 events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]"
             assert len(events) > 2
@@ -535,9 +566,22 @@ async def test_headwater_serve_announces_https(
     # --processes 2: the supervisor's line, each process's own URL and the shared port
     # are all https, and each serves over TLS.
     pem = issue(ca, tmp_path, "frontend", "127.0.0.1")
-    argv = [sys.executable, "-m", "headwater", "serve", "--port", "0", "--tokenizer-backend",
-            "hf", "--processes", "2", "--ssl-certfile", pem.certfile, "--ssl-keyfile",
-            pem.keyfile]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "headwater",
+        "serve",
+        "--port",
+        "0",
+        "--tokenizer-backend",
+        "hf",
+        "--processes",
+        "2",
+        "--ssl-certfile",
+        pem.certfile,
+        "--ssl-keyfile",
+        pem.keyfile,
+    ]
     frontend = await spawn_frontend(
         nursery, argv, name="frontend", log_path=tmp_path / "frontend.log", ready_within=120
     )

@@ -134,10 +134,17 @@ async def test_streaming_through_the_openai_routes_is_exact_with_exact_usage(
         # Completions with a token-id prompt: the text is the detokenized reference.
         ids = prompt(50, 40)
         want = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 10})
-        r = await http.post("/v1/completions", json={
-            "model": "deepseek-v4", "prompt": ids, "max_tokens": 10, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True},
-        })  # fmt: skip
+        r = await http.post(
+            "/v1/completions",
+            json={
+                "model": "deepseek-v4",
+                "prompt": ids,
+                "max_tokens": 10,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert r.status_code == 200
         events = sse_events(r.content)
         text = "".join(c["text"] for e in events for c in e["choices"])
@@ -151,10 +158,18 @@ async def test_streaming_through_the_openai_routes_is_exact_with_exact_usage(
         want = await vllm_generate(
             agg.vllm_url, chat_ids, {**GREEDY, "max_tokens": 12, "ignore_eos": True}
         )
-        r = await http.post("/v1/chat/completions", json={
-            "model": "deepseek-v4", "messages": messages, "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        })  # fmt: skip
+        r = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "deepseek-v4",
+                "messages": messages,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert r.status_code == 200
         events = sse_events(r.content)
         text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
@@ -168,9 +183,10 @@ async def test_a_worker_attached_to_a_running_vllm(vllm_cluster: VllmCluster) ->
     ids = prompt(20, 50)
     want = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 6})
     config = WorkerConfig(
-        engine="vllm", worker_id="attached",
+        engine="vllm",
+        worker_id="attached",
         engine_config=VllmConfig(vllm_url=agg.vllm_url, model=str(TINY_MODEL)),
-    )  # fmt: skip
+    )
     async with trio.open_nursery() as nursery:
         worker = await nursery.start(serve_worker, config)
         client = await connect(worker_instance(worker), nursery)
@@ -186,14 +202,22 @@ async def test_in_process_workers_of_headwater_serve(vllm_cluster: VllmCluster) 
     want = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 7})
     engine = VllmConfig(vllm_url=agg.vllm_url, model=str(TINY_MODEL))
     async with (
-        serve_frontend(engine="vllm", engine_config=engine, mode="agg",
-                       context_length=8192) as (_, url),  # fmt: skip
+        serve_frontend(engine="vllm", engine_config=engine, mode="agg", context_length=8192) as (
+            _,
+            url,
+        ),
         httpx.AsyncClient(base_url=url, timeout=60) as http,
     ):
         await wait_healthy(http)
-        r = await http.post("/v1/completions", json={
-            "model": "deepseek-v4", "prompt": ids, "max_tokens": 7, "temperature": 0,
-        })  # fmt: skip
+        r = await http.post(
+            "/v1/completions",
+            json={
+                "model": "deepseek-v4",
+                "prompt": ids,
+                "max_tokens": 7,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"] == shared_tokenizer().decode(want.token_ids)
 
@@ -207,8 +231,9 @@ async def test_vllms_spans_join_the_requests_trace(
     agg = vllm_cluster.workers[Role.AGG]
     client = await connect(agg.instance, nursery)
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    traced = replace(request("traced-1", prompt(20, 77), 4),
-                     traceparent=f"00-{trace_id}-00f067aa0ba902b7-01")  # fmt: skip
+    traced = replace(
+        request("traced-1", prompt(20, 77), 4), traceparent=f"00-{trace_id}-00f067aa0ba902b7-01"
+    )
     await generate(client, traced)
     with trio.fail_after(60):  # both export in batches (about every second or five)
         while True:
@@ -229,9 +254,17 @@ async def test_greedy_logprobs_through_headwater_equal_vllms_own(
     ids = prompt(40, 70)
     # Ids only, as headwater's engine asks vLLM (a vLLM with its tokenizer loaded would
     # otherwise name each prompt logprob's token); headwater ignores the field.
-    body = {"token_ids": ids, "sampling_params": {
-        **GREEDY, "max_tokens": 6, "logprobs": 5, "prompt_logprobs": 3, "ignore_eos": True,
-        "detokenize": False}}
+    body = {
+        "token_ids": ids,
+        "sampling_params": {
+            **GREEDY,
+            "max_tokens": 6,
+            "logprobs": 5,
+            "prompt_logprobs": 3,
+            "ignore_eos": True,
+            "detokenize": False,
+        },
+    }
     async with httpx.AsyncClient(timeout=120) as direct:
         r = await direct.post(agg.vllm_url + "/inference/v1/generate", json=body)
     r.raise_for_status()
@@ -251,17 +284,29 @@ async def test_greedy_logprobs_through_headwater_equal_vllms_own(
         assert len(got["prompt_logprobs"]) == len(ids)
 
         # OpenAI's shapes carry the same numbers, by token text.
-        r = await http.post("/v1/completions", json={
-            "model": "deepseek-v4", "prompt": ids, "max_tokens": 6, "temperature": 0,
-            "logprobs": 5, "ignore_eos": True, "echo": True})  # fmt: skip
+        r = await http.post(
+            "/v1/completions",
+            json={
+                "model": "deepseek-v4",
+                "prompt": ids,
+                "max_tokens": 6,
+                "temperature": 0,
+                "logprobs": 5,
+                "ignore_eos": True,
+                "echo": True,
+            },
+        )
         lp = r.json()["choices"][0]["logprobs"]
         assert lp["token_logprobs"][0] is None
-        assert lp["token_logprobs"][1:len(ids)] == [
-            position[str(t)]["logprob"] for position, t in zip(
-                want["prompt_logprobs"][1:], ids[1:], strict=True)]  # fmt: skip
+        assert lp["token_logprobs"][1 : len(ids)] == [
+            position[str(t)]["logprob"]
+            for position, t in zip(want["prompt_logprobs"][1:], ids[1:], strict=True)
+        ]
         # The answer's tokens, less the special ones its text does not show (the tiny
         # model emits some), which OpenAI's shapes do not report.
         special = shared_tokenizer().special_ids
-        assert lp["token_logprobs"][len(ids):] == [
-            e["logprob"] for e, t in zip(theirs["logprobs"]["content"], theirs["token_ids"],
-                                         strict=True) if t not in special]  # fmt: skip
+        assert lp["token_logprobs"][len(ids) :] == [
+            e["logprob"]
+            for e, t in zip(theirs["logprobs"]["content"], theirs["token_ids"], strict=True)
+            if t not in special
+        ]

@@ -42,16 +42,26 @@ def test_serve_takes_tokenizer_context_and_vocabulary_from_the_model(tmp_path: P
     assert config.engine_config.model == str(model)
     # What is given wins; remote workers get nothing from the in-process engine.
     args = build_parser("serve").parse_args(
-        ["--engine", "vllm", "--model", str(model), "--context-length", "100",
-         "--tokenizer", "elsewhere"]
-    )  # fmt: skip
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--context-length",
+            "100",
+            "--tokenizer",
+            "elsewhere",
+        ]
+    )
     config = frontend_config_from_args(args)
     assert (config.tokenizer, config.context_length) == ("elsewhere", 100)
     args = build_parser("serve").parse_args(["--workers", "tcp://127.0.0.1:1?role=agg"])
     config = frontend_config_from_args(args)
     assert (config.tokenizer, config.context_length, config.model_vocab_size) == (
-        None, FrontendConfig().context_length, 0,
-    )  # fmt: skip
+        None,
+        FrontendConfig().context_length,
+        0,
+    )
 
 
 def test_processes_auto_is_one_frontend_with_in_process_vllm_workers(tmp_path: Path) -> None:
@@ -82,25 +92,48 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused_at_start(tmp_path: 
 
 
 def test_worker_options_build_a_vllm_config(tmp_path: Path) -> None:
-    args = build_parser("worker").parse_args([
-        "--engine", "vllm", "--role", "prefill", "--model", str(tmp_path),
-        "--vllm-args=--max-num-seqs 8", "--enforce-eager", "--kv-lease-duration", "45",
-    ])  # fmt: skip
+    args = build_parser("worker").parse_args(
+        [
+            "--engine",
+            "vllm",
+            "--role",
+            "prefill",
+            "--model",
+            str(tmp_path),
+            "--vllm-args=--max-num-seqs 8",
+            "--enforce-eager",
+            "--kv-lease-duration",
+            "45",
+        ]
+    )
     config = worker_config_from_args(args)
     engine = config.engine_config
     assert isinstance(engine, VllmConfig)
     assert (engine.model, engine.vllm_args, engine.enforce_eager) == (
-        str(tmp_path), "--max-num-seqs 8", True,
-    )  # fmt: skip
+        str(tmp_path),
+        "--max-num-seqs 8",
+        True,
+    )
     assert engine.kv_lease_duration == 45
 
 
 def test_launch_passes_the_engine_options_and_the_models_tokenizer(tmp_path: Path) -> None:
     model = model_dir(tmp_path)
-    args = build_parser("launch").parse_args([
-        "--engine", "vllm", "--model", str(model), "--prefill", "1", "--decode", "1",
-        "--discovery", "static", "--enforce-eager",
-    ])  # fmt: skip
+    args = build_parser("launch").parse_args(
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--discovery",
+            "static",
+            "--enforce-eager",
+        ]
+    )
     plan = plan_from_args(args)
     assert plan.engine == "vllm"
     assert "--model" in plan.engine_args

@@ -64,6 +64,7 @@ async def test_prefill_then_decode_equals_one_server_and_the_kv_came_over_nixl(
         assert tokens(chunks) == want.token_ids
         assert chunks[-1].finish_reason is FinishReason.LENGTH
     after = await vllm_metrics(decode.vllm_url)
+
     def grew(source: str) -> float:
         return by_source(after, source) - by_source(before, source)
 
@@ -96,8 +97,13 @@ async def test_disaggregated_through_the_frontend_unary_and_streaming(
             for stream in (False, True):
                 ids = prompt(n, 200 + n + stream)
                 want = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 8})
-                body = {"model": "deepseek-v4", "prompt": ids, "max_tokens": 8,
-                        "temperature": 0, "stream": stream}  # fmt: skip
+                body = {
+                    "model": "deepseek-v4",
+                    "prompt": ids,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "stream": stream,
+                }
                 r = await http.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
                 if stream:

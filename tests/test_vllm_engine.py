@@ -50,25 +50,43 @@ def request(
     **sampling: Any,
 ) -> GenerateRequest:
     return GenerateRequest(
-        "r1", "m", [5, 6, 7] if ids is None else ids,
-        SamplingParams(max_tokens=max_tokens, **sampling), handle, eos,
-    )  # fmt: skip
+        "r1",
+        "m",
+        [5, 6, 7] if ids is None else ids,
+        SamplingParams(max_tokens=max_tokens, **sampling),
+        handle,
+        eos,
+    )
 
 
 # ---- protocol (sans-IO) ----------------------------------------------------------------
 
 
 def test_the_body_carries_every_sampling_parameter_and_the_eos_ids() -> None:
-    req = request(array("I", [5, 6]), 9, eos=(1,), temperature=0.5, top_p=0.8, seed=3,
-                  min_tokens=2, stop_token_ids=(7,))  # fmt: skip
+    req = request(
+        array("I", [5, 6]),
+        9,
+        eos=(1,),
+        temperature=0.5,
+        top_p=0.8,
+        seed=3,
+        min_tokens=2,
+        stop_token_ids=(7,),
+    )
     body = orjson.loads(protocol.generate_body(req, stream=True))
     assert body["token_ids"] == [5, 6]
     assert body["request_id"] == "r1"
     assert body["stream_options"] == {"include_usage": True}
     assert body["sampling_params"] == {
-        "max_tokens": 9, "min_tokens": 2, "temperature": 0.5, "top_p": 0.8,
-        "ignore_eos": False, "stop_token_ids": [7, 1], "detokenize": False, "seed": 3,
-    }  # fmt: skip
+        "max_tokens": 9,
+        "min_tokens": 2,
+        "temperature": 0.5,
+        "top_p": 0.8,
+        "ignore_eos": False,
+        "stop_token_ids": [7, 1],
+        "detokenize": False,
+        "seed": 3,
+    }
     ignoring_eos = request(eos=(1,), ignore_eos=True)
     ignoring = orjson.loads(protocol.generate_body(ignoring_eos, stream=False))
     assert ignoring["sampling_params"]["stop_token_ids"] == []
@@ -77,10 +95,14 @@ def test_the_body_carries_every_sampling_parameter_and_the_eos_ids() -> None:
 
 
 def test_a_prefill_body_asks_for_one_token_and_remote_decode() -> None:
-    body = orjson.loads(protocol.generate_body(
-        request(max_tokens=50, min_tokens=10), stream=False, max_tokens=1,
-        kv_transfer_params={"do_remote_decode": True},
-    ))  # fmt: skip
+    body = orjson.loads(
+        protocol.generate_body(
+            request(max_tokens=50, min_tokens=10),
+            stream=False,
+            max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+    )
     assert body["sampling_params"]["max_tokens"] == 1
     assert body["sampling_params"]["min_tokens"] == 1
     assert body["kv_transfer_params"] == {"do_remote_decode": True}
@@ -111,19 +133,44 @@ def test_logprobs_are_asked_and_read_in_vllms_shapes() -> None:
     params = orjson.loads(protocol.generate_body(req, stream=True))["sampling_params"]
     assert params["logprobs"] == 2
     assert "prompt_logprobs" not in params  # vLLM's stream would drop them
-    unary = orjson.loads(protocol.generate_body(req, stream=False, max_tokens=1,
-                                                prompt_logprobs=True, request_id="r1.p"))
+    unary = orjson.loads(
+        protocol.generate_body(
+            req, stream=False, max_tokens=1, prompt_logprobs=True, request_id="r1.p"
+        )
+    )
     assert (unary["sampling_params"]["prompt_logprobs"], unary["request_id"]) == (1, "r1.p")
     # vLLM's tokens shape: the position's token first, then the top ones (its dict
     # order), cut to `logprobs` entries; a token outside the top has its own rank.
-    event = {"choices": [{"token_ids": [7, 9], "finish_reason": None, "logprobs": {"content": [
-        {"token_id": 7, "logprob": -0.1, "rank": 1, "top_logprobs": [
-            {"token_id": 7, "logprob": -0.1, "rank": 1},
-            {"token_id": 8, "logprob": -2.5, "rank": 2}]},
-        {"token_id": 9, "logprob": -4.0, "rank": 5, "top_logprobs": [
-            {"token_id": 9, "logprob": -4.0, "rank": 5},
-            {"token_id": 3, "logprob": -0.3, "rank": 1}]},
-    ]}}]}  # fmt: skip
+    event = {
+        "choices": [
+            {
+                "token_ids": [7, 9],
+                "finish_reason": None,
+                "logprobs": {
+                    "content": [
+                        {
+                            "token_id": 7,
+                            "logprob": -0.1,
+                            "rank": 1,
+                            "top_logprobs": [
+                                {"token_id": 7, "logprob": -0.1, "rank": 1},
+                                {"token_id": 8, "logprob": -2.5, "rank": 2},
+                            ],
+                        },
+                        {
+                            "token_id": 9,
+                            "logprob": -4.0,
+                            "rank": 5,
+                            "top_logprobs": [
+                                {"token_id": 9, "logprob": -4.0, "rank": 5},
+                                {"token_id": 3, "logprob": -0.3, "rank": 1},
+                            ],
+                        },
+                    ]
+                },
+            }
+        ]
+    }
     got = protocol.parse_answer(orjson.dumps(event), logprobs=2)
     assert got.logprobs == (
         TokenLogprobs(-0.1, 1, (7, 8), (-0.1, -2.5)),
@@ -133,17 +180,25 @@ def test_logprobs_are_asked_and_read_in_vllms_shapes() -> None:
     zero = protocol.parse_answer(orjson.dumps(event), logprobs=0).logprobs
     assert zero is not None
     assert [e.top_ids for e in zero] == [(), ()]
-    prompt = {"choices": [{"token_ids": [4]}], "prompt_logprobs": [
-        None,
-        {"6": {"logprob": -3.0, "rank": 4, "decoded_token": None},
-         "2": {"logprob": -0.5, "rank": 1, "decoded_token": None}},
-        {"7": {"logprob": -9999.0, "rank": 900}, "8": {"logprob": -1.0, "rank": 1}},
-    ]}  # fmt: skip
+    prompt = {
+        "choices": [{"token_ids": [4]}],
+        "prompt_logprobs": [
+            None,
+            {
+                "6": {"logprob": -3.0, "rank": 4, "decoded_token": None},
+                "2": {"logprob": -0.5, "rank": 1, "decoded_token": None},
+            },
+            {"7": {"logprob": -9999.0, "rank": 900}, "8": {"logprob": -1.0, "rank": 1}},
+        ],
+    }
     assert protocol.parse_answer(orjson.dumps(prompt), prompt_logprobs=1).prompt_logprobs == (
-        TokenLogprobs(-3.0, 4, (2,), (-0.5,)), TokenLogprobs(-9999.0, 900, (8,), (-1.0,)),
-    )  # fmt: skip
-    for bad in ({"choices": [{"token_ids": [7]}]}, {"choices": [{"token_ids": [7],
-                "logprobs": {"content": [{"token_id": 7}]}}]}):  # fmt: skip
+        TokenLogprobs(-3.0, 4, (2,), (-0.5,)),
+        TokenLogprobs(-9999.0, 900, (8,), (-1.0,)),
+    )
+    for bad in (
+        {"choices": [{"token_ids": [7]}]},
+        {"choices": [{"token_ids": [7], "logprobs": {"content": [{"token_id": 7}]}}]},
+    ):
         with pytest.raises(protocol.ProtocolError):
             protocol.parse_answer(orjson.dumps(bad), logprobs=1)
     with pytest.raises(protocol.ProtocolError):
@@ -195,8 +250,9 @@ def test_the_config_reads_the_model_directory(tmp_path: Path) -> None:
 
 
 def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Path) -> None:
-    config = VllmConfig(model=str(tmp_path), enforce_eager=True, vllm_args="--max-num-seqs 8",
-                        kv_lease_duration=45)  # fmt: skip
+    config = VllmConfig(
+        model=str(tmp_path), enforce_eager=True, vllm_args="--max-num-seqs 8", kv_lease_duration=45
+    )
     argv = serve_argv(config, Role.PREFILL, 1234)
     assert argv[1:4] == ["-m", "workers.engines.vllm.launcher", "serve"]
     assert argv[-2:] == ["--max-num-seqs", "8"]
@@ -206,13 +262,21 @@ def test_a_started_server_gets_its_role_s_connector_and_environment(tmp_path: Pa
     (tmp_path / "tokenizer.json").write_text("{}")  # one to build grammars over
     assert "--skip-tokenizer-init" not in serve_argv(config, Role.PREFILL, 1234)
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
-                  "kv_buffer_device": "cpu",
-                  "kv_connector_extra_config": {"kv_lease_duration": 45}}  # fmt: skip
+    assert kv == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": 45},
+    }
     assert "--kv-transfer-config" not in serve_argv(config, Role.AGG, 1234)
-    assert json.loads(
-        serve_argv(config, Role.DECODE, 1)[serve_argv(config, Role.DECODE, 1).index(
-            "--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"  # fmt: skip
+    assert (
+        json.loads(
+            serve_argv(config, Role.DECODE, 1)[
+                serve_argv(config, Role.DECODE, 1).index("--kv-transfer-config") + 1
+            ]
+        )["kv_role"]
+        == "kv_consumer"
+    )
     env = serve_env(config, Role.PREFILL, {"UCX_TLS": "tcp"})
     assert env["VLLM_HOST_IP"] == env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
@@ -303,8 +367,9 @@ class FakeVllm:
         return httpx.Response(404)
 
 
-def sse(tokens: list[list[int]], finish: str | None, *, cached: int | None = None,
-        delay: float = 0.0) -> httpx.Response:  # fmt: skip
+def sse(
+    tokens: list[list[int]], finish: str | None, *, cached: int | None = None, delay: float = 0.0
+) -> httpx.Response:
     parts = []
     for i, ids in enumerate(tokens):
         last = finish if i == len(tokens) - 1 else None
@@ -316,8 +381,9 @@ def sse(tokens: list[list[int]], finish: str | None, *, cached: int | None = Non
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         parts.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
         parts.append(b"data: [DONE]\n\n")
-    return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                          content=_Events(parts, delay))  # fmt: skip
+    return httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=_Events(parts, delay)
+    )
 
 
 class _Events:
@@ -342,8 +408,13 @@ class _Events:
 
 def engine(fake: FakeVllm, role: Role = Role.AGG, **config: Any) -> VllmEngine:
     settings: dict[str, Any] = {"vllm_url": URL, "metrics_interval": 0.5, **config}
-    return VllmEngine(VllmConfig(**settings), role, f"{role}-0", vocab_size=VOCAB,
-                      transport=httpx.MockTransport(fake.handle))  # fmt: skip
+    return VllmEngine(
+        VllmConfig(**settings),
+        role,
+        f"{role}-0",
+        vocab_size=VOCAB,
+        transport=httpx.MockTransport(fake.handle),
+    )
 
 
 async def collect(eng: VllmEngine, req: GenerateRequest) -> list[Chunk]:
@@ -390,18 +461,35 @@ async def test_logprobs_reach_the_chunks_and_prompt_logprobs_come_first(
     nursery: trio.Nursery, autojump_clock: object
 ) -> None:
     fake = FakeVllm()
-    entry = {"token_id": 11, "logprob": -0.2, "rank": 1,
-             "top_logprobs": [{"token_id": 11, "logprob": -0.2, "rank": 1}]}  # fmt: skip
+    entry = {
+        "token_id": 11,
+        "logprob": -0.2,
+        "rank": 1,
+        "top_logprobs": [{"token_id": 11, "logprob": -0.2, "rank": 1}],
+    }
 
     def answer(req: httpx.Request) -> httpx.Response:
         body = fake.bodies[-1]
         if not body["stream"]:  # the prompt's logprobs, asked first
-            return httpx.Response(200, json={"choices": [{"token_ids": [11]}], "prompt_logprobs": [
-                None, {"6": {"logprob": -1.5, "rank": 2}, "5": {"logprob": -0.1, "rank": 1}},
-                {"7": {"logprob": -0.7, "rank": 1}}]})  # fmt: skip
-        events = [{"choices": [{"token_ids": [11], "finish_reason": finish,
-                                "logprobs": {"content": [entry]}}]}
-                  for finish in (None, "length")]  # fmt: skip
+            return httpx.Response(
+                200,
+                json={
+                    "choices": [{"token_ids": [11]}],
+                    "prompt_logprobs": [
+                        None,
+                        {"6": {"logprob": -1.5, "rank": 2}, "5": {"logprob": -0.1, "rank": 1}},
+                        {"7": {"logprob": -0.7, "rank": 1}},
+                    ],
+                },
+            )
+        events = [
+            {
+                "choices": [
+                    {"token_ids": [11], "finish_reason": finish, "logprobs": {"content": [entry]}}
+                ]
+            }
+            for finish in (None, "length")
+        ]
         lines = [b"data: " + orjson.dumps(e) + b"\n\n" for e in [*events, {"choices": []}]]
         return httpx.Response(200, content=b"".join([*lines, b"data: [DONE]\n\n"]))
 
@@ -413,8 +501,10 @@ async def test_logprobs_reach_the_chunks_and_prompt_logprobs_come_first(
     assert fake.bodies[0]["request_id"] == "r1.prompt"
     assert fake.bodies[0]["sampling_params"]["max_tokens"] == 1
     assert [c.logprobs for c in chunks] == [(TokenLogprobs(-0.2, 1),)] * 2
-    assert chunks[0].prompt_logprobs == (TokenLogprobs(-1.5, 2, (5,), (-0.1,)),
-                                         TokenLogprobs(-0.7, 1, (7,), (-0.7,)))  # fmt: skip
+    assert chunks[0].prompt_logprobs == (
+        TokenLogprobs(-1.5, 2, (5,), (-0.1,)),
+        TokenLogprobs(-0.7, 1, (7,), (-0.7,)),
+    )
     assert chunks[1].prompt_logprobs is None
 
 
@@ -424,8 +514,13 @@ async def test_ids_past_the_vocabulary_never_reach_vllm(
     fake = FakeVllm()
     eng = engine(fake)
     await nursery.start(eng.run)
-    for bad in (request([5, VOCAB]), request([5], stop_token_ids=(VOCAB,)), request([]),
-                request(list(range(64))), request(max_tokens=0)):  # fmt: skip
+    for bad in (
+        request([5, VOCAB]),
+        request([5], stop_token_ids=(VOCAB,)),
+        request([]),
+        request(list(range(64))),
+        request(max_tokens=0),
+    ):
         with pytest.raises(EngineError) as refused:
             await collect(eng, bad)
         assert refused.value.code is ErrorCode.INVALID_REQUEST
@@ -437,17 +532,29 @@ async def test_prefill_returns_vllms_kv_params_as_the_handle(
     nursery: trio.Nursery, autojump_clock: object
 ) -> None:
     fake = FakeVllm()
-    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e",
-              "remote_request_id": "generate-tokens-r1", "remote_host": "127.0.0.1",
-              "remote_port": 5600}  # fmt: skip
-    fake.generate = lambda req: httpx.Response(200, json={
-        "choices": [{"index": 0, "token_ids": [77], "finish_reason": "length"}],
-        "kv_transfer_params": params,
-    })  # fmt: skip
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2],
+        "remote_engine_id": "e",
+        "remote_request_id": "generate-tokens-r1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+    }
+    fake.generate = lambda req: httpx.Response(
+        200,
+        json={
+            "choices": [{"index": 0, "token_ids": [77], "finish_reason": "length"}],
+            "kv_transfer_params": params,
+        },
+    )
     eng = VllmEngine(
-        VllmConfig(vllm_url=URL), Role.PREFILL, "p0", vocab_size=VOCAB,
-        transfer_address="tcp://127.0.0.1:9", transport=httpx.MockTransport(fake.handle),
-    )  # fmt: skip
+        VllmConfig(vllm_url=URL),
+        Role.PREFILL,
+        "p0",
+        vocab_size=VOCAB,
+        transfer_address="tcp://127.0.0.1:9",
+        transport=httpx.MockTransport(fake.handle),
+    )
     await nursery.start(eng.run)
     (chunk,) = await collect(eng, request(max_tokens=20))
     assert chunk.token_ids == [77]
@@ -498,12 +605,14 @@ async def test_vllm_errors_map_to_codes(nursery: trio.Nursery, autojump_clock: o
     eng = engine(fake)
     await nursery.start(eng.run)
     cases: list[tuple[Handler, ErrorCode]] = [
-        (lambda req: httpx.Response(400, json={"error": {"message": "too long"}}),
-         ErrorCode.INVALID_REQUEST),
+        (
+            lambda req: httpx.Response(400, json={"error": {"message": "too long"}}),
+            ErrorCode.INVALID_REQUEST,
+        ),
         (lambda req: httpx.Response(500, json={"error": {"message": "boom"}}), ErrorCode.INTERNAL),
         (lambda req: sse([[11]], None), ErrorCode.SHUTTING_DOWN),  # ended without a finish
         (lambda req: sse([[11]], "abort"), ErrorCode.INTERNAL),
-    ]  # fmt: skip
+    ]
     for handler, code in cases:
         fake.generate = handler
         with pytest.raises(EngineError) as failed:

@@ -60,8 +60,13 @@ async def test_a_closed_stream_is_aborted_in_vllm(vllm_cluster: VllmCluster) -> 
             while await running(agg.vllm_url):
                 await trio.sleep(0.05)
         # ~7,000 tokens: a minute of work at the ~110 tokens/s this tiny model decodes here
-        body = {"model": "deepseek-v4", "prompt": prompt(30, 400), "max_tokens": 7000,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": "deepseek-v4",
+            "prompt": prompt(30, 400),
+            "max_tokens": 7000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with http.stream("POST", "/v1/completions", json=body) as r:
             events = 0
             async for line in r.aiter_lines():
@@ -91,9 +96,14 @@ async def test_an_id_past_the_vocabulary_is_refused_and_vllm_never_sees_it(
         httpx.AsyncClient(base_url=url, timeout=60) as http,
     ):
         await wait_healthy(http)
-        r = await http.post("/v1/completions", json={
-            "model": "deepseek-v4", "prompt": [5, 6, VOCAB], "max_tokens": 4,
-        })  # fmt: skip
+        r = await http.post(
+            "/v1/completions",
+            json={
+                "model": "deepseek-v4",
+                "prompt": [5, 6, VOCAB],
+                "max_tokens": 4,
+            },
+        )
         assert r.status_code == 400
         assert r.json()["error"]["type"] == "invalid_request_error"
     # So does the worker, to a client that skipped the frontend's check.
@@ -137,9 +147,15 @@ async def test_a_sigkilled_vllm_is_noticed_its_request_migrates_and_it_restarts(
         httpx.AsyncClient(base_url=url, timeout=120) as http,
     ):
         await wait_healthy(http)
-        body = {"model": "deepseek-v4", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": "deepseek-v4",
+            "prompt": ids,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         lines: list[str] = []
         async with http.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():

@@ -54,8 +54,11 @@ FIELDS: list[tuple[str, Any, str]] = [
 def received(cluster: VllmCluster, rid: str) -> str:
     """The SamplingParams vLLM logged for headwater's request *rid*."""
     log = cluster.workers[Role.AGG].vllm_log()
-    match = re.search(rf"Received request generate-tokens-{re.escape(rid)}: params: "
-                      r"(SamplingParams\(.*\)), lora_request", log)  # fmt: skip
+    match = re.search(
+        rf"Received request generate-tokens-{re.escape(rid)}: params: "
+        r"(SamplingParams\(.*\)), lora_request",
+        log,
+    )
     assert match is not None, f"vLLM logged no request {rid}"
     return match.group(1)
 
@@ -98,8 +101,9 @@ async def test_logit_bias_reaches_vllm(vllm_cluster: VllmCluster, nursery: trio.
     ids = prompt(30, 102)
     greedy = await vllm_generate(agg.vllm_url, ids, {"temperature": 0.0, "max_tokens": 4})
     favourite = next(t for t in range(1000, 2000) if t not in greedy.token_ids)
-    chunks = await generate(client, request("bias", ids, 4, ignore_eos=True,
-                                            logit_bias=((favourite, 100.0),)))  # fmt: skip
+    chunks = await generate(
+        client, request("bias", ids, 4, ignore_eos=True, logit_bias=((favourite, 100.0),))
+    )
     assert tokens(chunks) == [favourite] * 4
     assert "ignore_eos=True" in received(vllm_cluster, "bias")
 
@@ -118,10 +122,21 @@ async def test_a_choice_constrains_vllms_answer(
     assert "structured_outputs=StructuredOutputsParams(" in received(vllm_cluster, "choice")
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["unit", "live"],
-    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "live": {"type": "boolean"}},
-}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["unit", "live"],
+            "properties": {
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "live": {"type": "boolean"},
+            },
+        },
+    },
+}
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
@@ -131,8 +146,11 @@ def no_whitespace() -> dict[str, float]:
     closes a call (a real model does). The grammar's own newlines still come: a masked
     choice of one is taken whatever its bias."""
     tokenizer = shared_tokenizer()
-    return {str(i): -100.0 for i in range(tokenizer.vocab_size)
-            if not tokenizer.decode([i], skip_special_tokens=False).strip()}  # fmt: skip
+    return {
+        str(i): -100.0
+        for i in range(tokenizer.vocab_size)
+        if not tokenizer.decode([i], skip_special_tokens=False).strip()
+    }
 
 
 async def test_tool_choice_and_response_format_through_the_api(
@@ -149,22 +167,41 @@ async def test_tool_choice_and_response_format_through_the_api(
             while (await http.get("/health")).status_code != 200:
                 await trio.sleep(0.05)
         chat_ids = list(tokenizer.encode_ids(fe.template.render(MESSAGES, tools=[WEATHER])))
-        base = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER],
-                "max_tokens": 160, "temperature": 0, "logit_bias": bias}  # fmt: skip
+        base = {
+            "model": MODEL_NAME,
+            "messages": MESSAGES,
+            "tools": [WEATHER],
+            "max_tokens": 160,
+            "temperature": 0,
+            "logit_bias": bias,
+        }
         named = {"type": "function", "function": {"name": "get_weather"}}
-        for kind, ask in (("tool_call", {"tool_choice": named}),
-                          ("tool_calls", {"tool_choice": "required",
-                                          "parallel_tool_calls": False})):  # fmt: skip
+        for kind, ask in (
+            ("tool_call", {"tool_choice": named}),
+            ("tool_calls", {"tool_choice": "required", "parallel_tool_calls": False}),
+        ):
             r = await http.post("/v1/chat/completions", json={**base, **ask})
             assert r.status_code == 200, r.text
             answer = r.json()["choices"][0]
             # vLLM's own answer under the same constraint, from the same tokens.
-            tag = structured_output(Constraint(kind, "tool_choice", tools=("get_weather",)),
-                                    tools=[WEATHER], tool_call_parser="deepseek_v4",
-                                    reasoning_forced=False, parallel_tool_calls=False)
-            want = await vllm_generate(agg.vllm_url, chat_ids, {
-                "temperature": 0, "max_tokens": 160, "stop_token_ids": [1], "logit_bias": bias,
-                "structured_outputs": {"structural_tag": tag.spec}})  # fmt: skip
+            tag = structured_output(
+                Constraint(kind, "tool_choice", tools=("get_weather",)),
+                tools=[WEATHER],
+                tool_call_parser="deepseek_v4",
+                reasoning_forced=False,
+                parallel_tool_calls=False,
+            )
+            want = await vllm_generate(
+                agg.vllm_url,
+                chat_ids,
+                {
+                    "temperature": 0,
+                    "max_tokens": 160,
+                    "stop_token_ids": [1],
+                    "logit_bias": bias,
+                    "structured_outputs": {"structural_tag": tag.spec},
+                },
+            )
             assert r.json()["usage"]["completion_tokens"] == len(want.token_ids)
             assert want.finish_reason == "stop", tokenizer.decode(want.token_ids)
             text = tokenizer.decode(want.token_ids, skip_special_tokens=False)
@@ -186,18 +223,38 @@ async def test_tool_choice_and_response_format_through_the_api(
             assert json.loads("".join(t["function"].get("arguments", "") for t in steps)) == args
             assert not "".join(d.get("content") or "" for d in deltas)
 
-        schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
-                  "properties": {"ok": {"type": "boolean"}}}  # fmt: skip
-        body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 60, "temperature": 0,
-                "logit_bias": bias, "response_format": {
-                    "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+        schema = {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["ok"],
+            "properties": {"ok": {"type": "boolean"}},
+        }
+        body = {
+            "model": MODEL_NAME,
+            "messages": MESSAGES,
+            "max_tokens": 60,
+            "temperature": 0,
+            "logit_bias": bias,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema},
+            },
+        }
         r = await http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         answer = r.json()["choices"][0]
         plain_ids = list(tokenizer.encode_ids(fe.template.render(MESSAGES)))
-        want = await vllm_generate(agg.vllm_url, plain_ids, {
-            "temperature": 0, "max_tokens": 60, "stop_token_ids": [1], "logit_bias": bias,
-            "structured_outputs": {"json": schema}})  # fmt: skip
+        want = await vllm_generate(
+            agg.vllm_url,
+            plain_ids,
+            {
+                "temperature": 0,
+                "max_tokens": 60,
+                "stop_token_ids": [1],
+                "logit_bias": bias,
+                "structured_outputs": {"json": schema},
+            },
+        )
         assert answer["message"]["content"] == tokenizer.decode(want.token_ids)
         assert answer["finish_reason"] == "stop"
         assert isinstance(json.loads(answer["message"]["content"])["ok"], bool)

@@ -21,8 +21,18 @@ from headwater.cluster.recipes import spawn_frontend
 
 pytestmark = pytest.mark.slow
 
-ARGS = ("--port", "0", "--processes", "1", "--speedup-ratio", "100", "--stall-threshold-ms",
-        "10", "--log-level", "warning")  # fmt: skip
+ARGS = (
+    "--port",
+    "0",
+    "--processes",
+    "1",
+    "--speedup-ratio",
+    "100",
+    "--stall-threshold-ms",
+    "10",
+    "--log-level",
+    "warning",
+)
 
 
 def own_stalls(records: list[dict]) -> list[dict]:
@@ -34,15 +44,18 @@ def own_stalls(records: list[dict]) -> list[dict]:
 async def test_the_first_requests_after_start_record_no_stall(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "headwater", "serve", *ARGS]
     async with trio.open_nursery() as nursery:
-        fe = await spawn_frontend(nursery, argv, name="frontend",
-                                  log_path=tmp_path / "frontend.log", ready_within=90)  # fmt: skip
+        fe = await spawn_frontend(
+            nursery, argv, name="frontend", log_path=tmp_path / "frontend.log", ready_within=90
+        )
         async with httpx.AsyncClient(base_url=fe.address, timeout=30) as http:
-            chat = {"model": "deepseek-v4", "max_tokens": 4,
-                    "messages": [{"role": "user", "content": "Hello!"}]}  # fmt: skip
+            chat = {
+                "model": "deepseek-v4",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Hello!"}],
+            }
             r = await http.post("/v1/chat/completions", json=chat)
             assert r.status_code == 200, r.text
-            completion = {"model": "deepseek-v4", "max_tokens": 4, "prompt": "Once",
-                          "stream": True}  # fmt: skip
+            completion = {"model": "deepseek-v4", "max_tokens": 4, "prompt": "Once", "stream": True}
             r = await http.post("/v1/completions", json=completion)
             assert r.status_code == 200, r.text
             records = (await http.get("/debug/stalls")).json()

@@ -48,9 +48,7 @@ FRAME_TYPES = {type(f) for f in EXAMPLES}
 MAPS: list[dict[Any, Any]] = [msgpack.unpackb(encode(f)[4:], raw=False) for f in EXAMPLES]
 MAX_FRAME = 1 << 20  # small enough that "huge" lengths are reachable by the strategies
 
-_SETTINGS = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # ---- the properties ---------------------------------------------------------------------
 
@@ -108,8 +106,13 @@ SCALARS = (
     | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8))
 )
 #: Map keys of every msgpack type a hostile peer might use, most of them refused.
-KEYS = st.text(max_size=10) | st.binary(max_size=4) | st.integers(-5, 5) | st.sampled_from(
-    ["k", "request_id", "token_ids", "transfer_id", "seq", "data", "nonce", "proof"]
+KEYS = (
+    st.text(max_size=10)
+    | st.binary(max_size=4)
+    | st.integers(-5, 5)
+    | st.sampled_from(
+        ["k", "request_id", "token_ids", "transfer_id", "seq", "data", "nonce", "proof"]
+    )
 )
 VALUES = st.recursive(
     SCALARS,
@@ -308,6 +311,7 @@ def test_legit_big_frames_still_decode() -> None:
 def test_error_messages_stay_short_whatever_the_peer_sent(body: dict[str, str]) -> None:
     """An error message goes back to the peer in a Fault and into the log: a peer's
     megabyte-long kind must not come back a megabyte long (it did, repr'd whole)."""
+
     def decode_and_hear() -> None:
         client = ClientHandshake(role="frontend", peer_id="fe", model="", secret=None)
         for frame in FrameDecoder(4 << 20).feed(framed(packed(body))):
@@ -354,20 +358,24 @@ def test_server_handshake_lets_in_only_a_client_that_proves_the_secret(
             frame = Hello(arg, "frontend", "fe", "", client_nonce)
         elif move == "auth":
             server_nonce = challenge.nonce if challenge is not None else b"s" * NONCE_BYTES
-            frame = Auth({
-                "right": proof(SECRET, "client", client_nonce, server_nonce),
-                "wrong": proof(b"guess", "client", client_nonce, server_nonce),
-                "empty": b"",
-                "reflected": challenge.proof if challenge is not None else b"r" * 32,
-            }[arg])  # fmt: skip
+            frame = Auth(
+                {
+                    "right": proof(SECRET, "client", client_nonce, server_nonce),
+                    "wrong": proof(b"guess", "client", client_nonce, server_nonce),
+                    "empty": b"",
+                    "reflected": challenge.proof if challenge is not None else b"r" * 32,
+                }[arg]
+            )
         else:
             frame = arg
         # The model: hello(v1) first; with a secret, then the right proof; nothing after.
-        expected_ok = (
-            (i == 0 and move == "hello" and arg == PROTOCOL_VERSION)
-            or (i == 1 and secret is not None and accepted == ["hello"]
-                and move == "auth" and arg == "right")
-        )  # fmt: skip
+        expected_ok = (i == 0 and move == "hello" and arg == PROTOCOL_VERSION) or (
+            i == 1
+            and secret is not None
+            and accepted == ["hello"]
+            and move == "auth"
+            and arg == "right"
+        )
         try:
             reply = server.receive(frame)
         except ProtocolError as exc:

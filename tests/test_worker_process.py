@@ -53,7 +53,9 @@ async def worker_process(tmp_path: Path, role: str, *args: str) -> AsyncIterator
 
 def request(rid: str, max_tokens: int, prompt: int = 64) -> GenerateRequest:
     return GenerateRequest(
-        rid, MODEL, list(range(3, 3 + prompt)),
+        rid,
+        MODEL,
+        list(range(3, 3 + prompt)),
         SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1),
     )
 
@@ -81,9 +83,7 @@ async def test_sigterm_lets_the_inflight_request_finish(
             assert await worker.process.wait() == 0
 
 
-async def test_prefill_and_decode_processes_move_kv(
-    tmp_path: Path, nursery: trio.Nursery
-) -> None:
+async def test_prefill_and_decode_processes_move_kv(tmp_path: Path, nursery: trio.Nursery) -> None:
     common = ("--speedup-ratio", "1000", "--kv-bytes-per-token", "256")
     async with (
         worker_process(tmp_path, "prefill", *common) as prefill,
@@ -114,7 +114,11 @@ async def test_refuses_to_listen_off_loopback_without_a_secret(tmp_path: Path) -
     env_free = {"PATH": "/usr/bin:/bin"}
     result = await trio.run_process(
         [sys.executable, "-m", "headwater", "worker", "--listen", "0.0.0.0:0"],
-        cwd=REPO, capture_stdout=True, capture_stderr=True, check=False, env=env_free,
+        cwd=REPO,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env=env_free,
     )
     assert result.returncode == 2
     assert b"plane secret" in result.stderr

@@ -29,8 +29,9 @@ def ca() -> trustme.CA:
     return trustme.CA()
 
 
-def issue(ca: trustme.CA, directory: Path, name: str, *identities: str,
-          trusting: trustme.CA | None = None) -> Pem:  # fmt: skip
+def issue(
+    ca: trustme.CA, directory: Path, name: str, *identities: str, trusting: trustme.CA | None = None
+) -> Pem:
     """Files for a certificate *ca* issues to *identities* (host names, IP addresses),
     named after *name* in *directory*; it trusts *trusting* (default: *ca*)."""
     cert = ca.issue_cert(*identities)

@@ -82,8 +82,10 @@ def ensure_tiny_model() -> Path:
     if not (TINY_MODEL / "headwater-tiny-model.json").is_file():
         subprocess.run(
             [sys.executable, str(REPO / "scripts" / "build_tiny_model.py"), str(TINY_MODEL)],
-            check=True, cwd=REPO, timeout=300,
-        )  # fmt: skip
+            check=True,
+            cwd=REPO,
+            timeout=300,
+        )
     return TINY_MODEL
 
 
@@ -153,11 +155,19 @@ class TraceReceiver:
                 got = ExportTraceServiceRequest.FromString(body)
                 with receiver._lock:
                     for rs in got.resource_spans:
-                        service = next((a.value.string_value for a in rs.resource.attributes
-                                        if a.key == "service.name"), "")  # fmt: skip
+                        service = next(
+                            (
+                                a.value.string_value
+                                for a in rs.resource.attributes
+                                if a.key == "service.name"
+                            ),
+                            "",
+                        )
                         for scope in rs.scope_spans:
-                            receiver.spans += [(service, s.name, s.trace_id.hex(),
-                                                s.parent_span_id.hex()) for s in scope.spans]
+                            receiver.spans += [
+                                (service, s.name, s.trace_id.hex(), s.parent_span_id.hex())
+                                for s in scope.spans
+                            ]
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -196,8 +206,7 @@ class VllmCluster:
         for role, extra in (
             # Its vLLM logs each request's SamplingParams: what vLLM received
             # (tests/test_vllm_fields.py reads it).
-            (Role.AGG, (f"--otlp-endpoint={self.traces.url}",
-                        "--vllm-args=--enable-log-requests")),
+            (Role.AGG, (f"--otlp-endpoint={self.traces.url}", "--vllm-args=--enable-log-requests")),
             (Role.PREFILL, ()),
             (Role.DECODE, ("--vllm-args=--no-enable-prefix-caching",)),
         ):
@@ -209,20 +218,47 @@ class VllmCluster:
         argv = [
             # Niced: they start while the rest of the suite runs, and timing-sensitive
             # tests there come first; by the time the vLLM tests run nothing else does.
-            "nice", "-n", str(NICENESS),
-            sys.executable, "-m", "headwater", "worker", "--engine", "vllm",
-            "--model", str(self.model), "--role", str(role), "--enforce-eager",
-            "--listen", "127.0.0.1:0", "--worker-id", f"vllm-{role}",
-            "--model-name", MODEL_NAME, "--drain-timeout", "2", "--peer-timeout", str(PATIENCE),
-            "--vllm-log", str(self.workdir / f"vllm-{role}.log"), "--cpu-bind", "role", *extra,
-        ]  # fmt: skip
+            "nice",
+            "-n",
+            str(NICENESS),
+            sys.executable,
+            "-m",
+            "headwater",
+            "worker",
+            "--engine",
+            "vllm",
+            "--model",
+            str(self.model),
+            "--role",
+            str(role),
+            "--enforce-eager",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker-id",
+            f"vllm-{role}",
+            "--model-name",
+            MODEL_NAME,
+            "--drain-timeout",
+            "2",
+            "--peer-timeout",
+            str(PATIENCE),
+            "--vllm-log",
+            str(self.workdir / f"vllm-{role}.log"),
+            "--cpu-bind",
+            "role",
+            *extra,
+        ]
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             process = subprocess.Popen(
-                argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO,
+                argv,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
                 start_new_session=True,
                 # A test session killed outright: the worker drains, its vLLM with it.
                 env={**os.environ, **supervisor_env()},
-            )  # fmt: skip
+            )
         # nice sets the worker's own priority; its session's scheduling group (and its
         # vLLM's, which the worker sets) needs it too (headwater/sessions.py).
         set_session_nice(process.pid, NICENESS)

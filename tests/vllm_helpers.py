@@ -67,9 +67,10 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 def metric(values: Metrics, name: str, **labels: str) -> float:
     """The sum of the series *name* whose labels include *labels*."""
     return sum(
-        v for n, have, v in values
+        v
+        for n, have, v in values
         if n == name and all(have.get(k) == want for k, want in labels.items())
-    )  # fmt: skip
+    )
 
 
 def request(

@@ -50,6 +50,7 @@ def ready_line(address: str, worker_id: str, role: Role) -> str:
     read it back (``headwater.cluster.recipes.parse_worker_ready``)."""
     return f"{READY_PREFIX} {address} {worker_id} {role.value}"
 
+
 _HOOK_TIMEOUT = 10.0  # s for each on-stop hook
 _FLUSH_TIMEOUT = 5.0  # s to send replies still queued when the drain ends
 
@@ -172,13 +173,22 @@ async def serve_worker(
     bound_port = listeners[0].socket.getsockname()[1]
     address = format_tcp_address(advertised, bound_port)
     try:
-        async with _tracing(config), _open_engine(config, address) as (
-            engine, kv_transfer
-        ), open_runtime(engine, config.worker_id) as runtime:
+        async with (
+            _tracing(config),
+            _open_engine(config, address) as (engine, kv_transfer),
+            open_runtime(engine, config.worker_id) as runtime,
+        ):
             await _serve(
-                config, address, listeners, runtime, kv_transfer,
-                shutdown_trigger, on_ready, on_stop, task_status,
-            )  # fmt: skip
+                config,
+                address,
+                listeners,
+                runtime,
+                kv_transfer,
+                shutdown_trigger,
+                on_ready,
+                on_stop,
+                task_status,
+            )
     finally:
         for listener in listeners:  # serve_listeners closes them too; twice is fine
             await trio.aclose_forcefully(listener)
@@ -191,9 +201,10 @@ async def _tracing(config: WorkerConfig) -> AsyncIterator[None]:
         yield
         return
     async with open_tracing(
-        config.otlp_endpoint, "headwater-worker",
+        config.otlp_endpoint,
+        "headwater-worker",
         attributes={"headwater.worker.id": config.worker_id, "headwater.role": str(config.role)},
-    ):  # fmt: skip
+    ):
         yield
 
 
@@ -208,26 +219,40 @@ async def _open_engine(
     # Where it may pull from: the prefill workers registered in etcd, --kv-peers; with
     # neither, on a worker listening on loopback (a one-host cluster), loopback ones.
     one_host = is_loopback(split_host_port(config.listen)[0])
-    peers = KvPeers(config.kv_peers,
-                    loopback=one_host and not config.kv_peers and not config.discovery)
-    async with trio.open_nursery() as nursery, open_kv_transfer(
-        peer_id=config.worker_id, role=str(config.role), secret=config.secret,
-        config=replace(config.plane, tls=config.tls), peers=peers,
-    ) as kv_transfer:  # fmt: skip
+    peers = KvPeers(
+        config.kv_peers, loopback=one_host and not config.kv_peers and not config.discovery
+    )
+    async with (
+        trio.open_nursery() as nursery,
+        open_kv_transfer(
+            peer_id=config.worker_id,
+            role=str(config.role),
+            secret=config.secret,
+            config=replace(config.plane, tls=config.tls),
+            peers=peers,
+        ) as kv_transfer,
+    ):
         if config.discovery:
             from workers.runtime.registration import follow_prefill_workers
 
-            await nursery.start(partial(
-                follow_prefill_workers, etcd_endpoints(config.discovery), config.model_name,
-                peers, secret=config.secret, credentials=config.etcd,
-            ))  # fmt: skip
+            await nursery.start(
+                partial(
+                    follow_prefill_workers,
+                    etcd_endpoints(config.discovery),
+                    config.model_name,
+                    peers,
+                    secret=config.secret,
+                    credentials=config.etcd,
+                )
+            )
         yield _build(config, address, kv_transfer), kv_transfer
         nursery.cancel_scope.cancel()
 
 
 def _build(config: WorkerConfig, address: str, kv_transfer: TcpKvTransfer | None) -> Engine:
-    context = EngineContext(config.role, config.worker_id, kv_transfer, address,
-                            otlp_endpoint=config.otlp_endpoint)  # fmt: skip
+    context = EngineContext(
+        config.role, config.worker_id, kv_transfer, address, otlp_endpoint=config.otlp_endpoint
+    )
     return registry.build(config.engine, config.engine_config, context)
 
 
@@ -320,7 +345,9 @@ async def _drain(config: WorkerConfig, worker: RunningWorker, on_stop: Sequence[
     if scope.cancelled_caught:
         log.warning(
             "%s drain timed out: %d requests and %d KV transfers abandoned",
-            worker.worker_id, left.inflight, left.engine.kv_transfers_held,
+            worker.worker_id,
+            left.inflight,
+            left.engine.kv_transfers_held,
         )
     else:
         log.info("%s drained", worker.worker_id)

@@ -84,7 +84,8 @@ class WorkerCollector(Collector):
         stats = w.runtime.statistics()
         engine = stats.engine
         info = GaugeMetricFamily(
-            f"{p}info", "This worker's identity (always 1)",
+            f"{p}info",
+            "This worker's identity (always 1)",
             labels=["worker_id", "role", "model", "address"],
         )
         info.add_metric([w.worker_id, str(w.role), w.model, w.address], 1)
@@ -95,8 +96,11 @@ class WorkerCollector(Collector):
             ("waiting_requests", "Requests waiting for the engine", engine.waiting_requests),
             ("kv_blocks_used", "KV cache blocks in use", engine.kv_blocks_used),
             ("kv_blocks_total", "KV cache blocks in all", engine.kv_blocks_total),
-            ("kv_transfers_held", "Prefilled KV held for a decode worker to pull",
-             engine.kv_transfers_held),
+            (
+                "kv_transfers_held",
+                "Prefilled KV held for a decode worker to pull",
+                engine.kv_transfers_held,
+            ),
             ("draining", "1 while the worker drains (refuses new requests)", int(stats.draining)),
         )
         for name, doc, value in gauges:
@@ -105,8 +109,11 @@ class WorkerCollector(Collector):
             ("requests_served", "Requests served to the end", stats.served_total),
             ("requests_cancelled", "Requests cancelled before their end", stats.cancelled_total),
             ("requests_failed", "Requests that ended in an error", stats.failed_total),
-            ("kv_released", "Prefilled KV freed at the frontend's word, never pulled",
-             stats.kv_released_total),
+            (
+                "kv_released",
+                "Prefilled KV freed at the frontend's word, never pulled",
+                stats.kv_released_total,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{p}{name}", doc, value=value)
@@ -114,12 +121,15 @@ class WorkerCollector(Collector):
         # picker scrapes these names (vLLM's) from every pod of an InferencePool.
         usage = engine.kv_blocks_used / engine.kv_blocks_total if engine.kv_blocks_total else 0.0
         picker: tuple[tuple[str, str, float], ...] = (
-            ("vllm:num_requests_waiting", "Requests waiting (the endpoint picker's queue)",
-             engine.waiting_requests),
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting (the endpoint picker's queue)",
+                engine.waiting_requests,
+            ),
             ("vllm:num_requests_running", "Requests running", engine.active_requests),
             ("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", usage),
             ("vllm:gpu_cache_usage_perc", "KV cache usage, 0 to 1 (the older name)", usage),
-        )  # fmt: skip
+        )
         for name, doc, share in picker:
             yield GaugeMetricFamily(name, doc, value=share)
 

@@ -30,8 +30,10 @@ def tool_call(name: str, **arguments: str) -> str:
         f'<{DSML}parameter name="{key}" string="true">{value}</{DSML}parameter>\n'
         for key, value in arguments.items()
     )
-    return (f"<{DSML}tool_calls>\n<{DSML}invoke name=\"{name}\">\n{params}"
-            f"</{DSML}invoke>\n</{DSML}tool_calls>")  # fmt: skip
+    return (
+        f'<{DSML}tool_calls>\n<{DSML}invoke name="{name}">\n{params}'
+        f"</{DSML}invoke>\n</{DSML}tool_calls>"
+    )
 
 
 WEATHER_TOOL: dict[str, Any] = {
@@ -40,7 +42,9 @@ WEATHER_TOOL: dict[str, Any] = {
         "name": "get_weather",
         "description": "The weather in a city now.",
         "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
         },
     },
 }
@@ -57,15 +61,17 @@ class TooManySteps(Exception):
     pass
 
 
-async def run_agent(client: openai.AsyncOpenAI, question: str, tools: dict[str, Any],
-                    max_steps: int = 5) -> tuple[str, list[str]]:  # fmt: skip
+async def run_agent(
+    client: openai.AsyncOpenAI, question: str, tools: dict[str, Any], max_steps: int = 5
+) -> tuple[str, list[str]]:
     """The agent under test: its final answer and the tools it ran, in order."""
     messages: list[Any] = [{"role": "user", "content": question}]
     schemas = [WEATHER_TOOL]
     ran: list[str] = []
     for _ in range(max_steps):
-        response = await client.chat.completions.create(model=MODEL, messages=messages,
-                                                        tools=schemas)  # fmt: skip
+        response = await client.chat.completions.create(
+            model=MODEL, messages=messages, tools=schemas
+        )
         message = response.choices[0].message
         if not message.tool_calls:
             return message.content or "", ran
@@ -87,15 +93,17 @@ def weather(city: str) -> str:
 async def test_the_agent_calls_the_tool_and_answers(headwater_server: HeadwaterServer) -> None:
     # No clock fixture: real time, and the scripted engine's default pace (1 ms a token).
     answer, ran = await run_agent(
-        headwater_server.openai_client(), "What is the weather in Paris?",
+        headwater_server.openai_client(),
+        "What is the weather in Paris?",
         {"get_weather": weather},
-    )  # fmt: skip
+    )
     assert answer == "It is 22 degrees and sunny in Paris."
     assert ran == ["get_weather"]
     # What the model was sent on its second turn: the tool's result.
     second = headwater_server.requests[1].body
     assert second["messages"][-1] == {
-        "role": "tool", "tool_call_id": second["messages"][-2]["tool_calls"][0]["id"],
+        "role": "tool",
+        "tool_call_id": second["messages"][-2]["tool_calls"][0]["id"],
         "content": "22 degrees, sunny in Paris",
     }
 
@@ -105,8 +113,9 @@ async def test_a_broken_stream_does_not_reach_the_agent(
 ) -> None:
     server = await headwater.start(script=SCRIPT)
     server.faults.break_stream(after_tokens=5)  # the first answer's stream breaks
-    answer, ran = await run_agent(server.openai_client(), "What is the weather in Paris?",
-                                  {"get_weather": weather})  # fmt: skip
+    answer, ran = await run_agent(
+        server.openai_client(), "What is the weather in Paris?", {"get_weather": weather}
+    )
     assert ran == ["get_weather"]
     assert answer == "It is 22 degrees and sunny in Paris."
     # headwater moved the broken request to another attempt: the agent never knew.
@@ -121,6 +130,5 @@ async def test_the_agent_gives_up_on_a_model_that_only_calls_tools(
         script=[{"default": True, "text": tool_call("get_weather", city="Paris")}]
     )
     with pytest.raises(TooManySteps):
-        await run_agent(server.openai_client(), "Weather?", {"get_weather": weather},
-                        max_steps=3)  # fmt: skip
+        await run_agent(server.openai_client(), "Weather?", {"get_weather": weather}, max_steps=3)
     assert len(server.requests) == 3

@@ -27,8 +27,9 @@ SCRIPT = [{"prompt_contains": "hello", "text": "Hello to you too."}]
 T = TypeVar("T")
 
 
-async def with_retries(call: Callable[[], Awaitable[T]], attempts: int = 4,
-                       backoff: float = 2.0) -> T:  # fmt: skip
+async def with_retries(
+    call: Callable[[], Awaitable[T]], attempts: int = 4, backoff: float = 2.0
+) -> T:
     """The policy under test."""
     for attempt in range(1, attempts + 1):
         try:
@@ -90,6 +91,9 @@ async def test_the_policy_gives_up_and_never_retries_a_bad_request(
     assert len(headwater_server.requests) == 4
     # A prompt the script has no answer for is a 400: not retried.
     with pytest.raises(openai.BadRequestError):
-        await with_retries(lambda: client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "good night"}]))
+        await with_retries(
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "good night"}]
+            )
+        )
     assert len(headwater_server.requests) == 5

@@ -22,8 +22,9 @@ STORY = "Once upon a time a small river ran all the way to the sea."
 SCRIPT = [{"default": True, "text": STORY}]
 
 
-async def show(client: openai.AsyncOpenAI, prompt: str, first_token_within: float
-               ) -> tuple[str, list[float]]:  # fmt: skip
+async def show(
+    client: openai.AsyncOpenAI, prompt: str, first_token_within: float
+) -> tuple[str, list[float]]:
     """The consumer under test: the answer's text and when each piece arrived; an empty
     answer when the first piece takes longer than *first_token_within* seconds."""
     start = trio.current_time()

@@ -35,7 +35,6 @@ from headwater.etcd.records import KEY_PREFIX, InstanceRecord, InstanceState, mo
 log = logging.getLogger(__name__)
 
 
-
 class EtcdDiscovery(Discovery):
     """Follows the workers registered under the instance prefix (one model, or all).
 
@@ -120,9 +119,12 @@ class _Members:
     """What the sink was told, by key, so that a resync reports only differences."""
 
     def __init__(
-        self, sink: DiscoverySink, model: str | None, secret: bytes | None = None,
+        self,
+        sink: DiscoverySink,
+        model: str | None,
+        secret: bytes | None = None,
         prefix: str = KEY_PREFIX,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.sink = sink
         self.model = model
         self.secret = secret

@@ -108,6 +108,9 @@ class LocalCluster(Discovery):
         if runtime is None:
             raise LookupError(f"no in-process worker {instance.worker_id!r}")
         return MemoryWorkerClient(
-            instance, runtime, ack_timeout=self.ack_timeout, load=partial(load_of, runtime),
+            instance,
+            runtime,
+            ack_timeout=self.ack_timeout,
+            load=partial(load_of, runtime),
             attribution=self.attribution,
-        )  # fmt: skip
+        )

@@ -40,13 +40,18 @@ def discovery_from_config(config: FrontendConfig) -> Discovery:
         from headwater.wire.handshake import load_secret
 
         return EtcdDiscovery(
-            etcd_endpoints(config.discovery), model=config.model_name,
-            secret=load_secret(), credentials=config.etcd_credentials,
-        )  # fmt: skip
+            etcd_endpoints(config.discovery),
+            model=config.model_name,
+            secret=load_secret(),
+            credentials=config.etcd_credentials,
+        )
     return LocalCluster(
-        model=config.model_name, mode=config.mode, engine=config.engine,
-        engine_config=config.engine_config, ack_timeout=config.ack_timeout,
-    )  # fmt: skip
+        model=config.model_name,
+        mode=config.mode,
+        engine=config.engine,
+        engine_config=config.engine_config,
+        ack_timeout=config.ack_timeout,
+    )
 
 
 def connect_for(
@@ -62,9 +67,10 @@ def connect_for(
     from headwater.plane.connection import PlaneConfig
 
     return partial(
-        connect_worker, config=PlaneConfig(ack_timeout=config.ack_timeout, tls=config.plane_tls),
+        connect_worker,
+        config=PlaneConfig(ack_timeout=config.ack_timeout, tls=config.plane_tls),
         attribution=attribution,
-    )  # fmt: skip
+    )
 
 
 async def start_discovery(
@@ -110,8 +116,9 @@ async def _follow(
             if isinstance(discovery, LocalCluster):
                 await membership.connecting.wait_value(0)
         if not ready.is_set():
-            log.warning("discovery has not reported workers after %.0f s; still trying",
-                        initial_wait)  # fmt: skip
+            log.warning(
+                "discovery has not reported workers after %.0f s; still trying", initial_wait
+            )
         task_status.started(membership)
 
 

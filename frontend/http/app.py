@@ -74,8 +74,9 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 GENERATE_PATH = "/inference/v1/generate"  # the token-in API
 #: The routes that generate: each gets a root span when tracing is on.
-GENERATION_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH, MESSAGES_PATH,
-                              RESPONSES_PATH})  # fmt: skip
+GENERATION_PATHS = frozenset(
+    {CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH, MESSAGES_PATH, RESPONSES_PATH}
+)
 #: The routes admission control guards: those that generate, and those that take the
 #: tokenizer pool's time without generating (``/tokenize``, ``count_tokens``).
 ADMITTED_PATHS = GENERATION_PATHS | TOKENIZE_PATHS | MESSAGES_PATHS
@@ -110,7 +111,10 @@ def create_app(
     # The models the routes validate with, read once: the document describes these.
     bodies = dict(REQUEST_MODELS)
     document = openapi_json(
-        bodies, limits=lim, context_length=pipeline.context_length, api_keys=api_keys,
+        bodies,
+        limits=lim,
+        context_length=pipeline.context_length,
+        api_keys=api_keys,
         model_name=pipeline.model_name,
     )
     for name in LIMITS:  # every series from the start, at 0: rate() sees the first
@@ -202,19 +206,24 @@ def create_app(
         if parsed.model is not None and parsed.model != model:
             raise UnknownModel(parsed.model)
         return await _serve(
-            "generate", parsed.stream, partial(pipeline.preprocess_tokens, parsed),
-            pipeline.tokens, TokenFormat,
-        )  # fmt: skip
+            "generate",
+            parsed.stream,
+            partial(pipeline.preprocess_tokens, parsed),
+            pipeline.tokens,
+            TokenFormat,
+        )
 
     async def _serve_openai(endpoint: str) -> Response:
         parsed = parse_request(await _parse(), endpoint, lim, model=bodies[endpoint])
         if parsed.model != model:
             raise UnknownModel(parsed.model)
         return await _serve(
-            endpoint, parsed.stream, partial(pipeline.preprocess, parsed),
+            endpoint,
+            parsed.stream,
+            partial(pipeline.preprocess, parsed),
             pipeline.generate,
             partial(OpenAIFormat, reasoning_field=pipeline.parsers.reasoning_field),
-        )  # fmt: skip
+        )
 
     async def _serve(
         endpoint: str,
@@ -274,7 +283,8 @@ def create_app(
         mimetype = request.mimetype
         if mimetype != JSON:
             raise ApiError(
-                415, f"Content-Type must be {JSON}, got {mimetype or 'none'}",
+                415,
+                f"Content-Type must be {JSON}, got {mimetype or 'none'}",
                 code="unsupported_media_type",
             )
         budget = lim.max_json_values
@@ -302,7 +312,9 @@ def create_app(
         return json_response(fmt.unary(deltas))
 
     async def _stream(
-        endpoint: str, prep: Prepared[R], produced: AsyncGenerator[D, None],
+        endpoint: str,
+        prep: Prepared[R],
+        produced: AsyncGenerator[D, None],
         fmt: ResponseFormat[D],
     ) -> AsyncIterator[bytes]:
         """The SSE body. Events that are ready together leave in one write: the opening

@@ -72,8 +72,9 @@ KEYS_FILE_POLL = 2.0
 log = logging.getLogger(__name__)
 
 
-def load_api_keys(keys: Iterable[str] = (), *, env: str | None = None,
-                  file: str | Path | None = None) -> tuple[str, ...]:  # fmt: skip
+def load_api_keys(
+    keys: Iterable[str] = (), *, env: str | None = None, file: str | Path | None = None
+) -> tuple[str, ...]:
     """Every key given: *keys* (``--api-key``), *env* (``HEADWATER_API_KEYS``, comma-
     separated) and *file* (one per line; blank lines and ``#`` comments skipped).
 
@@ -131,9 +132,13 @@ class ApiKeys:
 
 
 async def watch_keys_file(
-    keys: ApiKeys, fixed: Iterable[str], path: str, *, period: float = KEYS_FILE_POLL,
+    keys: ApiKeys,
+    fixed: Iterable[str],
+    path: str,
+    *,
+    period: float = KEYS_FILE_POLL,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:  # fmt: skip
+) -> None:
     """Load *path*'s keys (with the *fixed* ones) into *keys*, then keep them in step
     with the file: re-read whenever its status (inode, size, mtime) changes, which an
     edit in place and an atomic rename both change. Started with ``nursery.start``: a
@@ -154,8 +159,11 @@ async def watch_keys_file(
             log.error("API keys file %s not reloaded (%s); the keys in force stay", path, exc)
             continue
         if not loaded:
-            log.error("API keys file %s holds no key, and no other key is set; the keys in "
-                      "force stay (no key at all would serve anyone)", path)  # fmt: skip
+            log.error(
+                "API keys file %s holds no key, and no other key is set; the keys in "
+                "force stay (no key at all would serve anyone)",
+                path,
+            )
             continue
         keys.replace(loaded)
         log.info("API keys reloaded from %s: %d keys", path, len(loaded))
@@ -184,15 +192,19 @@ def exposure_warning(host: str, keys: Sized) -> str | None:
 def unauthorized(key_sent: bool) -> ApiError:
     """OpenAI's answer to a missing or wrong key."""
     message = (
-        "Incorrect API key provided." if key_sent else
-        "You didn't provide an API key. You need to provide your API key in an "
+        "Incorrect API key provided."
+        if key_sent
+        else "You didn't provide an API key. You need to provide your API key in an "
         "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), "
         "or in an x-api-key header."
-    )  # fmt: skip
+    )
     return ApiError(
-        401, message, type="invalid_request_error", code="invalid_api_key",
+        401,
+        message,
+        type="invalid_request_error",
+        code="invalid_api_key",
         headers={"WWW-Authenticate": 'Bearer realm="headwater"'},
-    )  # fmt: skip
+    )
 
 
 class RequireApiKey:

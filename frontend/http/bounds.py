@@ -21,14 +21,26 @@ from frontend.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_NAME_CHARS,
 Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 NonEmptyStr = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 NonEmptyText = Annotated[str, Meta(min_length=1)]
-FREE_FORM = (f"Free-form JSON: its text counts against --max-prompt-chars; at most "
-             f"{MAX_JSON_DEPTH} deep, and {MAX_JSON_CONTAINERS} objects and arrays in all "
-             f"of a request's free-form JSON.")  # fmt: skip
+FREE_FORM = (
+    f"Free-form JSON: its text counts against --max-prompt-chars; at most "
+    f"{MAX_JSON_DEPTH} deep, and {MAX_JSON_CONTAINERS} objects and arrays in all "
+    f"of a request's free-form JSON."
+)
 #: A free-form JSON object, kept as its text until checked (frontend.http.schema).
-FreeFormObject = Annotated[Raw, Meta(extra_json_schema={
-    "type": "object", "maxProperties": MAX_PARTS, "description": FREE_FORM})]  # fmt: skip
+FreeFormObject = Annotated[
+    Raw,
+    Meta(
+        extra_json_schema={"type": "object", "maxProperties": MAX_PARTS, "description": FREE_FORM}
+    ),
+]
 #: The same, or null, which the parser takes as absent (a function's ``parameters``, which
 #: OpenAI's SDK sends as null for a function without any; ``chat_template_kwargs``).
-FreeFormObjectOrNull = Annotated[Raw, Meta(extra_json_schema={"anyOf": [
-    {"type": "object", "maxProperties": MAX_PARTS}, {"type": "null"}],
-    "description": FREE_FORM})]  # fmt: skip
+FreeFormObjectOrNull = Annotated[
+    Raw,
+    Meta(
+        extra_json_schema={
+            "anyOf": [{"type": "object", "maxProperties": MAX_PARTS}, {"type": "null"}],
+            "description": FREE_FORM,
+        }
+    ),
+]

@@ -119,9 +119,10 @@ def too_many_requests(max_inflight: int) -> ApiError:
         429,
         f"This frontend is serving its limit of {max_inflight} requests at once. "
         f"Please try again in {RETRY_AFTER_S}s.",
-        type="requests", code="rate_limit_exceeded",
+        type="requests",
+        code="rate_limit_exceeded",
         headers={"Retry-After": str(RETRY_AFTER_S)},
-    )  # fmt: skip
+    )
 
 
 def shutting_down() -> ApiError:
@@ -129,8 +130,10 @@ def shutting_down() -> ApiError:
     ``Connection: close`` moves the client's next request to a new connection, which a
     load balancer sends to another instance."""
     return ApiError(
-        503, "This frontend is shutting down; send the request to another instance",
-        code="shutting_down", headers={"Connection": "close"},
+        503,
+        "This frontend is shutting down; send the request to another instance",
+        code="shutting_down",
+        headers={"Connection": "close"},
     )
 
 

@@ -37,8 +37,17 @@ CHAT, COMPLETIONS, GENERATE = "chat", "completions", "generate"
 OPENAI = (CHAT, COMPLETIONS)
 EVERY = (CHAT, COMPLETIONS, GENERATE)
 
-_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,122 +109,324 @@ def _s(name: str, does: str, feature: str | None = None, value: Any = None, **kw
 
 FIELDS: tuple[Field, ...] = (
     # -- what to answer --
-    Field("model", EVERY, "must name the served model (404 otherwise); optional on the "
-          "token-in API", asks={"model": "deepseek-v4"}),
-    Field("messages", (CHAT,), "rendered by the chat template, then tokenized",
-          asks={"messages": [{"role": "user", "content": "Hello"}]}),
-    Field("prompt", (COMPLETIONS,), "a string, or token ids, sent as they are (one prompt "
-          "per request)", asks={"prompt": [5, 6, 7]}),
-    Field("suffix", (COMPLETIONS,), "fill in the middle: the prompt becomes "
-          "`<｜fim▁begin｜>{prompt}<｜fim▁hole｜>{suffix}<｜fim▁end｜>`; refused with a tokenizer "
-          "without those tokens, or a prompt of token ids", asks={"suffix": " return x"}),
-    Field("token_ids", (GENERATE,), "the prompt, checked against the vocabulary",
-          asks={"token_ids": [5, 6, 7]}),
-    Field("request_id", (GENERATE,), "named in the answer (`generate-tokens-<id>`); the "
-          "plane uses its own", asks={"request_id": "r-7"}),
-    Field("sampling_params", (GENERATE,), "vLLM's `SamplingParams`: its fields are the "
-          "rows in `sampling_params`", asks={"sampling_params": {"max_tokens": 2}}),
-    Field("tools", (CHAT,), "rendered into the prompt by the chat template (not with "
-          "`tool_choice: \"none\"`) and read back as `tool_calls` by the tool-call parser",
-          asks={"tools": [_TOOL]}),
-    Field("tool_choice", (CHAT,), "`auto`: as above; `none`: the tools are left out of the "
-          "prompt (as Dynamo does) and nothing is parsed; `required` or a named function: "
-          "the answer is held to a call (constrained decoding, in the model's own call "
-          "format)", STRUCTURED_OUTPUTS, {"tools": [_TOOL], "tool_choice": "required"},
-          when="`required`, a named function", vllm="`structured_outputs.structural_tag`",
-          vllm_key="structured_outputs"),
-    Field("parallel_tool_calls", (CHAT,), "`false`: at most one call (constrained to one "
-          "where the engine constrains, else later calls dropped)",
-          asks={"tools": [_TOOL], "parallel_tool_calls": False}),
-    Field("response_format", OPENAI, "`json_object` and `json_schema`: the answer is held "
-          "to JSON (to the schema) by constrained decoding, after free reasoning in thinking "
-          "mode; `text`: no constraint", STRUCTURED_OUTPUTS,
-          {"response_format": {"type": "json_object"}}, when="`json_object`, `json_schema`",
-          vllm="`structured_outputs.json` / `.json_object` (a `structural_tag` after "
-          "reasoning)", vllm_key="structured_outputs"),
-    Field("structured_outputs", (GENERATE,), "vLLM's constrained decoding: exactly one of "
-          "`json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag` (its other "
-          "options are refused)", STRUCTURED_OUTPUTS,
-          {"structured_outputs": {"choice": ["yes", "no"]}}, sampling=True,
-          vllm="`structured_outputs`", vllm_key="structured_outputs"),
-    Field("reasoning_effort", (CHAT,), "to the chat template as vLLM passes it "
-          "(`reasoning_effort`, and `enable_thinking` unless `none`); DeepSeek-V4's: `none` "
-          "is chat mode, others think; refused by a template that reads neither",
-          asks={"reasoning_effort": "high"}),
-    Field("chat_template_kwargs", (CHAT,), "the chat template's switches (DeepSeek-V4's: "
-          "`thinking`, `thinking_mode`, `reasoning_effort`, `drop_thinking`)",
-          asks={"chat_template_kwargs": {"thinking": True}}),
+    Field(
+        "model",
+        EVERY,
+        "must name the served model (404 otherwise); optional on the token-in API",
+        asks={"model": "deepseek-v4"},
+    ),
+    Field(
+        "messages",
+        (CHAT,),
+        "rendered by the chat template, then tokenized",
+        asks={"messages": [{"role": "user", "content": "Hello"}]},
+    ),
+    Field(
+        "prompt",
+        (COMPLETIONS,),
+        "a string, or token ids, sent as they are (one prompt per request)",
+        asks={"prompt": [5, 6, 7]},
+    ),
+    Field(
+        "suffix",
+        (COMPLETIONS,),
+        "fill in the middle: the prompt becomes "
+        "`<｜fim▁begin｜>{prompt}<｜fim▁hole｜>{suffix}<｜fim▁end｜>`; refused with a tokenizer "
+        "without those tokens, or a prompt of token ids",
+        asks={"suffix": " return x"},
+    ),
+    Field(
+        "token_ids",
+        (GENERATE,),
+        "the prompt, checked against the vocabulary",
+        asks={"token_ids": [5, 6, 7]},
+    ),
+    Field(
+        "request_id",
+        (GENERATE,),
+        "named in the answer (`generate-tokens-<id>`); the plane uses its own",
+        asks={"request_id": "r-7"},
+    ),
+    Field(
+        "sampling_params",
+        (GENERATE,),
+        "vLLM's `SamplingParams`: its fields are the rows in `sampling_params`",
+        asks={"sampling_params": {"max_tokens": 2}},
+    ),
+    Field(
+        "tools",
+        (CHAT,),
+        "rendered into the prompt by the chat template (not with "
+        '`tool_choice: "none"`) and read back as `tool_calls` by the tool-call parser',
+        asks={"tools": [_TOOL]},
+    ),
+    Field(
+        "tool_choice",
+        (CHAT,),
+        "`auto`: as above; `none`: the tools are left out of the "
+        "prompt (as Dynamo does) and nothing is parsed; `required` or a named function: "
+        "the answer is held to a call (constrained decoding, in the model's own call "
+        "format)",
+        STRUCTURED_OUTPUTS,
+        {"tools": [_TOOL], "tool_choice": "required"},
+        when="`required`, a named function",
+        vllm="`structured_outputs.structural_tag`",
+        vllm_key="structured_outputs",
+    ),
+    Field(
+        "parallel_tool_calls",
+        (CHAT,),
+        "`false`: at most one call (constrained to one "
+        "where the engine constrains, else later calls dropped)",
+        asks={"tools": [_TOOL], "parallel_tool_calls": False},
+    ),
+    Field(
+        "response_format",
+        OPENAI,
+        "`json_object` and `json_schema`: the answer is held "
+        "to JSON (to the schema) by constrained decoding, after free reasoning in thinking "
+        "mode; `text`: no constraint",
+        STRUCTURED_OUTPUTS,
+        {"response_format": {"type": "json_object"}},
+        when="`json_object`, `json_schema`",
+        vllm="`structured_outputs.json` / `.json_object` (a `structural_tag` after reasoning)",
+        vllm_key="structured_outputs",
+    ),
+    Field(
+        "structured_outputs",
+        (GENERATE,),
+        "vLLM's constrained decoding: exactly one of "
+        "`json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag` (its other "
+        "options are refused)",
+        STRUCTURED_OUTPUTS,
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        sampling=True,
+        vllm="`structured_outputs`",
+        vllm_key="structured_outputs",
+    ),
+    Field(
+        "reasoning_effort",
+        (CHAT,),
+        "to the chat template as vLLM passes it "
+        "(`reasoning_effort`, and `enable_thinking` unless `none`); DeepSeek-V4's: `none` "
+        "is chat mode, others think; refused by a template that reads neither",
+        asks={"reasoning_effort": "high"},
+    ),
+    Field(
+        "chat_template_kwargs",
+        (CHAT,),
+        "the chat template's switches (DeepSeek-V4's: "
+        "`thinking`, `thinking_mode`, `reasoning_effort`, `drop_thinking`)",
+        asks={"chat_template_kwargs": {"thinking": True}},
+    ),
     # -- how long --
-    Field("max_tokens", OPENAI, "at most this many tokens (capped by the server's limit); "
-          "absent: what the context leaves", asks={"max_tokens": 3}, vllm="`max_tokens`",
-          vllm_key="max_tokens"),
-    Field("max_completion_tokens", OPENAI, "as `max_tokens`; with both, the smaller",
-          asks={"max_completion_tokens": 3}, vllm="`max_tokens`", vllm_key="max_tokens"),
-    Field("max_tokens", (GENERATE,), "at most this many tokens (capped by the server's "
-          "limit); absent: what the context leaves", asks={"max_tokens": 3}, sampling=True,
-          vllm="`max_tokens`", vllm_key="max_tokens"),
+    Field(
+        "max_tokens",
+        OPENAI,
+        "at most this many tokens (capped by the server's limit); absent: what the context leaves",
+        asks={"max_tokens": 3},
+        vllm="`max_tokens`",
+        vllm_key="max_tokens",
+    ),
+    Field(
+        "max_completion_tokens",
+        OPENAI,
+        "as `max_tokens`; with both, the smaller",
+        asks={"max_completion_tokens": 3},
+        vllm="`max_tokens`",
+        vllm_key="max_tokens",
+    ),
+    Field(
+        "max_tokens",
+        (GENERATE,),
+        "at most this many tokens (capped by the server's limit); absent: what the context leaves",
+        asks={"max_tokens": 3},
+        sampling=True,
+        vllm="`max_tokens`",
+        vllm_key="max_tokens",
+    ),
     _s("min_tokens", "no stop before this many tokens", value=2, vllm="`min_tokens`"),
-    _s("ignore_eos", "generate past the end-of-sequence token", value=True,
-       vllm="`ignore_eos`"),
-    _s("stop_token_ids", "end at any of these ids (included in the answer)", value=[5],
-       vllm="`stop_token_ids` (with the EOS ids)"),
-    Field("stop", OPENAI, "stop strings, matched on the text by the frontend (excluded "
-          "from the answer)", asks={"stop": ["\n\n"]}),
-    Field("stop", (GENERATE,), "refused: there is no text to match on (`null` and `[]` "
-          "pass); use `sampling_params.stop_token_ids`", asks={"stop": ["x"]},
-          sampling=True, refused=True),
-    Field("stop", (GENERATE,), "refused, as `sampling_params.stop`", asks={"stop": ["x"]},
-          refused=True),
+    _s("ignore_eos", "generate past the end-of-sequence token", value=True, vllm="`ignore_eos`"),
+    _s(
+        "stop_token_ids",
+        "end at any of these ids (included in the answer)",
+        value=[5],
+        vllm="`stop_token_ids` (with the EOS ids)",
+    ),
+    Field(
+        "stop",
+        OPENAI,
+        "stop strings, matched on the text by the frontend (excluded from the answer)",
+        asks={"stop": ["\n\n"]},
+    ),
+    Field(
+        "stop",
+        (GENERATE,),
+        "refused: there is no text to match on (`null` and `[]` "
+        "pass); use `sampling_params.stop_token_ids`",
+        asks={"stop": ["x"]},
+        sampling=True,
+        refused=True,
+    ),
+    Field(
+        "stop",
+        (GENERATE,),
+        "refused, as `sampling_params.stop`",
+        asks={"stop": ["x"]},
+        refused=True,
+    ),
     # -- how to sample --
-    _s("temperature", "sampling temperature; 0 is greedy", value=0.0,
-       mocker="0 is greedy: the same ids whatever the seed; its draws are uniform, which "
-       "other temperatures leave so", vllm="`temperature`"),
-    _s("top_p", "nucleus sampling", value=0.5, mocker="its draws are uniform: a nucleus of "
-       "them draws every id alike", vllm="`top_p`"),
-    _s("seed", "the same seed, the same answer", SEED, 7,
-       mocker="its draws are a function of the seed", vllm="`seed`"),
-    _s("top_k", "sample among the k most likely tokens (0 or -1: all)", TOP_K, 5,
-       vllm="`top_k`"),
-    _s("min_p", "drop tokens less likely than `min_p` times the most likely", MIN_P, 0.1,
-       vllm="`min_p`"),
-    _s("presence_penalty", "penalize tokens already in the answer", PRESENCE_PENALTY, 0.5,
-       vllm="`presence_penalty`"),
-    _s("frequency_penalty", "penalize tokens by their count in the answer",
-       FREQUENCY_PENALTY, 0.5, vllm="`frequency_penalty`"),
-    _s("repetition_penalty", "vLLM's: penalize tokens of the prompt and the answer "
-       "(1: none)", REPETITION_PENALTY, 1.2, vllm="`repetition_penalty`"),
-    _s("logit_bias", "add a bias (-100 to 100) to these token ids' logits", LOGIT_BIAS,
-       {"5": 1.0}, vllm="`logit_bias`"),
+    _s(
+        "temperature",
+        "sampling temperature; 0 is greedy",
+        value=0.0,
+        mocker="0 is greedy: the same ids whatever the seed; its draws are uniform, which "
+        "other temperatures leave so",
+        vllm="`temperature`",
+    ),
+    _s(
+        "top_p",
+        "nucleus sampling",
+        value=0.5,
+        mocker="its draws are uniform: a nucleus of them draws every id alike",
+        vllm="`top_p`",
+    ),
+    _s(
+        "seed",
+        "the same seed, the same answer",
+        SEED,
+        7,
+        mocker="its draws are a function of the seed",
+        vllm="`seed`",
+    ),
+    _s("top_k", "sample among the k most likely tokens (0 or -1: all)", TOP_K, 5, vllm="`top_k`"),
+    _s(
+        "min_p",
+        "drop tokens less likely than `min_p` times the most likely",
+        MIN_P,
+        0.1,
+        vllm="`min_p`",
+    ),
+    _s(
+        "presence_penalty",
+        "penalize tokens already in the answer",
+        PRESENCE_PENALTY,
+        0.5,
+        vllm="`presence_penalty`",
+    ),
+    _s(
+        "frequency_penalty",
+        "penalize tokens by their count in the answer",
+        FREQUENCY_PENALTY,
+        0.5,
+        vllm="`frequency_penalty`",
+    ),
+    _s(
+        "repetition_penalty",
+        "vLLM's: penalize tokens of the prompt and the answer (1: none)",
+        REPETITION_PENALTY,
+        1.2,
+        vllm="`repetition_penalty`",
+    ),
+    _s(
+        "logit_bias",
+        "add a bias (-100 to 100) to these token ids' logits",
+        LOGIT_BIAS,
+        {"5": 1.0},
+        vllm="`logit_bias`",
+    ),
     # -- how to answer --
     Field("stream", EVERY, "server-sent events, a delta each", asks={"stream": True}),
-    Field("stream_options", EVERY, "`include_usage`: a last event with the usage",
-          asks={"stream": True, "stream_options": {"include_usage": True}}),
-    Field("user", OPENAI, "informational (OpenAI's abuse monitoring): no effect on the "
-          "answer, in OpenAI's API either", asks={"user": "u-1"}),
+    Field(
+        "stream_options",
+        EVERY,
+        "`include_usage`: a last event with the usage",
+        asks={"stream": True, "stream_options": {"include_usage": True}},
+    ),
+    Field(
+        "user",
+        OPENAI,
+        "informational (OpenAI's abuse monitoring): no effect on the "
+        "answer, in OpenAI's API either",
+        asks={"user": "u-1"},
+    ),
     # -- logprobs, n and echo (docs/api.md, "Logprobs, n and echo") --
-    _s("n", "choices per request (up to 128), each sampled on its own, seed + index; the "
-       "frontend fans them out, every engine serving each", value=2, vllm_key=""),
-    Field("best_of", EVERY, "only null or `n`: no candidates beyond the `n` returned",
-          asks={"n": 2, "best_of": 2}, sampling=True),
-    Field("logprobs", (CHAT,), "`true`: each token's logprob (`choices[].logprobs.content`)",
-          LOGPROBS, {"logprobs": True}, vllm="`logprobs`", vllm_key="logprobs"),
-    Field("top_logprobs", (CHAT,), "the 0-20 most likely tokens at each position (needs "
-          "`logprobs`)", LOGPROBS, {"logprobs": True, "top_logprobs": 2},
-          refused_as="logprobs", vllm="`logprobs`", vllm_key="logprobs"),
-    Field("logprobs", (COMPLETIONS,), "0-20: each token's logprob and that many most likely "
-          "tokens (an integer; `false`: none)", LOGPROBS, {"logprobs": 2},
-          vllm="`logprobs`", vllm_key="logprobs"),
-    Field("top_logprobs", (COMPLETIONS,), "refused: a chat field (`logprobs` is the count "
-          "here); `null` passes", asks={"top_logprobs": 2}, refused=True),
-    Field("echo", (COMPLETIONS,), "the prompt's text before the answer's; with `logprobs`, "
-          "the prompt's tokens' logprobs first (the engine's prompt logprobs)",
-          asks={"echo": True}),
-    Field("logprobs", (GENERATE,), "0-20: each token's logprob, rank and that many most "
-          "likely tokens, as vLLM answers", LOGPROBS, {"logprobs": 1}, sampling=True,
-          vllm="`logprobs`", vllm_key="logprobs"),
-    Field("prompt_logprobs", (GENERATE,), "0-20, unary only: the prompt's tokens' logprobs, "
-          "as vLLM answers", PROMPT_LOGPROBS, {"prompt_logprobs": 1}, sampling=True,
-          vllm="`prompt_logprobs`", vllm_key="prompt_logprobs"),
+    _s(
+        "n",
+        "choices per request (up to 128), each sampled on its own, seed + index; the "
+        "frontend fans them out, every engine serving each",
+        value=2,
+        vllm_key="",
+    ),
+    Field(
+        "best_of",
+        EVERY,
+        "only null or `n`: no candidates beyond the `n` returned",
+        asks={"n": 2, "best_of": 2},
+        sampling=True,
+    ),
+    Field(
+        "logprobs",
+        (CHAT,),
+        "`true`: each token's logprob (`choices[].logprobs.content`)",
+        LOGPROBS,
+        {"logprobs": True},
+        vllm="`logprobs`",
+        vllm_key="logprobs",
+    ),
+    Field(
+        "top_logprobs",
+        (CHAT,),
+        "the 0-20 most likely tokens at each position (needs `logprobs`)",
+        LOGPROBS,
+        {"logprobs": True, "top_logprobs": 2},
+        refused_as="logprobs",
+        vllm="`logprobs`",
+        vllm_key="logprobs",
+    ),
+    Field(
+        "logprobs",
+        (COMPLETIONS,),
+        "0-20: each token's logprob and that many most likely tokens (an integer; `false`: none)",
+        LOGPROBS,
+        {"logprobs": 2},
+        vllm="`logprobs`",
+        vllm_key="logprobs",
+    ),
+    Field(
+        "top_logprobs",
+        (COMPLETIONS,),
+        "refused: a chat field (`logprobs` is the count here); `null` passes",
+        asks={"top_logprobs": 2},
+        refused=True,
+    ),
+    Field(
+        "echo",
+        (COMPLETIONS,),
+        "the prompt's text before the answer's; with `logprobs`, "
+        "the prompt's tokens' logprobs first (the engine's prompt logprobs)",
+        asks={"echo": True},
+    ),
+    Field(
+        "logprobs",
+        (GENERATE,),
+        "0-20: each token's logprob, rank and that many most likely tokens, as vLLM answers",
+        LOGPROBS,
+        {"logprobs": 1},
+        sampling=True,
+        vllm="`logprobs`",
+        vllm_key="logprobs",
+    ),
+    Field(
+        "prompt_logprobs",
+        (GENERATE,),
+        "0-20, unary only: the prompt's tokens' logprobs, as vLLM answers",
+        PROMPT_LOGPROBS,
+        {"prompt_logprobs": 1},
+        sampling=True,
+        vllm="`prompt_logprobs`",
+        vllm_key="prompt_logprobs",
+    ),
 )
 
 
@@ -235,8 +446,11 @@ def markdown(engines: dict[str, Capabilities]) -> str:
     for f in FIELDS:
         routes = ", ".join(f.routes)
         if f.sampling and GENERATE in f.routes:
-            routes += " (in `sampling_params`)" if len(f.routes) == 1 else \
-                " (generate: in `sampling_params`)"
+            routes += (
+                " (in `sampling_params`)"
+                if len(f.routes) == 1
+                else " (generate: in `sampling_params`)"
+            )
         verdicts = []
         for name, caps in engines.items():
             verdict = f.verdict(caps)

@@ -69,7 +69,10 @@ class GroupRelay:
 
 
 async def http_get(
-    host: str, port: int, target: str, headers: Mapping[str, str],
+    host: str,
+    port: int,
+    target: str,
+    headers: Mapping[str, str],
     tls: ssl.SSLContext | None = None,
 ) -> Relayed:
     """One plain HTTP/1.1 GET on a new connection (``Connection: close``), read to its

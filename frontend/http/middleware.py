@@ -121,10 +121,17 @@ class CountResponses:
             assert failed is not None
             context = current_request()
             kind, message = error_fields(body)
-            self.errors.add(ErrorAnswer(
-                failed[0], failed[1], scope["method"], scope["path"],
-                context.request_id if context is not None else None, kind, message,
-            ))  # fmt: skip
+            self.errors.add(
+                ErrorAnswer(
+                    failed[0],
+                    failed[1],
+                    scope["method"],
+                    scope["path"],
+                    context.request_id if context is not None else None,
+                    kind,
+                    message,
+                )
+            )
 
         async def counted_send(message: ASGISendEvent) -> None:
             nonlocal failed, body
@@ -175,8 +182,10 @@ async def send_error(send: ASGISendCallable, err: ApiError, path: str) -> None:
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
-        *((name.lower().encode("latin-1"), value.encode("latin-1"))
-          for name, value in err.headers.items()),
-    ]  # fmt: skip
+        *(
+            (name.lower().encode("latin-1"), value.encode("latin-1"))
+            for name, value in err.headers.items()
+        ),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

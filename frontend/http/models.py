@@ -64,29 +64,72 @@ from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 TokenId = Annotated[int, Meta(ge=0, description="a token id of the served model's vocabulary")]
 Temperature = Annotated[float, Meta(ge=0, le=2, description="sampling temperature (1)")]
 TopP = Annotated[float, Meta(ge=0, le=1, description="nucleus sampling mass (1)")]
-Penalty = Annotated[float, Meta(ge=-2, le=2, description=(
-    "OpenAI's penalty on tokens already generated (0: none)"))]  # fmt: skip
-TopK = Annotated[int, Meta(ge=-1, description=(
-    "sample among the k most likely tokens (vLLM's; 0 or -1: all)"))]  # fmt: skip
-MinP = Annotated[float, Meta(ge=0, le=1, description=(
-    "drop tokens less likely than min_p times the most likely one (vLLM's; 0: none)"))]  # fmt: skip
-RepetitionPenalty = Annotated[float, Meta(gt=0, le=2, description=(
-    "vLLM's multiplicative penalty on tokens of the prompt and the output (1: none)"))]  # fmt: skip
-LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]], Meta(
-    max_length=MAX_PARTS, description=(
-        "token id (as a string) to a bias from -100 to 100 added to its logit"))]  # fmt: skip
-MaxTokens = Annotated[int, Meta(ge=1, description=(
-    "tokens to generate at most; absent: what the context length leaves, up to the "
-    "server's cap"))]  # fmt: skip
+Penalty = Annotated[
+    float, Meta(ge=-2, le=2, description=("OpenAI's penalty on tokens already generated (0: none)"))
+]
+TopK = Annotated[
+    int, Meta(ge=-1, description=("sample among the k most likely tokens (vLLM's; 0 or -1: all)"))
+]
+MinP = Annotated[
+    float,
+    Meta(
+        ge=0,
+        le=1,
+        description=(
+            "drop tokens less likely than min_p times the most likely one (vLLM's; 0: none)"
+        ),
+    ),
+]
+RepetitionPenalty = Annotated[
+    float,
+    Meta(
+        gt=0,
+        le=2,
+        description=(
+            "vLLM's multiplicative penalty on tokens of the prompt and the output (1: none)"
+        ),
+    ),
+]
+LogitBias = Annotated[
+    dict[str, Annotated[float, Meta(ge=-100, le=100)]],
+    Meta(
+        max_length=MAX_PARTS,
+        description=("token id (as a string) to a bias from -100 to 100 added to its logit"),
+    ),
+]
+MaxTokens = Annotated[
+    int,
+    Meta(
+        ge=1,
+        description=(
+            "tokens to generate at most; absent: what the context length leaves, up to the "
+            "server's cap"
+        ),
+    ),
+]
 #: Most choices one request may ask for (``n``): OpenAI's own bound.
 MAX_N = 128
 #: Most top logprobs per position: OpenAI's bound for chat's ``top_logprobs``, and
 #: vLLM's default ``--max-logprobs`` for the other APIs.
 MAX_LOGPROBS = 20
-N = Annotated[int, Meta(ge=1, le=MAX_N, description=(
-    "choices to generate, each sampled on its own (with a seed, seed + index) (1)"))]  # fmt: skip
-BestOf = Annotated[int, Meta(ge=1, le=MAX_N, description=(
-    "only null or n: candidates are not generated beyond the n returned"))]  # fmt: skip
+N = Annotated[
+    int,
+    Meta(
+        ge=1,
+        le=MAX_N,
+        description=(
+            "choices to generate, each sampled on its own (with a seed, seed + index) (1)"
+        ),
+    ),
+]
+BestOf = Annotated[
+    int,
+    Meta(
+        ge=1,
+        le=MAX_N,
+        description=("only null or n: candidates are not generated beyond the n returned"),
+    ),
+]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 StopString = Annotated[str, Meta(min_length=1)]
 
@@ -121,8 +164,9 @@ class TextFormat(Struct, kw_only=True, tag_field="type", tag="text", forbid_unkn
     """Plain text: no constraint (the default)."""
 
 
-class JsonObjectFormat(Struct, kw_only=True, tag_field="type", tag="json_object",
-                       forbid_unknown_fields=True):  # fmt: skip
+class JsonObjectFormat(
+    Struct, kw_only=True, tag_field="type", tag="json_object", forbid_unknown_fields=True
+):
     """Any JSON object, by constrained decoding."""
 
 
@@ -133,8 +177,9 @@ class JsonSchemaSpec(Struct, kw_only=True):
     strict: bool | None = None
 
 
-class JsonSchemaFormat(Struct, kw_only=True, tag_field="type", tag="json_schema",
-                       forbid_unknown_fields=True):  # fmt: skip
+class JsonSchemaFormat(
+    Struct, kw_only=True, tag_field="type", tag="json_schema", forbid_unknown_fields=True
+):
     """JSON valid against ``json_schema.schema``, by constrained decoding."""
 
     json_schema: JsonSchemaSpec
@@ -146,16 +191,26 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 class _OpenAIRequest(_Sampling, kw_only=True):
     """The fields chat and completions share."""
 
-    model: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS,
-                               description="the served model's name")]  # fmt: skip
+    model: Annotated[
+        str, Meta(min_length=1, max_length=MAX_NAME_CHARS, description="the served model's name")
+    ]
     max_tokens: MaxTokens | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = None
     user: Name | None = None
-    top_logprobs: Annotated[TopLogprobs, Meta(description=(
-        "chat: the most likely tokens to list at each position (needs logprobs); "
-        "completions: only null (use logprobs)"))] | None = None  # fmt: skip
+    top_logprobs: (
+        Annotated[
+            TopLogprobs,
+            Meta(
+                description=(
+                    "chat: the most likely tokens to list at each position (needs logprobs); "
+                    "completions: only null (use logprobs)"
+                )
+            ),
+        ]
+        | None
+    ) = None
     response_format: ResponseFormat | None = None
 
 
@@ -175,10 +230,17 @@ Content = str | Annotated[list[TextPart], Meta(max_length=MAX_PARTS)]
 class FunctionCall(Struct, kw_only=True):
     name: Name
     #: A JSON string (OpenAI's form) or an object; kept as its text until checked.
-    arguments: Annotated[Raw, Meta(extra_json_schema={"anyOf": [
-        {"type": "string"},
-        {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
-    ]})]  # fmt: skip
+    arguments: Annotated[
+        Raw,
+        Meta(
+            extra_json_schema={
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
+                ]
+            }
+        ),
+    ]
 
 
 class ToolCall(Struct, kw_only=True):
@@ -257,8 +319,12 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Annotated[bool, Meta(description=(
-        "each generated token's logprob (choices[].logprobs.content)"))] | None = None  # fmt: skip
+    logprobs: (
+        Annotated[
+            bool, Meta(description=("each generated token's logprob (choices[].logprobs.content)"))
+        ]
+        | None
+    ) = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -272,19 +338,50 @@ class ChatCompletionRequest(_OpenAIRequest, kw_only=True):
 class CompletionRequest(_OpenAIRequest, kw_only=True):
     """The body of ``POST /v1/completions``. Fields not listed are ignored."""
 
-    prompt: Annotated[NonEmptyText | list[str | int | list[int]], Meta(description=(
-        "a string, or token ids; a list holding one of either is that one (one prompt "
-        "per request)"))]  # fmt: skip
+    prompt: Annotated[
+        NonEmptyText | list[str | int | list[int]],
+        Meta(
+            description=(
+                "a string, or token ids; a list holding one of either is that one (one prompt "
+                "per request)"
+            )
+        ),
+    ]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Annotated[TopLogprobs | bool, Meta(description=(
-        "each token's logprob and the logprobs most likely tokens at its position "
-        "(false: none)"))] | None = None  # fmt: skip
-    echo: Annotated[bool, Meta(description=(
-        "the prompt's text before the answer's (and with logprobs, its tokens' first)"
-    ))] | None = None  # fmt: skip
-    suffix: Annotated[str, Meta(description=(
-        "text after the completion: the prompt is framed for fill-in-the-middle"
-    ))] | None = None  # fmt: skip
+    logprobs: (
+        Annotated[
+            TopLogprobs | bool,
+            Meta(
+                description=(
+                    "each token's logprob and the logprobs most likely tokens at its position "
+                    "(false: none)"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    echo: (
+        Annotated[
+            bool,
+            Meta(
+                description=(
+                    "the prompt's text before the answer's (and with logprobs, its tokens' first)"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    suffix: (
+        Annotated[
+            str,
+            Meta(
+                description=(
+                    "text after the completion: the prompt is framed for fill-in-the-middle"
+                )
+            ),
+        ]
+        | None
+    ) = None
 
 
 # -- the token-in API -----------------------------------------------------------------------
@@ -295,10 +392,20 @@ class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
     refused, not ignored)."""
 
     #: A JSON schema, or its text; kept as its text until checked.
-    json: Annotated[Raw, Meta(extra_json_schema={"anyOf": [
-        {"type": "string"},
-        {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
-    ]})] | UnsetType = UNSET  # fmt: skip
+    json: (
+        Annotated[
+            Raw,
+            Meta(
+                extra_json_schema={
+                    "anyOf": [
+                        {"type": "string"},
+                        {"type": "object", "maxProperties": MAX_PARTS, "description": _FREE_FORM},
+                    ]
+                }
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
     regex: str | None = None
     choice: Annotated[list[Name], Meta(max_length=MAX_PARTS)] | None = None
     grammar: str | None = None
@@ -311,14 +418,38 @@ class SamplingParams(_Sampling, kw_only=True):
     (``skip_special_tokens``, ...) are ignored."""
 
     max_tokens: MaxTokens | None = None
-    logprobs: Annotated[TopLogprobs, Meta(description=(
-        "each generated token's logprob and this many most likely tokens (choices[].logprobs)"
-    ))] | None = None  # fmt: skip
-    prompt_logprobs: Annotated[TopLogprobs, Meta(description=(
-        "the same for the prompt's tokens (prompt_logprobs; not with stream)"))] | None = None
-    stop: Annotated[str | list[str], Meta(description=(
-        "not supported (no text to match on): only null or []; use stop_token_ids"
-    ))] | None = None  # fmt: skip
+    logprobs: (
+        Annotated[
+            TopLogprobs,
+            Meta(
+                description=(
+                    "each generated token's logprob and this many most likely tokens"
+                    " (choices[].logprobs)"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    prompt_logprobs: (
+        Annotated[
+            TopLogprobs,
+            Meta(
+                description=("the same for the prompt's tokens (prompt_logprobs; not with stream)")
+            ),
+        ]
+        | None
+    ) = None
+    stop: (
+        Annotated[
+            str | list[str],
+            Meta(
+                description=(
+                    "not supported (no text to match on): only null or []; use stop_token_ids"
+                )
+            ),
+        ]
+        | None
+    ) = None
     structured_outputs: StructuredOutputs | None = None
 
 
@@ -331,9 +462,9 @@ class GenerateRequest(Struct, kw_only=True):
     model: NonEmptyStr | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: Annotated[str | list[str], Meta(
-        description="not supported: only null or []"
-    )] | None = None  # fmt: skip
+    stop: Annotated[str | list[str], Meta(description="not supported: only null or []")] | None = (
+        None
+    )
 
 
 # -- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
@@ -348,20 +479,46 @@ class TokenizeRequest(Struct, kw_only=True):
     one_of: ClassVar[tuple[str, ...]] = ("prompt", "messages")
 
     model: NonEmptyStr | None = None
-    prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")
-                      ] | UnsetType = UNSET  # fmt: skip
-    messages: Annotated[list[ChatMessage], Meta(min_length=1, description=(
-        "a conversation, rendered by the chat template, then tokenized (or send prompt)"
-    ))] | UnsetType = UNSET  # fmt: skip
-    add_special_tokens: Annotated[bool, Meta(description=(
-        "add the tokenizer's special tokens around the text (true for a prompt, false "
-        "for messages, whose template writes them)"))] | None = None  # fmt: skip
-    return_token_strs: Annotated[bool, Meta(description="also return each token's string"
-                                            )] | None = None  # fmt: skip
-    add_generation_prompt: Annotated[bool, Meta(description=(
-        "messages: open the assistant's turn after the last message (true)"))] | None = None
-    continue_final_message: Annotated[bool, Meta(description="not supported: only false"
-                                                 )] | None = None  # fmt: skip
+    prompt: Annotated[str, Meta(description="text to tokenize (or send messages)")] | UnsetType = (
+        UNSET
+    )
+    messages: (
+        Annotated[
+            list[ChatMessage],
+            Meta(
+                min_length=1,
+                description=(
+                    "a conversation, rendered by the chat template, then tokenized (or send prompt)"
+                ),
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
+    add_special_tokens: (
+        Annotated[
+            bool,
+            Meta(
+                description=(
+                    "add the tokenizer's special tokens around the text (true for a prompt, false "
+                    "for messages, whose template writes them)"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    return_token_strs: (
+        Annotated[bool, Meta(description="also return each token's string")] | None
+    ) = None
+    add_generation_prompt: (
+        Annotated[
+            bool,
+            Meta(description=("messages: open the assistant's turn after the last message (true)")),
+        ]
+        | None
+    ) = None
+    continue_final_message: (
+        Annotated[bool, Meta(description="not supported: only false")] | None
+    ) = None
     chat_template: Annotated[str, Meta(description="not supported: only null")] | None = None
     chat_template_kwargs: FreeFormObjectOrNull | UnsetType = UNSET
     tools: list[Tool] | None = None

@@ -88,10 +88,17 @@ def add_observability_routes(
             answer = await group.get(target, request.headers.get("Authorization"))
         except GroupViewUnavailable as exc:
             log.warning("%s", exc)
-            raise ApiError(503, "the group's view is unavailable; each process's own is "
-                           "on its private port", type="service_unavailable") from exc
-        return Response(answer.body, status=answer.status, content_type=answer.content_type,
-                        headers={"Cache-Control": "no-store"})
+            raise ApiError(
+                503,
+                "the group's view is unavailable; each process's own is on its private port",
+                type="service_unavailable",
+            ) from exc
+        return Response(
+            answer.body,
+            status=answer.status,
+            content_type=answer.content_type,
+            headers={"Cache-Control": "no-store"},
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -39,7 +39,7 @@ _REF = "#/components/schemas/{name}"
 #: What each error status means, whichever route answers it.
 ERROR_STATUSES: Mapping[int, str] = {
     400: "Invalid request: malformed JSON, a wrong type or value, a missing field, or over "
-         "a request limit (its `code` says which kind, its `param` which field)",
+    "a request limit (its `code` says which kind, its `param` which field)",
     401: "Missing or wrong API key",
     404: "Unknown model (or, for a stored response, an unknown or evicted id)",
     413: "Request body over the server's --max-body-bytes",
@@ -50,8 +50,8 @@ ERROR_STATUSES: Mapping[int, str] = {
     503: "No worker can take the request now, or the frontend is draining",
     504: "The request did not complete within the server's --request-timeout",
     529: "Overloaded: no worker can take the request now, or the frontend is draining "
-         "(Anthropic's status for it)",
-}  # fmt: skip
+    "(Anthropic's status for it)",
+}
 _GENERATION_ERRORS = (400, 404, 413, 415, 429, 500, 502, 503)
 _TOKENIZER_ERRORS = (400, 404, 413, 415, 429, 500, 503)  # 503: draining
 # Anthropic's statuses: 415 is its 400, 502 its 500, 503 its 529 (overloaded).
@@ -80,45 +80,125 @@ class Operation:
 
 
 OPERATIONS: tuple[Operation, ...] = (
-    Operation("post", "/v1/chat/completions", "createChatCompletion",
-              "A chat completion, unary or streamed (OpenAI's API)", m.ChatCompletion,
-              _GENERATION_ERRORS, "chat", m.ChatCompletionChunk),
-    Operation("post", "/v1/completions", "createCompletion",
-              "A text completion, unary or streamed (OpenAI's API)", m.Completion,
-              _GENERATION_ERRORS, "completions", m.Completion),
-    Operation("post", "/inference/v1/generate", "generateTokens",
-              "Token ids in, token ids out, unary or streamed (vLLM's shape)",
-              m.GenerateResponse, _GENERATION_ERRORS, "generate", m.GenerateResponse),
-    Operation("post", "/tokenize", "tokenize",
-              "A prompt or chat messages to token ids, the chat template applied (vLLM's "
-              "shape)", m.TokenizeResponse, _TOKENIZER_ERRORS, "tokenize"),
-    Operation("post", "/detokenize", "detokenize", "Token ids to text (vLLM's shape)",
-              m.DetokenizeResponse, _TOKENIZER_ERRORS, "detokenize"),
-    Operation("post", "/v1/messages", "createMessage",
-              "A message, unary or streamed (Anthropic's Messages API)", am.MessageResponse,
-              _ANTHROPIC_ERRORS, "messages", am.StreamEvent,
-              error_body=am.AnthropicErrorResponse, sse_done=False),
-    Operation("post", "/v1/messages/count_tokens", "countMessageTokens",
-              "The prompt tokens of a Messages request (Anthropic's API)",
-              am.CountTokensResponse, _ANTHROPIC_ERRORS, "count_tokens",
-              error_body=am.AnthropicErrorResponse),
-    Operation("post", "/v1/responses", "createResponse",
-              "A response, unary or streamed (OpenAI's Responses API)", rm.Response,
-              _GENERATION_ERRORS, "responses", rm.ResponsesStreamEvent, sse_done=False),
-    Operation("get", "/v1/responses/{response_id}", "getResponse",
-              "A stored response (this process's store)", rm.Response, (404, 500),
-              path_params=("response_id",)),
-    Operation("delete", "/v1/responses/{response_id}", "deleteResponse",
-              "Forget a stored response", rm.DeletedResponse, (404, 500),
-              path_params=("response_id",)),
+    Operation(
+        "post",
+        "/v1/chat/completions",
+        "createChatCompletion",
+        "A chat completion, unary or streamed (OpenAI's API)",
+        m.ChatCompletion,
+        _GENERATION_ERRORS,
+        "chat",
+        m.ChatCompletionChunk,
+    ),
+    Operation(
+        "post",
+        "/v1/completions",
+        "createCompletion",
+        "A text completion, unary or streamed (OpenAI's API)",
+        m.Completion,
+        _GENERATION_ERRORS,
+        "completions",
+        m.Completion,
+    ),
+    Operation(
+        "post",
+        "/inference/v1/generate",
+        "generateTokens",
+        "Token ids in, token ids out, unary or streamed (vLLM's shape)",
+        m.GenerateResponse,
+        _GENERATION_ERRORS,
+        "generate",
+        m.GenerateResponse,
+    ),
+    Operation(
+        "post",
+        "/tokenize",
+        "tokenize",
+        "A prompt or chat messages to token ids, the chat template applied (vLLM's shape)",
+        m.TokenizeResponse,
+        _TOKENIZER_ERRORS,
+        "tokenize",
+    ),
+    Operation(
+        "post",
+        "/detokenize",
+        "detokenize",
+        "Token ids to text (vLLM's shape)",
+        m.DetokenizeResponse,
+        _TOKENIZER_ERRORS,
+        "detokenize",
+    ),
+    Operation(
+        "post",
+        "/v1/messages",
+        "createMessage",
+        "A message, unary or streamed (Anthropic's Messages API)",
+        am.MessageResponse,
+        _ANTHROPIC_ERRORS,
+        "messages",
+        am.StreamEvent,
+        error_body=am.AnthropicErrorResponse,
+        sse_done=False,
+    ),
+    Operation(
+        "post",
+        "/v1/messages/count_tokens",
+        "countMessageTokens",
+        "The prompt tokens of a Messages request (Anthropic's API)",
+        am.CountTokensResponse,
+        _ANTHROPIC_ERRORS,
+        "count_tokens",
+        error_body=am.AnthropicErrorResponse,
+    ),
+    Operation(
+        "post",
+        "/v1/responses",
+        "createResponse",
+        "A response, unary or streamed (OpenAI's Responses API)",
+        rm.Response,
+        _GENERATION_ERRORS,
+        "responses",
+        rm.ResponsesStreamEvent,
+        sse_done=False,
+    ),
+    Operation(
+        "get",
+        "/v1/responses/{response_id}",
+        "getResponse",
+        "A stored response (this process's store)",
+        rm.Response,
+        (404, 500),
+        path_params=("response_id",),
+    ),
+    Operation(
+        "delete",
+        "/v1/responses/{response_id}",
+        "deleteResponse",
+        "Forget a stored response",
+        rm.DeletedResponse,
+        (404, 500),
+        path_params=("response_id",),
+    ),
     Operation("get", "/v1/models", "listModels", "The served model", m.ModelList),
-    Operation("get", "/v1/models/{model_id}", "retrieveModel", "One model by name",
-              m.ModelCard, (404, 500), path_params=("model_id",)),
-    Operation("get", "/health", "health", "Readiness (503 while unhealthy or draining)",
-              m.Health, keyed=False),
-    Operation("get", "/live", "live", "Liveness: 200 while the process runs", m.Live,
-              keyed=False),
-)  # fmt: skip
+    Operation(
+        "get",
+        "/v1/models/{model_id}",
+        "retrieveModel",
+        "One model by name",
+        m.ModelCard,
+        (404, 500),
+        path_params=("model_id",),
+    ),
+    Operation(
+        "get",
+        "/health",
+        "health",
+        "Readiness (503 while unhealthy or draining)",
+        m.Health,
+        keyed=False,
+    ),
+    Operation("get", "/live", "live", "Liveness: 200 while the process runs", m.Live, keyed=False),
+)
 
 
 def openapi_document(
@@ -149,8 +229,9 @@ def openapi_document(
         if model_name is not None and "model" in schema.get("properties", {}):
             _bound(schema["properties"]["model"], string={"enum": [model_name]})
     if limits.max_prompt_chars:
-        _bound_text(schemas, [schemas[model.__name__] for model in bodies.values()],
-                    limits.max_prompt_chars)  # fmt: skip
+        _bound_text(
+            schemas, [schemas[model.__name__] for model in bodies.values()], limits.max_prompt_chars
+        )
 
     paths: dict[str, dict[str, Any]] = {}
     for op in operations:
@@ -164,17 +245,20 @@ def openapi_document(
             "title": "headwater",
             "version": _version(),
             "description": "An OpenAI-compatible frontend for LLM inference serving. Errors "
-                           "are OpenAI's {\"error\": {message, type, param, code}}; after a "
-                           "stream started, an `error` event, then `data: [DONE]`.",
+            'are OpenAI\'s {"error": {message, type, param, code}}; after a '
+            "stream started, an `error` event, then `data: [DONE]`.",
         },
         "paths": paths,
         "components": components,
-    }  # fmt: skip
+    }
     if api_keys:
         components["securitySchemes"] = {
-            "bearerAuth": {"type": "http", "scheme": "bearer",
-                           "description": "Authorization: Bearer <one of --api-key>"},
-        }  # fmt: skip
+            "bearerAuth": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "Authorization: Bearer <one of --api-key>",
+            },
+        }
         doc["security"] = [{"bearerAuth": []}]
     return doc
 
@@ -227,26 +311,29 @@ def _event_stream(op: Operation) -> dict[str, Any]:
     events = _refs_of(op.stream_event)
     names = " | ".join(r["$ref"].rsplit("/", 1)[1] for r in events)
     error = op.error_body.__name__
-    json_data = {"type": "string", "contentMediaType": "application/json",
-                 "contentSchema": {"anyOf": [*events, _ref(op.error_body)]}}  # fmt: skip
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [*events, _ref(op.error_body)]},
+    }
     if op.sse_done:
         return {
             "type": "object",
-            "description": f"With \"stream\": true: server-sent events, each "
-                           f"`data: <{names}>`, then `data: [DONE]`; an error after the "
-                           f"stream started is an event whose data is an {error}, then "
-                           "`data: [DONE]`.",
+            "description": f'With "stream": true: server-sent events, each '
+            f"`data: <{names}>`, then `data: [DONE]`; an error after the "
+            f"stream started is an event whose data is an {error}, then "
+            "`data: [DONE]`.",
             "required": ["data"],
             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}},
-        }  # fmt: skip
+        }
     return {
         "type": "object",
-        "description": f"With \"stream\": true: server-sent events, each `event: <type>` "
-                       f"and `data: <{names}>` of that type; an error after the stream "
-                       f"started is an `error` event whose data is an {error}.",
+        "description": f'With "stream": true: server-sent events, each `event: <type>` '
+        f"and `data: <{names}>` of that type; an error after the stream "
+        f"started is an `error` event whose data is an {error}.",
         "required": ["event", "data"],
         "properties": {"event": {"type": "string"}, "data": json_data},
-    }  # fmt: skip
+    }
 
 
 def _refs_of(types: Any) -> list[dict[str, str]]:
@@ -254,18 +341,27 @@ def _refs_of(types: Any) -> list[dict[str, str]]:
     return [_ref(t) for t in (get_args(types) or (types,))]
 
 
-def _error_response(status: int, body: type[msgspec.Struct] = m.ErrorResponse
-                    ) -> dict[str, Any]:  # fmt: skip
+def _error_response(status: int, body: type[msgspec.Struct] = m.ErrorResponse) -> dict[str, Any]:
     response: dict[str, Any] = {
         "description": ERROR_STATUSES[status],
         "content": {"application/json": {"schema": _ref(body)}},
     }
     if status == 429:
-        response["headers"] = {"Retry-After": {
-            "description": "seconds", "required": True, "schema": {"type": "string"}}}
+        response["headers"] = {
+            "Retry-After": {
+                "description": "seconds",
+                "required": True,
+                "schema": {"type": "string"},
+            }
+        }
     elif status == 401:
-        response["headers"] = {"WWW-Authenticate": {
-            "description": "Bearer", "required": True, "schema": {"type": "string"}}}
+        response["headers"] = {
+            "WWW-Authenticate": {
+                "description": "Bearer",
+                "required": True,
+                "schema": {"type": "string"},
+            }
+        }
     return response
 
 
@@ -280,8 +376,11 @@ def _write_limits(
     API's ``max_tokens`` is in the ``sampling_params`` model it refers to)."""
     props: dict[str, Any] = schema.get("properties", {})
     cap = limits.max_tokens_cap or context_length
-    nested = [schemas[ref.rsplit("/", 1)[1]] for b in _branches(props.get("sampling_params", {}))
-              if (ref := b.get("$ref"))]  # fmt: skip
+    nested = [
+        schemas[ref.rsplit("/", 1)[1]]
+        for b in _branches(props.get("sampling_params", {}))
+        if (ref := b.get("$ref"))
+    ]
     for where in (props, *(n.get("properties", {}) for n in nested)):
         for name in ("max_tokens", "max_completion_tokens"):
             if name in where:
@@ -290,8 +389,11 @@ def _write_limits(
         _bound(props["messages"], array={"maxItems": limits.max_messages})
     for name in ("messages", "prompt"):
         if name in props and limits.max_prompt_chars:
-            _note(props[name], f"At most {limits.max_prompt_chars} characters of text in all "
-                               "(--max-prompt-chars).")  # fmt: skip
+            _note(
+                props[name],
+                f"At most {limits.max_prompt_chars} characters of text in all "
+                "(--max-prompt-chars).",
+            )
     each = {"maxLength": limits.max_stop_length} if limits.max_stop_length else {}
     many = {"maxItems": limits.max_stop_strings} if limits.max_stop_strings else {}
     for where in (props, *(n.get("properties", {}) for n in nested)):

@@ -75,10 +75,15 @@ class RequestIds:
                 tracestate = value.decode("latin-1")
         if given is not None and not valid_request_id(given):
             if await discard_body(receive, self.max_body_bytes):
-                await send_error(send, ApiError(
-                    400, f"{HEADER} must be 1 to 128 characters of [A-Za-z0-9._~:/+=@-]",
-                    code="invalid_request_id",
-                ), scope["path"])  # fmt: skip
+                await send_error(
+                    send,
+                    ApiError(
+                        400,
+                        f"{HEADER} must be 1 to 128 characters of [A-Za-z0-9._~:/+=@-]",
+                        code="invalid_request_id",
+                    ),
+                    scope["path"],
+                )
             return
         request_id = given or uuid.uuid4().hex
         header = (_HEADER, request_id.encode("latin-1"))
@@ -99,16 +104,24 @@ class RequestIds:
         # A client's trace context is continued only when well formed (W3C: a bad
         # traceparent starts a new trace, and tracestate goes with it).
         parent = TraceParent.parse(traceparent) if traceparent else None
-        state = tracestate if parent is not None and tracestate and valid_tracestate(
-            tracestate) else ""  # fmt: skip
-        with t.span(
-            f"{scope['method']} {scope['path']}", parent=parent, tracestate=state,
-            kind=SpanKind.SERVER,
-            attributes={"http.request.method": scope["method"], "url.path": scope["path"],
-                        "headwater.request_id": request_id},
-        ) as span, request_context(request_id, span.trace_id), trace_context(
-            TraceContext(span)
-        ):  # fmt: skip
+        state = (
+            tracestate if parent is not None and tracestate and valid_tracestate(tracestate) else ""
+        )
+        with (
+            t.span(
+                f"{scope['method']} {scope['path']}",
+                parent=parent,
+                tracestate=state,
+                kind=SpanKind.SERVER,
+                attributes={
+                    "http.request.method": scope["method"],
+                    "url.path": scope["path"],
+                    "headwater.request_id": request_id,
+                },
+            ) as span,
+            request_context(request_id, span.trace_id),
+            trace_context(TraceContext(span)),
+        ):
             try:
                 await self.app(scope, receive, with_id)
             finally:

@@ -104,8 +104,12 @@ class OpenAIFormat(ResponseFormat[Delta]):
         self._head = self._fixed("chat.completion.chunk" if self.chat else "text_completion")
 
     def _fixed(self, obj: str) -> dict[str, Any]:
-        return {"id": self._id, "object": obj, "created": int(self.prep.created),
-                "model": self.prep.parsed.model}  # fmt: skip
+        return {
+            "id": self._id,
+            "object": obj,
+            "created": int(self.prep.created),
+            "model": self.prep.parsed.model,
+        }
 
     def _usage(self, last: Delta) -> dict[str, Any]:
         prompt = len(self.prep.prompt_ids)
@@ -128,8 +132,11 @@ class OpenAIFormat(ResponseFormat[Delta]):
         """One choice of a unary body, from its deltas (the last carries its finish)."""
         text = "".join(d.text for d in deltas)
         entries = [e for d in deltas for e in d.logprobs]
-        choice: dict[str, Any] = {"index": index, "finish_reason": deltas[-1].finish_reason,
-                                  "logprobs": self._logprobs(entries)}  # fmt: skip
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": deltas[-1].finish_reason,
+            "logprobs": self._logprobs(entries),
+        }
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reasoning = "".join(d.reasoning for d in deltas)
@@ -183,8 +190,11 @@ class OpenAIFormat(ResponseFormat[Delta]):
         )
 
     def event(self, delta: Delta) -> bytes:
-        choice: dict[str, Any] = {"index": delta.index, "finish_reason": delta.finish_reason,
-                                  "logprobs": self._logprobs(delta.logprobs)}  # fmt: skip
+        choice: dict[str, Any] = {
+            "index": delta.index,
+            "finish_reason": delta.finish_reason,
+            "logprobs": self._logprobs(delta.logprobs),
+        }
         if self.chat:
             body: dict[str, Any] = {}
             if delta.reasoning:
@@ -220,8 +230,9 @@ def _whole_calls(steps: Iterable[tuple[ToolCallDelta, ...]]) -> list[dict[str, A
     for batch in steps:
         for step in batch:
             call = calls.setdefault(
-                step.index, {"id": "", "type": "function",
-                             "function": {"name": "", "arguments": ""}})  # fmt: skip
+                step.index,
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
             if step.id is not None:
                 call["id"] = step.id
             if step.name is not None:
@@ -272,21 +283,30 @@ class TokenFormat(ResponseFormat[TokenDelta]):
                 finish[d.index] = d.finish_reason
             prompt = prompt or d.prompt_logprobs
         choices = [
-            {"index": i, "token_ids": ids[i], "finish_reason": finish[i],
-             "logprobs": self._logprobs(ids[i], logprobs[i])}
+            {
+                "index": i,
+                "token_ids": ids[i],
+                "finish_reason": finish[i],
+                "logprobs": self._logprobs(ids[i], logprobs[i]),
+            }
             for i in range(self.n)
-        ]  # fmt: skip
+        ]
         body: dict[str, Any] = {
-            "request_id": self.request_id, "choices": choices, "usage": self._usage(deltas[-1])
+            "request_id": self.request_id,
+            "choices": choices,
+            "usage": self._usage(deltas[-1]),
         }
         if self.prompt_top is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(prompt or ())
         return orjson.dumps(body)
 
     def event(self, delta: TokenDelta) -> bytes:
-        choice = {"index": delta.index, "token_ids": delta.token_ids,
-                  "finish_reason": delta.finish_reason,
-                  "logprobs": self._logprobs(delta.token_ids, delta.logprobs or ())}  # fmt: skip
+        choice = {
+            "index": delta.index,
+            "token_ids": delta.token_ids,
+            "finish_reason": delta.finish_reason,
+            "logprobs": self._logprobs(delta.token_ids, delta.logprobs or ()),
+        }
         return _event({"request_id": self.request_id, "choices": [choice]})
 
     def _logprobs(
@@ -301,9 +321,12 @@ class TokenFormat(ResponseFormat[TokenDelta]):
         content = []
         for token, lp in zip(ids, logprobs, strict=True):
             top = [_token_logprob(token, lp.logprob, lp.rank)]
-            top += [_token_logprob(t, v, r) for r, (t, v)
-                    in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1) if t != token]
-            content.append({**top[0], "top_logprobs": top[:keep]})  # fmt: skip
+            top += [
+                _token_logprob(t, v, r)
+                for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1)
+                if t != token
+            ]
+            content.append({**top[0], "top_logprobs": top[:keep]})
         return {"content": content}
 
     def _prompt_logprobs(self, prompt: Sequence[TokenLogprobs]) -> list[dict[str, Any] | None]:
@@ -323,12 +346,13 @@ class TokenFormat(ResponseFormat[TokenDelta]):
 
 def _chat_entry(e: LogprobEntry) -> dict[str, Any]:
     return {
-        "token": e.token, "logprob": FLOOR if e.logprob is None else e.logprob,
+        "token": e.token,
+        "logprob": FLOOR if e.logprob is None else e.logprob,
         "bytes": list(e.bytes),
         "top_logprobs": [
             {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in e.top or ()
         ],
-    }  # fmt: skip
+    }
 
 
 def _token_logprob(token: int, logprob: float, rank: int) -> dict[str, Any]:

@@ -156,8 +156,9 @@ class FreeForm:
             raise bad_request(
                 f"'{where}': the request's free-form JSON (tool parameters, object "
                 f"arguments, chat_template_kwargs) holds more than {MAX_JSON_CONTAINERS} "
-                "objects and arrays in all", param,
-            )  # fmt: skip
+                "objects and arrays in all",
+                param,
+            )
         if _depth(data) > MAX_JSON_DEPTH:
             raise bad_request(f"'{where}' is nested more than {MAX_JSON_DEPTH} deep", param)
         collecting = gc.isenabled()
@@ -210,8 +211,11 @@ def _sampling(
     if s.best_of is not None and s.best_of != n:
         # vLLM's V1 engine dropped best_of; honouring it means sampling candidates that
         # are never returned, and ranking them: refused rather than ignored.
-        why = ("must not be less than 'n'" if s.best_of < n
-               else "above 'n' is not supported: ask for 'n' choices and rank them by logprobs")
+        why = (
+            "must not be less than 'n'"
+            if s.best_of < n
+            else "above 'n' is not supported: ask for 'n' choices and rank them by logprobs"
+        )
         raise bad_request(f"'{prefix}best_of' {why}", prefix + "best_of")
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -249,13 +253,26 @@ def _logit_bias(bias: dict[str, float] | None, param: str) -> tuple[tuple[int, f
 #: Where each declared feature is asked for, by the field's name (the token-in API
 #: prefixes ``sampling_params.``); an OpenAI request's structured output is asked for by
 #: the field its Constraint names.
-_FEATURE_FIELDS = {f: f for f in (SEED, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY,
-                                  REPETITION_PENALTY, LOGIT_BIAS, STRUCTURED_OUTPUTS,
-                                  LOGPROBS, PROMPT_LOGPROBS)}  # fmt: skip
+_FEATURE_FIELDS = {
+    f: f
+    for f in (
+        SEED,
+        TOP_K,
+        MIN_P,
+        PRESENCE_PENALTY,
+        FREQUENCY_PENALTY,
+        REPETITION_PENALTY,
+        LOGIT_BIAS,
+        STRUCTURED_OUTPUTS,
+        LOGPROBS,
+        PROMPT_LOGPROBS,
+    )
+}
 
 
-def _needs(options: SamplingOptions, prefix: str, constraint: Constraint | None = None
-           ) -> tuple[tuple[str, str], ...]:  # fmt: skip
+def _needs(
+    options: SamplingOptions, prefix: str, constraint: Constraint | None = None
+) -> tuple[tuple[str, str], ...]:
     """The declared features *options* ask for, each with the field asking for it."""
     needs = [(feature, prefix + _FEATURE_FIELDS[feature]) for feature in needed(options)]
     if constraint is not None:
@@ -264,7 +281,9 @@ def _needs(options: SamplingOptions, prefix: str, constraint: Constraint | None 
 
 
 def _constraint(
-    req: ChatCompletionRequest | CompletionRequest, free: FreeForm, limits: RequestLimits,
+    req: ChatCompletionRequest | CompletionRequest,
+    free: FreeForm,
+    limits: RequestLimits,
     chars: int,
 ) -> tuple[Constraint | None, int]:
     """What ``response_format`` and, in chat, ``tool_choice`` ask the answer to be; and
@@ -293,18 +312,23 @@ def _constraint(
         return constraint, chars
     offered = [t.function.name for t in req.tools or ()]
     if not offered:
-        raise bad_request("'tool_choice' asks for a tool call, but 'tools' offers none",
-                          "tool_choice")  # fmt: skip
+        raise bad_request(
+            "'tool_choice' asks for a tool call, but 'tools' offers none", "tool_choice"
+        )
     kind = "tool_calls"
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in offered:
-            raise bad_request(f"'tool_choice' names {choice.function.name!r}, which is not "
-                              "among 'tools'", "tool_choice")  # fmt: skip
+            raise bad_request(
+                f"'tool_choice' names {choice.function.name!r}, which is not among 'tools'",
+                "tool_choice",
+            )
         kind, offered = "tool_call", [choice.function.name]
     if constraint is not None:
         # vLLM lets the call win and drops the format; refused here instead of ignored.
-        raise bad_request("'response_format' cannot constrain an answer that 'tool_choice' "
-                          "makes a tool call", "response_format")  # fmt: skip
+        raise bad_request(
+            "'response_format' cannot constrain an answer that 'tool_choice' makes a tool call",
+            "response_format",
+        )
     return Constraint(kind, "tool_choice", tools=tuple(dict.fromkeys(offered))), chars
 
 
@@ -315,11 +339,15 @@ def _structured_outputs(
     text (a schema, a regex, a grammar, a tag) counted against ``max_prompt_chars``."""
     if so is None:
         return None
-    given = [(name, value) for name in _STRUCTURED_FIELDS
-             if (value := getattr(so, name)) not in (None, msgspec.UNSET)]  # fmt: skip
+    given = [
+        (name, value)
+        for name in _STRUCTURED_FIELDS
+        if (value := getattr(so, name)) not in (None, msgspec.UNSET)
+    ]
     if len(given) != 1:
-        raise bad_request(f"'{param}' must set exactly one of "
-                          f"{', '.join(_STRUCTURED_FIELDS)}", param)  # fmt: skip
+        raise bad_request(
+            f"'{param}' must set exactly one of {', '.join(_STRUCTURED_FIELDS)}", param
+        )
     name, value = given[0]
     kind = StructuredKind(name)
     if kind is StructuredKind.JSON_OBJECT:
@@ -347,8 +375,9 @@ def _structured_outputs(
 _STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
-def _max_tokens(req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits
-                ) -> int | None:  # fmt: skip
+def _max_tokens(
+    req: ChatCompletionRequest | CompletionRequest, limits: RequestLimits
+) -> int | None:
     """OpenAI's two fields for it: the smaller one given wins; each within the cap."""
     max_tokens, mct = req.max_tokens, req.max_completion_tokens
     if max_tokens is not None:
@@ -363,7 +392,8 @@ ChatText = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, An
 
 
 def chat_text(
-    req: ChatCompletionRequest | TokenizeRequest, limits: RequestLimits,
+    req: ChatCompletionRequest | TokenizeRequest,
+    limits: RequestLimits,
     free: FreeForm | None = None,
 ) -> ChatText:
     """The messages, tools and template kwargs of *req* as the chat template takes them,
@@ -482,8 +512,9 @@ def parse_request(
     (default: that endpoint's in :data:`~frontend.http.models.REQUEST_MODELS`) and
     *limits*. Raises :class:`ApiError` (400) or
     :class:`~frontend.errors.LimitExceeded`."""
-    req = cast(ChatCompletionRequest | CompletionRequest,
-               decode(body, model or REQUEST_MODELS[endpoint]))  # fmt: skip
+    req = cast(
+        ChatCompletionRequest | CompletionRequest, decode(body, model or REQUEST_MODELS[endpoint])
+    )
     messages = prompt = tools = effort = suffix = None
     kwargs: dict[str, Any] = {}
     text_chars: int | None = None
@@ -510,13 +541,15 @@ def parse_request(
         if req.logprobs is True:
             raise bad_request(
                 "'logprobs' is an integer on /v1/completions: how many of the most likely "
-                "tokens to list at each position (0 to 20)", "logprobs",
-            )  # fmt: skip
+                "tokens to list at each position (0 to 20)",
+                "logprobs",
+            )
         if req.top_logprobs is not None:
             raise bad_request(
                 "'top_logprobs' is a chat field: on /v1/completions 'logprobs' is the "
-                "count of most likely tokens", "top_logprobs",
-            )  # fmt: skip
+                "count of most likely tokens",
+                "top_logprobs",
+            )
         logprobs = None if req.logprobs is False else req.logprobs
         echo = bool(req.echo)
         if echo and logprobs is not None:  # the prompt's tokens come first, with theirs
@@ -527,8 +560,9 @@ def parse_request(
     if stop:
         limits.check_stop(stop)
     limits.check_stop_token_ids(len(req.stop_token_ids or ()), "stop_token_ids")
-    sampling = _sampling(req, _max_tokens(req, limits), logprobs=logprobs,
-                         prompt_logprobs=prompt_logprobs)  # fmt: skip
+    sampling = _sampling(
+        req, _max_tokens(req, limits), logprobs=logprobs, prompt_logprobs=prompt_logprobs
+    )
     constraint, text_chars = _constraint(req, free, limits, text_chars or 0)
 
     return ParsedRequest(
@@ -551,8 +585,9 @@ def parse_request(
         reasoning_effort=effort,
         suffix=suffix,
         # A completion's prompt logprobs are asked for by echo (with logprobs).
-        needs=tuple((f, "echo" if f == PROMPT_LOGPROBS else p)
-                    for f, p in _needs(sampling, "", constraint)),
+        needs=tuple(
+            (f, "echo" if f == PROMPT_LOGPROBS else p) for f, p in _needs(sampling, "", constraint)
+        ),
     )
 
 
@@ -582,9 +617,7 @@ def parse_generate_request(
     p = SAMPLING_PARAMS
     params = req.sampling_params or _NO_PARAMS
     if req.stream and params.prompt_logprobs is not None:
-        raise bad_request(
-            "prompt logprobs are not available when streaming", p + "prompt_logprobs"
-        )
+        raise bad_request("prompt logprobs are not available when streaming", p + "prompt_logprobs")
     for stop, param in ((params.stop, p + "stop"), (req.stop, "stop")):
         if stop not in (None, []):
             raise bad_request(
@@ -593,10 +626,15 @@ def parse_generate_request(
             )
     limits.check_max_tokens(params.max_tokens, p + "max_tokens")
     limits.check_stop_token_ids(len(params.stop_token_ids or ()), p + "stop_token_ids")
-    structured = _structured_outputs(params.structured_outputs, p + "structured_outputs",
-                                     limits)  # fmt: skip
-    sampling = _sampling(params, params.max_tokens, p, logprobs=params.logprobs,
-                         prompt_logprobs=params.prompt_logprobs, structured=structured)
+    structured = _structured_outputs(params.structured_outputs, p + "structured_outputs", limits)
+    sampling = _sampling(
+        params,
+        params.max_tokens,
+        p,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        structured=structured,
+    )
 
     return TokenRequest(
         token_ids=req.token_ids,

@@ -50,10 +50,11 @@ def special_affixes(hf: tokenizers.Tokenizer) -> tuple[list[int], list[int]]:
     plain = hf.encode(probe, add_special_tokens=False).ids
     full = hf.encode(probe, add_special_tokens=True).ids
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
-            return full[:start], full[start + len(plain):]
-    log.warning("the tokenizer's special tokens could not be located around a text; "
-                "/tokenize adds none")  # fmt: skip
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    log.warning(
+        "the tokenizer's special tokens could not be located around a text; /tokenize adds none"
+    )
     return [], []
 
 
@@ -64,29 +65,39 @@ def parse_tokenize(body: bytes, api: ApiContext) -> tuple[ParsedRequest | None, 
     (:func:`~frontend.http.schema.chat_text`). Raises ApiError (400) or LimitExceeded."""
     req = cast(TokenizeRequest, decode(body, api.models["tokenize"]))
     if (req.prompt is UNSET) == (req.messages is UNSET):
-        raise bad_request("send either 'prompt' or 'messages'",
-                          "messages" if req.messages is not UNSET else "prompt")  # fmt: skip
+        raise bad_request(
+            "send either 'prompt' or 'messages'",
+            "messages" if req.messages is not UNSET else "prompt",
+        )
     if req.continue_final_message:
-        raise bad_request("continue_final_message is not supported by this server",
-                          "continue_final_message")  # fmt: skip
+        raise bad_request(
+            "continue_final_message is not supported by this server", "continue_final_message"
+        )
     if req.chat_template is not None:
-        raise bad_request("a chat template from the request is not supported: the model's "
-                          "own applies", "chat_template")  # fmt: skip
+        raise bad_request(
+            "a chat template from the request is not supported: the model's own applies",
+            "chat_template",
+        )
     model = req.model or api.pipeline.model_name
     if not isinstance(req.messages, UnsetType):
         api.limits.check_messages(len(req.messages))
         messages, tools, kwargs, chars = chat_text(req, api.limits)
         return ParsedRequest(
-            endpoint="chat", model=model, messages=messages, tools=tools,
-            chat_template_kwargs=kwargs, text_chars=chars,
+            endpoint="chat",
+            model=model,
+            messages=messages,
+            tools=tools,
+            chat_template_kwargs=kwargs,
+            text_chars=chars,
             add_generation_prompt=req.add_generation_prompt is not False,
-        ), req  # fmt: skip
+        ), req
     assert not isinstance(req.prompt, UnsetType)
     api.limits.check_prompt_chars(len(req.prompt), "prompt")
     if not req.prompt:  # the completions path refuses an empty prompt; its ids are none
         return None, req
-    return ParsedRequest(endpoint="completions", model=model, prompt=req.prompt,
-                         text_chars=len(req.prompt)), req  # fmt: skip
+    return ParsedRequest(
+        endpoint="completions", model=model, prompt=req.prompt, text_chars=len(req.prompt)
+    ), req
 
 
 def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
@@ -109,8 +120,14 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
             if add_special:
                 ids = prefix + ids + suffix
             strs = await _token_strs(ids) if req.return_token_strs else None
-            return json_response({"count": len(ids), "max_model_len": pipeline.context_length,
-                         "tokens": ids, "token_strs": strs})  # fmt: skip
+            return json_response(
+                {
+                    "count": len(ids),
+                    "max_model_len": pipeline.context_length,
+                    "tokens": ids,
+                    "token_strs": strs,
+                }
+            )
 
         return await api.answer("tokenize", work)
 
@@ -120,8 +137,11 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
             req = cast(DetokenizeRequest, decode(await api.read_body(), api.models["detokenize"]))
             api.check_model(req.model)
             if len(req.tokens) > pipeline.context_length:
-                raise bad_request(f"'tokens' holds {len(req.tokens)} ids; at most the context "
-                                  f"length, {pipeline.context_length}", "tokens")  # fmt: skip
+                raise bad_request(
+                    f"'tokens' holds {len(req.tokens)} ids; at most the context "
+                    f"length, {pipeline.context_length}",
+                    "tokens",
+                )
             vocab = tokenizer.vocab_size
             if req.tokens and max(req.tokens) >= vocab:
                 bad = next(t for t in req.tokens if t >= vocab)

@@ -52,8 +52,9 @@ class ChoiceStep(NamedTuple):
     finish_reason: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.text or self.logprobs or self.reasoning or self.tool_calls
-                    or self.finish_reason)  # fmt: skip
+        return bool(
+            self.text or self.logprobs or self.reasoning or self.tool_calls or self.finish_reason
+        )
 
 
 _NOTHING = ChoiceStep()
@@ -149,10 +150,12 @@ class ChoiceStream:
         if parser.tool_calls_made and reason == "stop":
             reason = "tool_calls"
         return ChoiceStep(
-            (head.content if head else "") + end.content, entries,
+            (head.content if head else "") + end.content,
+            entries,
             (head.reasoning if head else "") + end.reasoning,
-            (head.tool_calls if head else ()) + end.tool_calls, reason,
-        )  # fmt: skip
+            (head.tool_calls if head else ()) + end.tool_calls,
+            reason,
+        )
 
     def _first(
         self, text: str, entries: tuple[LogprobEntry, ...]

@@ -95,10 +95,9 @@ class JinjaChatTemplate(ChatTemplate):
         try:
             self._templates = {name: env.from_string(text) for name, text in named.items()}
             # The variables the templates read that nothing here defines: their switches.
-            self._reads = frozenset().union(*(
-                jinja2.meta.find_undeclared_variables(env.parse(text))
-                for text in named.values()
-            ))  # fmt: skip
+            self._reads = frozenset().union(
+                *(jinja2.meta.find_undeclared_variables(env.parse(text)) for text in named.values())
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"chat template does not compile: {exc}") from exc
         self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}

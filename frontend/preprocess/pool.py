@@ -112,8 +112,11 @@ class TokenizerPool:
             self._inline += 1
             ids = self.tokenizer.encode_ids(text)
             return ids, 0.0, None if also is None else also(ids)
-        encode = (self.tokenizer.encode_holding_gil if self.mode is TokenizeMode.THREAD_GIL
-                  else self.tokenizer.encode_ids)  # fmt: skip
+        encode = (
+            self.tokenizer.encode_holding_gil
+            if self.mode is TokenizeMode.THREAD_GIL
+            else self.tokenizer.encode_ids
+        )
         queued = time.perf_counter()
         started = queued
 
@@ -136,8 +139,9 @@ class TokenizerPool:
             return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return await trio.to_thread.run_sync(
             partial(self.tokenizer.decode, ids, skip_special_tokens=skip_special_tokens),
-            limiter=self.limiter, abandon_on_cancel=True,
-        )  # fmt: skip
+            limiter=self.limiter,
+            abandon_on_cancel=True,
+        )
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run *fn* (other CPU work of a request: a long chat template, an echo, token
@@ -169,8 +173,7 @@ class TokenizerPool:
         if self.mode is TokenizeMode.INLINE:
             self.tokenizer.encode_ids(sample)
         else:
-            await trio.to_thread.run_sync(self.tokenizer.encode_ids, sample,
-                                          limiter=self.limiter)
+            await trio.to_thread.run_sync(self.tokenizer.encode_ids, sample, limiter=self.limiter)
         if self.mode is TokenizeMode.THREAD and self.inline_max_chars > 0:
             self.tokenizer.encode_ids(sample[: min(64, self.inline_max_chars)])
         return time.perf_counter() - start

@@ -82,9 +82,11 @@ def _tag(fmt: Format) -> StructuredOutput:
 def _after_reasoning(fmt: Format) -> Format:
     """Free reasoning up to ``</think>``, then *fmt* (xgrammar's ``reasoning=True``)."""
     reasoning = {
-        "type": "tag", "begin": "", "end": THINK_CLOSE,
+        "type": "tag",
+        "begin": "",
+        "end": THINK_CLOSE,
         "content": {"type": "any_text", "excludes": [THINK_OPEN, THINK_CLOSE]},
-    }  # fmt: skip
+    }
     return {"type": "sequence", "elements": [reasoning, fmt]}
 
 
@@ -102,8 +104,13 @@ def _calls(tags: list[Format], *, named: bool, single: bool) -> Format:
     """The one tag of the named function, else one or more of *tags* (one if *single*)."""
     if named:
         return tags[0]
-    return {"type": "tags_with_separator", "tags": tags, "separator": "",
-            "at_least_one": True, "stop_after_first": single}  # fmt: skip
+    return {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": "",
+        "at_least_one": True,
+        "stop_after_first": single,
+    }
 
 
 def _schema(schema: Any, style: str) -> Format:
@@ -114,40 +121,75 @@ def _dsml(block: str) -> Callable[..., Format]:
     """DeepSeek's DSML (V4's ``tool_calls`` block, V3.2's ``function_calls``)."""
 
     def build(schemas: Mapping[str, Any], *, named: bool, single: bool) -> Format:
-        tags: list[Format] = [{"type": "tag", "begin": f'<{_DSML}invoke name="{name}">\n',
-                 "content": _schema(schema, "deepseek_xml"), "end": f"</{_DSML}invoke>\n"}
-                for name, schema in schemas.items()]  # fmt: skip
-        return {"type": "sequence", "elements": [
-            {"type": "const_string", "value": f"\n\n<{_DSML}{block}>\n"},
-            _calls(tags, named=named, single=single),
-            {"type": "const_string", "value": f"</{_DSML}{block}>"},
-        ]}  # fmt: skip
+        tags: list[Format] = [
+            {
+                "type": "tag",
+                "begin": f'<{_DSML}invoke name="{name}">\n',
+                "content": _schema(schema, "deepseek_xml"),
+                "end": f"</{_DSML}invoke>\n",
+            }
+            for name, schema in schemas.items()
+        ]
+        return {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": f"\n\n<{_DSML}{block}>\n"},
+                _calls(tags, named=named, single=single),
+                {"type": "const_string", "value": f"</{_DSML}{block}>"},
+            ],
+        }
 
     return build
 
 
 def _deepseek_v31(schemas: Mapping[str, Any], *, named: bool, single: bool) -> Format:
-    tags: list[Format] = [{"type": "tag", "begin": f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
-             "content": _schema(schema, "json"), "end": "<｜tool▁call▁end｜>"}
-            for name, schema in schemas.items()]  # fmt: skip
+    tags: list[Format] = [
+        {
+            "type": "tag",
+            "begin": f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+            "content": _schema(schema, "json"),
+            "end": "<｜tool▁call▁end｜>",
+        }
+        for name, schema in schemas.items()
+    ]
     if named:  # the block's markers join the one call's
         (tag,) = tags
-        return {**tag, "begin": "<｜tool▁calls▁begin｜>" + tag["begin"],
-                "end": tag["end"] + "<｜tool▁calls▁end｜>"}  # fmt: skip
-    return {"type": "tag", "begin": "<｜tool▁calls▁begin｜>", "end": "<｜tool▁calls▁end｜>",
-            "content": _calls(tags, named=named, single=single)}  # fmt: skip
+        return {
+            **tag,
+            "begin": "<｜tool▁calls▁begin｜>" + tag["begin"],
+            "end": tag["end"] + "<｜tool▁calls▁end｜>",
+        }
+    return {
+        "type": "tag",
+        "begin": "<｜tool▁calls▁begin｜>",
+        "end": "<｜tool▁calls▁end｜>",
+        "content": _calls(tags, named=named, single=single),
+    }
 
 
 def _hermes(schemas: Mapping[str, Any], *, named: bool, single: bool) -> Format:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, with or without the
     newlines around the JSON, as vLLM's hermes tag allows."""
-    tags: list[Format] = [{"type": "tag", "begin": f'{begin}{name}", "arguments": ',
-             "content": _schema(schema, "json"), "end": end}
-            for name, schema in schemas.items()
-            for begin, end in (('<tool_call>\n{"name": "', "}\n</tool_call>"),
-                               ('<tool_call>{"name": "', "}</tool_call>"))]  # fmt: skip
-    return {"type": "tags_with_separator", "tags": tags, "separator": "",
-            "at_least_one": True, "stop_after_first": single or named}  # fmt: skip
+    tags: list[Format] = [
+        {
+            "type": "tag",
+            "begin": f'{begin}{name}", "arguments": ',
+            "content": _schema(schema, "json"),
+            "end": end,
+        }
+        for name, schema in schemas.items()
+        for begin, end in (
+            ('<tool_call>\n{"name": "', "}\n</tool_call>"),
+            ('<tool_call>{"name": "', "}</tool_call>"),
+        )
+    ]
+    return {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": "",
+        "at_least_one": True,
+        "stop_after_first": single or named,
+    }
 
 
 #: The tool-call formats an answer can be held to, by the parse stage's dialect names.

@@ -154,8 +154,9 @@ class Tokenizer:
                 # Set explicitly, 0 too: FASTOKENS_SEGMENT_CACHE would turn it on unasked.
                 self._fast.enable_segment_cache(segment_cache_bytes)
             except Exception as exc:
-                log.warning("fastokens cannot load %s (%s); falling back to hf",
-                            files.tokenizer_json, exc)
+                log.warning(
+                    "fastokens cannot load %s (%s); falling back to hf", files.tokenizer_json, exc
+                )
                 self.backend = Backend.HF
         self.bos_token = _token_text(files.config.get("bos_token"))
         self.eos_token = _token_text(files.config.get("eos_token"))
@@ -204,7 +205,7 @@ class Tokenizer:
             flat, offsets = self._fast.encode_batch_flat(texts, add_special_tokens=False)
             ids = from_uint32_le(flat)
             ends = struct.unpack(f"<{len(texts) + 1}Q", offsets)
-            return [ids[ends[i]:ends[i + 1]] for i in range(len(texts))]
+            return [ids[ends[i] : ends[i + 1]] for i in range(len(texts))]
         encodings = self._hf.encode_batch_fast(texts, add_special_tokens=False)
         return [token_array(e.ids) for e in encodings]
 

@@ -197,8 +197,11 @@ class Dispatcher:
         generated = token_array()
         state = _Attempts(affinity=affinity)
         if self.router.policy is Policy.KV:
-            state.prompt = (await self._prompt(request) if hashes is None
-                            else Prompt(len(request.token_ids), hashes))  # fmt: skip
+            state.prompt = (
+                await self._prompt(request)
+                if hashes is None
+                else Prompt(len(request.token_ids), hashes)
+            )
         with tracer().span("dispatch", parent=current_trace().span) as state.span:
             while True:
                 attempt = self._continuation(request, generated, state.migrations)
@@ -215,20 +218,30 @@ class Dispatcher:
                     if generated and request.sampling.structured is not None:
                         # The constraint's grammar would start over on the tokens so far,
                         # as if they were prompt: the answer would no longer be what it asked.
-                        raise WorkerFailed(f"the worker's stream broke ({exc}), and a "
-                                           "constrained answer cannot continue elsewhere"
-                                           ) from exc  # fmt: skip
+                        raise WorkerFailed(
+                            f"the worker's stream broke ({exc}), and a "
+                            "constrained answer cannot continue elsewhere"
+                        ) from exc
                     state.migrations += 1
                     # As Dynamo counts them: before any token reached the caller, or after.
                     kind = "ongoing_request" if generated else "new_request"
                     if self.metrics is not None:
                         self.metrics.model_migration_total.labels(kind).inc()
-                    state.span.event("migration", {
-                        "headwater.migration": state.migrations, "headwater.migration.kind": kind,
-                        "headwater.tokens_delivered": len(generated), "reason": str(exc),
-                    })  # fmt: skip
-                    log.warning("request %s: %s; migrating with %d tokens",
-                                request.request_id, exc, len(generated))  # fmt: skip
+                    state.span.event(
+                        "migration",
+                        {
+                            "headwater.migration": state.migrations,
+                            "headwater.migration.kind": kind,
+                            "headwater.tokens_delivered": len(generated),
+                            "reason": str(exc),
+                        },
+                    )
+                    log.warning(
+                        "request %s: %s; migrating with %d tokens",
+                        request.request_id,
+                        exc,
+                        len(generated),
+                    )
 
     async def _prompt(self, request: GenerateRequest) -> Prompt:
         """The request's block hashes for ``--router kv``: in a thread for a long
@@ -322,8 +335,11 @@ class Dispatcher:
             return False
         uncached = len(request.token_ids)
         if state.prompt is not None and self.router.kv.events:
-            decode = {c.instance.worker_id for c in self.router.clients()
-                      if c.instance.role is Role.DECODE}  # fmt: skip
+            decode = {
+                c.instance.worker_id
+                for c in self.router.clients()
+                if c.instance.role is Role.DECODE
+            }
             found = self.router.kv_index.overlaps(state.prompt.hashes)
             cached = max((n for wid, n in found.items() if wid in decode), default=0)
             uncached -= cached * self.router.kv.block_size
@@ -362,20 +378,30 @@ class Dispatcher:
             wid = client.instance.worker_id
             # Each try has its own id: a late ACK or reply of an earlier try (the same
             # worker may be picked again) can never be taken for this one's.
-            leg = request if tried == 1 else replace(
-                request, request_id=f"{request.request_id}.r{tried - 1}")  # fmt: skip
+            leg = (
+                request
+                if tried == 1
+                else replace(request, request_id=f"{request.request_id}.r{tried - 1}")
+            )
             # The consumer closes this generator at the yield of the final chunk, so
             # success is booked in `finally`, from what was seen, not after the loop.
             finished = False
             relayed = False  # a chunk of this leg reached the caller
             t = tracer()
-            attributes = {
-                "headwater.worker.id": wid, "headwater.plane.request_id": leg.request_id,
-                "headwater.router.policy": self.router.policy.value,
-                "headwater.attempt": tried, "headwater.migration": state.migrations,
-            } if t.enabled else None  # fmt: skip
-            with t.span(f"leg {role.value}", parent=state.span, kind=SpanKind.CLIENT,
-                        attributes=attributes) as span:  # fmt: skip
+            attributes = (
+                {
+                    "headwater.worker.id": wid,
+                    "headwater.plane.request_id": leg.request_id,
+                    "headwater.router.policy": self.router.policy.value,
+                    "headwater.attempt": tried,
+                    "headwater.migration": state.migrations,
+                }
+                if t.enabled
+                else None
+            )
+            with t.span(
+                f"leg {role.value}", parent=state.span, kind=SpanKind.CLIENT, attributes=attributes
+            ) as span:
                 if span.recording:  # the worker's spans become this leg's children
                     leg = replace(leg, traceparent=span.traceparent, tracestate=span.tracestate)
                 blocks = 0
@@ -397,8 +423,11 @@ class Dispatcher:
                     if exc.excused:
                         # Our own loop stalled through the ACK window: not the worker's
                         # fault (headwater.instrumentation.attribution). Try again.
-                        log.warning("worker %s: ACK missed while this loop was stalled; "
-                                    "not counted against it", wid)  # fmt: skip
+                        log.warning(
+                            "worker %s: ACK missed while this loop was stalled; "
+                            "not counted against it",
+                            wid,
+                        )
                     else:
                         state.refused.add(wid)
                         self.router.report_failure(client, exc)
@@ -447,8 +476,9 @@ class Dispatcher:
 
         def blocked() -> bool:
             exclude = state.excluded(router, role, model)
-            return (not router.routable(role, model, exclude)
-                    or router.all_busy(role, model, exclude))  # fmt: skip
+            return not router.routable(role, model, exclude) or router.all_busy(
+                role, model, exclude
+            )
 
         if cfg.queue_timeout <= 0 or not blocked():
             return

@@ -177,9 +177,7 @@ class Router:
         #: Set whenever the set of workers, their routability or their load changes;
         #: ``await router.changed.wait()`` returns at the next change.
         self.changed = RepeatedEvent()
-        self.kv_subscriber = KvSubscriber(
-            self.kv_index, self.kv, self.clients, self.changed.wait
-        )
+        self.kv_subscriber = KvSubscriber(self.kv_index, self.kv, self.clients, self.changed.wait)
 
     # -- membership (discovery's side) ------------------------------------------
 
@@ -256,9 +254,7 @@ class Router:
             tied = [e for e in candidates if e.inflight == low]
             entry = tied[self._next_turn(role, model) % len(tied)]
         elif self.policy is Policy.P2C:
-            a, b = (
-                self._rng.sample(candidates, 2) if len(candidates) > 1 else candidates * 2
-            )
+            a, b = self._rng.sample(candidates, 2) if len(candidates) > 1 else candidates * 2
             entry = a if a.inflight <= b.inflight else b
         else:
             entry = candidates[self._next_turn(role, model) % len(candidates)]
@@ -394,10 +390,13 @@ class Router:
                         entry.probing = True
                         nursery.start_soon(self._probe, entry)
                 next_probe = min(
-                    (e.circuit.probe_at for e in self._entries.values()
-                     if not e.probing and e.circuit.state is not WorkerState.HEALTHY),
+                    (
+                        e.circuit.probe_at
+                        for e in self._entries.values()
+                        if not e.probing and e.circuit.state is not WorkerState.HEALTHY
+                    ),
                     default=math.inf,
-                )  # fmt: skip
+                )
                 with trio.move_on_at(next_probe):
                     await self.changed.wait()
 
@@ -421,16 +420,20 @@ class Router:
             entry.probing = False
             self._notify()
 
-    def _transition(
-        self, worker_id: str, change: Transition, entry: _Entry | None = None
-    ) -> None:
+    def _transition(self, worker_id: str, change: Transition, entry: _Entry | None = None) -> None:
         if change.old is change.new:
             return
         if entry is not None:
             entry.since = time.time()
         level = logging.WARNING if change.new is WorkerState.INHIBITED else logging.INFO
-        log.log(level, "worker %s: %s -> %s (%s)", worker_id, change.old.value,
-                change.new.value, change.reason)  # fmt: skip
+        log.log(
+            level,
+            "worker %s: %s -> %s (%s)",
+            worker_id,
+            change.old.value,
+            change.new.value,
+            change.reason,
+        )
         if self.on_transition is not None:
             self.on_transition(worker_id, change)
 
@@ -464,11 +467,11 @@ class Router:
                 last_error=e.last_error,
                 probe_in_s=(
                     max(0.0, e.circuit.probe_at - now)
-                    if e.circuit.state is not WorkerState.HEALTHY else 0.0
+                    if e.circuit.state is not WorkerState.HEALTHY
+                    else 0.0
                 ),
                 cached_blocks=self._cached_blocks(wid),
                 cache_view=self._cache_view(wid),
             )
             for wid, e in sorted(self._entries.items())
         ]
-

@@ -85,45 +85,80 @@ def _discovery(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--prefill", type=non_negative_int, default=None,
-      help="prefill workers (with no worker count given: 1 prefill + 1 decode)")
+    a(
+        "--prefill",
+        type=non_negative_int,
+        default=None,
+        help="prefill workers (with no worker count given: 1 prefill + 1 decode)",
+    )
     a("--decode", type=non_negative_int, default=None, help="decode workers")
     a("--agg", type=non_negative_int, default=None, help="aggregated workers")
-    a("--engine", choices=registry.names(), default=registry.DEFAULT_ENGINE,
-      help="workers' engine")
-    a("--discovery", type=_discovery, default=None,
-      help="etcd: start an etcd and register the workers there (default when the etcd "
-      "binary is found); static: no etcd, the frontend gets --workers; etcd://HOST:PORT: "
-      "use that etcd")
-    a("--etcd-binary", default="",
-      help=f"etcd executable (default: ${ETCD_BIN_ENV}, else etcd on PATH)")
+    a("--engine", choices=registry.names(), default=registry.DEFAULT_ENGINE, help="workers' engine")
+    a(
+        "--discovery",
+        type=_discovery,
+        default=None,
+        help="etcd: start an etcd and register the workers there (default when the etcd "
+        "binary is found); static: no etcd, the frontend gets --workers; etcd://HOST:PORT: "
+        "use that etcd",
+    )
+    a(
+        "--etcd-binary",
+        default="",
+        help=f"etcd executable (default: ${ETCD_BIN_ENV}, else etcd on PATH)",
+    )
     a("--port", type=int, default=8000, help="frontend port (0: any free port)")
     a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
     a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
-    a("--drain-timeout", type=float, default=10.0,
-      help="seconds the frontend and each worker get to finish their requests at shutdown")
+    a(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds the frontend and each worker get to finish their requests at shutdown",
+    )
     a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
-    a("--worker-metrics", action="store_true",
-      help="each worker serves /metrics (and /debug/*) on a free loopback port of its own, "
-      "listed once the cluster is up (a restart keeps the port)")
-    a("--workdir", default=None,
-      help="directory for logs and etcd data (default: a temporary one, removed after a "
-      "clean stop)")
-    a("--start-timeout", type=float, default=60.0,
-      help="seconds each process gets to start (a restart too), and the frontend to "
-      "become healthy")
+    a(
+        "--worker-metrics",
+        action="store_true",
+        help="each worker serves /metrics (and /debug/*) on a free loopback port of its own, "
+        "listed once the cluster is up (a restart keeps the port)",
+    )
+    a(
+        "--workdir",
+        default=None,
+        help="directory for logs and etcd data (default: a temporary one, removed after a "
+        "clean stop)",
+    )
+    a(
+        "--start-timeout",
+        type=float,
+        default=60.0,
+        help="seconds each process gets to start (a restart too), and the frontend to "
+        "become healthy",
+    )
     add_restart_options(parser, "the cluster")
-    a("--log-level", default="info", choices=LOG_LEVELS,
-      help="the launcher's log level")
-    a("--log-format", default="text", choices=LOG_FORMATS,
-      help="text lines, or one JSON object a line: the launcher's and every child's")
-    a("--otlp-endpoint", default="",
-      help="send every process's OpenTelemetry traces over OTLP/HTTP here (default: none)")
-    a("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_OPTION ...",
-      help="options passed to headwater serve, after a -- separator")
+    a("--log-level", default="info", choices=LOG_LEVELS, help="the launcher's log level")
+    a(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object a line: the launcher's and every child's",
+    )
+    a(
+        "--otlp-endpoint",
+        default="",
+        help="send every process's OpenTelemetry traces over OTLP/HTTP here (default: none)",
+    )
+    a(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- SERVE_OPTION ...",
+        help="options passed to headwater serve, after a -- separator",
+    )
     for name in registry.names():
-        group = parser.add_argument_group(f"engine {name} (every worker)",
-                                          registry.spec(name).summary)
+        group = parser.add_argument_group(
+            f"engine {name} (every worker)", registry.spec(name).summary
+        )
         add_config_options(group, registry.config_type(name))
 
 
@@ -224,5 +259,3 @@ def main(args: argparse.Namespace) -> int:
         print(f"headwater launch: {exc}", file=sys.stderr)
         return 2
     return trio.run(run_cluster, plan)
-
-

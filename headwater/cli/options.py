@@ -113,11 +113,21 @@ def add_config_options(
             continue
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
-            parser.add_argument(_option(f), dest=f.name, default=default,
-                                action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+            parser.add_argument(
+                _option(f),
+                dest=f.name,
+                default=default,
+                action=argparse.BooleanOptionalAction,
+                help=f.metadata["help"],
+            )
         else:
-            parser.add_argument(_option(f), dest=f.name, type=type(default), default=default,
-                                help=f.metadata["help"])  # fmt: skip
+            parser.add_argument(
+                _option(f),
+                dest=f.name,
+                type=type(default),
+                default=default,
+                help=f.metadata["help"],
+            )
 
 
 def config_from_args(config_type: type[Any], args: argparse.Namespace) -> Any:
@@ -125,8 +135,9 @@ def config_from_args(config_type: type[Any], args: argparse.Namespace) -> Any:
 
     Raises ValueError when the config rejects a value.
     """
-    given = {f.name: getattr(args, f.name) for f in option_fields(config_type)
-             if hasattr(args, f.name)}  # fmt: skip
+    given = {
+        f.name: getattr(args, f.name) for f in option_fields(config_type) if hasattr(args, f.name)
+    }
     return config_type(**given)
 
 
@@ -178,15 +189,27 @@ def add_etcd_options(parser: argparse.ArgumentParser | Any) -> None:
         "etcd authentication (docs/security.md; each also a HEADWATER_ETCD_* variable)"
     )
     g.add_argument("--etcd-username", default=None, help="etcd user (etcd's auth enabled)")
-    g.add_argument("--etcd-password-file", default=None,
-                   help="file holding that user's password (else HEADWATER_ETCD_PASSWORD)")
-    g.add_argument("--etcd-ca-file", default=None, metavar="PEM",
-                   help="CA of etcd's server certificate, for etcds:// endpoints (default: "
-                        "the system's store)")
-    g.add_argument("--etcd-cert-file", default=None, metavar="PEM",
-                   help="this end's client certificate (etcd's --client-cert-auth)")
-    g.add_argument("--etcd-key-file", default=None, metavar="PEM",
-                   help="the private key of --etcd-cert-file")
+    g.add_argument(
+        "--etcd-password-file",
+        default=None,
+        help="file holding that user's password (else HEADWATER_ETCD_PASSWORD)",
+    )
+    g.add_argument(
+        "--etcd-ca-file",
+        default=None,
+        metavar="PEM",
+        help="CA of etcd's server certificate, for etcds:// endpoints (default: "
+        "the system's store)",
+    )
+    g.add_argument(
+        "--etcd-cert-file",
+        default=None,
+        metavar="PEM",
+        help="this end's client certificate (etcd's --client-cert-auth)",
+    )
+    g.add_argument(
+        "--etcd-key-file", default=None, metavar="PEM", help="the private key of --etcd-cert-file"
+    )
 
 
 def etcd_credentials_from_args(args: argparse.Namespace) -> EtcdCredentials | None:
@@ -195,9 +218,12 @@ def etcd_credentials_from_args(args: argparse.Namespace) -> EtcdCredentials | No
     from headwater.etcd.client import EtcdCredentials
 
     return EtcdCredentials.load(
-        username=args.etcd_username, password_file=args.etcd_password_file,
-        ca_file=args.etcd_ca_file, cert_file=args.etcd_cert_file, key_file=args.etcd_key_file,
-    )  # fmt: skip
+        username=args.etcd_username,
+        password_file=args.etcd_password_file,
+        ca_file=args.etcd_ca_file,
+        cert_file=args.etcd_cert_file,
+        key_file=args.etcd_key_file,
+    )
 
 
 def add_restart_options(parser: argparse.ArgumentParser | Any, stops: str) -> None:
@@ -207,17 +233,33 @@ def add_restart_options(parser: argparse.ArgumentParser | Any, stops: str) -> No
 
     r = RestartPolicy()
     a = parser.add_argument
-    a("--restart-backoff", type=positive_float, default=r.backoff,
-      help="seconds before a process that exited is restarted: a random delay between "
-      "half of this and this, whose upper bound doubles with each restart in a row")
-    a("--restart-backoff-max", type=positive_float, default=r.backoff_max,
-      help="the highest that upper bound goes (s)")
-    a("--restart-budget", type=non_negative_int, default=r.budget,
-      help=f"restarts allowed per process within --restart-window; its next exit stops "
-      f"{stops} (0: never restart)")
-    a("--restart-window", type=positive_float, default=r.window,
-      help="seconds over which restarts are counted; a process up this long starts "
-      "over at the first delay")
+    a(
+        "--restart-backoff",
+        type=positive_float,
+        default=r.backoff,
+        help="seconds before a process that exited is restarted: a random delay between "
+        "half of this and this, whose upper bound doubles with each restart in a row",
+    )
+    a(
+        "--restart-backoff-max",
+        type=positive_float,
+        default=r.backoff_max,
+        help="the highest that upper bound goes (s)",
+    )
+    a(
+        "--restart-budget",
+        type=non_negative_int,
+        default=r.budget,
+        help=f"restarts allowed per process within --restart-window; its next exit stops "
+        f"{stops} (0: never restart)",
+    )
+    a(
+        "--restart-window",
+        type=positive_float,
+        default=r.window,
+        help="seconds over which restarts are counted; a process up this long starts "
+        "over at the first delay",
+    )
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:

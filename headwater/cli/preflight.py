@@ -27,8 +27,9 @@ def check_port(host: str, port: int, option: str) -> None:
     by a server that just stopped counts as free, and closes it at once.
     """
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)  # fmt: skip
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
         raise ValueError(f"cannot listen on {host}:{port} ({option}): {exc.strerror}") from exc
     family, kind, proto, _, address = infos[0]

@@ -86,8 +86,10 @@ def api_keys_to_env(argv: Sequence[str], env: dict[str, str]) -> list[str]:
             i += 1
             continue
         if "," in key:
-            log.warning("an API key with a comma stays on a child's command line; "
-                        "give it in --api-keys-file instead")  # fmt: skip
+            log.warning(
+                "an API key with a comma stays on a child's command line; "
+                "give it in --api-keys-file instead"
+            )
             out += [_API_KEY_OPTION, key]
         else:
             keys.append(key)
@@ -95,4 +97,3 @@ def api_keys_to_env(argv: Sequence[str], env: dict[str, str]) -> list[str]:
         present = [k for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()]
         env[API_KEYS_ENV] = ",".join([*present, *keys])
     return out
-

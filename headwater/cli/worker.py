@@ -73,53 +73,104 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--advertise-host", default="", help="host in the advertised address (default: listen host)")
     a("--model-name", default=d.model_name, help="model name this worker serves")
     a("--worker-id", default="", help="unique worker id (default: <role>-<random>)")
-    a("--drain-timeout", type=float, default=d.drain_timeout,
-      help="seconds in-flight requests get to finish after SIGTERM")
-    a("--peer-timeout", type=positive_float, default=d.server.heartbeat_timeout,
-      help="seconds a plane connection may stay silent (peers ping every 5 s) before "
-      "the worker closes it and cancels its requests")
-    a("--max-connections-per-address", type=non_negative_int,
-      default=d.server.max_connections_per_address,
-      help="plane connections open at once per peer IP address; one more is closed as soon "
-      "as it is accepted (0: no limit)")
-    a("--max-connections", type=non_negative_int, default=None,
-      help="plane connections open at once in all (default: half the process's file "
-      "descriptor limit, at most 4096; 0: no limit)")
-    a("--plane-secret-file", default=None,
-      help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
-      "to listen beyond loopback")
+    a(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    a(
+        "--peer-timeout",
+        type=positive_float,
+        default=d.server.heartbeat_timeout,
+        help="seconds a plane connection may stay silent (peers ping every 5 s) before "
+        "the worker closes it and cancels its requests",
+    )
+    a(
+        "--max-connections-per-address",
+        type=non_negative_int,
+        default=d.server.max_connections_per_address,
+        help="plane connections open at once per peer IP address; one more is closed as soon "
+        "as it is accepted (0: no limit)",
+    )
+    a(
+        "--max-connections",
+        type=non_negative_int,
+        default=None,
+        help="plane connections open at once in all (default: half the process's file "
+        "descriptor limit, at most 4096; 0: no limit)",
+    )
+    a(
+        "--plane-secret-file",
+        default=None,
+        help="file holding the shared plane secret (else HEADWATER_PLANE_SECRET); required "
+        "to listen beyond loopback",
+    )
     t = parser.add_argument_group(
         "plane TLS (all three or none; docs/request-plane.md)",
         "Mutual TLS on this worker's listener and on its KV pulls; the secret's handshake "
         "still runs inside it.",
     )
-    t.add_argument("--plane-tls-certfile", default=None, metavar="PEM",
-                   help="this worker's certificate chain; it must name the advertised host "
-                        "(--advertise-host, else the listen host) and allow server and "
-                        "client use")
-    t.add_argument("--plane-tls-keyfile", default=None, metavar="PEM",
-                   help="the private key of --plane-tls-certfile")
-    t.add_argument("--plane-tls-ca-file", default=None, metavar="PEM",
-                   help="the CA that every peer's certificate (frontends, other workers) "
-                        "must chain to; nothing else is trusted")
-    a("--kv-peers", default="",
-      help="comma-separated tcp://host:port of the prefill workers a decode worker may pull "
-      "KV from, besides those registered in etcd (--discovery); with neither, a worker "
-      "listening on loopback pulls from loopback ones. A KV handle naming any other "
-      "address is refused")
+    t.add_argument(
+        "--plane-tls-certfile",
+        default=None,
+        metavar="PEM",
+        help="this worker's certificate chain; it must name the advertised host "
+        "(--advertise-host, else the listen host) and allow server and "
+        "client use",
+    )
+    t.add_argument(
+        "--plane-tls-keyfile",
+        default=None,
+        metavar="PEM",
+        help="the private key of --plane-tls-certfile",
+    )
+    t.add_argument(
+        "--plane-tls-ca-file",
+        default=None,
+        metavar="PEM",
+        help="the CA that every peer's certificate (frontends, other workers) "
+        "must chain to; nothing else is trusted",
+    )
+    a(
+        "--kv-peers",
+        default="",
+        help="comma-separated tcp://host:port of the prefill workers a decode worker may pull "
+        "KV from, besides those registered in etcd (--discovery); with neither, a worker "
+        "listening on loopback pulls from loopback ones. A KV handle naming any other "
+        "address is refused",
+    )
     a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
-    a("--discovery", default="",
-      help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
-      "no registration; frontends then need --workers)")
-    a("--lease-ttl", type=int, default=d.lease_ttl,
-      help="seconds a crashed worker stays registered in etcd (lease TTL)")
-    a("--log-level", default="info", choices=LOG_LEVELS,
-      help="log level (debug also shows every etcd call)")
-    a("--log-format", default="text", choices=LOG_FORMATS,
-      help="text lines, or one JSON object a line (docs/observability.md)")
-    a("--otlp-endpoint", default="",
-      help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
-      "(default: no tracing)")
+    a(
+        "--discovery",
+        default="",
+        help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
+        "no registration; frontends then need --workers)",
+    )
+    a(
+        "--lease-ttl",
+        type=int,
+        default=d.lease_ttl,
+        help="seconds a crashed worker stays registered in etcd (lease TTL)",
+    )
+    a(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="log level (debug also shows every etcd call)",
+    )
+    a(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object a line (docs/observability.md)",
+    )
+    a(
+        "--otlp-endpoint",
+        default="",
+        help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+        "(default: no tracing)",
+    )
     add_etcd_options(parser)
     for name in registry.names():
         spec = registry.spec(name)

@@ -187,8 +187,12 @@ class ChildProcess:
             self._report_exit()
 
     def _report_exit(self) -> None:
-        log.warning("%s (pid %d) exited unexpectedly: %s",
-                    self.name, self.pid, describe_status(self.process.returncode))  # fmt: skip
+        log.warning(
+            "%s (pid %d) exited unexpectedly: %s",
+            self.name,
+            self.pid,
+            describe_status(self.process.returncode),
+        )
         if self.on_exit is not None:
             try:
                 self.on_exit(self)
@@ -204,8 +208,6 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
     env.update(extra or {})
     return env
-
-
 
 
 def describe_status(status: int | None) -> str:
@@ -325,8 +327,7 @@ async def read_announcement(
     return result
 
 
-async def _copy_to_log(stream: trio.abc.ReceiveStream, pending: bytes, path: Path | None
-                       ) -> None:
+async def _copy_to_log(stream: trio.abc.ReceiveStream, pending: bytes, path: Path | None) -> None:
     """Keep the child's stdout pipe drained (a full pipe would block it) into its log,
     or into our stdout when it has no log file."""
     f = await trio.open_file(path, "ab") if path is not None else _our_stdout()

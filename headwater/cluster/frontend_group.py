@@ -105,8 +105,18 @@ def child_argv(argv: Sequence[str], fd: int, group_url: str | None = None) -> li
     supervisor's own options, then what makes it one of the group (later flags win in
     argparse)."""
     group = ["--group-url", group_url] if group_url else []
-    return [sys.executable, "-m", "headwater", "serve", *argv, "--processes", "1",
-            "--listen-fd", str(fd), *group]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "headwater",
+        "serve",
+        *argv,
+        "--processes",
+        "1",
+        "--listen-fd",
+        str(fd),
+        *group,
+    ]
 
 
 def preload(config: FrontendConfig) -> Tokenizer:
@@ -122,8 +132,9 @@ def preload(config: FrontendConfig) -> Tokenizer:
     importlib.import_module(registry.spec(config.engine).factory.partition(":")[0])
     files = find_tokenizer_files(config.tokenizer)
     ChatTemplate.from_tokenizer_config(files.config)  # imports what the template needs
-    return Tokenizer(files, config.tokenizer_backend,
-                     segment_cache_bytes=config.tokenizer_cache_mb << 20)
+    return Tokenizer(
+        files, config.tokenizer_backend, segment_cache_bytes=config.tokenizer_cache_mb << 20
+    )
 
 
 def run_group(
@@ -154,17 +165,20 @@ def run_group(
         shares = AcceptShares(config.processes)  # before the fork: every process maps it
         zygote = None
         try:
-            zygote = start_zygote(partial(_forked_main, member, tokenizer, shares),
-                                  close_fds=(view.fileno(),))  # fmt: skip
+            zygote = start_zygote(
+                partial(_forked_main, member, tokenizer, shares), close_fds=(view.fileno(),)
+            )
         except (ZygoteError, OSError) as exc:
-            log.warning("cannot fork a zygote (%s): each frontend process loads its own "
-                        "tokenizer", exc)  # fmt: skip
+            log.warning(
+                "cannot fork a zygote (%s): each frontend process loads its own tokenizer", exc
+            )
         gc.enable()
         return trio.run(supervise, config, argv, restart, sock, view, zygote, started, shares)
 
 
-def _forked_main(config: FrontendConfig, tokenizer: Tokenizer, shares: AcceptShares,
-                 slot: int) -> int:  # fmt: skip
+def _forked_main(
+    config: FrontendConfig, tokenizer: Tokenizer, shares: AcceptShares, slot: int
+) -> int:
     """A frontend process, in the zygote's fresh fork: it takes turns at the shared
     socket with the group's other forked processes."""
     from headwater.cli.serve import serve_until_signalled
@@ -200,7 +214,9 @@ async def supervise(
     argv_ = child_argv(api_keys_to_env(argv, env), fd, group_url)
     children = [
         Supervised(
-            f"frontend process {i}", _starter(i, argv_, env, fd, zygote, shares), restart,
+            f"frontend process {i}",
+            _starter(i, argv_, env, fd, zygote, shares),
+            restart,
             on_give_up=lambda _process: given_up.set(),
             stop_grace=config.stop_timeout + STOP_MARGIN,
         )
@@ -208,8 +224,11 @@ async def supervise(
     ]
 
     def members() -> list[Member]:
-        return [Member(i, p.child.pid, p.child.urls[-1], p.statistics().running, p.restarts)
-                for i, p in enumerate(children) if p.child is not None]  # fmt: skip
+        return [
+            Member(i, p.child.pid, p.child.urls[-1], p.statistics().running, p.restarts)
+            for i, p in enumerate(children)
+            if p.child is not None
+        ]
 
     def others() -> dict[str, int]:
         out = {"supervisor": os.getpid()}
@@ -218,9 +237,15 @@ async def supervise(
         return out
 
     tls = private_port_tls(config.ssl_certfile) if config.ssl_certfile else None
-    group = GroupView(members, others=others, api_keys=config.api_keys,
-                      api_keys_file=config.api_keys_file, metrics_auth=config.metrics_auth,
-                      started_at=started_at, tls=tls)  # fmt: skip
+    group = GroupView(
+        members,
+        others=others,
+        api_keys=config.api_keys,
+        api_keys_file=config.api_keys_file,
+        metrics_auth=config.metrics_auth,
+        started_at=started_at,
+        tls=tls,
+    )
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(view_sock.dup()))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -257,8 +282,14 @@ async def supervise(
     return status
 
 
-def _starter(i: int, argv: list[str], env: dict[str, str], fd: int, zygote: Zygote | None,
-             shares: AcceptShares) -> Starter[FrontendProcess]:  # fmt: skip
+def _starter(
+    i: int,
+    argv: list[str],
+    env: dict[str, str],
+    fd: int,
+    zygote: Zygote | None,
+    shares: AcceptShares,
+) -> Starter[FrontendProcess]:
     """How process *i* is started, and started again: forked by the zygote while it
     lives, else as a program; the same socket either way. A restart announces the
     process's new private URL. Its slot in *shares* reads absent until a forked
@@ -272,12 +303,25 @@ def _starter(i: int, argv: list[str], env: dict[str, str], fd: int, zygote: Zygo
                 forked = await zygote.fork(i)
             except ZygoteError as exc:
                 raise LaunchError(f"{name}: {exc}") from exc
-            child = watch(FrontendProcess, nursery, name, forked, None,
-                          (f"(forked by the zygote, pid {zygote.pid})",))  # fmt: skip
+            child = watch(
+                FrontendProcess,
+                nursery,
+                name,
+                forked,
+                None,
+                (f"(forked by the zygote, pid {zygote.pid})",),
+            )
             child = await frontend_announced(child, nursery, ready_within=READY_WITHIN)
         else:
-            child = await spawn_frontend(nursery, argv, name=name, log_path=None, env=env,
-                                         pass_fds=(fd,), ready_within=READY_WITHIN)  # fmt: skip
+            child = await spawn_frontend(
+                nursery,
+                argv,
+                name=name,
+                log_path=None,
+                env=env,
+                pass_fds=(fd,),
+                ready_within=READY_WITHIN,
+            )
         if previous is not None:
             print(member_line(i, child.pid, child.urls[-1]), flush=True)
         return child

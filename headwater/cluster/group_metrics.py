@@ -134,8 +134,7 @@ class GroupMetrics:
                 out.append(Family(name, kind, doc, tuple(samples)))
         return out
 
-    def render(self, extra: Iterable[Family] = (), names: Collection[str] | None = None
-               ) -> bytes:
+    def render(self, extra: Iterable[Family] = (), names: Collection[str] | None = None) -> bytes:
         """The text exposition format of :meth:`families` and *extra*; *names* keeps
         only those sample names (``/metrics?name[]=...``)."""
         return render([*self.families(), *extra], names)
@@ -150,8 +149,10 @@ class GroupMetrics:
 
     def _cumulative(self, name: str) -> list[tuple[str, Labels, float]]:
         totals: dict[SampleKey, float] = {}
-        for source in (self._retired.get(name, {}),
-                       *(s.cumulative.get(name, {}) for s in self._slots.values())):  # fmt: skip
+        for source in (
+            self._retired.get(name, {}),
+            *(s.cumulative.get(name, {}) for s in self._slots.values()),
+        ):
             for key, value in source.items():
                 totals[key] = totals.get(key, 0.0) + value
         samples = [(k[0], k[1], v) for k, v in totals.items()]
@@ -180,11 +181,19 @@ def _parse(page: str) -> list[tuple[str, str, str, list[tuple[SampleKey, float]]
         # ``_created`` samples are dropped (the group has its own), also where the
         # parser makes a gauge family of them.
         return [
-            (f.name, f.type, f.documentation,
-             [((s.name, tuple(s.labels.items())), s.value) for s in f.samples
-              if not s.name.endswith("_created")])
-            for f in text_string_to_metric_families(page) if not f.name.endswith("_created")
-        ]  # fmt: skip
+            (
+                f.name,
+                f.type,
+                f.documentation,
+                [
+                    ((s.name, tuple(s.labels.items())), s.value)
+                    for s in f.samples
+                    if not s.name.endswith("_created")
+                ],
+            )
+            for f in text_string_to_metric_families(page)
+            if not f.name.endswith("_created")
+        ]
     except Exception as exc:  # the parser raises ValueError, and others on odd input
         raise ValueError(f"cannot parse a metrics page: {exc}") from exc
 
@@ -205,8 +214,9 @@ def render(families: Iterable[Family], names: Collection[str] | None = None) -> 
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
-def _family_lines(lines: list[str], name: str, kind: str, doc: str,
-                  samples: list[tuple[str, Labels, float]]) -> None:
+def _family_lines(
+    lines: list[str], name: str, kind: str, doc: str, samples: list[tuple[str, Labels, float]]
+) -> None:
     if samples:
         lines.append(f"# HELP {name} {_escape_help(doc)}")
         lines.append(f"# TYPE {name} {kind}")

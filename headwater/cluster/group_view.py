@@ -135,20 +135,36 @@ class GroupView:
     def _group_families(self, members: Sequence[Member]) -> list[Family]:
         restarts = sum(m.restarts for m in members)
         return [
-            Family(f"{PREFIX}group_processes", "gauge",
-                   "Frontend processes of this group (headwater serve --processes)",
-                   ((f"{PREFIX}group_processes", (), float(len(members))),)),
-            Family(f"{PREFIX}group_processes_up", "gauge",
-                   "Frontend processes that answered this scrape",
-                   ((f"{PREFIX}group_processes_up", (), float(self.metrics.answered())),)),
-            Family(f"{PREFIX}group_restarts", "counter",
-                   "Frontend processes restarted after they exited on their own",
-                   ((f"{PREFIX}group_restarts_total", (), float(restarts)),
-                    (f"{PREFIX}group_restarts_created", (), self.metrics.started_at))),
-        ]  # fmt: skip
+            Family(
+                f"{PREFIX}group_processes",
+                "gauge",
+                "Frontend processes of this group (headwater serve --processes)",
+                ((f"{PREFIX}group_processes", (), float(len(members))),),
+            ),
+            Family(
+                f"{PREFIX}group_processes_up",
+                "gauge",
+                "Frontend processes that answered this scrape",
+                ((f"{PREFIX}group_processes_up", (), float(self.metrics.answered())),),
+            ),
+            Family(
+                f"{PREFIX}group_restarts",
+                "counter",
+                "Frontend processes restarted after they exited on their own",
+                (
+                    (f"{PREFIX}group_restarts_total", (), float(restarts)),
+                    (f"{PREFIX}group_restarts_created", (), self.metrics.started_at),
+                ),
+            ),
+        ]
 
-    async def _ask(self, members: Sequence[Member], path: str,
-                   decode: Callable[[Relayed], Any], authorization: str | None) -> list[Any]:
+    async def _ask(
+        self,
+        members: Sequence[Member],
+        path: str,
+        decode: Callable[[Relayed], Any],
+        authorization: str | None,
+    ) -> list[Any]:
         """Every running member's answer to GET *path* (``None`` where there was none),
         asked with the client's *authorization*."""
         out: list[Any] = [None] * len(members)
@@ -158,8 +174,9 @@ class GroupView:
             url = urlsplit(member.url)
             try:
                 with trio.fail_after(ASK_TIMEOUT_S):
-                    r = await http_get(url.hostname or "127.0.0.1", url.port or 80, path,
-                                       headers, self._tls)  # fmt: skip
+                    r = await http_get(
+                        url.hostname or "127.0.0.1", url.port or 80, path, headers, self._tls
+                    )
                 if r.status == 200:
                     out[i] = decode(r)
             except (GroupViewUnavailable, ValueError, trio.TooSlowError) as exc:
@@ -270,20 +287,28 @@ def merge_dashboards(
     by_status = _summed([p["requests"]["by_status"] for p in snaps])
     by_code = _summed([p["requests"].get("by_code", {}) for p in snaps])
     inflight = sum(p["requests"]["inflight"] for p in snaps)
-    history.add((now, inflight, pool["waiting"], pool["busy"], pool["threads"],
-                 sum(by_status.values())))  # fmt: skip
+    history.add(
+        (now, inflight, pool["waiting"], pool["busy"], pool["threads"], sum(by_status.values()))
+    )
     memory_by_pid = {row["pid"]: row for row in memory}
     processes = []
     for m, part in zip(members, parts, strict=True):
-        row: dict[str, Any] = {"process": m.slot, "pid": m.pid, "url": m.url,
-                               "up": part is not None, "restarts": m.restarts,
-                               "memory": memory_by_pid.get(m.pid)}  # fmt: skip
+        row: dict[str, Any] = {
+            "process": m.slot,
+            "pid": m.pid,
+            "url": m.url,
+            "up": part is not None,
+            "restarts": m.restarts,
+            "memory": memory_by_pid.get(m.pid),
+        }
         if part is not None:
             stat = part["stalls"]["statistics"]
-            row.update(inflight=part["requests"]["inflight"],
-                       finished=sum(part["requests"]["by_status"].values()),
-                       loop_max_s=max((d for _, d in part["loop"]["delays"]), default=0.0),
-                       stalls=stat["stalls_total"] if stat else None)  # fmt: skip
+            row.update(
+                inflight=part["requests"]["inflight"],
+                finished=sum(part["requests"]["by_status"].values()),
+                loop_max_s=max((d for _, d in part["loop"]["delays"]), default=0.0),
+                stalls=stat["stalls_total"] if stat else None,
+            )
         processes.append(row)
     return {
         "now": now,
@@ -300,14 +325,14 @@ def merge_dashboards(
         },
         "stalls": {
             "records": stall_records[:MAX_STALLS],
-            "statistics": None if not stats else {
+            "statistics": None
+            if not stats
+            else {
                 "stalls_total": sum(s["stalls_total"] for s in stats),
                 "loop_stalls_total": sum(s["loop_stalls_total"] for s in stats),
                 "gil_stalls_total": sum(s["gil_stalls_total"] for s in stats),
-                "contention_stalls_total": sum(s.get("contention_stalls_total", 0)
-                                               for s in stats),
-                "last_duration_s": (stall_records[0]["duration_s"] if stall_records
-                                    else None),
+                "contention_stalls_total": sum(s.get("contention_stalls_total", 0) for s in stats),
+                "last_duration_s": (stall_records[0]["duration_s"] if stall_records else None),
                 "max_duration_s": max(s["max_duration_s"] for s in stats),
                 "tracking": all(s["tracking"] for s in stats),
             },
@@ -324,8 +349,9 @@ def merge_dashboards(
             "fields": HISTORY_FIELDS,
             "points": [[round(pt[0], 3), *pt[1:]] for pt in history.recent(now)],
         },
-        "latency": {name: _worst_window([p["latency"][name] for p in snaps])
-                    for name in ("ttft", "itl")},
+        "latency": {
+            name: _worst_window([p["latency"][name] for p in snaps]) for name in ("ttft", "itl")
+        },
         "workers": [{**w, "process": m.slot} for m, p in answered for w in p["workers"]],
         "processes": processes,
         "memory": memory,

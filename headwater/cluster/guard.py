@@ -67,8 +67,11 @@ def main(argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             pass
         if kill_at is None and supervisor is not None and orphaned(supervisor):
-            print(f"guard: supervisor (pid {supervisor}) is gone: stopping {argv[0]}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"guard: supervisor (pid {supervisor}) is gone: stopping {argv[0]}",
+                file=sys.stderr,
+                flush=True,
+            )
             program.terminate()
             kill_at = time.monotonic() + KILL_AFTER
         elif kill_at is not None and time.monotonic() > kill_at:

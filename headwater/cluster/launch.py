@@ -177,15 +177,16 @@ class Cluster:
         await wait_healthy(frontend.address, within=plan.start_within, child=frontend)
         return frontend.address
 
-    async def _start_etcd(self, nursery: trio.Nursery, previous: EtcdProcess | None
-                          ) -> EtcdProcess:  # fmt: skip
+    async def _start_etcd(self, nursery: trio.Nursery, previous: EtcdProcess | None) -> EtcdProcess:
         plan = self.plan
         return await start_etcd(
-            nursery, binary=plan.etcd_binary, workdir=self.workdir,
+            nursery,
+            binary=plan.etcd_binary,
+            workdir=self.workdir,
             ready_within=plan.start_within,
             ports=(previous.client_port, previous.peer_port) if previous else None,
             data_dir=previous.data_dir if previous else None,
-        )  # fmt: skip
+        )
 
     def _worker_starter(self, role: str, name: str) -> Starter[WorkerProcess]:
         plan = self.plan
@@ -195,15 +196,23 @@ class Cluster:
             if plan.worker_metrics:
                 metrics_port = previous.metrics_port if previous else free_port()
             return await start_worker(
-                nursery, role, log_dir=self.workdir, name=name,
+                nursery,
+                role,
+                log_dir=self.workdir,
+                name=name,
                 worker_id=previous.worker_id if previous else "",
                 listen=f"127.0.0.1:{previous.port if previous else 0}",
                 metrics_port=metrics_port,
-                discovery=self.discovery_url, model=plan.model, engine=plan.engine,
-                engine_args=plan.engine_args, lease_ttl=plan.lease_ttl,
-                drain_timeout=plan.drain_timeout, extra_args=plan.worker_args,
-                ready_within=plan.start_within, env=self.env,
-            )  # fmt: skip
+                discovery=self.discovery_url,
+                model=plan.model,
+                engine=plan.engine,
+                engine_args=plan.engine_args,
+                lease_ttl=plan.lease_ttl,
+                drain_timeout=plan.drain_timeout,
+                extra_args=plan.worker_args,
+                ready_within=plan.start_within,
+                env=self.env,
+            )
 
         return start
 
@@ -211,15 +220,24 @@ class Cluster:
         self, nursery: trio.Nursery, previous: FrontendProcess | None
     ) -> FrontendProcess:
         plan = self.plan
-        static = "" if self.discovery_url else ",".join(
-            w.child.static_url(plan.model) for w in self.workers if w.child is not None
+        static = (
+            ""
+            if self.discovery_url
+            else ",".join(
+                w.child.static_url(plan.model) for w in self.workers if w.child is not None
+            )
         )
         return await start_frontend(
-            nursery, log_dir=self.workdir, port=previous.port if previous else plan.port,
-            discovery=self.discovery_url, workers=static, model=plan.model,
+            nursery,
+            log_dir=self.workdir,
+            port=previous.port if previous else plan.port,
+            discovery=self.discovery_url,
+            workers=static,
+            model=plan.model,
             extra_args=("--drain-timeout", f"{plan.drain_timeout:g}", *self.serve_args),
-            ready_within=plan.start_within, env=self.frontend_env,
-        )  # fmt: skip
+            ready_within=plan.start_within,
+            env=self.frontend_env,
+        )
 
     async def _start_workers(self, nursery: trio.Nursery) -> None:
         numbered: dict[str, int] = {}
@@ -236,8 +254,9 @@ class Cluster:
                 errors.append(exc)
                 cancel.cancel()
                 return
-            log.info("%s: %s %s (pid %d)", worker.name, worker.worker_id, worker.address,
-                     worker.pid)  # fmt: skip
+            log.info(
+                "%s: %s %s (pid %d)", worker.name, worker.worker_id, worker.address, worker.pid
+            )
 
         async with trio.open_nursery() as starting:
             for process in self.workers:
@@ -314,12 +333,15 @@ async def run_cluster(plan: ClusterPlan) -> int:
 def _announce(cluster: Cluster, url: str) -> None:
     plan = cluster.plan
     counts = ", ".join(
-        f"{n} {role}" for role, n in (("prefill", plan.prefill), ("decode", plan.decode),
-                                      ("agg", plan.agg)) if n
-    )  # fmt: skip
+        f"{n} {role}"
+        for role, n in (("prefill", plan.prefill), ("decode", plan.decode), ("agg", plan.agg))
+        if n
+    )
     etcd = cluster.etcd.child if cluster.etcd else None
-    where = f"etcd {etcd.address}" if etcd else (
-        f"etcd {cluster.discovery_url}" if cluster.discovery_url else "static --workers"
+    where = (
+        f"etcd {etcd.address}"
+        if etcd
+        else (f"etcd {cluster.discovery_url}" if cluster.discovery_url else "static --workers")
     )
     lines = [f"headwater launch: {plan.model} on {url} ({counts}; discovery: {where})"]
     for child in cluster.children():

@@ -62,13 +62,29 @@ DEFAULT_MODEL = "deepseek-v4"
 GUARD = (sys.executable, "-m", "headwater.cluster.guard")
 
 __all__ = [
-    "DEFAULT_MODEL", "FRONTEND_MEMBER_PREFIX", "FRONTEND_READY_PREFIX", "WORKER_READY_PREFIX",
-    "ChildProcess", "EtcdProcess", "FrontendMember", "FrontendProcess", "LaunchError",
-    "WorkerProcess", "frontend_announced", "frontend_argv", "frontend_urls", "member_line",
+    "DEFAULT_MODEL",
+    "FRONTEND_MEMBER_PREFIX",
+    "FRONTEND_READY_PREFIX",
+    "WORKER_READY_PREFIX",
+    "ChildProcess",
+    "EtcdProcess",
+    "FrontendMember",
+    "FrontendProcess",
+    "LaunchError",
+    "WorkerProcess",
+    "frontend_announced",
+    "frontend_argv",
+    "frontend_urls",
+    "member_line",
     "parse_member_line",
-    "parse_worker_ready", "spawn_frontend", "start_etcd", "start_frontend", "start_worker",
-    "wait_healthy", "worker_argv",
-]  # fmt: skip
+    "parse_worker_ready",
+    "spawn_frontend",
+    "start_etcd",
+    "start_frontend",
+    "start_worker",
+    "wait_healthy",
+    "worker_argv",
+]
 
 
 class WorkerProcess(ChildProcess):
@@ -149,7 +165,8 @@ async def start_etcd(
         client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
         data = data_dir if ports and data_dir else workdir / f"{name}-data-{attempt}"
         argv = [
-            *GUARD, binary,  # etcd cannot see its supervisor die: the guard does
+            *GUARD,
+            binary,  # etcd cannot see its supervisor die: the guard does
             f"--name={name}",
             f"--data-dir={data}",
             f"--listen-client-urls={client}",
@@ -161,9 +178,14 @@ async def start_etcd(
             "--log-level=warn",
         ]
         child = await spawn(
-            EtcdProcess, nursery, name, argv, workdir / f"{name}.log",
-            env=without_secrets(child_env()), stdout=False,  # etcd needs none of ours
-        )  # fmt: skip
+            EtcdProcess,
+            nursery,
+            name,
+            argv,
+            workdir / f"{name}.log",
+            env=without_secrets(child_env()),
+            stdout=False,  # etcd needs none of ours
+        )
         child.address, child.peer_port, child.data_dir = client, peer_port, data
         try:
             await _wait_etcd(child, ready_within)
@@ -219,9 +241,20 @@ def worker_argv(
     engine's own options (``--speedup-ratio 100``). Off loopback the worker needs a plane
     secret (``HEADWATER_PLANE_SECRET`` in its environment)."""
     argv = [
-        python, "-m", "headwater", "worker", "--role", role, "--listen", listen,
-        "--engine", engine, "--model-name", model, *engine_args,
-    ]  # fmt: skip
+        python,
+        "-m",
+        "headwater",
+        "worker",
+        "--role",
+        role,
+        "--listen",
+        listen,
+        "--engine",
+        engine,
+        "--model-name",
+        model,
+        *engine_args,
+    ]
     if worker_id:
         argv += ["--worker-id", worker_id]
     if discovery:
@@ -273,13 +306,17 @@ async def start_worker(
     """
     name = name or role
     argv = worker_argv(
-        role, worker_id=worker_id, discovery=discovery, model=model, engine=engine,
+        role,
+        worker_id=worker_id,
+        discovery=discovery,
+        model=model,
+        engine=engine,
         engine_args=engine_args,
-        lease_ttl=lease_ttl, drain_timeout=drain_timeout,
-        extra_args=[*(["--metrics-port", str(metrics_port)] if metrics_port else []),
-                    *extra_args],
+        lease_ttl=lease_ttl,
+        drain_timeout=drain_timeout,
+        extra_args=[*(["--metrics-port", str(metrics_port)] if metrics_port else []), *extra_args],
         listen=listen,
-    )  # fmt: skip
+    )
     child = await spawn(
         WorkerProcess, nursery, name, [*prefix_argv, *argv], log_dir / f"{name}.log", env=env
     )
@@ -314,8 +351,18 @@ def frontend_argv(
     recipe's frontend shares the machine with the workers and etcd it is started
     beside; ``None`` leaves serve's default, and a ``--processes`` in *extra_args* wins.
     """
-    argv = [*interpreter, "-m", "headwater", "serve", "--host", host, "--port", str(port),
-            "--model-name", model]  # fmt: skip
+    argv = [
+        *interpreter,
+        "-m",
+        "headwater",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--model-name",
+        model,
+    ]
     if processes is not None:
         argv += ["--processes", str(processes)]
     if discovery:
@@ -398,9 +445,7 @@ async def spawn_frontend(
 
     Raises LaunchError if it exits or stays silent for *ready_within* seconds.
     """
-    child = await spawn(
-        FrontendProcess, nursery, name, argv, log_path, env=env, pass_fds=pass_fds
-    )
+    child = await spawn(FrontendProcess, nursery, name, argv, log_path, env=env, pass_fds=pass_fds)
     assert isinstance(child, FrontendProcess)
     return await frontend_announced(child, nursery, ready_within=ready_within, on_exit=on_exit)
 
@@ -454,17 +499,31 @@ async def start_frontend(
     NAME``), as for :func:`start_worker`. Raises LaunchError.
     """
     argv = frontend_argv(
-        host=host, port=port, discovery=discovery, workers=workers, model=model,
-        extra_args=extra_args, interpreter=interpreter, processes=processes,
-    )  # fmt: skip
+        host=host,
+        port=port,
+        discovery=discovery,
+        workers=workers,
+        model=model,
+        extra_args=extra_args,
+        interpreter=interpreter,
+        processes=processes,
+    )
     return await spawn_frontend(
-        nursery, [*prefix_argv, *argv], name=name, log_path=log_dir / f"{name}.log", env=env,
-        ready_within=ready_within, on_exit=on_exit,
-    )  # fmt: skip
+        nursery,
+        [*prefix_argv, *argv],
+        name=name,
+        log_path=log_dir / f"{name}.log",
+        env=env,
+        ready_within=ready_within,
+        on_exit=on_exit,
+    )
 
 
 async def wait_healthy(
-    url: str, *, within: float = 60.0, child: ChildProcess | None = None,
+    url: str,
+    *,
+    within: float = 60.0,
+    child: ChildProcess | None = None,
     verify: ssl.SSLContext | bool = True,
 ) -> None:
     """Poll ``url/health`` until it answers 200 (a request can be served now);

@@ -287,9 +287,13 @@ class Supervised(Generic[C]):
                 return
             log.warning(
                 "%s %s; restarting it in %.2f s (restart %d; %d of %s)",
-                self.name, why, delay, self._budget.total,
-                self._budget.recent(trio.current_time()), self.policy.describe(),
-            )  # fmt: skip
+                self.name,
+                why,
+                delay,
+                self._budget.total,
+                self._budget.recent(trio.current_time()),
+                self.policy.describe(),
+            )
             stamp = datetime.now().isoformat(sep=" ", timespec="seconds")
             restart = f"restart {self._budget.total} in {delay:.2f} s"
             append_to_log(previous.log_path, f"----- {stamp} {self.name} {why}: {restart} -----")
@@ -342,8 +346,9 @@ class Supervised(Generic[C]):
     def _not_back(self, previous: C, exc: LaunchError | OSError) -> str:
         reason = exc.summary if isinstance(exc, LaunchError) else f"{exc!r}"
         # Checked once the failed incarnation is reaped: a port held now is someone else's.
-        taken = [f"127.0.0.1:{p} is taken by another process"
-                 for p in previous.ports if not port_free(p)]  # fmt: skip
+        taken = [
+            f"127.0.0.1:{p} is taken by another process" for p in previous.ports if not port_free(p)
+        ]
         return "did not come back: " + "; ".join([reason, *taken])
 
     def _give_up(self, last: C, why: str) -> None:

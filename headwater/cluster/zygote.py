@@ -203,8 +203,7 @@ class Zygote:
     def __repr__(self) -> str:
         return f"<Zygote pid={self.pid} alive={self.alive}>"
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Read the zygote's messages until its socket closes; then mark it gone, reap
         it, and settle the processes whose exit it can no longer report."""
         self._sock = trio.socket.from_stdlib_socket(self._stdlib_sock)
@@ -254,8 +253,11 @@ class Zygote:
 
     def _gone_now(self, nursery: trio.Nursery) -> None:
         if self._children:
-            log.error("the zygote (pid %d) is gone; its %d frontend processes stop on "
-                      "their own", self.pid, len(self._children))  # fmt: skip
+            log.error(
+                "the zygote (pid %d) is gone; its %d frontend processes stop on their own",
+                self.pid,
+                len(self._children),
+            )
 
         async def settle(child: ForkedProcess) -> None:
             await child.wait_pidfd()
@@ -404,8 +406,7 @@ def _reaped() -> list[tuple[int, int]]:
     return out
 
 
-def _child(slot: int, stdout: int, child_main: ChildMain, zygote_fds: tuple[int, ...]
-           ) -> NoReturn:
+def _child(slot: int, stdout: int, child_main: ChildMain, zygote_fds: tuple[int, ...]) -> NoReturn:
     """In a newly forked frontend process: drop the zygote's descriptors and signal
     set-up, take *stdout*, run *child_main*, and exit; never return to the loop."""
     status = 1

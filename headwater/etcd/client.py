@@ -222,10 +222,12 @@ class EtcdCredentials:
         else:
             password = env(PASSWORD_ENV, "")
         credentials = cls(
-            username=username or env(USERNAME_ENV, ""), password=password,
-            ca_file=ca_file or env(CA_FILE_ENV, ""), cert_file=cert_file or env(CERT_FILE_ENV, ""),
+            username=username or env(USERNAME_ENV, ""),
+            password=password,
+            ca_file=ca_file or env(CA_FILE_ENV, ""),
+            cert_file=cert_file or env(CERT_FILE_ENV, ""),
             key_file=key_file or env(KEY_FILE_ENV, ""),
-        )  # fmt: skip
+        )
         return credentials if credentials != cls() else None
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -302,9 +304,11 @@ class EtcdClient:
         if credentials is None or not credentials.username:
             return {}
         if renew or not self._token:
-            d = await self._post("/v3/auth/authenticate",
-                                 {"name": credentials.username, "password": credentials.password},
-                                 {})  # fmt: skip
+            d = await self._post(
+                "/v3/auth/authenticate",
+                {"name": credentials.username, "password": credentials.password},
+                {},
+            )
             token = d.get("token")
             if not isinstance(token, str) or not token:
                 raise EtcdError("etcd /v3/auth/authenticate: no token in the answer")
@@ -543,8 +547,6 @@ def _token_expired(exc: EtcdError) -> bool:
 def _normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
     return url if "://" in url else "http://" + url
-
-
 
 
 _SCHEMES = {"etcd": "http", "etcds": "https", "http": "http", "https": "https"}

@@ -39,8 +39,14 @@ class Activity:
     """
 
     __slots__ = (
-        "_clock", "_inflight", "_last_busy", "_rest", "idle_after_s", "rest_interval_s", "woken",
-    )  # fmt: skip
+        "_clock",
+        "_inflight",
+        "_last_busy",
+        "_rest",
+        "idle_after_s",
+        "rest_interval_s",
+        "woken",
+    )
 
     def __init__(self, *, idle_after_s: float = 1.0, rest_interval_s: float = 0.1) -> None:
         if idle_after_s < 0 or rest_interval_s <= 0:

@@ -34,8 +34,12 @@ _ESCAPING = openmetrics.UNDERSCORES
 # at the end of their family (in this order, as generate_latest sorts them).
 _OM_SUFFIXES = ("_created", "_gcount", "_gsum")
 # Metric types as the Prometheus text format names them (others keep their name).
-_TEXT_TYPE = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram",
-              "unknown": "untyped"}  # fmt: skip
+_TEXT_TYPE = {
+    "info": "gauge",
+    "stateset": "gauge",
+    "gaugehistogram": "histogram",
+    "unknown": "untyped",
+}
 _TEXT_NAME_SUFFIX = {"counter": "_total", "info": "_info"}
 _INF = float("inf")
 
@@ -76,8 +80,13 @@ class TextExposition:
         line = self._line
         for metric in registry.collect():
             mtype = metric.type
-            out.append(self._header(metric.name + _TEXT_NAME_SUFFIX.get(mtype, ""),
-                                    _TEXT_TYPE.get(mtype, mtype), metric.documentation))
+            out.append(
+                self._header(
+                    metric.name + _TEXT_NAME_SUFFIX.get(mtype, ""),
+                    _TEXT_TYPE.get(mtype, mtype),
+                    metric.documentation,
+                )
+            )
             held: dict[str, list[str]] = {}
             om_names = {metric.name + suffix: suffix for suffix in _OM_SUFFIXES}
             for s in metric.samples:
@@ -118,9 +127,10 @@ class TextExposition:
 
 def _series_prefix(name: str, labels: Iterable[tuple[str, str]]) -> str:
     """``name{k="v",...} `` with generate_latest's escaping and label order."""
+
     def pair(key: str, value: str) -> str:
         # Label values are always UTF-8: generate_latest escapes only \\, \n and ".
-        escaped_value = value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+        escaped_value = value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
         return f'{openmetrics.escape_label_name(key, _ESCAPING)}="{escaped_value}"'
 
     labelstr = ",".join(pair(k, v) for k, v in sorted(labels))

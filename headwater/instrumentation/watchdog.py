@@ -302,8 +302,11 @@ class Watchdog:
         duration = overrun.ended - began
         busy, waiting, pressure = self._shares(began, overrun.ended, overrun.loop_times)
         cause: StallCause = "loop"
-        if (waiting is not None and waiting >= _WAITING
-                and duration * (1 - waiting) < self._threshold_s):  # fmt: skip
+        if (
+            waiting is not None
+            and waiting >= _WAITING
+            and duration * (1 - waiting) < self._threshold_s
+        ):
             cause = "contention"  # ready to run, no CPU: without the wait, no stall
         elif kind == _IO:
             cause = "gil"  # parked in epoll, so not running Python: it could not get the GIL

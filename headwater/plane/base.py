@@ -179,10 +179,13 @@ class ResponseStream(abc.ABC):
         if tokens is None:
             return first
         return Chunk(
-            first.request_id, tokens, last.finish_reason, cached_tokens=cached,
+            first.request_id,
+            tokens,
+            last.finish_reason,
+            cached_tokens=cached,
             logprobs=None if logprobs is None else tuple(logprobs),
             prompt_logprobs=prompt_logprobs,
-        )  # fmt: skip
+        )
 
 
 class WorkerClient(abc.ABC):

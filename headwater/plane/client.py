@@ -174,13 +174,20 @@ class TcpWorkerClient(WorkerClient):
                 self._set_state(ClientState.BACKOFF)
                 log.warning(
                     "cannot connect to %s at %s (%s); retrying in %.2f s",
-                    self.instance.worker_id, self.instance.address, exc, delay,
+                    self.instance.worker_id,
+                    self.instance.address,
+                    exc,
+                    delay,
                 )
                 await trio.sleep(delay)
                 continue
             if self._connects:  # the first connect is the caller's to report
-                log.info("reconnected to %s at %s after %d failed attempts",
-                         self.instance.worker_id, self.instance.address, failures)  # fmt: skip
+                log.info(
+                    "reconnected to %s at %s after %d failed attempts",
+                    self.instance.worker_id,
+                    self.instance.address,
+                    failures,
+                )
             failures = 0
             self._connects += 1
             conn.attribution = self.attribution

@@ -344,8 +344,11 @@ class PlaneConnection:
             self._fail_idle_streams()
             if self._pong_seq < seq:
                 if self._excused(sent):
-                    log.warning("%s: heartbeat reply late while this loop was stalled; "
-                                "not the worker's fault", self.peer.worker_id)  # fmt: skip
+                    log.warning(
+                        "%s: heartbeat reply late while this loop was stalled; "
+                        "not the worker's fault",
+                        self.peer.worker_id,
+                    )
                     continue
                 self._break(f"no heartbeat reply within {cfg.heartbeat_timeout:g} s")
                 return
@@ -515,8 +518,9 @@ class PlaneConnection:
                     if ready is None:
                         raise AckTimeout(
                             f"no ACK from {self.peer.worker_id} within "
-                            f"{self.config.ack_timeout:g} s", excused=self._excused(sent),
-                        )  # fmt: skip
+                            f"{self.config.ack_timeout:g} s",
+                            excused=self._excused(sent),
+                        )
                     first = ready
                 if isinstance(first, Error):
                     route.done = True
@@ -596,9 +600,11 @@ async def open_connection(
             if not frames:
                 data = await stream.receive_some(config.receive_size)
                 if not data:
-                    hint = "" if isinstance(stream, trio.SSLStream) else (
-                        " (a worker that requires TLS does that to a client without it)"
-                    )  # fmt: skip
+                    hint = (
+                        ""
+                        if isinstance(stream, trio.SSLStream)
+                        else (" (a worker that requires TLS does that to a client without it)")
+                    )
                     raise CannotConnect(
                         f"the worker closed the connection during the handshake{hint}"
                     )

@@ -305,7 +305,12 @@ async def open_kv_transfer(
     """A :class:`TcpKvTransfer` whose connections live until the block ends."""
     async with trio.open_nursery() as nursery:
         yield TcpKvTransfer(
-            nursery, peer_id=peer_id, role=role, secret=secret, config=config,
-            pull_timeout=pull_timeout, peers=peers,
-        )  # fmt: skip
+            nursery,
+            peer_id=peer_id,
+            role=role,
+            secret=secret,
+            config=config,
+            pull_timeout=pull_timeout,
+            peers=peers,
+        )
         nursery.cancel_scope.cancel()

@@ -145,9 +145,7 @@ class MemoryWorkerClient(WorkerClient):
                 self.runtime.cancel(request.request_id)
                 await trio.lowlevel.checkpoint()  # the canary records a stall that just ended
                 attribution = self.attribution
-                excused = attribution is not None and attribution.excuses(
-                    sent, trio.current_time()
-                )
+                excused = attribution is not None and attribution.excuses(sent, trio.current_time())
                 raise CannotConnect(
                     f"no ACK from {self.instance.worker_id} within {self.ack_timeout:g} s",
                     excused=excused,

@@ -237,9 +237,7 @@ class PlaneServer:
         self.runtime = runtime
         self.tls = tls
         self.config = config or ServerConfig()
-        self.identity = HelloOk(
-            PROTOCOL_VERSION, str(role), runtime.worker_id, model, capabilities
-        )
+        self.identity = HelloOk(PROTOCOL_VERSION, str(role), runtime.worker_id, model, capabilities)
         self.secret = secret
         self.kv_source = kv_source
         self.stats = stats
@@ -317,10 +315,16 @@ class PlaneServer:
         now = trio.current_time()
         if now - self._refusal_logged_at >= 1.0:
             self._refusal_logged_at = now
-            log.warning("refusing a plane connection from %s: %d open from it, %d in all "
-                        "(limits %s and %s; %d refused so far)", address,
-                        self._per_address[address], self._open, per_address or "none",
-                        total or "none", self._refused)  # fmt: skip
+            log.warning(
+                "refusing a plane connection from %s: %d open from it, %d in all "
+                "(limits %s and %s; %d refused so far)",
+                address,
+                self._per_address[address],
+                self._open,
+                per_address or "none",
+                total or "none",
+                self._refused,
+            )
         return False
 
     def goaway(self, reason: str = "shutting down") -> None:
@@ -543,8 +547,9 @@ class _Connection:
             if handshake.session is not None:
                 self.decoder.mac = handshake.session.receive
                 self._mac = handshake.session.send
-            log.debug("%s connected from %s as %s", self.peer.peer_id, self.peer_name,
-                      self.peer.role)
+            log.debug(
+                "%s connected from %s as %s", self.peer.peer_id, self.peer_name, self.peer.role
+            )
             return True
         log.info("handshake from %s timed out", self.peer_name)
         return False
@@ -557,8 +562,11 @@ class _Connection:
             return True
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.server._tls_failures += 1
-            log.warning("TLS handshake from %s failed: %s", self.peer_name,
-                        tls_reason(exc) or "the peer closed the connection")  # fmt: skip
+            log.warning(
+                "TLS handshake from %s failed: %s",
+                self.peer_name,
+                tls_reason(exc) or "the peer closed the connection",
+            )
             return False
 
     # -- writing --
@@ -660,8 +668,13 @@ class _Connection:
                 break
         self.server._peer_timeouts += 1
         who = self.peer.peer_id if self.peer is not None else "?"
-        log.warning("nothing from %s (%s) for %g s; closing its connection and cancelling "
-                    "its %d requests", who, self.peer_name, timeout, len(self._requests))
+        log.warning(
+            "nothing from %s (%s) for %g s; closing its connection and cancelling its %d requests",
+            who,
+            self.peer_name,
+            timeout,
+            len(self._requests),
+        )
         self._scope.cancel()
 
     async def _read_loop(self) -> None:
@@ -726,8 +739,9 @@ class _Connection:
     def _refuse(self, frame: Unreadable) -> None:
         """Fail a request whose frame did not read; the connection goes on."""
         self.server._requests_refused += 1
-        log.warning("refusing request %s from %s: %s", frame.request_id, self.peer_name,
-                    frame.reason)  # fmt: skip
+        log.warning(
+            "refusing request %s from %s: %s", frame.request_id, self.peer_name, frame.reason
+        )
         if frame.request_id in self._requests:  # not ours to end: the peer reused an id
             message = "duplicate request id"
         else:

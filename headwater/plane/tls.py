@@ -64,9 +64,7 @@ class TlsConfig:
         return _context(self, server_side=True)
 
 
-def tls_config(
-    certfile: str | None, keyfile: str | None, ca_file: str | None
-) -> TlsConfig | None:
+def tls_config(certfile: str | None, keyfile: str | None, ca_file: str | None) -> TlsConfig | None:
     """A :class:`TlsConfig` from the three options; None when none is given. Raises
     ValueError when only some are."""
     if not (certfile or keyfile or ca_file):
@@ -148,9 +146,11 @@ class _Side:
     def __init__(self, context: ssl.SSLContext, *, server_side: bool, host: str = "") -> None:
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = context.wrap_bio(
-            self.incoming, self.outgoing, server_side=server_side,
+            self.incoming,
+            self.outgoing,
+            server_side=server_side,
             server_hostname=None if server_side else host,
-        )  # fmt: skip
+        )
         self.done = False
 
     def step(self, peer: _Side) -> None:

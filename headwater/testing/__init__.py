@@ -35,16 +35,28 @@ if TYPE_CHECKING:
 #: this package, loaded by every pytest run where headwater is installed) costs nothing
 #: until a test uses it.
 _EXPORTS = {
-    "ASGITransport": "asgi", "Exchange": "asgi", "Faults": "faults", "Headwater": "plugin",
+    "ASGITransport": "asgi",
+    "Exchange": "asgi",
+    "Faults": "faults",
+    "Headwater": "plugin",
     "Leg": "records",
-    "RequestRecord": "records", "BASE_URL": "server", "HeadwaterServer": "server",
+    "RequestRecord": "records",
+    "BASE_URL": "server",
+    "HeadwaterServer": "server",
     "open_server": "server",
-}  # fmt: skip
+}
 
 __all__ = [
-    "BASE_URL", "ASGITransport", "Exchange", "Faults", "Headwater", "HeadwaterServer", "Leg",
-    "RequestRecord", "open_server",
-]  # fmt: skip
+    "BASE_URL",
+    "ASGITransport",
+    "Exchange",
+    "Faults",
+    "Headwater",
+    "HeadwaterServer",
+    "Leg",
+    "RequestRecord",
+    "open_server",
+]
 
 
 def __getattr__(name: str) -> Any:

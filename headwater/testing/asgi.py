@@ -186,8 +186,13 @@ def _timeout(seconds: float | None) -> Iterator[None]:
         raise ReadTimedOut(f"no response data within the client's read timeout ({seconds} s)")
 
 
-def http_scope(method: str, url: Any, raw_headers: list[tuple[bytes, bytes]],
-               state: dict[str, Any], client: tuple[str, int]) -> Message:  # fmt: skip
+def http_scope(
+    method: str,
+    url: Any,
+    raw_headers: list[tuple[bytes, bytes]],
+    state: dict[str, Any],
+    client: tuple[str, int],
+) -> Message:
     """The ASGI scope hypercorn builds for an HTTP/1.1 request to *url* (an httpx or
     httpx2 URL)."""
     raw_path: bytes = url.raw_path
@@ -227,9 +232,14 @@ class ExchangeTransport:
     http: ClassVar[Any]  # the httpx module (httpx or httpx2)
     body: ClassVar[type[ExchangeBody]]  # its response-stream class
 
-    def __init__(self, app: ASGIApp, nursery: trio.Nursery, *,
-                 state: dict[str, Any] | None = None,
-                 client: tuple[str, int] = ("127.0.0.1", 50000)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: ASGIApp,
+        nursery: trio.Nursery,
+        *,
+        state: dict[str, Any] | None = None,
+        client: tuple[str, int] = ("127.0.0.1", 50000),
+    ) -> None:
         self.app = app
         self.nursery = nursery
         self.state = state if state is not None else {}
@@ -238,8 +248,9 @@ class ExchangeTransport:
     async def handle_async_request(self, request: Any) -> Any:
         http = self.http
         body = await request.aread()
-        scope = http_scope(request.method, request.url, request.headers.raw, self.state,
-                           self.client)  # fmt: skip
+        scope = http_scope(
+            request.method, request.url, request.headers.raw, self.state, self.client
+        )
         exchange = Exchange(self.app, scope, body)
         read_timeout = request.extensions.get("timeout", {}).get("read")
         try:
@@ -248,10 +259,11 @@ class ExchangeTransport:
             raise http.ReadTimeout(str(exc), request=request) from exc
         assert exchange.status is not None  # a head came (the client has not left)
         return http.Response(
-            exchange.status, headers=exchange.headers,
+            exchange.status,
+            headers=exchange.headers,
             stream=self.body(exchange, read_timeout, request),
             extensions={"http_version": b"HTTP/1.1"},
-        )  # fmt: skip
+        )
 
 
 class ExchangeBody:

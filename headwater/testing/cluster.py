@@ -49,8 +49,9 @@ class ObservedCluster(LocalCluster):
     """In-process workers of *roles*, observed and faulted through *faults*; their
     refusals run in *nursery*. The other arguments are :class:`LocalCluster`'s."""
 
-    def __init__(self, *, roles: Sequence[Role], faults: Faults, nursery: trio.Nursery,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self, *, roles: Sequence[Role], faults: Faults, nursery: trio.Nursery, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.roles = list(roles)
         self.faults = faults
@@ -79,9 +80,12 @@ class ObservedCluster(LocalCluster):
             raise LookupError(f"no in-process worker {instance.worker_id!r}")
         observed = ObservedRuntime(runtime, instance.role, self.faults, self._nursery)
         return MemoryWorkerClient(
-            instance, observed, ack_timeout=self.ack_timeout, load=partial(load_of, runtime),
+            instance,
+            observed,
+            ack_timeout=self.ack_timeout,
+            load=partial(load_of, runtime),
             attribution=self.attribution,
-        )  # fmt: skip
+        )
 
     def kill(self, worker_id: str) -> None:
         """The worker dies now: its engine and every request on it are cancelled (their

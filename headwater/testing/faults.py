@@ -118,8 +118,9 @@ class Faults:
         later tokens follow as the engine made them."""
         self._arm(_Armed("slow_first_token", times, seconds=_seconds(seconds)))
 
-    def stall_loop(self, seconds: float, *, after_tokens: int | None = None,
-                   times: int = 1) -> None:  # fmt: skip
+    def stall_loop(
+        self, seconds: float, *, after_tokens: int | None = None, times: int = 1
+    ) -> None:
         """The event loop runs nothing for *seconds*: at once without *after_tokens*
         (``times`` is then ignored), else when the request has streamed that many tokens.
         Under a MockClock trio's clock jumps *seconds* (virtual time); otherwise the loop
@@ -127,8 +128,11 @@ class Faults:
         if after_tokens is None:
             stall(_seconds(seconds))
             return
-        self._arm(_Armed("stall_loop", times, after_tokens=_count(after_tokens),
-                         seconds=_seconds(seconds)))  # fmt: skip
+        self._arm(
+            _Armed(
+                "stall_loop", times, after_tokens=_count(after_tokens), seconds=_seconds(seconds)
+            )
+        )
 
     def reject(self, *, times: int = 1) -> None:
         """Admission refuses the request as over ``max_inflight``: 429 with
@@ -161,9 +165,18 @@ class Faults:
         base, _ = plane_request(request_id)  # <id>.r1 and <id>.m1 are <id>'s legs
         claim = self._claims.get(base)
         if claim is None:
-            claim = self._claims[base] = _Claim(self._take(
-                ("break_stream", "malformed_answer", "kill_worker", "refuse",
-                 "slow_first_token", "stall_loop")))  # fmt: skip
+            claim = self._claims[base] = _Claim(
+                self._take(
+                    (
+                        "break_stream",
+                        "malformed_answer",
+                        "kill_worker",
+                        "refuse",
+                        "slow_first_token",
+                        "stall_loop",
+                    )
+                )
+            )
             record = current_record.get()
             if record is not None:
                 record.faults.extend(f.kind for f in claim.faults)
@@ -201,8 +214,9 @@ class ObservedRuntime:
     request recorded as a :class:`Leg` and the fault plan applied; see the module
     docstring. Everything else is the runtime's."""
 
-    def __init__(self, runtime: WorkerRuntime, role: Role, faults: Faults,
-                 nursery: trio.Nursery) -> None:  # fmt: skip
+    def __init__(
+        self, runtime: WorkerRuntime, role: Role, faults: Faults, nursery: trio.Nursery
+    ) -> None:
         self.runtime = runtime
         self.role = role
         self.faults = faults
@@ -255,8 +269,13 @@ class _LegReplies(trio.abc.SendChannel[Reply]):
     """A worker's replies to one leg, on their way to the frontend: counted into the
     leg, with the request's faults injected (*claim*: None for a prefill leg)."""
 
-    def __init__(self, inner: trio.abc.SendChannel[Reply], leg: Leg, claim: _Claim | None,
-                 kill: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        inner: trio.abc.SendChannel[Reply],
+        leg: Leg,
+        claim: _Claim | None,
+        kill: Callable[[], None],
+    ) -> None:
         self._inner = inner
         self._leg = leg
         self._claim = claim

@@ -67,8 +67,9 @@ class Headwater:
         return server
 
     @staticmethod
-    async def _run(options: dict[str, Any], *,
-                   task_status: trio.TaskStatus[HeadwaterServer]) -> None:  # fmt: skip
+    async def _run(
+        options: dict[str, Any], *, task_status: trio.TaskStatus[HeadwaterServer]
+    ) -> None:
         from headwater.testing.server import open_server
 
         async with open_server(**options) as server:

@@ -150,8 +150,14 @@ class RequestRecord:
     @property
     def finish_reason(self) -> str | None:
         """The engine's finish reason (stop, length), from the leg that finished."""
-        return next((leg.finish_reason for leg in reversed(self.generated)
-                     if leg.finish_reason is not None), None)  # fmt: skip
+        return next(
+            (
+                leg.finish_reason
+                for leg in reversed(self.generated)
+                if leg.finish_reason is not None
+            ),
+            None,
+        )
 
     async def settled(self) -> None:
         """Return once the request is over on every side: the app's call returned and

@@ -36,8 +36,9 @@ class HTTPX2Transport(ExchangeTransport, httpx2.AsyncBaseTransport):
     body: ClassVar[type[ExchangeBody]] = _Body
 
 
-def openai_client(http: httpx2.AsyncClient, base_url: str, api_key: str,
-                  **kwargs: Any) -> openai.AsyncOpenAI:  # fmt: skip
+def openai_client(
+    http: httpx2.AsyncClient, base_url: str, api_key: str, **kwargs: Any
+) -> openai.AsyncOpenAI:
     """An ``openai.AsyncOpenAI`` sending through *http*; *kwargs* are its own."""
     import openai
 
@@ -46,13 +47,15 @@ def openai_client(http: httpx2.AsyncClient, base_url: str, api_key: str,
     return client
 
 
-def anthropic_client(http: httpx2.AsyncClient, base_url: str, api_key: str,
-                     **kwargs: Any) -> anthropic.AsyncAnthropic:  # fmt: skip
+def anthropic_client(
+    http: httpx2.AsyncClient, base_url: str, api_key: str, **kwargs: Any
+) -> anthropic.AsyncAnthropic:
     """An ``anthropic.AsyncAnthropic`` sending through *http*; *kwargs* are its own."""
     import anthropic
 
-    client = anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, http_client=http,
-                                      **kwargs)  # fmt: skip
+    client = anthropic.AsyncAnthropic(
+        base_url=base_url, api_key=api_key, http_client=http, **kwargs
+    )
     _look_up_platform(client, "anthropic._base_client")
     return client
 

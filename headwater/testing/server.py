@@ -78,9 +78,18 @@ class HeadwaterServer:
       virtual_time: whether it runs on a MockClock.
     """
 
-    def __init__(self, frontend: Frontend, app: ASGIApp, requests: list[RequestRecord],
-                 cluster: ObservedCluster, faults: Faults, nursery: trio.Nursery,
-                 state: dict[str, Any], url: str | None, virtual_time: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        frontend: Frontend,
+        app: ASGIApp,
+        requests: list[RequestRecord],
+        cluster: ObservedCluster,
+        faults: Faults,
+        nursery: trio.Nursery,
+        state: dict[str, Any],
+        url: str | None,
+        virtual_time: bool,
+    ) -> None:
         self.frontend = frontend
         self.app = app
         self.requests = requests
@@ -102,8 +111,9 @@ class HeadwaterServer:
         """An ``httpx.AsyncClient`` on this server (``base_url`` set, the first API key
         sent if the server has keys); *kwargs* are its own. Closed with the server."""
         headers = {**self._auth_headers(), **kwargs.pop("headers", {})}
-        client = httpx.AsyncClient(transport=self.transport(), base_url=BASE_URL,
-                                   headers=headers, **kwargs)  # fmt: skip
+        client = httpx.AsyncClient(
+            transport=self.transport(), base_url=BASE_URL, headers=headers, **kwargs
+        )
         self._closers.append(client)
         return client
 
@@ -228,12 +238,15 @@ async def open_server(
     """
     ours = sorted({"engine", "mode", "discovery"} & set(config))
     if ours:
-        raise ValueError(f"{', '.join(ours)}: chosen by headwater.testing (the engine by "
-                         "script= or engine_config=, the layout by workers=)")  # fmt: skip
+        raise ValueError(
+            f"{', '.join(ours)}: chosen by headwater.testing (the engine by "
+            "script= or engine_config=, the layout by workers=)"
+        )
     virtual = isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
     # The scripted engine reads prompts with the frontend's tokenizer: one model, one.
-    tokenizer_path = (str(tokenizer.files.tokenizer_json) if isinstance(tokenizer, Tokenizer)
-                      else tokenizer)  # fmt: skip
+    tokenizer_path = (
+        str(tokenizer.files.tokenizer_json) if isinstance(tokenizer, Tokenizer) else tokenizer
+    )
     with tempfile.TemporaryDirectory(prefix="headwater-testing-") as workdir:
         engine, engine_cfg = _engine(script, token_delay, engine_config, workdir, virtual)
         if isinstance(engine_cfg, ScriptedConfig) and tokenizer_path and not engine_cfg.tokenizer:
@@ -257,12 +270,18 @@ async def open_server(
         faults = Faults()
         async with trio.open_nursery() as nursery:
             cluster = ObservedCluster(
-                roles=roles, faults=faults, nursery=nursery, model=frontend_config.model_name,
-                engine=engine, engine_config=engine_cfg, ack_timeout=frontend_config.ack_timeout,
-            )  # fmt: skip
+                roles=roles,
+                faults=faults,
+                nursery=nursery,
+                model=frontend_config.model_name,
+                engine=engine,
+                engine_config=engine_cfg,
+                ack_timeout=frontend_config.ack_timeout,
+            )
             faults.kill = cluster.kill
-            frontend = Frontend(frontend_config, tokenizer=tokenizer, discovery=cluster,
-                                admission=FaultyAdmission)  # fmt: skip
+            frontend = Frontend(
+                frontend_config, tokenizer=tokenizer, discovery=cluster, admission=FaultyAdmission
+            )
             assert isinstance(frontend.admission, FaultyAdmission)
             frontend.admission.faults = faults
             requests: list[RequestRecord] = []
@@ -271,16 +290,19 @@ async def open_server(
             url = None
             lifespan = Lifespan(ASGIWrapper(app), frontend.hypercorn_config(), state)
             if listen:  # serve() runs the app's lifespan itself
-                urls = await nursery.start(partial(
-                    serve, app, frontend.hypercorn_config(), shutdown_trigger=trio.sleep_forever
-                ))  # fmt: skip
+                urls = await nursery.start(
+                    partial(
+                        serve, app, frontend.hypercorn_config(), shutdown_trigger=trio.sleep_forever
+                    )
+                )
                 url = urls[0]
             else:
                 await nursery.start(lifespan.handle_lifespan)
                 await lifespan.wait_for_startup()
             async with trio.open_nursery() as exchanges:  # the requests' app calls
-                server = HeadwaterServer(frontend, app, requests, cluster, faults, exchanges,
-                                         state, url, virtual)  # fmt: skip
+                server = HeadwaterServer(
+                    frontend, app, requests, cluster, faults, exchanges, state, url, virtual
+                )
                 try:
                     yield server
                 finally:
@@ -293,9 +315,13 @@ async def open_server(
             nursery.cancel_scope.cancel()
 
 
-def _engine(script: Rules | str | os.PathLike[str] | None, token_delay: float | None,
-            config: MockerConfig | ScriptedConfig | None, workdir: str,
-            virtual: bool) -> tuple[str, MockerConfig | ScriptedConfig]:  # fmt: skip
+def _engine(
+    script: Rules | str | os.PathLike[str] | None,
+    token_delay: float | None,
+    config: MockerConfig | ScriptedConfig | None,
+    workdir: str,
+    virtual: bool,
+) -> tuple[str, MockerConfig | ScriptedConfig]:
     """The workers' engine and its config, from :func:`open_server`'s arguments."""
     if script is None and not isinstance(config, ScriptedConfig):
         if token_delay is not None:

@@ -68,11 +68,16 @@ async def open_tracing(
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         exporter = OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=export_timeout_s)
-    resource = Resource.create({
-        "service.name": service, "host.name": socket.gethostname(), **(attributes or {}),
-    })  # fmt: skip
-    provider = TracerProvider(resource=resource,
-                              sampler=ParentBased(TraceIdRatioBased(sample_ratio)))  # fmt: skip
+    resource = Resource.create(
+        {
+            "service.name": service,
+            "host.name": socket.gethostname(),
+            **(attributes or {}),
+        }
+    )
+    provider = TracerProvider(
+        resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))
+    )
     processor = QueueSpanProcessor(exporter)
     provider.add_span_processor(processor)
     previous = set_tracer(OtelTracer(provider.get_tracer("headwater")))
@@ -106,12 +111,14 @@ class TraceCollector(Collector):
     def collect(self) -> Iterable[CounterMetricFamily]:
         s = self.statistics()
         exported = CounterMetricFamily(
-            f"{self.prefix}trace_spans_exported_total", "Spans the collector accepted")
+            f"{self.prefix}trace_spans_exported_total", "Spans the collector accepted"
+        )
         exported.add_metric([], s.exported)
         dropped = CounterMetricFamily(
             f"{self.prefix}trace_spans_dropped_total",
             "Spans lost: the export queue was full, or the collector failed the export",
-            labels=["reason"])  # fmt: skip
+            labels=["reason"],
+        )
         dropped.add_metric(["queue_full"], s.dropped_queue_full)
         dropped.add_metric(["export_failed"], s.dropped_export_failed)
         yield exported

@@ -84,9 +84,12 @@ class OtelTracer(Tracer):
 
     @contextmanager
     def _span(
-        self, name: str, context: Context, kind: trace.SpanKind,
+        self,
+        name: str,
+        context: Context,
+        kind: trace.SpanKind,
         attributes: Mapping[str, AttributeValue] | None,
-    ) -> Iterator[Span]:  # fmt: skip
+    ) -> Iterator[Span]:
         otel = self._otel.start_span(name, context=context, kind=kind, attributes=attributes)
         if not otel.is_recording():  # sampled out: the null span, so children are none
             yield NULL_SPAN

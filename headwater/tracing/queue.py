@@ -41,9 +41,13 @@ class QueueSpanProcessor(SpanProcessor):
     export thread."""
 
     def __init__(
-        self, exporter: SpanExporter, *, max_queue: int = MAX_QUEUE,
-        max_batch: int = MAX_BATCH, interval_s: float = INTERVAL_S,
-    ) -> None:  # fmt: skip
+        self,
+        exporter: SpanExporter,
+        *,
+        max_queue: int = MAX_QUEUE,
+        max_batch: int = MAX_BATCH,
+        interval_s: float = INTERVAL_S,
+    ) -> None:
         self._exporter = exporter
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         self._max_queue = max_queue

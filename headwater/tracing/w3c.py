@@ -33,7 +33,7 @@ class TraceParent:
         if m is None:
             return None
         version, trace_id, span_id, flags = m.groups()
-        rest = text.strip()[m.end():]
+        rest = text.strip()[m.end() :]
         if version == "ff" or (version == "00" and rest) or (rest and not rest.startswith("-")):
             return None
         if trace_id == "0" * 32 or span_id == "0" * 16:

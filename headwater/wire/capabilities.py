@@ -38,9 +38,18 @@ N: Final = "n"
 
 #: Every feature this version knows, in the order the docs list them.
 FEATURES: Final = (
-    SEED, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY,
-    LOGIT_BIAS, STRUCTURED_OUTPUTS, LOGPROBS, PROMPT_LOGPROBS, N,
-)  # fmt: skip
+    SEED,
+    TOP_K,
+    MIN_P,
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
+    REPETITION_PENALTY,
+    LOGIT_BIAS,
+    STRUCTURED_OUTPUTS,
+    LOGPROBS,
+    PROMPT_LOGPROBS,
+    N,
+)
 
 #: The most features a declaration may list on the wire, and the longest name: a
 #: declaration is a few hundred bytes, read before any request.

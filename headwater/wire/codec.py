@@ -374,12 +374,18 @@ def encode_parts(
     size = len(frame.data)
     # The map _body builds, field by field in its order, with the bin's header written
     # as msgpack writes it: from 64 KiB on, a bin 32.
-    head = b"".join((
-        b"\x84",  # fixmap, 4 entries
-        msgpack.packb("k"), msgpack.packb("kv_data"),
-        msgpack.packb("transfer_id"), msgpack.packb(frame.transfer_id),
-        msgpack.packb("data"), b"\xc6", _HEADER.pack(size),
-    ))  # fmt: skip
+    head = b"".join(
+        (
+            b"\x84",  # fixmap, 4 entries
+            msgpack.packb("k"),
+            msgpack.packb("kv_data"),
+            msgpack.packb("transfer_id"),
+            msgpack.packb(frame.transfer_id),
+            msgpack.packb("data"),
+            b"\xc6",
+            _HEADER.pack(size),
+        )
+    )
     tail = msgpack.packb("last") + msgpack.packb(frame.last)
     payload = memoryview(frame.data).cast("B")
     body_size = len(head) + size + len(tail) + (TAG_BYTES if mac is not None else 0)
@@ -428,22 +434,37 @@ def _body(frame: Frame) -> _Map:
         case End():
             return {"request_id": frame.request_id, "k": "end"}
         case Error():
-            return {"request_id": frame.request_id, "code": frame.code.value,
-                    "message": frame.message, "k": "error"}
+            return {
+                "request_id": frame.request_id,
+                "code": frame.code.value,
+                "message": frame.message,
+                "k": "error",
+            }
         case Cancel():
             return {"request_id": frame.request_id, "k": "cancel"}
         case Fault():
             return {"k": "error", "code": frame.code, "message": frame.message}
         case Hello():
-            return {"k": "hello", "version": frame.version, "role": frame.role,
-                    "peer_id": frame.peer_id, "model": frame.model, "nonce": frame.nonce}
+            return {
+                "k": "hello",
+                "version": frame.version,
+                "role": frame.role,
+                "peer_id": frame.peer_id,
+                "model": frame.model,
+                "nonce": frame.nonce,
+            }
         case Challenge():
             return {"k": "challenge", "nonce": frame.nonce, "proof": frame.proof}
         case Auth():
             return {"k": "auth", "proof": frame.proof}
         case HelloOk():
-            body = {"k": "hello_ok", "version": frame.version, "role": frame.role,
-                    "worker_id": frame.worker_id, "model": frame.model}
+            body = {
+                "k": "hello_ok",
+                "version": frame.version,
+                "role": frame.role,
+                "worker_id": frame.worker_id,
+                "model": frame.model,
+            }
             if frame.capabilities is not None:  # left out by an older worker
                 body["caps"] = to_plain(frame.capabilities)
             return body
@@ -453,8 +474,11 @@ def _body(frame: Frame) -> _Map:
             if frame.load is None:
                 return {"k": "pong", "seq": frame.seq}
             load = frame.load
-            return {"k": "pong", "seq": frame.seq,
-                    "load": [load.active, load.waiting, load.kv_usage]}
+            return {
+                "k": "pong",
+                "seq": frame.seq,
+                "load": [load.active, load.waiting, load.kv_usage],
+            }
         case GetStats():
             return {"k": "get_stats", "seq": frame.seq}
         case Stats():
@@ -464,15 +488,25 @@ def _body(frame: Frame) -> _Map:
         case KvRelease():
             return {"k": "kv_release", "transfer_id": frame.transfer_id}
         case KvData():
-            return {"k": "kv_data", "transfer_id": frame.transfer_id, "data": frame.data,
-                    "last": frame.last}
+            return {
+                "k": "kv_data",
+                "transfer_id": frame.transfer_id,
+                "data": frame.data,
+                "last": frame.last,
+            }
         case KvPoll():
-            return {"k": "kv_poll", "seq": frame.seq, "since": frame.since,
-                    "limit": frame.limit}
+            return {"k": "kv_poll", "seq": frame.seq, "since": frame.since, "limit": frame.limit}
         case KvEvents():
             b = frame.batch
-            return {"k": "kv_events", "seq": frame.seq, "start": b.start, "end": b.end,
-                    "dump": b.dump, "gap": b.gap, "events": [_event_body(e) for e in b.events]}
+            return {
+                "k": "kv_events",
+                "seq": frame.seq,
+                "start": b.start,
+                "end": b.end,
+                "dump": b.dump,
+                "gap": b.gap,
+                "events": [_event_body(e) for e in b.events],
+            }
         case GoAway():
             return {"k": "goaway", "reason": frame.reason}
     raise TypeError(f"not a frame: {type(frame).__name__}")
@@ -681,9 +715,12 @@ def _unreadable_request_id(body: bytes | memoryview) -> str | None:
     decode, so its cost (a copy of the body, a walk over its top-level map) is paid on
     that path alone."""
     unpacker = msgpack.Unpacker(
-        raw=False, strict_map_key=True, max_buffer_size=max(len(body), 1), max_ext_len=0,
+        raw=False,
+        strict_map_key=True,
+        max_buffer_size=max(len(body), 1),
+        max_ext_len=0,
         max_map_len=_MAX_MAP_LEN,
-    )  # fmt: skip
+    )
     try:
         unpacker.feed(body)
         found: dict[str, object] = {}
@@ -971,9 +1008,14 @@ def _event_body(event: KvEvent) -> _Map:
     """One KV event: block ids as packed int64, tokens as packed uint32."""
     match event:
         case BlockStored():
-            return {"t": "stored", "ids": pack_block_hashes(event.block_ids),
-                    "parent": event.parent, "pos": event.position,
-                    "tokens": pack_token_ids(event.token_ids), "bs": event.block_size}
+            return {
+                "t": "stored",
+                "ids": pack_block_hashes(event.block_ids),
+                "parent": event.parent,
+                "pos": event.position,
+                "tokens": pack_token_ids(event.token_ids),
+                "bs": event.block_size,
+            }
         case BlockRemoved():
             return {"t": "removed", "ids": pack_block_hashes(event.block_ids)}
         case AllCleared():
@@ -1026,14 +1068,20 @@ def _parse_stats(d: _Map) -> Stats:
 
 _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "hello": lambda d: Hello(
-        _nonneg(d, "version"), _field(d, "role", str), _field(d, "peer_id", str),
-        _field(d, "model", str), _nonce(d),
+        _nonneg(d, "version"),
+        _field(d, "role", str),
+        _field(d, "peer_id", str),
+        _field(d, "model", str),
+        _nonce(d),
     ),
     "challenge": lambda d: Challenge(_nonce(d), _field(d, "proof", bytes)),
     "auth": lambda d: Auth(_field(d, "proof", bytes)),
     "hello_ok": lambda d: HelloOk(
-        _nonneg(d, "version"), _field(d, "role", str), _field(d, "worker_id", str),
-        _field(d, "model", str), _capabilities(d),
+        _nonneg(d, "version"),
+        _field(d, "role", str),
+        _field(d, "worker_id", str),
+        _field(d, "model", str),
+        _capabilities(d),
     ),
     "request": _parse_request,
     "ack": lambda d: Ack(_request_id(d)),

@@ -182,8 +182,26 @@ class Unreadable:
 
 
 Frame = (
-    Hello | Challenge | Auth | HelloOk | GenerateRequest | Ack | Chunk | End | Error | Fault
-    | Cancel | Ping | Pong | KvPull | KvData | KvRelease | GetStats | Stats | KvPoll | KvEvents
+    Hello
+    | Challenge
+    | Auth
+    | HelloOk
+    | GenerateRequest
+    | Ack
+    | Chunk
+    | End
+    | Error
+    | Fault
+    | Cancel
+    | Ping
+    | Pong
+    | KvPull
+    | KvData
+    | KvRelease
+    | GetStats
+    | Stats
+    | KvPoll
+    | KvEvents
     | GoAway
     | Unreadable
 )

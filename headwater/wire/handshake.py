@@ -153,10 +153,13 @@ class ClientHandshake:
                 if self._secret is not None:
                     hello = self._hello
                     self.session = derive_session(
-                        self._shared, "client", hello.nonce, self._server_nonce,
+                        self._shared,
+                        "client",
+                        hello.nonce,
+                        self._server_nonce,
                         (hello.role, hello.peer_id, hello.model),
                         (frame.role, frame.worker_id, frame.model),
-                    )  # fmt: skip
+                    )
                 return None
             case Fault():
                 if frame.code == "unauthorized":
@@ -207,9 +210,13 @@ class ServerHandshake:
             raise AuthError("wrong plane secret")
         hello, identity = self._hello, self._identity
         self.session = derive_session(
-            shared, "server", hello.nonce, self._nonce, (hello.role, hello.peer_id, hello.model),
+            shared,
+            "server",
+            hello.nonce,
+            self._nonce,
+            (hello.role, hello.peer_id, hello.model),
             (identity.role, identity.worker_id, identity.model),
-        )  # fmt: skip
+        )
         self.peer = hello
         return identity
 

@@ -75,8 +75,10 @@ class FrameMac:
     def verify(self, body: bytes | bytearray | memoryview, tag: bytes | bytearray) -> None:
         """Check the next frame received; raises :class:`AuthError` if its tag is wrong."""
         if not hmac.compare_digest(self._tag((body,)), bytes(tag)):
-            raise AuthError(f"frame {self.seq - 1} failed authentication (injected, replayed, "
-                            "reordered or altered on the way)")  # fmt: skip
+            raise AuthError(
+                f"frame {self.seq - 1} failed authentication (injected, replayed, "
+                "reordered or altered on the way)"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,9 +61,7 @@ MAX_TOKENS = 8
 def _request(i: int, prompt_tokens: int) -> GenerateRequest:
     # Distinct first tokens: no request hits another's prefix cache.
     prompt = [3 + i % 50_000, *range(100, 100 + prompt_tokens - 1)]
-    return GenerateRequest(
-        f"b{i}", MODEL, prompt, SamplingParams(max_tokens=1, ignore_eos=True)
-    )
+    return GenerateRequest(f"b{i}", MODEL, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
 
 
 async def plane_overhead(
@@ -79,14 +77,19 @@ async def plane_overhead(
         engine = MockerEngine(MockerConfig(speedup_ratio=ENGINE_FREE), Role.AGG, "mem-0")
         runtime = WorkerRuntime(engine, "mem-0")
         await nursery.start(runtime.run)
-        memory = MemoryWorkerClient(WorkerInstance("mem-0", Role.AGG, MODEL, "memory://mem-0"),
-                                    runtime)  # fmt: skip
+        memory = MemoryWorkerClient(
+            WorkerInstance("mem-0", Role.AGG, MODEL, "memory://mem-0"), runtime
+        )
 
         worker = await start_worker(
-            nursery, "agg", log_dir=workdir, name="overhead-agg", model=MODEL,
+            nursery,
+            "agg",
+            log_dir=workdir,
+            name="overhead-agg",
+            model=MODEL,
             engine_args=["--speedup-ratio", f"{ENGINE_FREE:g}"],
             extra_args=["--log-level", "warning"],
-        )  # fmt: skip
+        )
         instance = WorkerInstance(worker.worker_id, Role.AGG, MODEL, worker.address)
         tcp = await connect_worker(instance, nursery, secret=None)
 
@@ -138,8 +141,9 @@ async def cluster_throughput(
         async with trio.open_nursery() as nursery:
             children = await _start_topology(nursery, workdir, topology, frontend_args)
             url = children[0].address + prompts.ENDPOINT_PATHS["chat"]
-            warm = prompts.build_bodies(prompt_set.prompts[:32], stream=False,
-                                        max_tokens=MAX_TOKENS)  # fmt: skip
+            warm = prompts.build_bodies(
+                prompt_set.prompts[:32], stream=False, max_tokens=MAX_TOKENS
+            )
             warmed = summarise(await run_load_trio(url, warm, 4, 32, time_limit, False))
             if warmed.ok != warmed.requests:
                 raise RuntimeError(f"warm-up requests failed: {warmed.first_error}")
@@ -153,8 +157,7 @@ async def cluster_throughput(
                     ok = max(1, summary.ok)
                     record = {"topology": topology, **summary.to_json()}
                     record["cpu_ms_per_request"] = {
-                        child.name: round(1000 * _cpu(before, child) / ok, 3)
-                        for child in children
+                        child.name: round(1000 * _cpu(before, child) / ok, 3) for child in children
                     }
                     runs.append(record)
             for child in children:
@@ -172,19 +175,25 @@ async def _start_topology(
     if topology == "processes":
         workers = [
             await start_worker(
-                nursery, role, log_dir=workdir, model=MODEL,
+                nursery,
+                role,
+                log_dir=workdir,
+                model=MODEL,
                 engine_args=["--speedup-ratio", f"{THROUGHPUT_SPEEDUP:g}"],
                 extra_args=quiet,
             )
             for role in ("prefill", "decode")
-        ]  # fmt: skip
+        ]
     elif topology != "inprocess":
         raise ValueError(f"unknown topology {topology!r}")
     frontend = await start_frontend(
-        nursery, log_dir=workdir, name=f"frontend-{topology}", model=MODEL,
+        nursery,
+        log_dir=workdir,
+        name=f"frontend-{topology}",
+        model=MODEL,
         workers=",".join(w.static_url(MODEL) for w in workers),
         extra_args=[*quiet, "--speedup-ratio", f"{THROUGHPUT_SPEEDUP:g}", *frontend_args],
-    )  # fmt: skip
+    )
     await wait_healthy(frontend.address, child=frontend)
     return [frontend, *workers]
 
@@ -259,8 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     print(markdown(results))
-    print(f"\nload average {results['machine_start']['load_avg']} → "
-          f"{results['machine_end']['load_avg']}; {results['elapsed_s']} s")  # fmt: skip
+    print(
+        f"\nload average {results['machine_start']['load_avg']} → "
+        f"{results['machine_end']['load_avg']}; {results['elapsed_s']} s"
+    )
     return 0
 
 

@@ -104,9 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
         cpu = sorted(r["cpu_ms_per_req"] for r in runs)
         rate = sorted(r["req_per_s"] for r in runs)
-        print(f"{scenario:14s} c{args.concurrency}: {cpu[len(cpu) // 2]:.3f} ms CPU/req "
-              f"(rounds {', '.join(f'{c:.3f}' for c in cpu)}), "
-              f"{rate[len(rate) // 2]:.0f} req/s", flush=True)  # fmt: skip
+        print(
+            f"{scenario:14s} c{args.concurrency}: {cpu[len(cpu) // 2]:.3f} ms CPU/req "
+            f"(rounds {', '.join(f'{c:.3f}' for c in cpu)}), "
+            f"{rate[len(rate) // 2]:.0f} req/s",
+            flush=True,
+        )
     return 0
 
 

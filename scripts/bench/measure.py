@@ -132,8 +132,10 @@ def merge_run_snapshots(
     both = [(b, a) for b, a in zip(before, after, strict=True) if b is not None and a is not None]
     if not both:
         return None, None
-    return (timeline.merge_snapshots([b for b, _ in both]),
-            timeline.merge_snapshots([a for _, a in both]))  # fmt: skip
+    return (
+        timeline.merge_snapshots([b for b, _ in both]),
+        timeline.merge_snapshots([a for _, a in both]),
+    )
 
 
 def sum_reports(reports: Sequence[ProcReport]) -> ProcReport | None:
@@ -201,8 +203,9 @@ def build_record(m: Measurement) -> dict[str, Any]:
         "max_tokens": m.spec.max_tokens,
         "prompt_tokens_per_s": round(s.req_per_s * (s.prompt_tokens_mean or 0.0), 1),
         "frontend_cpu_s": None if frontend is None else round(frontend.cpu_s, 3),
-        "frontend_cpu_ms_per_req": None if frontend is None else round(
-            frontend.cpu_s * 1e3 / ok, 3),
+        "frontend_cpu_ms_per_req": None
+        if frontend is None
+        else round(frontend.cpu_s * 1e3 / ok, 3),
         "frontend_cpu_pct": None if frontend is None else round(frontend.cpu_pct, 1),
         "server_cpu_ms_per_req": round(sum(p.cpu_s for p in procs) * 1e3 / ok, 3),
         "server_pids": list(m.server.pids),
@@ -224,18 +227,22 @@ def build_record(m: Measurement) -> dict[str, Any]:
         "stall_records": len(m.stall_records),
         "stall_record_max_ms": _ms(max((r["duration_s"] for r in m.stall_records), default=None)),
         "stall_longest": longest_stalls(m.stall_records),
-        "threads_cpu_s": None if m.threads is None else {
+        "threads_cpu_s": None
+        if m.threads is None
+        else {
             "loop": round(m.threads.loop_s, 4),
             "tokenizer": round(m.threads.tokenizer_s, 4),
             "other": round(m.threads.other_s, 4),
         },
-        "threads_cpu_ms_per_req": None if m.threads is None else {
+        "threads_cpu_ms_per_req": None
+        if m.threads is None
+        else {
             "loop": round(m.threads.loop_s * 1e3 / ok, 3),
             "tokenizer": round(m.threads.tokenizer_s * 1e3 / ok, 3),
             "other": round(m.threads.other_s * 1e3 / ok, 3),
         },
         "timeline": [p.to_json() for p in m.timeline],
-    }  # fmt: skip
+    }
     return record
 
 
@@ -276,8 +283,7 @@ async def _scrape(server: ServerInfo) -> list[LoopSnapshot | None]:
     out: list[LoopSnapshot | None] = []
     for url in server.member_metrics_urls:
         try:
-            out.append(await trio.to_thread.run_sync(scrape_loop, url, server.metrics_prefix,
-                                                     10.0))  # fmt: skip
+            out.append(await trio.to_thread.run_sync(scrape_loop, url, server.metrics_prefix, 10.0))
         except (OSError, ValueError):
             out.append(None)
     return out
@@ -338,32 +344,59 @@ async def measure(
     loaded = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            timeline.sample, server.member_metrics_urls, server.metrics_prefix,
-            server.frontend_group, trio.current_time(), raw, loaded,
-        )  # fmt: skip
+            timeline.sample,
+            server.member_metrics_urls,
+            server.metrics_prefix,
+            server.frontend_group,
+            trio.current_time(),
+            raw,
+            loaded,
+        )
         result = await run_load_trio(
-            url, bodies, spec.concurrency, spec.requests, time_limit_s, spec.stream,
-            progress=progress, description=f"{server.label}: {spec.key}",
-        )  # fmt: skip
+            url,
+            bodies,
+            spec.concurrency,
+            spec.requests,
+            time_limit_s,
+            spec.stream,
+            progress=progress,
+            description=f"{server.label}: {spec.key}",
+        )
         loaded.set()  # the sampler takes its closing sample and returns
     ended = time.time()
     procs_after = _procs(server.pids)
     threads_after = _threads(server)
     loop_before, loop_after = merge_run_snapshots(loops_before, await _scrape(server))
     stalls = await _stall_records(server, started, ended)
-    threads = sum_thread_cpu([threads_after[pid].since(threads_before[pid])
-                              for pid in threads_after if pid in threads_before])  # fmt: skip
+    threads = sum_thread_cpu(
+        [
+            threads_after[pid].since(threads_before[pid])
+            for pid in threads_after
+            if pid in threads_before
+        ]
+    )
     # A server process that died (or was not read) on either side is left out.
     both = {p.pid for p in procs_before} & {p.pid for p in procs_after}
     procs_before = tuple(p for p in procs_before if p.pid in both)
     procs_after = tuple(p for p in procs_after if p.pid in both)
     return Measurement(
-        spec=spec, server=server, phase=phase, pair=pair, result=result,
-        started_unix=started, ended_unix=ended, loop_before=loop_before,
-        loop_after=loop_after, procs_before=procs_before, procs_after=procs_after,
-        threads=threads, timeline=tuple(timeline.timeline_points(raw)),
-        stall_records=stalls, load_avg=load_avg, content_tokens_mean=content_tokens_mean,
-    )  # fmt: skip
+        spec=spec,
+        server=server,
+        phase=phase,
+        pair=pair,
+        result=result,
+        started_unix=started,
+        ended_unix=ended,
+        loop_before=loop_before,
+        loop_after=loop_after,
+        procs_before=procs_before,
+        procs_after=procs_after,
+        threads=threads,
+        timeline=tuple(timeline.timeline_points(raw)),
+        stall_records=stalls,
+        load_avg=load_avg,
+        content_tokens_mean=content_tokens_mean,
+    )
 
 
 def _threads(server: ServerInfo) -> dict[int, profile.ThreadSample]:
@@ -388,8 +421,9 @@ async def warm_up(server: ServerInfo, scenarios: Sequence[str]) -> None:
         ps = await trio.to_thread.run_sync(make_prompt_set, spec)
         bodies = bodies_for(ps, spec, server.model)
         for base in server.member_urls:
-            await run_load_trio(base + prompts.ENDPOINT_PATHS["chat"], bodies, c, n, 120.0,
-                                False, progress=False)  # fmt: skip
+            await run_load_trio(
+                base + prompts.ENDPOINT_PATHS["chat"], bodies, c, n, 120.0, False, progress=False
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,13 +446,18 @@ def current_memory_mb(server: ServerInfo) -> MemoryMB:
     if server.frontend_processes > 1:
         roles[server.pids[0]] = "supervisor"
     rows = tuple(
-        (roles.get(p.pid, "zygote"), p.pid, round(p.rss_bytes / 2**20, 1),
-         None if p.pss_bytes is None else round(p.pss_bytes / 2**20, 1),
-         None if p.uss_bytes is None else round(p.uss_bytes / 2**20, 1))
+        (
+            roles.get(p.pid, "zygote"),
+            p.pid,
+            round(p.rss_bytes / 2**20, 1),
+            None if p.pss_bytes is None else round(p.pss_bytes / 2**20, 1),
+            None if p.uss_bytes is None else round(p.uss_bytes / 2**20, 1),
+        )
         for p in samples
-    )  # fmt: skip
-    return MemoryMB(_rss(samples, pids), _mb(samples, pids, "pss_bytes"),
-                    _mb(samples, pids, "uss_bytes"), rows)  # fmt: skip
+    )
+    return MemoryMB(
+        _rss(samples, pids), _mb(samples, pids, "pss_bytes"), _mb(samples, pids, "uss_bytes"), rows
+    )
 
 
 def current_rss_mb(server: ServerInfo) -> float | None:

@@ -22,8 +22,17 @@ from scripts.bench.report import scaled_stage_ms
 
 Record = Mapping[str, Any]
 _DPI = 110
-_STAGE_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
-                 "#da8bc3", "#8c8c8c", "#ccb974")  # fmt: skip
+_STAGE_COLORS = (
+    "#4c72b0",
+    "#dd8452",
+    "#55a868",
+    "#c44e52",
+    "#8172b3",
+    "#937860",
+    "#da8bc3",
+    "#8c8c8c",
+    "#ccb974",
+)
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -44,10 +53,13 @@ def loop_delay_timeline(results: Record, out_dir: Path) -> Path | None:
         points = [p for p in r["timeline"] if p["loop_samples"]]
         t = [p["t_s"] for p in points]
         backend, mode = r["variant"].split("/", 1)
-        style = {"ls": {"thread": "-", "thread-gil": "--", "inline": ":"}.get(mode, "-."),
-                 "color": "C0" if backend == "fastokens" else "C3",
-                 "marker": {"thread": "o", "thread-gil": "s", "inline": "^"}.get(mode, "x"),
-                 "ms": 3, "label": r["variant"]}  # fmt: skip
+        style = {
+            "ls": {"thread": "-", "thread-gil": "--", "inline": ":"}.get(mode, "-."),
+            "color": "C0" if backend == "fastokens" else "C3",
+            "marker": {"thread": "o", "thread-gil": "s", "inline": "^"}.get(mode, "x"),
+            "ms": 3,
+            "label": r["variant"],
+        }
         ax_p99.plot(t, [p["loop_p99_ms"] for p in points], **style)
         ax_max.step(t, [_finite(p["loop_max_ms"]) for p in points], where="post", **style)
     for ax in (ax_p99, ax_max):
@@ -56,8 +68,10 @@ def loop_delay_timeline(results: Record, out_dir: Path) -> Path | None:
         ax.grid(True, which="both", alpha=0.3)
     ax_p99.set_ylabel("loop delay p99 per 250 ms (ms)")
     ax_max.set_ylabel("highest bucket reached (ms)")
-    ax_max.set_xlabel("seconds into the run (long prompts, unary, c16); a gap between markers: "
-                      "the server could not even answer /metrics")
+    ax_max.set_xlabel(
+        "seconds into the run (long prompts, unary, c16); a gap between markers: "
+        "the server could not even answer /metrics"
+    )
     ax_p99.set_title("Event-loop delay by tokenizer backend / mode (grey: 20 ms stall threshold)")
     ax_p99.legend(fontsize=8, ncol=2)
     return _save(fig, out_dir / "loop_delay_by_mode.png")
@@ -81,8 +95,15 @@ def _series(results: Record, field: str) -> dict[tuple[str, str, bool], dict[int
     return {k: {c: statistics.median(v) for c, v in sorted(cs.items())} for k, cs in acc.items()}
 
 
-def versus_concurrency(results: Record, out_dir: Path, field: str, ylabel: str,
-                       name: str, *, p99_field: str | None = None) -> Path | None:  # fmt: skip
+def versus_concurrency(
+    results: Record,
+    out_dir: Path,
+    field: str,
+    ylabel: str,
+    name: str,
+    *,
+    p99_field: str | None = None,
+) -> Path | None:
     """*field* against concurrency, one panel per scenario, one line per server and mode."""
     series = _series(results, field)
     if not series:
@@ -99,8 +120,9 @@ def versus_concurrency(results: Record, out_dir: Path, field: str, ylabel: str,
             xs = list(points)
             ls = "--" if stream else "-"
             mode = "stream" if stream else "unary"
-            ax.plot(xs, list(points.values()), ls, marker="o", color=color,
-                    label=f"{label} ({mode})")  # fmt: skip
+            ax.plot(
+                xs, list(points.values()), ls, marker="o", color=color, label=f"{label} ({mode})"
+            )
             hi = upper.get((sc, label, stream))
             if hi:
                 ax.plot(list(hi), list(hi.values()), ls, marker="^", color=color, alpha=0.35)
@@ -149,8 +171,11 @@ def matrix_bars(results: Record, out_dir: Path) -> Path | None:
         return None
     names = [r["variant"] for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = (("req_per_s", "req/s", False), ("ttft_p99_ms", "TTFT p99 (ms)", True),
-              ("loop_max_ms", "loop max delay (ms)", True))  # fmt: skip
+    panels = (
+        ("req_per_s", "req/s", False),
+        ("ttft_p99_ms", "TTFT p99 (ms)", True),
+        ("loop_max_ms", "loop max delay (ms)", True),
+    )
     for ax, (field, title, log) in zip(axes, panels, strict=True):
         values = [_finite(r.get(field)) or 0.0 for r in runs]
         ax.barh(names, values, color=["C0" if n.endswith("/thread") else "C3" for n in names])
@@ -175,8 +200,7 @@ def stage_bars(results: Record, out_dir: Path) -> Path | None:
         left = 0.0
         for i, stage in enumerate(stages):
             v = ms.get(stage, 0.0)
-            ax.barh([0], [v], left=left, color=_STAGE_COLORS[i % len(_STAGE_COLORS)],
-                    label=stage)  # fmt: skip
+            ax.barh([0], [v], left=left, color=_STAGE_COLORS[i % len(_STAGE_COLORS)], label=stage)
             left += v
         ax.set_yticks([])
         ax.set_xlabel("frontend CPU ms per request")
@@ -188,14 +212,19 @@ def stage_bars(results: Record, out_dir: Path) -> Path | None:
 def plot_all(results: Record, out_dir: Path) -> list[tuple[str, Path]]:
     """Every chart that has data; ``(title, path)`` in report order."""
     charts: Sequence[tuple[str, Path | None]] = (
-        ("Throughput against concurrency",
-         versus_concurrency(results, out_dir, "req_per_s", "req/s", "throughput.png")),
-        ("TTFT against concurrency (circles p50, triangles p99)",
-         versus_concurrency(results, out_dir, "ttft_p50_ms", "TTFT (ms)", "ttft.png",
-                            p99_field="ttft_p99_ms")),
+        (
+            "Throughput against concurrency",
+            versus_concurrency(results, out_dir, "req_per_s", "req/s", "throughput.png"),
+        ),
+        (
+            "TTFT against concurrency (circles p50, triangles p99)",
+            versus_concurrency(
+                results, out_dir, "ttft_p50_ms", "TTFT (ms)", "ttft.png", p99_field="ttft_p99_ms"
+            ),
+        ),
         ("Event-loop delay over time by tokenize mode", loop_delay_timeline(results, out_dir)),
         ("Backend × mode", matrix_bars(results, out_dir)),
         ("Frontend CPU per request by stage", stage_bars(results, out_dir)),
         ("Frontend RSS over the main phase", rss_over_time(results, out_dir)),
-    )  # fmt: skip
+    )
     return [(title, path) for title, path in charts if path is not None]

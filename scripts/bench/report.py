@@ -70,21 +70,43 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 def runs_table(runs: Sequence[Record]) -> str:
     """One row per run: the figures the suite measures."""
-    header = ["phase", "server", "run", "ok/req", "req/s", "TTFT p50/p99", "ITL p50/p99",
-              "e2e p50/p99", "FE CPU ms/req", "all CPU ms/req", "peak RSS MB",
-              "loop p99 / max ms", "stalls", "client CPU %"]  # fmt: skip
+    header = [
+        "phase",
+        "server",
+        "run",
+        "ok/req",
+        "req/s",
+        "TTFT p50/p99",
+        "ITL p50/p99",
+        "e2e p50/p99",
+        "FE CPU ms/req",
+        "all CPU ms/req",
+        "peak RSS MB",
+        "loop p99 / max ms",
+        "stalls",
+        "client CPU %",
+    ]
     rows = []
     for r in runs:
         failed = f" ({r['failed']} failed)" if r.get("failed") else ""
-        rows.append([
-            r["phase"], r["label"], r["key"], f"{r['ok']}/{r['requests']}{failed}",
-            fmt(r["req_per_s"]), pair_cell(r["ttft_p50_ms"], r["ttft_p99_ms"]),
-            pair_cell(r["itl_p50_ms"], r["itl_p99_ms"], 2),
-            pair_cell(r["e2e_p50_ms"], r["e2e_p99_ms"]),
-            fmt(r["frontend_cpu_ms_per_req"], 2), fmt(r["server_cpu_ms_per_req"], 2),
-            fmt(r["peak_rss_mb"], 0), f"{fmt(r['loop_p99_ms'], 2)} / {loop_max_cell(r)}",
-            _stalls(r), fmt(r["client_cpu_pct"]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                r["phase"],
+                r["label"],
+                r["key"],
+                f"{r['ok']}/{r['requests']}{failed}",
+                fmt(r["req_per_s"]),
+                pair_cell(r["ttft_p50_ms"], r["ttft_p99_ms"]),
+                pair_cell(r["itl_p50_ms"], r["itl_p99_ms"], 2),
+                pair_cell(r["e2e_p50_ms"], r["e2e_p99_ms"]),
+                fmt(r["frontend_cpu_ms_per_req"], 2),
+                fmt(r["server_cpu_ms_per_req"], 2),
+                fmt(r["peak_rss_mb"], 0),
+                f"{fmt(r['loop_p99_ms'], 2)} / {loop_max_cell(r)}",
+                _stalls(r),
+                fmt(r["client_cpu_pct"]),
+            ]
+        )
     return table(header, rows)
 
 
@@ -181,37 +203,66 @@ def ratio_table(ps: Sequence[Pair]) -> str:
     """req/s and latency ratios per run (medians over its rounds); ITL as absolute values
     (Dynamo's median gap is often ~0: several tokens arrive in one read, so a ratio of
     medians says nothing)."""
-    header = ["against", "headwater", "run", "headwater req/s", "Dynamo req/s", "req/s ratio",
-              "TTFT p50 / p99 ratio", "e2e p50 / p99 ratio",
-              "ITL p99 ms headwater / Dynamo"]  # fmt: skip
+    header = [
+        "against",
+        "headwater",
+        "run",
+        "headwater req/s",
+        "Dynamo req/s",
+        "req/s ratio",
+        "TTFT p50 / p99 ratio",
+        "e2e p50 / p99 ratio",
+        "ITL p99 ms headwater / Dynamo",
+    ]
     rows = []
     for g in group_pairs(ps):
-        rows.append([
-            g.phase.removeprefix("vs "), g.variant, g.key,
-            fmt(g.median("headwater", "req_per_s")), fmt(g.median("dynamo", "req_per_s")),
-            g.ratio_text("req_per_s"),
-            pair_cell(g.ratio("ttft_p50_ms"), g.ratio("ttft_p99_ms"), 2),
-            pair_cell(g.ratio("e2e_p50_ms"), g.ratio("e2e_p99_ms"), 2),
-            pair_cell(g.median("headwater", "itl_p99_ms"), g.median("dynamo", "itl_p99_ms"), 2),
-        ])  # fmt: skip
+        rows.append(
+            [
+                g.phase.removeprefix("vs "),
+                g.variant,
+                g.key,
+                fmt(g.median("headwater", "req_per_s")),
+                fmt(g.median("dynamo", "req_per_s")),
+                g.ratio_text("req_per_s"),
+                pair_cell(g.ratio("ttft_p50_ms"), g.ratio("ttft_p99_ms"), 2),
+                pair_cell(g.ratio("e2e_p50_ms"), g.ratio("e2e_p99_ms"), 2),
+                pair_cell(g.median("headwater", "itl_p99_ms"), g.median("dynamo", "itl_p99_ms"), 2),
+            ]
+        )
     return table(header, rows)
 
 
 def matrix_table(runs: Sequence[Record], idle_rss: Mapping[str, float | None]) -> str:
-    header = ["backend / mode", "req/s", "prompt tok/s", "TTFT p50/p99", "loop p99 / max ms",
-              "stalls", "stall records (max ms)", "longest stall: cause, where",
-              "FE CPU ms/req", "idle RSS MB"]  # fmt: skip
+    header = [
+        "backend / mode",
+        "req/s",
+        "prompt tok/s",
+        "TTFT p50/p99",
+        "loop p99 / max ms",
+        "stalls",
+        "stall records (max ms)",
+        "longest stall: cause, where",
+        "FE CPU ms/req",
+        "idle RSS MB",
+    ]
     rows = []
     for r in runs:
         if r["phase"] != "matrix":
             continue
-        rows.append([
-            r["variant"], fmt(r["req_per_s"]), fmt(r["prompt_tokens_per_s"], 0),
-            pair_cell(r["ttft_p50_ms"], r["ttft_p99_ms"]),
-            f"{fmt(r['loop_p99_ms'], 2)} / {loop_max_cell(r)}", _stalls(r),
-            f"{r['stall_records']} ({fmt(r['stall_record_max_ms'])})", _longest(r),
-            fmt(r["frontend_cpu_ms_per_req"], 2), fmt(idle_rss.get(r["label"]), 0),
-        ])  # fmt: skip
+        rows.append(
+            [
+                r["variant"],
+                fmt(r["req_per_s"]),
+                fmt(r["prompt_tokens_per_s"], 0),
+                pair_cell(r["ttft_p50_ms"], r["ttft_p99_ms"]),
+                f"{fmt(r['loop_p99_ms'], 2)} / {loop_max_cell(r)}",
+                _stalls(r),
+                f"{r['stall_records']} ({fmt(r['stall_record_max_ms'])})",
+                _longest(r),
+                fmt(r["frontend_cpu_ms_per_req"], 2),
+                fmt(idle_rss.get(r["label"]), 0),
+            ]
+        )
     return table(header, rows)
 
 
@@ -226,9 +277,13 @@ def _longest(r: Record) -> str:
 
 def multi_process_labels(results: Record) -> list[str]:
     """Labels of the main phase's headwater servers of several frontend processes."""
-    labels = [r["label"] for r in results["runs"] if r["server"] == "headwater"
-              and r["phase"] not in ("matrix", "profile")
-              and (r.get("frontend_processes") or 1) > 1]  # fmt: skip
+    labels = [
+        r["label"]
+        for r in results["runs"]
+        if r["server"] == "headwater"
+        and r["phase"] not in ("matrix", "profile")
+        and (r.get("frontend_processes") or 1) > 1
+    ]
     return list(dict.fromkeys(labels))
 
 
@@ -262,37 +317,70 @@ def limit_rows(results: Record) -> list[dict[str, Any]]:
         rate = cal.get("tokens_per_cpu_s")
         ceiling = rate * cores if rate else None
         thread = f"{backend}/thread"  # and its variants ("... ×2 procs"), not thread-gil
-        candidates = [r for r in results["runs"] if r["server"] == "headwater"
-                      and r["scenario"] == "long" and r["phase"] != "profile" and r["ok"]
-                      and (r["variant"] == thread or r["variant"].startswith(thread + " "))]
+        candidates = [
+            r
+            for r in results["runs"]
+            if r["server"] == "headwater"
+            and r["scenario"] == "long"
+            and r["phase"] != "profile"
+            and r["ok"]
+            and (r["variant"] == thread or r["variant"].startswith(thread + " "))
+        ]
         best = max(candidates, key=lambda r: r["prompt_tokens_per_s"], default=None)
         achieved = best["prompt_tokens_per_s"] if best else None
         run = None
         if best:
             other = "" if best["variant"] == thread else f" ({best['variant']})"
             run = f"{best['phase']}: {best['key']}{other}"
-        out.append({
-            "backend": backend, "rate": rate, "cores": cores, "ceiling": ceiling,
-            "achieved": achieved, "run": run,
-            "ratio": achieved / ceiling if achieved and ceiling else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "backend": backend,
+                "rate": rate,
+                "cores": cores,
+                "ceiling": ceiling,
+                "achieved": achieved,
+                "run": run,
+                "ratio": achieved / ceiling if achieved and ceiling else None,
+            }
+        )
     return out
 
 
 def limit_table(results: Record) -> str:
-    header = ["backend", "encode rate, 1 thread (tok/CPU-s)", "usable cores",
-              "ceiling (tok/s)", "best long-prompt run (tok/s)", "share of ceiling", "run"]
-    rows = [[r["backend"], fmt(r["rate"], 0), str(r["cores"]), fmt(r["ceiling"], 0),
-             fmt(r["achieved"], 0), "-" if r["ratio"] is None else f"{r['ratio']:.1%}",
-             r["run"] or "-"] for r in limit_rows(results)]  # fmt: skip
+    header = [
+        "backend",
+        "encode rate, 1 thread (tok/CPU-s)",
+        "usable cores",
+        "ceiling (tok/s)",
+        "best long-prompt run (tok/s)",
+        "share of ceiling",
+        "run",
+    ]
+    rows = [
+        [
+            r["backend"],
+            fmt(r["rate"], 0),
+            str(r["cores"]),
+            fmt(r["ceiling"], 0),
+            fmt(r["achieved"], 0),
+            "-" if r["ratio"] is None else f"{r['ratio']:.1%}",
+            r["run"] or "-",
+        ]
+        for r in limit_rows(results)
+    ]
     return table(header, rows)
 
 
 def unprofiled_threads(results: Record, key: str) -> dict[str, float] | None:
     """Median per-thread CPU ms/request of the default frontend's unprofiled *key* runs."""
-    runs = [r["threads_cpu_ms_per_req"] for r in results["runs"]
-            if r["label"] == HEADWATER_DEFAULT and r["key"] == key
-            and r["phase"] != "profile" and r.get("threads_cpu_ms_per_req")]  # fmt: skip
+    runs = [
+        r["threads_cpu_ms_per_req"]
+        for r in results["runs"]
+        if r["label"] == HEADWATER_DEFAULT
+        and r["key"] == key
+        and r["phase"] != "profile"
+        and r.get("threads_cpu_ms_per_req")
+    ]
     if not runs:
         return None
     return {k: statistics.median(t[k] for t in runs) for k in ("loop", "tokenizer", "other")}
@@ -320,8 +408,11 @@ def stage_table(results: Record) -> str:
         return "_No profile in this run._"
     stages = list(entries[0]["stage_ms_per_req"])
     scaled = [scaled_stage_ms(e, results) for e in entries]
-    header = ["stage", *[f"{e['key']}: ms/req" for e in entries],
-              *[f"{e['key']}: share of loop" for e in entries]]  # fmt: skip
+    header = [
+        "stage",
+        *[f"{e['key']}: ms/req" for e in entries],
+        *[f"{e['key']}: share of loop" for e in entries],
+    ]
     rows = []
     for stage in stages:
         share = [e["stage_share_of_loop"].get(stage) for e in entries]
@@ -336,14 +427,21 @@ def profile_overhead(results: Record) -> list[str]:
     """One line per profiled run: its CPU/request against the same run unprofiled."""
     lines = []
     for e in results.get("profile", []):
-        plain = [r["frontend_cpu_ms_per_req"] for r in results["runs"]
-                 if r["label"] == HEADWATER_DEFAULT and r["key"] == e["key"]
-                 and r["phase"] != "profile" and r["frontend_cpu_ms_per_req"]]  # fmt: skip
+        plain = [
+            r["frontend_cpu_ms_per_req"]
+            for r in results["runs"]
+            if r["label"] == HEADWATER_DEFAULT
+            and r["key"] == e["key"]
+            and r["phase"] != "profile"
+            and r["frontend_cpu_ms_per_req"]
+        ]
         if plain and e["frontend_cpu_ms_per_req"]:
             factor = e["frontend_cpu_ms_per_req"] / statistics.median(plain)
-            lines.append(f"{e['key']}: {fmt(e['frontend_cpu_ms_per_req'], 2)} ms/req profiled "
-                         f"vs {fmt(statistics.median(plain), 2)} ms/req without the profiler "
-                         f"(×{factor:.2f})")  # fmt: skip
+            lines.append(
+                f"{e['key']}: {fmt(e['frontend_cpu_ms_per_req'], 2)} ms/req profiled "
+                f"vs {fmt(statistics.median(plain), 2)} ms/req without the profiler "
+                f"(×{factor:.2f})"
+            )
     return lines
 
 
@@ -357,19 +455,36 @@ def memory_rows(results: Record) -> list[tuple[str, str, str, str]]:
     rows = []
     for label, mb in results.get("idle_rss_mb", {}).items():
         m = memory.get(label, {})
-        rows.append((_idle_label(results, label), fmt(mb, 0), fmt(m.get("pss_mb"), 0),
-                     fmt(m.get("uss_mb"), 0)))  # fmt: skip
+        rows.append(
+            (
+                _idle_label(results, label),
+                fmt(mb, 0),
+                fmt(m.get("pss_mb"), 0),
+                fmt(m.get("uss_mb"), 0),
+            )
+        )
     for label in (HEADWATER_DEFAULT, *multi_process_labels(results)):
         main = _main_headwater(results, label)
         if not main:
             continue
         note = _total_note(results, label)
         last = main[-1]
-        rows.append((f"{label}: at the end of the main phase{note}",
-                     fmt(last["rss_end_mb"], 0), fmt(last.get("pss_end_mb"), 0),
-                     fmt(last.get("uss_end_mb"), 0)))  # fmt: skip
-        rows.append((f"{label}: peak RSS (VmHWM) over the main phase{note}",
-                     fmt(max(r["peak_rss_mb"] or 0 for r in main), 0), "-", "-"))  # fmt: skip
+        rows.append(
+            (
+                f"{label}: at the end of the main phase{note}",
+                fmt(last["rss_end_mb"], 0),
+                fmt(last.get("pss_end_mb"), 0),
+                fmt(last.get("uss_end_mb"), 0),
+            )
+        )
+        rows.append(
+            (
+                f"{label}: peak RSS (VmHWM) over the main phase{note}",
+                fmt(max(r["peak_rss_mb"] or 0 for r in main), 0),
+                "-",
+                "-",
+            )
+        )
     return rows
 
 
@@ -379,17 +494,28 @@ def process_memory_rows(results: Record) -> list[list[str]]:
     for label in multi_process_labels(results):
         for moment in (label, label + " (after warm-up)"):
             for p in results.get("idle_memory_mb", {}).get(moment, {}).get("processes", []):
-                rows.append([moment.removeprefix("headwater "), p["role"], str(p["pid"]),
-                             fmt(p["rss_mb"], 0), fmt(p["pss_mb"], 0), fmt(p["uss_mb"], 0)])
+                rows.append(
+                    [
+                        moment.removeprefix("headwater "),
+                        p["role"],
+                        str(p["pid"]),
+                        fmt(p["rss_mb"], 0),
+                        fmt(p["pss_mb"], 0),
+                        fmt(p["uss_mb"], 0),
+                    ]
+                )
     return rows
 
 
 def _main_headwater(results: Record, label: str = HEADWATER_DEFAULT) -> list[Record]:
     return sorted(
-        (r for r in results["runs"] if r["label"] == label
-         and r["phase"] not in ("matrix", "profile")),
+        (
+            r
+            for r in results["runs"]
+            if r["label"] == label and r["phase"] not in ("matrix", "profile")
+        ),
         key=lambda r: r["started_unix"],
-    )  # fmt: skip
+    )
 
 
 # --- targets ---------------------------------------------------------------------------
@@ -412,57 +538,98 @@ def targets(results: Record, label: str = HEADWATER_DEFAULT) -> list[Target]:
     default the default frontend's; the same targets serve for any headwater variant,
     its figures as the records hold them: CPU and RSS summed over its processes)."""
     out: list[Target] = []
-    long16 = [r for r in _main_headwater(results, label)
-              if r["scenario"] == "long" and r["concurrency"] == 16]  # fmt: skip
+    long16 = [
+        r
+        for r in _main_headwater(results, label)
+        if r["scenario"] == "long" and r["concurrency"] == 16
+    ]
     maxes = [r["loop_max_ms"] for r in long16 if r["loop_max_ms"] is not None]
     worst = max(long16, key=lambda r: r["loop_max_ms"] or 0, default=None)
-    out.append(Target(
-        "long prompts c16: loop max delay", f"< {LOOP_MAX_TARGET_MS:g} ms",
-        f"worst {loop_max_cell(worst)} ms over {len(long16)} runs" if worst else "-",
-        bool(maxes) and max(maxes) <= LOOP_MAX_TARGET_MS if long16 else None,
-    ))  # fmt: skip
+    out.append(
+        Target(
+            "long prompts c16: loop max delay",
+            f"< {LOOP_MAX_TARGET_MS:g} ms",
+            f"worst {loop_max_cell(worst)} ms over {len(long16)} runs" if worst else "-",
+            bool(maxes) and max(maxes) <= LOOP_MAX_TARGET_MS if long16 else None,
+        )
+    )
     p99s = [r["loop_p99_ms"] for r in long16 if r["loop_p99_ms"] is not None]
     measured = "-"
     if p99s:
         measured = f"worst {fmt(max(p99s), 2)} ms"
         if len(p99s) > 1:
             measured += f", median {fmt(statistics.median(p99s), 2)} ms over {len(p99s)} runs"
-    out.append(Target(
-        "long prompts c16: loop p99 delay", f"< {LOOP_P99_TARGET_MS:g} ms", measured,
-        max(p99s) < LOOP_P99_TARGET_MS if p99s else None,
-    ))  # fmt: skip
-    groups = [g for g in group_pairs(pairs(results["runs"]))
-              if g.pairs[0].headwater["label"] == label]  # fmt: skip
+    out.append(
+        Target(
+            "long prompts c16: loop p99 delay",
+            f"< {LOOP_P99_TARGET_MS:g} ms",
+            measured,
+            max(p99s) < LOOP_P99_TARGET_MS if p99s else None,
+        )
+    )
+    groups = [
+        g for g in group_pairs(pairs(results["runs"])) if g.pairs[0].headwater["label"] == label
+    ]
     for phase, name, scenarios, floor in (
-        ("vs dynamo fastokens", "long prompts c16: req/s vs Dynamo + fastokens", ("long",),
-         LONG_RATIO_TARGET),
-        ("vs dynamo fastokens", "short prompts: req/s vs Dynamo + fastokens", ("short",),
-         RATIO_TARGET),
-        ("vs dynamo fastokens", "shared prefix: req/s vs Dynamo + fastokens",
-         ("shared-prefix",), RATIO_TARGET),
-        ("vs dynamo default", "every scenario: req/s vs Dynamo (default tokenizer)",
-         ("long", "short", "shared-prefix"), RATIO_TARGET),
-    ):  # fmt: skip
-        chosen = [g for g in groups if g.phase == phase
-                  and g.pairs[0].headwater["scenario"] in scenarios
-                  and (scenarios != ("long",) or g.pairs[0].headwater["concurrency"] == 16)]
+        (
+            "vs dynamo fastokens",
+            "long prompts c16: req/s vs Dynamo + fastokens",
+            ("long",),
+            LONG_RATIO_TARGET,
+        ),
+        (
+            "vs dynamo fastokens",
+            "short prompts: req/s vs Dynamo + fastokens",
+            ("short",),
+            RATIO_TARGET,
+        ),
+        (
+            "vs dynamo fastokens",
+            "shared prefix: req/s vs Dynamo + fastokens",
+            ("shared-prefix",),
+            RATIO_TARGET,
+        ),
+        (
+            "vs dynamo default",
+            "every scenario: req/s vs Dynamo (default tokenizer)",
+            ("long", "short", "shared-prefix"),
+            RATIO_TARGET,
+        ),
+    ):
+        chosen = [
+            g
+            for g in groups
+            if g.phase == phase
+            and g.pairs[0].headwater["scenario"] in scenarios
+            and (scenarios != ("long",) or g.pairs[0].headwater["concurrency"] == 16)
+        ]
         # Each run's median over its rounds must reach the floor.
         ratios = [x for g in chosen if (x := g.ratio("req_per_s")) is not None]
-        out.append(Target(
-            name, f"≥ {floor:g}×",
-            ", ".join(f"{g.key} {g.ratio_text('req_per_s', '×')}" for g in chosen) or "-",
-            min(ratios) >= floor if ratios else None,
-        ))  # fmt: skip
+        out.append(
+            Target(
+                name,
+                f"≥ {floor:g}×",
+                ", ".join(f"{g.key} {g.ratio_text('req_per_s', '×')}" for g in chosen) or "-",
+                min(ratios) >= floor if ratios else None,
+            )
+        )
     idle = results.get("idle_rss_mb", {}).get(label)
     dyn_idle = [v for k, v in results.get("idle_rss_mb", {}).items() if k.startswith("dynamo")]
     n = frontend_processes(results, label)
-    out.append(Target(
-        "frontend RSS idle, default tokenizer", f"< {IDLE_RSS_TARGET_MB:g} MB",
-        f"{fmt(idle, 0)} MB" + (f" over {n} processes + supervisor" if n > 1 else "")
-        + (f" (Dynamo frontend: {', '.join(fmt(v, 0) for v in dyn_idle)} MB)"
-           if dyn_idle else ""),
-        idle < IDLE_RSS_TARGET_MB if idle is not None else None,
-    ))  # fmt: skip
+    out.append(
+        Target(
+            "frontend RSS idle, default tokenizer",
+            f"< {IDLE_RSS_TARGET_MB:g} MB",
+            f"{fmt(idle, 0)} MB"
+            + (f" over {n} processes + supervisor" if n > 1 else "")
+            + (
+                f" (Dynamo frontend: {', '.join(fmt(v, 0) for v in dyn_idle)} MB)"
+                if dyn_idle
+                else ""
+            ),
+            idle < IDLE_RSS_TARGET_MB if idle is not None else None,
+        )
+    )
     out.append(rss_flat(results, label))
     out.append(group_pss(results, label))
     out.append(rss_flat(results, label, "pss"))
@@ -478,15 +645,21 @@ def group_pss(results: Record, label: str = HEADWATER_DEFAULT) -> Target:
     one = memory.get(HEADWATER_DEFAULT, {}).get("pss_mb")
     n = frontend_processes(results, label)
     if n == 1:
-        return Target(name, goal, f"{fmt(memory.get(label, {}).get('pss_mb'), 0)} MB "
-                      "(the reference)", None)  # fmt: skip
+        return Target(
+            name, goal, f"{fmt(memory.get(label, {}).get('pss_mb'), 0)} MB (the reference)", None
+        )
     group = memory.get(label, {}).get("pss_mb")
     if group is None or not one:
         return Target(name, goal, "-", None)
     ratio = group / one
     passed = ratio <= GROUP_PSS_RATIO_TARGET and (n != 2 or group <= GROUP_PSS_TARGET_MB)
-    return Target(name, goal, f"{fmt(group, 0)} MB over {n} processes + supervisor + "
-                  f"zygote: {ratio:.2f}× one process's {fmt(one, 0)} MB", passed)  # fmt: skip
+    return Target(
+        name,
+        goal,
+        f"{fmt(group, 0)} MB over {n} processes + supervisor + "
+        f"zygote: {ratio:.2f}× one process's {fmt(one, 0)} MB",
+        passed,
+    )
 
 
 def rss_flat(results: Record, label: str = HEADWATER_DEFAULT, kind: str = "rss") -> Target:
@@ -513,28 +686,44 @@ def rss_flat(results: Record, label: str = HEADWATER_DEFAULT, kind: str = "rss")
         ordered = list(passes.values())  # dicts keep the run order
         first, last = ordered[0][-1][key], ordered[-1][-1][key]
         growth = last / first - 1
-        return Target(name, f"pass 2 vs pass 1: {goal}",
-                      f"after pass 1 {fmt(first, 0)} MB, after pass 2 {fmt(last, 0)} MB "
-                      f"({growth:+.1%}); {span}", growth < RSS_GROWTH_LIMIT)  # fmt: skip
+        return Target(
+            name,
+            f"pass 2 vs pass 1: {goal}",
+            f"after pass 1 {fmt(first, 0)} MB, after pass 2 {fmt(last, 0)} MB "
+            f"({growth:+.1%}); {span}",
+            growth < RSS_GROWTH_LIMIT,
+        )
     moment = label + " (after warm-up)"
-    warm = (results.get("idle_rss_mb", {}).get(moment) if kind == "rss"
-            else results.get("idle_memory_mb", {}).get(moment, {}).get(f"{kind}_mb"))  # fmt: skip
+    warm = (
+        results.get("idle_rss_mb", {}).get(moment)
+        if kind == "rss"
+        else results.get("idle_memory_mb", {}).get(moment, {}).get(f"{kind}_mb")
+    )
     if not warm:
         return Target(name, goal, span, None)
     growth = max(ends) / warm - 1
-    return Target(name, f"vs after warm-up: {goal}",
-                  f"after warm-up {fmt(warm, 0)} MB, highest after a run "
-                  f"{fmt(max(ends), 0)} MB ({growth:+.1%}); {span}",
-                  growth < RSS_GROWTH_LIMIT)  # fmt: skip
+    return Target(
+        name,
+        f"vs after warm-up: {goal}",
+        f"after warm-up {fmt(warm, 0)} MB, highest after a run "
+        f"{fmt(max(ends), 0)} MB ({growth:+.1%}); {span}",
+        growth < RSS_GROWTH_LIMIT,
+    )
 
 
-def targets_table(ts: Sequence[Target], others: Mapping[str, Sequence[Target]] | None = None
-                  ) -> str:  # fmt: skip
+def targets_table(
+    ts: Sequence[Target], others: Mapping[str, Sequence[Target]] | None = None
+) -> str:
     """The targets, one row each; *others* (server label → the same targets judged on
     that server) add a column each: measured, and the verdict in brackets."""
     others = others or {}
-    header = ["target", "goal", "measured", "verdict",
-              *(label.removeprefix("headwater ") for label in others)]  # fmt: skip
+    header = [
+        "target",
+        "goal",
+        "measured",
+        "verdict",
+        *(label.removeprefix("headwater ") for label in others),
+    ]
     rows = []
     for i, t in enumerate(ts):
         extra = [f"{o[i].measured} ({o[i].verdict})" for o in others.values()]
@@ -553,10 +742,12 @@ def all_targets_table(results: Record) -> str:
     """The targets judged on the default frontend, with a column for each other
     headwater variant of the main phase (one process; worker processes)."""
     judged = judged_label(results)
-    labels = [r["label"] for r in results["runs"] if r["server"] == "headwater"
-              and r["phase"] not in ("matrix", "profile")]  # fmt: skip
-    others = {label: targets(results, label) for label in dict.fromkeys(labels)
-              if label != judged}  # fmt: skip
+    labels = [
+        r["label"]
+        for r in results["runs"]
+        if r["server"] == "headwater" and r["phase"] not in ("matrix", "profile")
+    ]
+    others = {label: targets(results, label) for label in dict.fromkeys(labels) if label != judged}
     return targets_table(targets(results, judged), others)
 
 
@@ -573,17 +764,23 @@ def machine_table(results: Record) -> str:
         ["packages", pkgs],
         ["Dynamo", results.get("dynamo_version") or "not run"],
         ["commit", f"{m.get('commit')}{' (with local changes)' if m.get('dirty') else ''}"],
-        ["load average (1 min) at start / end",
-         f"{fmt(results['load_avg_start'][0], 2)} / "
-         f"{fmt((results.get('load_avg_end') or [None])[0], 2)}"],
+        [
+            "load average (1 min) at start / end",
+            f"{fmt(results['load_avg_start'][0], 2)} / "
+            f"{fmt((results.get('load_avg_end') or [None])[0], 2)}",
+        ],
         ["started, duration", f"{results['started']}, {fmt(results.get('elapsed_s'), 0)} s"],
-    ]  # fmt: skip
+    ]
     return table(["", ""], rows)
 
 
-def render(results: Record, images: Sequence[tuple[str, str]] = (), *,
-           command: str = "make bench ARGS='--docs'",
-           runs_page: str | None = None) -> str:  # fmt: skip
+def render(
+    results: Record,
+    images: Sequence[tuple[str, str]] = (),
+    *,
+    command: str = "make bench ARGS='--docs'",
+    runs_page: str | None = None,
+) -> str:
     """The results section: machine, targets, tables and (*title*, *path*) images.
 
     The table of every run is a few hundred lines; with *runs_page* (a relative link)
@@ -594,8 +791,9 @@ def render(results: Record, images: Sequence[tuple[str, str]] = (), *,
     parts = [
         f"_Generated by `headwater bench`{' --quick (smoke counts)' if results['quick'] else ''}"
         f" on {results['started']}. Reproduce: `{command}`._",
-        "### Machine", machine_table(results),
-    ]  # fmt: skip
+        "### Machine",
+        machine_table(results),
+    ]
     if results.get("skipped"):
         parts += ["**Skipped or failed:**", "\n".join(f"- {s}" for s in results["skipped"])]
     if not results.get("finished"):
@@ -609,42 +807,59 @@ def render(results: Record, images: Sequence[tuple[str, str]] = (), *,
             "judge the same targets on the one-process frontend and on the frontend in "
             "front of worker processes (Dynamo's layout). A group's RSS is the total over "
             "the supervisor and its processes, its loop p99 over every process's canary "
-            "and its loop max the worst process's.")
+            "and its loop max the worst process's."
+        )
     ps = pairs(runs)
     if ps:
-        parts += ["### headwater ÷ Dynamo",
-                  "Ratios of adjacent runs on the same prompts. req/s above 1 and latency "
-                  "below 1 favour headwater. A run repeated over rounds (`--rounds N`, a "
-                  "fresh prompt set each) shows medians, and its req/s ratio's range.",
-                  ratio_table(ps)]  # fmt: skip
+        parts += [
+            "### headwater ÷ Dynamo",
+            "Ratios of adjacent runs on the same prompts. req/s above 1 and latency "
+            "below 1 favour headwater. A run repeated over rounds (`--rounds N`, a "
+            "fresh prompt set each) shows medians, and its req/s ratio's range.",
+            ratio_table(ps),
+        ]
     if runs_page is None:
         parts += ["### Every run", every_run(results)]
     else:
-        parts += ["### Every run",
-                  f"Every run's figures (req/s, TTFT, ITL, e2e, CPU, RSS, loop delay), "
-                  f"round by round: [{runs_page}]({runs_page})."]  # fmt: skip
+        parts += [
+            "### Every run",
+            f"Every run's figures (req/s, TTFT, ITL, e2e, CPU, RSS, loop delay), "
+            f"round by round: [{runs_page}]({runs_page}).",
+        ]
     if any(r["phase"] == "matrix" for r in runs):
-        parts += ["### Tokenizer backend × tokenize mode (long prompts, unary, c16)",
-                  matrix_table(runs, results.get("idle_rss_mb", {}))]  # fmt: skip
+        parts += [
+            "### Tokenizer backend × tokenize mode (long prompts, unary, c16)",
+            matrix_table(runs, results.get("idle_rss_mb", {})),
+        ]
     if results.get("calibration"):
-        parts += ["### The limit: long-prompt tokens/s against the encoder", limit_table(results),
-                  "Ceiling: usable cores × the backend's single-thread rate on the same texts. "
-                  "Near 100% the frontend is encoder-bound; far below, the limit is elsewhere "
-                  "(see the stage table). Above 100% the encoder ran faster inside the server "
-                  "than in the calibration (caches, clock): read it as at the ceiling."]
+        parts += [
+            "### The limit: long-prompt tokens/s against the encoder",
+            limit_table(results),
+            "Ceiling: usable cores × the backend's single-thread rate on the same texts. "
+            "Near 100% the frontend is encoder-bound; far below, the limit is elsewhere "
+            "(see the stage table). Above 100% the encoder ran faster inside the server "
+            "than in the calibration (caches, clock): read it as at the ceiling.",
+        ]
     if results.get("profile"):
-        parts += ["### Frontend CPU per request by stage", stage_table(results),
-                  "\n".join(f"- {line}" for line in profile_overhead(results))]  # fmt: skip
+        parts += [
+            "### Frontend CPU per request by stage",
+            stage_table(results),
+            "\n".join(f"- {line}" for line in profile_overhead(results)),
+        ]
     mem = memory_rows(results)
     if mem:
-        parts += ["### Memory", table(["", "RSS MB", "PSS MB", "USS MB"],
-                                      [list(row) for row in mem]),
-                  "PSS divides each page among the processes that map it (summed over a group: "
-                  "the memory it really uses); USS is a process's own pages; RSS counts a shared "
-                  "page once per process (from `/proc/<pid>/smaps_rollup`)."]  # fmt: skip
+        parts += [
+            "### Memory",
+            table(["", "RSS MB", "PSS MB", "USS MB"], [list(row) for row in mem]),
+            "PSS divides each page among the processes that map it (summed over a group: "
+            "the memory it really uses); USS is a process's own pages; RSS counts a shared "
+            "page once per process (from `/proc/<pid>/smaps_rollup`).",
+        ]
     if procs := process_memory_rows(results):
-        parts += ["### Memory by process (at rest)",
-                  table(["frontend", "process", "pid", "RSS MB", "PSS MB", "USS MB"], procs)]
+        parts += [
+            "### Memory by process (at rest)",
+            table(["frontend", "process", "pid", "RSS MB", "PSS MB", "USS MB"], procs),
+        ]
     for title, path in images:
         parts.append(f"![{title}]({path})")
     return "\n\n".join(p for p in parts if p) + "\n"
@@ -654,20 +869,27 @@ def every_run(results: Record) -> str:
     """The table of every main-phase run, with the note on groups' sums."""
     text = runs_table([r for r in results["runs"] if r["phase"] != "matrix"])
     if multi_process_labels(results):
-        text += ("\n\n`×N procs`: FE CPU and peak RSS are summed over the supervisor and "
-                 "its N processes, all CPU adds the workers.")
+        text += (
+            "\n\n`×N procs`: FE CPU and peak RSS are summed over the supervisor and "
+            "its N processes, all CPU adds the workers."
+        )
     return text
 
 
 def render_runs_page(results: Record, *, command: str, results_page: str) -> str:
     """A page of its own for :func:`every_run` (generated whole, by ``--docs``)."""
-    return "\n\n".join([
-        "# Benchmark runs",
-        f"_Generated by `headwater bench` on {results['started']}, with the results in "
-        f"[{results_page}]({results_page}#results). Reproduce: `{command}`; do not edit "
-        f"by hand._",
-        every_run(results),
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n\n".join(
+            [
+                "# Benchmark runs",
+                f"_Generated by `headwater bench` on {results['started']}, with the results in "
+                f"[{results_page}]({results_page}#results). Reproduce: `{command}`; do not edit "
+                f"by hand._",
+                every_run(results),
+            ]
+        )
+        + "\n"
+    )
 
 
 def update_docs(path: Path, section: str, *, skeleton: str) -> None:

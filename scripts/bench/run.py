@@ -39,8 +39,7 @@ def _names_from(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(s.strip() for s in text.split(",") if s.strip())
         if not names or any(n not in allowed for n in names):
-            raise argparse.ArgumentTypeError(
-                f"choose from {', '.join(allowed)} (comma-separated)")
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
         return names
 
     return parse
@@ -64,66 +63,157 @@ def default_frontend_processes() -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true",
-                   help="small counts: a smoke run of the whole suite in about two minutes")
-    p.add_argument("--scenarios", type=_names_from(suite.SCENARIOS), default=suite.SCENARIOS,
-                   help="comma-separated: short, long, shared-prefix")
-    p.add_argument("--compare-dynamo", dest="dynamo", action="store_true", default=True,
-                   help="also run NVIDIA Dynamo's frontend + mocker and report ratios")
-    p.add_argument("--no-dynamo", dest="dynamo", action="store_false",
-                   help="headwater only", default=argparse.SUPPRESS)
-    p.add_argument("--dynamo-tokenizers", type=_names_from(suite.DYNAMO_TOKENIZERS),
-                   default=suite.DYNAMO_TOKENIZERS, metavar="NAMES",
-                   help="comma-separated: which of Dynamo's tokenizers to run beside "
-                        "(default, fastokens; default: both). The targets are judged "
-                        "against fastokens; its default tokenizer is ~10× slower on long "
-                        "prompts, so longer runs (--requests-scale) are quicker without it")
-    p.add_argument("--matrix", dest="matrix", action="store_true", default=True,
-                   help="tokenizer backend × tokenize mode on long prompts")
-    p.add_argument("--no-matrix", dest="matrix", action="store_false",
-                   help="skip the matrix", default=argparse.SUPPRESS)
-    p.add_argument("--profile", dest="profile", action="store_true", default=True,
-                   help="CPU per request by stage, from a pyinstrument profile")
-    p.add_argument("--no-profile", dest="profile", action="store_false",
-                   help="skip the profile", default=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help="results go to OUT/<timestamp>/")
-    p.add_argument("--docs", action="store_true",
-                   help="write the tables into docs/performance.md and charts into docs/img/")
-    p.add_argument("--render", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="measure nothing: render report (and --docs) from an earlier results.json")
-    p.add_argument("--dynamo-dir", type=Path, default=REPO_ROOT / "scripts" / "peers" / "dynamo",
-                   help="the Dynamo peer scripts (install.sh, start_disagg.sh, stop.sh)")
-    p.add_argument("--dynamo-install-dir", type=Path, default=None,
-                   help="where Dynamo is (or gets) installed; default $DYN_DIR or "
-                        "${TMPDIR:-/tmp}/dynamo-peer, never inside the repository")
-    p.add_argument("--topology", choices=["inprocess", "processes", "both"], default=None,
-                   help="headwater's mocker workers in the main phase: inside the frontend "
-                        "process (`headwater serve`'s default), as two worker processes "
-                        "(Dynamo's layout), or both side by side (default: both; "
-                        "inprocess with --quick)")
-    p.add_argument("--frontend-processes", type=_count, default=None, metavar="N",
-                   help="also run headwater as N frontend processes on one port "
-                        "(`headwater serve --processes N`, in-process workers) in the main "
-                        "phase; 0 or 1: not (default: the usable CPUs, when more than one)")
-    p.add_argument("--speedup-ratio", type=positive_float, default=1000.0,
-                   help="the mocker timing model is divided by this (both servers)")
-    p.add_argument("--requests-scale", type=positive_float, default=1.0,
-                   help="multiply every run's request count")
-    p.add_argument("--rounds", type=_count, default=1, metavar="N",
-                   help="repeat each main-phase run N times (fresh prompts, still "
-                        "alternating with Dynamo); ratios and verdicts use the medians. "
-                        "Runs on a shared machine swing by tens of percent")
-    p.add_argument("--time-limit", type=positive_float, default=None,
-                   help="seconds per run (default 60 with --quick, else 180)")
-    p.add_argument("--server-args", default="",
-                   help="extra `headwater serve` options for every headwater server")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="first wait up to this long for the 1-minute load average to drop "
-                        "below --quiet-load (other work skews the figures)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small counts: a smoke run of the whole suite in about two minutes",
+    )
+    p.add_argument(
+        "--scenarios",
+        type=_names_from(suite.SCENARIOS),
+        default=suite.SCENARIOS,
+        help="comma-separated: short, long, shared-prefix",
+    )
+    p.add_argument(
+        "--compare-dynamo",
+        dest="dynamo",
+        action="store_true",
+        default=True,
+        help="also run NVIDIA Dynamo's frontend + mocker and report ratios",
+    )
+    p.add_argument(
+        "--no-dynamo",
+        dest="dynamo",
+        action="store_false",
+        help="headwater only",
+        default=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--dynamo-tokenizers",
+        type=_names_from(suite.DYNAMO_TOKENIZERS),
+        default=suite.DYNAMO_TOKENIZERS,
+        metavar="NAMES",
+        help="comma-separated: which of Dynamo's tokenizers to run beside "
+        "(default, fastokens; default: both). The targets are judged "
+        "against fastokens; its default tokenizer is ~10× slower on long "
+        "prompts, so longer runs (--requests-scale) are quicker without it",
+    )
+    p.add_argument(
+        "--matrix",
+        dest="matrix",
+        action="store_true",
+        default=True,
+        help="tokenizer backend × tokenize mode on long prompts",
+    )
+    p.add_argument(
+        "--no-matrix",
+        dest="matrix",
+        action="store_false",
+        help="skip the matrix",
+        default=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--profile",
+        dest="profile",
+        action="store_true",
+        default=True,
+        help="CPU per request by stage, from a pyinstrument profile",
+    )
+    p.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="skip the profile",
+        default=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="results go to OUT/<timestamp>/"
+    )
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="write the tables into docs/performance.md and charts into docs/img/",
+    )
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="measure nothing: render report (and --docs) from an earlier results.json",
+    )
+    p.add_argument(
+        "--dynamo-dir",
+        type=Path,
+        default=REPO_ROOT / "scripts" / "peers" / "dynamo",
+        help="the Dynamo peer scripts (install.sh, start_disagg.sh, stop.sh)",
+    )
+    p.add_argument(
+        "--dynamo-install-dir",
+        type=Path,
+        default=None,
+        help="where Dynamo is (or gets) installed; default $DYN_DIR or "
+        "${TMPDIR:-/tmp}/dynamo-peer, never inside the repository",
+    )
+    p.add_argument(
+        "--topology",
+        choices=["inprocess", "processes", "both"],
+        default=None,
+        help="headwater's mocker workers in the main phase: inside the frontend "
+        "process (`headwater serve`'s default), as two worker processes "
+        "(Dynamo's layout), or both side by side (default: both; "
+        "inprocess with --quick)",
+    )
+    p.add_argument(
+        "--frontend-processes",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="also run headwater as N frontend processes on one port "
+        "(`headwater serve --processes N`, in-process workers) in the main "
+        "phase; 0 or 1: not (default: the usable CPUs, when more than one)",
+    )
+    p.add_argument(
+        "--speedup-ratio",
+        type=positive_float,
+        default=1000.0,
+        help="the mocker timing model is divided by this (both servers)",
+    )
+    p.add_argument(
+        "--requests-scale",
+        type=positive_float,
+        default=1.0,
+        help="multiply every run's request count",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_count,
+        default=1,
+        metavar="N",
+        help="repeat each main-phase run N times (fresh prompts, still "
+        "alternating with Dynamo); ratios and verdicts use the medians. "
+        "Runs on a shared machine swing by tens of percent",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=positive_float,
+        default=None,
+        help="seconds per run (default 60 with --quick, else 180)",
+    )
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra `headwater serve` options for every headwater server",
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to this long for the 1-minute load average to drop "
+        "below --quiet-load (other work skews the figures)",
+    )
     p.add_argument("--quiet-load", type=float, default=1.0)
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bars")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
 def wait_for_quiet(limit_s: float, threshold: float) -> float:
@@ -134,8 +224,11 @@ def wait_for_quiet(limit_s: float, threshold: float) -> float:
     deadline = time.monotonic() + limit_s
     load = os.getloadavg()[0]
     while load >= threshold and time.monotonic() < deadline:
-        print(f"load average {load:.2f} ≥ {threshold}: waiting for a quiet machine...",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"load average {load:.2f} ≥ {threshold}: waiting for a quiet machine...",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(min(30.0, max(1.0, deadline - time.monotonic())))
         load = os.getloadavg()[0]
     return load
@@ -144,9 +237,10 @@ def wait_for_quiet(limit_s: float, threshold: float) -> float:
 def cli(argv: list[str] | None = None) -> int:
     """``python -m scripts.bench.run [options]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.bench.run", description=(__doc__ or "").strip(),
+        prog="python -m scripts.bench.run",
+        description=(__doc__ or "").strip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     add_arguments(parser)
     return main(parser.parse_args(argv))
 
@@ -176,8 +270,9 @@ def _config(args: argparse.Namespace, run_dir: Path) -> suite.SuiteConfig:
 
     install = args.dynamo_install_dir or default_dynamo_install_dir()
     if install.resolve().is_relative_to(REPO_ROOT):
-        raise SystemExit(f"--dynamo-install-dir {install} is inside the repository; use a "
-                         "scratch directory")  # fmt: skip
+        raise SystemExit(
+            f"--dynamo-install-dir {install} is inside the repository; use a scratch directory"
+        )
     return suite.SuiteConfig(
         out_dir=run_dir,
         repo_root=REPO_ROOT,
@@ -227,8 +322,11 @@ def _measure(cfg: suite.SuiteConfig) -> dict[str, Any] | None:
             async def watch() -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for signum in signals:
-                        print(f"\n{signal.Signals(signum).name}: stopping the servers...",
-                              file=sys.stderr, flush=True)  # fmt: skip
+                        print(
+                            f"\n{signal.Signals(signum).name}: stopping the servers...",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         outcome["interrupted"] = True
                         nursery.cancel_scope.cancel()
                         return
@@ -253,9 +351,17 @@ def _command(args: argparse.Namespace) -> str:
         flags += [f"--requests-scale {args.requests_scale:g}"]
     if args.dynamo and tuple(args.dynamo_tokenizers) != suite.DYNAMO_TOKENIZERS:
         flags += [f"--dynamo-tokenizers {','.join(args.dynamo_tokenizers)}"]
-    flags += [f for f, on in (("--quick", args.quick), ("--no-dynamo", not args.dynamo),
-                              ("--no-matrix", not args.matrix),
-                              ("--no-profile", not args.profile), ("--docs", True)) if on]
+    flags += [
+        f
+        for f, on in (
+            ("--quick", args.quick),
+            ("--no-dynamo", not args.dynamo),
+            ("--no-matrix", not args.matrix),
+            ("--no-profile", not args.profile),
+            ("--docs", True),
+        )
+        if on
+    ]
     return f"make bench ARGS='{' '.join(flags)}'"
 
 
@@ -277,8 +383,12 @@ def _publish(results: dict[str, Any], run_dir: Path, *, docs: bool, command: str
     img_dir.mkdir(parents=True, exist_ok=True)
     for _, path in images:
         shutil.copy2(path, img_dir / path.name)
-    section = report.render(results, [(t, f"img/{p.name}") for t, p in images], command=command,
-                            runs_page=RUNS_PAGE.name)
+    section = report.render(
+        results,
+        [(t, f"img/{p.name}") for t, p in images],
+        command=command,
+        runs_page=RUNS_PAGE.name,
+    )
     page = REPO_ROOT / DOCS_PAGE
     report.update_docs(page, section, skeleton=_SKELETON)
     (REPO_ROOT / RUNS_PAGE).write_text(

@@ -124,8 +124,13 @@ def loop_series(prefix: str = HEADWATER_PREFIX) -> tuple[str, ...]:
     """The sample names :func:`parse_loop` reads (histogram bucket, count, sum; max-delay
     gauge; stall counter), and :func:`loop_url` asks for."""
     delay = prefix + "event_loop_delay_seconds"
-    return (delay + "_bucket", delay + "_count", delay + "_sum",
-            prefix + "event_loop_max_delay_seconds", prefix + "event_loop_stall_total")  # fmt: skip
+    return (
+        delay + "_bucket",
+        delay + "_count",
+        delay + "_sum",
+        prefix + "event_loop_max_delay_seconds",
+        prefix + "event_loop_stall_total",
+    )
 
 
 def loop_url(url: str, prefix: str = HEADWATER_PREFIX) -> str:
@@ -268,8 +273,13 @@ def read_proc(pid: int, *, memory: bool = False) -> ProcSample:
         except (PermissionError, ValueError):
             pass  # not ours to read, or an old kernel: RSS only
     return ProcSample(
-        pid, time.perf_counter(), cpu, kb.get("VmRSS", 0) * 1024, kb.get("VmHWM", 0) * 1024,
-        pss, uss,
+        pid,
+        time.perf_counter(),
+        cpu,
+        kb.get("VmRSS", 0) * 1024,
+        kb.get("VmHWM", 0) * 1024,
+        pss,
+        uss,
     )
 
 

@@ -92,8 +92,10 @@ class ServerInfo:
         if not self.member_urls:
             object.__setattr__(self, "member_urls", (self.base_url,))
         if len(self.member_urls) != len(self.frontend_pids):
-            raise ValueError(f"{len(self.member_urls)} member URLs for "
-                             f"{len(self.frontend_pids)} frontend processes")  # fmt: skip
+            raise ValueError(
+                f"{len(self.member_urls)} member URLs for "
+                f"{len(self.frontend_pids)} frontend processes"
+            )
 
     @property
     def label(self) -> str:
@@ -187,8 +189,17 @@ TOPOLOGIES: tuple[str, ...] = ("inprocess", "processes")
 
 
 def _serve_args(backend: str, mode: str, speedup_ratio: float, extra: Sequence[str]) -> list[str]:
-    return ["--speedup-ratio", f"{speedup_ratio:g}", "--tokenizer-backend", backend,
-            "--tokenize-mode", mode, "--log-level", "warning", *extra]  # fmt: skip
+    return [
+        "--speedup-ratio",
+        f"{speedup_ratio:g}",
+        "--tokenizer-backend",
+        backend,
+        "--tokenize-mode",
+        mode,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
 
 
 def variant_name(backend: str, mode: str, topology: str, frontend_processes: int) -> str:
@@ -279,8 +290,11 @@ async def headwater_server(
     if frontend_processes > 1 and profile_path is not None:
         raise ValueError("a profile covers one process: use frontend_processes=1")
     procs = ["--processes", str(frontend_processes)] if frontend_processes > 1 else []
-    tag = (f"headwater-{backend}-{mode}" + (f"-x{frontend_processes}" if procs else "")
-           + ("-profile" if profile_path else ""))  # fmt: skip
+    tag = (
+        f"headwater-{backend}-{mode}"
+        + (f"-x{frontend_processes}" if procs else "")
+        + ("-profile" if profile_path else "")
+    )
     env = child_env()
     children: list[processes.ChildProcess] = []
     # An exception leaves the nursery as itself, raised after it: raised inside, trio
@@ -291,25 +305,35 @@ async def headwater_server(
             workers: list[processes.WorkerProcess] = []
             for role in ("prefill", "decode") if topology == "processes" else ():
                 worker = await processes.start_worker(
-                    nursery, role, log_dir=log_dir, name=f"{tag}-{role}",
+                    nursery,
+                    role,
+                    log_dir=log_dir,
+                    name=f"{tag}-{role}",
                     engine_args=["--speedup-ratio", f"{speedup_ratio:g}"],
                     extra_args=["--log-level", "warning"],
-                    env=env, ready_within=READY_TIMEOUT,
-                )  # fmt: skip
+                    env=env,
+                    ready_within=READY_TIMEOUT,
+                )
                 children.append(worker)
                 workers.append(worker)
             frontend = await processes.start_frontend(
-                nursery, log_dir=log_dir, name=tag,
+                nursery,
+                log_dir=log_dir,
+                name=tag,
                 workers=",".join(w.static_url() for w in workers),
                 extra_args=_serve_args(backend, mode, speedup_ratio, [*procs, *extra_args]),
-                interpreter=_profiler(profile_path), env=env, ready_within=READY_TIMEOUT,
-            )  # fmt: skip
+                interpreter=_profiler(profile_path),
+                env=env,
+                ready_within=READY_TIMEOUT,
+            )
             children.insert(0, frontend)  # stopped first
             for url in dict.fromkeys((frontend.address, *(m.url for m in frontend.members))):
                 await processes.wait_healthy(url, within=READY_TIMEOUT, child=frontend)
             if len(frontend.members) != frontend_processes:
-                raise ServerError(f"{tag}: {len(frontend.members)} frontend processes "
-                                  f"announced, {frontend_processes} asked for; see {log_dir}")
+                raise ServerError(
+                    f"{tag}: {len(frontend.members)} frontend processes "
+                    f"announced, {frontend_processes} asked for; see {log_dir}"
+                )
             pids, frontend_pids, member_urls = process_layout(
                 frontend.pid, frontend.members, [w.pid for w in workers]
             )
@@ -372,10 +396,16 @@ def dynamo_installed(install_dir: Path) -> bool:
     if not python.is_file() or not (install_dir / "model" / "tokenizer.json").is_file():
         return False
     probe = subprocess.run(
-        [str(python), "-c", "import importlib.util as u, sys; sys.exit(0 if "
-         "u.find_spec('dynamo.frontend') and u.find_spec('dynamo.mocker') else 1)"],
-        capture_output=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u, sys; sys.exit(0 if "
+            "u.find_spec('dynamo.frontend') and u.find_spec('dynamo.mocker') else 1)",
+        ],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     return probe.returncode == 0
 
 
@@ -388,16 +418,18 @@ async def ensure_dynamo(scripts_dir: Path, install_dir: Path, log_dir: Path) -> 
     if not await trio.to_thread.run_sync(dynamo_installed, install_dir):
         await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
         log = log_dir / "dynamo-install.log"
-        print(f"installing Dynamo into {install_dir} (about a minute); log: {log}",
-              file=sys.stderr)  # fmt: skip
+        print(f"installing Dynamo into {install_dir} (about a minute); log: {log}", file=sys.stderr)
         with open(log, "wb") as f:  # noqa: ASYNC230 - a new log file
             try:
                 with trio.fail_after(DYNAMO_INSTALL_TIMEOUT):
                     done = await trio.run_process(
-                        ["bash", str(scripts_dir / "install.sh")], stdout=f, stderr=f,
-                        env=child_env(DYN_DIR=str(install_dir)), check=False,
+                        ["bash", str(scripts_dir / "install.sh")],
+                        stdout=f,
+                        stderr=f,
+                        env=child_env(DYN_DIR=str(install_dir)),
+                        check=False,
                         start_new_session=True,
-                    )  # fmt: skip
+                    )
             except trio.TooSlowError as exc:
                 raise DynamoUnavailable(f"Dynamo install timed out; see {log}") from exc
         if done.returncode != 0 or not dynamo_installed(install_dir):
@@ -410,7 +442,9 @@ def dynamo_version(install_dir: Path) -> str:
     python = install_dir / "venv" / "bin" / "python"
     probe = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print(m.version('ai-dynamo'))"],
-        capture_output=True, timeout=60, check=False,
+        capture_output=True,
+        timeout=60,
+        check=False,
     )
     return probe.stdout.decode().strip() or "unknown"
 
@@ -457,9 +491,14 @@ async def dynamo_server(
         with open(log_path, "wb") as f:  # noqa: ASYNC230 - a new log file
             with trio.move_on_after(READY_TIMEOUT):
                 done = await trio.run_process(
-                    cmd, stdout=f, stderr=f, env=env, check=False, start_new_session=True,
+                    cmd,
+                    stdout=f,
+                    stderr=f,
+                    env=env,
+                    check=False,
+                    start_new_session=True,
                     stdin=subprocess.DEVNULL,
-                )  # fmt: skip
+                )
         pids = _read_pids(install_dir)
         if done.returncode != 0 or len(pids) != len(_DYNAMO_PID_FILES):
             raise ServerError(f"Dynamo did not start; see {log_path} and {install_dir}/logs")
@@ -487,9 +526,13 @@ async def dynamo_server(
 async def _stop_dynamo(scripts_dir: Path, install_dir: Path, pids: Sequence[int]) -> None:
     env = child_env(DYN_DIR=str(install_dir))
     await trio.run_process(
-        ["bash", str(scripts_dir / "stop.sh")], env=env, check=False,
-        capture_stdout=True, capture_stderr=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        ["bash", str(scripts_dir / "stop.sh")],
+        env=env,
+        check=False,
+        capture_stdout=True,
+        capture_stderr=True,
+        stdin=subprocess.DEVNULL,
+    )
     await poll_until(lambda: not any(_alive(p) for p in pids), 10)
     for pid in pids:
         if _alive(pid) and _is_dynamo(pid):
@@ -504,4 +547,3 @@ def _is_dynamo(pid: int) -> bool:
             return b"dynamo." in f.read()
     except OSError:
         return False
-

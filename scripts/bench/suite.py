@@ -82,13 +82,18 @@ CONCURRENCY: Mapping[str, tuple[int, ...]] = {
 #: runs of 0.4-2.4 s on average, whose ramp at the start and drain at the end moved
 #: ratios by up to 0.4 (docs/performance.md, Method: "Runs of seconds").
 FULL_REQUESTS: Mapping[tuple[str, int], int] = {
-    ("short", 16): 4800, ("short", 64): 7200,
-    ("long", 4): 480, ("long", 16): 960,
-    ("shared-prefix", 4): 480, ("shared-prefix", 16): 1200,
-}  # fmt: skip
+    ("short", 16): 4800,
+    ("short", 64): 7200,
+    ("long", 4): 480,
+    ("long", 16): 960,
+    ("shared-prefix", 4): 480,
+    ("shared-prefix", 16): 1200,
+}
 QUICK_REQUESTS: Mapping[tuple[str, int], int] = {
-    ("short", 16): 80, ("long", 16): 16, ("shared-prefix", 16): 16,
-}  # fmt: skip
+    ("short", 16): 80,
+    ("long", 16): 16,
+    ("shared-prefix", 16): 16,
+}
 #: --quick runs one concurrency per scenario.
 QUICK_CONCURRENCY: Mapping[str, tuple[int, ...]] = {s: (16,) for s in SCENARIOS}
 #: Where progress lines go (stderr by default).
@@ -253,13 +258,16 @@ class Suite:
         self.writer = _Writer(cfg.out_dir)
         self.logs = cfg.out_dir / "logs"
         self.results = SuiteResults(
-            config={k: str(v) if isinstance(v, Path) else v
-                    for k, v in asdict(cfg).items() if k not in ("requests", "concurrency")},
+            config={
+                k: str(v) if isinstance(v, Path) else v
+                for k, v in asdict(cfg).items()
+                if k not in ("requests", "concurrency")
+            },
             machine={},
             started=datetime.datetime.now().isoformat(timespec="seconds"),
             quick=cfg.quick,
             load_avg_start=os.getloadavg(),
-        )  # fmt: skip
+        )
         self._bar: Any = None
 
     # -- progress ----------------------------------------------------------------------
@@ -291,8 +299,13 @@ class Suite:
         if cfg.progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.planned_runs(len(dynamo_phases)), desc="bench",
-                             unit="run", position=0, file=sys.stderr)  # fmt: skip
+            self._bar = tqdm(
+                total=self.planned_runs(len(dynamo_phases)),
+                desc="bench",
+                unit="run",
+                position=0,
+                file=sys.stderr,
+            )
         try:
             if "long" in cfg.scenarios or cfg.matrix:
                 await self.calibrate()
@@ -354,16 +367,26 @@ class Suite:
         return record
 
     async def _run_one(
-        self, server: ServerInfo, spec: RunSpec, ps: prompts.PromptSet, phase: str,
+        self,
+        server: ServerInfo,
+        spec: RunSpec,
+        ps: prompts.PromptSet,
+        phase: str,
         pair: str | None,
-    ) -> dict[str, Any] | None:  # fmt: skip
+    ) -> dict[str, Any] | None:
         bodies = bodies_for(ps, spec, server.model)
         mean = sum(p.tokens for p in ps.prompts) / len(ps)
         try:
             m = await measure(
-                server, spec, bodies, phase=phase, pair=pair, content_tokens_mean=mean,
-                time_limit_s=self.cfg.run_time_limit_s, progress=self.cfg.progress,
-            )  # fmt: skip
+                server,
+                spec,
+                bodies,
+                phase=phase,
+                pair=pair,
+                content_tokens_mean=mean,
+                time_limit_s=self.cfg.run_time_limit_s,
+                progress=self.cfg.progress,
+            )
         except LoadGenError as exc:
             self._skip(f"{server.label} {spec.key}: load client failed: {exc}")
             self._tick()
@@ -371,23 +394,36 @@ class Suite:
         return await self._record(m)
 
     def _headwater(
-        self, backend: str = DEFAULT_BACKEND, mode: str = DEFAULT_MODE, *,
-        variant: HeadwaterVariant = HeadwaterVariant(), profile_path: Path | None = None,
-    ) -> AbstractAsyncContextManager[ServerInfo]:  # fmt: skip
+        self,
+        backend: str = DEFAULT_BACKEND,
+        mode: str = DEFAULT_MODE,
+        *,
+        variant: HeadwaterVariant = HeadwaterVariant(),
+        profile_path: Path | None = None,
+    ) -> AbstractAsyncContextManager[ServerInfo]:
         return headwater_server(
-            backend=backend, mode=mode, speedup_ratio=self.cfg.speedup_ratio,
-            log_dir=self.logs, topology=variant.topology, extra_args=self.cfg.server_args,
-            profile_path=profile_path, frontend_processes=variant.frontend_processes,
-        )  # fmt: skip
+            backend=backend,
+            mode=mode,
+            speedup_ratio=self.cfg.speedup_ratio,
+            log_dir=self.logs,
+            topology=variant.topology,
+            extra_args=self.cfg.server_args,
+            profile_path=profile_path,
+            frontend_processes=variant.frontend_processes,
+        )
 
     def _idle(self, label: str, memory: MemoryMB) -> None:
         """Record a server's memory at rest (RSS, PSS and USS, each process's too)."""
         self.results.idle_rss_mb[label] = memory.rss
         self.results.idle_memory_mb[label] = {
-            "rss_mb": memory.rss, "pss_mb": memory.pss, "uss_mb": memory.uss,
-            "processes": [dict(zip(("role", "pid", "rss_mb", "pss_mb", "uss_mb"), row,
-                                   strict=True)) for row in memory.processes],
-        }  # fmt: skip
+            "rss_mb": memory.rss,
+            "pss_mb": memory.pss,
+            "uss_mb": memory.uss,
+            "processes": [
+                dict(zip(("role", "pid", "rss_mb", "pss_mb", "uss_mb"), row, strict=True))
+                for row in memory.processes
+            ],
+        }
 
     async def main_phase(self, dynamo_phases: Sequence[str]) -> None:
         cfg = self.cfg
@@ -409,8 +445,10 @@ class Suite:
             for hw in hws:
                 self._idle(hw.label, await idle_memory_mb(hw, cfg.idle_settle_s))
                 await warm_up(hw, cfg.scenarios)
-                self._idle(hw.label + " (after warm-up)",
-                           await trio.to_thread.run_sync(current_memory_mb, hw))
+                self._idle(
+                    hw.label + " (after warm-up)",
+                    await trio.to_thread.run_sync(current_memory_mb, hw),
+                )
             if not dynamo_phases:
                 for spec in plan:
                     for _ in range(cfg.rounds):
@@ -431,9 +469,12 @@ class Suite:
         done = 0
         try:
             async with dynamo_server(
-                scripts_dir=cfg.dynamo_scripts, install_dir=cfg.dynamo_install,
-                tokenizer=tokenizer, speedup_ratio=cfg.speedup_ratio, log_dir=self.logs,
-            ) as dyn:  # fmt: skip
+                scripts_dir=cfg.dynamo_scripts,
+                install_dir=cfg.dynamo_install,
+                tokenizer=tokenizer,
+                speedup_ratio=cfg.speedup_ratio,
+                log_dir=self.logs,
+            ) as dyn:
                 self._idle(dyn.label, await idle_memory_mb(dyn, cfg.idle_settle_s))
                 await warm_up(dyn, cfg.scenarios)
                 for spec in plan:
@@ -461,8 +502,9 @@ class Suite:
             for mode in MATRIX_MODES:
                 try:
                     async with self._headwater(backend, mode) as server:
-                        self._idle(server.label,
-                                   await idle_memory_mb(server, self.cfg.idle_settle_s))
+                        self._idle(
+                            server.label, await idle_memory_mb(server, self.cfg.idle_settle_s)
+                        )
                         await warm_up(server, ["short", "long"])
                         ps = await trio.to_thread.run_sync(make_prompt_set, spec)
                         await self._run_one(server, spec, ps, "matrix", None)

@@ -30,13 +30,19 @@ async def run_all(
     pool = await trio.to_thread.run_sync(mixes.build_prompts, mix_settings)
     results: dict[str, Any] = {
         "started": datetime.now().isoformat(timespec="seconds"),
-        "settings": {**{k: getattr(settings, k) for k in settings.__dataclass_fields__},
-                     "warmup_s": settings.warmup, "load_s": settings.load},
-        "mix": {"weights": dict(mix_settings.weights), "long_tokens": mix_settings.long_tokens,
-                "seed": mix_settings.seed},
+        "settings": {
+            **{k: getattr(settings, k) for k in settings.__dataclass_fields__},
+            "warmup_s": settings.warmup,
+            "load_s": settings.load,
+        },
+        "mix": {
+            "weights": dict(mix_settings.weights),
+            "long_tokens": mix_settings.long_tokens,
+            "seed": mix_settings.seed,
+        },
         "machine": machine(),
         "targets": [],
-    }  # fmt: skip
+    }
     for name in names:
         measured = await soak(name, settings, mixes.Mix(pool, mix_settings), out_dir, _say)
         record = analyse(measured, settings)
@@ -68,37 +74,73 @@ def parser() -> argparse.ArgumentParser:
     )
     a = p.add_argument
     a("--targets", default=",".join(TARGETS), help="comma-separated, from serve, launch")
-    a("--duration", type=float, default=d.duration_s,
-      help="seconds of load per target, warm-up included")
-    a("--warmup", type=float, default=None,
-      help="seconds of warm-up load before the baseline (default: 10%% of --duration, "
-      "at least 30)")
+    a(
+        "--duration",
+        type=float,
+        default=d.duration_s,
+        help="seconds of load per target, warm-up included",
+    )
+    a(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds of warm-up load before the baseline (default: 10%% of --duration, "
+        "at least 30)",
+    )
     a("--settle", type=float, default=d.settle_s, help="quiet seconds before each idle read")
     a("--interval", type=float, default=d.interval_s, help="seconds between reads")
     a("--idle-reads", type=int, default=d.idle_reads, help="reads compared at each end")
     a("--concurrency", type=int, default=d.concurrency, help="clients sending at once")
-    a("--storm-every", type=float, default=d.storm_every_s,
-      help="seconds between disconnect storms, which reset every connection in flight "
-      "(0: none)")
-    a("--deadline", type=float, default=d.deadline_s,
-      help="seconds a request may take before it counts as lost")
-    a("--rss-growth", type=float, default=d.rss_growth,
-      help="largest allowed rise of idle RSS after the warm-up (0.1: 10%%)")
-    a("--engine-args", default="",
-      help='engine options for the target\'s workers, one string: "--speedup-ratio 10" '
-      "(default: none, the engine's defaults, as make serve)")
-    a("--weights", type=_weights, default=dict(mixes.DEFAULT_WEIGHTS),
-      help="kind=weight,... over the defaults: "
-      + ", ".join(f"{k}={v:g}" for k, v in mixes.DEFAULT_WEIGHTS.items()))
-    a("--long-tokens", default=",".join(map(str, m.long_tokens)),
-      help="sizes of the long prompts, tokens")
+    a(
+        "--storm-every",
+        type=float,
+        default=d.storm_every_s,
+        help="seconds between disconnect storms, which reset every connection in flight (0: none)",
+    )
+    a(
+        "--deadline",
+        type=float,
+        default=d.deadline_s,
+        help="seconds a request may take before it counts as lost",
+    )
+    a(
+        "--rss-growth",
+        type=float,
+        default=d.rss_growth,
+        help="largest allowed rise of idle RSS after the warm-up (0.1: 10%%)",
+    )
+    a(
+        "--engine-args",
+        default="",
+        help='engine options for the target\'s workers, one string: "--speedup-ratio 10" '
+        "(default: none, the engine's defaults, as make serve)",
+    )
+    a(
+        "--weights",
+        type=_weights,
+        default=dict(mixes.DEFAULT_WEIGHTS),
+        help="kind=weight,... over the defaults: "
+        + ", ".join(f"{k}={v:g}" for k, v in mixes.DEFAULT_WEIGHTS.items()),
+    )
+    a(
+        "--long-tokens",
+        default=",".join(map(str, m.long_tokens)),
+        help="sizes of the long prompts, tokens",
+    )
     a("--seed", type=int, default=m.seed, help="the mix's and the prompts' seed")
-    a("--out", type=Path, default=None,
-      help="output directory (default: bench-results/soak-<timestamp>)")
-    a("--render", type=Path, default=None,
-      help="only redraw the figure and tables from this results.json")
-    a("--docs", action="store_true",
-      help="also write docs/img/soak.png and docs/data/soak.json")
+    a(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: bench-results/soak-<timestamp>)",
+    )
+    a(
+        "--render",
+        type=Path,
+        default=None,
+        help="only redraw the figure and tables from this results.json",
+    )
+    a("--docs", action="store_true", help="also write docs/img/soak.png and docs/data/soak.json")
     return p
 
 
@@ -114,16 +156,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"--targets: choose from {', '.join(TARGETS)}", file=sys.stderr)
             return 2
         settings = Settings(
-            duration_s=args.duration, warmup_s=args.warmup, settle_s=args.settle,
-            interval_s=args.interval, idle_reads=args.idle_reads,
-            concurrency=args.concurrency, storm_every_s=args.storm_every,
-            deadline_s=args.deadline, engine_args=tuple(shlex.split(args.engine_args)),
+            duration_s=args.duration,
+            warmup_s=args.warmup,
+            settle_s=args.settle,
+            interval_s=args.interval,
+            idle_reads=args.idle_reads,
+            concurrency=args.concurrency,
+            storm_every_s=args.storm_every,
+            deadline_s=args.deadline,
+            engine_args=tuple(shlex.split(args.engine_args)),
             rss_growth=args.rss_growth,
-        )  # fmt: skip
+        )
         mix_settings = mixes.MixSettings(
-            weights=args.weights, seed=args.seed,
+            weights=args.weights,
+            seed=args.seed,
             long_tokens=tuple(int(x) for x in args.long_tokens.split(",") if x.strip()),
-        )  # fmt: skip
+        )
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         out_dir = args.out or ROOT / "bench-results" / f"soak-{stamp}"
         out_dir.mkdir(parents=True, exist_ok=True)

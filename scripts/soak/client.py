@@ -414,13 +414,24 @@ async def perform(
 
 
 def _result(
-    plan: RequestPlan, outcome: Outcome, detail: str, reader: ResponseReader, started: float,
+    plan: RequestPlan,
+    outcome: Outcome,
+    detail: str,
+    reader: ResponseReader,
+    started: float,
     reused: bool,
-) -> Result:  # fmt: skip
+) -> Result:
     return Result(
-        plan.kind, plan.how, outcome, detail, reader.status, started,
-        trio.current_time() - started, reader.events, reused,
-    )  # fmt: skip
+        plan.kind,
+        plan.how,
+        outcome,
+        detail,
+        reader.status,
+        started,
+        trio.current_time() - started,
+        reader.events,
+        reused,
+    )
 
 
 async def _exchange(
@@ -522,8 +533,9 @@ async def fetch(host: str, port: int, path: str) -> tuple[int, bytes]:
         conn = Connection(stream)
         try:
             h = conn.h11
-            head = h11.Request(method="GET", target=path,
-                               headers=[("Host", host), ("Connection", "close")])  # fmt: skip
+            head = h11.Request(
+                method="GET", target=path, headers=[("Host", host), ("Connection", "close")]
+            )
             await stream.send_all(h.send(head) + h.send(h11.EndOfMessage()))
             await _read(plan, conn, reader)  # its verdict is for generation requests
         finally:

@@ -49,8 +49,12 @@ class Check:
     process: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "process": self.process, "passed": self.passed,
-                "detail": self.detail}  # fmt: skip
+        return {
+            "name": self.name,
+            "process": self.process,
+            "passed": self.passed,
+            "detail": self.detail,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +78,17 @@ class Sample:
 
     def to_dict(self, *, names: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "t_s": round(self.t_s, 3), "phase": self.phase, "process": self.process,
-            "rss_bytes": self.rss_bytes, "pss_bytes": self.pss_bytes,
-            "uss_bytes": self.uss_bytes, "fds": self.fds, "threads": self.threads,
-            "tasks": self.tasks, "cache_bytes": self.cache_bytes,
-        }  # fmt: skip
+            "t_s": round(self.t_s, 3),
+            "phase": self.phase,
+            "process": self.process,
+            "rss_bytes": self.rss_bytes,
+            "pss_bytes": self.pss_bytes,
+            "uss_bytes": self.uss_bytes,
+            "fds": self.fds,
+            "threads": self.threads,
+            "tasks": self.tasks,
+            "cache_bytes": self.cache_bytes,
+        }
         if self.error:
             d["error"] = self.error
         if names and self.tasks_by_name is not None:
@@ -127,8 +137,9 @@ def loaded_trend(samples: Sequence[Sample], phase: str = "load") -> float | None
     """The RSS trend over *phase* as a share of its fitted start: the fitted line's
     rise from the first sample to the last, over its value at the first (reported, not
     judged)."""
-    points = [(s.t_s, float(s.rss_bytes)) for s in samples
-              if s.phase == phase and s.rss_bytes is not None]  # fmt: skip
+    points = [
+        (s.t_s, float(s.rss_bytes)) for s in samples if s.phase == phase and s.rss_bytes is not None
+    ]
     k = slope(points)
     if k is None:
         return None
@@ -164,21 +175,29 @@ def judge_process(
     if start is None or end is None:
         checks.append(Check("rss", False, "idle RSS could not be read", process))
     else:
-        text = (f"idle RSS {statistics.median(start) / 2**20:.1f} → "
-                f"{statistics.median(end) / 2**20:.1f} MiB")  # fmt: skip
+        text = (
+            f"idle RSS {statistics.median(start) / 2**20:.1f} → "
+            f"{statistics.median(end) / 2**20:.1f} MiB"
+        )
         cache_start = values(samples, "idle_start", "cache_bytes")
         cache_end = values(samples, "idle_end", "cache_bytes")
         if cache_start is not None and cache_end is not None:
             # What the bounded cache holds is left out on both ends.
             start = [r - c for r, c in zip(start, cache_start, strict=True)]
             end = [r - c for r, c in zip(end, cache_end, strict=True)]
-            text += (f", of which the tokenizer cache {statistics.median(cache_start) / 2**20:.1f}"
-                     f" → {statistics.median(cache_end) / 2**20:.1f} MiB; without it")  # fmt: skip
+            text += (
+                f", of which the tokenizer cache {statistics.median(cache_start) / 2**20:.1f}"
+                f" → {statistics.median(cache_end) / 2**20:.1f} MiB; without it"
+            )
         g = growth(start, end)
-        checks.append(Check(
-            "rss", g <= limits.rss_growth,
-            f"{text} ({g:+.1%}; limit +{limits.rss_growth:.0%})", process,
-        ))  # fmt: skip
+        checks.append(
+            Check(
+                "rss",
+                g <= limits.rss_growth,
+                f"{text} ({g:+.1%}; limit +{limits.rss_growth:.0%})",
+                process,
+            )
+        )
     for name in COUNTED:
         if name == "tasks" and not has_tasks:
             continue
@@ -220,17 +239,29 @@ def judge_end_state(end: Mapping[str, Any]) -> list[Check]:
     ``health`` (the status of ``/health``) and ``exit_status`` after SIGTERM."""
     checks = []
     busy = {k: v for k, v in end.get("inflight", {}).items() if v != 0}
-    checks.append(Check("inflight_at_end", not busy,
-                        f"requests in flight once idle: {busy or 'none'}"))  # fmt: skip
+    checks.append(
+        Check("inflight_at_end", not busy, f"requests in flight once idle: {busy or 'none'}")
+    )
     held = {k: v for k, v in end.get("kv", {}).items() if any(v.values())}
     if "kv" in end:
-        checks.append(Check("kv_at_end", not held,
-                            f"KV blocks used / transfers held once idle: {held or 'none'}"))
+        checks.append(
+            Check(
+                "kv_at_end",
+                not held,
+                f"KV blocks used / transfers held once idle: {held or 'none'}",
+            )
+        )
     restarted = list(end.get("restarted", ()))
-    checks.append(Check("no_restarts", not restarted,
-                        f"processes that died or were replaced: {restarted or 'none'}"))
-    checks.append(Check("health_at_end", end.get("health") == 200,
-                        f"/health answered {end.get('health')}"))
+    checks.append(
+        Check(
+            "no_restarts",
+            not restarted,
+            f"processes that died or were replaced: {restarted or 'none'}",
+        )
+    )
+    checks.append(
+        Check("health_at_end", end.get("health") == 200, f"/health answered {end.get('health')}")
+    )
     status = end.get("exit_status")
     checks.append(Check("clean_exit", status == 0, f"exit status after SIGTERM: {status}"))
     return checks

@@ -61,8 +61,9 @@ async def drive(
 
     async def client() -> None:
         while trio.current_time() < stop_at:
-            results.append(await perform(mix.next(), pool, deadline_s=deadline_s,
-                                         in_flight=in_flight))  # fmt: skip
+            results.append(
+                await perform(mix.next(), pool, deadline_s=deadline_s, in_flight=in_flight)
+            )
 
     try:
         async with trio.open_nursery() as nursery:

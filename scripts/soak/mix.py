@@ -74,18 +74,21 @@ INVALID: Sequence[Invalid] = (
     Invalid("not_an_object", 400, b"[1, 2, 3]"),
     Invalid("no_messages", 400, _json({"model": MODEL})),
     Invalid("empty_messages", 400, _json({"model": MODEL, "messages": []})),
-    Invalid("bad_role", 400, _json({"model": MODEL,
-                                    "messages": [{"role": "wizard", "content": "hi"}]})),
-    Invalid("negative_max_tokens", 400, _json({"model": MODEL, "messages": _HELLO,
-                                               "max_tokens": -1})),
-    Invalid("string_temperature", 400, _json({"model": MODEL, "messages": _HELLO,
-                                              "temperature": "hot"})),
+    Invalid(
+        "bad_role", 400, _json({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]})
+    ),
+    Invalid(
+        "negative_max_tokens", 400, _json({"model": MODEL, "messages": _HELLO, "max_tokens": -1})
+    ),
+    Invalid(
+        "string_temperature", 400, _json({"model": MODEL, "messages": _HELLO, "temperature": "hot"})
+    ),
     Invalid("unknown_model", 404, _json({"model": "no-such-model", "messages": _HELLO})),
     Invalid("completion_without_prompt", 400, _json({"model": MODEL}), path=COMPLETIONS),
     Invalid("text_plain", 415, b"hello", content_type="text/plain"),
     Invalid("get_on_post_route", 405, b"", method="GET"),
     Invalid("unknown_path", 404, _json({"model": MODEL}), path="/v1/no-such-route"),
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,30 +143,63 @@ class Mix:
         if kind == "invalid":
             bad = rng.choice(INVALID)
             return RequestPlan(
-                f"invalid:{bad.name}", bad.method, bad.path, bad.body, stream=False,
-                expect="client_error", content_type=bad.content_type,
-            )  # fmt: skip
+                f"invalid:{bad.name}",
+                bad.method,
+                bad.path,
+                bad.body,
+                stream=False,
+                expect="client_error",
+                content_type=bad.content_type,
+            )
         if kind in ("short_unary", "short_stream"):
-            return self._plan(kind, long=False, stream=kind == "short_stream",
-                              max_tokens=rng.randint(8, 64))  # fmt: skip
+            return self._plan(
+                kind, long=False, stream=kind == "short_stream", max_tokens=rng.randint(8, 64)
+            )
         if kind in ("long_unary", "long_stream"):
-            return self._plan(kind, long=True, stream=kind == "long_stream",
-                              max_tokens=rng.randint(4, 32))  # fmt: skip
+            return self._plan(
+                kind, long=True, stream=kind == "long_stream", max_tokens=rng.randint(4, 32)
+            )
         if kind in ("cancel", "reset_stream"):
             how: How = "cancel" if kind == "cancel" else "reset_events"
-            return self._plan(kind, long=rng.random() < 1 / 3, stream=True, max_tokens=256,
-                              how=how, after_events=rng.randint(1, 6))  # fmt: skip
+            return self._plan(
+                kind,
+                long=rng.random() < 1 / 3,
+                stream=True,
+                max_tokens=256,
+                how=how,
+                after_events=rng.randint(1, 6),
+            )
         if kind == "reset_wait":
-            return self._plan(kind, long=rng.random() < 0.8, stream=rng.random() < 0.5,
-                              max_tokens=64, how="reset_wait",
-                              after_s=round(rng.uniform(0.05, 1.5), 3))  # fmt: skip
+            return self._plan(
+                kind,
+                long=rng.random() < 0.8,
+                stream=rng.random() < 0.5,
+                max_tokens=64,
+                how="reset_wait",
+                after_s=round(rng.uniform(0.05, 1.5), 3),
+            )
         assert kind == "reset_upload"
-        return self._plan(kind, long=True, stream=False, max_tokens=16, how="reset_upload",
-                          upload_fraction=round(rng.uniform(0.1, 0.9), 3))  # fmt: skip
+        return self._plan(
+            kind,
+            long=True,
+            stream=False,
+            max_tokens=16,
+            how="reset_upload",
+            upload_fraction=round(rng.uniform(0.1, 0.9), 3),
+        )
 
-    def _plan(self, kind: str, *, long: bool, stream: bool, max_tokens: int,
-              how: How = "complete", after_events: int = 0, after_s: float = 0.0,
-              upload_fraction: float = 0.5) -> RequestPlan:  # fmt: skip
+    def _plan(
+        self,
+        kind: str,
+        *,
+        long: bool,
+        stream: bool,
+        max_tokens: int,
+        how: How = "complete",
+        after_events: int = 0,
+        after_s: float = 0.0,
+        upload_fraction: float = 0.5,
+    ) -> RequestPlan:
         rng = self._rng
         if long:
             size = rng.choice(sorted(self._pool.long))
@@ -176,9 +212,16 @@ class Mix:
         make = prompts.completion_body if completions else prompts.chat_body
         body = orjson.dumps(make(unique, stream=stream, max_tokens=max_tokens, model=MODEL))
         return RequestPlan(
-            kind, "POST", COMPLETIONS if completions else CHAT, body, stream=stream, how=how,
-            after_events=after_events, after_s=after_s, upload_fraction=upload_fraction,
-        )  # fmt: skip
+            kind,
+            "POST",
+            COMPLETIONS if completions else CHAT,
+            body,
+            stream=stream,
+            how=how,
+            after_events=after_events,
+            after_s=after_s,
+            upload_fraction=upload_fraction,
+        )
 
 
 def kind_family(kind: str) -> str:

@@ -37,9 +37,13 @@ def plot(results: Mapping[str, Any], path: Path) -> Path:
 
     targets = results["targets"]
     fig, axes = plt.subplots(
-        4, len(targets), figsize=(7.0 * len(targets), 11.5), squeeze=False, sharex="col",
+        4,
+        len(targets),
+        figsize=(7.0 * len(targets), 11.5),
+        squeeze=False,
+        sharex="col",
         gridspec_kw={"height_ratios": [3, 2, 2, 1.6]},
-    )  # fmt: skip
+    )
     for col, t in enumerate(targets):
         ax_rss, ax_tasks, ax_fds, ax_req = (axes[row][col] for row in range(4))
         for ax in (ax_rss, ax_tasks, ax_fds, ax_req):
@@ -59,8 +63,7 @@ def plot(results: Mapping[str, Any], path: Path) -> Path:
             ax_rss.plot(*zip(*rss, strict=True), "-", lw=1.3, color=color, label=label)
             tasks = [(s["t_s"], s["tasks"]) for s in own if s["tasks"] is not None]
             if tasks:
-                ax_tasks.plot(*zip(*tasks, strict=True), "-", lw=1.2, color=color,
-                              label=p["name"])  # fmt: skip
+                ax_tasks.plot(*zip(*tasks, strict=True), "-", lw=1.2, color=color, label=p["name"])
             fds = [(s["t_s"], s["fds"]) for s in own if s["fds"] is not None]
             if fds:
                 ax_fds.plot(*zip(*fds, strict=True), "-", lw=1.2, color=color, label=p["name"])
@@ -70,15 +73,17 @@ def plot(results: Mapping[str, Any], path: Path) -> Path:
         for outcome, color in OUTCOME_COLORS.items():
             n = [float(b.get(outcome, 0)) for b in bins]
             if any(n):
-                ax_req.bar(xs, n, width=10.0, align="edge", bottom=bottom, color=color,
-                           label=outcome, lw=0)  # fmt: skip
+                ax_req.bar(
+                    xs, n, width=10.0, align="edge", bottom=bottom, color=color, label=outcome, lw=0
+                )
                 bottom = [a + b for a, b in zip(bottom, n, strict=True)]
         verdict = "PASS" if t["passed"] else "FAIL"
         req = t["requests"]
         ax_rss.set_title(
             f"{t['target']}: {verdict}, {req['total']:,} requests, "
-            f"{req['by_outcome'].get('lost', 0)} lost", fontsize=11,
-        )  # fmt: skip
+            f"{req['by_outcome'].get('lost', 0)} lost",
+            fontsize=11,
+        )
         ax_rss.set_ylabel("RSS (MiB)")
         ax_rss.set_ylim(bottom=0)
         ax_rss.legend(fontsize=7, loc="lower right")
@@ -90,14 +95,17 @@ def plot(results: Mapping[str, Any], path: Path) -> Path:
         ax_fds.legend(fontsize=7, loc="upper right")
         ax_req.set_ylabel("requests ended / 10 s")
         ax_req.legend(fontsize=7, loc="upper right", ncol=4)
-        ax_req.set_xlabel("seconds since the target was up (shaded: warm-up; grey: idle, "
-                          "darker: the reads compared)")  # fmt: skip
+        ax_req.set_xlabel(
+            "seconds since the target was up (shaded: warm-up; grey: idle, "
+            "darker: the reads compared)"
+        )
     s = results["settings"]
     fig.suptitle(
         f"Soak: {s['duration_s']:g} s of mixed load per target at concurrency "
         f"{s['concurrency']}, disconnect storm every {s['storm_every_s']:g} s "
-        f"({results['started']}, {results['machine']['cpus']} CPUs, shared)", fontsize=11,
-    )  # fmt: skip
+        f"({results['started']}, {results['machine']['cpus']} CPUs, shared)",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -142,8 +150,10 @@ OUTCOMES = ("ok", "rejected", "error", "cancelled", "disconnected", "lost", "wro
 
 def request_table(results: Mapping[str, Any]) -> str:
     """Requests by kind and outcome, per target."""
-    lines = ["| target | kind | " + " | ".join(OUTCOMES) + " |",
-             "|---|---|" + "---|" * len(OUTCOMES)]  # fmt: skip
+    lines = [
+        "| target | kind | " + " | ".join(OUTCOMES) + " |",
+        "|---|---|" + "---|" * len(OUTCOMES),
+    ]
     for t in results["targets"]:
         rows = {**t["requests"]["by_kind"], "all": t["requests"]["by_outcome"]}
         for kind, counts in rows.items():
@@ -153,8 +163,9 @@ def request_table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def rss_floors(samples: Sequence[Mapping[str, Any]], start_s: float, end_s: float,
-               window_s: float = 60.0) -> list[int | None]:
+def rss_floors(
+    samples: Sequence[Mapping[str, Any]], start_s: float, end_s: float, window_s: float = 60.0
+) -> list[int | None]:
     """The lowest RSS read in each *window_s* window of ``[start_s, end_s)``: under load RSS
     swings with what is in flight at the instant of the read, its floor does not; a floor
     that keeps rising window after window is memory kept, a flat one is a working size
@@ -187,11 +198,20 @@ def floor_table(results: Mapping[str, Any], window_s: float = 60.0) -> str:
             own = [s for s in t["samples"] if s["process"] == p["name"]]
             floors = rss_floors(own, load["start_s"], load["end_s"], window_s)
             width = max(width, len(floors))
-            rows.append((t["target"], p["name"], p["idle_start"]["rss_bytes"], floors,
-                         p["idle_end"]["rss_bytes"]))  # fmt: skip
+            rows.append(
+                (
+                    t["target"],
+                    p["name"],
+                    p["idle_start"]["rss_bytes"],
+                    floors,
+                    p["idle_end"]["rss_bytes"],
+                )
+            )
     minutes = " | ".join(f"{i + 1}" for i in range(width))
-    lines = [f"| target | process | idle start | {minutes} | idle end |",
-             "|---|---|---|" + "---|" * width + "---|"]  # fmt: skip
+    lines = [
+        f"| target | process | idle start | {minutes} | idle end |",
+        "|---|---|---|" + "---|" * width + "---|",
+    ]
     for target, name, start, floors, end in rows:
         cells = " | ".join(_mib(f) for f in [*floors, *[None] * (width - len(floors))])
         lines.append(f"| {target} | {name} | {_mib(start)} | {cells} | {_mib(end)} |")
@@ -202,8 +222,10 @@ def slim(results: Mapping[str, Any]) -> dict[str, Any]:
     """The results for docs/data: samples without task names, no per-log first lines."""
     out = dict(results)
     out["targets"] = [
-        {**t, "samples": [{k: v for k, v in s.items() if k != "tasks_by_name"}
-                          for s in t["samples"]]}
+        {
+            **t,
+            "samples": [{k: v for k, v in s.items() if k != "tasks_by_name"} for s in t["samples"]],
+        }
         for t in results["targets"]
-    ]  # fmt: skip
+    ]
     return out

@@ -118,15 +118,18 @@ class Measured:
     t0: float
 
 
-async def soak(name: str, settings: Settings, mix: Mix, out_dir: Path, say: Any = print
-               ) -> Measured:  # fmt: skip
+async def soak(
+    name: str, settings: Settings, mix: Mix, out_dir: Path, say: Any = print
+) -> Measured:
     """Run the phases against target *name*; its logs go to ``out_dir/name``."""
     tdir = out_dir / name
     await trio.Path(tdir).mkdir(parents=True, exist_ok=True)
     async with trio.open_nursery() as nursery:
         target = await start_target(name, nursery, tdir, settings.engine_args)
-        say(f"{name}: up at {target.url}: "
-            + ", ".join(f"{p.name} (pid {p.pid})" for p in target.processes))  # fmt: skip
+        say(
+            f"{name}: up at {target.url}: "
+            + ", ".join(f"{p.name} (pid {p.pid})" for p in target.processes)
+        )
         t0 = trio.current_time()
         sampler = Sampler(target.processes, t0)
         results: list[Result] = []
@@ -148,12 +151,19 @@ async def soak(name: str, settings: Settings, mix: Mix, out_dir: Path, say: Any 
                     enter("load")
                 extended, held = 0.0, -1
                 while True:
-                    pools.append(await drive(
-                        mix, HOST, target.port, concurrency=settings.concurrency,
-                        duration_s=seconds, deadline_s=settings.deadline_s,
-                        storm_every_s=settings.storm_every_s or None, results=results,
-                        storms=storms,
-                    ))  # fmt: skip
+                    pools.append(
+                        await drive(
+                            mix,
+                            HOST,
+                            target.port,
+                            concurrency=settings.concurrency,
+                            duration_s=seconds,
+                            deadline_s=settings.deadline_s,
+                            storm_every_s=settings.storm_every_s or None,
+                            results=results,
+                            storms=storms,
+                        )
+                    )
                     if phase != "warmup" or extended >= WARMUP_CAP_S:
                         break
                     now_held, budget = await tokenizer_caches(target.processes)
@@ -174,10 +184,24 @@ async def soak(name: str, settings: Settings, mix: Mix, out_dir: Path, say: Any 
         say(f"{name}: end state {end}; stopping (SIGTERM)")
         end["exit_status"] = await target.child.stop(grace=STOP_GRACE_S)
         phases[-1].end_s = trio.current_time() - t0
-    logs = {str(p.relative_to(out_dir)): await trio.to_thread.run_sync(scan_log, p)
-            for p in target.logs if p.exists()}  # fmt: skip
-    return Measured(name, target.url, target.processes, sampler.samples, results, phases,
-                    storms, pools, end, logs, t0)  # fmt: skip
+    logs = {
+        str(p.relative_to(out_dir)): await trio.to_thread.run_sync(scan_log, p)
+        for p in target.logs
+        if p.exists()
+    }
+    return Measured(
+        name,
+        target.url,
+        target.processes,
+        sampler.samples,
+        results,
+        phases,
+        storms,
+        pools,
+        end,
+        logs,
+        t0,
+    )
 
 
 async def tokenizer_caches(processes: Sequence[Watched]) -> tuple[int, int]:
@@ -248,8 +272,7 @@ def scan_log(path: Path) -> dict[str, Any]:
                 errors += 1
                 if len(first) < 5:
                     first.append(line.rstrip()[:300])
-    return {"errors": errors, "tracebacks": tracebacks, "warnings": warnings,
-            "first_errors": first}  # fmt: skip
+    return {"errors": errors, "tracebacks": tracebacks, "warnings": warnings, "first_errors": first}
 
 
 # --- analysis (pure) ------------------------------------------------------------------------
@@ -281,29 +304,43 @@ def analyse(m: Measured, settings: Settings) -> dict[str, Any]:
         growth = None
         if start["rss_bytes"] and end["rss_bytes"]:
             growth = (end["rss_bytes"] - start["rss_bytes"]) / start["rss_bytes"]
-        processes.append({
-            "name": w.name, "pid": w.pid, "role": w.role, "judged": w.judged,
-            "has_tasks": w.runtime_port is not None, "idle_start": start, "idle_end": end,
-            "peak_rss_bytes": max(rss, default=None), "rss_growth": growth,
-            "loaded_rss_trend": loaded_trend(own), "task_names_grown": name_leaks(own),
-            "read_errors": sum(s.error is not None for s in own),
-        })  # fmt: skip
+        processes.append(
+            {
+                "name": w.name,
+                "pid": w.pid,
+                "role": w.role,
+                "judged": w.judged,
+                "has_tasks": w.runtime_port is not None,
+                "idle_start": start,
+                "idle_end": end,
+                "peak_rss_bytes": max(rss, default=None),
+                "rss_growth": growth,
+                "loaded_rss_trend": loaded_trend(own),
+                "task_names_grown": name_leaks(own),
+                "read_errors": sum(s.error is not None for s in own),
+            }
+        )
         if w.judged:
-            checks += judge_process(w.name, own, has_tasks=w.runtime_port is not None,
-                                    limits=limits)  # fmt: skip
+            checks += judge_process(
+                w.name, own, has_tasks=w.runtime_port is not None, limits=limits
+            )
     counts = Counter(r.outcome.value for r in m.results)
     bad = [r for r in m.results if r.outcome in FAILING]
     examples = [f"{r.kind} ({r.how}) at {r.started - m.t0:.0f} s: {r.detail}" for r in bad]
     checks += judge_requests(counts, examples)
     checks += judge_end_state(m.end)
     logged = {k: v["errors"] + v["tracebacks"] for k, v in m.logs.items()}
-    checks.append(Check("logs", not any(logged.values()),
-                        f"ERROR lines and tracebacks per log: {logged}"))  # fmt: skip
+    checks.append(
+        Check("logs", not any(logged.values()), f"ERROR lines and tracebacks per log: {logged}")
+    )
     by_kind: dict[str, Counter[str]] = {}
     for r in m.results:
         by_kind.setdefault(kind_family(r.kind), Counter())[r.outcome.value] += 1
-    details = Counter(f"{r.outcome.value}: {r.detail}" for r in m.results
-                      if r.outcome in (*FAILING, Outcome.ERROR))  # fmt: skip
+    details = Counter(
+        f"{r.outcome.value}: {r.detail}"
+        for r in m.results
+        if r.outcome in (*FAILING, Outcome.ERROR)
+    )
     load = next((p for p in m.phases if p.name == "load"), None)
     in_load = [r for r in m.results if load and load.start_s <= r.started - m.t0 < load.end_s]
     return {
@@ -318,10 +355,10 @@ def analyse(m: Measured, settings: Settings) -> dict[str, Any]:
             "by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
             "problems": dict(details.most_common(20)),
             "failing_examples": examples[:20],
-            "load_phase_per_s": round(len(in_load) / load_seconds(m.phases), 2)
-            if load else None,
-            "durations_s": _percentiles([r.duration_s for r in m.results
-                                         if r.outcome is Outcome.OK]),
+            "load_phase_per_s": round(len(in_load) / load_seconds(m.phases), 2) if load else None,
+            "durations_s": _percentiles(
+                [r.duration_s for r in m.results if r.outcome is Outcome.OK]
+            ),
             "timeline": request_bins(m.results, m.t0),
         },
         "storms": {"count": len(m.storms.times), "reset": m.storms.reset},
@@ -351,8 +388,9 @@ def _percentiles(vs: Sequence[float]) -> dict[str, float] | None:
 BIN_S = 10.0
 
 
-def request_bins(results: Sequence[Result], t0: float, bin_s: float = BIN_S
-                 ) -> list[dict[str, Any]]:  # fmt: skip
+def request_bins(
+    results: Sequence[Result], t0: float, bin_s: float = BIN_S
+) -> list[dict[str, Any]]:
     """Requests that ended in each *bin_s* bin, by outcome."""
     bins: dict[int, Counter[str]] = {}
     for r in results:
@@ -360,8 +398,9 @@ def request_bins(results: Sequence[Result], t0: float, bin_s: float = BIN_S
         bins.setdefault(index, Counter())[r.outcome.value] += 1
     if not bins:
         return []
-    return [{"t_s": i * bin_s, **dict(bins.get(i, Counter()))}
-            for i in range(min(bins), max(bins) + 1)]  # fmt: skip
+    return [
+        {"t_s": i * bin_s, **dict(bins.get(i, Counter()))} for i in range(min(bins), max(bins) + 1)
+    ]
 
 
 def machine() -> dict[str, Any]:
@@ -379,8 +418,10 @@ def machine() -> dict[str, Any]:
 def summary_lines(record: Mapping[str, Any]) -> list[str]:
     """The human summary of one target: the verdict, then each failed check."""
     verdict = "PASS" if record["passed"] else "FAIL"
-    lines = [f"{record['target']}: {verdict} ({record['requests']['total']} requests: "
-             f"{record['requests']['by_outcome']})"]  # fmt: skip
+    lines = [
+        f"{record['target']}: {verdict} ({record['requests']['total']} requests: "
+        f"{record['requests']['by_outcome']})"
+    ]
     for c in record["checks"]:
         mark = "ok  " if c["passed"] else "FAIL"
         who = f"{c['process']}: " if c["process"] else ""

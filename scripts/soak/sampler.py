@@ -79,7 +79,16 @@ class Sampler:
             except (OSError, ValueError, KeyError, TypeError, trio.TooSlowError) as exc:
                 errors.append(f"/dashboard/data: {type(exc).__name__}: {exc}")
         out[i] = Sample(
-            t_s, phase, process.name, rss_bytes=p.rss_bytes, pss_bytes=p.pss_bytes,
-            uss_bytes=p.uss_bytes, fds=p.fds, threads=p.threads, tasks=tasks,
-            tasks_by_name=names, cache_bytes=cache, error="; ".join(errors) or None,
-        )  # fmt: skip
+            t_s,
+            phase,
+            process.name,
+            rss_bytes=p.rss_bytes,
+            pss_bytes=p.pss_bytes,
+            uss_bytes=p.uss_bytes,
+            fds=p.fds,
+            threads=p.threads,
+            tasks=tasks,
+            tasks_by_name=names,
+            cache_bytes=cache,
+            error="; ".join(errors) or None,
+        )

@@ -79,9 +79,12 @@ async def start_serve(
     ``/health`` is 200."""
     env = child_env({"PYTHONPATH": str(ROOT)})
     frontend = await start_frontend(
-        nursery, log_dir=out_dir, name="serve", extra_args=["--log-level", "info", *extra_args],
+        nursery,
+        log_dir=out_dir,
+        name="serve",
+        extra_args=["--log-level", "info", *extra_args],
         env=env,
-    )  # fmt: skip
+    )
     await wait_healthy(frontend.address, child=frontend)
     watched = [Watched("frontend", frontend.pid, "frontend", runtime_port=frontend.port)]
     return Target("serve", frontend.address, frontend, watched, [out_dir / "serve.log"])
@@ -124,10 +127,26 @@ async def start_launch(
     ``/health`` is 200. *extra_args* go to every worker's engine (before ``--``)."""
     workdir = out_dir / "launch-cluster"
     argv = [
-        sys.executable, "-m", "headwater", "launch", "--port", "0", "--prefill", "1",
-        "--decode", "1", "--worker-metrics", "--restart-budget", "0",
-        "--workdir", str(workdir), *extra_args, "--", "--log-level", "info",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "headwater",
+        "launch",
+        "--port",
+        "0",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--worker-metrics",
+        "--restart-budget",
+        "0",
+        "--workdir",
+        str(workdir),
+        *extra_args,
+        "--",
+        "--log-level",
+        "info",
+    ]
     env = child_env({"PYTHONPATH": str(ROOT)})
     child = await spawn(ChildProcess, nursery, "launch", argv, out_dir / "launch.log", env=env)
     lines: list[str] = []

@@ -272,7 +272,6 @@ class EtcdRegistration:
             await nursery_cm.__aexit__(None, None, None)
 
 
-
 class RegistrationHooks:
     """A worker's etcd registration tied to :func:`workers.lifecycle.serve_worker`'s lifecycle.
 
@@ -319,13 +318,20 @@ class RegistrationHooks:
 
     async def on_ready(self, address: str, capabilities: Capabilities | None = None) -> None:
         instance = WorkerInstance(
-            self.worker_id, Role(self.role), self.model, address, capacity=self.capacity,
+            self.worker_id,
+            Role(self.role),
+            self.model,
+            address,
+            capacity=self.capacity,
             capabilities=capabilities,
-        )  # fmt: skip
+        )
         registration = EtcdRegistration(
-            self.endpoints, instance, ttl=self.ttl, secret=self.secret,
+            self.endpoints,
+            instance,
+            ttl=self.ttl,
+            secret=self.secret,
             credentials=self.credentials,
-        )  # fmt: skip
+        )
         with trio.move_on_after(self.register_timeout) as scope:
             await self._nursery.start(registration.run)
         if scope.cancelled_caught:
@@ -402,6 +408,5 @@ async def follow_prefill_workers(
                     started = True
                     task_status.started()
                 delay = backoff.next()
-                log.warning("following prefill workers in etcd: %s; retrying in %.2f s",
-                            exc, delay)  # fmt: skip
+                log.warning("following prefill workers in etcd: %s; retrying in %.2f s", exc, delay)
                 await trio.sleep(delay)

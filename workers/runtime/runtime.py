@@ -190,18 +190,30 @@ class WorkerRuntime:
         outcome = "cancelled"
         t = tracer()
         traced = t.enabled and bool(request.traceparent)
-        span_cm = t.span(
-            "worker.request", parent=request.traceparent, tracestate=request.tracestate,
-            kind=SpanKind.SERVER, attributes={
-                "headwater.worker.id": self.worker_id, "headwater.plane.request_id": rid,
-                "gen_ai.usage.input_tokens": len(request.token_ids),
-                "headwater.kv_pull": request.kv_handle is not None,
-            },
-        ) if traced else NO_SPAN  # fmt: skip
+        span_cm = (
+            t.span(
+                "worker.request",
+                parent=request.traceparent,
+                tracestate=request.tracestate,
+                kind=SpanKind.SERVER,
+                attributes={
+                    "headwater.worker.id": self.worker_id,
+                    "headwater.plane.request_id": rid,
+                    "gen_ai.usage.input_tokens": len(request.token_ids),
+                    "headwater.kv_pull": request.kv_handle is not None,
+                },
+            )
+            if traced
+            else NO_SPAN
+        )
         try:
-            with span_cm as span, request_context(rid, span.trace_id), trace_context(
-                TraceContext(span)
-            ), self.activity, scope:  # fmt: skip
+            with (
+                span_cm as span,
+                request_context(rid, span.trace_id),
+                trace_context(TraceContext(span)),
+                self.activity,
+                scope,
+            ):
                 await replies.send(Ack(rid))
                 try:
                     async with aclosing(self.engine.generate(request)) as chunks:
@@ -237,7 +249,6 @@ class WorkerRuntime:
                 self._idle.set()
             with trio.move_on_after(1, shield=True):
                 await replies.aclose()
-
 
     async def _send(self, replies: trio.abc.SendChannel[Reply], chunk: Chunk) -> None:
         """Send *chunk*; if it carries a KV handle and cannot go (the caller left, or

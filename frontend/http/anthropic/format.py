@@ -79,8 +79,13 @@ class MessagesFormat(ResponseFormat[Delta]):
 
     DONE = b""  # an Anthropic stream ends with message_stop
 
-    def __init__(self, prep: Prepared[ParsedRequest], *, max_tool_calls: int | None = None,
-                 show_thinking: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prep: Prepared[ParsedRequest],
+        *,
+        max_tool_calls: int | None = None,
+        show_thinking: bool = True,
+    ) -> None:
         self.show_thinking = show_thinking
         self.id = MESSAGE_PREFIX + prep.request_id
         self.model = prep.parsed.model
@@ -90,27 +95,31 @@ class MessagesFormat(ResponseFormat[Delta]):
 
     def _usage(self, delta: Delta) -> dict[str, int]:
         cached = min(delta.cached_tokens, self.prompt_tokens)
-        return {"input_tokens": self.prompt_tokens - cached,
-                "output_tokens": delta.completion_tokens,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
-
-    def _message(self, content: list[dict[str, Any]], last: Delta, *, done: bool
-                 ) -> dict[str, Any]:  # fmt: skip
         return {
-            "id": self.id, "type": "message", "role": "assistant", "content": content,
+            "input_tokens": self.prompt_tokens - cached,
+            "output_tokens": delta.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
+
+    def _message(self, content: list[dict[str, Any]], last: Delta, *, done: bool) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": content,
             "model": self.model,
             "stop_reason": stop_reason(last) if done else None,
             "stop_sequence": last.stop_sequence if done else None,
             "usage": self._usage(last),
-        }  # fmt: skip
+        }
 
     # -- unary -------------------------------------------------------------------------
 
     def unary(self, deltas: list[Delta]) -> bytes:
         for d in deltas:
             self.tracker.feed(d)
-        content = [self._whole(b) for b in self.tracker.blocks] or [{"type": "text",
-                                                                     "text": ""}]
+        content = [self._whole(b) for b in self.tracker.blocks] or [{"type": "text", "text": ""}]
         return orjson.dumps(self._message(content, deltas[-1], done=True))
 
     # -- stream ------------------------------------------------------------------------
@@ -119,8 +128,7 @@ class MessagesFormat(ResponseFormat[Delta]):
         out = b""
         if not self._started:
             self._started = True
-            start = self._message([], Delta("", 0, cached_tokens=delta.cached_tokens),
-                                  done=False)  # fmt: skip
+            start = self._message([], Delta("", 0, cached_tokens=delta.cached_tokens), done=False)
             out += sse("message_start", {"type": "message_start", "message": start})
             out += sse("ping", {"type": "ping"})
         events = self.tracker.feed(delta)
@@ -131,12 +139,17 @@ class MessagesFormat(ResponseFormat[Delta]):
                 events += [Opened(empty), Closed(empty)]
         out += b"".join(map(self._event, events))
         if delta.finish_reason is not None:
-            out += sse("message_delta", {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(delta),
-                          "stop_sequence": delta.stop_sequence},
-                "usage": self._usage(delta),
-            })  # fmt: skip
+            out += sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": stop_reason(delta),
+                        "stop_sequence": delta.stop_sequence,
+                    },
+                    "usage": self._usage(delta),
+                },
+            )
             out += sse("message_stop", {"type": "message_stop"})
         return out
 
@@ -146,7 +159,6 @@ class MessagesFormat(ResponseFormat[Delta]):
     def error(self, err: ApiError) -> bytes:
         return sse("error", anthropic_error_body(err))
 
-
     def _whole(self, block: Block) -> dict[str, Any]:
         """A block of a unary Message."""
         if block.kind == "reasoning":
@@ -154,8 +166,12 @@ class MessagesFormat(ResponseFormat[Delta]):
             return {"type": "thinking", "thinking": text, "signature": ""}
         if block.kind == "text":
             return {"type": "text", "text": block.text}
-        return {"type": "tool_use", "id": block.call_id, "name": block.name,
-                "input": tool_input(block)}  # fmt: skip
+        return {
+            "type": "tool_use",
+            "id": block.call_id,
+            "name": block.name,
+            "input": tool_input(block),
+        }
 
     def _event(self, e: Event) -> bytes:
         if isinstance(e, Added) and e.block.kind == "reasoning" and not self.show_thinking:
@@ -174,13 +190,20 @@ def _event(e: Event) -> bytes:
             start = {"type": "text", "text": ""}
         else:
             start = {"type": "tool_use", "id": b.call_id, "name": b.name, "input": {}}
-        return sse("content_block_start", {"type": "content_block_start", "index": index,
-                                           "content_block": start})  # fmt: skip
+        return sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": start},
+        )
     if isinstance(e, Added):
         kind = e.block.kind
-        delta = ({"type": "thinking_delta", "thinking": e.text} if kind == "reasoning" else
-                 {"type": "text_delta", "text": e.text} if kind == "text" else
-                 {"type": "input_json_delta", "partial_json": e.text})  # fmt: skip
-        return sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                           "delta": delta})  # fmt: skip
+        delta = (
+            {"type": "thinking_delta", "thinking": e.text}
+            if kind == "reasoning"
+            else {"type": "text_delta", "text": e.text}
+            if kind == "text"
+            else {"type": "input_json_delta", "partial_json": e.text}
+        )
+        return sse(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
     return sse("content_block_stop", {"type": "content_block_stop", "index": index})

@@ -80,8 +80,15 @@ class RedactedThinkingBlock(_Block, kw_only=True, tag="redacted_thinking"):
     data: str
 
 
-ContentBlock = (TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock
-                | ThinkingBlock | RedactedThinkingBlock)  # fmt: skip
+ContentBlock = (
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+)
 
 
 class AnthropicMessage(Struct, kw_only=True):
@@ -130,14 +137,23 @@ class _Thinking(Struct, kw_only=True, tag_field="type"):
     pass
 
 
-Display = Annotated[Literal["summarized", "omitted"], Meta(description=(
-    "omitted: thinking blocks come without their text"))]  # fmt: skip
+Display = Annotated[
+    Literal["summarized", "omitted"],
+    Meta(description=("omitted: thinking blocks come without their text")),
+]
 
 
 class ThinkingEnabled(_Thinking, kw_only=True, tag="enabled"):
-    budget_tokens: Annotated[int, Meta(ge=1024, description=(
-        "at least 1024 and below max_tokens, as Anthropic requires; max_tokens bounds "
-        "the reasoning and the answer together"))]  # fmt: skip
+    budget_tokens: Annotated[
+        int,
+        Meta(
+            ge=1024,
+            description=(
+                "at least 1024 and below max_tokens, as Anthropic requires; max_tokens bounds "
+                "the reasoning and the answer together"
+            ),
+        ),
+    ]
     display: Display | None = None
 
 
@@ -161,11 +177,18 @@ Effort = Literal["low", "medium", "high", "xhigh", "max"]
 
 
 class OutputConfig(Struct, kw_only=True):
-    effort: Annotated[Effort, Meta(description=(
-        "with thinking on: max and xhigh ask DeepSeek-V4 for its maximum effort"
-    ))] | None = None  # fmt: skip
-    format: Annotated[FreeFormObject, Meta(description="not supported: only null")
-                      ] | None = None  # fmt: skip
+    effort: (
+        Annotated[
+            Effort,
+            Meta(
+                description=(
+                    "with thinking on: max and xhigh ask DeepSeek-V4 for its maximum effort"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    format: Annotated[FreeFormObject, Meta(description="not supported: only null")] | None = None
 
 
 class Metadata(Struct, kw_only=True):
@@ -189,8 +212,9 @@ System = str | Annotated[list[SystemBlock], Parts]
 class Conversation(Struct, kw_only=True):
     """What both routes read: the conversation and what is rendered with it."""
 
-    model: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS,
-                               description="the served model's name")]  # fmt: skip
+    model: Annotated[
+        str, Meta(min_length=1, max_length=MAX_NAME_CHARS, description="the served model's name")
+    ]
     messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
     system: System | None = None
     tools: list[AnthropicTool] | None = None
@@ -241,8 +265,9 @@ class AnthropicUsage(Struct, kw_only=True):
     input_tokens: Annotated[int, Meta(description="prompt tokens not read from the cache")]
     output_tokens: int
     cache_creation_input_tokens: int
-    cache_read_input_tokens: Annotated[int, Meta(description=(
-        "prompt tokens the engine had cached"))]  # fmt: skip
+    cache_read_input_tokens: Annotated[
+        int, Meta(description=("prompt tokens the engine had cached"))
+    ]
 
 
 class MessageResponse(Struct, kw_only=True):
@@ -282,8 +307,7 @@ class MessageStartEvent(Struct, kw_only=True, tag_field="type", tag="message_sta
     message: MessageResponse
 
 
-class ContentBlockStartEvent(Struct, kw_only=True, tag_field="type",
-                             tag="content_block_start"):  # fmt: skip
+class ContentBlockStartEvent(Struct, kw_only=True, tag_field="type", tag="content_block_start"):
     index: int
     content_block: OutBlock
 
@@ -300,8 +324,7 @@ class InputJsonDelta(Struct, kw_only=True, tag_field="type", tag="input_json_del
     partial_json: str
 
 
-class ContentBlockDeltaEvent(Struct, kw_only=True, tag_field="type",
-                             tag="content_block_delta"):  # fmt: skip
+class ContentBlockDeltaEvent(Struct, kw_only=True, tag_field="type", tag="content_block_delta"):
     index: int
     delta: TextDelta | ThinkingDelta | InputJsonDelta
 
@@ -330,6 +353,11 @@ class PingEvent(Struct, kw_only=True, tag_field="type", tag="ping"):
 
 #: One event of a Messages stream (its SSE ``event:`` line names its ``type``).
 StreamEvent = (
-    MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
-    | MessageDeltaEvent | MessageStopEvent | PingEvent
+    MessageStartEvent
+    | ContentBlockStartEvent
+    | ContentBlockDeltaEvent
+    | ContentBlockStopEvent
+    | MessageDeltaEvent
+    | MessageStopEvent
+    | PingEvent
 )

@@ -42,10 +42,14 @@ def add_messages_routes(app: QuartTrio, api: ApiContext) -> None:
         api.check_model(req.model)
         out = translate(req, api.limits)
         return await api.serve(
-            "messages", out.parsed.stream, partial(pipeline.preprocess, out.parsed),
-            pipeline.generate, partial(MessagesFormat, max_tool_calls=out.max_tool_calls,
-                                       show_thinking=out.show_thinking),
-        )  # fmt: skip
+            "messages",
+            out.parsed.stream,
+            partial(pipeline.preprocess, out.parsed),
+            pipeline.generate,
+            partial(
+                MessagesFormat, max_tool_calls=out.max_tool_calls, show_thinking=out.show_thinking
+            ),
+        )
 
     @app.post(COUNT_TOKENS_PATH)
     async def count_tokens() -> Response:

@@ -106,8 +106,10 @@ def translate(req: Conversation, limits: RequestLimits) -> Translated:
         kwargs["thinking"] = not isinstance(req.thinking, ThinkingDisabled)
     output = req.output_config
     if output is not None and output.format is not None:
-        raise bad_request("output_config.format (structured outputs) is not supported by this "
-                          "server", "output_config.format")  # fmt: skip
+        raise bad_request(
+            "output_config.format (structured outputs) is not supported by this server",
+            "output_config.format",
+        )
     if output is not None and output.effort is not None:
         kwargs["reasoning_effort"] = output.effort
 
@@ -115,9 +117,15 @@ def translate(req: Conversation, limits: RequestLimits) -> Translated:
     if isinstance(req, MessagesRequest):
         fields = _generation(req, limits)
     parsed = ParsedRequest(
-        endpoint="chat", model=req.model, messages=messages, tools=tools,
-        tool_choice=tool_choice, chat_template_kwargs=kwargs, text_chars=chars, **fields,
-    )  # fmt: skip
+        endpoint="chat",
+        model=req.model,
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        chat_template_kwargs=kwargs,
+        text_chars=chars,
+        **fields,
+    )
     display = getattr(req.thinking, "display", None)
     return Translated(parsed, max_calls, show_thinking=display != "omitted")
 
@@ -127,8 +135,9 @@ def _generation(req: MessagesRequest, limits: RequestLimits) -> dict[str, Any]:
     limits.check_max_tokens(req.max_tokens, "max_tokens")
     thinking = req.thinking
     if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= req.max_tokens:
-        raise bad_request("thinking.budget_tokens must be less than max_tokens",
-                          "thinking.budget_tokens")  # fmt: skip
+        raise bad_request(
+            "thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens"
+        )
     if req.top_k is not None:
         raise bad_request("top_k is not supported by this server", "top_k")
     stop = tuple(req.stop_sequences or ())
@@ -156,8 +165,7 @@ def _system(system: str | list[SystemBlock] | None) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}] if text else []
 
 
-def _message(message: AnthropicMessage, i: int, pending: list[_Pending]
-             ) -> list[dict[str, Any]]:  # fmt: skip
+def _message(message: AnthropicMessage, i: int, pending: list[_Pending]) -> list[dict[str, Any]]:
     """The chat messages one Messages message becomes; its tool calls' inputs join
     *pending*."""
     where = f"messages[{i}].content"
@@ -175,8 +183,13 @@ def _message(message: AnthropicMessage, i: int, pending: list[_Pending]
             if texts:  # text before a result stays before it
                 out.append({"role": "user", "content": "\n\n".join(texts)})
                 texts = []
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                        "content": _result_text(block, f"{where}[{j}]")})  # fmt: skip
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.tool_use_id,
+                    "content": _result_text(block, f"{where}[{j}]"),
+                }
+            )
         else:
             raise _unsupported(block, f"{where}[{j}]", "a user message")
     if texts or not out:
@@ -232,8 +245,9 @@ def _unsupported(block: msgspec.Struct, where: str, container: str) -> ApiError:
     return bad_request(f"{where}: a '{kind}' block is not supported here: {why}", "messages")
 
 
-def _tools(req: Conversation, limits: RequestLimits, free: FreeForm, chars: int
-           ) -> tuple[list[dict[str, Any]] | None, int]:  # fmt: skip
+def _tools(
+    req: Conversation, limits: RequestLimits, free: FreeForm, chars: int
+) -> tuple[list[dict[str, Any]] | None, int]:
     """The tools as the template's function tools, and the text counted so far (*chars*
     and theirs)."""
     if not req.tools:
@@ -242,8 +256,7 @@ def _tools(req: Conversation, limits: RequestLimits, free: FreeForm, chars: int
     names = [t.name for t in req.tools]
     if len(set(names)) != len(names):
         raise bad_request("tool names must be unique", "tools")
-    chars += sum(len(t.name) + len(t.description or "") + len(t.input_schema)
-                 for t in req.tools)  # fmt: skip
+    chars += sum(len(t.name) + len(t.description or "") + len(t.input_schema) for t in req.tools)
     limits.check_prompt_chars(chars, "tools")
     tools = []
     for j, t in enumerate(req.tools):
@@ -251,8 +264,16 @@ def _tools(req: Conversation, limits: RequestLimits, free: FreeForm, chars: int
         schema = free.decode(t.input_schema, "tools", where)
         if not isinstance(schema, dict):
             raise bad_request(f"'{where}' must be an object", "tools")
-        tools.append({"type": "function", "function": {
-            "name": t.name, "description": t.description or "", "parameters": schema}})
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": schema,
+                },
+            }
+        )
     return tools, chars
 
 
@@ -268,19 +289,27 @@ def _tool_choice(
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
     if isinstance(choice, ToolChoiceTool) and choice.name not in {
-            t["function"]["name"] for t in tools}:  # fmt: skip
-        raise bad_request(f"tool_choice names '{choice.name}', which is not in tools",
-                          "tool_choice.name")  # fmt: skip
+        t["function"]["name"] for t in tools
+    }:
+        raise bad_request(
+            f"tool_choice names '{choice.name}', which is not in tools", "tool_choice.name"
+        )
     # `any` and `tool` force a call: the answer must be held to one, by constrained
     # decoding, which no engine here offers yet. Refused, never quietly left to the model.
-    raise bad_request(f"tool_choice '{choice.__struct_config__.tag}' forces a tool call, "
-                      "which needs constrained decoding: not supported by this server's "
-                      "engines; use 'auto'", "tool_choice")  # fmt: skip
+    raise bad_request(
+        f"tool_choice '{choice.__struct_config__.tag}' forces a tool call, "
+        "which needs constrained decoding: not supported by this server's "
+        "engines; use 'auto'",
+        "tool_choice",
+    )
 
 
 def _chars(messages: list[dict[str, Any]]) -> int:
     """The characters of text in the translated conversation, its tool calls' inputs
     aside (the prompt-size limit's measure, as for a chat request)."""
-    return sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "")
-               + sum(len(c["function"]["name"]) for c in m.get("tool_calls") or ())
-               for m in messages)  # fmt: skip
+    return sum(
+        len(m.get("content") or "")
+        + len(m.get("reasoning_content") or "")
+        + sum(len(c["function"]["name"]) for c in m.get("tool_calls") or ())
+        for m in messages
+    )

@@ -93,24 +93,24 @@ def snapshot(
 ) -> dict[str, Any]:
     """Everything the page shows, as one JSON-ready dict; also samples *history*.
 
-    Args:
-      frontend: the running frontend to describe.
-      history: the load history to add the current point to, and to send.
-      stalls_after: send only stall records that started after this unix time (the
-        newest one the page already has); ``None`` sends the latest :data:`MAX_STALLS`.
-      memory: rows of ``role``, ``pid``, ``rss_mb``, ``pss_mb``, ``uss_mb``
-        (:meth:`headwater.procmem.MemoryUsage.to_mb`), read by the caller off the loop.
+        Args:
+          frontend: the running frontend to describe.
+          history: the load history to add the current point to, and to send.
+          stalls_after: send only stall records that started after this unix time (the
+            newest one the page already has); ``None`` sends the latest :data:`MAX_STALLS`.
+          memory: rows of ``role``, ``pid``, ``rss_mb``, ``pss_mb``, ``uss_mb``
+            (:meth:`headwater.procmem.MemoryUsage.to_mb`), read by the caller off the loop.
 
-    Keys: ``now`` (server unix time: the page's x axes use it, not the browser's clock),
-    ``model``, ``loop`` (delay series and threshold), ``stalls`` (records newest first
-    and the detector's statistics), ``pool``, ``requests`` (in-flight, queued, generation
-    requests by outcome, HTTP answers by status code), ``history`` (``fields`` and
-    ``points``: see :class:`LoadHistory`), ``latency`` (TTFT and ITL percentiles over a
-    recent window), ``workers``, ``memory``, ``errors`` (the last error answers, newest
-    first, with their request ids: :mod:`frontend.http.recent_errors`), ``routing`` (the
-router's policy and ``--router kv``'s counters). A group's view
-    (``headwater.cluster.group_view``) has the same keys and ``processes``, one row per
-    process.
+        Keys: ``now`` (server unix time: the page's x axes use it, not the browser's clock),
+        ``model``, ``loop`` (delay series and threshold), ``stalls`` (records newest first
+        and the detector's statistics), ``pool``, ``requests`` (in-flight, queued, generation
+        requests by outcome, HTTP answers by status code), ``history`` (``fields`` and
+        ``points``: see :class:`LoadHistory`), ``latency`` (TTFT and ITL percentiles over a
+        recent window), ``workers``, ``memory``, ``errors`` (the last error answers, newest
+        first, with their request ids: :mod:`frontend.http.recent_errors`), ``routing`` (the
+    router's policy and ``--router kv``'s counters). A group's view
+        (``headwater.cluster.group_view``) has the same keys and ``processes``, one row per
+        process.
     """
     monitor, metrics, pool = frontend.monitor, frontend.metrics, frontend.pool
     now = time.time()
@@ -122,8 +122,14 @@ router's policy and ``--router kv``'s counters). A group's view
     inflight = int(_value(metrics.inflight_requests))
     by_status = _totals_by(metrics.requests_total, "status")
     history.add(
-        (now, inflight, pool_stats.waiting, pool_stats.busy, pool_stats.threads,
-         sum(by_status.values()))
+        (
+            now,
+            inflight,
+            pool_stats.waiting,
+            pool_stats.busy,
+            pool_stats.threads,
+            sum(by_status.values()),
+        )
     )
     return {
         "now": now,
@@ -159,8 +165,10 @@ router's policy and ``--router kv``'s counters). A group's view
         "workers": [dataclasses.asdict(v) for v in frontend.router.views()],
         "memory": memory or [],
         "errors": [e.to_dict() for e in frontend.errors.records()],
-        "routing": {"policy": frontend.router.policy.value,
-                    **dataclasses.asdict(frontend.router.kv_statistics())},
+        "routing": {
+            "policy": frontend.router.policy.value,
+            **dataclasses.asdict(frontend.router.kv_statistics()),
+        },
     }
 
 

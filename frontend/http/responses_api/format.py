@@ -84,8 +84,13 @@ class ResponsesFormat(ResponseFormat[Delta]):
 
     # -- the response object -----------------------------------------------------------
 
-    def _response(self, status: str, output: list[dict[str, Any]], last: Delta | None,
-                  error: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    def _response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        last: Delta | None,
+        error: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         usage = None
         if last is not None:
             cached = min(last.cached_tokens, self.prompt_tokens)
@@ -97,16 +102,29 @@ class ResponsesFormat(ResponseFormat[Delta]):
                 "total_tokens": self.prompt_tokens + last.completion_tokens,
             }
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.id, "object": "response", "created_at": self.created,
-                "status": status, "error": error, "incomplete_details": incomplete,
-                "model": self.model, "output": output, "usage": usage,
-                **self.echo}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            **self.echo,
+        }
 
     def _item(self, block: Block, status: str) -> dict[str, Any]:
         item_id = f"{_ITEM_PREFIX[block.kind]}{self.request_id}_{block.index}"
         if block.kind == "reasoning":
-            item: dict[str, Any] = {"type": "reasoning", "id": item_id, "summary": [],
-                                    "content": [], "status": status}  # fmt: skip
+            item: dict[str, Any] = {
+                "type": "reasoning",
+                "id": item_id,
+                "summary": [],
+                "content": [],
+                "status": status,
+            }
             if status != "in_progress":
                 item["content"] = [{"type": "reasoning_text", "text": block.text}]
                 if self.encrypted_reasoning:
@@ -114,16 +132,30 @@ class ResponsesFormat(ResponseFormat[Delta]):
             return item
         if block.kind == "text":
             content = [] if status == "in_progress" else [_output_text(block.text)]
-            return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-                    "content": content}  # fmt: skip
-        return {"type": "function_call", "id": item_id, "call_id": block.call_id,
-                "name": block.name, "status": status,
-                "arguments": "" if status == "in_progress" else block.text}  # fmt: skip
+            return {
+                "type": "message",
+                "id": item_id,
+                "role": "assistant",
+                "status": status,
+                "content": content,
+            }
+        return {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": block.call_id,
+            "name": block.name,
+            "status": status,
+            "arguments": "" if status == "in_progress" else block.text,
+        }
 
     def _output(self, status: str) -> list[dict[str, Any]]:
         blocks = self.tracker.blocks
-        return [self._item(b, "incomplete" if status == "incomplete" and b is blocks[-1]
-                           else "completed") for b in blocks]  # fmt: skip
+        return [
+            self._item(
+                b, "incomplete" if status == "incomplete" and b is blocks[-1] else "completed"
+            )
+            for b in blocks
+        ]
 
     def _count(self, delta: Delta) -> None:
         if delta.reasoning:
@@ -146,8 +178,14 @@ class ResponsesFormat(ResponseFormat[Delta]):
         if thoughts:
             message["reasoning_content"] = "".join(thoughts)
         if calls := self.tracker.tool_calls:
-            message["tool_calls"] = [{"id": b.call_id, "type": "function", "function": {
-                "name": b.name, "arguments": b.text or "{}"}} for b in calls]  # fmt: skip
+            message["tool_calls"] = [
+                {
+                    "id": b.call_id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": b.text or "{}"},
+                }
+                for b in calls
+            ]
         return message
 
     # -- unary -------------------------------------------------------------------------
@@ -192,50 +230,88 @@ class ResponsesFormat(ResponseFormat[Delta]):
         item_id = f"{_ITEM_PREFIX[block.kind]}{self.request_id}_{index}"
         where = {"item_id": item_id, "output_index": index}
         if isinstance(e, Opened):
-            out = self._sse({"type": "response.output_item.added", "output_index": index,
-                             "item": self._item(block, "in_progress")})  # fmt: skip
+            out = self._sse(
+                {
+                    "type": "response.output_item.added",
+                    "output_index": index,
+                    "item": self._item(block, "in_progress"),
+                }
+            )
             if block.kind != "tool_call":
                 part = _empty_part(block)
-                out += self._sse({"type": "response.content_part.added", **where,
-                                  "content_index": 0, "part": part})  # fmt: skip
+                out += self._sse(
+                    {
+                        "type": "response.content_part.added",
+                        **where,
+                        "content_index": 0,
+                        "part": part,
+                    }
+                )
             return out
         if isinstance(e, Added):
             if block.kind == "tool_call":
-                return self._sse({"type": "response.function_call_arguments.delta", **where,
-                                  "delta": e.text})  # fmt: skip
+                return self._sse(
+                    {"type": "response.function_call_arguments.delta", **where, "delta": e.text}
+                )
             if block.kind == "text":
-                return self._sse({"type": "response.output_text.delta", **where,
-                                  "content_index": 0, "delta": e.text, "logprobs": []})
-            return self._sse({"type": "response.reasoning_text.delta", **where,
-                              "content_index": 0, "delta": e.text})  # fmt: skip
+                return self._sse(
+                    {
+                        "type": "response.output_text.delta",
+                        **where,
+                        "content_index": 0,
+                        "delta": e.text,
+                        "logprobs": [],
+                    }
+                )
+            return self._sse(
+                {
+                    "type": "response.reasoning_text.delta",
+                    **where,
+                    "content_index": 0,
+                    "delta": e.text,
+                }
+            )
         assert isinstance(e, Closed)
         is_last = block is self.tracker.blocks[-1]
-        item = self._item(block, "incomplete" if status == "incomplete" and is_last
-                          else "completed")  # fmt: skip
+        item = self._item(
+            block, "incomplete" if status == "incomplete" and is_last else "completed"
+        )
         if block.kind == "tool_call":
-            out = self._sse({"type": "response.function_call_arguments.done", **where,
-                             "name": block.name, "arguments": item["arguments"]})  # fmt: skip
+            out = self._sse(
+                {
+                    "type": "response.function_call_arguments.done",
+                    **where,
+                    "name": block.name,
+                    "arguments": item["arguments"],
+                }
+            )
         else:
             part = item["content"][0]
-            done = ("response.output_text.done" if block.kind == "text"
-                    else "response.reasoning_text.done")  # fmt: skip
+            done = (
+                "response.output_text.done"
+                if block.kind == "text"
+                else "response.reasoning_text.done"
+            )
             extra: dict[str, Any] = {"logprobs": []} if block.kind == "text" else {}
-            out = self._sse({"type": done, **where, "content_index": 0, "text": block.text,
-                             **extra})  # fmt: skip
-            out += self._sse({"type": "response.content_part.done", **where,
-                              "content_index": 0, "part": part})  # fmt: skip
-        return out + self._sse({"type": "response.output_item.done", "output_index": index,
-                                "item": item})  # fmt: skip
+            out = self._sse(
+                {"type": done, **where, "content_index": 0, "text": block.text, **extra}
+            )
+            out += self._sse(
+                {"type": "response.content_part.done", **where, "content_index": 0, "part": part}
+            )
+        return out + self._sse(
+            {"type": "response.output_item.done", "output_index": index, "item": item}
+        )
 
     def usage(self, last: Delta) -> bytes:
         return b""  # in the last response event
 
     def error(self, err: ApiError) -> bytes:
         code = err.code or err.type
-        out = self._sse({"type": "error", "code": code, "message": err.message,
-                         "param": err.param})  # fmt: skip
-        failed = self._response("failed", self._output("completed"), None,
-                                {"code": code, "message": err.message})  # fmt: skip
+        out = self._sse({"type": "error", "code": code, "message": err.message, "param": err.param})
+        failed = self._response(
+            "failed", self._output("completed"), None, {"code": code, "message": err.message}
+        )
         return out + self._sse({"type": "response.failed", "response": failed})
 
 

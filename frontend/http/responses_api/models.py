@@ -122,8 +122,7 @@ class ItemReference(_Item, kw_only=True, tag="item_reference"):
     """Refused: send the item itself, or previous_response_id."""
 
 
-InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-             | ItemReference)  # fmt: skip
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | ItemReference
 
 
 class ItemHead(Struct, kw_only=True):
@@ -157,19 +156,42 @@ Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class ReasoningOptions(Struct, kw_only=True):
-    effort: Annotated[Effort, Meta(description=(
-        "none: DeepSeek-V4's chat mode; minimal to high: its thinking mode; xhigh and "
-        "max: thinking at its maximum effort"))] | None = None  # fmt: skip
-    summary: Annotated[Name, Meta(description=(
-        "accepted: the reasoning comes whole, as reasoning_text content, not summarized"
-    ))] | None = None  # fmt: skip
+    effort: (
+        Annotated[
+            Effort,
+            Meta(
+                description=(
+                    "none: DeepSeek-V4's chat mode; minimal to high: its thinking mode; xhigh and "
+                    "max: thinking at its maximum effort"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    summary: (
+        Annotated[
+            Name,
+            Meta(
+                description=(
+                    "accepted: the reasoning comes whole, as reasoning_text content, not summarized"
+                )
+            ),
+        ]
+        | None
+    ) = None
     generate_summary: Name | None = None
 
 
 class TextFormat(Struct, kw_only=True):
-    type: Annotated[Literal["text", "json_object", "json_schema"], Meta(description=(
-        "text; json_object and json_schema are refused: no engine here constrains its "
-        "output"))]  # fmt: skip
+    type: Annotated[
+        Literal["text", "json_object", "json_schema"],
+        Meta(
+            description=(
+                "text; json_object and json_schema are refused: no engine here constrains its "
+                "output"
+            )
+        ),
+    ]
     name: Name | None = None
     schema: FreeFormObject | UnsetType = UNSET
     strict: bool | None = None
@@ -183,16 +205,31 @@ class TextOptions(Struct, kw_only=True):
 class ResponsesRequest(Struct, kw_only=True):
     """The body of ``POST /v1/responses``. Fields not listed are ignored."""
 
-    model: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS,
-                               description="the served model's name")]  # fmt: skip
-    input: Annotated[str | list[InputItem], Meta(description=(
-        "a user message's text, or items: messages, function calls and their outputs, "
-        "reasoning"))]  # fmt: skip
+    model: Annotated[
+        str, Meta(min_length=1, max_length=MAX_NAME_CHARS, description="the served model's name")
+    ]
+    input: Annotated[
+        str | list[InputItem],
+        Meta(
+            description=(
+                "a user message's text, or items: messages, function calls and their outputs, "
+                "reasoning"
+            )
+        ),
+    ]
     instructions: str | None = None
     previous_response_id: NonEmptyStr | None = None
-    store: Annotated[bool, Meta(description=(
-        "keep the response for previous_response_id and GET (true, as OpenAI's)"
-    ))] | None = None  # fmt: skip
+    store: (
+        Annotated[
+            bool,
+            Meta(
+                description=(
+                    "keep the response for previous_response_id and GET (true, as OpenAI's)"
+                )
+            ),
+        ]
+        | None
+    ) = None
     stream: bool | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
@@ -204,11 +241,15 @@ class ResponsesRequest(Struct, kw_only=True):
     reasoning: ReasoningOptions | None = None
     text: TextOptions | None = None
     include: Annotated[list[Name], Parts] | None = None
-    truncation: Annotated[Literal["disabled", "auto"], Meta(description=(
-        "disabled; auto is refused (a prompt over the context is a 400)"))] | None = None
+    truncation: (
+        Annotated[
+            Literal["disabled", "auto"],
+            Meta(description=("disabled; auto is refused (a prompt over the context is a 400)")),
+        ]
+        | None
+    ) = None
     background: Annotated[bool, Meta(description="not supported: only false")] | None = None
-    top_logprobs: Annotated[int, Meta(description="not supported: only null or 0")
-                            ] | None = None  # fmt: skip
+    top_logprobs: Annotated[int, Meta(description="not supported: only null or 0")] | None = None
     metadata: Annotated[dict[Name, str], Parts] | None = None
     user: Name | None = None
 
@@ -262,8 +303,10 @@ class InputTokensDetails(Struct, kw_only=True):
 
 
 class OutputTokensDetails(Struct, kw_only=True):
-    reasoning_tokens: Annotated[int, Meta(description=(
-        "tokens generated up to the reasoning's end (its closing tag included)"))]
+    reasoning_tokens: Annotated[
+        int,
+        Meta(description=("tokens generated up to the reasoning's end (its closing tag included)")),
+    ]
 
 
 class ResponsesUsage(Struct, kw_only=True):

@@ -42,11 +42,18 @@ def add_responses_routes(app: QuartTrio, api: ApiContext, store: ResponseStore) 
         out = translate(req, api.limits, store)
         on_done = partial(_keep, store, out) if out.echo["store"] else None
         return await api.serve(
-            "responses", out.parsed.stream, partial(pipeline.preprocess, out.parsed),
+            "responses",
+            out.parsed.stream,
+            partial(pipeline.preprocess, out.parsed),
             pipeline.generate,
-            partial(ResponsesFormat, echo=out.echo, max_tool_calls=out.max_tool_calls,
-                    encrypted_reasoning=out.encrypted_reasoning, on_done=on_done),
-        )  # fmt: skip
+            partial(
+                ResponsesFormat,
+                echo=out.echo,
+                max_tool_calls=out.max_tool_calls,
+                encrypted_reasoning=out.encrypted_reasoning,
+                on_done=on_done,
+            ),
+        )
 
     @app.get(RESPONSES_PATH + "/<response_id>")
     async def retrieve(response_id: str) -> Response:
@@ -59,18 +66,21 @@ def add_responses_routes(app: QuartTrio, api: ApiContext, store: ResponseStore) 
     async def delete(response_id: str) -> Response:
         if not store.delete(response_id):
             raise _not_found(response_id)
-        return json_response({"id": response_id, "object": "response.deleted",
-                              "deleted": True})  # fmt: skip
+        return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-def _keep(store: ResponseStore, out: Translated, response_id: str, body: bytes,
-          answer: dict[str, Any]) -> None:  # fmt: skip
+def _keep(
+    store: ResponseStore, out: Translated, response_id: str, body: bytes, answer: dict[str, Any]
+) -> None:
     """Store a finished response: its body, and its turn (its input and its answer)."""
     turn = [*out.turn, answer]
-    store.put(response_id, body, out.echo["previous_response_id"], turn,
-              len(orjson.dumps(turn)))  # fmt: skip
+    store.put(response_id, body, out.echo["previous_response_id"], turn, len(orjson.dumps(turn)))
 
 
 def _not_found(response_id: str) -> ApiError:
-    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                    code="response_not_found")  # fmt: skip
+    return ApiError(
+        404,
+        f"Response with id '{response_id}' not found.",
+        param="response_id",
+        code="response_not_found",
+    )

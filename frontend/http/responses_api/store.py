@@ -38,12 +38,20 @@ class StoreConfig:
     """The bounds of the stored responses (0 turns a bound off; both 0 keeps nothing
     from being evicted, which only a test should want)."""
 
-    responses_store_entries: int = field(default=1024, metadata={
-        "help": "stored responses kept for previous_response_id and GET /v1/responses/{id} "
-                "(per process); the oldest are evicted first (0: no bound)"})
-    responses_store_mb: int = field(default=256, metadata={
-        "help": "MiB of stored responses kept (their bodies and conversations); the "
-                "oldest are evicted first (0: no bound)"})
+    responses_store_entries: int = field(
+        default=1024,
+        metadata={
+            "help": "stored responses kept for previous_response_id and GET /v1/responses/{id} "
+            "(per process); the oldest are evicted first (0: no bound)"
+        },
+    )
+    responses_store_mb: int = field(
+        default=256,
+        metadata={
+            "help": "MiB of stored responses kept (their bodies and conversations); the "
+            "oldest are evicted first (0: no bound)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("responses_store_entries", "responses_store_mb"):
@@ -83,8 +91,14 @@ class ResponseStore:
         self._stored = 0
         self._evicted = 0
 
-    def put(self, response_id: str, body: bytes, previous_id: str | None,
-            turn: list[dict[str, Any]], turn_bytes: int) -> None:  # fmt: skip
+    def put(
+        self,
+        response_id: str,
+        body: bytes,
+        previous_id: str | None,
+        turn: list[dict[str, Any]],
+        turn_bytes: int,
+    ) -> None:
         """Keep a response; *turn_bytes* is its turn's size (its serialized length).
         One larger than the whole bound is not kept."""
         size = len(body) + turn_bytes

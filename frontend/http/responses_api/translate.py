@@ -62,11 +62,17 @@ ENCRYPTED_PREFIX = "hw1:"
 ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
 #: ``include`` values with nothing to include here (their items are never produced),
 #: and the one honoured; any other is refused.
-INCLUDES = frozenset({
-    ENCRYPTED_INCLUDE, "web_search_call.action.sources", "web_search_call.results",
-    "file_search_call.results", "code_interpreter_call.outputs",
-    "computer_call_output.output.image_url", "message.input_image.image_url",
-})  # fmt: skip
+INCLUDES = frozenset(
+    {
+        ENCRYPTED_INCLUDE,
+        "web_search_call.action.sources",
+        "web_search_call.results",
+        "file_search_call.results",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "message.input_image.image_url",
+    }
+)
 _THINKING = {"none": False}
 _MAX_EFFORT = {"xhigh": "max", "max": "max"}
 
@@ -79,11 +85,14 @@ def encrypt(reasoning: str) -> str:
 def decrypt(content: str, where: str) -> str:
     if content.startswith(ENCRYPTED_PREFIX):
         try:
-            return base64.b64decode(content[len(ENCRYPTED_PREFIX):], validate=True).decode()
+            return base64.b64decode(content[len(ENCRYPTED_PREFIX) :], validate=True).decode()
         except (binascii.Error, UnicodeDecodeError):
             pass
-    raise bad_request(f"{where}.encrypted_content was not made by this server: send the "
-                      "reasoning's content instead", "input")  # fmt: skip
+    raise bad_request(
+        f"{where}.encrypted_content was not made by this server: send the "
+        "reasoning's content instead",
+        "input",
+    )
 
 
 def decode_items(raws: list[msgspec.Raw]) -> list[InputItem]:
@@ -120,8 +129,7 @@ class Translated:
     echo: dict[str, Any] = field(default_factory=dict)  # the response's copy of the request
 
 
-def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore
-              ) -> Translated:  # fmt: skip
+def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore) -> Translated:
     """*req* as a chat request. Raises ApiError (400; 404 for an unknown
     previous_response_id) or LimitExceeded.
 
@@ -141,8 +149,11 @@ def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore
     limits.check_prompt_chars(chars, "input")
     tools, chars = _tools(req, limits, chars)
     tool_choice = _tool_choice(req, tools)
-    caps = [n for n in (req.max_tool_calls, 1 if req.parallel_tool_calls is False else None)
-            if n is not None]  # fmt: skip
+    caps = [
+        n
+        for n in (req.max_tool_calls, 1 if req.parallel_tool_calls is False else None)
+        if n is not None
+    ]
     kwargs: dict[str, Any] = {}
     effort = req.reasoning.effort if req.reasoning else None
     if effort is not None:
@@ -152,36 +163,55 @@ def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore
     if req.max_output_tokens is not None:
         limits.check_max_tokens(req.max_output_tokens, "max_output_tokens")
     parsed = ParsedRequest(
-        endpoint="chat", model=req.model, messages=messages, stream=bool(req.stream),
+        endpoint="chat",
+        model=req.model,
+        messages=messages,
+        stream=bool(req.stream),
         sampling=SamplingOptions(
             max_tokens=req.max_output_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
         ),
-        user=req.user, chat_template_kwargs=kwargs, tools=tools, tool_choice=tool_choice,
+        user=req.user,
+        chat_template_kwargs=kwargs,
+        tools=tools,
+        tool_choice=tool_choice,
         text_chars=chars,
-    )  # fmt: skip
+    )
     echo = {
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
         "max_tool_calls": req.max_tool_calls,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": effort, "summary": None},
-        "store": req.store is not False, "temperature": parsed.sampling.temperature,
+        "store": req.store is not False,
+        "temperature": parsed.sampling.temperature,
         "text": {"format": {"type": "text"}},
         "tool_choice": _echo_choice(req.tool_choice),
-        "tools": [{"type": "function", "name": t.name, "description": t.description,
-                   "parameters": f["function"]["parameters"], "strict": t.strict}
-                  for t, f in zip(req.tools or (), tools or (), strict=True)],
-        "top_p": parsed.sampling.top_p, "truncation": "disabled", "user": req.user,
+        "tools": [
+            {
+                "type": "function",
+                "name": t.name,
+                "description": t.description,
+                "parameters": f["function"]["parameters"],
+                "strict": t.strict,
+            }
+            for t, f in zip(req.tools or (), tools or (), strict=True)
+        ],
+        "top_p": parsed.sampling.top_p,
+        "truncation": "disabled",
+        "user": req.user,
         "metadata": req.metadata or {},
-    }  # fmt: skip
-    return Translated(parsed, turn, min(caps) if caps else None,
-                      ENCRYPTED_INCLUDE in (req.include or ()), echo)  # fmt: skip
+    }
+    return Translated(
+        parsed, turn, min(caps) if caps else None, ENCRYPTED_INCLUDE in (req.include or ()), echo
+    )
 
 
-def _tools(req: ResponsesRequest, limits: RequestLimits, chars: int
-           ) -> tuple[list[dict[str, Any]] | None, int]:  # fmt: skip
+def _tools(
+    req: ResponsesRequest, limits: RequestLimits, chars: int
+) -> tuple[list[dict[str, Any]] | None, int]:
     """The function tools as the template's, and the text counted so far (*chars* and
     theirs)."""
     if not req.tools:
@@ -200,20 +230,32 @@ def _tools(req: ResponsesRequest, limits: RequestLimits, chars: int
             schema = free.decode(t.parameters, "tools", where)
             if not isinstance(schema, dict | None):
                 raise bad_request(f"'{where}' must be an object", "tools")
-        tools.append({"type": "function", "function": {
-            "name": t.name, "description": t.description or "",
-            "parameters": schema or {"type": "object", "properties": {}}}})
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": schema or {"type": "object", "properties": {}},
+                },
+            }
+        )
     return tools, chars
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     fmt = req.text.format if req.text else None
     if fmt is not None and fmt.type != "text":
-        raise bad_request(f"text.format '{fmt.type}' (structured outputs) is not supported "
-                          "by this server's engines", "text.format")  # fmt: skip
+        raise bad_request(
+            f"text.format '{fmt.type}' (structured outputs) is not supported "
+            "by this server's engines",
+            "text.format",
+        )
     if req.truncation == "auto":
-        raise bad_request("truncation 'auto' is not supported: a prompt over the context "
-                          "length is refused", "truncation")  # fmt: skip
+        raise bad_request(
+            "truncation 'auto' is not supported: a prompt over the context length is refused",
+            "truncation",
+        )
     if req.background:
         raise bad_request("background responses are not supported", "background")
     if req.top_logprobs:
@@ -227,15 +269,21 @@ def _history(store: ResponseStore, previous_id: str) -> list[dict[str, Any]]:
     try:
         return store.conversation(previous_id)
     except KeyError:
-        raise ApiError(404, f"Previous response with id '{previous_id}' not found.",
-                       param="previous_response_id",
-                       code="previous_response_not_found") from None  # fmt: skip
+        raise ApiError(
+            404,
+            f"Previous response with id '{previous_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        ) from None
     except ChainBroken as exc:
-        raise ApiError(404, f"Previous response with id '{previous_id}' cannot be continued: "
-                            f"the earlier response '{exc.args[0]}' of its conversation is no "
-                            "longer stored (evicted or deleted).",
-                       param="previous_response_id",
-                       code="previous_response_not_found") from None  # fmt: skip
+        raise ApiError(
+            404,
+            f"Previous response with id '{previous_id}' cannot be continued: "
+            f"the earlier response '{exc.args[0]}' of its conversation is no "
+            "longer stored (evicted or deleted).",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        ) from None
 
 
 def _input(value: str | list[InputItem]) -> list[dict[str, Any]]:
@@ -255,14 +303,19 @@ def _input(value: str | list[InputItem]) -> list[dict[str, Any]]:
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if isinstance(item, ReasoningItem):
-            if turn is not None and (turn["content"] or turn.get("tool_calls")
-                                     or turn.get("reasoning_content")):  # fmt: skip
+            if turn is not None and (
+                turn["content"] or turn.get("tool_calls") or turn.get("reasoning_content")
+            ):
                 turn = None  # a new answer's reasoning: a new turn
             assistant()["reasoning_content"] = _reasoning(item, where)
         elif isinstance(item, FunctionCallItem):
             assistant().setdefault("tool_calls", []).append(
-                {"id": item.call_id, "type": "function",
-                 "function": {"name": item.name, "arguments": item.arguments}})  # fmt: skip
+                {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+            )
         elif isinstance(item, MessageItem) and item.role == "assistant":
             text = _text(item.content, f"{where}.content")
             current = assistant()
@@ -272,11 +325,18 @@ def _input(value: str | list[InputItem]) -> list[dict[str, Any]]:
             out.append({"role": item.role, "content": _text(item.content, f"{where}.content")})
         elif isinstance(item, FunctionCallOutputItem):
             turn = None
-            out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "content": _text(item.output, f"{where}.output")})  # fmt: skip
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.call_id,
+                    "content": _text(item.output, f"{where}.output"),
+                }
+            )
         elif isinstance(item, ItemReference):
-            raise bad_request(f"{where}: item_reference is not supported: send the item, or "
-                              "previous_response_id", "input")  # fmt: skip
+            raise bad_request(
+                f"{where}: item_reference is not supported: send the item, or previous_response_id",
+                "input",
+            )
     return out
 
 
@@ -291,8 +351,11 @@ def _text(content: str | list[InputContent], where: str) -> str:
             texts.append(part.refusal)
         else:
             kind = "input_image" if type(part).__name__ == "InputImage" else "input_file"
-            raise bad_request(f"{where}[{j}]: '{kind}' is not supported: this server serves "
-                              "a text-only model (no multimodal engine)", "input")  # fmt: skip
+            raise bad_request(
+                f"{where}[{j}]: '{kind}' is not supported: this server serves "
+                "a text-only model (no multimodal engine)",
+                "input",
+            )
     return "".join(texts)
 
 
@@ -304,24 +367,29 @@ def _reasoning(item: ReasoningItem, where: str) -> str:
     return "".join(s.text for s in item.summary)
 
 
-def _tool_choice(req: ResponsesRequest, tools: list[dict[str, Any]] | None
-                 ) -> str | dict[str, Any] | None:  # fmt: skip
+def _tool_choice(
+    req: ResponsesRequest, tools: list[dict[str, Any]] | None
+) -> str | dict[str, Any] | None:
     choice = req.tool_choice
     if choice is None or choice in ("none", "auto"):
         return choice
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
     if isinstance(choice, ToolChoiceFunction) and choice.name not in {
-            t["function"]["name"] for t in tools}:  # fmt: skip
-        raise bad_request(f"tool_choice names '{choice.name}', which is not in tools",
-                          "tool_choice")  # fmt: skip
+        t["function"]["name"] for t in tools
+    }:
+        raise bad_request(
+            f"tool_choice names '{choice.name}', which is not in tools", "tool_choice"
+        )
     # `required` and a named function force a call: the answer must be held to one, by
     # constrained decoding, which no engine here offers yet. Refused, never quietly left
     # to the model.
     kind = "required" if isinstance(choice, str) else "a named function"
-    raise bad_request(f"tool_choice {kind} forces a tool call, which needs constrained "
-                      "decoding: not supported by this server's engines; use 'auto'",
-                      "tool_choice")  # fmt: skip
+    raise bad_request(
+        f"tool_choice {kind} forces a tool call, which needs constrained "
+        "decoding: not supported by this server's engines; use 'auto'",
+        "tool_choice",
+    )
 
 
 def _echo_choice(choice: str | ToolChoiceFunction | None) -> Any:
@@ -337,4 +405,3 @@ def _chars(messages: list[dict[str, Any]]) -> int:
         for call in m.get("tool_calls") or ():
             total += len(call["function"]["arguments"])
     return total
-

@@ -130,8 +130,9 @@ class BalancedListener(trio.abc.Listener[HttpStream]):
     before the next turn; whoever serves it calls :meth:`AcceptBalance.closed`.
     """
 
-    def __init__(self, sock: socket.socket, balance: AcceptBalance,
-                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, sock: socket.socket, balance: AcceptBalance, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self._sock = sock
         self.socket = trio.socket.from_stdlib_socket(sock)  # what turns wait on
         self.balance = balance
@@ -154,8 +155,7 @@ class BalancedListener(trio.abc.Listener[HttpStream]):
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
             if self.ssl_context is None:
                 return stream
-            return trio.SSLStream(stream, self.ssl_context, server_side=True,
-                                  https_compatible=True)  # fmt: skip
+            return trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
 
     async def aclose(self) -> None:
         self.socket.close()
@@ -166,11 +166,21 @@ class BalancedListener(trio.abc.Listener[HttpStream]):
 #: connection's (trio.SocketListener's lists).
 _CLOSED = frozenset({errno.EBADF, errno.ENOTSOCK})
 _IGNORABLE = frozenset(
-    getattr(errno, name) for name in (
-        "EPERM", "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN",
-        "ENONET", "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH",
-    ) if hasattr(errno, name)
-)  # fmt: skip
+    getattr(errno, name)
+    for name in (
+        "EPERM",
+        "ECONNABORTED",
+        "EPROTO",
+        "ENETDOWN",
+        "ENOPROTOOPT",
+        "EHOSTDOWN",
+        "ENONET",
+        "EHOSTUNREACH",
+        "EOPNOTSUPP",
+        "ENETUNREACH",
+    )
+    if hasattr(errno, name)
+)
 
 
 def _pending(sock: trio.socket.SocketType) -> bool:

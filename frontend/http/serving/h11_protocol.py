@@ -94,8 +94,9 @@ class HeadWithBodyH11Protocol(H11Protocol):
         send: Callable[[Event], Awaitable[None]],
     ) -> None:
         """hypercorn's, with the app's ``receive`` asking for ``100 Continue``."""
-        super().__init__(app, config, context, task_group, connection_state, ssl, client,
-                         server, send)  # fmt: skip
+        super().__init__(
+            app, config, context, task_group, connection_state, ssl, client, server, send
+        )
         self.app = _ContinueOnReceive(app, self._continue_if_waiting)
 
     async def _handle_events(self) -> None:
@@ -128,8 +129,11 @@ class HeadWithBodyH11Protocol(H11Protocol):
             elif event is h11.PAUSED:
                 await self.can_read.clear()
                 await self.can_read.wait()
-            elif (isinstance(event, h11.ConnectionClosed) or event is h11.NEED_DATA
-                  or self.stream is None):  # fmt: skip
+            elif (
+                isinstance(event, h11.ConnectionClosed)
+                or event is h11.NEED_DATA
+                or self.stream is None
+            ):
                 break
             elif isinstance(event, h11.Data):
                 await self.stream.handle(Body(stream_id=STREAM_ID, data=event.data))
@@ -139,9 +143,11 @@ class HeadWithBodyH11Protocol(H11Protocol):
     async def _continue_if_waiting(self) -> None:
         """The app asks for the request's body: invite it, if the client waits to be."""
         if self.connection.they_are_waiting_for_100_continue:
-            await self._send_h11_event(h11.InformationalResponse(
-                status_code=100, headers=self.config.response_headers("h11")
-            ))  # fmt: skip
+            await self._send_h11_event(
+                h11.InformationalResponse(
+                    status_code=100, headers=self.config.response_headers("h11")
+                )
+            )
 
     async def _refuse_request(self, fault: Fault) -> None:
         """Answer *fault* (its status and an OpenAI-style error body, ``Connection:
@@ -152,14 +158,24 @@ class HeadWithBodyH11Protocol(H11Protocol):
         self.config.answered(fault.status)
         body = _error_body(fault.reason, fault.message)
         head = [
-            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-            (b"connection", b"close"), *self.config.response_headers("h11"),
-        ]  # fmt: skip
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+            *self.config.response_headers("h11"),
+        ]
         phrase = HTTPStatus(fault.status).phrase.encode()
-        await self.send(RawData(data=b"".join((
-            b"HTTP/1.1 %d %s\r\n" % (fault.status, phrase),
-            *(name + b": " + value + b"\r\n" for name, value in head), b"\r\n", body,
-        ))))  # fmt: skip
+        await self.send(
+            RawData(
+                data=b"".join(
+                    (
+                        b"HTTP/1.1 %d %s\r\n" % (fault.status, phrase),
+                        *(name + b": " + value + b"\r\n" for name, value in head),
+                        b"\r\n",
+                        body,
+                    )
+                )
+            )
+        )
         await self.send(Closed())
 
     async def _send_h11_event(self, event: H11SendableEvent) -> None:
@@ -172,8 +188,9 @@ class HeadWithBodyH11Protocol(H11Protocol):
             # Answered before its body ended (a 401 reads none): the connection closes
             # after this response (lingering, HeadwaterTCPServer._close), and says so.
             headers = [*event.headers.raw_items(), (b"connection", b"close")]
-            event = h11.Response(status_code=event.status_code, reason=event.reason,
-                                 headers=headers)  # fmt: skip
+            event = h11.Response(
+                status_code=event.status_code, reason=event.reason, headers=headers
+            )
         try:
             data = self.connection.send(event)
         except h11.LocalProtocolError:
@@ -193,7 +210,6 @@ class HeadWithBodyH11Protocol(H11Protocol):
         if data is not None:
             await self.send(RawData(data=data))
 
-
     async def _send_error_response(self, status_code: int) -> None:
         """hypercorn's ``H11Protocol._send_error_response``, with a JSON error body for
         the statuses of the transport limits (431 is also reported to
@@ -212,12 +228,16 @@ class HeadWithBodyH11Protocol(H11Protocol):
         """A whole error response with an OpenAI-style body, and ``Connection: close``."""
         body = _error_body(code, message)
         head = [
-            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
             (b"connection", b"close"),
-        ]  # fmt: skip
-        await self._send_h11_event(h11.Response(
-            status_code=status_code, headers=list(chain(head, self.config.response_headers("h11")))
-        ))  # fmt: skip
+        ]
+        await self._send_h11_event(
+            h11.Response(
+                status_code=status_code,
+                headers=list(chain(head, self.config.response_headers("h11"))),
+            )
+        )
         await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
 
@@ -232,11 +252,13 @@ def _limit_error(status_code: int, config: ServerConfig) -> tuple[str, str] | No
     if status_code == 431:
         return HEADER_TOO_LARGE, (
             "The request's head (request line and header fields) is larger than this "
-            f"server's limit of {config.h11_max_incomplete_size} bytes.")  # fmt: skip
+            f"server's limit of {config.h11_max_incomplete_size} bytes."
+        )
     if status_code == 408:
         return HEADER_TIMEOUT, (
             f"The request's head did not arrive within {config.header_timeout:g} s of its "
-            "first byte.")  # fmt: skip
+            "first byte."
+        )
     return None
 
 
@@ -255,9 +277,11 @@ def _without_upgrade(request: h11.Request) -> h11.Request:
     if not any(name.lower() == b"upgrade" for name, _ in headers):
         return request
     return h11.Request(
-        method=request.method, target=request.target, http_version=request.http_version,
+        method=request.method,
+        target=request.target,
+        http_version=request.http_version,
         headers=[(name, value) for name, value in headers if name.lower() != b"upgrade"],
-    )  # fmt: skip
+    )
 
 
 class _ContinueOnReceive:
@@ -270,9 +294,13 @@ class _ContinueOnReceive:
         self.on_receive = on_receive
 
     async def __call__(
-        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable,
-        sync_spawn: Callable[..., Any], call_soon: Callable[..., Any],
-    ) -> None:  # fmt: skip
+        self,
+        scope: Scope,
+        receive: ASGIReceiveCallable,
+        send: ASGISendCallable,
+        sync_spawn: Callable[..., Any],
+        call_soon: Callable[..., Any],
+    ) -> None:
         on_receive = self.on_receive
 
         async def receive_inviting() -> ASGIReceiveEvent:

@@ -41,9 +41,15 @@ INVALID_FRAMING = "invalid_framing"
 UNSUPPORTED_PROTOCOL = "unsupported_protocol"
 #: Every reason the server reports to ``on_refusal``.
 REFUSAL_REASONS = (
-    HEADER_TOO_LARGE, HEADER_TIMEOUT, TLS_HANDSHAKE_TIMEOUT, READ_TIMEOUT, WRITE_TIMEOUT,
-    TOO_MANY_CONNECTIONS, INVALID_FRAMING, UNSUPPORTED_PROTOCOL,
-)  # fmt: skip
+    HEADER_TOO_LARGE,
+    HEADER_TIMEOUT,
+    TLS_HANDSHAKE_TIMEOUT,
+    READ_TIMEOUT,
+    WRITE_TIMEOUT,
+    TOO_MANY_CONNECTIONS,
+    INVALID_FRAMING,
+    UNSUPPORTED_PROTOCOL,
+)
 
 # Where h11 ends a request head (h11._receivebuffer's blank_line_regex).
 _BLANK_LINE = re.compile(b"\n\r?\n")
@@ -78,13 +84,23 @@ def head_fault(buffered: bytes | bytearray, limit: int) -> Fault | None:
     if end is None or end.end() > limit:
         if end is None and len(buffered) <= limit:
             return None  # incomplete, and may yet end within the limit
-        return Fault(431, HEADER_TOO_LARGE, (
-            "The request's head (request line and header fields) is larger than this "
-            f"server's limit of {limit} bytes."))  # fmt: skip
+        return Fault(
+            431,
+            HEADER_TOO_LARGE,
+            (
+                "The request's head (request line and header fields) is larger than this "
+                f"server's limit of {limit} bytes."
+            ),
+        )
     if _OBS_FOLD.search(buffered, 0, end.start()) is not None:
-        return Fault(400, INVALID_FRAMING, (
-            "A header field is folded over lines (obs-fold, RFC 9112 section 5.2): send "
-            "each field on one line."))  # fmt: skip
+        return Fault(
+            400,
+            INVALID_FRAMING,
+            (
+                "A header field is folded over lines (obs-fold, RFC 9112 section 5.2): send "
+                "each field on one line."
+            ),
+        )
     return None
 
 
@@ -100,14 +116,24 @@ def request_fault(http_version: bytes, headers: Iterable[tuple[bytes, bytes]]) -
       HTTP/1.1 only: its deadlines and limits are HTTP/1.1's (docs/security.md).
     """
     if http_version == b"2.0":
-        return Fault(505, UNSUPPORTED_PROTOCOL, (
-            "HTTP/2 is not served on this port: use HTTP/1.1 (or a proxy that speaks "
-            "HTTP/2 to clients and HTTP/1.1 to this server)."))  # fmt: skip
+        return Fault(
+            505,
+            UNSUPPORTED_PROTOCOL,
+            (
+                "HTTP/2 is not served on this port: use HTTP/1.1 (or a proxy that speaks "
+                "HTTP/2 to clients and HTTP/1.1 to this server)."
+            ),
+        )
     names = {name for name, _ in headers}
     if b"content-length" in names and b"transfer-encoding" in names:
-        return Fault(400, INVALID_FRAMING, (
-            "The request has both Content-Length and Transfer-Encoding: send one (RFC 9112 "
-            "section 6.1)."))  # fmt: skip
+        return Fault(
+            400,
+            INVALID_FRAMING,
+            (
+                "The request has both Content-Length and Transfer-Encoding: send one (RFC 9112 "
+                "section 6.1)."
+            ),
+        )
     return None
 
 
@@ -163,6 +189,8 @@ class ClientConnections:
 
     def statistics(self) -> ClientConnectionStats:
         return ClientConnectionStats(
-            limit=self.limit, clients=len(self._open), connections=self._connections,
+            limit=self.limit,
+            clients=len(self._open),
+            connections=self._connections,
             refused_total=self._refused,
-        )  # fmt: skip
+        )

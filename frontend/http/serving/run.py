@@ -81,12 +81,15 @@ async def serve(
             connection = partial(
                 _serve_connection,
                 partial(
-                    HeadwaterTCPServer, wrapped, config, context,
+                    HeadwaterTCPServer,
+                    wrapped,
+                    config,
+                    context,
                     ConnectionState(lifespan_state.copy()),
                 ),
                 config,
                 clients,
-            )  # fmt: skip
+            )
             balance = config.accept_balance
             balanced = [lst for lst in listeners if isinstance(lst, BalancedListener)]
             others = [lst for lst in listeners if not isinstance(lst, BalancedListener)]
@@ -141,7 +144,8 @@ async def _serve_connection(
 
 
 async def _counted(
-    balance: AcceptBalance, serve_one: Callable[[HttpStream], Awaitable[None]],
+    balance: AcceptBalance,
+    serve_one: Callable[[HttpStream], Awaitable[None]],
     stream: HttpStream,
 ) -> None:
     """*serve_one* the connection that *balance*'s listener counted as it accepted it."""
@@ -218,12 +222,14 @@ def _listen(config: ServerConfig) -> tuple[list[Listener], list[str]]:
 
 def _refuse_unsupported(config: ServerConfig) -> None:
     asked = [
-        name for name, wanted in (
+        name
+        for name, wanted in (
             ("QUIC (quic_bind)", bool(config.quic_bind)),
             ("statsd (statsd_host)", config.statsd_host is not None),
             ("max_requests", config.max_requests is not None),
-        ) if wanted
-    ]  # fmt: skip
+        )
+        if wanted
+    ]
     if asked:
         raise ValueError(f"headwater's serve does not support {', '.join(asked)}")
     if (config.certfile is None) != (config.keyfile is None):

@@ -171,9 +171,11 @@ class HeadwaterTCPServer(TCPServer):
         try:
             while True:
                 # One cancel scope per read, as hypercorn's: the earlier of the two deadlines.
-                at = deadline if every_read == math.inf else min(
-                    deadline, trio.current_time() + every_read
-                )  # fmt: skip
+                at = (
+                    deadline
+                    if every_read == math.inf
+                    else min(deadline, trio.current_time() + every_read)
+                )
                 if self._linger_until is not None:
                     at = min(at, self._linger_until)
                 with trio.move_on_at(at) as late:
@@ -226,8 +228,11 @@ class HeadwaterTCPServer(TCPServer):
         answer end), and :meth:`_read_data` drops what comes, until the client stops or
         ``linger_timeout`` has passed; then the connection closes, here again."""
         http11 = self._http11()
-        if (self._linger_until is None and http11 is not None
-                and http11.connection.their_state is h11.SEND_BODY):  # fmt: skip
+        if (
+            self._linger_until is None
+            and http11 is not None
+            and http11.connection.their_state is h11.SEND_BODY
+        ):
             self._linger_until = trio.current_time() + self.config.linger_timeout
             if self._read_scope is not None:
                 self._read_scope.deadline = min(self._read_scope.deadline, self._linger_until)
@@ -262,8 +267,11 @@ class HeadwaterTCPServer(TCPServer):
         self.config.refused(reason)
         log.debug("closing a connection: %s", reason)
         http11 = self._http11()
-        if (reason == HEADER_TIMEOUT and http11 is not None
-                and http11.connection.our_state is h11.IDLE):  # fmt: skip
+        if (
+            reason == HEADER_TIMEOUT
+            and http11 is not None
+            and http11.connection.our_state is h11.IDLE
+        ):
             await http11._send_error_response(408)
 
     def _adopt_protocol(self) -> None:
@@ -287,9 +295,16 @@ class HeadwaterTCPServer(TCPServer):
         w = self.protocol
         if type(w.protocol) is H11Protocol:
             w.protocol = HeadWithBodyH11Protocol(
-                w.app, w.config, w.context, w.task_group, w.state, w.ssl, w.client, w.server,
+                w.app,
+                w.config,
+                w.context,
+                w.task_group,
+                w.state,
+                w.ssl,
+                w.client,
+                w.server,
                 w.send,
-            )  # fmt: skip
+            )
 
 
 def _write_now(stream: trio.abc.Stream, data: bytes) -> int | None:

@@ -19,11 +19,13 @@ REASONING_PARSERS: tuple[str, ...] = ("deepseek_v4", "deepseek_r1", "qwen3", "no
 def check_names(tool_call_parser: str, reasoning_parser: str) -> None:
     """Raises ValueError naming the known parsers for an unknown one."""
     if tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(f"unknown tool call parser {tool_call_parser!r}; "
-                         f"known: {', '.join(TOOL_CALL_PARSERS)}")  # fmt: skip
+        raise ValueError(
+            f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}"
+        )
     if reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; "
-                         f"known: {', '.join(REASONING_PARSERS)}")  # fmt: skip
+        raise ValueError(
+            f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}"
+        )
 
 
 def make_parser(

@@ -30,9 +30,7 @@ class MockerConfig:
     #: Most sequences in the running batch at once; more wait in a FIFO queue.
     max_num_seqs: int = field(default=256, metadata={"help": "max running sequences"})
     #: Token budget of one scheduler step (decode tokens plus prefill chunks).
-    max_num_batched_tokens: int = field(
-        default=8192, metadata={"help": "token budget per step"}
-    )
+    max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget per step"})
     #: Lowest output token id emitted (inclusive). 0, 1, 2 are DeepSeek-V4 specials.
     output_token_low: int = 3
     #: Output token ids stay below this (exclusive). Ids >= 128,000 are specials.
@@ -56,9 +54,11 @@ class MockerConfig:
     #: rather than at the context length, minutes later.
     mean_output_tokens: int = field(
         default=256,
-        metadata={"help": "mean answer length in tokens, after which a request emits EOS "
-                          "unless ignore_eos (0: every answer runs to max_tokens)"},
-    )  # fmt: skip
+        metadata={
+            "help": "mean answer length in tokens, after which a request emits EOS "
+            "unless ignore_eos (0: every answer runs to max_tokens)"
+        },
+    )
     #: The shape of the length's lognormal. Answer lengths are right-skewed: many short
     #: answers and a long tail, which a lognormal fits with one parameter; σ = 1 puts the
     #: median at 0.61 × the mean and 1 answer in 100 past 6.2 × it. 0: every answer is

@@ -143,8 +143,9 @@ class MockerEngine(Engine):
             prompt = await self._prompt_logprobs(request)
             if request.kv_handle is not None:
                 if spans:
-                    spans.stage("engine.kv_pull", {"headwater.kv.tokens":
-                                                   request.kv_handle.num_tokens})  # fmt: skip
+                    spans.stage(
+                        "engine.kv_pull", {"headwater.kv.tokens": request.kv_handle.num_tokens}
+                    )
                 await self._pull(request.kv_handle)
                 seq.transferred = request.kv_handle.num_tokens
                 seq.block_hashes = self._usable_hashes(request.kv_handle)
@@ -166,10 +167,11 @@ class MockerEngine(Engine):
                         [token],
                         finish_reason=seq.finish if last else None,
                         cached_tokens=seq.cached_tokens or 0,
-                        logprobs=None if seq.logprobs is None
+                        logprobs=None
+                        if seq.logprobs is None
                         else (seq.pending_logprobs.popleft(),),
                         prompt_logprobs=prompt,
-                    )  # fmt: skip
+                    )
                     prompt = None  # on the first chunk only
                     if last:
                         return
@@ -297,8 +299,9 @@ class MockerEngine(Engine):
             mean = cfg.mean_output_tokens
             if mean and request.eos_token_ids:
                 eos_token = request.eos_token_ids[0]
-                length = output_length(prompt_key(prompt) if greedy else key, mean,
-                                       cfg.output_length_sigma)  # fmt: skip
+                length = output_length(
+                    prompt_key(prompt) if greedy else key, mean, cfg.output_length_sigma
+                )
                 eos_index = max(length - 1, sampling.min_tokens)
         return _Request(
             request_id=request.request_id,
@@ -442,6 +445,9 @@ class MockerEngine(Engine):
 def build_engine(config: MockerConfig, context: EngineContext) -> MockerEngine:
     """The registry's factory (:mod:`workers.engines.registry`)."""
     return MockerEngine(
-        config, context.role, context.worker_id, kv_transfer=context.kv_transfer,
+        config,
+        context.role,
+        context.worker_id,
+        kv_transfer=context.kv_transfer,
         transfer_address=context.transfer_address,
-    )  # fmt: skip
+    )

@@ -186,9 +186,7 @@ class KvCache:
     in, and a block revived by a lookup just stops counting (its place is skipped).
     """
 
-    def __init__(
-        self, num_blocks: int, block_size: int, events: KvEventLog | None = None
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: KvEventLog | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -416,9 +414,7 @@ class KvCache:
                 cached += 1
         self._n_evictable += cached
 
-    def _announce(
-        self, hashes: Sequence[int], lo: int, hi: int, token_ids: Sequence[int]
-    ) -> None:
+    def _announce(self, hashes: Sequence[int], lo: int, hi: int, token_ids: Sequence[int]) -> None:
         """Publish the blocks ``lo``..``hi - 1`` of a chain (*hashes*, whose content is
         *token_ids* from its start) that were registered just now, each stretch of
         consecutive ones as one event; twins of registered content are not theirs."""
@@ -436,10 +432,15 @@ class KvCache:
                 parent = hashes[j - 1] if j else None
                 stored[hashes[j]] = (parent, j, token_array(token_ids[j * bs : (j + 1) * bs]))
                 j += 1
-            self.events.publish(BlockStored(
-                tuple(hashes[i:j]), hashes[i - 1] if i else None, i,
-                token_array(token_ids[i * bs : j * bs]), bs,
-            ))  # fmt: skip
+            self.events.publish(
+                BlockStored(
+                    tuple(hashes[i:j]),
+                    hashes[i - 1] if i else None,
+                    i,
+                    token_array(token_ids[i * bs : j * bs]),
+                    bs,
+                )
+            )
             i = j
 
     def snapshot(self) -> list[BlockStored]:

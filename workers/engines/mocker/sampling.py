@@ -153,9 +153,14 @@ def top_token_at(key: int, position: int, low: int, span: int) -> int:
 
 
 def logprobs_at(
-    key: int, position: int, token: int, low: int, span: int, top: int,
+    key: int,
+    position: int,
+    token: int,
+    low: int,
+    span: int,
+    top: int,
     first: int | None = None,
-) -> TokenLogprobs:  # fmt: skip
+) -> TokenLogprobs:
     """The logprobs of *token* at *position* of stream *key* (see :func:`token_at`) and
     the *top* most likely tokens there. *first*: a token that takes the most likely
     candidate's place (the EOS a request emits at its natural end). A token outside

@@ -254,10 +254,17 @@ class Scheduler(Generic[S]):
             else:
                 token = token_at(seq.seed_key, len(tokens) + 1, low, span)
             if seq.logprobs is not None:
-                seq.pending_logprobs.append(logprobs_at(
-                    seq.seed_key, len(tokens) + 1, token, low, span, seq.logprobs,
-                    first=eos,
-                ))  # fmt: skip
+                seq.pending_logprobs.append(
+                    logprobs_at(
+                        seq.seed_key,
+                        len(tokens) + 1,
+                        token,
+                        low,
+                        span,
+                        seq.logprobs,
+                        first=eos,
+                    )
+                )
             tokens.append(token)
             seq.pending.append(token)
             seq.num_output = index + 1

@@ -8,6 +8,12 @@ from workers.engines.scripted.engine import ScriptedCounters, ScriptedEngine
 from workers.engines.scripted.script import Rule, Script, ScriptError, load_script, parse_script
 
 __all__ = [
-    "Rule", "Script", "ScriptError", "ScriptedConfig", "ScriptedCounters", "ScriptedEngine",
-    "load_script", "parse_script",
-]  # fmt: skip
+    "Rule",
+    "Script",
+    "ScriptError",
+    "ScriptedConfig",
+    "ScriptedCounters",
+    "ScriptedEngine",
+    "load_script",
+    "parse_script",
+]

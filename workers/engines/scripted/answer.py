@@ -38,7 +38,9 @@ def continued(prompt: Sequence[int], text_ids: Sequence[int], most: int) -> int:
 
 
 def answer_tokens(
-    text_ids: Sequence[int], sampling: SamplingParams, eos_token_ids: Sequence[int] = (),
+    text_ids: Sequence[int],
+    sampling: SamplingParams,
+    eos_token_ids: Sequence[int] = (),
     start: int = 0,
 ) -> Iterator[tuple[int, FinishReason | None]]:
     """The output for an answer of *text_ids* (at least one id), going on after its first

@@ -108,15 +108,15 @@ def _parse_line(raw: bytes, number: int, source: str) -> Rule:
         )
     text = obj.get("text")
     if not isinstance(text, str) or not text:
-        raise ScriptError(f"{where}: needs \"text\", a non-empty string (the answer)")
+        raise ScriptError(f'{where}: needs "text", a non-empty string (the answer)')
     has_default = "default" in obj
     if has_default and obj["default"] is not True:
-        raise ScriptError(f"{where}: \"default\" can only be true")
+        raise ScriptError(f'{where}: "default" can only be true')
     needle = obj.get("prompt_contains")
     if has_default == ("prompt_contains" in obj):
-        raise ScriptError(f"{where}: needs either \"prompt_contains\" or \"default\": true")
+        raise ScriptError(f'{where}: needs either "prompt_contains" or "default": true')
     if not has_default and (not isinstance(needle, str) or not needle):
-        raise ScriptError(f"{where}: \"prompt_contains\" must be a non-empty string")
+        raise ScriptError(f'{where}: "prompt_contains" must be a non-empty string')
     return Rule(text=text, prompt_contains=needle, line=number)
 
 
@@ -126,8 +126,9 @@ def _check_reachable(rule: Rule, earlier: list[Rule], source: str) -> None:
     where = f"script {source}, line {rule.line}"
     for before in earlier:
         if rule.is_default and before.is_default:
-            raise ScriptError(f"{where}: a second default rule (the first is on line "
-                              f"{before.line})")  # fmt: skip
+            raise ScriptError(
+                f"{where}: a second default rule (the first is on line {before.line})"
+            )
         if (
             rule.prompt_contains is not None
             and before.prompt_contains is not None

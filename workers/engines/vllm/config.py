@@ -32,9 +32,7 @@ class VllmConfig:
 
     #: A model directory (config.json, weights; tokenizer files optional): the worker
     #: starts ``vllm serve`` on it. With ``vllm_url`` it is only read (vocabulary).
-    model: str = field(
-        default="", metadata={"help": "model directory: start a vLLM server on it"}
-    )
+    model: str = field(default="", metadata={"help": "model directory: start a vLLM server on it"})
     #: A running vLLM server to use instead of starting one (``http://host:port``).
     vllm_url: str = field(
         default="", metadata={"help": "attach to the vLLM server at this URL instead"}
@@ -58,9 +56,7 @@ class VllmConfig:
     )
     #: ``VLLM_CPU_KVCACHE_SPACE`` of a started server (GiB; the CPU build's "0 = auto"
     #: fails). Ignored by GPU builds.
-    cpu_kv_cache_gib: int = field(
-        default=1, metadata={"help": "KV cache GiB of a vLLM CPU build"}
-    )
+    cpu_kv_cache_gib: int = field(default=1, metadata={"help": "KV cache GiB of a vLLM CPU build"})
     #: ``VLLM_CPU_OMP_THREADS_BIND`` of a started CPU server: the cores its engine's
     #: OpenMP threads run on ("0", "0-3"). "role": a prefill server the first usable
     #: core, a decode server the last, an aggregated one vLLM's choice. Empty: vLLM's
@@ -144,8 +140,7 @@ class VllmConfig:
                 if isinstance(exc, TimeoutError):
                     reason = f"no answer within {PROBE_TIMEOUT:g} s"
                 raise ValueError(
-                    f"--vllm-url {self.vllm_url}: cannot connect ({reason}); is vLLM running "
-                    "there?"
+                    f"--vllm-url {self.vllm_url}: cannot connect ({reason}); is vLLM running there?"
                 ) from exc
         if self.model_vocab_size() is None:
             raise ValueError(NO_VOCABULARY)

@@ -332,21 +332,27 @@ class VllmEngine(Engine):
         cached = 0
         first_deadline = self.config.kv_pull_timeout if kv else None
         with self._vllm_errors(kv=kv):
-            async with (
-                self._open_stream(body, first_deadline, top) as events, aclosing(events)
-            ):  # fmt: skip
+            async with self._open_stream(body, first_deadline, top) as events, aclosing(events):
                 async for event in events:
                     if event.cached_tokens is not None:
                         cached = event.cached_tokens
                     if event.done:
                         break
                     if event.finish is not None:
-                        held = Chunk(rid, list(event.token_ids),
-                                     finish_reason=_finish(event.finish, self._up),
-                                     logprobs=event.logprobs, prompt_logprobs=prompt)  # fmt: skip
+                        held = Chunk(
+                            rid,
+                            list(event.token_ids),
+                            finish_reason=_finish(event.finish, self._up),
+                            logprobs=event.logprobs,
+                            prompt_logprobs=prompt,
+                        )
                     elif event.token_ids:
-                        yield Chunk(rid, list(event.token_ids), logprobs=event.logprobs,
-                                    prompt_logprobs=prompt)  # fmt: skip
+                        yield Chunk(
+                            rid,
+                            list(event.token_ids),
+                            logprobs=event.logprobs,
+                            prompt_logprobs=prompt,
+                        )
                         prompt = None  # on the first chunk only
         if held is None:
             raise EngineError(
@@ -363,9 +369,12 @@ class VllmEngine(Engine):
         if top is None:
             return None
         body = protocol.generate_body(
-            request, stream=False, max_tokens=1, prompt_logprobs=True,
+            request,
+            stream=False,
+            max_tokens=1,
+            prompt_logprobs=True,
             request_id=request.request_id + ".prompt",
-        )  # fmt: skip
+        )
         with self._vllm_errors(kv=False):
             response = await self._post(body)
             answer = protocol.parse_answer(response, prompt_logprobs=top)
@@ -381,8 +390,9 @@ class VllmEngine(Engine):
     async def _post(self, body: bytes) -> bytes:
         assert self._http is not None
         with self._watched() as scope:
-            r = await self._http.post(self.server.url + GENERATE_PATH, content=body,
-                                      headers=_headers())  # fmt: skip
+            r = await self._http.post(
+                self.server.url + GENERATE_PATH, content=body, headers=_headers()
+            )
         if scope.cancelled_caught:
             raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM went down")
         if r.status_code != 200:
@@ -467,8 +477,12 @@ class VllmEngine(Engine):
                         f"died too (--restart-limit {self.config.restart_limit})"
                     )
                 restarts += 1
-                log.warning("%s: restarting vLLM (%d of %d)", self.worker_id, restarts,
-                            self.config.restart_limit)  # fmt: skip
+                log.warning(
+                    "%s: restarting vLLM (%d of %d)",
+                    self.worker_id,
+                    restarts,
+                    self.config.restart_limit,
+                )
                 try:
                     await self._start(http)
                     break
@@ -604,8 +618,15 @@ _JSON = {"Content-Type": "application/json"}
 
 #: The sampling features every vLLM honours (structured outputs need its tokenizer).
 SAMPLING_FEATURES = (
-    SEED, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY, LOGIT_BIAS,
-    LOGPROBS, PROMPT_LOGPROBS,
+    SEED,
+    TOP_K,
+    MIN_P,
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
+    REPETITION_PENALTY,
+    LOGIT_BIAS,
+    LOGPROBS,
+    PROMPT_LOGPROBS,
 )
 
 
@@ -649,8 +670,11 @@ def build_engine(config: VllmConfig, context: EngineContext) -> VllmEngine:
     for a config it cannot serve with (no model or URL, no vocabulary size)."""
     try:
         return VllmEngine(
-            config, context.role, context.worker_id, transfer_address=context.transfer_address,
+            config,
+            context.role,
+            context.worker_id,
+            transfer_address=context.transfer_address,
             otlp_endpoint=context.otlp_endpoint,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise EngineFailed(str(exc)) from exc

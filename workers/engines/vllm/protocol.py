@@ -224,22 +224,27 @@ def parse_answer(
             cached = details["cached_tokens"]
     params = obj.get("kv_transfer_params")
     return StreamEvent(
-        tokens, finish, cached, params if isinstance(params, dict) else None,
-        logprobs=token_logprobs, prompt_logprobs=prompt,
-    )  # fmt: skip
+        tokens,
+        finish,
+        cached,
+        params if isinstance(params, dict) else None,
+        logprobs=token_logprobs,
+        prompt_logprobs=prompt,
+    )
 
 
-def _top(candidates: list[tuple[int, float, int | None]], top: int) -> tuple[
-    tuple[int, ...], tuple[float, ...]
-]:  # fmt: skip
+def _top(
+    candidates: list[tuple[int, float, int | None]], top: int
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """The *top* most likely of (id, logprob, rank) candidates, most likely first.
 
     vLLM lists the token at the position first, then the top ones (its dict order),
     so a token ranked below *top* is left out by its rank, and the top list is then
     one short (vLLM cut it to *top* entries with that token in): the rare case
     OpenAI documents as "fewer than asked"."""
-    ranked = sorted((c for c in candidates if c[2] is not None and c[2] <= top),
-                    key=lambda c: c[2] or 0)  # fmt: skip
+    ranked = sorted(
+        (c for c in candidates if c[2] is not None and c[2] <= top), key=lambda c: c[2] or 0
+    )
     return tuple(c[0] for c in ranked), tuple(c[1] for c in ranked)
 
 
@@ -252,11 +257,14 @@ def _token_logprobs(raw: Any, tokens: Sequence[int], top: int) -> tuple[TokenLog
     try:
         entries = []
         for entry in content:
-            candidates = [(int(c["token_id"]), float(c["logprob"]), c.get("rank"))
-                          for c in entry.get("top_logprobs") or ()]  # fmt: skip
+            candidates = [
+                (int(c["token_id"]), float(c["logprob"]), c.get("rank"))
+                for c in entry.get("top_logprobs") or ()
+            ]
             ids, logprobs = _top(candidates, top)
-            entries.append(TokenLogprobs(float(entry["logprob"]), int(entry.get("rank") or 0),
-                                         ids, logprobs))  # fmt: skip
+            entries.append(
+                TokenLogprobs(float(entry["logprob"]), int(entry.get("rank") or 0), ids, logprobs)
+            )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"unreadable logprobs: {exc!r}") from exc
     return tuple(entries)

@@ -62,25 +62,31 @@ def kv_transfer_config(role: Role, config: VllmConfig) -> str | None:
     return json.dumps(kv)
 
 
-def serve_argv(
-    config: VllmConfig, role: Role, port: int, *, otlp_endpoint: str = ""
-) -> list[str]:
+def serve_argv(config: VllmConfig, role: Role, port: int, *, otlp_endpoint: str = "") -> list[str]:
     """The ``vllm serve`` command line of a started server; with *otlp_endpoint*, vLLM
     traces its requests there (over OTLP/HTTP, :func:`serve_env`), each span a child of
     the ``traceparent`` headwater's engine sends with the request."""
     command = shlex.split(config.vllm_command) or [
-        sys.executable, "-m", "workers.engines.vllm.launcher",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "workers.engines.vllm.launcher",
+    ]
     argv = [
-        *command, "serve", config.model,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(config.max_model_len),
+        *command,
+        "serve",
+        config.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(config.max_model_len),
         # Token ids in and out: the frontend tokenizes. Without --enable-scale-out (or
         # --tokens-only) /inference/v1/generate answers 403.
         "--enable-scale-out",
         # Cached prompt tokens in the usage of each answer.
         "--enable-prompt-tokens-details",
-    ]  # fmt: skip
+    ]
     if config.tokenizer_path() is None:
         # No tokenizer to load: ids only, and no structured outputs (their grammars are
         # built over the tokenizer's vocabulary; the engine declares them only with one).
@@ -103,13 +109,15 @@ def serve_env(
     its worker on loopback and needs none). Loopback only; the NIXL side channel on a
     port of its own."""
     env = without_secrets(dict(os.environ if base is None else base))
-    env.update({
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",  # a local model directory; there is no hub to ask
-        # The CPU build's "0 = auto" fails ("No available memory for the cache blocks").
-        "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kv_cache_gib),
-    })  # fmt: skip
+    env.update(
+        {
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",  # a local model directory; there is no hub to ask
+            # The CPU build's "0 = auto" fails ("No available memory for the cache blocks").
+            "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kv_cache_gib),
+        }
+    )
     env.update(supervisor_env())  # the launcher stops vLLM once this worker is gone
     if traced:  # vLLM's default is gRPC; headwater's collectors speak OTLP/HTTP
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
@@ -234,8 +242,7 @@ class VllmServer:
         while trio.current_time() < deadline:
             if process is not None and process.returncode is not None:
                 raise VllmStartError(
-                    f"vLLM exited with status {process.returncode} while starting"
-                    f"{self._log_hint()}"
+                    f"vLLM exited with status {process.returncode} while starting{self._log_hint()}"
                 )
             try:
                 r = await http.get(self.url + "/health", timeout=2.0)
