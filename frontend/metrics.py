@@ -133,8 +133,9 @@ class FrontendMetrics:
         r, p = self.registry, PREFIX
         self.requests_total = Counter(
             f"{p}requests",
-            "Requests finished, by endpoint, request type and status",
-            ["endpoint", "request_type", "status"],
+            "Requests finished, by endpoint, request type, status and model (a served "
+            "model's name; empty for a request refused before its model was known)",
+            ["endpoint", "request_type", "status", "model"],
             registry=r,
         )
         self.http_responses_total = Counter(
@@ -154,7 +155,8 @@ class FrontendMetrics:
         )
         self.request_duration_seconds = Histogram(
             f"{p}request_duration_seconds",
-            "End-to-end request time",
+            "End-to-end request time, by model",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -176,13 +178,15 @@ class FrontendMetrics:
         )
         self.input_sequence_tokens = Histogram(
             f"{p}input_sequence_tokens",
-            "Prompt length in tokens",
+            "Prompt length in tokens, by model",
+            ["model"],
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.output_sequence_tokens = Histogram(
             f"{p}output_sequence_tokens",
-            "Completion length in tokens",
+            "Completion length in tokens, by model",
+            ["model"],
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
