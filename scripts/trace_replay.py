@@ -1,6 +1,7 @@
 """Replay Mooncake's conversation trace against an OpenAI-compatible server (loopback only).
 
-The trace (FAST '25, Apache 2.0; docs/routing.md, "The trace benchmark") gives each
+The trace (FAST '25, Apache 2.0: scripts/data/README.md; docs/routing.md, "The trace
+benchmark") gives each
 request's arrival time, prompt and answer lengths, and its prompt as a chain of 512-token
 blocks (``hash_ids``): two requests sharing a leading run of ids share that much prefix.
 This turns each request into token ids block by block (a block id always gives the same
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import math
 import random
@@ -37,7 +39,8 @@ import aiohttp
 
 from scripts.bench.loadgen import check_loopback
 
-TRACE = Path("/work/shared/traces/mooncake-conversation.jsonl")
+#: The trace, in the repository (scripts/data/README.md: its source and licence).
+TRACE = Path(__file__).with_name("data") / "mooncake-conversation.jsonl.gz"
 TRACE_BLOCK = 512  # tokens per block of the trace's hash_ids
 
 
@@ -64,7 +67,7 @@ def load(
     """The trace's requests *skip* .. *skip* + *requests*, scaled (see the module
     docstring); a prompt keeps its first *max_prompt_blocks* blocks."""
     rows = []
-    with path.open() as f:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as f:
         for i, line in enumerate(f):
             if i >= skip + requests:
                 break

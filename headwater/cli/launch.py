@@ -10,6 +10,9 @@ start first and the frontend gets their addresses as ``--workers``), then the
 frontend (``headwater serve``). Prints the URL once ``/health`` answers 200,
 then a line ``HEADWATER_CLUSTER_READY <url>``. Everything binds 127.0.0.1.
 
+With more than one worker of a role the frontend routes by KV cache (``--router kv``)
+unless ``--router`` is given after ``--`` (docs/routing.md, "The default").
+
 Options after ``--`` are passed to ``headwater serve`` as they are (``--router``,
 ``--tokenizer-threads``, ...), except the ones the launcher sets itself: ``--host``,
 ``--port``, ``--model-name``, ``--workers``, ``--discovery``. The engine's options
@@ -209,6 +212,12 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     check_port("127.0.0.1", args.port, "--port")
     check_engine(engine_config)
     serve_args += _frontend_defaults(engine_config, serve_args)
+    if max(prefill, decode, agg) > 1 and not any(
+        arg.split("=", 1)[0] == "--router" for arg in serve_args
+    ):
+        # Several workers of a role: route by their caches (docs/routing.md, "The
+        # default"); one of each leaves nothing to choose.
+        serve_args += ["--router", "kv"]
     # Every child logs and traces as the launcher was told to.
     shared = [f"--log-format={args.log_format}"] if args.log_format != "text" else []
     if args.otlp_endpoint:
