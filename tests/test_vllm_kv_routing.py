@@ -25,9 +25,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 async def test_vllms_events_fill_the_routers_index(vllm_cluster: VllmCluster) -> None:
     agg = vllm_cluster.workers[Role.AGG]
     ids = prompt(300, 77)  # four full 64-token blocks, then 44
+    worker = f"{agg.address}?role=agg&id={agg.worker_id}"
     body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0}
     async with (
-        serve_frontend(workers=f"{agg.address}?role=agg", router="kv", kv_block_size=64) as (
+        serve_frontend(workers=worker, router="kv", kv_block_size=64) as (
             fe,
             url,
         ),

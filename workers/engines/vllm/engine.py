@@ -166,7 +166,7 @@ class VllmEngine(Engine):
         #: vLLM's KV cache events, republished (:mod:`.kv_events`); None when vLLM
         #: publishes none here (attached, or --no-vllm-kv-events): approximate routing.
         self._kv: VllmKvEvents | None = None
-        if self.server.events_endpoint:
+        if config.vllm_kv_events and not config.attached:
             self.kv_events = KvEventLog()
             self._kv = VllmKvEvents(self.kv_events)
         self.metrics = VllmMetrics()
@@ -204,11 +204,11 @@ class VllmEngine(Engine):
         ) as http:
             self._http = http
             try:
-                await self._start(http)
                 async with trio.open_nursery() as nursery:
+                    if self._kv is not None:  # listening before vLLM publishes
+                        self.server.events_endpoint = await nursery.start(subscribe, self._kv)
+                    await self._start(http)
                     nursery.start_soon(self._poll_metrics, http)
-                    if self._kv is not None:
-                        nursery.start_soon(subscribe, self.server.events_endpoint, self._kv)
                     task_status.started()
                     await self._supervise(http)
             finally:

@@ -1,7 +1,8 @@
 """vLLM's KV cache events, read from its ZMQ publisher and republished as headwater's.
 
 A vLLM started by the worker publishes what its prefix cache stores and evicts
-(``--kv-events-config``: a ZMQ PUB socket on a loopback port of the worker's choosing).
+(``--kv-events-config``: its ZMQ PUB socket connects to the worker's SUB socket, bound on
+a free loopback port).
 Each message is three frames: the topic, an 8-byte big-endian sequence number, and a
 msgpack ``EventBatch``: ``[ts, events, data_parallel_rank]``. vLLM has encoded its events
 two ways, and both are read here:
@@ -59,14 +60,22 @@ class _Held:
 
 
 def block_id(h: Any) -> int:
-    """vLLM's block hash (an int, or the bytes of a digest) as an integer id."""
+    """vLLM's block hash (an int, or the bytes of a digest) as a signed 64-bit id, what
+    the request plane carries (``headwater.wire``): a digest's first 8 bytes, an integer
+    folded to 64 bits. A block's id only names it; a collision among one worker's blocks
+    is a 2**-64 chance per pair."""
     if isinstance(h, bool):
         raise EventDecodeError(f"not a block hash: {h!r}")
     if isinstance(h, int):
-        return h
-    if isinstance(h, bytes | bytearray):
-        return int.from_bytes(h, "big")
-    raise EventDecodeError(f"not a block hash: {h!r}")
+        value = h & _MASK
+    elif isinstance(h, bytes | bytearray):
+        value = int.from_bytes(bytes(h[:8]).rjust(8, b"\0"), "big")
+    else:
+        raise EventDecodeError(f"not a block hash: {h!r}")
+    return value - (1 << 64) if value >> 63 else value
+
+
+_MASK = (1 << 64) - 1
 
 
 def decode_batch(payload: bytes) -> list[KvEvent]:
@@ -187,10 +196,15 @@ class VllmKvEvents:
             )
 
 
-async def subscribe(endpoint: str, events: VllmKvEvents) -> None:
-    """Read vLLM's publisher at *endpoint* until cancelled, each batch handed to
-    *events* on this trio loop. The socket lives in a thread of its own, blocked in a
-    receive of at most :data:`POLL_MS`; cancelling this leaves within that."""
+async def subscribe(
+    events: VllmKvEvents, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Listen for vLLM's publisher on a free loopback port until cancelled, each batch
+    handed to *events* on this trio loop; ``task_status.started`` with the endpoint to
+    give vLLM (``tcp://127.0.0.1:PORT``: vLLM connects to an endpoint with a host, and a
+    bound SUB socket keeps the port across vLLM's restarts). The socket lives in a
+    thread of its own, blocked in a receive of at most :data:`POLL_MS`; cancelling this
+    leaves within that."""
     import zmq  # vLLM's dependency: only a vLLM worker imports this module
 
     token = trio.lowlevel.current_trio_token()
@@ -202,8 +216,11 @@ async def subscribe(endpoint: str, events: VllmKvEvents) -> None:
         sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(endpoint)
         try:
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+            trio.from_thread.run_sync(
+                task_status.started, f"tcp://127.0.0.1:{port}", trio_token=token
+            )
             while not stop.is_set():
                 try:
                     frames = sock.recv_multipart()

@@ -184,13 +184,10 @@ class VllmServer:
         self.url = config.vllm_url.rstrip("/")
         self.process: trio.Process | None = None
         self.starts = 0
-        #: Where a started server publishes its KV cache events: one loopback port for
-        #: the worker's life, so that a restarted vLLM publishes where it is read.
-        self.events_endpoint = (
-            f"tcp://127.0.0.1:{free_port()}"
-            if config.vllm_kv_events and not config.attached
-            else ""
-        )
+        #: Where a started server sends its KV cache events: the worker's subscriber,
+        #: bound on loopback for the worker's life (vLLM connects to an endpoint with a
+        #: host, so a restarted vLLM finds it again). Set by the engine; "": no events.
+        self.events_endpoint = ""
 
     @property
     def attached(self) -> bool:
