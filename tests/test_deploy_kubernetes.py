@@ -201,3 +201,19 @@ async def test_the_probes_ask_paths_headwater_serves() -> None:
         assert status.startswith("405"), (path, status)
     status, _, _ = await _respond(None, None, b"POST /nope HTTP/1.1\r\n")  # type: ignore[arg-type]
     assert status.startswith("404")
+
+
+def test_the_dockerfile_copies_what_exists_and_runs_as_a_user() -> None:
+    # Not built here (no container runtime on the test machines): what it names exists,
+    # and the user it runs as is not root, the one the manifests' securityContext expects.
+    lines = (REPO / "deploy" / "Dockerfile").read_text().splitlines()
+    copied = [w for line in lines if line.startswith("COPY ") for w in line.split()[1:-1]]
+    assert copied
+    for source in copied:
+        assert (REPO / source).exists(), source
+    (user,) = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert user.split(":")[0] == "10001"
+    for overlay in OVERLAYS:
+        for _, spec in pod_specs(render(overlay)):
+            if spec["containers"][0]["image"].startswith("headwater"):
+                assert spec["securityContext"]["runAsUser"] == 10001
