@@ -74,6 +74,7 @@ from headwater.cluster.launch import (
 )
 from headwater.cluster.recipes import DEFAULT_MODEL
 from workers.engines import registry
+from workers.engines.base import EngineConfig
 
 #: serve options the launcher sets itself; refused after ``--``.
 OWNED_SERVE_OPTIONS = ("--host", "--port", "--model-name", "--workers", "--discovery")
@@ -224,7 +225,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         shared.append(f"--otlp-endpoint={args.otlp_endpoint}")
     serve_args += shared
     # A worker is up once its engine is: a model server's start-up counts.
-    start_within = max(args.start_timeout, getattr(engine_config, "vllm_start_timeout", 0.0) + 30)
+    start_within = max(args.start_timeout, engine_config.start_timeout + 30)
     extra_models = tuple(extra_model(text) for text in args.extra_models)
     names = [args.model_name, *(m.model for m in extra_models)]
     if len(set(names)) != len(names):
@@ -296,7 +297,7 @@ def _engine_args(extra: ModelWorkers) -> argparse.Namespace:
     return parsed
 
 
-def _frontend_defaults(engine_config: object, serve_args: list[str]) -> list[str]:
+def _frontend_defaults(engine_config: EngineConfig, serve_args: list[str]) -> list[str]:
     """``headwater serve`` options from what the workers' engine knows of its model
     (``--tokenizer`` from its model directory, ``--context-length``,
     ``--model-vocab-size``), for those not given after ``--``."""

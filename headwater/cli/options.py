@@ -23,6 +23,7 @@ from headwater.logs import configure_logging as configure_logging
 if TYPE_CHECKING:
     from headwater.cluster.supervisor import RestartPolicy
     from headwater.etcd.client import EtcdCredentials
+    from workers.engines.base import EngineConfig
 
 ENV_PREFIX = "HEADWATER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -156,33 +157,13 @@ def config_argv(config: Any) -> list[str]:
     return argv
 
 
-def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
+def engine_frontend_defaults(engine_config: EngineConfig) -> dict[str, Any]:
     """What an engine's config tells the frontend in front of its workers, as
-    FrontendConfig fields: the model directory's tokenizer (``tokenizer_path()``), the
-    model's vocabulary size (``model_vocab_size()``), context length
-    (``max_model_len``), how many frontend processes ``--processes auto`` means
-    (``frontend_processes()``; by default one per usable CPU) and the KV block size the
-    router hashes by (``vllm_block_size``). Keys are absent when the
-    engine does not say (the mocker says nothing). Raises ValueError for a model
-    directory that cannot be read.
-    """
-    defaults: dict[str, Any] = {}
-    tokenizer = getattr(engine_config, "tokenizer_path", None)
-    if callable(tokenizer) and (path := tokenizer()):
-        defaults["tokenizer"] = path
-    vocab = getattr(engine_config, "model_vocab_size", None)
-    if callable(vocab) and (size := vocab()):
-        defaults["model_vocab_size"] = size
-    length = getattr(engine_config, "max_model_len", None)
-    if isinstance(length, int) and length > 0:
-        defaults["context_length"] = length
-    processes = getattr(engine_config, "frontend_processes", None)
-    if callable(processes):
-        defaults["processes"] = processes()
-    block = getattr(engine_config, "vllm_block_size", None)
-    if isinstance(block, int) and block > 0:  # the blocks its KV events report
-        defaults["kv_block_size"] = block
-    return defaults
+    FrontendConfig fields (:meth:`~workers.engines.base.EngineConfig.frontend_defaults`:
+    the model's tokenizer, vocabulary size, context length, KV block size, and how many
+    frontend processes ``--processes auto`` means; by default one per usable CPU). Raises
+    ValueError for a model directory that cannot be read."""
+    return engine_config.frontend_defaults()
 
 
 def add_etcd_options(parser: argparse.ArgumentParser | Any) -> None:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import errno
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engines.base import EngineConfig
 
 __all__ = ["check_engine", "check_port"]
 
@@ -45,9 +48,7 @@ def check_port(host: str, port: int, option: str) -> None:
             raise ValueError(f"cannot listen on {host}:{port} ({option}): {reason}") from exc
 
 
-def check_engine(engine_config: Any) -> None:
-    """Run the engine config's own fast checks, when it has them (``preflight()``: the
-    vLLM engine's model directory and server address); ValueError for a failed one."""
-    preflight = getattr(engine_config, "preflight", None)
-    if callable(preflight):
-        preflight()
+def check_engine(engine_config: EngineConfig) -> None:
+    """Run the engine config's own fast checks (``preflight()``: the vLLM engine's model
+    directory and server address; nothing for the others); ValueError for a failed one."""
+    engine_config.preflight()

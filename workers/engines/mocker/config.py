@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.engines.base import EngineConfig
+
 
 @dataclass(frozen=True, slots=True)
-class MockerConfig:
+class MockerConfig(EngineConfig):
     """How fast the simulated engine runs, how big its KV cache is, what it emits.
 
     Fields with a ``help`` are command-line options of every command that runs a

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from workers.engines.base import EngineConfig
 from workers.engines.scripted.script import load_script
 
 
 @dataclass(frozen=True, slots=True)
-class ScriptedConfig:
+class ScriptedConfig(EngineConfig):
     """What the scripted engine answers, with which tokenizer, how fast.
 
     Raises ``ValueError`` on construction for a delay out of range, and for a script
@@ -58,3 +60,8 @@ class ScriptedConfig:
         """The tokenizer given, for the frontend in front of these workers (``headwater
         launch`` passes it to ``headwater serve``); None: the default, as the frontend's."""
         return self.tokenizer or None
+
+    def frontend_defaults(self) -> dict[str, Any]:
+        """The tokenizer given: the frontend's must be the same."""
+        path = self.tokenizer_path()
+        return {"tokenizer": path} if path else {}

@@ -13,7 +13,10 @@ import shlex
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
+
+from workers.engines.base import EngineConfig
 
 #: Why an engine without a vocabulary size is refused (here at start, and by the engine).
 NO_VOCABULARY = (
@@ -25,7 +28,7 @@ PROBE_TIMEOUT = 3.0
 
 
 @dataclass(frozen=True, slots=True)
-class VllmConfig:
+class VllmConfig(EngineConfig):
     """How a worker reaches vLLM. Raises ``ValueError`` on construction for values out
     of range; an empty config (no model, no URL) is valid, and refused when an engine
     is built from it (:func:`workers.engines.vllm.engine.build_engine`)."""
@@ -184,6 +187,26 @@ class VllmConfig:
         if directory is None or not (directory / "config.json").is_file():
             return None
         return read_vocab_size(directory / "config.json")
+
+    def frontend_defaults(self) -> dict[str, Any]:
+        """The model directory's tokenizer (when it has one), the model's vocabulary
+        size and context length, one frontend process for in-process vLLM workers
+        (:meth:`frontend_processes`) and the KV block size its events report. Raises
+        ValueError for a model directory that cannot be read."""
+        defaults: dict[str, Any] = {
+            "context_length": self.max_model_len,
+            "processes": self.frontend_processes(),
+            "kv_block_size": self.vllm_block_size,
+        }
+        if path := self.tokenizer_path():
+            defaults["tokenizer"] = path
+        if size := self.model_vocab_size():
+            defaults["model_vocab_size"] = size
+        return defaults
+
+    @property
+    def start_timeout(self) -> float:
+        return self.vllm_start_timeout
 
     def frontend_processes(self) -> int:
         """In-process vLLM workers want one frontend process: each process of a group
