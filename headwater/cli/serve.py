@@ -507,6 +507,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_config_options(group, registry.config_type(name))
 
 
+def load_plane_secret(secret_file: str | None) -> None:
+    """Check the plane secret now (a weak one is a bad option: ValueError; an unreadable
+    file: OSError). From *secret_file*, it is put in ``HEADWATER_PLANE_SECRET``, which this
+    process's plane clients read, and a group's processes, forked from this one."""
+    load_secret(secret_file)
+    if secret_file:
+        with open(secret_file, encoding="utf-8") as f:
+            os.environ[SECRET_ENV] = f.read()
+
+
 def process_count(text: str) -> int:
     """An argparse ``type``: ``auto`` (one per usable CPU) or an integer of at least 1."""
     if text.strip().lower() == "auto":
@@ -601,13 +611,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = frontend_config_from_args(args)
         restart = restart_policy_from_args(args)
-        # The plane secret, checked now: a weak one is a bad option. From a file, it
-        # reaches this process's plane clients (and a group's processes, forked from
-        # here) through the variable they read.
-        load_secret(args.plane_secret_file)
-        if args.plane_secret_file:
-            with open(args.plane_secret_file, encoding="utf-8") as f:
-                os.environ[SECRET_ENV] = f.read()
+        load_plane_secret(args.plane_secret_file)
         # Before anything slow (the tokenizer, a group's fork, a model server's start).
         if config.listen_fd is None:
             check_port(config.host, config.port, "--host, --port")
