@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv venv-test serve test test-fast lint cluster bench soak vllm tiny-model clean
+.PHONY: venv venv-test serve test test-fast lint cluster bench bench-kv soak vllm tiny-model clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ cluster: $(STAMP)
 
 bench: $(DEV_STAMP)
 	$(PY) -m scripts.bench.run $(ARGS)
+
+# Mooncake's trace against headwater's and Dynamo's routers (docs/routing.md, "The trace
+# benchmark"): ARGS="ROUNDS REQUESTS TIME_SCALE", SPEEDUP=, ROUTERS=, LAYOUT=, PEERS=.
+bench-kv: $(DEV_STAMP)
+	bash scripts/bench_kv_trace.sh $(ARGS)
 
 # The soak: 10 min of mixed load per target (serve, launch); fails on a leak or a lost
 # request (docs/reliability.md). Shorter: make soak ARGS="--duration 120".

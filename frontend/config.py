@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend.catalog import ModelSpec
 from frontend.http.responses_api.store import StoreConfig
 from frontend.limits import RequestLimits
 from frontend.postprocess.parsers import check_names
@@ -89,6 +90,11 @@ class FrontendConfig:
 
     # -- model and preprocessing ----------------------------------------------------
     model_name: str = "deepseek-v4"
+    # More models served beside it, each with a pipeline of its own (its tokenizer,
+    # context length, parsers: the settings below where it sets none), listed in
+    # /v1/models whether a worker serves it or not. A model a worker registers that is
+    # not configured is served too, while it has workers (frontend/catalog.py).
+    served_models: tuple[ModelSpec, ...] = ()
     tokenizer: str | None = None  # tokenizer.json or a directory; None: the DeepSeek-V4 one
     # The served model's vocabulary size (its config.json's); 0: unknown. When known,
     # a tokenizer with more ids than the model has is refused at start: it would

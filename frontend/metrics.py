@@ -133,8 +133,9 @@ class FrontendMetrics:
         r, p = self.registry, PREFIX
         self.requests_total = Counter(
             f"{p}requests",
-            "Requests finished, by endpoint, request type and status",
-            ["endpoint", "request_type", "status"],
+            "Requests finished, by endpoint, request type, status and model (a served "
+            "model's name; empty for a request refused before its model was known)",
+            ["endpoint", "request_type", "status", "model"],
             registry=r,
         )
         self.http_responses_total = Counter(
@@ -154,7 +155,8 @@ class FrontendMetrics:
         )
         self.request_duration_seconds = Histogram(
             f"{p}request_duration_seconds",
-            "End-to-end request time",
+            "End-to-end request time, by model",
+            ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -176,13 +178,15 @@ class FrontendMetrics:
         )
         self.input_sequence_tokens = Histogram(
             f"{p}input_sequence_tokens",
-            "Prompt length in tokens",
+            "Prompt length in tokens, by model",
+            ["model"],
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.output_sequence_tokens = Histogram(
             f"{p}output_sequence_tokens",
-            "Completion length in tokens",
+            "Completion length in tokens, by model",
+            ["model"],
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
@@ -279,6 +283,8 @@ class KvRoutingCounts(Protocol):
     @property
     def overlap_blocks(self) -> int: ...
     @property
+    def prompt_blocks(self) -> int: ...
+    @property
     def prefill_tokens_saved(self) -> int: ...
     @property
     def events(self) -> int: ...
@@ -293,7 +299,8 @@ class KvRoutingCollector(Collector):
     counts in plain ints on the loop; nothing is written twice):
     ``<prefix>kv_routed_requests_total`` (requests routed by cached overlap),
     ``kv_overlap_blocks_total`` (their leading blocks found cached on the chosen worker;
-    over routed requests: the mean overlap), ``kv_prefill_tokens_saved_total``,
+    over routed requests: the mean overlap), ``kv_prompt_blocks_total`` (their prompts'
+    blocks: overlap blocks over these is the hit rate), ``kv_prefill_tokens_saved_total``,
     ``kv_events_total`` (KV events received from the workers), ``kv_dumps_total``
     (full dumps asked for), ``kv_event_gaps_total`` (gaps in a worker's numbering).
     All zero under the other policies (docs/routing.md)."""
@@ -301,6 +308,7 @@ class KvRoutingCollector(Collector):
     FAMILIES = (
         ("kv_routed_requests", "Requests routed by their prefix's cached overlap", "routed"),
         ("kv_overlap_blocks", "Prompt blocks found cached on the chosen worker", "overlap_blocks"),
+        ("kv_prompt_blocks", "Prompt blocks of the requests routed by cache", "prompt_blocks"),
         (
             "kv_prefill_tokens_saved",
             "Prompt tokens the chosen worker had cached",

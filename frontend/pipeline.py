@@ -259,11 +259,17 @@ class Pipeline:
         before serving such requests."""
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self.attach(nursery)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             self._nursery = None
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Run the streams of the choices of requests with ``n`` > 1 in *nursery*, which
+        outlives this pipeline's requests (a :class:`~frontend.catalog.ModelCatalog`'s,
+        for every model's pipeline; :meth:`run` opens one of its own)."""
+        self._nursery = nursery
 
     # -- health ------------------------------------------------------------------
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
 
+from frontend.catalog import ModelCatalog, ModelSpec
 from frontend.config import FrontendConfig
 from frontend.discovery import Discovery, start_discovery
 from frontend.http.admission import Admission, AdmissionControl
@@ -116,6 +118,10 @@ class Frontend:
             inline_max_chars=config.inline_max_chars,
         )
         self.template = ChatTemplate.from_tokenizer_config(files.config)
+        #: The tokenizer pools and templates of configured models with a tokenizer of
+        #: their own, by its path.
+        self._pools: dict[str, TokenizerPool] = {}
+        self._templates: dict[str, ChatTemplate] = {}
         self.metrics = FrontendMetrics()
         for reason in REFUSAL_REASONS:  # every series from 0
             self.metrics.rejected_requests_total.labels(reason)
@@ -139,22 +145,20 @@ class Frontend:
                 approx_ttl=config.kv_approx_ttl,
             ),
         )
-        self.pipeline = Pipeline(
-            model_name=config.model_name,
-            context_length=config.context_length,
-            pool=self.pool,
-            template=self.template,
-            router=self.router,
-            metrics=self.metrics,
-            dispatch=DispatchConfig(
-                migration_limit=config.migration_limit,
-                route_attempts=config.route_attempts,
-                queue_timeout=config.queue_timeout,
-                queue_size=config.queue_size,
-                local_prefill_max_tokens=config.local_prefill_max_tokens,
+        #: The primary model's pipeline (``--model-name``): the warm-up's, the
+        #: dashboard's; the catalog holds it with every other served model's.
+        self.pipeline = self._pipeline(config.model_name, self.pool, self.template)
+        self.catalog = ModelCatalog(
+            self.pipeline,
+            self.router,
+            configured=tuple(self._configured(spec) for spec in config.served_models),
+            # The in-process workers serve the primary model only; other sources may
+            # register any model.
+            discover=(
+                (lambda name: self._pipeline(name, self.pool, self.template))
+                if config.workers or config.discovery or discovery is not None
+                else None
             ),
-            limits=config.limits,
-            parsers=parser_choice(config, self.template),
         )
         # HTTP requests in flight: the loop monitor rests while there are none.
         self.activity = Activity()
@@ -174,7 +178,7 @@ class Frontend:
         # Generation requests in flight, and whether to take another (--max-inflight, drain).
         self.admission = admission(config.max_inflight, gauge=self.metrics.inflight_requests)
         self.app = create_app(
-            self.pipeline,
+            self.catalog,
             self.metrics,
             max_body_bytes=config.max_body_bytes,
             admission=self.admission,
@@ -200,6 +204,64 @@ class Frontend:
         )
         #: Set by :meth:`stop`: the drain, then the shutdown, has begun.
         self.shutdown = trio.Event()
+
+    def _pipeline(
+        self,
+        name: str,
+        pool: TokenizerPool,
+        template: ChatTemplate,
+        spec: ModelSpec | None = None,
+    ) -> Pipeline:
+        """The pipeline of the model *name*: the configuration's settings, or *spec*'s
+        where it sets them (docs/api.md, "Several models")."""
+        config = self.config
+        parsers = parser_choice(config, template)
+        if spec is not None:
+            parsers = replace(
+                parsers,
+                tool_call_parser=spec.tool_call_parser or parsers.tool_call_parser,
+                reasoning_parser=spec.reasoning_parser or parsers.reasoning_parser,
+            )
+        return Pipeline(
+            model_name=name,
+            context_length=(spec and spec.context_length) or config.context_length,
+            pool=pool,
+            template=template,
+            router=self.router,
+            metrics=self.metrics,
+            dispatch=DispatchConfig(
+                migration_limit=config.migration_limit,
+                route_attempts=config.route_attempts,
+                queue_timeout=config.queue_timeout,
+                queue_size=config.queue_size,
+                local_prefill_max_tokens=config.local_prefill_max_tokens,
+            ),
+            limits=config.limits,
+            parsers=parsers,
+        )
+
+    def _configured(self, spec: ModelSpec) -> Pipeline:
+        """A configured model's pipeline; with a tokenizer of its own, a tokenizer pool
+        of its own (one per tokenizer, shared by the models that name it)."""
+        if spec.tokenizer is None:
+            return self._pipeline(spec.name, self.pool, self.template, spec)
+        pool = self._pools.get(spec.tokenizer)
+        if pool is None:
+            config = self.config
+            files = find_tokenizer_files(spec.tokenizer)
+            tokenizer = Tokenizer(
+                files,
+                config.tokenizer_backend,
+                segment_cache_bytes=config.tokenizer_cache_mb << 20,
+            )
+            pool = self._pools[spec.tokenizer] = TokenizerPool(
+                tokenizer,
+                mode=config.tokenize_mode,
+                threads=config.tokenizer_threads,
+                inline_max_chars=config.inline_max_chars,
+            )
+            self._templates[spec.tokenizer] = ChatTemplate.from_tokenizer_config(files.config)
+        return self._pipeline(spec.name, pool, self._templates[spec.tokenizer], spec)
 
     def stop(self) -> None:
         """Begin a graceful stop: drain, then shut down (see the module docstring);
@@ -271,6 +333,8 @@ class Frontend:
         # encoder's lazy set-up, each loop-side path's first call) are not stalls
         # of the serving loop (frontend/warmup.py).
         warm = await warm_up(self.pipeline)
+        for pool in self._pools.values():  # a configured model's own tokenizer
+            await warm_up(next(p for p in self.catalog if p.pool is pool))
         log.info(
             "request path warm (%s, %s mode, %d threads) in %.0f ms",
             self.tokenizer.backend.value,
@@ -284,7 +348,7 @@ class Frontend:
         if cfg.gc_gen0_threshold:
             tune_gc(cfg.gc_gen0_threshold)
         await nursery.start(self.monitor.run)
-        await nursery.start(self.pipeline.run)  # the choices of requests with n > 1
+        await nursery.start(self.catalog.run)  # the choices of requests with n > 1
         await self._start_workers(nursery)
         admitted = AdmissionControl(
             self.app,
@@ -324,7 +388,8 @@ class Frontend:
                 urls: list[str] = await http.start(
                     partial(serve, app, self.hypercorn_config(), shutdown_trigger=self._drain)
                 )
-                log.info("headwater serving %s on %s", self.config.model_name, ", ".join(urls))
+                models = ", ".join(self.catalog.names())
+                log.info("headwater serving %s on %s", models, ", ".join(urls))
                 task_status.started(urls)
             # serve() returned: the drain ended and what was left had its
             # graceful_timeout. Now stop the workers and the monitor.

@@ -33,7 +33,7 @@ def filled_metrics() -> FrontendMetrics:
     for endpoint in ("chat", "completions"):
         for kind in ("unary", "stream"):
             for status in ("success", "rejected", "error", "cancelled"):
-                m.requests_total.labels(endpoint, kind, status).inc()
+                m.requests_total.labels(endpoint, kind, status, "deepseek-v4").inc()
     for w in ("prefill-0", "decode-0"):
         for state in ("healthy", "inhibited", "draining"):
             m.worker_state.labels(w, w.split("-")[0], state).set(state == "healthy")
@@ -41,7 +41,7 @@ def filled_metrics() -> FrontendMetrics:
     for i in range(1000):
         m.time_to_first_token_seconds.observe(i / 1000)
         m.inter_token_latency_seconds.observe(i / 50000)
-        m.request_duration_seconds.observe(i / 500)
+        m.request_duration_seconds.labels("deepseek-v4").observe(i / 500)
     return m
 
 

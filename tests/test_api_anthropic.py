@@ -26,7 +26,7 @@ from frontend.http.anthropic.format import MessagesFormat
 from frontend.http.anthropic.models import MessagesRequest
 from frontend.http.anthropic.translate import translate
 from frontend.http.errors import ApiError
-from frontend.http.schema import decode
+from frontend.http.schema import decode, parse_request
 from frontend.limits import RequestLimits
 from frontend.pipeline import Delta, Prepared
 from frontend.postprocess.parsers import ToolCallDelta
@@ -467,7 +467,8 @@ async def test_errors_are_the_sdks_typed_exceptions(nursery: trio.Nursery, tmp_p
             {**ok, "thinking": {"type": "enabled", "budget_tokens": 1024}},  # >= max_tokens
             {**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
             {**ok, "tool_choice": {"type": "any"}},  # and no tools
-            # A forced call needs constrained decoding, which no engine here has yet.
+            # A forced call needs constrained decoding, top_k a top-k sampler: the
+            # scripted engine declares neither.
             {**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}},
             {**ok, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}},
             {**ok, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
@@ -788,3 +789,74 @@ def test_an_empty_answer_is_one_empty_text_block_and_errors_are_events() -> None
     assert _events(MessagesFormat(_prep()).error(ApiError(503, "busy"))) == [
         {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
     ]
+
+
+def test_forced_calls_and_formats_ask_what_their_chat_equivalents_ask() -> None:
+    # `any` and `tool` are chat's `required` and named function, `output_config.format`
+    # chat's json_schema response_format, `top_k` chat's: the same constraint, the same
+    # feature checked against the workers, the same parallel switch.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    base = {"model": MODEL, "max_tokens": 64, "messages": user("Weather in Paris?")}
+    chat = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "x"}]}
+    chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = [
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}},
+            {"tools": [chat_tool], "tool_choice": "required"},
+        ),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {
+                    "type": "tool",
+                    "name": "get_weather",
+                    "disable_parallel_tool_use": True,
+                },
+            },
+            {"tools": [chat_tool], "tool_choice": named, "parallel_tool_calls": False},
+        ),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema},
+                }
+            },
+        ),
+        ({"top_k": 5}, {"top_k": 5}),
+    ]
+    for messages_body, chat_body in cases:
+        got = translate(decode({**base, **messages_body}, MessagesRequest), RequestLimits()).parsed
+        want = parse_request({**chat, **chat_body}, "chat")
+        assert got.tool_choice == want.tool_choice, messages_body
+        assert got.parallel_tool_calls == want.parallel_tool_calls, messages_body
+        assert got.sampling.top_k == want.sampling.top_k
+        if want.constraint is None:
+            assert got.constraint is None
+        else:
+            assert got.constraint is not None
+            assert (got.constraint.kind, got.constraint.schema, got.constraint.tools) == (
+                want.constraint.kind,
+                want.constraint.schema,
+                want.constraint.tools,
+            )
+        assert [f for f, _ in got.needs] == [f for f, _ in want.needs], messages_body
+    # A forced call and a format at once: refused, as chat refuses them.
+    both = {
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "any"},
+        "output_config": {"format": {"type": "json_schema", "schema": schema}},
+    }
+    with pytest.raises(ApiError, match=r"output_config\.format"):
+        translate(decode({**base, **both}, MessagesRequest), RequestLimits())
+    bad = {"output_config": {"format": {"type": "regex", "pattern": "x"}}}
+    with pytest.raises(ApiError, match="json_schema"):
+        translate(decode({**base, **bad}, MessagesRequest), RequestLimits())
+    # null is absent, as Anthropic's SDK may send it
+    none = {"output_config": {"format": None}}
+    assert (
+        translate(decode({**base, **none}, MessagesRequest), RequestLimits()).parsed.constraint
+        is None
+    )

@@ -55,7 +55,7 @@ PATHS = {
 ANTHROPIC = frozenset({"messages", "count_tokens"})
 NAMED_EVENTS = frozenset({"messages", "responses"})
 SCHEMAS: dict[str, Any] = openapi_document(
-    REQUEST_MODELS, limits=LIMITS, context_length=CONTEXT, api_keys=False, model_name=MODEL
+    REQUEST_MODELS, limits=LIMITS, context_length=CONTEXT, api_keys=False, model_names=[MODEL]
 )["components"]["schemas"]
 
 FUZZ = settings(

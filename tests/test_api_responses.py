@@ -26,7 +26,7 @@ from frontend.http.responses_api.format import ResponsesFormat
 from frontend.http.responses_api.models import ResponsesWire
 from frontend.http.responses_api.store import ChainBroken, ResponseStore, StoreConfig
 from frontend.http.responses_api.translate import decrypt, encrypt, translate
-from frontend.http.schema import decode
+from frontend.http.schema import decode, parse_request
 from frontend.limits import RequestLimits
 from frontend.pipeline import Delta, Prepared
 from frontend.postprocess.parsers import ToolCallDelta
@@ -420,7 +420,8 @@ async def test_what_cannot_be_honoured_is_refused_the_openai_way(
             ),
             ({"tools": [{"type": "web_search"}]}, "tools"),
             ({"tool_choice": "required"}, "tool_choice"),
-            # A forced call needs constrained decoding, which no engine here has yet.
+            # A forced call and a JSON format need constrained decoding, which the
+            # scripted engine does not declare.
             ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
             (
                 {"tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"}},
@@ -610,3 +611,72 @@ def test_the_format_makes_items_of_any_deltas_and_hands_the_finished_response_ov
     assert events[-2]["code"] == "no_workers"
     assert events[-1]["response"]["error"] == {"code": "no_workers", "message": "busy"}
     assert len(done) == 2
+
+
+def test_forced_calls_and_formats_ask_what_their_chat_equivalents_ask() -> None:
+    # `required` and a named function are chat's, text.format json_schema and
+    # json_object chat's response_format: the same constraint, the same feature checked
+    # against the workers, the same parallel switch.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    base = {"model": "deepseek-v4", "input": "Weather in Paris?"}
+    chat = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "x"}]}
+    chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        (
+            {"tools": [TOOL], "tool_choice": "required"},
+            {"tools": [chat_tool], "tool_choice": "required"},
+        ),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "name": "get_weather"},
+                "parallel_tool_calls": False,
+            },
+            {
+                "tools": [chat_tool],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "parallel_tool_calls": False,
+            },
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema},
+                }
+            },
+        ),
+        (
+            {"text": {"format": {"type": "json_object"}}},
+            {"response_format": {"type": "json_object"}},
+        ),
+    ]
+    for responses_body, chat_body in cases:
+        out = translate(
+            decode({**base, **responses_body}, ResponsesWire), RequestLimits(), ResponseStore()
+        )
+        got, want = out.parsed, parse_request({**chat, **chat_body}, "chat")
+        assert got.tool_choice == want.tool_choice, responses_body
+        assert got.parallel_tool_calls == want.parallel_tool_calls, responses_body
+        assert got.constraint is not None
+        assert want.constraint is not None
+        assert (got.constraint.kind, got.constraint.schema, got.constraint.tools) == (
+            want.constraint.kind,
+            want.constraint.schema,
+            want.constraint.tools,
+        )
+        assert [f for f, _ in got.needs] == [f for f, _ in want.needs] == ["structured_outputs"]
+    # The response repeats the format it was held to.
+    fmt = {"type": "json_schema", "name": "x", "schema": schema, "strict": True}
+    out = translate(
+        decode({**base, "text": {"format": fmt}}, ResponsesWire), RequestLimits(), ResponseStore()
+    )
+    assert out.echo["text"] == {"format": fmt}
+    both = {
+        "tools": [TOOL],
+        "tool_choice": "required",
+        "text": {"format": {"type": "json_object"}},
+    }
+    with pytest.raises(ApiError, match=r"text\.format"):
+        translate(decode({**base, **both}, ResponsesWire), RequestLimits(), ResponseStore())

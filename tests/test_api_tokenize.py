@@ -169,7 +169,7 @@ async def test_bad_requests_are_refused_with_the_field_named() -> None:
         r = await c.post("/tokenize", content=b"{", headers={"content-type": "application/json"})
         assert_error(r, 400)
         assert_error(await c.post("/tokenize", content=b"hi"), 415)
-        counted = fe.metrics.requests_total.labels("tokenize", "unary", "rejected")._value.get()
+        counted = fe.metrics.requests_total.labels("tokenize", "unary", "rejected", "")._value.get()
         assert counted == len(cases) + 2
 
 

@@ -610,6 +610,10 @@ def test_launch_plan_counts_and_pass_through() -> None:
     assert plan("--agg", "2").roles == ("agg", "agg")
     assert plan("--prefill", "2", "--decode", "3").roles == ("prefill",) * 2 + ("decode",) * 3
     assert plan("--", "--router", "p2c").serve_args == ("--router", "p2c")
+    # Several workers of a role: the KV router, unless one is given; one pair: the default.
+    assert plan("--agg", "2").serve_args == ("--router", "kv")
+    assert plan("--agg", "2", "--", "--router=p2c").serve_args == ("--router=p2c",)
+    assert "--router" not in plan().serve_args
     assert plan().worker_metrics is False
     assert plan("--worker-metrics").worker_metrics is True
     with pytest.raises(ValueError, match="both --prefill N and --decode N"):

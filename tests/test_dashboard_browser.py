@@ -11,6 +11,7 @@ unless ``CI`` is set: then it fails, since ``.ci/run`` installs it.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,7 +148,7 @@ async def test_injected_stall_appears_on_the_dashboard() -> None:
     sync_api = _require_browser()
     seen = Seen()
     async with (
-        serve_frontend(debug_endpoints=True) as (_, url),
+        serve_frontend(debug_endpoints=True, router="kv") as (_, url),
         httpx.AsyncClient(base_url=url) as c,
     ):
         for stream in (False, True):  # some traffic, so every panel has data
@@ -175,7 +176,10 @@ async def test_injected_stall_appears_on_the_dashboard() -> None:
     # The stack is shown as text, frame for frame: "<locals>" in a qualname stays text.
     assert seen.stack_text == "\n".join(injected["stack"])
     assert any("<locals>" in frame for frame in injected["stack"])
-    assert seen.routing_text == "router: round-robin"
+    # The KV router's line: requests routed by cache and the recent hit rate.
+    assert re.match(r"router: kv · 2 routed by cache · .* hit rate \d+% ", seen.routing_text), (
+        seen.routing_text
+    )
     assert "dash-req-42" in seen.errors_text  # the recent errors name the request
     assert "/v1/chat/completions" in seen.errors_text
     assert seen.foreign_requests == []

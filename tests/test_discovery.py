@@ -36,6 +36,7 @@ from frontend.discovery import (
 )
 from frontend.router import Router, WorkerState
 from headwater.etcd import (
+    KEY_PREFIX,
     EtcdClient,
     EtcdCompacted,
     EtcdLeaseNotFound,
@@ -667,7 +668,8 @@ def test_discovery_from_config() -> None:
     assert [(w.worker_id, w.model) for w in static.instances] == [("127.0.0.1:1", "served")]
     etcd = discovery_from_config(FrontendConfig(model_name="served", discovery="etcd://h:2379"))
     assert isinstance(etcd, EtcdDiscovery)
-    assert (etcd.endpoints, etcd.watch_prefix) == (["http://h:2379"], model_prefix("served"))
+    # Every model registered is followed: each is served (frontend/catalog.py).
+    assert (etcd.endpoints, etcd.watch_prefix) == (["http://h:2379"], KEY_PREFIX)
     with pytest.raises(ValueError, match="not both"):
         discovery_from_config(FrontendConfig(workers="tcp://a:1?role=agg", discovery="etcd://h:1"))
 

@@ -24,8 +24,19 @@ import httpx
 import msgspec
 import pytest
 
-from frontend.http.fields import FIELDS, GENERATE, Field, markdown, rows
+from frontend.http.anthropic.models import MessagesRequest
+from frontend.http.fields import (
+    FIELDS,
+    GENERATE,
+    MESSAGES,
+    RESPONSES,
+    TABLES,
+    Field,
+    markdown,
+    rows,
+)
 from frontend.http.models import REQUEST_MODELS, SamplingParams
+from frontend.http.responses_api.models import ResponsesRequest
 from frontend.preprocess.tokenizer import find_tokenizer_files
 from headwater.wire import Role
 from headwater.wire.capabilities import Capabilities
@@ -44,12 +55,18 @@ PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     GENERATE: "/inference/v1/generate",
+    MESSAGES: "/v1/messages",
+    RESPONSES: "/v1/responses",
 }
 BASE: dict[str, dict[str, Any]] = {
     "chat": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     "completions": {"model": MODEL, "prompt": "def f(", "max_tokens": 2},
     GENERATE: {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}},
+    MESSAGES: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    RESPONSES: {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
 }
+#: Each route's request model: every field of it has a row.
+MODELS = {**REQUEST_MODELS, MESSAGES: MessagesRequest, RESPONSES: ResponsesRequest}
 CASES = [
     pytest.param(row, route, id=f"{route}:{row.where(route)}")
     for row in FIELDS
@@ -57,13 +74,18 @@ CASES = [
 ]
 
 
-def body(row: Field, route: str) -> dict[str, Any]:
-    """The route's smallest body, with what *row* asks for."""
+def body(http: httpx.Client, url: str, row: Field, route: str) -> dict[str, Any]:
+    """The route's smallest body, with what *row* asks for (a response to continue is
+    made first, on the same frontend)."""
     out = json.loads(json.dumps(BASE[route]))
     if row.sampling and route == GENERATE:
         out["sampling_params"].update(row.asks)
     else:
         out.update(row.asks)
+    if row.name == "previous_response_id":
+        stored = http.post(url + PATHS[RESPONSES], json=BASE[RESPONSES])
+        assert stored.status_code == 200, stored.text
+        out["previous_response_id"] = stored.json()["id"]
     return out
 
 
@@ -78,15 +100,15 @@ def vllm_declaration(tokenizer: bool = True) -> Capabilities:
 # -- the table itself ------------------------------------------------------------------------
 
 
-#: The routes the table covers: OpenAI's chat and completions, and the token-in API.
-#: (/tokenize, /detokenize, Anthropic's Messages and the Responses API say what they
-#: honour in docs/api.md's sections of their own.)
-ROUTES = ("chat", "completions", GENERATE)
+#: The routes the tables cover: OpenAI's chat and completions, the token-in API,
+#: Anthropic's Messages and OpenAI's Responses. (/tokenize and /detokenize say what they
+#: honour in docs/api.md's section of their own.)
+ROUTES = tuple(route for table in TABLES for route in table)
 
 
 def test_every_field_of_every_request_model_has_a_row() -> None:
     for route in ROUTES:
-        model = REQUEST_MODELS[route]
+        model = MODELS[route]
         declared = {f.name for f in msgspec.structs.fields(model)}
         if route == GENERATE:
             sampling = {f.name for f in msgspec.structs.fields(SamplingParams)}
@@ -101,11 +123,13 @@ def test_every_field_of_every_request_model_has_a_row() -> None:
     assert len({(r.where(route), route) for r in FIELDS for route in r.routes}) == len(CASES)
 
 
-def test_the_docs_publish_the_table() -> None:
-    table = markdown({"mocker": MOCKER, "scripted": SCRIPTED, "vllm": vllm_declaration()})
+@pytest.mark.parametrize("routes", TABLES, ids=lambda routes: routes[0])
+def test_the_docs_publish_the_table(routes: tuple[str, ...]) -> None:
+    engines = {"mocker": MOCKER, "scripted": SCRIPTED, "vllm": vllm_declaration()}
+    table = markdown(engines, routes)
     docs = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
     assert table in docs, (
-        "docs/api.md's Fields table differs from frontend.http.fields "
+        f"docs/api.md's table of {routes} differs from frontend.http.fields "
         "(regenerate it with markdown())"
     )
 
@@ -137,13 +161,17 @@ def http() -> Iterator[httpx.Client]:
 def check(
     http: httpx.Client, url: str, row: Field, route: str, caps: Capabilities
 ) -> httpx.Response:
-    r = http.post(url + PATHS[route], json=body(row, route))
+    r = http.post(url + PATHS[route], json=body(http, url, row, route))
     if row.honoured(caps):
         assert r.status_code == 200, r.text
     else:
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == row.param(route), err
+        if route == MESSAGES:  # Anthropic's errors name no param: the message does
+            assert err["type"] == "invalid_request_error", err
+            assert row.param(route) in err["message"], err
+        else:
+            assert err["param"] == row.param(route), err
         if not row.refused:  # refused for what the engine lacks: it is named
             assert caps.engine in err["message"], err
     return r

@@ -31,8 +31,8 @@ class Process:
 
     def served(self, n: int, seconds: float = 0.05) -> None:
         for _ in range(n):
-            self.metrics.requests_total.labels("chat", "unary", "success").inc()
-            self.metrics.request_duration_seconds.observe(seconds)
+            self.metrics.requests_total.labels("chat", "unary", "success", "m").inc()
+            self.metrics.request_duration_seconds.labels("m").observe(seconds)
 
     def page(self) -> str:
         return self.metrics.render().decode()
@@ -51,7 +51,7 @@ def value(page: bytes, name: str, **labels: str) -> float:
     return samples(page)[(name, tuple(sorted(labels.items())))]
 
 
-SUCCESS = {"endpoint": "chat", "request_type": "unary", "status": "success"}
+SUCCESS = {"endpoint": "chat", "request_type": "unary", "status": "success", "model": "m"}
 
 
 def test_counters_and_histograms_add_up_across_processes() -> None:
@@ -63,16 +63,18 @@ def test_counters_and_histograms_add_up_across_processes() -> None:
     group.observe(1, 101, b.page())
     page = group.render()
     assert value(page, f"{P}requests_total", **SUCCESS) == 5
-    assert value(page, f"{P}request_duration_seconds_count") == 5
-    assert value(page, f"{P}request_duration_seconds_sum") == pytest.approx(3 * 0.004 + 2 * 0.3)
+    assert value(page, f"{P}request_duration_seconds_count", model="m") == 5
+    assert value(page, f"{P}request_duration_seconds_sum", model="m") == pytest.approx(
+        3 * 0.004 + 2 * 0.3
+    )
     # Cumulative buckets add up bound by bound: 3 below 5 ms, all 5 below 0.5 s.
-    assert value(page, f"{P}request_duration_seconds_bucket", le="0.005") == 3
-    assert value(page, f"{P}request_duration_seconds_bucket", le="0.25") == 3
-    assert value(page, f"{P}request_duration_seconds_bucket", le="0.5") == 5
-    assert value(page, f"{P}request_duration_seconds_bucket", le="+Inf") == 5
+    assert value(page, f"{P}request_duration_seconds_bucket", le="0.005", model="m") == 3
+    assert value(page, f"{P}request_duration_seconds_bucket", le="0.25", model="m") == 3
+    assert value(page, f"{P}request_duration_seconds_bucket", le="0.5", model="m") == 5
+    assert value(page, f"{P}request_duration_seconds_bucket", le="+Inf", model="m") == 5
     # Every series' _created is the group's start, not a process's.
     assert value(page, f"{P}requests_created", **SUCCESS) == STARTED
-    assert value(page, f"{P}request_duration_seconds_created") == STARTED
+    assert value(page, f"{P}request_duration_seconds_created", model="m") == STARTED
 
 
 def test_gauges_add_up_except_the_worst_of_loop_and_drain() -> None:
@@ -119,7 +121,7 @@ def test_a_restarted_process_neither_resets_nor_double_counts_the_group() -> Non
     group.observe(1, 101, b.page())
     page = group.render()
     assert value(page, f"{P}requests_total", **SUCCESS) == 10 + 2 + 5
-    assert value(page, f"{P}request_duration_seconds_count") == 17
+    assert value(page, f"{P}request_duration_seconds_count", model="m") == 17
 
     # Scraped again with nothing new: unchanged (monotonic, no reset for Prometheus).
     group.observe(0, 200, restarted.page())

@@ -265,7 +265,7 @@ async def test_internal_errors_are_sanitized(monkeypatch: pytest.MonkeyPatch) ->
         assert err["message"] == "Internal server error"
         # Booked as a server error, not as a client that went away.
         assert fe.metrics.disconnected_clients._value.get() == 0
-        errors = fe.metrics.requests_total.labels("chat", "unary", "error")._value.get()
+        errors = fe.metrics.requests_total.labels("chat", "unary", "error", MODEL)._value.get()
         assert errors == 1
 
 

@@ -392,6 +392,11 @@ async def test_kv_routing_counters_are_on_the_metrics_page() -> None:
     overlap = after["headwater_frontend_kv_overlap_blocks_total"]
     assert overlap >= 400 // 64  # the second request found the prompt's blocks
     assert after["headwater_frontend_kv_prefill_tokens_saved_total"] == overlap * 64
+    # Two requests of the same prompt: the first found nothing, the second all its full
+    # blocks, so the hit rate (overlap over prompt blocks, ceil'd) is just under a half.
+    prompt_blocks = after["headwater_frontend_kv_prompt_blocks_total"]
+    assert page["routing"]["prompt_blocks"] == prompt_blocks
+    assert overlap < prompt_blocks <= 2 * overlap + 2
     assert after["headwater_frontend_kv_events_total"] > 0
     assert after["headwater_frontend_kv_dumps_total"] >= 1  # each worker, once at start
     assert after["headwater_frontend_kv_event_gaps_total"] == 0

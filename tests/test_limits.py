@@ -35,7 +35,7 @@ def _rejected(fe: Frontend, reason: str) -> float:
 
 
 def _requests(fe: Frontend, endpoint: str, kind: str, status: str) -> float:
-    value: float = fe.metrics.requests_total.labels(endpoint, kind, status)._value.get()
+    value: float = fe.metrics.requests_total.labels(endpoint, kind, status, MODEL)._value.get()
     return value
 
 

@@ -231,7 +231,7 @@ def test_text_exposition_is_byte_for_byte_generate_latest() -> None:
 
 def test_frontend_metrics_render_as_generate_latest() -> None:
     m = FrontendMetrics()
-    m.requests_total.labels("chat", "stream", "success").inc()
+    m.requests_total.labels("chat", "stream", "success", "m").inc()
     m.time_to_first_token_seconds.observe(0.02)
     m.worker_state.labels("w1", "decode", "healthy").set(1)
     assert m.render() == generate_latest(m.registry)

@@ -186,7 +186,7 @@ async def test_the_served_document_is_the_generated_one_and_keyed_like_the_api()
                     api_keys=True,
                     limits=fe.config.limits,
                     context_length=fe.config.context_length,
-                    model_name=MODEL,
+                    model_names=[MODEL],
                 )
             )
         )

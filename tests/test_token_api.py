@@ -42,7 +42,7 @@ PROMPT = [100, 200, 300, 400, 500]
 
 
 def _requests(fe: Frontend, kind: str, status: str) -> float:
-    value: float = fe.metrics.requests_total.labels("generate", kind, status)._value.get()
+    value: float = fe.metrics.requests_total.labels("generate", kind, status, MODEL)._value.get()
     return value
 
 
@@ -432,10 +432,12 @@ async def test_metrics_count_generate_requests() -> None:
         assert _requests(fe, "stream", "success") == 1
         assert ttft.statistics().count == 2
         assert itl.statistics().count == 2 * 5
-        assert fe.metrics.output_sequence_tokens._sum.get() == 12
-        assert fe.metrics.input_sequence_tokens._sum.get() == 10
+        assert fe.metrics.output_sequence_tokens.labels(MODEL)._sum.get() == 12
+        assert fe.metrics.input_sequence_tokens.labels(MODEL)._sum.get() == 10
         text = fe.metrics.render().decode()
-        assert 'endpoint="generate",request_type="stream",status="success"' in text
+        assert (
+            'endpoint="generate",model="deepseek-v4",request_type="stream",status="success"' in text
+        )
 
 
 async def test_an_error_after_the_stream_started_is_an_event(

@@ -113,7 +113,7 @@ async def test_cached_prompt_tokens_are_reported_as_vllm_counts_them(
 ) -> None:
     agg = vllm_cluster.workers[Role.AGG]
     client = await connect(agg.instance, nursery)
-    ids = prompt(300, 30)  # two full blocks of 128 tokens, then 44
+    ids = prompt(300, 30)  # four full blocks of 64 tokens (--vllm-block-size), then 44
     first = await generate(client, request("cache-1", ids, 2))
     second = await generate(client, request("cache-2", ids, 2))
     reference = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 2})

@@ -3,8 +3,9 @@
 Test policy: the session's prefill + decode workers (tests/vllm_fixture.py; the decode
 vLLM runs without prefix caching, so a prompt token it did not compute can only have
 come over NIXL) against the session's aggregated vLLM as the reference: the same
-weights, greedy, token for token. Prompts shorter and longer than one KV block (128
-tokens); small ``max_tokens``; 600 s per test (the first waits for the servers).
+weights, greedy, token for token. Prompts shorter and longer than one KV block (64
+tokens, ``--vllm-block-size``); small ``max_tokens``; 600 s per test (the first waits
+for the servers).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from vllm_helpers import (
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 GREEDY = {"temperature": 0.0}
-LENGTHS = (100, 300)  # below and above one 128-token block
+LENGTHS = (40, 300)  # below and above one 64-token block (--vllm-block-size)
 
 
 def by_source(values: Metrics, source: str) -> float:

@@ -1,7 +1,7 @@
 """Choosing and starting discovery from the frontend's configuration.
 
 ``--workers tcp://...`` selects :class:`StaticDiscovery`; ``--discovery etcd://...``
-selects :class:`EtcdDiscovery` for the served model; neither runs the in-process
+selects :class:`EtcdDiscovery` for every model registered there; neither runs the in-process
 cluster (:class:`LocalCluster`). :func:`start_discovery` runs the chosen source with a
 :class:`Membership` feeding the router, in the caller's nursery: one mechanism for
 every source.
@@ -41,7 +41,7 @@ def discovery_from_config(config: FrontendConfig) -> Discovery:
 
         return EtcdDiscovery(
             etcd_endpoints(config.discovery),
-            model=config.model_name,
+            model=None,  # every model registered: each is served (frontend/catalog.py)
             secret=load_secret(),
             credentials=config.etcd_credentials,
         )

@@ -42,6 +42,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from frontend.catalog import ModelCatalog
 from frontend.deadline import Deadline
 from frontend.errors import FrontendError, NoWorkers, UnknownModel
 from frontend.http.admission import Admission
@@ -91,7 +92,7 @@ def error_response(err: ApiError, path: str) -> Response:
 
 
 def create_app(
-    pipeline: Pipeline,
+    catalog: ModelCatalog,
     metrics: FrontendMetrics,
     *,
     max_body_bytes: int,
@@ -100,9 +101,10 @@ def create_app(
     api_keys: bool = False,
     responses_store: ResponseStore | None = None,
 ) -> QuartTrio:
-    """Build the app. The caller owns *pipeline* and serves the app with hypercorn,
-    behind :class:`~frontend.http.admission.AdmissionControl` with the same *admission*
-    (which this app reads for ``/health``), and behind
+    """Build the app, serving the models of *catalog* (each request its ``model``'s
+    pipeline; docs/api.md, "Several models"). The caller owns *catalog* and serves the
+    app with hypercorn, behind :class:`~frontend.http.admission.AdmissionControl` with
+    the same *admission* (which this app reads for ``/health``), and behind
     :class:`~frontend.http.auth.RequireApiKey` if *api_keys* (which ``/openapi.json``
     then declares). *limits* default to :class:`~frontend.limits.RequestLimits`'s;
     *responses_store* keeps the Responses API's stored responses (default: a store of
@@ -110,12 +112,13 @@ def create_app(
     lim = limits or RequestLimits()
     # The models the routes validate with, read once: the document describes these.
     bodies = dict(REQUEST_MODELS)
+    pipeline = catalog.primary
     document = openapi_json(
         bodies,
         limits=lim,
-        context_length=pipeline.context_length,
+        context_length=max(p.context_length for p in catalog),
         api_keys=api_keys,
-        model_name=pipeline.model_name,
+        model_names=catalog.names() if not catalog.discovers else None,
     )
     for name in LIMITS:  # every series from the start, at 0: rate() sees the first
         metrics.rejected_requests_total.labels(name)
@@ -127,7 +130,6 @@ def create_app(
     app.config["BODY_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     created = int(time.time())
-    model = pipeline.model_name
 
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
@@ -183,13 +185,14 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [_model_card(model, created)]})
+        cards = [_model_card(name, created) for name in catalog.names()]
+        return json_response({"object": "list", "data": cards})
 
     @app.get("/v1/models/<path:model_id>")
     async def model_card(model_id: str) -> Response:
-        if model_id != model:
+        if model_id not in catalog.names():
             raise UnknownModel(model_id)
-        return json_response(_model_card(model, created))
+        return json_response(_model_card(model_id, created))
 
     @app.post(CHAT_PATH)
     async def chat() -> Response:
@@ -203,26 +206,26 @@ def create_app(
     async def generate() -> Response:
         """The token-in API: token ids in, token ids out (vLLM's shape)."""
         parsed = parse_generate_request(await _parse(), lim, model=bodies["generate"])
-        if parsed.model is not None and parsed.model != model:
-            raise UnknownModel(parsed.model)
+        served = catalog.get(parsed.model)
         return await _serve(
             "generate",
             parsed.stream,
-            partial(pipeline.preprocess_tokens, parsed),
-            pipeline.tokens,
+            partial(served.preprocess_tokens, parsed),
+            served.tokens,
             TokenFormat,
+            pipeline=served,
         )
 
     async def _serve_openai(endpoint: str) -> Response:
         parsed = parse_request(await _parse(), endpoint, lim, model=bodies[endpoint])
-        if parsed.model != model:
-            raise UnknownModel(parsed.model)
+        served = catalog.get(parsed.model)
         return await _serve(
             endpoint,
             parsed.stream,
-            partial(pipeline.preprocess, parsed),
-            pipeline.generate,
-            partial(OpenAIFormat, reasoning_field=pipeline.parsers.reasoning_field),
+            partial(served.preprocess, parsed),
+            served.generate,
+            partial(OpenAIFormat, reasoning_field=served.parsers.reasoning_field),
+            pipeline=served,
         )
 
     async def _serve(
@@ -231,25 +234,28 @@ def create_app(
         prepare: Callable[[], Awaitable[Prepared[R]]],
         produce: Callable[[Prepared[R]], AsyncGenerator[D, None]],
         response_format: Callable[[Prepared[R]], ResponseFormat[D]],
+        *,
+        pipeline: Pipeline,
     ) -> Response:
-        """Serve one validated request, whichever API: *prepare* it (the pipeline's
-        preprocess stage), then *produce* its deltas (the rest of the pipeline) and
-        answer them in *response_format*, as one body or as SSE, all before the request's
-        deadline. Books its metrics."""
+        """Serve one validated request, whichever API: *prepare* it (the preprocess
+        stage of *pipeline*, its model's), then *produce* its deltas (the rest of the
+        pipeline) and answer them in *response_format*, as one body or as SSE, all before
+        the request's deadline. Books its metrics, labelled with the model."""
         kind = "stream" if stream else "unary"
+        model = pipeline.model_name
         status = "error"
         deadline = Deadline(lim.request_timeout)
         try:
             prep = await deadline.run(prepare)
-            metrics.input_sequence_tokens.observe(len(prep.prompt_ids))
+            metrics.input_sequence_tokens.labels(model).observe(len(prep.prompt_ids))
             if not pipeline.ready():
                 raise NoWorkers("no routable worker for this model")
             fmt = response_format(prep)
             if stream:
                 status = "streaming"  # the body generator books the final status
-                body = _stream(endpoint, prep, deadline.iterate(produce(prep)), fmt)
+                body = _stream(endpoint, model, prep, deadline.iterate(produce(prep)), fmt)
                 return Response(body, content_type="text/event-stream", headers=SSE_HEADERS)
-            response = await _unary(prep, deadline.iterate(produce(prep)), fmt)
+            response = await _unary(model, prep, deadline.iterate(produce(prep)), fmt)
             status = "success"
             return response
         except (ApiError, FrontendError) as err:
@@ -265,7 +271,7 @@ def create_app(
             raise
         finally:
             if status != "streaming":
-                metrics.requests_total.labels(endpoint, kind, status).inc()
+                metrics.requests_total.labels(endpoint, kind, status, model).inc()
 
     def _count_limit(err: FrontendError) -> None:
         if err.limit is not None:
@@ -300,19 +306,20 @@ def create_app(
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     async def _unary(
-        prep: Prepared[R], produced: AsyncGenerator[D, None], fmt: ResponseFormat[D]
+        model: str, prep: Prepared[R], produced: AsyncGenerator[D, None], fmt: ResponseFormat[D]
     ) -> Response:
         start = trio.current_time()
         async with aclosing(produced) as stream:
             deltas = [d async for d in stream]
         # The pipeline always ends with a finishing delta (or raises).
         last = deltas[-1]
-        metrics.output_sequence_tokens.observe(last.completion_tokens)
-        metrics.request_duration_seconds.observe(trio.current_time() - start)
+        metrics.output_sequence_tokens.labels(model).observe(last.completion_tokens)
+        metrics.request_duration_seconds.labels(model).observe(trio.current_time() - start)
         return json_response(fmt.unary(deltas))
 
     async def _stream(
         endpoint: str,
+        model: str,
         prep: Prepared[R],
         produced: AsyncGenerator[D, None],
         fmt: ResponseFormat[D],
@@ -348,12 +355,14 @@ def create_app(
             if status == "cancelled":
                 _client_gone()
             elif last is not None:
-                metrics.output_sequence_tokens.observe(last.completion_tokens)
-            metrics.request_duration_seconds.observe(trio.current_time() - prep.started)
-            metrics.requests_total.labels(endpoint, "stream", status).inc()
+                metrics.output_sequence_tokens.labels(model).observe(last.completion_tokens)
+            metrics.request_duration_seconds.labels(model).observe(
+                trio.current_time() - prep.started
+            )
+            metrics.requests_total.labels(endpoint, "stream", status, model).inc()
         yield pending + fmt.DONE
 
-    api = ApiContext(pipeline, lim, bodies, metrics, _serve, _parse)
+    api = ApiContext(catalog, lim, bodies, metrics, _serve, _parse)
     add_tokenize_routes(app, api)
     add_messages_routes(app, api)
     add_responses_routes(app, api, responses_store or ResponseStore())

@@ -19,8 +19,9 @@ import msgspec
 import trio
 from quart import Response
 
+from frontend.catalog import ModelCatalog
 from frontend.deadline import Deadline
-from frontend.errors import FrontendError, UnknownModel
+from frontend.errors import FrontendError
 from frontend.http.errors import ApiError, api_error
 from frontend.http.responses import D, ResponseFormat
 from frontend.limits import RequestLimits
@@ -29,9 +30,10 @@ from frontend.pipeline import Pipeline, Prepared, R
 
 
 class Serve(Protocol):
-    """The app's ``_serve``: *prepare* a request (the preprocess stage), *produce* its
-    deltas and answer them in *response_format*, unary or streamed, before the request's
-    deadline; books the metrics under *endpoint*."""
+    """The app's ``_serve``: *prepare* a request (the preprocess stage of *pipeline*,
+    its model's), *produce* its deltas and answer them in *response_format*, unary or
+    streamed, before the request's deadline; books the metrics under *endpoint* and the
+    model."""
 
     async def __call__(
         self,
@@ -40,6 +42,8 @@ class Serve(Protocol):
         prepare: Callable[[], Awaitable[Prepared[R]]],
         produce: Callable[[Prepared[R]], AsyncGenerator[D, None]],
         response_format: Callable[[Prepared[R]], ResponseFormat[D]],
+        *,
+        pipeline: Pipeline,
     ) -> Response: ...
 
 
@@ -47,7 +51,8 @@ class Serve(Protocol):
 class ApiContext:
     """The app's parts a route family uses (see the module docstring)."""
 
-    pipeline: Pipeline
+    #: The served models' pipelines: a request's is its ``model``'s (:meth:`check_model`).
+    catalog: ModelCatalog
     limits: RequestLimits
     #: The request models by endpoint (the app's copy of REQUEST_MODELS).
     models: Mapping[str, type[msgspec.Struct]]
@@ -73,9 +78,9 @@ class ApiContext:
             status = "cancelled"
             raise
         finally:
-            self.metrics.requests_total.labels(endpoint, "unary", status).inc()
+            self.metrics.requests_total.labels(endpoint, "unary", status, "").inc()
 
-    def check_model(self, model: str | None) -> None:
-        """UnknownModel unless *model* is the served one (None: unnamed, which passes)."""
-        if model is not None and model != self.pipeline.model_name:
-            raise UnknownModel(model)
+    def check_model(self, model: str | None) -> Pipeline:
+        """The pipeline of the served model *model* (None: unnamed, the primary model's).
+        Raises UnknownModel (a 404) for a model not served."""
+        return self.catalog.get(model)

@@ -36,18 +36,20 @@ from headwater.wire.capabilities import (
 CHAT, COMPLETIONS, GENERATE = "chat", "completions", "generate"
 OPENAI = (CHAT, COMPLETIONS)
 EVERY = (CHAT, COMPLETIONS, GENERATE)
+#: Anthropic's Messages API and OpenAI's Responses API: each a table of its own.
+MESSAGES, RESPONSES = "messages", "responses"
+#: The tables docs/api.md publishes, each of the routes it covers.
+TABLES = (EVERY, (MESSAGES,), (RESPONSES,))
 
-_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
+_WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
 }
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": _WEATHER}}
+#: The same tool in Anthropic's shape and in the Responses API's.
+_ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": _WEATHER}
+_RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": _WEATHER}
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +429,264 @@ FIELDS: tuple[Field, ...] = (
         vllm="`prompt_logprobs`",
         vllm_key="prompt_logprobs",
     ),
+    # -- Anthropic's Messages API (docs/api.md, "Anthropic Messages") --
+    Field(
+        "model",
+        (MESSAGES,),
+        "must name a served model (404 `not_found_error` otherwise)",
+        asks={"model": "deepseek-v4"},
+    ),
+    Field(
+        "messages",
+        (MESSAGES,),
+        "`user` and `assistant` turns of text, `tool_use`, `tool_result` and `thinking` "
+        "blocks, rendered by the chat template; `image` and `document` blocks refused",
+        asks={"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]},
+    ),
+    Field(
+        "system",
+        (MESSAGES,),
+        "the system message (a string, or text blocks joined by a blank line)",
+        asks={"system": "Be brief."},
+    ),
+    Field(
+        "tools",
+        (MESSAGES,),
+        "client tools (`input_schema` as the parameters), rendered by the chat template and "
+        "read back as `tool_use` blocks; server tools refused",
+        asks={"tools": [_ANTHROPIC_TOOL]},
+    ),
+    Field(
+        "tool_choice",
+        (MESSAGES,),
+        "`auto`; `none`: no call parsed; `any` or `tool`: the answer is held to a call "
+        "(constrained decoding, as chat's `required` and named function); "
+        "`disable_parallel_tool_use`: one call",
+        STRUCTURED_OUTPUTS,
+        {"tools": [_ANTHROPIC_TOOL], "tool_choice": {"type": "any"}},
+        when="`any`, `tool`",
+        vllm="`structured_outputs.structural_tag`",
+        vllm_key="structured_outputs",
+    ),
+    Field(
+        "thinking",
+        (MESSAGES,),
+        "DeepSeek-V4's thinking mode on (`enabled`, `adaptive`, `between_tools`) or off "
+        "(`disabled`); `max_tokens` bounds reasoning and answer together",
+        asks={"thinking": {"type": "adaptive"}},
+    ),
+    Field(
+        "output_config",
+        (MESSAGES,),
+        "`effort`: the template's reasoning effort; `format` (`json_schema`): the answer "
+        "is held to the schema by constrained decoding",
+        STRUCTURED_OUTPUTS,
+        {"output_config": {"format": {"type": "json_schema", "schema": _WEATHER}}},
+        when="`format`",
+        vllm="`structured_outputs.json`",
+        vllm_key="structured_outputs",
+        refused_as="output_config.format",
+    ),
+    Field(
+        "max_tokens",
+        (MESSAGES,),
+        "required; at most this many tokens (capped by the server's limit)",
+        asks={"max_tokens": 3},
+        vllm="`max_tokens`",
+        vllm_key="max_tokens",
+    ),
+    Field(
+        "stop_sequences",
+        (MESSAGES,),
+        "stop strings, matched on the text by the frontend (`stop_reason: stop_sequence`)",
+        asks={"stop_sequences": ["\n\n"]},
+    ),
+    Field(
+        "temperature",
+        (MESSAGES,),
+        "sampling temperature (0-1, Anthropic's range)",
+        asks={"temperature": 0.5},
+        vllm="`temperature`",
+        vllm_key="temperature",
+    ),
+    Field(
+        "top_p",
+        (MESSAGES,),
+        "nucleus sampling",
+        asks={"top_p": 0.9},
+        vllm="`top_p`",
+        vllm_key="top_p",
+    ),
+    Field(
+        "top_k",
+        (MESSAGES,),
+        "sample among the k most likely tokens",
+        TOP_K,
+        {"top_k": 5},
+        vllm="`top_k`",
+        vllm_key="top_k",
+    ),
+    Field(
+        "metadata",
+        (MESSAGES,),
+        "`user_id`: the chat request's `user` (informational)",
+        asks={"metadata": {"user_id": "u-1"}},
+    ),
+    Field(
+        "stream",
+        (MESSAGES,),
+        "Anthropic's event stream",
+        asks={"stream": True},
+    ),
+    # -- OpenAI's Responses API (docs/api.md, "OpenAI Responses") --
+    Field(
+        "model",
+        (RESPONSES,),
+        "must name a served model (404 otherwise)",
+        asks={"model": "deepseek-v4"},
+    ),
+    Field(
+        "input",
+        (RESPONSES,),
+        "a string, or message, `function_call`, `function_call_output` and `reasoning` "
+        "items, rendered by the chat template; images, files and item references refused",
+        asks={"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]},
+    ),
+    Field(
+        "instructions",
+        (RESPONSES,),
+        "the system message, first",
+        asks={"instructions": "Be brief."},
+    ),
+    Field(
+        "previous_response_id",
+        (RESPONSES,),
+        "continue a stored response of this process (its conversation first)",
+        asks={"previous_response_id": "<a stored response>"},
+    ),
+    Field(
+        "store",
+        (RESPONSES,),
+        "keep the response in this process's bounded store (default true)",
+        asks={"store": False},
+    ),
+    Field(
+        "stream",
+        (RESPONSES,),
+        "the Responses event stream",
+        asks={"stream": True},
+    ),
+    Field(
+        "tools",
+        (RESPONSES,),
+        "function tools, rendered by the chat template and read back as `function_call` "
+        "items; hosted tools refused",
+        asks={"tools": [_RESPONSES_TOOL]},
+    ),
+    Field(
+        "tool_choice",
+        (RESPONSES,),
+        "`auto`; `none`: no call parsed; `required` or a named function: the answer is held "
+        "to a call (constrained decoding, as chat's)",
+        STRUCTURED_OUTPUTS,
+        {"tools": [_RESPONSES_TOOL], "tool_choice": "required"},
+        when="`required`, a named function",
+        vllm="`structured_outputs.structural_tag`",
+        vllm_key="structured_outputs",
+    ),
+    Field(
+        "parallel_tool_calls",
+        (RESPONSES,),
+        "`false`: one call at most (constrained to one where the engine constrains)",
+        asks={"tools": [_RESPONSES_TOOL], "parallel_tool_calls": False},
+    ),
+    Field(
+        "max_tool_calls",
+        (RESPONSES,),
+        "the answer keeps that many calls, the first ones",
+        asks={"tools": [_RESPONSES_TOOL], "max_tool_calls": 1},
+    ),
+    Field(
+        "max_output_tokens",
+        (RESPONSES,),
+        "at most this many tokens (capped by the server's limit); cut: `incomplete`",
+        asks={"max_output_tokens": 3},
+        vllm="`max_tokens`",
+        vllm_key="max_tokens",
+    ),
+    Field(
+        "temperature",
+        (RESPONSES,),
+        "sampling temperature",
+        asks={"temperature": 0.5},
+        vllm="`temperature`",
+        vllm_key="temperature",
+    ),
+    Field(
+        "top_p",
+        (RESPONSES,),
+        "nucleus sampling",
+        asks={"top_p": 0.9},
+        vllm="`top_p`",
+        vllm_key="top_p",
+    ),
+    Field(
+        "reasoning",
+        (RESPONSES,),
+        "`effort`: DeepSeek-V4's chat mode (`none`) or thinking mode; `summary` accepted, the "
+        "reasoning comes whole",
+        asks={"reasoning": {"effort": "high"}},
+    ),
+    Field(
+        "text",
+        (RESPONSES,),
+        "`format`: `text`; `json_object`, `json_schema`: the answer is held to JSON (to the "
+        "schema) by constrained decoding",
+        STRUCTURED_OUTPUTS,
+        {"text": {"format": {"type": "json_schema", "name": "weather", "schema": _WEATHER}}},
+        when="`json_object`, `json_schema`",
+        vllm="`structured_outputs.json` / `.json_object`",
+        vllm_key="structured_outputs",
+        refused_as="text.format",
+    ),
+    Field(
+        "include",
+        (RESPONSES,),
+        "`reasoning.encrypted_content`: reasoning items carry it; logprobs refused",
+        asks={"include": ["reasoning.encrypted_content"]},
+    ),
+    Field(
+        "truncation",
+        (RESPONSES,),
+        "`disabled`; `auto` refused (a prompt over the context is a 400)",
+        asks={"truncation": "disabled"},
+    ),
+    Field(
+        "background",
+        (RESPONSES,),
+        "refused: responses are served while the client waits",
+        asks={"background": True},
+        refused=True,
+    ),
+    Field(
+        "top_logprobs",
+        (RESPONSES,),
+        "refused above 0: output items carry no logprobs",
+        asks={"top_logprobs": 2},
+        refused=True,
+    ),
+    Field(
+        "metadata",
+        (RESPONSES,),
+        "echoed in the response",
+        asks={"metadata": {"k": "v"}},
+    ),
+    Field(
+        "user",
+        (RESPONSES,),
+        "the chat request's `user` (informational)",
+        asks={"user": "u-1"},
+    ),
 )
 
 
@@ -435,18 +695,21 @@ def rows(route: str) -> list[Field]:
     return [f for f in FIELDS if route in f.routes]
 
 
-def markdown(engines: dict[str, Capabilities]) -> str:
-    """The table as docs/api.md publishes it: a row per field, a column per engine (its
-    verdict by its declaration in *engines*), what headwater does with it."""
+def markdown(engines: dict[str, Capabilities], routes: tuple[str, ...] = EVERY) -> str:
+    """The table of *routes* (one of :data:`TABLES`) as docs/api.md publishes it: a row
+    per field, a column per engine (its verdict by its declaration in *engines*), what
+    headwater does with it."""
     names = list(engines)
     lines = [
         "| field | routes | " + " | ".join(names) + " | what headwater does |",
         "|---|---|" + "---|" * len(names) + "---|",
     ]
     for f in FIELDS:
-        routes = ", ".join(f.routes)
+        if not set(f.routes) <= set(routes):
+            continue
+        shown = ", ".join(f.routes)
         if f.sampling and GENERATE in f.routes:
-            routes += (
+            shown += (
                 " (in `sampling_params`)"
                 if len(f.routes) == 1
                 else " (generate: in `sampling_params`)"
@@ -457,5 +720,5 @@ def markdown(engines: dict[str, Capabilities]) -> str:
             note = f.mocker if name == "mocker" and verdict == "honoured" else ""
             note = f.vllm if name == "vllm" and verdict == "honoured" else note
             verdicts.append(f"{verdict}: {note}" if note else verdict)
-        lines.append(f"| `{f.name}` | {routes} | " + " | ".join(verdicts) + f" | {f.does} |")
+        lines.append(f"| `{f.name}` | {shown} | " + " | ".join(verdicts) + f" | {f.does} |")
     return "\n".join(lines) + "\n"

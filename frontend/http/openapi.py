@@ -207,12 +207,12 @@ def openapi_document(
     limits: RequestLimits,
     context_length: int,
     api_keys: bool,
-    model_name: str | None = None,
+    model_names: list[str] | None = None,
     operations: tuple[Operation, ...] = OPERATIONS,
 ) -> dict[str, Any]:
     """The document, for a server whose routes validate with *request_models* (by
     endpoint), enforce *limits* and *context_length*, need a key if *api_keys*, and
-    serve *model_name* (if given, the one value ``model`` may take: another is a 404)."""
+    serve *model_names* (if given, the values ``model`` may take: another is a 404)."""
     bodies = {op.endpoint: request_models[op.endpoint] for op in operations if op.endpoint}
     types: list[Any] = [*bodies.values(), *{op.error_body for op in operations}]
     types += [op.response for op in operations]
@@ -226,8 +226,8 @@ def openapi_document(
         _write_limits(schemas, schema, limits, context_length)
         if one_of := getattr(model, "one_of", ()):  # exactly one of these fields
             schema["oneOf"] = [{"required": [name]} for name in one_of]
-        if model_name is not None and "model" in schema.get("properties", {}):
-            _bound(schema["properties"]["model"], string={"enum": [model_name]})
+        if model_names is not None and "model" in schema.get("properties", {}):
+            _bound(schema["properties"]["model"], string={"enum": model_names})
     if limits.max_prompt_chars:
         _bound_text(
             schemas, [schemas[model.__name__] for model in bodies.values()], limits.max_prompt_chars

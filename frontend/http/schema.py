@@ -270,7 +270,7 @@ _FEATURE_FIELDS = {
 }
 
 
-def _needs(
+def feature_needs(
     options: SamplingOptions, prefix: str, constraint: Constraint | None = None
 ) -> tuple[tuple[str, str], ...]:
     """The declared features *options* ask for, each with the field asking for it."""
@@ -586,7 +586,8 @@ def parse_request(
         suffix=suffix,
         # A completion's prompt logprobs are asked for by echo (with logprobs).
         needs=tuple(
-            (f, "echo" if f == PROMPT_LOGPROBS else p) for f, p in _needs(sampling, "", constraint)
+            (f, "echo" if f == PROMPT_LOGPROBS else p)
+            for f, p in feature_needs(sampling, "", constraint)
         ),
     )
 
@@ -643,5 +644,5 @@ def parse_generate_request(
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         sampling=sampling,
-        needs=_needs(sampling, p),
+        needs=feature_needs(sampling, p),
     )

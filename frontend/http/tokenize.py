@@ -30,6 +30,7 @@ from frontend.http.errors import bad_request
 from frontend.http.models import DetokenizeRequest, TokenizeRequest
 from frontend.http.responses import json_response
 from frontend.http.schema import chat_text, decode
+from frontend.pipeline import Pipeline
 from frontend.request import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def parse_tokenize(body: bytes, api: ApiContext) -> tuple[ParsedRequest | None, 
             "a chat template from the request is not supported: the model's own applies",
             "chat_template",
         )
-    model = req.model or api.pipeline.model_name
+    model = req.model or api.catalog.primary.model_name
     if not isinstance(req.messages, UnsetType):
         api.limits.check_messages(len(req.messages))
         messages, tools, kwargs, chars = chat_text(req, api.limits)
@@ -102,15 +103,22 @@ def parse_tokenize(body: bytes, api: ApiContext) -> tuple[ParsedRequest | None, 
 
 def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
     """``POST /tokenize`` and ``POST /detokenize`` on *app*."""
-    pipeline = api.pipeline
-    tokenizer = pipeline.tokenizer
-    prefix, suffix = special_affixes(tokenizer.hf)
+    affixes: dict[int, tuple[list[int], list[int]]] = {}  # by tokenizer: models may share one
+
+    def special(pipeline: Pipeline) -> tuple[list[int], list[int]]:
+        tokenizer = pipeline.tokenizer
+        found = affixes.get(id(tokenizer))
+        if found is None:
+            found = affixes[id(tokenizer)] = special_affixes(tokenizer.hf)
+        return found
+
+    special(api.catalog.primary)  # at start: a probe encode, not on a request's time
 
     @app.post(TOKENIZE_PATH)
     async def tokenize() -> Response:
         async def work() -> Response:
             parsed, req = parse_tokenize(await api.read_body(), api)
-            api.check_model(req.model)
+            pipeline = api.check_model(req.model)
             ids = list(await pipeline.encode_prompt(parsed)) if parsed is not None else []
             # vLLM's defaults: special tokens for a prompt, none for a conversation
             # (its template writes them).
@@ -118,8 +126,9 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
             if add_special is None:
                 add_special = req.prompt is not UNSET
             if add_special:
+                prefix, suffix = special(pipeline)
                 ids = prefix + ids + suffix
-            strs = await _token_strs(ids) if req.return_token_strs else None
+            strs = await _token_strs(pipeline, ids) if req.return_token_strs else None
             return json_response(
                 {
                     "count": len(ids),
@@ -135,14 +144,14 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
     async def detokenize() -> Response:
         async def work() -> Response:
             req = cast(DetokenizeRequest, decode(await api.read_body(), api.models["detokenize"]))
-            api.check_model(req.model)
+            pipeline = api.check_model(req.model)
             if len(req.tokens) > pipeline.context_length:
                 raise bad_request(
                     f"'tokens' holds {len(req.tokens)} ids; at most the context "
                     f"length, {pipeline.context_length}",
                     "tokens",
                 )
-            vocab = tokenizer.vocab_size
+            vocab = pipeline.tokenizer.vocab_size
             if req.tokens and max(req.tokens) >= vocab:
                 bad = next(t for t in req.tokens if t >= vocab)
                 raise bad_request(
@@ -153,8 +162,8 @@ def add_tokenize_routes(app: QuartTrio, api: ApiContext) -> None:
 
         return await api.answer("detokenize", work)
 
-    async def _token_strs(ids: list[int]) -> list[str]:
-        hf = tokenizer.hf
+    async def _token_strs(pipeline: Pipeline, ids: list[int]) -> list[str]:
+        hf = pipeline.tokenizer.hf
 
         def look_up() -> list[str]:
             return [hf.id_to_token(i) or "" for i in ids]

@@ -76,6 +76,7 @@ class KvStats:
 
     routed: int  # requests routed by cached overlap
     overlap_blocks: int  # their leading blocks found cached on the chosen worker, summed
+    prompt_blocks: int  # their prompts' blocks, summed: overlap ÷ this is the hit rate
     prefill_tokens_saved: int  # overlap_blocks × block size
     events: int  # KV events received
     dumps: int  # full dumps requested
@@ -165,7 +166,7 @@ class Router:
         self.kv = kv or KvConfig()
         self.kv_index = KvIndex(self.kv.block_size)
         self.kv_approx = ApproxIndex(self.kv.approx_ttl)
-        self._kv_routed = self._kv_overlap = 0
+        self._kv_routed = self._kv_overlap = self._kv_prompt_blocks = 0
         self.health = health or HealthConfig()
         self.busy = busy or BusyThresholds()
         self.on_transition = on_transition
@@ -293,6 +294,7 @@ class Router:
         if prompt is not None and role is not Role.DECODE:
             self._kv_routed += 1
             self._kv_overlap += chosen.overlap
+            self._kv_prompt_blocks += blocks
             self.kv_approx.record(chosen.worker_id, prompt.hashes)
         return by_id[chosen.worker_id]
 
@@ -301,6 +303,7 @@ class Router:
         return KvStats(
             routed=self._kv_routed,
             overlap_blocks=self._kv_overlap,
+            prompt_blocks=self._kv_prompt_blocks,
             prefill_tokens_saved=self._kv_overlap * self.kv.block_size,
             events=sub.events,
             dumps=sub.dumps,

@@ -10,6 +10,9 @@ start first and the frontend gets their addresses as ``--workers``), then the
 frontend (``headwater serve``). Prints the URL once ``/health`` answers 200,
 then a line ``HEADWATER_CLUSTER_READY <url>``. Everything binds 127.0.0.1.
 
+With more than one worker of a role the frontend routes by KV cache (``--router kv``)
+unless ``--router`` is given after ``--`` (docs/routing.md, "The default").
+
 Options after ``--`` are passed to ``headwater serve`` as they are (``--router``,
 ``--tokenizer-threads``, ...), except the ones the launcher sets itself: ``--host``,
 ``--port``, ``--model-name``, ``--workers``, ``--discovery``. The engine's options
@@ -65,6 +68,7 @@ from headwater.cluster.launch import (
     CLUSTER_READY_PREFIX,
     ETCD_BIN_ENV,
     ClusterPlan,
+    ModelWorkers,
     find_etcd,
     run_cluster,
 )
@@ -109,6 +113,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--port", type=int, default=8000, help="frontend port (0: any free port)")
     a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
+    a(
+        "--extra-model",
+        dest="extra_models",
+        action="append",
+        default=[],
+        metavar='"NAME ENGINE [ROLE=N ...] [ENGINE OPTION ...]"',
+        help="workers of another model too, served by the same frontend: "
+        '"coder scripted agg=1 --script answers.jsonl" (roles: prefill, decode, agg; '
+        "default agg=1); repeat for more",
+    )
     a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
     a(
         "--drain-timeout",
@@ -198,6 +212,12 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     check_port("127.0.0.1", args.port, "--port")
     check_engine(engine_config)
     serve_args += _frontend_defaults(engine_config, serve_args)
+    if max(prefill, decode, agg) > 1 and not any(
+        arg.split("=", 1)[0] == "--router" for arg in serve_args
+    ):
+        # Several workers of a role: route by their caches (docs/routing.md, "The
+        # default"); one of each leaves nothing to choose.
+        serve_args += ["--router", "kv"]
     # Every child logs and traces as the launcher was told to.
     shared = [f"--log-format={args.log_format}"] if args.log_format != "text" else []
     if args.otlp_endpoint:
@@ -205,6 +225,12 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     serve_args += shared
     # A worker is up once its engine is: a model server's start-up counts.
     start_within = max(args.start_timeout, getattr(engine_config, "vllm_start_timeout", 0.0) + 30)
+    extra_models = tuple(extra_model(text) for text in args.extra_models)
+    names = [args.model_name, *(m.model for m in extra_models)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--extra-model: each model needs a name of its own, got {names}")
+    for extra in extra_models:
+        check_engine(config_from_args(registry.config_type(extra.engine), _engine_args(extra)))
     return ClusterPlan(
         prefill=prefill,
         decode=decode,
@@ -223,7 +249,51 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         workdir=Path(args.workdir) if args.workdir else None,
         start_within=start_within,
         restart=restart_policy_from_args(args),
+        extra_models=extra_models,
     )
+
+
+def extra_model(text: str) -> ModelWorkers:
+    """``--extra-model``'s "NAME ENGINE [ROLE=N ...] [ENGINE OPTION ...]"; the engine's
+    options are checked by its own parser now. Raises ValueError."""
+    words = shlex.split(text)
+    if len(words) < 2 or words[1] not in registry.names():
+        raise ValueError(
+            f"--extra-model {text!r}: expected NAME ENGINE [ROLE=N ...] [OPTION ...], ENGINE "
+            f"one of {', '.join(registry.names())}"
+        )
+    name, engine, rest = words[0], words[1], words[2:]
+    counts: dict[str, int] = {}
+    while rest and "=" in rest[0] and not rest[0].startswith("-"):
+        role, _, n = rest.pop(0).partition("=")
+        if role not in ("prefill", "decode", "agg") or not n.isdigit():
+            raise ValueError(f"--extra-model {name}: expected ROLE=N (prefill, decode, agg)")
+        counts[role] = int(n)
+    if not counts:
+        counts = {"agg": 1}
+    if not counts.get("agg") and not (counts.get("prefill") and counts.get("decode")):
+        raise ValueError(f"--extra-model {name}: needs agg=N, or both prefill=N and decode=N")
+    roles = tuple(r for r in ("prefill", "decode", "agg") for _ in range(counts.get(r, 0)))
+    extra = ModelWorkers(name, engine, tuple(rest), roles)
+    _engine_args(extra)  # its options parse, or this is a bad option
+    return extra
+
+
+def _engine_args(extra: ModelWorkers) -> argparse.Namespace:
+    """*extra*'s engine options, parsed by that engine's own options."""
+    parser = argparse.ArgumentParser(prog=f"--extra-model {extra.model}", add_help=False)
+    parser.exit_on_error = False
+    add_config_options(parser, registry.config_type(extra.engine))
+    try:
+        parsed, unknown = parser.parse_known_args(list(extra.engine_args))
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"--extra-model {extra.model}: {exc}") from None
+    if unknown:
+        raise ValueError(
+            f"--extra-model {extra.model}: not an option of the {extra.engine} engine: "
+            f"{' '.join(unknown)}"
+        )
+    return parsed
 
 
 def _frontend_defaults(engine_config: object, serve_args: list[str]) -> list[str]:

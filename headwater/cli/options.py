@@ -160,8 +160,9 @@ def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
     """What an engine's config tells the frontend in front of its workers, as
     FrontendConfig fields: the model directory's tokenizer (``tokenizer_path()``), the
     model's vocabulary size (``model_vocab_size()``), context length
-    (``max_model_len``) and how many frontend processes ``--processes auto`` means
-    (``frontend_processes()``; by default one per usable CPU). Keys are absent when the
+    (``max_model_len``), how many frontend processes ``--processes auto`` means
+    (``frontend_processes()``; by default one per usable CPU) and the KV block size the
+    router hashes by (``vllm_block_size``). Keys are absent when the
     engine does not say (the mocker says nothing). Raises ValueError for a model
     directory that cannot be read.
     """
@@ -178,6 +179,9 @@ def engine_frontend_defaults(engine_config: Any) -> dict[str, Any]:
     processes = getattr(engine_config, "frontend_processes", None)
     if callable(processes):
         defaults["processes"] = processes()
+    block = getattr(engine_config, "vllm_block_size", None)
+    if isinstance(block, int) and block > 0:  # the blocks its KV events report
+        defaults["kv_block_size"] = block
     return defaults
 
 

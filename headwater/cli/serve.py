@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from frontend.catalog import ModelSpec, parse_model_spec
 from frontend.config import FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from frontend.http.responses_api.store import StoreConfig
@@ -194,6 +195,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     m = p.add_argument_group("model and tokenization")
     m.add_argument("--model-name", default=_D.model_name, help="the model name clients use")
+    m.add_argument(
+        "--served-model",
+        dest="served_models",
+        type=_served_model,
+        action="append",
+        default=None,
+        metavar="NAME[:KEY=VALUE,...]",
+        help="another model served beside --model-name, with a pipeline of its own; keys: "
+        "tokenizer, context-length, tool-call-parser, reasoning-parser (default: this "
+        "frontend's); repeat for more (docs/api.md, 'Several models')",
+    )
     m.add_argument(
         "--tokenizer",
         default=None,
@@ -568,6 +580,8 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if args.api_keys_file is not None:  # read now too: a bad file is a bad option
         load_api_keys(file=args.api_keys_file)
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if "served_models" in given:
+        given["served_models"] = tuple(given["served_models"])
     if given.get("processes") == 0:  # auto: the engine's choice, else one per usable CPU
         del given["processes"]
     defaults: dict[str, object] = {}
@@ -596,6 +610,13 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if (plane_tls := config.plane_tls) is not None:
         plane_tls.client_context()
     return config
+
+
+def _served_model(text: str) -> ModelSpec:
+    try:
+        return parse_model_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -71,6 +71,18 @@ C = TypeVar("C", bound=ChildProcess)
 
 
 @dataclass(frozen=True, slots=True)
+class ModelWorkers:
+    """Workers of another model beside the plan's own (``launch --extra-model``): the
+    frontend serves it from their registration on (frontend/catalog.py)."""
+
+    model: str
+    engine: str
+    #: The engine's options for these workers (``--script answers.jsonl``).
+    engine_args: tuple[str, ...] = ()
+    roles: tuple[str, ...] = ("agg",)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterPlan:
     """What to start; built from the command line by :func:`plan_from_args`."""
 
@@ -96,6 +108,8 @@ class ClusterPlan:
     start_within: float = 60.0  # s for each process to come up, and for /health
     #: When a process that exited on its own is restarted, and when it is given up.
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    #: Workers of other models, after the plan's own.
+    extra_models: tuple[ModelWorkers, ...] = ()
     roles: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -137,6 +151,8 @@ class Cluster:
         #: $HEADWATER_PLANE_SECRET, else one made for this run) is given there.
         self.env = child_env({SECRET_ENV: os.environ.get(SECRET_ENV) or generate_secret()})
         #: The frontend's options, its API keys moved to its environment.
+        #: The model of each worker not of the plan's own, by process name.
+        self._models: dict[str, str] = {}
         self.frontend_env = dict(self.env)
         self.serve_args = api_keys_to_env(plan.serve_args, self.frontend_env)
 
@@ -188,8 +204,12 @@ class Cluster:
             data_dir=previous.data_dir if previous else None,
         )
 
-    def _worker_starter(self, role: str, name: str) -> Starter[WorkerProcess]:
+    def _worker_starter(
+        self, role: str, name: str, model: ModelWorkers | None = None
+    ) -> Starter[WorkerProcess]:
+        """A worker of the plan's model, or of *model*."""
         plan = self.plan
+        served = model or ModelWorkers(plan.model, plan.engine, plan.engine_args)
 
         async def start(nursery: trio.Nursery, previous: WorkerProcess | None) -> WorkerProcess:
             metrics_port = 0
@@ -204,9 +224,9 @@ class Cluster:
                 listen=f"127.0.0.1:{previous.port if previous else 0}",
                 metrics_port=metrics_port,
                 discovery=self.discovery_url,
-                model=plan.model,
-                engine=plan.engine,
-                engine_args=plan.engine_args,
+                model=served.model,
+                engine=served.engine,
+                engine_args=served.engine_args,
                 lease_ttl=plan.lease_ttl,
                 drain_timeout=plan.drain_timeout,
                 extra_args=plan.worker_args,
@@ -224,7 +244,9 @@ class Cluster:
             ""
             if self.discovery_url
             else ",".join(
-                w.child.static_url(plan.model) for w in self.workers if w.child is not None
+                w.child.static_url(self._models.get(w.name, plan.model))
+                for w in self.workers
+                if w.child is not None
             )
         )
         return await start_frontend(
@@ -245,6 +267,11 @@ class Cluster:
             name = f"{role}-{numbered.setdefault(role, 0)}"
             numbered[role] += 1
             self.workers.append(self._supervised(name, self._worker_starter(role, name)))
+        for extra in self.plan.extra_models:
+            for i, role in enumerate(extra.roles):
+                name = f"{extra.model}-{role}-{i}"
+                self._models[name] = extra.model
+                self.workers.append(self._supervised(name, self._worker_starter(role, name, extra)))
         errors: list[LaunchError] = []
 
         async def one(process: Supervised[WorkerProcess], cancel: trio.CancelScope) -> None:
@@ -344,6 +371,8 @@ def _announce(cluster: Cluster, url: str) -> None:
         else (f"etcd {cluster.discovery_url}" if cluster.discovery_url else "static --workers")
     )
     lines = [f"headwater launch: {plan.model} on {url} ({counts}; discovery: {where})"]
+    for extra in plan.extra_models:
+        lines.append(f"  and {extra.model} ({extra.engine}: {', '.join(extra.roles)})")
     for child in cluster.children():
         lines.append(f"  {child.name:<12} pid {child.pid:<8} {child.address}")
     for child in cluster.children():

@@ -154,12 +154,18 @@ class HeadwaterServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """A sample of the frontend's metrics: *name* with or without the
-        ``headwater_frontend_`` prefix (a counter's with its ``_total``), 0 when absent."""
+        ``headwater_frontend_`` prefix (a counter's with its ``_total``), summed over
+        the labels not given (``requests_total`` by ``status`` alone: every endpoint's
+        and model's), 0 when absent."""
         if not name.startswith("headwater_frontend_"):
             name = f"headwater_frontend_{name}"
         self.frontend.metrics.render((name,))  # refreshes the gauges that mirror live state
-        value = self.frontend.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
+        return sum(
+            sample.value
+            for family in self.frontend.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
     @property
     def stalls(self) -> list[tuple[float, float]]:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
-from frontend.http.bounds import FreeFormObject, Name, NonEmptyStr
+from frontend.http.bounds import FreeFormObject, FreeFormObjectOrNull, Name, NonEmptyStr
 from frontend.limits import MAX_NAME_CHARS, MAX_PARTS
 
 Parts = Meta(max_length=MAX_PARTS)
@@ -188,7 +188,19 @@ class OutputConfig(Struct, kw_only=True):
         ]
         | None
     ) = None
-    format: Annotated[FreeFormObject, Meta(description="not supported: only null")] | None = None
+    # Raw in a union with None decodes only null (msgspec): the null form carries it.
+    format: (
+        Annotated[
+            FreeFormObjectOrNull,
+            Meta(
+                description=(
+                    "structured outputs: {'type': 'json_schema', 'schema': {...}}, on engines "
+                    "that declare constrained decoding"
+                )
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
 
 
 class Metadata(Struct, kw_only=True):
@@ -230,7 +242,13 @@ class MessagesRequest(Conversation, kw_only=True):
     stop_sequences: list[Annotated[str, Meta(min_length=1)]] | None = None
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=0, description="not supported: only null")] | None = None
+    top_k: (
+        Annotated[
+            int,
+            Meta(ge=0, description="sample among the k most likely tokens, on engines that do"),
+        ]
+        | None
+    ) = None
     metadata: Metadata | None = None
     stream: bool | None = None
 

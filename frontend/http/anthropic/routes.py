@@ -34,12 +34,11 @@ MESSAGES_PATHS = frozenset({MESSAGES_PATH, COUNT_TOKENS_PATH})
 
 def add_messages_routes(app: QuartTrio, api: ApiContext) -> None:
     """The Messages API's routes on *app*."""
-    pipeline = api.pipeline
 
     @app.post(MESSAGES_PATH)
     async def messages() -> Response:
         req = cast(MessagesRequest, decode(await api.read_body(), api.models["messages"]))
-        api.check_model(req.model)
+        pipeline = api.check_model(req.model)
         out = translate(req, api.limits)
         return await api.serve(
             "messages",
@@ -49,6 +48,7 @@ def add_messages_routes(app: QuartTrio, api: ApiContext) -> None:
             partial(
                 MessagesFormat, max_tool_calls=out.max_tool_calls, show_thinking=out.show_thinking
             ),
+            pipeline=pipeline,
         )
 
     @app.post(COUNT_TOKENS_PATH)
@@ -56,7 +56,7 @@ def add_messages_routes(app: QuartTrio, api: ApiContext) -> None:
         async def work() -> Response:
             body = await api.read_body()
             req = cast(CountTokensRequest, decode(body, api.models["count_tokens"]))
-            api.check_model(req.model)
+            pipeline = api.check_model(req.model)
             ids = await pipeline.encode_prompt(translate(req, api.limits).parsed)
             return json_response({"input_tokens": len(ids)})
 

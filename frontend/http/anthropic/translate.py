@@ -15,16 +15,19 @@ The mapping (docs/api.md, "Anthropic Messages", has the whole table):
   arguments). ``redacted_thinking`` has nothing to render and is left out.
 - ``tools`` are function tools with ``input_schema`` as their parameters;
   ``tool_choice`` ``auto`` and ``none`` are OpenAI's (``none`` parses no call);
-  ``any`` and ``tool`` force a call, which needs constrained decoding, and are refused
-  until an engine offers it; ``disable_parallel_tool_use`` keeps the first call only.
+  ``any`` and ``tool`` force a call (OpenAI's ``required`` and named function: held
+  to a call by constrained decoding, on engines that declare it);
+  ``disable_parallel_tool_use`` keeps one call.
 - ``thinking`` ``enabled``, ``adaptive`` or ``between_tools`` turns the template's
   thinking mode on (``chat_template_kwargs.thinking``), ``disabled`` off (``display:
   omitted`` leaves the thinking blocks' text out of the answer); ``output_config.effort`` is
   the template's ``reasoning_effort`` (DeepSeek-V4: ``max``/``xhigh`` ask for its
   maximum effort).
-- ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``metadata.user_id``
-  map to their chat equivalents; ``top_k`` and ``output_config.format`` are refused
-  (400) until the engines can honour them.
+- ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
+  ``metadata.user_id`` map to their chat equivalents; ``output_config.format``
+  (``json_schema``) is a chat ``response_format``'s constraint. Those that need an
+  engine's feature (``top_k``, constrained decoding) are checked against the workers'
+  declarations before dispatch, as a chat request's are.
 
 ``image`` and ``document`` blocks are refused with a 400 that says so: no multimodal
 engine is served. Every refusal is an :class:`~frontend.http.errors.ApiError` (400,
@@ -34,7 +37,7 @@ engine is served. Every refusal is an :class:`~frontend.http.errors.ApiError` (4
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -58,9 +61,9 @@ from frontend.http.anthropic.models import (
     ToolUseBlock,
 )
 from frontend.http.errors import ApiError, bad_request
-from frontend.http.schema import FreeForm
+from frontend.http.schema import FreeForm, feature_needs
 from frontend.limits import RequestLimits
-from frontend.request import ParsedRequest, SamplingOptions
+from frontend.request import Constraint, ParsedRequest, SamplingOptions
 
 #: Claude Code's first system block, per request: left out of the prompt (see above).
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -100,22 +103,28 @@ def translate(req: Conversation, limits: RequestLimits) -> Translated:
         if not isinstance(value, dict):
             raise bad_request(f"'{where}' must be an object", "messages")
     tools, chars = _tools(req, limits, free, chars)
-    tool_choice, max_calls = _tool_choice(req.tool_choice, tools)
+    tool_choice, constraint, one = _tool_choice(req.tool_choice, tools)
     kwargs: dict[str, Any] = {}
     if req.thinking is not None:
         kwargs["thinking"] = not isinstance(req.thinking, ThinkingDisabled)
     output = req.output_config
-    if output is not None and output.format is not None:
-        raise bad_request(
-            "output_config.format (structured outputs) is not supported by this server",
-            "output_config.format",
-        )
+    if output is not None and _given(output.format):
+        if constraint is not None:  # as a chat request's: refused rather than dropped
+            raise bad_request(
+                "output_config.format cannot constrain an answer that tool_choice makes a "
+                "tool call",
+                "output_config.format",
+            )
+        chars += len(output.format)  # the schema's text is the request's too
+        limits.check_prompt_chars(chars, "output_config.format")
+        constraint = _format(output.format, free)
     if output is not None and output.effort is not None:
         kwargs["reasoning_effort"] = output.effort
 
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
         fields = _generation(req, limits)
+    sampling = fields.get("sampling", SamplingOptions())
     parsed = ParsedRequest(
         endpoint="chat",
         model=req.model,
@@ -124,10 +133,13 @@ def translate(req: Conversation, limits: RequestLimits) -> Translated:
         tool_choice=tool_choice,
         chat_template_kwargs=kwargs,
         text_chars=chars,
+        parallel_tool_calls=not one,
+        constraint=constraint,
+        needs=feature_needs(sampling, "", constraint),
         **fields,
     )
     display = getattr(req.thinking, "display", None)
-    return Translated(parsed, max_calls, show_thinking=display != "omitted")
+    return Translated(parsed, 1 if one else None, show_thinking=display != "omitted")
 
 
 def _generation(req: MessagesRequest, limits: RequestLimits) -> dict[str, Any]:
@@ -138,8 +150,6 @@ def _generation(req: MessagesRequest, limits: RequestLimits) -> dict[str, Any]:
         raise bad_request(
             "thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens"
         )
-    if req.top_k is not None:
-        raise bad_request("top_k is not supported by this server", "top_k")
     stop = tuple(req.stop_sequences or ())
     if stop:
         limits.check_stop(stop, "stop_sequences")
@@ -149,6 +159,7 @@ def _generation(req: MessagesRequest, limits: RequestLimits) -> dict[str, Any]:
             max_tokens=req.max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
         ),
         "stop": stop,
         "user": req.metadata.user_id if req.metadata else None,
@@ -279,29 +290,49 @@ def _tools(
 
 def _tool_choice(
     choice: ToolChoice | None, tools: list[dict[str, Any]] | None
-) -> tuple[str | dict[str, Any] | None, int | None]:
-    """OpenAI's ``tool_choice`` for Anthropic's, and the most calls the answer keeps."""
+) -> tuple[str | dict[str, Any] | None, Constraint | None, bool]:
+    """OpenAI's ``tool_choice`` for Anthropic's; the constraint a forced call holds the
+    answer to (``any``: a call of any tool, OpenAI's ``required``; ``tool``: a call of
+    that one, OpenAI's named function); and whether the answer keeps one call only."""
     if choice is None:
-        return None, None
-    one = 1 if getattr(choice, "disable_parallel_tool_use", None) else None
+        return None, None, False
+    one = bool(getattr(choice, "disable_parallel_tool_use", None))
     if isinstance(choice, ToolChoiceNone | ToolChoiceAuto):
-        return ("none" if isinstance(choice, ToolChoiceNone) else "auto"), one
+        return ("none" if isinstance(choice, ToolChoiceNone) else "auto"), None, one
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
-    if isinstance(choice, ToolChoiceTool) and choice.name not in {
-        t["function"]["name"] for t in tools
-    }:
+    offered = [t["function"]["name"] for t in tools]
+    if isinstance(choice, ToolChoiceTool):
+        if choice.name not in offered:
+            raise bad_request(
+                f"tool_choice names '{choice.name}', which is not in tools", "tool_choice.name"
+            )
+        named = {"type": "function", "function": {"name": choice.name}}
+        return named, Constraint("tool_call", "tool_choice", tools=(choice.name,)), one
+    offered = list(dict.fromkeys(offered))
+    return "required", Constraint("tool_calls", "tool_choice", tools=tuple(offered)), one
+
+
+def _given(raw: msgspec.Raw | msgspec.UnsetType) -> TypeGuard[msgspec.Raw]:
+    """A free-form field that is there and not null."""
+    return isinstance(raw, msgspec.Raw) and bytes(raw).strip() != b"null"
+
+
+def _format(raw: msgspec.Raw, free: FreeForm) -> Constraint:
+    """``output_config.format``: Anthropic's structured outputs, ``{"type":
+    "json_schema", "schema": {...}}``, as a chat ``response_format``'s constraint."""
+    param = "output_config.format"
+    value = free.decode(raw, param, param)
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind != "json_schema":
         raise bad_request(
-            f"tool_choice names '{choice.name}', which is not in tools", "tool_choice.name"
+            f"{param} must be {{'type': 'json_schema', 'schema': {{...}}}}, got type {kind!r}",
+            param,
         )
-    # `any` and `tool` force a call: the answer must be held to one, by constrained
-    # decoding, which no engine here offers yet. Refused, never quietly left to the model.
-    raise bad_request(
-        f"tool_choice '{choice.__struct_config__.tag}' forces a tool call, "
-        "which needs constrained decoding: not supported by this server's "
-        "engines; use 'auto'",
-        "tool_choice",
-    )
+    schema = value.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{param}.schema' must be an object", param)
+    return Constraint("json_schema", param, schema)
 
 
 def _chars(messages: list[dict[str, Any]]) -> int:

@@ -356,8 +356,23 @@
     else {
       const mean = r.routed ? (r.overlap_blocks / r.routed).toFixed(1) : "–";
       setText("routing", `router: kv · ${r.routed} routed by cache · ${mean} cached blocks a request · ` +
+        `hit rate ${recentHitRate(data.now, r)} over the last minute · ` +
         `${r.prefill_tokens_saved} prompt tokens found cached · ${r.events} KV events, ${r.dumps} dumps, ${r.gaps} gaps`);
     }
+  }
+
+  // The router's counters as polled, for the hit rate of the last minute: prompt blocks
+  // found cached ÷ prompt blocks routed, between the oldest sample of the minute and now.
+  const hitSamples = [];
+  function recentHitRate(now, r) {
+    hitSamples.push({ t: now, overlap: r.overlap_blocks, prompt: r.prompt_blocks });
+    while (hitSamples.length > 1 && hitSamples[0].t < now - 60) hitSamples.shift();
+    if (hitSamples[0].prompt > r.prompt_blocks) hitSamples.splice(0, hitSamples.length - 1);
+    // With one sample (the page just opened) the rate so far stands in for the minute's.
+    const first = hitSamples.length > 1 ? hitSamples[0] : { overlap: 0, prompt: 0 };
+    const prompt = r.prompt_blocks - first.prompt;
+    if (prompt <= 0) return "–";
+    return `${(100 * (r.overlap_blocks - first.overlap) / prompt).toFixed(0)}%`;
   }
 
   function renderErrors(data) {

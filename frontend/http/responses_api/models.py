@@ -187,8 +187,8 @@ class TextFormat(Struct, kw_only=True):
         Literal["text", "json_object", "json_schema"],
         Meta(
             description=(
-                "text; json_object and json_schema are refused: no engine here constrains its "
-                "output"
+                "text; json_object and json_schema hold the answer to JSON (to the schema) by "
+                "constrained decoding, on engines that declare it"
             )
         ),
     ]

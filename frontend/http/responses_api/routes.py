@@ -31,14 +31,13 @@ RESPONSES_PATH = "/v1/responses"
 
 def add_responses_routes(app: QuartTrio, api: ApiContext, store: ResponseStore) -> None:
     """The Responses API's routes on *app*, keeping responses in *store*."""
-    pipeline = api.pipeline
 
     @app.post(RESPONSES_PATH)
     async def create() -> Response:
         # The published model, but with the input items kept as text: each is decoded on
         # its own (translate.decode_items), an "easy" message having no type to go by.
         req = cast(ResponsesWire, decode(await api.read_body(), ResponsesWire))
-        api.check_model(req.model)
+        pipeline = api.check_model(req.model)
         out = translate(req, api.limits, store)
         on_done = partial(_keep, store, out) if out.echo["store"] else None
         return await api.serve(
@@ -53,6 +52,7 @@ def add_responses_routes(app: QuartTrio, api: ApiContext, store: ResponseStore) 
                 encrypted_reasoning=out.encrypted_reasoning,
                 on_done=on_done,
             ),
+            pipeline=pipeline,
         )
 
     @app.get(RESPONSES_PATH + "/<response_id>")

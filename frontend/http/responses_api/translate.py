@@ -20,9 +20,10 @@ mode, ``minimal`` to ``high`` its thinking mode, ``xhigh`` and ``max`` thinking 
 maximum effort (the template's ``reasoning_effort``). ``parallel_tool_calls: false`` and
 ``max_tool_calls`` bound the calls an answer keeps.
 
-Refused with a 400 naming the field: images and files, ``item_reference``,
-``text.format`` json_object/json_schema and a ``tool_choice`` that forces a call (no
-engine here constrains its output),
+A ``tool_choice`` that forces a call (``required``, a named function) and ``text.format``
+``json_object``/``json_schema`` hold the answer by constrained decoding, as their chat
+equivalents do, on engines that declare it (checked before dispatch, as a chat request's
+``needs``). Refused with a 400 naming the field: images and files, ``item_reference``,
 ``truncation: auto``, ``background``, logprobs. No I/O.
 """
 
@@ -50,12 +51,13 @@ from frontend.http.responses_api.models import (
     Refusal,
     ResponsesRequest,
     ResponsesWire,
+    TextFormat,
     ToolChoiceFunction,
 )
 from frontend.http.responses_api.store import ChainBroken, ResponseStore
-from frontend.http.schema import FreeForm, validation_error
+from frontend.http.schema import FreeForm, feature_needs, validation_error
 from frontend.limits import RequestLimits
-from frontend.request import ParsedRequest, SamplingOptions
+from frontend.request import Constraint, ParsedRequest, SamplingOptions
 
 #: What marks an ``encrypted_content`` as headwater's reasoning text.
 ENCRYPTED_PREFIX = "hw1:"
@@ -148,7 +150,15 @@ def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore) -
     chars = _chars(messages)
     limits.check_prompt_chars(chars, "input")
     tools, chars = _tools(req, limits, chars)
-    tool_choice = _tool_choice(req, tools)
+    tool_choice, constraint = _tool_choice(req, tools)
+    fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type != "text":
+        if constraint is not None:  # as a chat request's: refused rather than dropped
+            raise bad_request(
+                "text.format cannot constrain an answer that tool_choice makes a tool call",
+                "text.format",
+            )
+        constraint, chars = _format(fmt, limits, chars)
     caps = [
         n
         for n in (req.max_tool_calls, 1 if req.parallel_tool_calls is False else None)
@@ -162,21 +172,25 @@ def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore) -
             kwargs["reasoning_effort"] = _MAX_EFFORT[effort]
     if req.max_output_tokens is not None:
         limits.check_max_tokens(req.max_output_tokens, "max_output_tokens")
+    sampling = SamplingOptions(
+        max_tokens=req.max_output_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+    )
     parsed = ParsedRequest(
         endpoint="chat",
         model=req.model,
         messages=messages,
         stream=bool(req.stream),
-        sampling=SamplingOptions(
-            max_tokens=req.max_output_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-        ),
+        sampling=sampling,
         user=req.user,
         chat_template_kwargs=kwargs,
         tools=tools,
         tool_choice=tool_choice,
         text_chars=chars,
+        parallel_tool_calls=min(caps, default=2) > 1,
+        constraint=constraint,
+        needs=feature_needs(sampling, "", constraint),
     )
     echo = {
         "instructions": req.instructions,
@@ -187,7 +201,7 @@ def translate(req: ResponsesWire, limits: RequestLimits, store: ResponseStore) -
         "reasoning": {"effort": effort, "summary": None},
         "store": req.store is not False,
         "temperature": parsed.sampling.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _echo_format(fmt, constraint)},
         "tool_choice": _echo_choice(req.tool_choice),
         "tools": [
             {
@@ -243,14 +257,33 @@ def _tools(
     return tools, chars
 
 
+def _format(fmt: TextFormat, limits: RequestLimits, chars: int) -> tuple[Constraint, int]:
+    """``text.format`` ``json_object`` or ``json_schema`` as a chat ``response_format``'s
+    constraint, and the text counted so far (a schema's is the request's too)."""
+    param = "text.format"
+    if fmt.type == "json_object" or fmt.schema is msgspec.UNSET:
+        if fmt.type == "json_schema":
+            raise bad_request("text.format json_schema needs a 'schema'", param)
+        return Constraint("json_object", param), chars
+    chars += len(fmt.schema)
+    limits.check_prompt_chars(chars, param)
+    schema = FreeForm().decode(fmt.schema, param, "text.format.schema")
+    if not isinstance(schema, dict):
+        raise bad_request("'text.format.schema' must be an object", param)
+    return Constraint("json_schema", param, schema), chars
+
+
+def _echo_format(fmt: TextFormat | None, constraint: Constraint | None) -> dict[str, Any]:
+    """``text.format`` as the response repeats it."""
+    if fmt is None or fmt.type == "text":
+        return {"type": "text"}
+    echoed: dict[str, Any] = {"type": fmt.type}
+    if constraint is not None and constraint.schema is not None:
+        echoed |= {"name": fmt.name, "schema": constraint.schema, "strict": fmt.strict}
+    return echoed
+
+
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    fmt = req.text.format if req.text else None
-    if fmt is not None and fmt.type != "text":
-        raise bad_request(
-            f"text.format '{fmt.type}' (structured outputs) is not supported "
-            "by this server's engines",
-            "text.format",
-        )
     if req.truncation == "auto":
         raise bad_request(
             "truncation 'auto' is not supported: a prompt over the context length is refused",
@@ -369,27 +402,23 @@ def _reasoning(item: ReasoningItem, where: str) -> str:
 
 def _tool_choice(
     req: ResponsesRequest, tools: list[dict[str, Any]] | None
-) -> str | dict[str, Any] | None:
+) -> tuple[str | dict[str, Any] | None, Constraint | None]:
+    """The chat ``tool_choice``, and the constraint a forced call holds the answer to
+    (``required``: a call of any tool; a named function: a call of that one)."""
     choice = req.tool_choice
     if choice is None or choice in ("none", "auto"):
-        return choice
+        return choice, None
     if not tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
-    if isinstance(choice, ToolChoiceFunction) and choice.name not in {
-        t["function"]["name"] for t in tools
-    }:
-        raise bad_request(
-            f"tool_choice names '{choice.name}', which is not in tools", "tool_choice"
-        )
-    # `required` and a named function force a call: the answer must be held to one, by
-    # constrained decoding, which no engine here offers yet. Refused, never quietly left
-    # to the model.
-    kind = "required" if isinstance(choice, str) else "a named function"
-    raise bad_request(
-        f"tool_choice {kind} forces a tool call, which needs constrained "
-        "decoding: not supported by this server's engines; use 'auto'",
-        "tool_choice",
-    )
+    offered = list(dict.fromkeys(t["function"]["name"] for t in tools))
+    if isinstance(choice, ToolChoiceFunction):
+        if choice.name not in offered:
+            raise bad_request(
+                f"tool_choice names '{choice.name}', which is not in tools", "tool_choice"
+            )
+        named = {"type": "function", "function": {"name": choice.name}}
+        return named, Constraint("tool_call", "tool_choice", tools=(choice.name,))
+    return "required", Constraint("tool_calls", "tool_choice", tools=tuple(offered))
 
 
 def _echo_choice(choice: str | ToolChoiceFunction | None) -> Any:

@@ -97,6 +97,18 @@ class VllmConfig:
     vocab_size: int = field(
         default=0, metadata={"help": "model vocabulary size (0: from config.json)"}
     )
+    #: ``--block-size`` of a started server: the tokens of one KV block, which its KV
+    #: events report and the frontend's ``--kv-block-size`` must match (the launcher and
+    #: ``serve`` pass it on; docs/routing.md). vLLM's CPU build defaults to 128.
+    vllm_block_size: int = field(
+        default=64, metadata={"help": "tokens per KV block of a started vLLM (its --block-size)"}
+    )
+    #: A started server publishes its KV cache events (``--kv-events-config``, ZMQ on
+    #: loopback) and the worker republishes them for ``--router kv``; off, or attached to
+    #: ``--vllm-url``, the router uses its approximate mode for this worker.
+    vllm_kv_events: bool = field(
+        default=True, metadata={"help": "read a started vLLM's KV cache events (for --router kv)"}
+    )
     #: Where a started server writes its output; empty: this process's stderr.
     vllm_log: str = field(default="", metadata={"help": "file for vLLM's output"})
     #: Consecutive failed polls (metrics, health) after which an attached server
@@ -106,7 +118,13 @@ class VllmConfig:
     def __post_init__(self) -> None:
         if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
             raise ValueError(f"--vllm-url wants http://host:port, got {self.vllm_url!r}")
-        for name in ("max_model_len", "cpu_kv_cache_gib", "down_after_polls", "kv_lease_duration"):
+        for name in (
+            "max_model_len",
+            "cpu_kv_cache_gib",
+            "down_after_polls",
+            "kv_lease_duration",
+            "vllm_block_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("vllm_start_timeout", "metrics_interval", "kv_pull_timeout"):

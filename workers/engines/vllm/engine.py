@@ -71,9 +71,11 @@ from headwater.wire.capabilities import (
     TOP_K,
     Capabilities,
 )
+from headwater.wire.kv_events import KvEventLog
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
 from workers.engines.vllm import protocol
 from workers.engines.vllm.config import NO_VOCABULARY, VllmConfig
+from workers.engines.vllm.kv_events import VllmKvEvents, subscribe
 from workers.engines.vllm.protocol import (
     FINISH_REASONS,
     GENERATE_PATH,
@@ -161,6 +163,12 @@ class VllmEngine(Engine):
         self._capabilities = Capabilities("vllm", frozenset(features))
         self.counters = VllmCounters()
         self.server = VllmServer(config, self.role, worker_id, otlp_endpoint=otlp_endpoint)
+        #: vLLM's KV cache events, republished (:mod:`.kv_events`); None when vLLM
+        #: publishes none here (attached, or --no-vllm-kv-events): approximate routing.
+        self._kv: VllmKvEvents | None = None
+        if config.vllm_kv_events and not config.attached:
+            self.kv_events = KvEventLog()
+            self._kv = VllmKvEvents(self.kv_events)
         self.metrics = VllmMetrics()
         self._http: httpx.AsyncClient | None = None
         self._transport = transport  # tests: a fake vLLM (httpx.MockTransport)
@@ -196,8 +204,10 @@ class VllmEngine(Engine):
         ) as http:
             self._http = http
             try:
-                await self._start(http)
                 async with trio.open_nursery() as nursery:
+                    if self._kv is not None:  # listening before vLLM publishes
+                        self.server.events_endpoint = await nursery.start(subscribe, self._kv)
+                    await self._start(http)
                     nursery.start_soon(self._poll_metrics, http)
                     task_status.started()
                     await self._supervise(http)
@@ -483,6 +493,8 @@ class VllmEngine(Engine):
                     restarts,
                     self.config.restart_limit,
                 )
+                if self._kv is not None:
+                    self._kv.restarted()  # an empty cache, its event numbers from 0
                 try:
                     await self._start(http)
                     break

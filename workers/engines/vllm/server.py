@@ -62,10 +62,19 @@ def kv_transfer_config(role: Role, config: VllmConfig) -> str | None:
     return json.dumps(kv)
 
 
-def serve_argv(config: VllmConfig, role: Role, port: int, *, otlp_endpoint: str = "") -> list[str]:
+def serve_argv(
+    config: VllmConfig,
+    role: Role,
+    port: int,
+    *,
+    otlp_endpoint: str = "",
+    events_endpoint: str = "",
+) -> list[str]:
     """The ``vllm serve`` command line of a started server; with *otlp_endpoint*, vLLM
     traces its requests there (over OTLP/HTTP, :func:`serve_env`), each span a child of
-    the ``traceparent`` headwater's engine sends with the request."""
+    the ``traceparent`` headwater's engine sends with the request; with
+    *events_endpoint* (``tcp://127.0.0.1:PORT``), it publishes its KV cache events there
+    (:mod:`.kv_events`)."""
     command = shlex.split(config.vllm_command) or [
         sys.executable,
         "-m",
@@ -86,6 +95,8 @@ def serve_argv(config: VllmConfig, role: Role, port: int, *, otlp_endpoint: str 
         "--enable-scale-out",
         # Cached prompt tokens in the usage of each answer.
         "--enable-prompt-tokens-details",
+        "--block-size",
+        str(config.vllm_block_size),
     ]
     if config.tokenizer_path() is None:
         # No tokenizer to load: ids only, and no structured outputs (their grammars are
@@ -98,6 +109,14 @@ def serve_argv(config: VllmConfig, role: Role, port: int, *, otlp_endpoint: str 
     kv = kv_transfer_config(role, config)
     if kv is not None:
         argv += ["--kv-transfer-config", kv]
+    if events_endpoint:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": events_endpoint,
+            "topic": "kv",
+        }
+        argv += ["--enable-prefix-caching", "--kv-events-config", json.dumps(events)]
     return argv + shlex.split(config.vllm_args)
 
 
@@ -165,6 +184,10 @@ class VllmServer:
         self.url = config.vllm_url.rstrip("/")
         self.process: trio.Process | None = None
         self.starts = 0
+        #: Where a started server sends its KV cache events: the worker's subscriber,
+        #: bound on loopback for the worker's life (vLLM connects to an endpoint with a
+        #: host, so a restarted vLLM finds it again). Set by the engine; "": no events.
+        self.events_endpoint = ""
 
     @property
     def attached(self) -> bool:
@@ -181,7 +204,13 @@ class VllmServer:
             return
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        argv = serve_argv(self.config, self.role, port, otlp_endpoint=self.otlp_endpoint)
+        argv = serve_argv(
+            self.config,
+            self.role,
+            port,
+            otlp_endpoint=self.otlp_endpoint,
+            events_endpoint=self.events_endpoint,
+        )
         log.info("%s: starting vLLM on %s: %s", self.worker_id, self.url, shlex.join(argv))
         output = self._open_log()
         # Without a log file, vLLM writes to the worker's stderr: never to its stdout,
