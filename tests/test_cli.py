@@ -155,3 +155,27 @@ def test_tls_files_are_checked_at_start(tmp_path: Path, capsys: pytest.CaptureFi
     assert "all three" in capsys.readouterr().err
     assert main(["serve", *plane, "--plane-tls-ca-file", missing]) == 2
     assert missing in capsys.readouterr().err
+
+
+def test_serve_takes_the_plane_secret_from_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--plane-secret-file`` (a Kubernetes Secret mounted as a file): read and checked at
+    start, then in the variable the plane clients and a group's processes read."""
+    from headwater.cli.serve import load_plane_secret
+    from headwater.wire.handshake import SECRET_ENV, load_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    secrets = tmp_path / "plane-secret"
+    secrets.write_text("Zq8wLr3vNp6tYk2mXc9bHf4jDs7gWa5e\nPe4kTm8wQz3nRx6vLb9cJh2fYs5dGa7u\n")
+    args = build_parser("serve").parse_args(["--plane-secret-file", str(secrets)])
+    load_plane_secret(args.plane_secret_file)
+    secret = load_secret()  # from the variable now
+    assert secret is not None
+    assert load_secret(str(secrets)) == secret  # the new one and the one still accepted
+
+    monkeypatch.delenv(SECRET_ENV)
+    secrets.write_text("hunter2\n")
+    with pytest.raises(ValueError, match="plane secret"):
+        load_plane_secret(str(secrets))
+    assert load_secret() is None  # a refused secret is not passed on

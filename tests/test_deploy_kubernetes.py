@@ -217,3 +217,83 @@ def test_the_dockerfile_copies_what_exists_and_runs_as_a_user() -> None:
         for _, spec in pod_specs(render(overlay)):
             if spec["containers"][0]["image"].startswith("headwater"):
                 assert spec["securityContext"]["runAsUser"] == 10001
+
+
+def _example_objects() -> list[dict[str, Any]]:
+    return [
+        d for d in yaml.safe_load_all((KUBE / "examples" / "inferencepool.yaml").read_text()) if d
+    ]
+
+
+def _all_workloads() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    for overlay in OVERLAYS:
+        yield overlay, render(overlay)
+    yield "examples/inferencepool.yaml", _example_objects()
+
+
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+def test_ports_reached_from_outside_the_pod_are_bound_beyond_loopback() -> None:
+    """The kubelet probes the pod's address, Prometheus and the endpoint picker scrape it:
+    a port they reach must be bound there, not on loopback (a worker's metrics port binds
+    127.0.0.1 unless --metrics-host says otherwise, and a probe of it would fail forever)."""
+    for where, objects in _all_workloads():
+        for obj, _, c in headwater_containers(objects):
+            args = parsed_args(c)
+            named = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            reached = {
+                named.get(probe["httpGet"]["port"], probe["httpGet"]["port"])
+                for kind in ("livenessProbe", "readinessProbe", "startupProbe")
+                if "httpGet" in (probe := c.get(kind, {}))
+            }
+            notes = obj["spec"]["template"]["metadata"].get("annotations", {})
+            if "prometheus.io/port" in notes:
+                reached.add(int(notes["prometheus.io/port"]))
+            if c["args"][0] == "worker" and args.metrics_port:
+                reached.add(args.metrics_port)  # the picker's, Prometheus'
+            bound = (
+                {args.port: args.host}
+                if c["args"][0] == "serve"
+                else {args.metrics_port: args.metrics_host}
+            )
+            for port in reached:
+                if port not in bound:  # a worker's plane port: TCP probes only
+                    continue
+                name = f"{where}: {obj['metadata']['name']}/{c['name']} port {port}"
+                assert not _loopback(bound[port]), f"{name} is bound to {bound[port]}"
+
+
+SECRET_FILE_OPTIONS = (
+    "plane_secret_file",
+    "api_keys_file",
+    "plane_tls_certfile",
+    "plane_tls_keyfile",
+    "plane_tls_ca_file",
+    "etcd_password_file",
+)
+
+
+def test_secrets_are_files_of_mounted_secrets() -> None:
+    """Every secret a container reads is a file of a Secret volume mounted in it (a
+    variable is fixed for the process's life and shows in /proc/PID/environ), and every
+    headwater process has the plane secret."""
+    for where, objects in _all_workloads():
+        for obj, spec, c in headwater_containers(objects):
+            name = f"{where}: {obj['metadata']['name']}/{c['name']}"
+            assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})], (
+                f"{name}: a secret in a variable"
+            )
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", [])}
+            args = parsed_args(c)
+            assert args.plane_secret_file, f"{name}: no plane secret"
+            for option in SECRET_FILE_OPTIONS:
+                if not (path := getattr(args, option, None)):
+                    continue
+                directory, _, key = path.rpartition("/")
+                assert directory in mounts, f"{name}: --{option} {path} is in no mounted volume"
+                assert "secret" in mounts[directory], f"{name}: --{option} is not from a Secret"
+                items = mounts[directory]["secret"].get("items")
+                assert items is None or key in {i["path"] for i in items}, name

@@ -561,7 +561,8 @@ async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.N
         model=MODEL,
         ready_within=10,
         engine_args=["--num-gpu-blocks", "512", "--speedup-ratio", "1000"],
-        extra_args=["--metrics-port", str(port)],
+        # Not the default loopback address: --metrics-host is where it binds.
+        extra_args=["--metrics-port", str(port), "--metrics-host", "127.0.0.2"],
     )
     worker_id = worker.worker_id
     client = await connect_worker(
@@ -572,7 +573,7 @@ async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.N
     )
     async with client.stream(request) as chunks:
         assert len([t async for c in chunks for t in c.token_ids]) == 4
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.2:{port}") as c:
         r = await c.get("/metrics")
         stalls = await c.get("/debug/stalls")
     assert r.status_code == 200
@@ -593,7 +594,7 @@ async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.N
     assert value(found, "headwater_worker_event_loop_delay_seconds_count") > 0
     assert stalls.status_code == 200
     assert isinstance(stalls.json(), list)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.2:{port}") as c:
         runtime = (await c.get("/debug/runtime")).json()
     assert runtime["pid"] == worker.pid  # the worker process's own, read from inside it
     assert runtime["trio_tasks"] == sum(runtime["tasks_by_name"].values()) > 0

@@ -87,6 +87,8 @@ class WorkerConfig:
     tls: TlsConfig | None = None
     #: Port of the metrics endpoint; 0 = off.
     metrics_port: int = 0
+    #: Address the metrics endpoint binds: loopback, unless a scraper elsewhere reads it.
+    metrics_host: str = "127.0.0.1"
     #: etcd to register in (``etcd://host:port[,host:port]``); empty = no registration.
     discovery: str = ""
     #: Seconds the etcd lease outlives the last keep-alive: how long a crashed worker
@@ -290,7 +292,11 @@ async def _serve(
             if config.metrics_port:
                 from workers.metrics_endpoint import serve_worker_metrics
 
-                await nursery.start(serve_worker_metrics, config.metrics_port, worker)
+                await nursery.start(
+                    partial(serve_worker_metrics, host=config.metrics_host),
+                    config.metrics_port,
+                    worker,
+                )
             for hook in on_ready:
                 await hook(address, engine.capabilities)
             log.info("%s %s %s %s", READY_PREFIX, address, config.worker_id, config.role)

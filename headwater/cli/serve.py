@@ -44,7 +44,7 @@ from headwater.cli.preflight import check_engine, check_port
 from headwater.cli.secret_args import hide_in_cmdline
 from headwater.machine import usable_cpus
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
-from headwater.wire.handshake import load_secret
+from headwater.wire.handshake import SECRET_ENV, load_secret
 from workers.engines import registry
 from workers.engines.base import EngineFailed
 
@@ -392,6 +392,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the CA the workers' certificates must chain to; each must name "
         "the host the worker is reached at (its advertised host)",
     )
+    w.add_argument(
+        "--plane-secret-file",
+        default=None,
+        help="file holding the shared plane secret, one per line as the workers' "
+        "(else HEADWATER_PLANE_SECRET); read once at start (docs/security.md)",
+    )
 
     f = p.add_argument_group("worker health and overload (docs/fault-tolerance.md)")
     f.add_argument(
@@ -513,6 +519,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_config_options(group, registry.config_type(name))
 
 
+def load_plane_secret(secret_file: str | None) -> None:
+    """Check the plane secret now (a weak one is a bad option: ValueError; an unreadable
+    file: OSError). From *secret_file*, it is put in ``HEADWATER_PLANE_SECRET``, which this
+    process's plane clients read, and a group's processes, forked from this one."""
+    load_secret(secret_file)
+    if secret_file:
+        with open(secret_file, encoding="utf-8") as f:
+            os.environ[SECRET_ENV] = f.read()
+
+
 def process_count(text: str) -> int:
     """An argparse ``type``: ``auto`` (one per usable CPU) or an integer of at least 1."""
     if text.strip().lower() == "auto":
@@ -616,7 +632,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = frontend_config_from_args(args)
         restart = restart_policy_from_args(args)
-        load_secret()  # the plane secret, checked now: a weak one is a bad option
+        load_plane_secret(args.plane_secret_file)
         # Before anything slow (the tokenizer, a group's fork, a model server's start).
         if config.listen_fd is None:
             check_port(config.host, config.port, "--host, --port")

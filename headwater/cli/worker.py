@@ -142,6 +142,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
     a(
+        "--metrics-host",
+        default=d.metrics_host,
+        help="address the metrics port binds (loopback by default; 0.0.0.0 for a "
+        "scraper on another host, e.g. Prometheus in a cluster)",
+    )
+    a(
         "--discovery",
         default="",
         help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
@@ -197,6 +203,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         secret=load_secret(args.plane_secret_file),
         tls=tls_config(args.plane_tls_certfile, args.plane_tls_keyfile, args.plane_tls_ca_file),
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         discovery=args.discovery,
         lease_ttl=args.lease_ttl,
         etcd=etcd_credentials_from_args(args),
