@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+
+from headwater.secret_env import SECRET_ENV_VARS
 
 from etcd_fixture import etcd_prefix, etcd_server, etcd_url, private_etcd
 from heap_fixture import frozen_heap
@@ -35,3 +40,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     stop_cluster()
+
+
+@pytest.fixture(autouse=True)
+def _secrets_stay_in_their_test() -> Iterator[None]:
+    """The secret variables each test started with are there when it ends: a test that
+    sets one (through code under test, beyond monkeypatch's reach) would otherwise have
+    every later test's plane clients demand a secret their workers do not have."""
+    before = {name: os.environ.get(name) for name in SECRET_ENV_VARS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

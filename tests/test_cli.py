@@ -165,7 +165,11 @@ def test_serve_takes_the_plane_secret_from_a_file(
     from headwater.cli.serve import load_plane_secret
     from headwater.wire.handshake import SECRET_ENV, load_secret
 
-    monkeypatch.delenv(SECRET_ENV, raising=False)
+    # Set, then deleted: monkeypatch records the variable as unset, so it unsets it again
+    # afterwards although load_plane_secret sets it behind monkeypatch's back (a bare
+    # delenv of an unset variable records nothing, and the secret leaked into later tests).
+    monkeypatch.setenv(SECRET_ENV, "")
+    monkeypatch.delenv(SECRET_ENV)
     secrets = tmp_path / "plane-secret"
     secrets.write_text("Zq8wLr3vNp6tYk2mXc9bHf4jDs7gWa5e\nPe4kTm8wQz3nRx6vLb9cJh2fYs5dGa7u\n")
     args = build_parser("serve").parse_args(["--plane-secret-file", str(secrets)])

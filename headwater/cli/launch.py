@@ -74,7 +74,7 @@ from headwater.cluster.launch import (
 )
 from headwater.cluster.recipes import DEFAULT_MODEL
 from workers.engines import registry
-from workers.engines.base import EngineConfig
+from workers.engines.config import EngineConfig
 
 #: serve options the launcher sets itself; refused after ``--``.
 OWNED_SERVE_OPTIONS = ("--host", "--port", "--model-name", "--workers", "--discovery")

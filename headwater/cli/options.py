@@ -23,7 +23,7 @@ from headwater.logs import configure_logging as configure_logging
 if TYPE_CHECKING:
     from headwater.cluster.supervisor import RestartPolicy
     from headwater.etcd.client import EtcdCredentials
-    from workers.engines.base import EngineConfig
+    from workers.engines.config import EngineConfig
 
 ENV_PREFIX = "HEADWATER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")

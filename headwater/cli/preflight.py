@@ -16,7 +16,7 @@ import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from workers.engines.base import EngineConfig
+    from workers.engines.config import EngineConfig
 
 __all__ = ["check_engine", "check_port"]
 

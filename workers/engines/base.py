@@ -23,7 +23,6 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 
@@ -33,30 +32,8 @@ from headwater.wire import Chunk, ErrorCode, GenerateRequest, Role
 from headwater.wire.capabilities import BASELINE, Capabilities
 from headwater.wire.kv_events import KvEventLog
 
-
-class EngineConfig:
-    """What every engine's config tells the processes around it (its own fields are its
-    options: :mod:`headwater.cli.options`). The defaults say nothing; an engine whose
-    model knows more (vLLM's) overrides them. A base of the engines' config dataclasses,
-    so the command line asks these of any engine alike, never probing for attributes."""
-
-    __slots__ = ()
-
-    def preflight(self) -> None:
-        """The engine's fast checks, run before anything slow starts (a model directory
-        that is there, a server address that answers); ValueError for a failed one."""
-
-    def frontend_defaults(self) -> dict[str, Any]:
-        """FrontendConfig fields the model behind this engine decides (its tokenizer,
-        context length, vocabulary size, KV block size; how many frontend processes
-        ``--processes auto`` means), for those the command line leaves unset."""
-        return {}
-
-    @property
-    def start_timeout(self) -> float:
-        """Seconds an engine of this config may take to come up (a model server's start),
-        beyond a process's own."""
-        return 0.0
+# Re-exported: the whole engine contract is importable from here.
+from workers.engines.config import EngineConfig as EngineConfig
 
 
 class EngineError(WorkerError):

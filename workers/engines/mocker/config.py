@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.engines.base import EngineConfig
+from workers.engines.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engines.base import EngineConfig
+from workers.engines.config import EngineConfig
 from workers.engines.scripted.script import load_script
 
 

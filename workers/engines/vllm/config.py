@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from workers.engines.base import EngineConfig
+from workers.engines.config import EngineConfig
 
 #: Why an engine without a vocabulary size is refused (here at start, and by the engine).
 NO_VOCABULARY = (
