@@ -42,9 +42,8 @@ from frontend.pipeline import ParserChoice, Pipeline
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.template import ChatTemplate
 from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_tokenizer_files
-from frontend.router import BusyThresholds, DispatchConfig, HealthConfig, Router, WorkerState
+from frontend.router import DispatchConfig, Router, WorkerState
 from frontend.router.health import Transition
-from frontend.router.kv_routing import KvConfig
 from frontend.warmup import warm_up
 from headwater.gc_tuning import tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
@@ -82,7 +81,7 @@ def parser_choice(config: FrontendConfig, template: ChatTemplate) -> ParserChoic
     return ParserChoice(
         tool_call_parser=config.tool_call_parser or own,
         reasoning_parser=config.reasoning_parser or own,
-        reasoning_field=config.reasoning_field,
+        reasoning_field=config.reasoning_field.value,  # a JSON key: a plain str
     )
 
 
@@ -129,21 +128,10 @@ class Frontend:
             self.metrics.model_migration_total.labels(kind)
         self.router = Router(
             config.router,
-            health=HealthConfig(
-                inhibit_after=config.inhibit_after,
-                probe_backoff=config.probe_backoff,
-                probe_backoff_max=config.probe_backoff_max,
-                recover_after=config.recover_after,
-            ),
-            busy=BusyThresholds(kv_usage=config.busy_kv_usage, waiting=config.busy_waiting),
+            health=config.health,
+            busy=config.busy,
             on_transition=self._count_transition,
-            kv=KvConfig(
-                block_size=config.kv_block_size,
-                prefill_load_scale=config.kv_prefill_load_scale,
-                temperature=config.kv_temperature,
-                events=config.kv_events == "on",
-                approx_ttl=config.kv_approx_ttl,
-            ),
+            kv=config.kv,
         )
         #: The primary model's pipeline (``--model-name``): the warm-up's, the
         #: dashboard's; the catalog holds it with every other served model's.

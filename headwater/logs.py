@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 import orjson
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True, slots=True)

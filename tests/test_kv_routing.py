@@ -190,7 +190,7 @@ class _Stub:
 
 
 async def test_router_kv_follows_the_prefix_and_decode_by_load() -> None:
-    router = Router("kv", rng=random.Random(3), kv=KvConfig(block_size=BS, events=False))
+    router = Router("kv", rng=random.Random(3), kv=KvConfig(block_size=BS, events="off"))
     for wid, role in (("a0", Role.AGG), ("a1", Role.AGG), ("d0", Role.DECODE), ("d1", Role.DECODE)):
         router.add(_Stub(wid, role))  # type: ignore[arg-type]
     t = tokens(64)

@@ -38,8 +38,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("headwater", "workers", "frontend")
 TOP = ("headwater.cli", "headwater.cluster", "headwater.testing", "headwater.__main__")
-#: What frontend may import from workers: the registry, the interface, the runtime.
-FRONTEND_MAY_USE = ("workers.engines.registry", "workers.engines.base", "workers.runtime")
+#: What frontend may import from workers: the registry, the interface (its config part
+#: included), the runtime.
+FRONTEND_MAY_USE = (
+    "workers.engines.registry",
+    "workers.engines.base",
+    "workers.engines.config",
+    "workers.runtime",
+)
 
 _MODULE_STRING = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+(:[A-Za-z_]\w*)?")
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import trio
 
+from frontend.router.kv_routing import KvConfig
 from headwater.wire import Role
 
 from frontend_fixture import serve_frontend
@@ -28,10 +29,7 @@ async def test_vllms_events_fill_the_routers_index(vllm_cluster: VllmCluster) ->
     worker = f"{agg.address}?role=agg&id={agg.worker_id}"
     body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0}
     async with (
-        serve_frontend(workers=worker, router="kv", kv_block_size=64) as (
-            fe,
-            url,
-        ),
+        serve_frontend(workers=worker, router="kv", kv=KvConfig(block_size=64)) as (fe, url),
         httpx.AsyncClient(base_url=url, timeout=120) as http,
     ):
         with trio.fail_after(60):

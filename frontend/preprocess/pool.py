@@ -24,7 +24,6 @@ encoder really finishes, so the pool never runs more encodes than it has threads
 
 from __future__ import annotations
 
-import enum
 import time
 from array import array
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from frontend.choices import TokenizeMode as TokenizeMode  # re-exported
 from frontend.preprocess.tokenizer import Backend, SegmentCacheStats, Tokenizer
 
 T = TypeVar("T")
@@ -45,12 +45,6 @@ INLINE_MAX_CHARS = {Backend.FASTOKENS: 8192, Backend.HF: 256}
 #: Longest id list decoded inline (``/detokenize``): about what the inline encode of
 #: :data:`INLINE_MAX_CHARS` characters produces.
 INLINE_DECODE_TOKENS = 2048
-
-
-class TokenizeMode(enum.StrEnum):
-    THREAD = "thread"
-    INLINE = "inline"
-    THREAD_GIL = "thread-gil"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import enum
 import json
 import logging
 import struct
@@ -33,6 +32,7 @@ from typing import Any
 
 import tokenizers
 
+from frontend.choices import Backend as Backend  # re-exported
 from headwater.wire.tokens import from_uint32_le, token_array
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 #: keeps no segment larger than 1/64 of the budget: 64 MiB caches segments up to ~1 MiB,
 #: a ~100k-token system prompt (a 40k-token one is ~0.4 MB of text and ids).
 SEGMENT_CACHE_BYTES = 64 * 1024 * 1024
-
-
-class Backend(enum.StrEnum):
-    FASTOKENS = "fastokens"
-    HF = "hf"
 
 
 class TokenizerLoadError(Exception):

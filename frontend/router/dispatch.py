@@ -334,7 +334,7 @@ class Dispatcher:
         if limit <= 0:
             return False
         uncached = len(request.token_ids)
-        if state.prompt is not None and self.router.kv.events:
+        if state.prompt is not None and self.router.kv.uses_events:
             decode = {
                 c.instance.worker_id
                 for c in self.router.clients()

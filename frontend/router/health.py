@@ -35,6 +35,8 @@ import enum
 import random
 from dataclasses import dataclass
 
+from headwater.config_fields import option, positive_float, positive_int
+
 
 class WorkerState(enum.StrEnum):
     HEALTHY = "healthy"
@@ -46,19 +48,29 @@ class WorkerState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class HealthConfig:
-    """When a worker is taken out of routing and how it comes back."""
+    """When a worker is taken out of routing and how it comes back. The fields with a
+    help are ``headwater serve`` options (headwater/config_fields.py)."""
 
-    #: Consecutive faults that inhibit a worker (``--inhibit-after``).
-    inhibit_after: int = 2
-    #: Seconds before the first probe of an inhibited worker; doubles each time a probe
-    #: fails (``--probe-backoff``).
-    probe_backoff: float = 1.0
-    #: Upper bound of that delay (``--probe-backoff-max``).
-    probe_backoff_max: float = 30.0
+    inhibit_after: int = option(
+        2,
+        type=positive_int,
+        help="consecutive faults (no ACK, a broken stream) that take a worker out of routing",
+    )
+    #: Doubles each time a probe fails.
+    probe_backoff: float = option(
+        1.0,
+        type=positive_float,
+        help="seconds before an inhibited worker is first probed; doubles each time a "
+        "probe goes unanswered",
+    )
+    probe_backoff_max: float = option(
+        30.0, type=positive_float, help="upper bound of the probe backoff (s)"
+    )
     #: Each delay is shortened by up to this fraction at random.
     probe_jitter: float = 0.2
-    #: Probes in a row that must be answered before the worker is healthy again.
-    recover_after: int = 2
+    recover_after: int = option(
+        2, type=positive_int, help="probes in a row a worker must answer to take requests again"
+    )
     #: Seconds between the probes of a worker that is being probed.
     probe_interval: float = 0.5
     #: Seconds a probe may take before it counts as unanswered.

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import trio
 
+from frontend.choices import KvEvents
 from frontend.router.kv_index import KvIndex, walk
+from headwater.config_fields import non_negative_float, option, positive_float, positive_int
 from headwater.plane.base import PlaneError, WorkerClient
 
 log = logging.getLogger(__name__)
@@ -32,28 +34,57 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class KvConfig:
-    """``--router kv``'s knobs; units next to each."""
+    """``--router kv``'s knobs; units next to each. The fields with a help are
+    ``headwater serve`` options (headwater/config_fields.py)."""
 
-    #: Tokens per block the router hashes (``--kv-block-size``): the engines' block size.
-    block_size: int = 64
-    #: Weight of the blocks still to prefill against the blocks in flight
-    #: (``--kv-prefill-load-scale``; Dynamo's ``--kv-overlap-score-weight``, 1.0).
-    prefill_load_scale: float = 1.0
-    #: 0 picks the lowest cost; above, softmax sampling over normalised costs
-    #: (``--kv-temperature``; Dynamo's ``--router-temperature``, 0).
-    temperature: float = 0.0
-    #: Read the workers' KV events (``--kv-events on``) or only remember where
-    #: prefixes were sent (``off``: approximate mode).
-    events: bool = True
-    #: Seconds approximate mode remembers a routed prefix (``--kv-approx-ttl``;
-    #: Dynamo's 120 s).
-    approx_ttl: float = 120.0
+    #: The engines' block size: the in-process engine's when unset (vLLM's --block-size).
+    block_size: int = option(
+        64,
+        flags=("--kv-block-size",),
+        type=positive_int,
+        from_model=True,
+        help="--router kv: tokens per block, the engines' block size (default: the "
+        "in-process engine's, else 64)",
+    )
+    #: Dynamo's ``--kv-overlap-score-weight``, 1.0.
+    prefill_load_scale: float = option(
+        1.0,
+        flags=("--kv-prefill-load-scale",),
+        type=non_negative_float,
+        help="--router kv: weight of uncached prefill blocks against blocks in flight",
+    )
+    #: Softmax over normalised costs above 0; Dynamo's ``--router-temperature``, 0.
+    temperature: float = option(
+        0.0,
+        flags=("--kv-temperature",),
+        type=non_negative_float,
+        help="--router kv: 0 picks the lowest cost; above, softmax sampling",
+    )
+    events: KvEvents = option(
+        KvEvents.ON,
+        flags=("--kv-events",),
+        help="--router kv: follow the workers' KV events, or (off) remember where "
+        "prefixes were sent",
+    )
+    #: Dynamo's 120 s.
+    approx_ttl: float = option(
+        120.0,
+        flags=("--kv-approx-ttl",),
+        type=positive_float,
+        help="--router kv: seconds approximate mode remembers a routed prefix",
+    )
     #: Seconds between polls of a worker whose last poll emptied its feed.
     poll_interval: float = 0.05
     #: Most events per poll.
     poll_limit: int = 512
 
+    @property
+    def uses_events(self) -> bool:
+        """Whether the index follows the workers' events (else approximate mode)."""
+        return self.events is KvEvents.ON
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "events", KvEvents(self.events))
         if self.block_size < 1 or self.poll_limit < 1:
             raise ValueError("block_size and poll_limit must be >= 1")
         if self.prefill_load_scale < 0 or self.temperature < 0 or self.approx_ttl <= 0:

@@ -26,7 +26,6 @@ and the dashboard.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import math
@@ -39,10 +38,12 @@ from dataclasses import dataclass
 import trio
 from trio_util import RepeatedEvent
 
+from frontend.choices import Policy as Policy  # re-exported: the router's own choice
 from frontend.errors import NoWorkers
 from frontend.router.health import Circuit, HealthConfig, Transition, WorkerState
 from frontend.router.kv_index import KvIndex
 from frontend.router.kv_routing import ApproxIndex, Candidate, KvConfig, KvSubscriber, choose
+from headwater.config_fields import option, positive_float, positive_int
 from headwater.plane.base import PlaneError, WorkerClient
 from headwater.wire import Role
 from headwater.wire.capabilities import Capabilities
@@ -51,14 +52,6 @@ log = logging.getLogger(__name__)
 
 #: Called with (worker id, transition) on every state change.
 TransitionHook = Callable[[str, Transition], None]
-
-
-class Policy(enum.StrEnum):
-    ROUND_ROBIN = "round-robin"
-    RANDOM = "random"
-    LEAST_LOADED = "least-loaded"
-    P2C = "p2c"
-    KV = "kv"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +78,22 @@ class KvStats:
 
 @dataclass(frozen=True, slots=True)
 class BusyThresholds:
-    """When a worker counts as busy: it is skipped while another can take the request."""
+    """When a worker counts as busy: it is skipped while another can take the request.
+    Both are ``headwater serve`` options (headwater/config_fields.py)."""
 
-    #: Share of its KV cache in use at or above which a worker is busy (``--busy-kv``).
-    kv_usage: float = 0.95
-    #: Requests waiting in its engine at or above which it is busy (``--busy-waiting``).
-    waiting: int = 64
+    kv_usage: float = option(
+        0.95,
+        flags=("--busy-kv-usage",),
+        type=positive_float,
+        help="a worker with this share of its KV cache in use is busy: skipped while "
+        "another can take the request",
+    )
+    waiting: int = option(
+        64,
+        flags=("--busy-waiting",),
+        type=positive_int,
+        help="a worker with this many requests waiting in its engine is busy",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,9 +284,9 @@ class Router:
             blocks = -(-prompt.num_tokens // self.kv.block_size)
             hashes = prompt.hashes
             approx = self.kv_approx.overlaps(hashes)
-            exact = self.kv_index.overlaps(hashes) if self.kv.events else {}
+            exact = self.kv_index.overlaps(hashes) if self.kv.uses_events else {}
             for wid in by_id:
-                use_approx = not self.kv.events or wid in self.kv_subscriber.without_events
+                use_approx = not self.kv.uses_events or wid in self.kv_subscriber.without_events
                 overlaps[wid] = (approx if use_approx else exact).get(wid, 0)
         chosen = choose(
             [Candidate(wid, overlaps.get(wid, 0), e.active_blocks) for wid, e in by_id.items()],
@@ -383,7 +386,7 @@ class Router:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Probe inhibited workers when their backoff is over, until cancelled."""
         async with trio.open_nursery() as nursery:
-            if self.policy is Policy.KV and self.kv.events:
+            if self.policy is Policy.KV and self.kv.uses_events:
                 await nursery.start(self.kv_subscriber.run)
             task_status.started()
             while True:
@@ -443,7 +446,7 @@ class Router:
     def _cache_view(self, worker_id: str) -> str:
         if self.policy is not Policy.KV:
             return ""
-        exact = self.kv.events and worker_id not in self.kv_subscriber.without_events
+        exact = self.kv.uses_events and worker_id not in self.kv_subscriber.without_events
         return "events" if exact else "approximate"
 
     def _cached_blocks(self, worker_id: str) -> int:

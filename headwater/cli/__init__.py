@@ -36,6 +36,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         prog=f"headwater {command}",
         description=(module.__doc__ or help_text).strip(),
         formatter_class=_HelpFormatter,
+        # The options are listed by group below; a usage line of all ~100 is unreadable.
+        usage=f"headwater {command} [options]"
+        + (" [-- SERVE OPTIONS]" if command == "launch" else ""),
     )
     module.add_arguments(parser)
     apply_env_defaults(parser)
@@ -44,7 +47,14 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Each option's default after its help, unless it has none to show: unset (None, an
+    empty value) or said in the help already ("default: the engine's ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, "", [], ()) or "default:" in text or "(default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

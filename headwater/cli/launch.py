@@ -58,6 +58,7 @@ from headwater.cli.options import (
     config_argv,
     config_from_args,
     configure_logging,
+    engine_config_from_args,
     engine_frontend_defaults,
     non_negative_int,
     restart_policy_from_args,
@@ -207,7 +208,7 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
             discovery = "etcd"
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
-    engine_config = config_from_args(registry.config_type(args.engine), args)
+    engine_config = engine_config_from_args(args)
     # Before anything starts (etcd, workers, a model server each): the frontend's port,
     # the engine's own checks.
     check_port("127.0.0.1", args.port, "--port")

@@ -1,9 +1,10 @@
 """Option helpers shared by the subcommands: value types, ``HEADWATER_*`` variables, and
-command-line options generated from a config dataclass (an engine's).
+command-line options generated from config dataclasses (the frontend's, an engine's).
 
-A config field becomes an option when its metadata has a ``help``: ``speedup_ratio:
-float = field(default=1.0, metadata={"help": "..."})`` is ``--speedup-ratio``, typed
-by its default, defaulting to it. :func:`add_config_options` declares them,
+A config field becomes an option when its metadata has a ``help``
+(:mod:`headwater.config_fields`): ``speedup_ratio: float = field(default=1.0,
+metadata={"help": "..."})`` is ``--speedup-ratio``, typed by its default, defaulting to
+it. :func:`add_config_options` declares them,
 :func:`config_from_args` reads them back, :func:`config_argv` writes the ones that
 differ from their defaults as a command line (a supervisor passing them to a child).
 """
@@ -12,12 +13,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from headwater.config_fields import (
+    CHOICES,
+    FROM_MODEL,
+    GROUP,
+    HELP,
+    HIDDEN,
+    METAVAR,
+    REPEAT,
+    SUB,
+    TYPE,
+    dest_of,
+    flags_of,
+    option_fields,
+    sub_config_fields,
+)
+
+# Re-exported: the value types of options, for the subcommands' own.
+from headwater.config_fields import non_negative_float as non_negative_float
+from headwater.config_fields import non_negative_int as non_negative_int
+from headwater.config_fields import positive_float as positive_float
+from headwater.config_fields import positive_int as positive_int
 
 # Re-exported: the subcommands take their logging from here.
 from headwater.logs import LOG_FORMATS as LOG_FORMATS
+from headwater.logs import LOG_LEVELS as LOG_LEVELS
 from headwater.logs import configure_logging as configure_logging
 
 if TYPE_CHECKING:
@@ -26,31 +50,6 @@ if TYPE_CHECKING:
     from workers.engines.config import EngineConfig
 
 ENV_PREFIX = "HEADWATER_"
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse ``type``: an integer of at least 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a number above 0."""
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def env_name(option: str) -> str:
@@ -74,7 +73,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
         raw = os.environ.get(var)
         if raw is None:
             continue
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, argparse.BooleanOptionalAction | argparse._StoreTrueAction):
             action.default = raw.strip().lower() in ("1", "true", "yes", "on")
         elif isinstance(action, argparse._StoreFalseAction):
             action.default = raw.strip().lower() not in ("1", "true", "yes", "on")
@@ -88,73 +87,143 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
                 parser.error(f"{var}={raw!r}: choose from {', '.join(map(str, action.choices))}")
 
 
-# ---- options from a config dataclass ----------------------------------------------------
-
-
-def option_fields(config_type: type[Any]) -> Iterator[dataclasses.Field[Any]]:
-    """The fields of *config_type* that are command-line options (they have a help)."""
-    for f in dataclasses.fields(config_type):
-        if f.metadata.get("help"):
-            yield f
-
-
-def _option(f: dataclasses.Field[Any]) -> str:
-    return "--" + f.name.replace("_", "-")
+# ---- options from a config dataclass (headwater/config_fields.py) -----------------------
 
 
 def add_config_options(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_type: type[Any]
 ) -> None:
-    """Declare an option per option field of *config_type*; skip names already declared
-    (two engines with a ``--max-num-seqs`` share the one option)."""
-    defaults = config_type()
+    """Declare an option per option field of *config_type*, and of each config it holds
+    (:func:`~headwater.config_fields.sub_config`), each in the ``--help`` group its
+    field names (given a parser; a group given keeps them all). Names already declared
+    are skipped: two engines with a ``--max-num-seqs`` share the one option."""
     taken = {s for a in parser._actions for s in a.option_strings}
     for f in option_fields(config_type):
-        if _option(f) in taken:
+        flags = flags_of(f)
+        if flags[0] in taken:
             continue
-        default = getattr(defaults, f.name)
+        meta = f.metadata
+        target = parser
+        if isinstance(parser, argparse.ArgumentParser) and meta.get(GROUP):
+            target = argument_group(parser, meta[GROUP])
+        default = _field_default(f)
+        kwargs: dict[str, Any] = {
+            "dest": dest_of(f),
+            "help": argparse.SUPPRESS if meta.get(HIDDEN) else meta[HELP],
+        }
+        if meta.get(METAVAR):
+            kwargs["metavar"] = meta[METAVAR]
         if isinstance(default, bool):
-            parser.add_argument(
-                _option(f),
-                dest=f.name,
-                default=default,
-                action=argparse.BooleanOptionalAction,
-                help=f.metadata["help"],
+            target.add_argument(
+                *flags, default=default, action=argparse.BooleanOptionalAction, **kwargs
             )
+            continue
+        if isinstance(default, enum.Enum):
+            kwargs["choices"] = [m.value for m in type(default)]
+            conv: Any = str
         else:
-            parser.add_argument(
-                _option(f),
-                dest=f.name,
-                type=type(default),
-                default=default,
-                help=f.metadata["help"],
-            )
+            conv = meta.get(TYPE) or (str if default is None or meta.get(REPEAT) else type(default))
+            if meta.get(CHOICES):
+                kwargs["choices"] = list(meta[CHOICES])
+        if meta.get(REPEAT):
+            target.add_argument(*flags, type=conv, action="append", default=None, **kwargs)
+        else:
+            unset = meta.get(FROM_MODEL) or isinstance(default, tuple)
+            target.add_argument(*flags, type=conv, default=None if unset else default, **kwargs)
+    for f in sub_config_fields(config_type):
+        group = parser
+        if isinstance(parser, argparse.ArgumentParser):
+            group = argument_group(parser, f.metadata[GROUP])
+        add_config_options(group, f.metadata[SUB])
 
 
-def config_from_args(config_type: type[Any], args: argparse.Namespace) -> Any:
-    """A *config_type* from the options parsed into *args* (others keep their defaults).
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"option {f.name} has no default")
 
-    Raises ValueError when the config rejects a value.
+
+def argument_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """*parser*'s group titled *title*, made if it has none yet."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def config_from_args(
+    config_type: type[Any],
+    args: argparse.Namespace,
+    model_defaults: dict[str, Any] | None = None,
+    **fixed: Any,
+) -> Any:
+    """A *config_type* from the options parsed into *args*, others at their defaults,
+    the configs it holds (:func:`~headwater.config_fields.sub_config`) likewise.
+
+    *model_defaults*: what the engine's model decides, by option (``kv_block_size``),
+    for the ``from_model`` options left unset; *fixed*: fields that are not options.
+    Raises ValueError when a config rejects a value.
     """
-    given = {
-        f.name: getattr(args, f.name) for f in option_fields(config_type) if hasattr(args, f.name)
-    }
-    return config_type(**given)
+    model_defaults = model_defaults or {}
+    given: dict[str, Any] = {}
+    for f in option_fields(config_type):
+        value = getattr(args, dest_of(f), None)
+        if value is None and f.metadata.get(FROM_MODEL):
+            value = model_defaults.get(dest_of(f))
+        if value is not None:
+            given[f.name] = tuple(value) if isinstance(value, list) else value
+    for f in sub_config_fields(config_type):
+        if f.name not in fixed:
+            given[f.name] = config_from_args(f.metadata[SUB], args, model_defaults)
+    return config_type(**{**given, **fixed})
 
 
 def config_argv(config: Any) -> list[str]:
     """The options that give *config* from its type's defaults, as a command line."""
-    defaults = type(config)()
     argv: list[str] = []
     for f in option_fields(type(config)):
         value = getattr(config, f.name)
-        if value == getattr(defaults, f.name):
+        if value == _field_default(f):
             continue
+        flag = flags_of(f)[0]
         if isinstance(value, bool):
-            argv.append(_option(f) if value else "--no-" + _option(f)[2:])
-        else:
-            argv += [_option(f), f"{value:g}" if isinstance(value, float) else str(value)]
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            for item in value:
+                argv += [flag, str(item)]
+        elif value is not None:
+            argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return argv
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The chosen engine's (``--engine``) config from its options. An option given on the
+    command line that only other engines have is refused (ValueError): ``--model`` with
+    the mocker would otherwise be ignored without a word. Variables are not checked: a
+    deployment's environment may carry every engine's."""
+    from workers.engines import registry
+
+    owners: dict[str, list[str]] = {}
+    for name in registry.names():
+        for f in option_fields(registry.config_type(name)):
+            for flag in flags_of(f):
+                owners.setdefault(flag, []).append(name)
+                owners.setdefault("--no-" + flag[2:], []).append(name)
+    argv = list(getattr(args, "argv", ()))
+    if "--" in argv:  # launch: what follows is the frontend's
+        argv = argv[: argv.index("--")]
+    for word in argv:
+        flag = word.split("=", 1)[0]
+        engines = owners.get(flag)
+        if engines and args.engine not in engines:
+            raise ValueError(
+                f"{flag} is an option of the {' and '.join(engines)} engine, not of "
+                f"{args.engine} (--engine {args.engine})"
+            )
+    config: EngineConfig = config_from_args(registry.config_type(args.engine), args)
+    return config
 
 
 def engine_frontend_defaults(engine_config: EngineConfig) -> dict[str, Any]:

@@ -33,8 +33,8 @@ from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
     add_etcd_options,
-    config_from_args,
     configure_logging,
+    engine_config_from_args,
     etcd_credentials_from_args,
     non_negative_int,
     positive_float,
@@ -189,7 +189,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         role=Role(args.role),
         engine=args.engine,
-        engine_config=config_from_args(registry.config_type(args.engine), args),
+        engine_config=engine_config_from_args(args),
         listen=args.listen,
         advertise_host=args.advertise_host,
         model_name=args.model_name,
