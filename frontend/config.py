@@ -22,6 +22,7 @@ from frontend.router.health import HealthConfig
 from frontend.router.kv_routing import KvConfig
 from frontend.router.router import BusyThresholds
 from headwater.config_fields import (
+    DRAIN_TIMEOUT,
     non_negative_float,
     non_negative_int,
     option,
@@ -114,7 +115,7 @@ class FrontendConfig:
     # On SIGTERM or SIGINT the listener stays open while draining: a load balancer sees
     # the 503s, not refused connections. 30 s, as a worker's drain.
     drain_timeout: float = option(
-        30.0,
+        DRAIN_TIMEOUT,
         group=HTTP,
         type=non_negative_float,
         help="on SIGTERM or SIGINT, seconds in-flight requests get to finish while /health "

@@ -19,6 +19,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+#: Seconds a process drains on SIGTERM, one default for all (a frontend, a worker, a
+#: launched cluster's): in-flight requests finish while new ones go elsewhere. 30 s, as
+#: Kubernetes' default grace period; docs/fault-tolerance.md.
+DRAIN_TIMEOUT = 30.0
+
 #: The metadata keys an option's field may carry.
 HELP = "help"  # what it does (required: a field without help is not an option)
 GROUP = "group"  # the --help section it is listed under

@@ -184,3 +184,30 @@ def test_a_refused_option_is_one_line_and_exit_2() -> None:
         "headwater serve: --vllm-url is an option of the vllm engine, not of mocker "
         "(--engine mocker)"
     ]
+
+
+def test_one_name_and_one_default_per_meaning() -> None:
+    """The pairs that confused: a vocabulary size under two names, a vLLM's restarts
+    beside a supervisor's restart budget, a drain of 10 s in launch and 30 s in serve."""
+    from headwater.cluster.launch import ClusterPlan
+    from workers.lifecycle import WorkerConfig
+
+    serve, worker, launch = (build_parser(c) for c in ("serve", "worker", "launch"))
+    everywhere = [{s for a in p._actions for s in a.option_strings} for p in (serve, worker)]
+    for flags in everywhere:
+        assert "--model-vocab-size" in flags
+        assert "--vocab-size" not in flags
+        assert "--restart-limit" not in flags
+    # serve --model-vocab-size reaches an in-process vLLM's config too.
+    args = serve.parse_args(["--engine", "vllm", "--model-vocab-size", "1000"])
+    config = frontend_config_from_args(args)
+    assert config.model_vocab_size == config.engine_config.vocab_size == 1000
+    # One drain for every process.
+    drains = {
+        serve.get_default("drain_timeout"),
+        worker.get_default("drain_timeout"),
+        launch.get_default("drain_timeout"),
+        WorkerConfig.__dataclass_fields__["drain_timeout"].default,
+        ClusterPlan.__dataclass_fields__["drain_timeout"].default,
+    }
+    assert drains == {30.0}

@@ -92,6 +92,13 @@ def test_an_unreachable_vllm_url(command: str, refusing_url: str) -> None:
     # Without the check, the worker waits vllm_start_timeout (300 s) for it.
     where = ["--role", "agg"] if command == "worker" else ["--port", "0", "--mode", "agg"]
     status, lines = run(
-        command, "--engine", "vllm", "--vllm-url", refusing_url, "--vocab-size", "1000", *where
+        command,
+        "--engine",
+        "vllm",
+        "--vllm-url",
+        refusing_url,
+        "--model-vocab-size",
+        "1000",
+        *where,
     )
     assert_one_line(command, status, lines, f"--vllm-url {refusing_url}", "cannot connect")

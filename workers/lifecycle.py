@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from headwater.config_fields import DRAIN_TIMEOUT
 from headwater.etcd.client import EtcdCredentials, etcd_endpoints
 from headwater.plane.connection import PlaneConfig
 from headwater.plane.kv import KvPeers, KvSource, TcpKvTransfer, open_kv_transfer
@@ -79,7 +80,7 @@ class WorkerConfig:
     #: Unique per process; generated as ``<role>-<8 hex>`` when empty.
     worker_id: str = ""
     #: Seconds in-flight requests get to finish after SIGTERM.
-    drain_timeout: float = 30.0
+    drain_timeout: float = DRAIN_TIMEOUT
     secret: bytes | None = field(default=None, repr=False)
     #: Mutual TLS on both of this worker's sides of the plane: its listener, and (decode,
     #: agg) its KV pulls from prefill workers; it replaces ``plane.tls``. Its certificate

@@ -74,6 +74,7 @@ from headwater.cluster.launch import (
     run_cluster,
 )
 from headwater.cluster.recipes import DEFAULT_MODEL
+from headwater.config_fields import DRAIN_TIMEOUT
 from workers.engines import registry
 from workers.engines.config import EngineConfig
 
@@ -129,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--drain-timeout",
         type=float,
-        default=10.0,
+        default=DRAIN_TIMEOUT,  # serve's and worker's too
         help="seconds the frontend and each worker get to finish their requests at shutdown",
     )
     a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')

@@ -198,11 +198,22 @@ def config_argv(config: Any) -> list[str]:
     return argv
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def declared_flags(config_type: type[Any]) -> set[str]:
+    """Every option string of *config_type*'s options and its sub-configs'."""
+    flags = {flag for f in option_fields(config_type) for flag in flags_of(f)}
+    for f in sub_config_fields(config_type):
+        flags |= declared_flags(f.metadata[SUB])
+    return flags
+
+
+def engine_config_from_args(
+    args: argparse.Namespace, shared: set[str] | frozenset[str] = frozenset()
+) -> EngineConfig:
     """The chosen engine's (``--engine``) config from its options. An option given on the
     command line that only other engines have is refused (ValueError): ``--model`` with
-    the mocker would otherwise be ignored without a word. Variables are not checked: a
-    deployment's environment may carry every engine's."""
+    the mocker would otherwise be ignored without a word. *shared*: the command's own
+    options, which an engine may share (``serve --model-vocab-size``). Variables are not
+    checked: a deployment's environment may carry every engine's."""
     from workers.engines import registry
 
     owners: dict[str, list[str]] = {}
@@ -217,7 +228,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     for word in argv:
         flag = word.split("=", 1)[0]
         engines = owners.get(flag)
-        if engines and args.engine not in engines:
+        if engines and args.engine not in engines and flag not in shared:
             raise ValueError(
                 f"{flag} is an option of the {' and '.join(engines)} engine, not of "
                 f"{args.engine} (--engine {args.engine})"

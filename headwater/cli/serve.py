@@ -29,6 +29,7 @@ from headwater.cli.options import (
     argument_group,
     config_from_args,
     configure_logging,
+    declared_flags,
     engine_config_from_args,
     engine_frontend_defaults,
     etcd_credentials_from_args,
@@ -97,7 +98,7 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     With in-process workers, what the engine knows of its model (its directory's
     tokenizer, its vocabulary size and context length) fills the options not given.
     """
-    engine_config = engine_config_from_args(args)
+    engine_config = engine_config_from_args(args, shared=declared_flags(FrontendConfig))
     api_keys = load_api_keys(args.api_key or (), env=os.environ.get(API_KEYS_ENV))
     if args.api_keys_file is not None:  # read now too: a bad file is a bad option
         load_api_keys(file=args.api_keys_file)

@@ -55,6 +55,7 @@ from headwater.cluster.recipes import (
     wait_healthy,
 )
 from headwater.cluster.supervisor import RestartPolicy, Starter, Supervised
+from headwater.config_fields import DRAIN_TIMEOUT
 from headwater.ports import free_port
 from headwater.wire.handshake import SECRET_ENV, generate_secret
 
@@ -98,7 +99,7 @@ class ClusterPlan:
     port: int = 8000
     model: str = DEFAULT_MODEL
     lease_ttl: int = 10  # s
-    drain_timeout: float = 10.0  # s each worker, and the frontend, get to finish at shutdown
+    drain_timeout: float = DRAIN_TIMEOUT  # s each worker, and the frontend, get to finish
     worker_args: tuple[str, ...] = ()
     #: Each worker serves its own ``/metrics`` on a free loopback port (kept across
     #: restarts), listed when the cluster is up.

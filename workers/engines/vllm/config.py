@@ -21,7 +21,7 @@ from workers.engines.config import EngineConfig
 #: Why an engine without a vocabulary size is refused (here at start, and by the engine).
 NO_VOCABULARY = (
     "the vllm engine needs the model's vocabulary size to refuse token ids vLLM would "
-    "crash on: --model with a local model directory (its config.json), or --vocab-size"
+    "crash on: --model with a local model directory (its config.json), or --model-vocab-size"
 )
 #: Seconds the start-up check gives an attached server's address to accept a connection.
 PROBE_TIMEOUT = 3.0
@@ -82,8 +82,8 @@ class VllmConfig(EngineConfig):
         default=0.5, metadata={"help": "seconds between polls of vLLM's /metrics"}
     )
     #: Times a started server that died is started again; after that the worker fails.
-    restart_limit: int = field(
-        default=3, metadata={"help": "restarts of a dead vLLM before the worker exits"}
+    vllm_restarts: int = field(
+        default=3, metadata={"help": "times a dead vLLM is started again before the worker exits"}
     )
     #: A decode leg's first token must come within this (seconds, the KV transfer
     #: included), else it fails as kv_transfer_failed and the frontend prefills again.
@@ -97,8 +97,14 @@ class VllmConfig(EngineConfig):
         default=30, metadata={"help": "seconds a prefill vLLM holds KV nobody pulled"}
     )
     #: Token ids must stay below this; 0: the model's (its config.json).
+    #: One name with the frontend's option of the same meaning: ``serve
+    #: --model-vocab-size`` sets both.
     vocab_size: int = field(
-        default=0, metadata={"help": "model vocabulary size (0: from config.json)"}
+        default=0,
+        metadata={
+            "help": "the model's vocabulary size (0: from its config.json)",
+            "flags": ("--model-vocab-size",),
+        },
     )
     #: ``--block-size`` of a started server: the tokens of one KV block, which its KV
     #: events report and the frontend's ``--kv-block-size`` must match (the launcher and
@@ -133,8 +139,8 @@ class VllmConfig(EngineConfig):
         for name in ("vllm_start_timeout", "metrics_interval", "kv_pull_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.restart_limit < 0 or self.vocab_size < 0:
-            raise ValueError("restart_limit and vocab_size must be >= 0")
+        if self.vllm_restarts < 0 or self.vocab_size < 0:
+            raise ValueError("vllm_restarts and model_vocab_size must be >= 0")
         shlex.split(self.vllm_args)  # ValueError for an unbalanced quote
         shlex.split(self.vllm_command)
 

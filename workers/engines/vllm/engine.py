@@ -30,7 +30,7 @@ another worker takes the request, or it migrates with what it generated). Closin
 generator closes the HTTP stream, and vLLM aborts the request at once.
 
 A started vLLM that dies fails every request in flight, is started again up to
-``restart_limit`` times (the worker refuses requests meanwhile), then
+``vllm_restarts`` times (the worker refuses requests meanwhile), then
 :meth:`~VllmEngine.run` raises :class:`~workers.engines.base.EngineFailed` and the
 worker exits.
 """
@@ -193,7 +193,7 @@ class VllmEngine(Engine):
         """Start (or attach to) vLLM, report readiness once it is healthy, then keep it
         so until cancelled: poll its metrics, restart it when it dies. Stops a started
         server on the way out. Raises EngineFailed when vLLM cannot be started, or died
-        more than ``restart_limit`` times."""
+        more than ``vllm_restarts`` times."""
         if self._started:
             raise RuntimeError("VllmEngine.run() may only be called once")
         self._started = True
@@ -472,7 +472,7 @@ class VllmEngine(Engine):
             self.max_model_len = model["max_model_len"]
 
     async def _supervise(self, http: httpx.AsyncClient) -> None:
-        """Restart a started server that died, up to ``restart_limit`` times (a start
+        """Restart a started server that died, up to ``vllm_restarts`` times (a start
         that fails counts as one); an attached one is watched by the metrics poller."""
         restarts = 0
         while True:
@@ -481,17 +481,17 @@ class VllmEngine(Engine):
             self._set_down(f"vLLM exited with status {status}")
             await self.server.stop()  # what is left of its process group
             while True:
-                if restarts >= self.config.restart_limit:
+                if restarts >= self.config.vllm_restarts:
                     raise EngineFailed(
                         f"{self.worker_id}: vLLM died and {restarts} restarts failed or "
-                        f"died too (--restart-limit {self.config.restart_limit})"
+                        f"died too (--vllm-restarts {self.config.vllm_restarts})"
                     )
                 restarts += 1
                 log.warning(
                     "%s: restarting vLLM (%d of %d)",
                     self.worker_id,
                     restarts,
-                    self.config.restart_limit,
+                    self.config.vllm_restarts,
                 )
                 if self._kv is not None:
                     self._kv.restarted()  # an empty cache, its event numbers from 0
