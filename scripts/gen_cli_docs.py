@@ -37,9 +37,12 @@ HEAD = """# Command-line reference
 
 Every option of `headwater serve`, `headwater worker` and `headwater launch`, as `--help`
 groups them. Each option but the repeatable ones is also an environment variable (the
-column *variable*); a flag given on the command line wins over the variable. Generated from the
-parsers by `python -m scripts.gen_cli_docs`; `tests/test_cli_docs.py` fails when this page
-and the code differ.
+column *variable*); a flag given on the command line wins over the variable. A pair
+`--x` / `--no-x` has one variable, `HEADWATER_X`, true (1, true, yes, on) or false. An option
+of another engine than `--engine`'s is refused, not ignored. Generated from the parsers by
+`python -m scripts.gen_cli_docs`; `tests/test_cli_docs.py` fails when this page and the code
+differ. Each option is declared once, as a config field (docs/architecture.md, "Adding an
+option").
 """
 
 

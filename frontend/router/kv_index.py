@@ -96,11 +96,6 @@ class KvIndex:
 
     # -- feeding --------------------------------------------------------------------
 
-    def needs_dump(self, worker_id: str) -> bool:
-        """No dump of *worker_id* applied yet (a new worker, or after a gap)."""
-        w = self._workers.get(worker_id)
-        return w is None or w.next_seq is None
-
     def next_seq(self, worker_id: str) -> int:
         """The event number to read *worker_id* from; -1 (a dump) when it needs one."""
         w = self._workers.get(worker_id)

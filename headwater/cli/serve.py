@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from frontend.catalog import ModelSpec, parse_model_spec
 from frontend.config import HTTP, PROCESSES, ROUTING, FrontendConfig
 from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from headwater.cli.options import (
@@ -130,13 +129,6 @@ def frontend_config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if (plane_tls := config.plane_tls) is not None:
         plane_tls.client_context()
     return config
-
-
-def _served_model(text: str) -> ModelSpec:
-    try:
-        return parse_model_spec(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -116,11 +116,6 @@ class GroupMetrics:
                 gauges[name] = dict(samples)
         current.gauges = gauges
 
-    def forget(self, slot: int) -> None:
-        """*slot* is gone for good: its last counts stay in the totals."""
-        if (current := self._slots.pop(slot, None)) is not None:
-            self._retire(current)
-
     def answered(self) -> int:
         """Processes that answered their latest scrape."""
         return sum(1 for s in self._slots.values() if s.gauges is not None)

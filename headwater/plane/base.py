@@ -265,10 +265,3 @@ class RequestHandler(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
     def release_kv(self, transfer_id: str) -> None: ...
-
-
-class KvEventSource(Protocol):
-    """A :class:`RequestHandler` whose engine may publish KV events (the worker runtime):
-    ``kv_events`` answers a poll, never blocking; None when the engine has none."""
-
-    def kv_events(self, since: int, limit: int) -> KvEventBatch | None: ...
