@@ -8,7 +8,9 @@ watching the worker's event loop, plus the worker's load read from
 :class:`MetricsSource`; a :class:`~workers.lifecycle.RunningWorker` is one).
 ``GET /debug/stalls`` lists the stall records as JSON, like the frontend's, and
 ``GET /debug/runtime`` what the process holds now (trio tasks by name, open file
-descriptors, threads, RSS: :mod:`headwater.instrumentation.runtime`), as the frontend's.
+descriptors, threads, RSS: :mod:`headwater.instrumentation.runtime`), as the frontend's;
+``GET /debug/heap`` Python allocations by site and since a mark, with ``PYTHONTRACEMALLOC``
+(:mod:`headwater.instrumentation.heap`).
 
 Why a hand-written responder: a worker process carries no web framework, and this
 endpoint answers one kind of request from one kind of client. One request per
@@ -33,6 +35,7 @@ from prometheus_client.registry import Collector
 
 from headwater.instrumentation import WORKER_PREFIX, LoopMonitor
 from headwater.instrumentation.exposition import TextExposition
+from headwater.instrumentation.heap import heap_report
 from headwater.instrumentation.plain_http import answer_one
 from headwater.instrumentation.runtime import runtime_snapshot
 from headwater.tracing import TraceCollector, process_trace_statistics
@@ -192,7 +195,7 @@ async def _respond(
         return "400 Bad Request", "text/plain", b"bad request\n"
     method, target, _ = parts
     path = target.split("?", 1)[0]
-    if path not in ("/metrics", "/debug/stalls", "/debug/runtime"):
+    if path not in ("/metrics", "/debug/stalls", "/debug/runtime", "/debug/heap"):
         return "404 Not Found", "text/plain", b"not found: try /metrics\n"
     if method not in ("GET", "HEAD"):
         return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
@@ -201,5 +204,9 @@ async def _respond(
         return "200 OK", PROMETHEUS_TEXT, exposition.render(query.get("name[]"))
     if path == "/debug/runtime":
         return "200 OK", "application/json", orjson.dumps(runtime_snapshot().to_dict())
+    if path == "/debug/heap":  # opt-in: PYTHONTRACEMALLOC (headwater/instrumentation/heap.py)
+        query = parse_qs(target.partition("?")[2], keep_blank_values=True)
+        report = heap_report(mark="mark" in query, trim="trim" in query)
+        return "200 OK", "application/json", orjson.dumps(report)
     records = [r.to_dict() for r in monitor.records()]
     return "200 OK", "application/json", orjson.dumps(records)

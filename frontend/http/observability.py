@@ -7,6 +7,9 @@ Read-only views of the frontend's live state:
 * ``GET /debug/workers``: every known worker, its state, load and last error.
 * ``GET /debug/runtime``: what the process holds now: trio tasks (by name), open file
   descriptors, threads, RSS (:mod:`headwater.instrumentation.runtime`), for leak hunts.
+* ``GET /debug/heap``: Python allocations by the line that made them, and what grew since
+  ``?mark``, when the process was started with ``PYTHONTRACEMALLOC``
+  (:mod:`headwater.instrumentation.heap`).
 * ``GET /dashboard``: a self-contained page (:mod:`frontend.http.dashboard`) that polls
   ``GET /dashboard/data``, a JSON snapshot of all of the above and of this process's
   memory (RSS, PSS, USS).
@@ -38,6 +41,7 @@ from frontend.http.dashboard import ASSETS, LoadHistory, load_asset, snapshot
 from frontend.http.errors import ApiError, bad_request
 from frontend.http.group import GroupRelay, GroupViewUnavailable
 from frontend.http.observed import Observed
+from headwater.instrumentation.heap import heap_report
 from headwater.instrumentation.runtime import runtime_snapshot
 from headwater.procmem import read_memory
 
@@ -120,6 +124,14 @@ def add_observability_routes(
     async def runtime() -> Response:
         body = orjson.dumps(runtime_snapshot().to_dict())
         return Response(body, content_type=JSON, headers={"Cache-Control": "no-store"})
+
+    @app.get("/debug/heap")
+    async def heap() -> Response:
+        # Opt-in (PYTHONTRACEMALLOC): headwater/instrumentation/heap.py says why.
+        report = heap_report(mark="mark" in request.args, trim="trim" in request.args)
+        return Response(
+            orjson.dumps(report), content_type=JSON, headers={"Cache-Control": "no-store"}
+        )
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
