@@ -110,6 +110,15 @@ def parser() -> argparse.ArgumentParser:
         help="largest allowed rise of idle RSS after the warm-up (0.1: 10%%)",
     )
     a(
+        "--heap",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="run every process under tracemalloc with this many frames per traceback, "
+        "and record what each process's Python heap gained between the idle points "
+        "(/debug/heap; slows every process about 2x: a leak hunt, not a verdict run)",
+    )
+    a(
         "--engine-args",
         default="",
         help='engine options for the target\'s workers, one string: "--speedup-ratio 10" '
@@ -165,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             storm_every_s=args.storm_every,
             deadline_s=args.deadline,
             engine_args=tuple(shlex.split(args.engine_args)),
+            heap_frames=args.heap,
             rss_growth=args.rss_growth,
         )
         mix_settings = mixes.MixSettings(

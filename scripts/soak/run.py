@@ -84,6 +84,9 @@ class Settings:
     #: Engine options for the target's workers (``--speedup-ratio 10``); none: defaults.
     engine_args: tuple[str, ...] = ()
     rss_growth: float = 0.10
+    #: Frames per traceback of tracemalloc in every process (0: off); with it, each
+    #: process's ``/debug/heap`` is marked at the first idle point and read at the last.
+    heap_frames: int = 0
 
     @property
     def warmup(self) -> float:
@@ -125,7 +128,9 @@ async def soak(
     tdir = out_dir / name
     await trio.Path(tdir).mkdir(parents=True, exist_ok=True)
     async with trio.open_nursery() as nursery:
-        target = await start_target(name, nursery, tdir, settings.engine_args)
+        env = {"PYTHONTRACEMALLOC": str(settings.heap_frames)} if settings.heap_frames else {}
+        target = await start_target(name, nursery, tdir, settings.engine_args, env)
+        heaps: dict[str, Any] = {}
         say(
             f"{name}: up at {target.url}: "
             + ", ".join(f"{p.name} (pid {p.pid})" for p in target.processes)
@@ -178,9 +183,13 @@ async def soak(
                 enter(f"idle_{suffix}")
                 # That many ticks of the sampler, or one more.
                 await trio.sleep(settings.idle_reads * settings.interval_s + 0.5)
+                if settings.heap_frames:  # after the idle reads: a snapshot stalls a loop
+                    heaps[suffix] = await heap_reports(target.processes, mark=suffix == "start")
             enter("stop")
             sampling.cancel_scope.cancel()
         end = await end_state(target)
+        if heaps:
+            end["heap"] = heaps
         say(f"{name}: end state {end}; stopping (SIGTERM)")
         end["exit_status"] = await target.child.stop(grace=STOP_GRACE_S)
         phases[-1].end_s = trio.current_time() - t0
@@ -226,6 +235,17 @@ def _gauge(text: str, name: str) -> float | None:
             if sample.name == name:
                 return float(sample.value)
     return None
+
+
+async def heap_reports(processes: Sequence[Watched], *, mark: bool) -> dict[str, Any]:
+    """Each process's ``/debug/heap`` (headwater/instrumentation/heap.py): a mark, or
+    what grew since it, with what ``malloc_trim`` gives back."""
+    reports: dict[str, Any] = {}
+    for p in processes:
+        if p.runtime_port is not None:
+            path = "/debug/heap?mark" if mark else "/debug/heap?trim"
+            reports[p.name] = orjson.loads(await get(HOST, p.runtime_port, path))
+    return reports
 
 
 async def end_state(target: Target) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -73,20 +73,35 @@ def _port(url: str) -> int:
 
 
 async def start_serve(
-    nursery: trio.Nursery, out_dir: Path, extra_args: Sequence[str] = ()
+    nursery: trio.Nursery,
+    out_dir: Path,
+    extra_args: Sequence[str] = (),
+    env_extra: Mapping[str, str] | None = None,
 ) -> Target:
-    """``python -m headwater serve --port 0`` with its log in *out_dir*; ready once
-    ``/health`` is 200."""
-    env = child_env({"PYTHONPATH": str(ROOT)})
+    """``python -m headwater serve --port 0`` as ``make serve`` runs it (its default
+    group: one process per usable CPU under a supervisor) with its log in *out_dir*;
+    ready once ``/health`` is 200. Each process of the group is watched on its own."""
+    env = child_env({"PYTHONPATH": str(ROOT), **(env_extra or {})})
     frontend = await start_frontend(
         nursery,
         log_dir=out_dir,
         name="serve",
         extra_args=["--log-level", "info", *extra_args],
         env=env,
+        processes=None,  # serve's default: the group
     )
     await wait_healthy(frontend.address, child=frontend)
-    watched = [Watched("frontend", frontend.pid, "frontend", runtime_port=frontend.port)]
+    watched = [
+        Watched(
+            "frontend" if len(frontend.members) == 1 else f"frontend-{m.index}",
+            m.pid,
+            "frontend",
+            runtime_port=_port(m.url),
+        )
+        for m in frontend.members
+    ]
+    if frontend.members[0].pid != frontend.pid:  # a group: its supervisor too
+        watched.insert(0, Watched("supervisor", frontend.pid, "launcher"))
     return Target("serve", frontend.address, frontend, watched, [out_dir / "serve.log"])
 
 
@@ -120,7 +135,10 @@ def parse_listing(lines: Sequence[str]) -> tuple[list[Watched], str]:
 
 
 async def start_launch(
-    nursery: trio.Nursery, out_dir: Path, extra_args: Sequence[str] = ()
+    nursery: trio.Nursery,
+    out_dir: Path,
+    extra_args: Sequence[str] = (),
+    env_extra: Mapping[str, str] | None = None,
 ) -> Target:
     """``python -m headwater launch`` (1 prefill + 1 decode, worker metrics, no
     restarts), its logs under *out_dir*; ready once it printed its READY line and
@@ -147,7 +165,7 @@ async def start_launch(
         "--log-level",
         "info",
     ]
-    env = child_env({"PYTHONPATH": str(ROOT)})
+    env = child_env({"PYTHONPATH": str(ROOT), **(env_extra or {})})
     child = await spawn(ChildProcess, nursery, "launch", argv, out_dir / "launch.log", env=env)
     lines: list[str] = []
 
@@ -166,10 +184,15 @@ async def start_launch(
 
 
 async def start_target(
-    name: str, nursery: trio.Nursery, out_dir: Path, extra_args: Sequence[str] = ()
+    name: str,
+    nursery: trio.Nursery,
+    out_dir: Path,
+    extra_args: Sequence[str] = (),
+    env_extra: Mapping[str, str] | None = None,
 ) -> Target:
+    """*env_extra*: variables for every process of the target (``PYTHONTRACEMALLOC``)."""
     if name == "serve":
-        return await start_serve(nursery, out_dir, extra_args)
+        return await start_serve(nursery, out_dir, extra_args, env_extra)
     if name == "launch":
-        return await start_launch(nursery, out_dir, extra_args)
+        return await start_launch(nursery, out_dir, extra_args, env_extra)
     raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")
