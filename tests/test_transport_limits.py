@@ -598,3 +598,50 @@ async def test_headwater_serve_announces_https(
     frontend.send_signal(signal.SIGTERM)
     with trio.fail_after(60):
         assert await frontend.wait() == 0
+
+
+async def test_a_client_gone_before_its_connection_is_set_up_takes_nothing_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that resets at once makes hypercorn's first read of the socket's
+    addresses fail (OSError): the connection closes before it has a protocol. Once that
+    close raised (AttributeError) out of the connection, through the listener's nursery,
+    and the whole frontend exited: a soak's resets under load stopped a launched cluster."""
+    import hypercorn.trio.tcp_server as upstream
+
+    real, failures = upstream.parse_socket_addr, [1]
+
+    def gone_once(family: Any, address: Any) -> Any:
+        if failures:
+            failures.pop()
+            raise OSError(107, "Transport endpoint is not connected")
+        return real(family, address)
+
+    monkeypatch.setattr(upstream, "parse_socket_addr", gone_once)
+    async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as http:
+        with pytest.raises(httpx.TransportError):  # the first connection: closed
+            await http.get("/health")
+        assert not failures
+        assert (await http.get("/health")).status_code == 200  # and the rest served
+
+
+async def test_a_connection_that_fails_is_closed_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any fault in one connection's serving closes that connection, logged; the
+    listener and every other connection go on."""
+    real, failures = HeadwaterTCPServer._read_data, [1]
+
+    async def broken_once(self: HeadwaterTCPServer) -> None:
+        if failures:
+            failures.pop()
+            raise RuntimeError("a bug in one connection")
+        await real(self)
+
+    monkeypatch.setattr(HeadwaterTCPServer, "_read_data", broken_once)
+    async with serve_frontend() as (_, url), httpx.AsyncClient(base_url=url) as http:
+        with pytest.raises(httpx.TransportError):
+            await http.get("/health")
+        assert (await http.get("/health")).status_code == 200
+    assert "closing it alone" in caplog.text
+    assert "a bug in one connection" in caplog.text

@@ -139,6 +139,11 @@ async def _serve_connection(
             return
         # hypercorn's TCPServer.run calls do_handshake too: a no-op once it is done.
         await server(stream).run()
+    except Exception:
+        # A fault stays in its connection: raised out of here, it would cancel the
+        # listener's nursery, every other connection with it, and stop the process.
+        log.exception("a connection from %s failed; closing it alone", address)
+        await trio.aclose_forcefully(transport)
     finally:
         clients.release(address)
 

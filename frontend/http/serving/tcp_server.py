@@ -244,8 +244,13 @@ class HeadwaterTCPServer(TCPServer):
         await super()._close()
 
     def _http11(self) -> HeadWithBodyH11Protocol | None:
-        """The connection's HTTP/1.1 protocol, unless it went h2c or websocket."""
-        protocol = self.protocol.protocol
+        """The connection's HTTP/1.1 protocol, unless it went h2c or websocket, or has
+        none yet: hypercorn's ``run`` makes it after reading the socket's addresses, and a
+        client that resets at once fails that read (OSError) and closes with none."""
+        wrapper = getattr(self, "protocol", None)
+        if wrapper is None:
+            return None
+        protocol = wrapper.protocol
         if type(protocol) is not HeadWithBodyH11Protocol:
             return None
         return protocol if type(protocol.connection) is h11.Connection else None
