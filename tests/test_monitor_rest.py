@@ -23,9 +23,10 @@ import trio.testing
 from frontend.http.middleware import MarkActivity
 from headwater.instrumentation import FRONTEND_PREFIX, Activity, LoopMonitor, StallRecord
 from headwater.wire import Ack, End, GenerateRequest, Reply, Role, SamplingParams
-from tests.frontend_fixture import serve_frontend
 from workers.engines.mocker import MockerConfig, MockerEngine
 from workers.runtime import open_runtime
+
+from frontend_fixture import serve_frontend
 
 WATCHDOG_THREAD = "headwater-stall-watchdog"
 

@@ -14,11 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from frontend.postprocess.parsers import AnswerDelta, make_parser
-from frontend.postprocess.parsers.arguments import param_types, type_value
-from frontend.postprocess.parsers.scan import Markers, partial_tail
-from tests.parser_corpus import (
+from parser_corpus import (
     BLOCK,
     BLOCK_END,
     CODE,
@@ -31,6 +27,10 @@ from tests.parser_corpus import (
     invoke,
     param,
 )
+
+from frontend.postprocess.parsers import AnswerDelta, make_parser
+from frontend.postprocess.parsers.arguments import param_types, type_value
+from frontend.postprocess.parsers.scan import Markers, partial_tail
 
 CORPUS = corpus()
 MARKUP = ("<think>", "</think>", D, "<tool_call>", "</tool_call>")

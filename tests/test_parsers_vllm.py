@@ -33,10 +33,10 @@ import warnings
 from typing import Any
 
 import pytest
+from parser_corpus import BLOCK, BLOCK_END, TOOLS, Case, D, block, corpus, invoke, param
+from test_parsers import run
 
-from tests.parser_corpus import BLOCK, BLOCK_END, TOOLS, Case, D, block, corpus, invoke, param
-from tests.test_parsers import run
-from tests.vllm_fixture import ensure_tiny_model, require_vllm
+from vllm_fixture import ensure_tiny_model, require_vllm
 
 # vLLM's import (~10 s) and the tiny model's build (a subprocess): not the fast tier.
 pytestmark = pytest.mark.slow

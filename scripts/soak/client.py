@@ -512,23 +512,25 @@ async def tokenizer_cache(host: str, port: int) -> tuple[int, int]:
     return int(cache.get("bytes", 0)), int(cache.get("max_bytes", 0))
 
 
-async def get(host: str, port: int, path: str) -> bytes:
+async def get(host: str, port: int, path: str, limit_s: float = POLL_TIMEOUT_S) -> bytes:
     """The body of ``GET path`` (:func:`fetch`). Raises as :func:`fetch`, and ValueError
     for anything but a whole 200."""
-    status, body = await fetch(host, port, path)
+    status, body = await fetch(host, port, path, limit_s)
     if status != 200:
         raise ValueError(f"GET {path}: HTTP {status}")
     return body
 
 
-async def fetch(host: str, port: int, path: str) -> tuple[int, bytes]:
+async def fetch(
+    host: str, port: int, path: str, limit_s: float = POLL_TIMEOUT_S
+) -> tuple[int, bytes]:
     """``GET path`` on a connection of its own, closed after the answer: the soak's
     own polls leave nothing open between two of them. Returns the status and the body
     (up to 1 MiB). Raises OSError, ValueError (no whole response) or trio.TooSlowError
-    (after :data:`POLL_TIMEOUT_S`)."""
+    (after *limit_s*: :data:`POLL_TIMEOUT_S` by default)."""
     plan = RequestPlan("poll", "GET", path, b"", stream=False)
     reader = ResponseReader(stream=False)
-    with trio.fail_after(POLL_TIMEOUT_S):
+    with trio.fail_after(limit_s):
         stream = await trio.open_tcp_stream(host, port)
         conn = Connection(stream)
         try:

@@ -244,7 +244,8 @@ async def heap_reports(processes: Sequence[Watched], *, mark: bool) -> dict[str,
     for p in processes:
         if p.runtime_port is not None:
             path = "/debug/heap?mark" if mark else "/debug/heap?trim"
-            reports[p.name] = orjson.loads(await get(HOST, p.runtime_port, path))
+            # A snapshot of a traced process walks all it holds: seconds, not a poll's 5.
+            reports[p.name] = orjson.loads(await get(HOST, p.runtime_port, path, limit_s=600))
     return reports
 
 
