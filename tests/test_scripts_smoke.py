@@ -1,13 +1,22 @@
-"""The measurement scripts stay runnable: each run at its smallest (docs/performance.md
-and docs/observability.md cite their figures), on loopback, bounded in time."""
+"""The measurement scripts stay runnable: each run at its smallest (the docs cite their
+figures, with the commands that made them), on loopback, bounded in time. Each check
+reads a figure the script prints, so a script that runs but measures nothing fails."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+
+from headwater.cluster.recipes import start_frontend, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,3 +45,142 @@ def test_the_instrumentation_on_off_script_measures_both_sides() -> None:
 def test_the_kv_trace_bench_script_parses() -> None:
     # Its runs take minutes (make bench-kv); here, that bash reads it whole.
     subprocess.run(["bash", "-n", "scripts/bench_kv_trace.sh"], cwd=REPO, check=True, timeout=30)
+
+
+def _measure(name: str, *args: str, limit_s: float = 180) -> str:
+    """``python -m scripts.measure.<name> ARGS``'s output; it must exit 0."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"scripts.measure.{name}", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _number(pattern: str, text: str) -> float:
+    found = re.search(pattern, text)
+    assert found, f"{pattern!r} not in {text[-800:]!r}"
+    return float(found[1].replace(",", ""))
+
+
+#: Each script at its smallest, and what its output must show: (name, args, a check).
+SMALLEST: list[tuple[str, list[str], Callable[[str], None]]] = [
+    (
+        "answer_parse",
+        ["--rounds", "1", "--reasoning-tokens", "50"],
+        lambda out: _number(r"the parse stage adds ([\d.]+) ms", out) >= 0,
+    ),
+    (
+        "cancel",
+        ["--requests", "3"],
+        lambda out: _number(r"3 disconnects: p50 ([\d.]+) ms", out) > 0,
+    ),
+    (
+        "exposition",
+        ["--renders", "5", "--rounds", "1"],
+        lambda out: _json_lines(out)[-1]["lines"] > 100,
+    ),
+    (
+        "frame_mac",
+        ["--repeat", "100"],
+        lambda out: json.loads(out[out.index("{") :])["ack"]["tag_cost_us"] > 0,
+    ),
+    (
+        "idle_cpu",
+        ["--rounds", "1", "--settle", "1", "--window", "1"],
+        lambda out: _json_lines(out)[-1]["median_cpu_pct_of_a_core"] >= 0,
+    ),
+    (
+        "instrument_overhead",
+        ["--steps", "500", "--tasks", "5", "--reps", "3"],
+        lambda out: _number(r"StallDetector \(\+watchdog\) +([\d.]+)", out) > 0,
+    ),
+    ("parse", ["--runs", "20"], lambda out: _number(r"short chat .* decode +([\d.]+) us", out) > 0),
+    (
+        "plane",
+        ["--requests", "30", "--warmup", "5", "--concurrency", "4"],
+        lambda out: json.loads(out[out.index("{") :])["tcp"]["req_per_s_c4"] > 0,
+    ),
+    (
+        "startup",
+        ["--rounds", "1", "--no-cold", "--processes", "1", "--json"],
+        lambda out: (
+            _json_lines(out)[-1]["headwater --processes 1"]["warm"]["healthy_s"]["median"] > 0
+        ),
+    ),
+    (
+        "tokenizer",
+        ["--quick"],
+        lambda out: {r["figure"] for r in _json_lines(out)} >= {"coalesce", "loop_lag"},
+    ),
+    (
+        "virtual_time",
+        ["--rounds", "1"],
+        lambda out: _number(r"a server's start and stop: median ([\d.]+) ms", out) > 0,
+    ),
+    (
+        "worker_heap",
+        ["--warmup", "20", "--steps", "2", "--step", "20", "--quiet", "0.2", "--top", "3"],
+        lambda out: "(0 request errors)" in out,
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "args", "check"), SMALLEST, ids=[s[0] for s in SMALLEST])
+def test_each_measurement_runs_at_its_smallest(
+    name: str, args: list[str], check: Callable[[str], None]
+) -> None:
+    out = _measure(name, *args)
+    assert check(out) is not False, out[-1500:]
+
+
+@pytest.mark.slow
+async def test_the_steady_state_measurement_runs_against_a_server(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        server = await start_frontend(nursery, log_dir=tmp_path, extra_args=["--mode", "agg"])
+        await wait_healthy(server.address, child=server)
+        out = await trio.to_thread.run_sync(
+            lambda: _measure(
+                "steady",
+                *("--url", server.address, "--pid", str(server.pid), "--runs", "1"),
+                *("--requests", "8", "--concurrency", "2", "--scenario", "short"),
+            )
+        )
+        await server.stop()
+    (run,) = [r for r in _json_lines(out) if "run" in r]
+    assert run["ok"] == 8
+    assert run["req_per_s"] > 0
+
+
+def test_every_measurement_has_a_smoke_test() -> None:
+    scripts = {p.stem for p in (REPO / "scripts" / "measure").glob("*.py")} - {"__init__"}
+    assert scripts == {name for name, _, _ in SMALLEST} | {"steady"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ab_checkouts", "bench_vllm", "gpu_vllm"])
+def test_the_scripts_that_need_more_than_this_machine_still_parse_their_options(
+    name: str,
+) -> None:
+    """Two checkouts side by side, vLLM's server against headwater, a GPU: their runs
+    are the docs' (docs/performance.md, docs/performance-vllm.md); here, each imports and
+    reads its options."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"scripts.{name}", "--help"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage:")

@@ -9,7 +9,7 @@ dialect of OpenAPI 3.1. It is also the cheaper of the two on the event loop and 
 memory: validating a short chat body takes it ~0.4 µs against pydantic's ~2.1 µs
 (``model_validate_json``), and importing it adds ~4 MB of RSS where pydantic adds ~18
 (idle RSS is held under 300 MB). Parsing as a whole costs what the hand-written checks
-it replaces did (``scripts/measure_parse.py``, docs/performance.md: a ~40k-token chat
+it replaces did (``scripts/measure/parse.py``, docs/performance.md: a ~40k-token chat
 body 72.1-72.6 µs before, 72.8-73.3 after, most of it the JSON decode; a short one
 5.3 → 5.2 µs). Its errors come as one string with a JSON path, which
 :mod:`frontend.http.schema` turns into OpenAI's ``param``.

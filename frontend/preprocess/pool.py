@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 #: Longest prompt (in characters) encoded inline by default, per backend: below these
 #: the encode costs less than the ~60–300 µs thread hop and at most ~0.1–0.2 ms of
-#: loop time (scripts/measure_tokenizer.py; figures in docs/tokenization.md).
+#: loop time (scripts/measure/tokenizer.py; figures in docs/tokenization.md).
 INLINE_MAX_CHARS = {Backend.FASTOKENS: 8192, Backend.HF: 256}
 #: Longest id list decoded inline (``/detokenize``): about what the inline encode of
 #: :data:`INLINE_MAX_CHARS` characters produces.

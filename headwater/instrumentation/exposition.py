@@ -3,7 +3,7 @@
 Why: ``/metrics`` renders on the event loop, and ``prometheus_client.generate_latest``
 redoes name validation (by regex), label escaping and sorting for every line on every
 scrape: ~2.1 ms for the frontend's ~250 lines, which every task on the loop waits
-through, ~1.3 ms of it formatting (``scripts/measure_exposition.py``). A dashboard or the
+through, ~1.3 ms of it formatting (``scripts/measure/exposition.py``). A dashboard or the
 benchmark's 4 Hz sampler scrapes often. Everything in a line but its value is fixed per
 series, so :class:`TextExposition` builds that part once, with the library's own
 escaping, and per scrape only formats values (~0.5 ms).

@@ -71,7 +71,7 @@ class TaskTracker(trio.abc.Instrument):
     Only ``before_task_step`` runs per task step: a step ends where the next hook
     begins, so an ``after_task_step`` would only add a second hook call. The I/O-wait
     hooks run once per loop iteration. Process CPU time per step, measured with
-    ``scripts/bench_instrument_overhead.py --steps 50000 --reps 41`` (checkpoints over
+    ``scripts/measure/instrument_overhead.py --steps 50000 --reps 41`` (checkpoints over
     100 tasks; 2 cores, Python 3.11, trio 0.35; best of 41, six runs; 2.5–2.65 µs
     per step without instruments):
 

@@ -19,7 +19,7 @@ A failed tag is an :class:`AuthError`: the connection is closed.
 
 On the wire the tag follows the body, inside the frame's length (``headwater.wire.codec``).
 Cost: ~2.5 µs per small frame, ~1 ms per MiB (SHA-256 in hardware); measured by
-``scripts/bench_frame_mac.py`` (docs/request-plane.md). Without a secret (loopback only)
+``scripts/measure/frame_mac.py`` (docs/request-plane.md). Without a secret (loopback only)
 there is no session and frames carry no tag.
 """
 

@@ -10,7 +10,7 @@ Two measurements, both on loopback, both with real processes:
    is the same on both paths, so **TCP minus memory is the plane's cost**: encode,
    loopback send, the worker's decode, ACK, runtime hand-off, and back. Serial
    requests, distinct prompts (no prefix-cache hits). The one-process, one-loop
-   figure of ``scripts/bench_plane.py`` (an engine that answers at once) is included.
+   figure of ``scripts/measure/plane.py`` (an engine that answers at once) is included.
 2. :func:`cluster_throughput` — short prompts (~100 tokens, 8 output tokens) through
    one frontend, one prefill and one decode worker process (``--workers``, no etcd),
    and, for reference, through one frontend with the same pair in-process
@@ -47,8 +47,8 @@ from scripts.bench import prompts
 from scripts.bench.loadgen import run_load_trio
 from scripts.bench.scrape import ProcSample, read_proc
 from scripts.bench.stats import summarise
-from scripts.bench_plane import first_chunk_s, latency_ms
-from scripts.bench_plane import main as bench_plane_main
+from scripts.measure.plane import first_chunk_s, latency_ms
+from scripts.measure.plane import main as plane_main
 from workers.engines.mocker import MockerConfig, MockerEngine
 from workers.runtime import WorkerRuntime
 
@@ -70,7 +70,7 @@ async def plane_overhead(
     """First-chunk latency over the memory plane and over TCP to a worker process.
 
     Returns ``memory`` / ``tcp`` p50 and p99 (ms) and their differences, the TCP
-    plane's overhead per request; plus ``one_process``, bench_plane's figures.
+    plane's overhead per request; plus ``one_process``, measure.plane.s figures.
     """
     result: dict[str, Any] = {"requests": requests, "prompt_tokens": prompt_tokens}
     async with trio.open_nursery() as nursery:
@@ -110,7 +110,7 @@ async def plane_overhead(
     one = argparse.Namespace(
         requests=requests, warmup=warmup, concurrency=32, tokens=1, prompt_tokens=prompt_tokens
     )
-    result["one_process"] = await bench_plane_main(one)
+    result["one_process"] = await plane_main(one)
     return result
 
 
@@ -239,7 +239,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{po['tcp']['first_chunk_p99_ms']:.3f} |",
         f"| **TCP plane overhead** (difference) | **{po['overhead_p50_ms']:.3f}** | "
         f"{po['overhead_p99_ms']:.3f} |",
-        f"| one process, one loop (bench_plane.py): TCP − memory | "
+        f"| one process, one loop (measure/plane.py): TCP − memory | "
         f"{one['tcp_overhead_p50_ms']:.3f} | |",
         "",
         "| run | ok/req | req/s | TTFT p50/p99 ms | e2e p50/p99 ms | CPU ms/req "

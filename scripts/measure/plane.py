@@ -5,7 +5,7 @@ chunk is the plane's own cost: encode, loopback send, decode, ACK, runtime hand-
 and back. Client and worker share this process and its one event loop, so the
 figures count both sides' CPU. Prints one JSON object::
 
-    .venv/bin/python scripts/bench_plane.py [--requests 3000] [--concurrency 32]
+    .venv/bin/python scripts/measure/plane.py [--requests 3000] [--concurrency 32]
 
 :func:`first_chunk_s` and :func:`latency_ms` are reused by
 ``scripts/bench/cluster_bench.py``, which measures the same across two processes.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from headwater.plane.base import WorkerClient, WorkerInstance
 from headwater.plane.client import connect_worker
@@ -38,7 +38,7 @@ from headwater.wire import (
     SamplingParams,
 )
 from workers.engines.base import Engine, EngineError, EngineStats
-from workers.runtime import WorkerRuntime
+from workers.runtime import open_runtime
 
 
 class InstantEngine(Engine):
@@ -124,9 +124,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "prompt_tokens": args.prompt_tokens,
         "python": sys.version.split()[0],
     }
-    async with trio.open_nursery() as nursery:
-        runtime = WorkerRuntime(InstantEngine(), "bench")
-        await nursery.start(runtime.run)
+    async with open_runtime(InstantEngine(), "bench") as runtime, trio.open_nursery() as nursery:
         instance = WorkerInstance("bench", Role.AGG, "bench", "memory://bench")
         result["memory"] = await _measure(MemoryWorkerClient(instance, runtime), args)
 

@@ -6,7 +6,7 @@ Reports, per answer, the median over rounds of the CPU time on the loop, and the
 single step (what one chunk can delay the loop by). Run it on two checkouts to compare
 (docs/performance.md has the figures):
 
-    python -m scripts.measure_answer_parse [--rounds 30] [--reasoning-tokens 2000]
+    python -m scripts.measure.answer_parse [--rounds 30] [--reasoning-tokens 2000]
 """
 
 from __future__ import annotations

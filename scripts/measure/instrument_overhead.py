@@ -7,7 +7,7 @@ ignores the time other processes take from us on a shared machine, and it includ
 the watchdog thread's own CPU. Best-of-N because noise only ever adds time; many short
 runs beat a few long ones on a shared machine.
 
-    .venv/bin/python scripts/bench_instrument_overhead.py --steps 50000 --reps 41
+    .venv/bin/python scripts/measure/instrument_overhead.py --steps 50000 --reps 41
 """
 
 from __future__ import annotations

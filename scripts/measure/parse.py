@@ -6,7 +6,7 @@ Median over many runs, each timed alone with ``perf_counter``; the JSON decode a
 reported beside it, so the validation's share shows. Run it on two checkouts to compare
 them (docs/performance.md has the figures):
 
-    python -m scripts.measure_parse [--runs 2000]
+    python -m scripts.measure.parse [--runs 2000]
 """
 
 from __future__ import annotations

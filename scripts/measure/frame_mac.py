@@ -6,7 +6,7 @@ encode and decode of the frames a request moves (a one-token chunk, an ack, a 40
 request, a 640 KB kv_data piece), each with and without a session, and prints one JSON
 object with the microseconds per frame and the difference::
 
-    .venv/bin/python scripts/bench_frame_mac.py [--repeat 20000]
+    .venv/bin/python scripts/measure/frame_mac.py [--repeat 20000]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from headwater.wire import Ack, Chunk, GenerateRequest, SamplingParams
 from headwater.wire.codec import FrameDecoder, encode_parts

@@ -16,7 +16,7 @@ back). A per-request leak grows the traced total step after step; RSS that grows
 the traced total does not, and falls back on a trim, is free memory the allocator keeps.
 What is left at the end is listed by allocating line.
 
-Usage: ``.venv/bin/python scripts/measure_worker_heap.py [--steps 8] [--step 500]``
+Usage: ``.venv/bin/python scripts/measure/worker_heap.py [--steps 8] [--step 500]``
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
    batched ``encode_batch`` call (is micro-batching worth it?).
 4. Event-loop lag while 8 concurrent ~40k-token prompts are encoded, per backend × mode.
 
-Usage: ``.venv/bin/python scripts/measure_tokenizer.py [--quick]``
+Usage: ``.venv/bin/python scripts/measure/tokenizer.py [--quick]``
 """
 
 from __future__ import annotations

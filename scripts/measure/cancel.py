@@ -1,6 +1,6 @@
 """How long a client's disconnect takes to reach the engine, over the TCP request plane.
 
-    python scripts/measure_cancel.py [--requests 50]
+    python scripts/measure/cancel.py [--requests 50]
 
 Starts one aggregated mocker worker process (real GPU timing, so a stream of 2,000
 tokens is still running) and one frontend process in front of it, both on loopback.

@@ -9,7 +9,7 @@ round, then the medians over the rounds and the median of each round's
 (other load), and the ratio within a round is steadier than either figure. The two
 renderings are checked to be identical first.
 
-Usage: ``.venv/bin/python scripts/measure_exposition.py [--renders N] [--rounds R]``
+Usage: ``.venv/bin/python scripts/measure/exposition.py [--renders N] [--rounds R]``
 """
 
 from __future__ import annotations

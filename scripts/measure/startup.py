@@ -1,6 +1,6 @@
 """Start-up time: from starting ``headwater serve`` to its first ``/health`` 200, cold and warm.
 
-    .venv/bin/python scripts/measure_startup.py [--rounds 3] [--processes auto 1]
+    .venv/bin/python scripts/measure/startup.py [--rounds 3] [--processes auto 1]
         [--dynamo-dir DIR] [--json] [-- more serve options]
 
 Each round starts the server, polls ``GET /health`` every 20 ms until it answers 200 (a
@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TICKS = os.sysconf("SC_CLK_TCK")
 POLL_S = 0.02
 READY_WITHIN_S = 180.0

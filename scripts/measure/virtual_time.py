@@ -7,7 +7,7 @@ autojump MockClock, as pytest-trio's ``autojump_clock`` runs it; each round is a
 (the tokenizer is loaded once per process, before: reported apart). docs/testing.md has
 the figures:
 
-    python -m scripts.measure_virtual_time [--rounds 10]
+    python -m scripts.measure.virtual_time [--rounds 10]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ begin, then reads ``utime + stime`` of the process and every descendant (the mem
 ``--processes N``, worker processes) from ``/proc`` over ``--window`` seconds. Prints a
 JSON record per round and the median, as a percentage of one core. Linux only.
 
-Usage: ``.venv/bin/python scripts/measure_idle_cpu.py [--rounds R] [-- serve args...]``
+Usage: ``.venv/bin/python scripts/measure/idle_cpu.py [--rounds R] [-- serve args...]``
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ group's RSS at the end, so a slow run shows whether it was the server (more CPU 
 request: more work, or a cache filling) or the machine (the same CPU per request, less
 CPU to go round).
 
-    .venv/bin/python -m scripts.measure_steady --url http://127.0.0.1:8000 --pid PID \\
+    .venv/bin/python -m scripts.measure.steady --url http://127.0.0.1:8000 --pid PID \\
         [--pid PID ...] [--runs 3] [--requests 320] [--concurrency 16]
 
 Start the server yourself (``headwater serve``, any layout) and pass every process's
