@@ -45,7 +45,7 @@ from frontend.preprocess.tokenizer import Tokenizer, TokenizerLoadError, find_to
 from frontend.router import DispatchConfig, Router, WorkerState
 from frontend.router.health import Transition
 from frontend.warmup import warm_up
-from headwater.gc_tuning import tune_gc
+from headwater.gc_tuning import collect_when_idle, tune_gc
 from headwater.instrumentation import Activity, LoopMonitor, StallAttribution
 from headwater.procmem import trim_heap
 from headwater.tracing import TraceCollector, open_tracing
@@ -335,6 +335,8 @@ class Frontend:
         trim_heap()
         if cfg.gc_gen0_threshold:
             tune_gc(cfg.gc_gen0_threshold)
+            # Rarer collections leave cyclic garbage waiting: collected when idle instead.
+            nursery.start_soon(collect_when_idle, self.activity)
         await nursery.start(self.monitor.run)
         await nursery.start(self.catalog.run)  # the choices of requests with n > 1
         await self._start_workers(nursery)

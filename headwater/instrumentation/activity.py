@@ -45,6 +45,7 @@ class Activity:
         "_rest",
         "idle_after_s",
         "rest_interval_s",
+        "started",
         "woken",
     )
 
@@ -59,6 +60,8 @@ class Activity:
         self._rest: trio.Event | None = None
         #: Set when work ends a rest; the watchdog thread waits on it while resting.
         self.woken = threading.Event()
+        #: Work items begun since the start: a change tells that work came and went.
+        self.started = 0
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Measure idleness with *clock* from now on (the loop monitor's: trio's own
@@ -78,6 +81,7 @@ class Activity:
 
     def __enter__(self) -> None:
         self._inflight += 1
+        self.started += 1
         rest = self._rest
         if rest is not None:
             self._rest = None  # before waking the watchdog: it reads `resting` next

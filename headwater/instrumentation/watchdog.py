@@ -5,7 +5,7 @@ Everything here runs **on the watchdog thread** (``headwater-stall-watchdog``), 
 thread, and :meth:`_ThreadTimes.times`, which the tracker also calls when a phase overran.
 The split from :mod:`headwater.instrumentation.tracker` is the split of costs: the
 tracker's hooks run on every task step and must stay at about a microsecond, so stack
-sampling, ``linecache``, formatting, logging and the ``on_stall`` callback all happen here,
+sampling, reading source lines, formatting, logging and the ``on_stall`` callback all happen here,
 off the loop. The price: a thread that holds the GIL freezes the watchdog too. So the
 watchdog never measures a stall by its own sampling; durations come from the tracker's
 timestamps, and the watchdog adds the stack (sampled with ``sys._current_frames()`` while
@@ -45,7 +45,6 @@ canary's resting tick, earlier).
 from __future__ import annotations
 
 import functools
-import linecache
 import os
 import sys
 import threading
@@ -456,8 +455,28 @@ def _innermost(frames: _Frames) -> str:
 
 def _format_frame(code: CodeType, line: int) -> str:
     where = f"{_short_path(code.co_filename)}:{line} in {code.co_qualname}"
-    source = linecache.getline(code.co_filename, line).strip()
+    source = _source_line(code.co_filename, line)
     return f"{where}: {source}" if source else where
+
+
+@functools.lru_cache(maxsize=4096)
+def _source_line(filename: str, line: int) -> str:
+    """Line *line* of *filename*, stripped; "" when it cannot be read.
+
+    Not ``linecache``: it keeps every file it was asked about, whole, for the life of
+    the process, and the stacks of a long-running process's stalls name file after
+    file (trio's, httpx's, h11's...): a worker's memory rose ~1 MiB every ten minutes
+    of a soak with it (docs/reliability.md). Here one line is kept per place named,
+    4096 at most, each read once.
+    """
+    try:
+        with open(filename, encoding="utf-8", errors="replace") as source:
+            for number, text in enumerate(source, 1):
+                if number == line:
+                    return text.strip()
+    except OSError:  # "<string>", a file gone since
+        pass
+    return ""
 
 
 @functools.lru_cache(maxsize=1024)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import trio
 
+from headwater.gc_tuning import collect_when_idle
 from headwater.instrumentation import Activity
 from headwater.logs import request_context
 from headwater.plane.base import WorkerError
@@ -74,7 +75,10 @@ async def open_runtime(engine: Engine, worker_id: str) -> AsyncIterator[WorkerRu
     """
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        yield WorkerRuntime(engine, worker_id, nursery)
+        runtime = WorkerRuntime(engine, worker_id, nursery)
+        # Cyclic garbage collected when the worker goes idle (headwater/gc_tuning.py).
+        nursery.start_soon(collect_when_idle, runtime.activity)
+        yield runtime
         nursery.cancel_scope.cancel()
 
 
