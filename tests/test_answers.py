@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from parser_corpus import BLOCK, BLOCK_END, TOOLS, D, invoke, param
 
 from workers.engines.scripted import ScriptedConfig
 
 from frontend_fixture import sse_events, start_frontend
+from parser_corpus import BLOCK, BLOCK_END, TOOLS, D, invoke, param
 
 CALL = (
     "Let me look.\n\n"

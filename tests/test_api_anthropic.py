@@ -19,7 +19,6 @@ import httpx
 import jsonschema_rs
 import pytest
 import trio
-from parser_corpus import BLOCK, BLOCK_END, invoke, param
 
 from frontend.errors import LimitExceeded
 from frontend.http.anthropic.format import MessagesFormat
@@ -35,6 +34,7 @@ from headwater.wire.tokens import token_array
 from workers.engines.scripted import ScriptedConfig
 
 from frontend_fixture import eventually, idle, shared_tokenizer, start_frontend
+from parser_corpus import BLOCK, BLOCK_END, invoke, param
 
 MODEL = "deepseek-v4"
 WEATHER_TOOL = {

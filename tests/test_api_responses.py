@@ -19,7 +19,6 @@ import jsonschema_rs
 import openai
 import pytest
 import trio
-from parser_corpus import BLOCK, BLOCK_END, invoke, param
 
 from frontend.http.errors import ApiError
 from frontend.http.responses_api.format import ResponsesFormat
@@ -36,6 +35,7 @@ from headwater.wire.tokens import token_array
 from workers.engines.scripted import ScriptedConfig
 
 from frontend_fixture import shared_tokenizer, start_frontend
+from parser_corpus import BLOCK, BLOCK_END, invoke, param
 
 MODEL = "deepseek-v4"
 TOOL = {

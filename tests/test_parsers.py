@@ -14,6 +14,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from frontend.postprocess.parsers import AnswerDelta, make_parser
+from frontend.postprocess.parsers.arguments import param_types, type_value
+from frontend.postprocess.parsers.scan import Markers, partial_tail
+
 from parser_corpus import (
     BLOCK,
     BLOCK_END,
@@ -27,10 +32,6 @@ from parser_corpus import (
     invoke,
     param,
 )
-
-from frontend.postprocess.parsers import AnswerDelta, make_parser
-from frontend.postprocess.parsers.arguments import param_types, type_value
-from frontend.postprocess.parsers.scan import Markers, partial_tail
 
 CORPUS = corpus()
 MARKUP = ("<think>", "</think>", D, "<tool_call>", "</tool_call>")

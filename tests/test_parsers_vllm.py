@@ -33,9 +33,9 @@ import warnings
 from typing import Any
 
 import pytest
-from parser_corpus import BLOCK, BLOCK_END, TOOLS, Case, D, block, corpus, invoke, param
 from test_parsers import run
 
+from parser_corpus import BLOCK, BLOCK_END, TOOLS, Case, D, block, corpus, invoke, param
 from vllm_fixture import ensure_tiny_model, require_vllm
 
 # vLLM's import (~10 s) and the tiny model's build (a subprocess): not the fast tier.
