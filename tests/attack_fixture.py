@@ -118,7 +118,7 @@ class LoopGaps:
 
     async def __aenter__(self) -> LoopGaps:
         self._manager = trio.open_nursery()
-        self._nursery = await self._manager.__aenter__()  # type: ignore[attr-defined]
+        self._nursery = await self._manager.__aenter__()
         self._nursery.start_soon(self._tick)
         return self
 

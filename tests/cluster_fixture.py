@@ -124,6 +124,7 @@ async def launch(tmp_path: Path, *args: str, speedup: float = FAST) -> AsyncIter
         if launcher.returncode is None:
             launcher.kill()
             await launcher.wait()
+        assert launcher.stdout is not None
         await trio.aclose_forcefully(launcher.stdout)
 
 

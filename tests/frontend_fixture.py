@@ -120,7 +120,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     assert err["message"]
     if param is not None:
         assert err["param"] == param, err
-    return err
+    return dict(err)
 
 
 async def raw_chunks(
@@ -142,7 +142,7 @@ async def raw_chunks(
                 raw += data
     headers, _, rest = raw.partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in headers.lower()
-    chunks = []
+    chunks: list[Any] = []
     while True:
         size, _, rest = rest.partition(b"\r\n")
         n = int(size, 16)

@@ -161,7 +161,7 @@ def _free_slot(rng: random.Random) -> ipaddress.IPv4Network:
     raise RuntimeError(f"no free /30 in {NETWORK}")
 
 
-def _create(index: int, rng: random.Random, cleanups: list[Callable[[], None]]) -> Netns:
+def _create(index: int, rng: random.Random, cleanups: list[Callable[[], object]]) -> Netns:
     pid = os.getpid()
     net = _free_slot(rng)
     outer, inner = (str(a) for a in net.hosts())
@@ -172,7 +172,7 @@ def _create(index: int, rng: random.Random, cleanups: list[Callable[[], None]]) 
     cleanups.append(lambda: _check("ip", "netns", "delete", ns.name))
     _check("ip", "link", "add", ns.outer_dev, "type", "veth", "peer", "name", ns.inner_dev)
     # Deleting either end deletes the pair; the root end is the one sure to exist.
-    cleanups.append(lambda: _run("ip", "link", "delete", ns.outer_dev))
+    cleanups.append(partial(_run, "ip", "link", "delete", ns.outer_dev))
     _check("ip", "link", "set", ns.inner_dev, "netns", ns.name)
     _check("ip", "addr", "add", f"{outer}/30", "dev", ns.outer_dev)
     _check("ip", "link", "set", ns.outer_dev, "up")
@@ -194,7 +194,7 @@ def make_netns() -> Iterator[Callable[[], Netns]]:
     _sweep_stale()
     rng = random.Random()
     made: list[Netns] = []
-    cleanups: list[Callable[[], None]] = []
+    cleanups: list[Callable[[], object]] = []
 
     def make() -> Netns:
         if len(made) >= MAX_NAMESPACES:

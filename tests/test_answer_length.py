@@ -35,6 +35,7 @@ async def test_a_request_without_max_tokens_stops_at_its_drawn_length(path: str)
         httpx.AsyncClient(base_url=url, timeout=30) as c,
     ):
         tokenizer = shared_tokenizer()
+        assert tokenizer.eos_token_id is not None
         eos_text = tokenizer.hf.id_to_token(tokenizer.eos_token_id)
         lengths = []
         for seed in range(6):

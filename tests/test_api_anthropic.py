@@ -11,6 +11,7 @@ written to the test's tmp_path. The SDK client has retries off: each error is se
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,15 @@ import httpx
 import jsonschema_rs
 import pytest
 import trio
+from anthropic.types import (
+    MessageParam,
+    TextBlock,
+    TextBlockParam,
+    ThinkingBlock,
+    ThinkingConfigParam,
+    ToolParam,
+    ToolUseBlock,
+)
 
 from frontend.errors import LimitExceeded
 from frontend.http.anthropic.format import MessagesFormat
@@ -37,7 +47,7 @@ from frontend_fixture import eventually, idle, shared_tokenizer, start_frontend
 from parser_corpus import BLOCK, BLOCK_END, invoke, param
 
 MODEL = "deepseek-v4"
-WEATHER_TOOL = {
+WEATHER_TOOL: ToolParam = {
     "name": "get_weather",
     "description": "The weather in a city",
     "input_schema": {
@@ -46,7 +56,7 @@ WEATHER_TOOL = {
         "required": ["city"],
     },
 }
-CLOCK_TOOL = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
+CLOCK_TOOL: ToolParam = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
 CALL = (
     "Let me look.\n\n"
     + BLOCK
@@ -95,8 +105,33 @@ def client(url: str, **kwargs: Any) -> anthropic.AsyncAnthropic:
     )
 
 
-def user(text: str) -> list[dict[str, Any]]:
+def user(text: str) -> list[MessageParam]:
     return [{"role": "user", "content": text}]
+
+
+def text_of(block: object) -> str:
+    """A text block's text (the SDK types content as a union of every block kind)."""
+    assert isinstance(block, TextBlock), block
+    return block.text
+
+
+def thinking_of(block: object) -> str:
+    assert isinstance(block, ThinkingBlock), block
+    return block.thinking
+
+
+def called(blocks: Sequence[object]) -> list[tuple[str, Any]]:
+    """The (name, input) of every tool_use block."""
+    out = []
+    for block in blocks:
+        assert isinstance(block, ToolUseBlock), block
+        out.append((block.name, block.input))
+    return out
+
+
+def error_body(error: anthropic.APIStatusError) -> dict[str, Any]:
+    assert isinstance(error.body, dict), error.body
+    return error.body
 
 
 # -- the SDK: unary, streaming, count_tokens -----------------------------------------------
@@ -107,7 +142,7 @@ async def test_the_sdk_gets_a_message_whose_usage_is_the_prompts(
 ) -> None:
     fe, url = await start(nursery, tmp_path)
     async with client(url) as c:
-        system = [
+        system: list[TextBlockParam] = [
             {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=ab12"},
             {"type": "text", "text": "Be brief."},
         ]
@@ -123,7 +158,7 @@ async def test_the_sdk_gets_a_message_whose_usage_is_the_prompts(
         assert m.id.startswith("msg_")
         assert m.model == MODEL
         assert [b.type for b in m.content] == ["text"]
-        assert m.content[0].text == "Hello! I am a script, not a model."
+        assert text_of(m.content[0]) == "Hello! I am a script, not a model."
         assert m.stop_reason == "end_turn"
         assert m.stop_sequence is None
         # The prompt is the chat template's render of the translated conversation: the
@@ -137,7 +172,9 @@ async def test_the_sdk_gets_a_message_whose_usage_is_the_prompts(
         assert usage.cache_creation_input_tokens == 0
         assert (
             usage.output_tokens
-            == len(shared_tokenizer().hf.encode(m.content[0].text, add_special_tokens=False).ids)
+            == len(
+                shared_tokenizer().hf.encode(text_of(m.content[0]), add_special_tokens=False).ids
+            )
             + 1
         )  # and EOS
         counted = await c.messages.count_tokens(model=MODEL, system=system, messages=user("hi"))
@@ -153,8 +190,8 @@ async def test_the_sdks_stream_helpers_get_what_a_unary_call_gets(
         async with c.messages.stream(model=MODEL, max_tokens=64, messages=user("hi")) as s:
             text = "".join([t async for t in s.text_stream])
             final = await s.get_final_message()
-        assert text == unary.content[0].text
-        assert final.content[0].text == text
+        assert text == text_of(unary.content[0])
+        assert text_of(final.content[0]) == text
         assert final.stop_reason == "end_turn"
         assert final.usage.output_tokens == unary.usage.output_tokens
         assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == (
@@ -298,7 +335,7 @@ async def test_a_tool_use_loop_with_thinking_through_the_sdk(
         second = await turn()
         assert second.stop_reason == "end_turn"
         assert [b.type for b in second.content] == ["thinking", "text"]
-        assert second.content[1].text == "It is 22 degrees in Paris."
+        assert text_of(second.content[1]) == "It is 22 degrees in Paris."
         # The rendered history holds the call and its result, in DeepSeek-V4's terms.
         counted = await c.messages.count_tokens(
             model=MODEL, messages=history, tools=[WEATHER_TOOL], thinking=ask["thinking"]
@@ -340,7 +377,7 @@ async def test_thinking_switches_deepseeks_thinking_mode(
             ("off", {"type": "disabled"}),
             ("unsaid", None),
         ):
-            extra = {"thinking": thinking} if thinking else {}
+            extra: dict[str, Any] = {"thinking": thinking} if thinking else {}
             counted = await c.messages.count_tokens(model=MODEL, messages=messages, **extra)
             counts[name] = counted.input_tokens
         on = fe.template.render(messages, chat_template_kwargs={"thinking": True})
@@ -356,21 +393,25 @@ async def test_thinking_switches_deepseeks_thinking_mode(
             messages=user("weather in Paris"),
             thinking={"type": "enabled", "budget_tokens": 1024},
         )
-        assert m.content[0].type == "thinking"
+        assert isinstance(m.content[0], ThinkingBlock)
         assert m.content[0].thinking == THOUGHT
         assert m.content[0].signature == ""
         # display "omitted": the block is there, its text is not.
-        hidden = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+        hidden: ThinkingConfigParam = {
+            "type": "enabled",
+            "budget_tokens": 1024,
+            "display": "omitted",
+        }
         m = await c.messages.create(
             model=MODEL, max_tokens=2000, thinking=hidden, messages=user("weather in Paris")
         )
-        assert (m.content[0].type, m.content[0].thinking) == ("thinking", "")
+        assert thinking_of(m.content[0]) == ""
         async with c.messages.stream(
             model=MODEL, max_tokens=2000, thinking=hidden, messages=user("weather in Paris")
         ) as s:
             final = await s.get_final_message()
-        assert (final.content[0].type, final.content[0].thinking) == ("thinking", "")
-        assert final.content[1].text == m.content[1].text
+        assert thinking_of(final.content[0]) == ""
+        assert text_of(final.content[1]) == text_of(m.content[1])
 
 
 async def test_disable_parallel_tool_use_keeps_the_first_call(
@@ -385,7 +426,7 @@ async def test_disable_parallel_tool_use_keeps_the_first_call(
             "tools": [WEATHER_TOOL, CLOCK_TOOL],
         }
         both = await c.messages.create(**ask)
-        assert [(b.name, b.input) for b in both.content] == [
+        assert called(both.content) == [
             ("get_weather", {"city": "Oslo"}),
             ("get_time", {}),
         ]
@@ -393,13 +434,13 @@ async def test_disable_parallel_tool_use_keeps_the_first_call(
         one = await c.messages.create(
             **ask, tool_choice={"type": "auto", "disable_parallel_tool_use": True}
         )
-        assert [(b.name, b.input) for b in one.content] == [("get_weather", {"city": "Oslo"})]
+        assert called(one.content) == [("get_weather", {"city": "Oslo"})]
         assert one.stop_reason == "tool_use"
         async with c.messages.stream(
             **ask, tool_choice={"type": "auto", "disable_parallel_tool_use": True}
         ) as s:
             final = await s.get_final_message()
-        assert [(b.name, b.input) for b in final.content] == [("get_weather", {"city": "Oslo"})]
+        assert called(final.content) == [("get_weather", {"city": "Oslo"})]
 
 
 async def test_stop_sequences_and_max_tokens_are_the_stop_reasons(
@@ -431,7 +472,7 @@ async def test_errors_are_the_sdks_typed_exceptions(nursery: trio.Nursery, tmp_p
     async with client(url, api_key="wrong") as c:
         with pytest.raises(anthropic.AuthenticationError) as auth:
             await c.messages.create(**ok)
-        assert auth.value.body["error"]["type"] == "authentication_error"
+        assert error_body(auth.value)["error"]["type"] == "authentication_error"
     # The key as x-api-key (what the SDK sends) or as a bearer token (ANTHROPIC_AUTH_TOKEN).
     async with client(url, api_key="k1") as c:
         assert (await c.messages.create(**ok)).stop_reason == "end_turn"
@@ -478,30 +519,30 @@ async def test_errors_are_the_sdks_typed_exceptions(nursery: trio.Nursery, tmp_p
         for body in bad:
             with pytest.raises(anthropic.BadRequestError) as err:
                 await c.messages.create(**body)
-            assert err.value.body["type"] == "error"
-            assert err.value.body["error"]["type"] == "invalid_request_error", body
-            assert err.value.body["error"]["message"]
+            assert error_body(err.value)["type"] == "error"
+            assert error_body(err.value)["error"]["type"] == "invalid_request_error", body
+            assert error_body(err.value)["error"]["message"]
         with pytest.raises(anthropic.BadRequestError, match="text-only model"):
             await c.messages.create(**bad[1])
         with pytest.raises(anthropic.NotFoundError) as nf:
             await c.messages.create(**{**ok, "model": "claude-sonnet-4-5"})
-        assert nf.value.body["error"]["type"] == "not_found_error"
+        assert error_body(nf.value)["error"]["type"] == "not_found_error"
         with pytest.raises(anthropic.ContentTooLargeError) as big:
             await c.messages.create(**{**ok, "messages": user("x" * (2 << 20))})
-        assert big.value.body["error"]["type"] == "request_too_large"
+        assert error_body(big.value)["error"]["type"] == "request_too_large"
         # At --max-inflight: 429; draining: 529, Anthropic's overloaded.
         await eventually(idle(fe))
         assert fe.admission.admit() is None
         try:
             with pytest.raises(anthropic.RateLimitError) as limited:
                 await c.messages.create(**ok)
-            assert limited.value.body["error"]["type"] == "rate_limit_error"
+            assert error_body(limited.value)["error"]["type"] == "rate_limit_error"
         finally:
             fe.admission.release()
         fe.admission.drain()
         with pytest.raises(anthropic.OverloadedError) as overloaded:
             await c.messages.create(**ok)
-        assert overloaded.value.body["error"]["type"] == "overloaded_error"
+        assert error_body(overloaded.value)["error"]["type"] == "overloaded_error"
         with pytest.raises(anthropic.OverloadedError):
             await c.messages.count_tokens(model=MODEL, messages=user("hi"))
 
@@ -516,7 +557,7 @@ async def test_a_deadline_is_a_504_timeout_error_or_an_error_event(
     async with client(url) as c:
         with pytest.raises(anthropic.GatewayTimeoutError) as late:
             await c.messages.create(model=MODEL, max_tokens=64, messages=user("hi"))
-        assert late.value.body["error"]["type"] == "timeout_error"
+        assert error_body(late.value)["error"]["type"] == "timeout_error"
     # Mid-stream, the error is an `error` event in Anthropic's shape (which the SDK
     # raises as an APIStatusError), and the stream ends there.
     async with httpx.AsyncClient(base_url=url) as h:
@@ -800,7 +841,7 @@ def test_forced_calls_and_formats_ask_what_their_chat_equivalents_ask() -> None:
     chat = {"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "x"}]}
     chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     named = {"type": "function", "function": {"name": "get_weather"}}
-    cases = [
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
         (
             {"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}},
             {"tools": [chat_tool], "tool_choice": "required"},

@@ -73,7 +73,7 @@ async def test_a_bomb_under_the_budget_is_skipped_unbuilt() -> None:
 
 @pytest.mark.parametrize("where", ["chat_template_kwargs", "parameters", "arguments"])
 async def test_a_bomb_in_free_form_json_is_refused_before_its_decode(where: str) -> None:
-    bomb = {"x": [[] for _ in range(MAX_JSON_CONTAINERS + 1)]}
+    bomb: dict[str, list[list[int]]] = {"x": [[] for _ in range(MAX_JSON_CONTAINERS + 1)]}
     body: dict[str, object] = {
         "model": MODEL,
         "max_tokens": 2,

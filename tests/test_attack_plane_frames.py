@@ -54,7 +54,8 @@ async def start_worker(
     config = WorkerConfig(
         role=Role.AGG, engine_config=MockerConfig(speedup_ratio=speedup), secret=secret
     )
-    return await nursery.start(partial(serve_worker, config))
+    worker: RunningWorker = await nursery.start(partial(serve_worker, config))
+    return worker
 
 
 def request(rid: str, max_tokens: int = 4, **sampling: object) -> GenerateRequest:

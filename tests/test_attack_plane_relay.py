@@ -49,7 +49,8 @@ async def start_worker(nursery: trio.Nursery) -> RunningWorker:
     config = WorkerConfig(
         role=Role.AGG, engine_config=MockerConfig(speedup_ratio=100_000.0), secret=SECRET
     )
-    return await nursery.start(partial(serve_worker, config))
+    worker: RunningWorker = await nursery.start(partial(serve_worker, config))
+    return worker
 
 
 def served(worker: RunningWorker) -> int:

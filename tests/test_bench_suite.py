@@ -164,7 +164,7 @@ def _results(runs: list[dict[str, Any]], **overrides: Any) -> dict[str, Any]:
     return res
 
 
-def _pair_runs(hw_rps: float, dyn_rps: float, key: str = "long unary c16") -> list[dict]:
+def _pair_runs(hw_rps: float, dyn_rps: float, key: str = "long unary c16") -> list[dict[str, Any]]:
     scenario = key.split()[0]
     pair = f"vs dynamo fastokens: {key}"
     common = {

@@ -271,7 +271,7 @@ API_CLIENTS: list[tuple[str, int]] = []
 
 
 async def fake_openai(
-    scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Send
+    scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], send: Send
 ) -> None:
     """Just enough of the OpenAI API: usage.prompt_tokens = words in the prompt; and a
     fixed ``/metrics`` page (four canary samples, a 2 ms max-delay gauge)."""

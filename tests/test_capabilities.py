@@ -100,6 +100,7 @@ def test_a_request_asks_for_what_leaves_its_neutral_values() -> None:
 def test_a_declaration_as_plain_data_is_checked() -> None:
     assert from_plain(to_plain(VLLM_LIKE)) == VLLM_LIKE
     assert from_plain({"engine": "new", "features": ["seed", "telepathy"]}).honours("telepathy")
+    bad: object
     for bad in (
         [],
         {"engine": 3},

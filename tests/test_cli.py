@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from frontend.config import FrontendConfig, usable_cpus
+from frontend.config import FrontendConfig
 from headwater.cli import build_parser, env_name
 from headwater.cli.serve import frontend_config_from_args as config_from_args
+from headwater.machine import usable_cpus
 
 SERVE_OPTIONS = [
     "--host",

@@ -92,7 +92,8 @@ def drive_browser(sync_api: Any, base_url: str, seen: Seen) -> None:
             page = context.new_page()
             page.on("pageerror", lambda exc: seen.page_errors.append(str(exc)))
             page.on(
-                "console", lambda msg: msg.type == "error" and seen.page_errors.append(msg.text)
+                "console",
+                lambda msg: seen.page_errors.append(msg.text) if msg.type == "error" else None,
             )
             page.goto(base_url + "/dashboard")
             page.wait_for_function(

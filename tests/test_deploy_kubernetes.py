@@ -74,7 +74,9 @@ def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], d
             yield obj, obj["spec"]["template"]["spec"]
 
 
-def headwater_containers(objects: list[dict[str, Any]]) -> Iterator[tuple[dict, dict, dict]]:
+def headwater_containers(
+    objects: list[dict[str, Any]],
+) -> Iterator[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """(object, pod spec, container) for every container that runs headwater."""
     for obj, spec in pod_specs(objects):
         for c in spec["containers"]:

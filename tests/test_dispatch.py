@@ -157,7 +157,7 @@ class _Replies(ResponseStream):
     def __init__(self, chunks: AsyncIterator[Chunk]) -> None:
         self._chunks = chunks
 
-    async def _receive(self) -> Chunk:  # type: ignore[override]
+    async def _receive(self) -> Chunk:
         raise NotImplementedError
 
     async def __anext__(self) -> Chunk:

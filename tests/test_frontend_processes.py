@@ -21,6 +21,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from frontend.choices import Backend
 from frontend.config import FrontendConfig
 from headwater.cluster.frontend_group import child_argv, preload
 from headwater.cluster.recipes import (
@@ -69,7 +70,7 @@ def test_a_child_is_the_same_command_with_the_shared_socket() -> None:
 @pytest.mark.slow  # ~10 s: the tokenizer loaded twice
 def test_the_shared_tokenizer_is_loaded_with_the_groups_options() -> None:
     # The zygote's tokenizer is every process's: it must carry --tokenizer-cache-mb.
-    config = FrontendConfig(tokenizer_backend="fastokens", tokenizer_cache_mb=0)
+    config = FrontendConfig(tokenizer_backend=Backend.FASTOKENS, tokenizer_cache_mb=0)
     assert preload(config).segment_cache_statistics() is None
     cached = preload(replace(config, tokenizer_cache_mb=1)).segment_cache_statistics()
     assert cached is not None

@@ -12,6 +12,7 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from frontend import choices
 from frontend.router import Router, dispatch
 from frontend.router.kv_index import KvIndex, chain_hashes, prompt_hashes
 from frontend.router.kv_routing import ApproxIndex, Candidate, KvConfig, choose
@@ -190,7 +191,9 @@ class _Stub:
 
 
 async def test_router_kv_follows_the_prefix_and_decode_by_load() -> None:
-    router = Router("kv", rng=random.Random(3), kv=KvConfig(block_size=BS, events="off"))
+    router = Router(
+        "kv", rng=random.Random(3), kv=KvConfig(block_size=BS, events=choices.KvEvents.OFF)
+    )
     for wid, role in (("a0", Role.AGG), ("a1", Role.AGG), ("d0", Role.DECODE), ("d1", Role.DECODE)):
         router.add(_Stub(wid, role))  # type: ignore[arg-type]
     t = tokens(64)
@@ -469,7 +472,7 @@ async def test_a_text_prompts_block_hashes_come_from_the_tokenizers_thread(
     thread: dispatch does not hash it again. A prompt given as ids (the token-in API)
     is hashed by dispatch."""
     hashed_in_dispatch: list[int] = []
-    real = dispatch.prompt_hashes
+    real = dispatch.prompt_hashes  # type: ignore[attr-defined]  # patched where it is used
 
     def counted(token_ids: Any, block_size: int) -> tuple[int, ...]:
         hashed_in_dispatch.append(len(token_ids))

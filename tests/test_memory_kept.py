@@ -36,7 +36,7 @@ def test_the_idle_collector_collects_at_most_once_per_interval(
 ) -> None:
     now = [100.0]
     collected: list[float] = []
-    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(now[0]) or 0)
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(now[0]))
     collector = IdleCollector(min_interval_s=60.0, clock=lambda: now[0])
     collector()
     now[0] += 30.0

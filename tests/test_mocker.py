@@ -13,6 +13,7 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import trio
@@ -648,7 +649,7 @@ class EagerKvCache:
             block = self.free_list.pop()
         else:
             block = self.lru.pop(0)
-            del self.by_hash[self.hash_of[block]]  # type: ignore[index]
+            del self.by_hash[self.hash_of[block]]
             self.hash_of[block] = None
         self.refcount[block] = 1
         return block
@@ -670,7 +671,7 @@ class EagerKvCache:
         blocks = hits + [self.take() for _ in range(needed)]
         return {"blocks": blocks, "tokens": len(tokens), "committed": len(hits)}
 
-    def append_slot(self, table: dict) -> bool:
+    def append_slot(self, table: dict[Any, Any]) -> bool:
         if table["tokens"] == len(table["blocks"]) * self.bs:
             if not self.free_list and not self.lru:
                 return False
@@ -678,7 +679,7 @@ class EagerKvCache:
         table["tokens"] += 1
         return True
 
-    def commit(self, table: dict, tokens: list[int], num_computed: int) -> None:
+    def commit(self, table: dict[Any, Any], tokens: list[int], num_computed: int) -> None:
         full = min(num_computed, table["tokens"]) // self.bs
         for i, h in enumerate(self.chain(tokens, full)):
             if i >= table["committed"] and h not in self.by_hash:
@@ -686,7 +687,7 @@ class EagerKvCache:
                 self.hash_of[table["blocks"][i]] = h
         table["committed"] = max(full, table["committed"])
 
-    def free(self, table: dict) -> None:
+    def free(self, table: dict[Any, Any]) -> None:
         for block in reversed(table["blocks"]):
             self.refcount[block] -= 1
             if self.refcount[block] == 0:
@@ -710,7 +711,7 @@ def test_kv_cache_hashing_lazily_hits_and_evicts_as_eager_hashing_would(
     bs = 4
     lazy, eager = KvCache(num_blocks, block_size=bs), EagerKvCache(num_blocks, bs)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
-    live: list[tuple[BlockTable, dict, list[int], int]] = []  # tables, tokens, computed
+    live: list[tuple[BlockTable, dict[Any, Any], list[int], int]] = []  # tables, tokens, computed
     for _ in range(1500):
         op = rng.random()
         if op < 0.35 or not live:

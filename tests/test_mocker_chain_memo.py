@@ -9,6 +9,7 @@ every table's chain compared with the one computed from scratch.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_cache_with_memo_hits_evicts_and_hashes_as_eager_hashing_would(seed: int
     base = [[rng.randrange(60) for _ in range(rng.randrange(30, 90))] for _ in range(3)]
     families = [[*b, *(rng.randrange(60) for _ in range(rng.randrange(0, 40)))] for b in base]
     families += base
-    live: list[tuple[BlockTable, dict, list[int], int]] = []
+    live: list[tuple[BlockTable, dict[Any, Any], list[int], int]] = []
     memo_used = 0
     for _ in range(1200):
         op = rng.random()

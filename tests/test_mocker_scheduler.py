@@ -411,7 +411,7 @@ def test_each_position_has_one_distribution_over_the_range(span: int) -> None:
 
 def test_tokens_are_drawn_from_the_distribution_logprobs_reports() -> None:
     span, key, n = 128000 - 3, seed_key(11, ""), 20_000
-    ranks = Counter()
+    ranks: Counter[int] = Counter()
     for p in range(1, n + 1):
         token = token_at(key, p, 3, span)
         lp = logprobs_at(key, p, token, 3, span, top=5)

@@ -117,7 +117,7 @@ async def test_streamed_choices_come_by_index_and_add_up_to_the_unary_answer() -
                 "stream_options": {"include_usage": True},
             },
         )
-        firsts = {}
+        firsts: dict[int, Any] = {}
         for e in completions[:-1]:
             (ch,) = e["choices"]
             firsts.setdefault(ch["index"], ch["text"])
@@ -241,7 +241,7 @@ async def test_the_openai_sdk_reads_choices_and_logprobs() -> None:
             max_tokens=5,
             n=2,
             seed=3,
-            logprobs=True,  # type: ignore[arg-type]
+            logprobs=True,
             top_logprobs=2,
             extra_body={"ignore_eos": True},
         )
@@ -262,7 +262,7 @@ async def test_the_openai_sdk_reads_choices_and_logprobs() -> None:
             max_tokens=5,
             n=2,
             seed=3,
-            logprobs=True,  # type: ignore[arg-type]
+            logprobs=True,
             top_logprobs=2,
             stream=True,
             extra_body={"ignore_eos": True},

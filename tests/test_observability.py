@@ -214,7 +214,7 @@ def _zoo() -> tuple[CollectorRegistry, Counter, _ChurningSeries]:
     Info("zoo_build", "An info", registry=reg).info({"version": "1.2", "commit": "abc"})
     Enum("zoo_state", "An enum", states=["up", "down"], registry=reg).state("down")
     churn = _ChurningSeries()
-    reg.register(churn)  # type: ignore[arg-type]
+    reg.register(churn)
     return reg, c, churn
 
 

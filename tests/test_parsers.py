@@ -270,9 +270,11 @@ def test_a_dsml_value_is_typed_by_its_hint_and_the_schema(
 
 
 def test_schema_types_from_type_lists_enums_and_unions() -> None:
-    assert param_types({"type": ["integer", "null"]}) == {"integer", "null"}
-    assert param_types({"enum": [1, "x"]}) == {"integer", "number", "string"}
-    assert param_types({"anyOf": [{"type": "boolean"}, {"type": "array"}]}) == {"boolean", "array"}
+    assert param_types({"type": ["integer", "null"]}) == frozenset({"integer", "null"})
+    assert param_types({"enum": [1, "x"]}) == frozenset({"integer", "number", "string"})
+    assert param_types({"anyOf": [{"type": "boolean"}, {"type": "array"}]}) == frozenset(
+        {"boolean", "array"}
+    )
     assert param_types({"description": "?"}) is None
     assert param_types(None) is None
 

@@ -51,7 +51,7 @@ class _VocabOnce:
         self._vocab = tokenizer.get_vocab()
 
     def get_vocab(self) -> dict[str, int]:
-        return self._vocab
+        return dict(self._vocab)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)

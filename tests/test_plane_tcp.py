@@ -948,7 +948,7 @@ async def test_worker_cancels_the_kv_pull_of_a_silent_peer(
     await ours.send_all(encode(request("p", max_tokens=1, prompt=500)))
     decoder: FrameDecoder = FrameDecoder()
     frames = await receive_frames(ours, decoder, 3)  # ack, the handle, end
-    handle = frames[1].kv_handle  # type: ignore[attr-defined]
+    handle = frames[1].kv_handle
     assert handle is not None
     await ours.send_all(encode(KvPull(handle.transfer_id)))  # 50 MB: far more than fits
     silent_since = trio.current_time()

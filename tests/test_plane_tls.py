@@ -66,7 +66,8 @@ async def start_worker(
         tls=tls_of(pem) if pem else None,
         **kw,  # type: ignore[arg-type]
     )
-    return await nursery.start(partial(serve_worker, config))
+    worker: RunningWorker = await nursery.start(partial(serve_worker, config))
+    return worker
 
 
 def instance_of(worker: RunningWorker) -> WorkerInstance:

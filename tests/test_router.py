@@ -38,7 +38,7 @@ def _router(policy: str, **kw: object) -> Router:
 
 async def test_round_robin_spreads_serial_disaggregated_requests() -> None:
     router = _router("round-robin")
-    used = Counter()
+    used: Counter[str] = Counter()
     for _ in range(8):  # what the pipeline does per request: a prefill leg, then decode
         used[router.pick(Role.PREFILL, "m").instance.worker_id] += 1
         used[router.pick(Role.DECODE, "m").instance.worker_id] += 1

@@ -72,7 +72,7 @@ def _number(pattern: str, text: str) -> float:
 
 
 #: Each script at its smallest, and what its output must show: (name, args, a check).
-SMALLEST: list[tuple[str, list[str], Callable[[str], None]]] = [
+SMALLEST: list[tuple[str, list[str], Callable[[str], object]]] = [
     (
         "answer_parse",
         ["--rounds", "1", "--reasoning-tokens", "50"],
@@ -137,7 +137,7 @@ SMALLEST: list[tuple[str, list[str], Callable[[str], None]]] = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "args", "check"), SMALLEST, ids=[s[0] for s in SMALLEST])
 def test_each_measurement_runs_at_its_smallest(
-    name: str, args: list[str], check: Callable[[str], None]
+    name: str, args: list[str], check: Callable[[str], object]
 ) -> None:
     out = _measure(name, *args)
     assert check(out) is not False, out[-1500:]

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import h11
 import orjson
@@ -366,8 +367,8 @@ async def test_client_reuses_a_kept_alive_connection_and_a_storm_resets(
         True,
     )
     stormy = await serve(nursery, silent)
-    in_flight: set = set()
-    results: list = []
+    in_flight: set[Any] = set()
+    results: list[Any] = []
 
     async def one() -> None:
         results.append(await perform(VALID, stormy, deadline_s=5, in_flight=in_flight))

@@ -11,6 +11,7 @@ counted, while the GIL stall (100 ms and more) still is.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import httpx
 import pytest
@@ -33,7 +34,7 @@ def _prompts(seed: int) -> list[str]:
     return [" ".join(rng.choices(vocab, k=30_000)) for _ in range(CONCURRENT)]
 
 
-async def _stall_records_under_long_prompts(**config: object) -> list[dict]:
+async def _stall_records_under_long_prompts(**config: object) -> list[dict[str, Any]]:
     # The test's own blocking work comes first: httpx loads CA certificates when the
     # client is created (~0.1 s), which the detector would rightly report as a stall.
     prompts = _prompts(seed=len(config))  # built before the frontend watches its loop
@@ -55,10 +56,11 @@ async def _stall_records_under_long_prompts(**config: object) -> list[dict]:
         async with trio.open_nursery() as nursery:
             for text in prompts:
                 nursery.start_soon(one, text)
-        return (await client.get(f"{url}/debug/stalls")).json()
+        records: list[dict[str, Any]] = (await client.get(f"{url}/debug/stalls")).json()
+        return records
 
 
-def _tokenization_stalls(records: list[dict]) -> list[dict]:
+def _tokenization_stalls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Records caused by tokenization: a GIL stall, or a loop stall in the preprocess code.
 
     A busy CI box can also preempt the loop thread for a while; such records name

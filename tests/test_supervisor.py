@@ -129,7 +129,7 @@ def test_policy_defaults_and_validation() -> None:
         ({"window": 0}, "--restart-window"),
     ):
         with pytest.raises(ValueError, match=option):
-            RestartPolicy(**bad)  # type: ignore[arg-type]
+            RestartPolicy(**bad)
 
 
 def test_budget_counts_restarts_in_a_sliding_window() -> None:

@@ -15,9 +15,9 @@ import random
 import pytest
 import trio
 
-from frontend.config import usable_cpus
 from frontend.preprocess.pool import TokenizerPool
 from frontend.preprocess.tokenizer import Tokenizer
+from headwater.machine import usable_cpus
 
 # A collection of the session's heap mid-test is a stall these tests did not make.
 pytestmark = pytest.mark.usefixtures("frozen_heap")

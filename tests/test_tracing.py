@@ -307,7 +307,7 @@ async def test_a_retry_and_a_migration_are_spans_of_the_requests_tree(headwater:
     spans = exporter.get_finished_spans()
     assert len({s.context.trace_id for s in spans}) == 1
     (dispatch,) = [s for s in spans if s.name == "dispatch"]
-    legs = sorted((s for s in spans if s.name.startswith("leg ")), key=lambda s: s.start_time)
+    legs = sorted((s for s in spans if s.name.startswith("leg ")), key=lambda s: s.start_time or 0)
     assert all(s.parent is not None and s.parent.span_id == dispatch.context.span_id for s in legs)
 
     def attrs(span: ReadableSpan) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,7 +36,7 @@ ARGS = (
 )
 
 
-def own_stalls(records: list[dict]) -> list[dict]:
+def own_stalls(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Stalls of the server's own making: all but those of a host with no CPU to spare
     (``contention``: another process's load, which a test on a shared machine meets)."""
     return [r for r in records if r["cause"] != "contention"]

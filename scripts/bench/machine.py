@@ -80,7 +80,7 @@ def machine_info(repo_root: Path) -> dict[str, Any]:
             mem_gb = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in _PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)

@@ -272,7 +272,7 @@ def _mb(samples: Sequence[ProcSample], pids: Sequence[int], field: str) -> float
     chosen = [getattr(p, field) for p in samples if p.pid in pids]
     if not chosen or any(v is None for v in chosen):
         return None
-    return round(sum(chosen) / 2**20, 1)
+    return round(float(sum(chosen)) / 2**20, 1)
 
 
 # --- measuring --------------------------------------------------------------------------
@@ -289,7 +289,9 @@ async def _scrape(server: ServerInfo) -> list[LoopSnapshot | None]:
     return out
 
 
-async def _stall_records(server: ServerInfo, start: float, end: float) -> tuple[dict, ...]:
+async def _stall_records(
+    server: ServerInfo, start: float, end: float
+) -> tuple[dict[str, Any], ...]:
     """headwater's ``/debug/stalls`` records that started within [start, end] (unix), of
     every member; with several, each record gets the member's index as ``process``."""
     if server.kind != "headwater":

@@ -129,7 +129,7 @@ class Pair:
         a, b = self.headwater.get(field), self.dynamo.get(field)
         if a is None or b is None or b == 0:
             return None
-        return a / b
+        return float(a / b)
 
 
 def pairs(runs: Sequence[Record]) -> list[Pair]:
