@@ -153,3 +153,8 @@ def process_count(text: str) -> int:
     if text.strip().lower() == "auto":
         return 0
     return positive_int(text)
+
+
+def address_list(text: str) -> tuple[str, ...]:
+    """Comma-separated addresses (``tcp://a:1,tcp://b:2``), blanks dropped."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())

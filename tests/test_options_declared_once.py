@@ -211,3 +211,39 @@ def test_one_name_and_one_default_per_meaning() -> None:
         ClusterPlan.__dataclass_fields__["drain_timeout"].default,
     }
     assert drains == {30.0}
+
+
+def test_the_workers_options_are_its_configs_fields_too() -> None:
+    """headwater worker: WorkerConfig's fields and its plane listener's, declared once;
+    the rest are what the command line assembles (the engine's config, the secret and
+    TLS from files, etcd's credentials) and the plane client's internals."""
+    from headwater.cli.worker import worker_config_from_args
+    from workers.lifecycle import WorkerConfig
+
+    names = {f.name for f in dataclasses.fields(WorkerConfig)}
+    options = {f.name for f in option_fields(WorkerConfig)}
+    held = {f.name for f in sub_config_fields(WorkerConfig)}
+    assert held == {"server"}
+    assert names - options - held == {"engine_config", "secret", "tls", "etcd", "plane"}
+    parser = build_parser("worker")
+    argv = [
+        "--role",
+        "decode",
+        "--kv-peers",
+        "tcp://127.0.0.1:9001, tcp://127.0.0.1:9002",
+        "--peer-timeout",
+        "20",
+        "--max-connections",
+        "8",
+        "--lease-ttl",
+        "4",
+    ]
+    config = worker_config_from_args(parser.parse_args(argv))
+    assert config.role == "decode"
+    assert config.kv_peers == ("tcp://127.0.0.1:9001", "tcp://127.0.0.1:9002")
+    assert (config.server.heartbeat_timeout, config.server.max_connections) == (20.0, 8)
+    assert config.lease_ttl == 4
+    assert config.worker_id.startswith("decode-")
+    defaults = worker_config_from_args(parser.parse_args([]))
+    assert defaults.server == WorkerConfig(worker_id="x").server
+    assert defaults.kv_peers == ()

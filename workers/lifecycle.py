@@ -26,7 +26,13 @@ from typing import Any
 
 import trio
 
-from headwater.config_fields import DRAIN_TIMEOUT
+from headwater.config_fields import (
+    DRAIN_TIMEOUT,
+    address_list,
+    non_negative_float,
+    option,
+    sub_config,
+)
 from headwater.etcd.client import EtcdCredentials, etcd_endpoints
 from headwater.plane.connection import PlaneConfig
 from headwater.plane.kv import KvPeers, KvSource, TcpKvTransfer, open_kv_transfer
@@ -66,45 +72,65 @@ StopHook = Callable[[], Awaitable[None]]
 class WorkerConfig:
     """Everything one worker process is told; ``headwater worker --help`` lists each."""
 
-    role: Role = Role.AGG
+    role: Role = option(Role.AGG, help="what this worker does")
     #: A name in :data:`workers.engines.registry.ENGINES`.
-    engine: str = registry.DEFAULT_ENGINE
+    engine: str = option(
+        registry.DEFAULT_ENGINE, choices=tuple(registry.names()), help="engine implementation"
+    )
     #: The engine's own config (its dataclass); None: the engine's defaults.
     engine_config: Any = None
-    #: host:port to bind; port 0 picks a free one.
-    listen: str = "127.0.0.1:0"
-    #: Host put in the advertised address; default: the listen host, or this
-    #: machine's hostname when listening on a wildcard.
-    advertise_host: str = ""
-    model_name: str = "deepseek-v4"
+    listen: str = option("127.0.0.1:0", help="host:port to listen on (port 0: any free port)")
+    #: Default: the listen host, or this machine's hostname when listening on a wildcard.
+    advertise_host: str = option("", help="host in the advertised address (default: listen host)")
+    model_name: str = option("deepseek-v4", help="model name this worker serves")
     #: Unique per process; generated as ``<role>-<8 hex>`` when empty.
-    worker_id: str = ""
-    #: Seconds in-flight requests get to finish after SIGTERM.
-    drain_timeout: float = DRAIN_TIMEOUT
+    worker_id: str = option("", help="unique worker id (default: <role>-<random>)")
+    drain_timeout: float = option(
+        DRAIN_TIMEOUT,
+        type=non_negative_float,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    #: From ``--plane-secret-file`` or ``HEADWATER_PLANE_SECRET`` (never an option value).
     secret: bytes | None = field(default=None, repr=False)
     #: Mutual TLS on both of this worker's sides of the plane: its listener, and (decode,
     #: agg) its KV pulls from prefill workers; it replaces ``plane.tls``. Its certificate
     #: must name the advertised host, which :func:`serve_worker` checks. None: plain TCP.
     tls: TlsConfig | None = None
-    #: Port of the metrics endpoint; 0 = off.
-    metrics_port: int = 0
-    #: Address the metrics endpoint binds: loopback, unless a scraper elsewhere reads it.
-    metrics_host: str = "127.0.0.1"
+    metrics_port: int = option(0, help="metrics HTTP port (0 = off)")
+    #: Loopback, unless a scraper elsewhere reads it.
+    metrics_host: str = option(
+        "127.0.0.1",
+        help="address the metrics port binds (loopback by default; 0.0.0.0 for a scraper on "
+        "another host, e.g. Prometheus in a cluster)",
+    )
     #: etcd to register in (``etcd://host:port[,host:port]``); empty = no registration.
-    discovery: str = ""
-    #: Seconds the etcd lease outlives the last keep-alive: how long a crashed worker
-    #: stays registered. etcd raises values below its minimum (~2 s).
-    lease_ttl: int = 10
-    #: Prefill workers' plane addresses (``tcp://host:port``) a decode or agg worker may
-    #: pull KV from, besides those registered in etcd (``discovery``); with neither, a
-    #: worker listening on loopback pulls from loopback ones. Any other is refused.
-    kv_peers: tuple[str, ...] = ()
-    #: OTLP/HTTP collector to send this worker's traces to; "" = tracing off.
-    otlp_endpoint: str = ""
+    discovery: str = option(
+        "",
+        help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
+        "no registration; frontends then need --workers)",
+    )
+    #: etcd raises values below its minimum (~2 s).
+    lease_ttl: int = option(
+        10, help="seconds a crashed worker stays registered in etcd (lease TTL)"
+    )
+    kv_peers: tuple[str, ...] = option(
+        (),
+        type=address_list,
+        help="comma-separated tcp://host:port of the prefill workers a decode worker may "
+        "pull KV from, besides those registered in etcd (--discovery); with neither, a "
+        "worker listening on loopback pulls from loopback ones. A KV handle naming any "
+        "other address is refused",
+    )
+    otlp_endpoint: str = option(
+        "",
+        help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
+        "(default: no tracing)",
+    )
     #: How to authenticate to etcd (user and password, TLS); None: etcd is open.
     etcd: EtcdCredentials | None = field(default=None, repr=False)
     plane: PlaneConfig = field(default_factory=PlaneConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
+    #: The plane listener's limits (its options: --peer-timeout, --max-connections...).
+    server: ServerConfig = sub_config(ServerConfig, group="plane listener")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

@@ -33,11 +33,10 @@ from headwater.cli.options import (
     LOG_LEVELS,
     add_config_options,
     add_etcd_options,
+    config_from_args,
     configure_logging,
     engine_config_from_args,
     etcd_credentials_from_args,
-    non_negative_int,
-    positive_float,
 )
 from headwater.cli.preflight import check_engine, check_port
 from headwater.etcd.client import EtcdError, etcd_endpoints
@@ -45,9 +44,8 @@ from headwater.gc_tuning import tune_gc
 from headwater.logs import set_process_worker
 from headwater.malloc_tuning import keep_freed_heap
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
-from headwater.plane.server import ServerConfig, check_bind
+from headwater.plane.server import check_bind
 from headwater.plane.tls import check_certificate, tls_config
-from headwater.wire import Role
 from headwater.wire.handshake import load_secret
 from workers.engines import registry
 from workers.engines.base import EngineFailed
@@ -65,41 +63,11 @@ log = logging.getLogger("workers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = WorkerConfig(worker_id="-")
+    """``headwater worker``'s options: WorkerConfig's fields and its plane listener's,
+    generated (headwater/config_fields.py), then those that are not config fields (a
+    secret's file, TLS files, logging, etcd's credentials) and the engines' own."""
+    add_config_options(parser, WorkerConfig)
     a = parser.add_argument
-    a("--role", choices=[r.value for r in Role], default=d.role.value, help="what this worker does")
-    a("--engine", choices=registry.names(), default=d.engine, help="engine implementation")
-    a("--listen", default=d.listen, help="host:port to listen on (port 0: any free port)")
-    a("--advertise-host", default="", help="host in the advertised address (default: listen host)")
-    a("--model-name", default=d.model_name, help="model name this worker serves")
-    a("--worker-id", default="", help="unique worker id (default: <role>-<random>)")
-    a(
-        "--drain-timeout",
-        type=float,
-        default=d.drain_timeout,
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
-    a(
-        "--peer-timeout",
-        type=positive_float,
-        default=d.server.heartbeat_timeout,
-        help="seconds a plane connection may stay silent (peers ping every 5 s) before "
-        "the worker closes it and cancels its requests",
-    )
-    a(
-        "--max-connections-per-address",
-        type=non_negative_int,
-        default=d.server.max_connections_per_address,
-        help="plane connections open at once per peer IP address; one more is closed as soon "
-        "as it is accepted (0: no limit)",
-    )
-    a(
-        "--max-connections",
-        type=non_negative_int,
-        default=None,
-        help="plane connections open at once in all (default: half the process's file "
-        "descriptor limit, at most 4096; 0: no limit)",
-    )
     a(
         "--plane-secret-file",
         default=None,
@@ -133,33 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "must chain to; nothing else is trusted",
     )
     a(
-        "--kv-peers",
-        default="",
-        help="comma-separated tcp://host:port of the prefill workers a decode worker may pull "
-        "KV from, besides those registered in etcd (--discovery); with neither, a worker "
-        "listening on loopback pulls from loopback ones. A KV handle naming any other "
-        "address is refused",
-    )
-    a("--metrics-port", type=int, default=0, help="metrics HTTP port (0 = off)")
-    a(
-        "--metrics-host",
-        default=d.metrics_host,
-        help="address the metrics port binds (loopback by default; 0.0.0.0 for a "
-        "scraper on another host, e.g. Prometheus in a cluster)",
-    )
-    a(
-        "--discovery",
-        default="",
-        help="register in etcd for frontends to find, e.g. etcd://127.0.0.1:2379 (default: "
-        "no registration; frontends then need --workers)",
-    )
-    a(
-        "--lease-ttl",
-        type=int,
-        default=d.lease_ttl,
-        help="seconds a crashed worker stays registered in etcd (lease TTL)",
-    )
-    a(
         "--log-level",
         default="info",
         choices=LOG_LEVELS,
@@ -171,12 +112,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LOG_FORMATS,
         help="text lines, or one JSON object a line (docs/observability.md)",
     )
-    a(
-        "--otlp-endpoint",
-        default="",
-        help="send OpenTelemetry traces over OTLP/HTTP here, e.g. http://127.0.0.1:4318 "
-        "(default: no tracing)",
-    )
     add_etcd_options(parser)
     for name in registry.names():
         spec = registry.spec(name)
@@ -186,30 +121,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """Raises ValueError (bad values), OSError (unreadable secret file)."""
-    return WorkerConfig(
-        role=Role(args.role),
-        engine=args.engine,
+    config: WorkerConfig = config_from_args(
+        WorkerConfig,
+        args,
         engine_config=engine_config_from_args(args),
-        listen=args.listen,
-        advertise_host=args.advertise_host,
-        model_name=args.model_name,
-        worker_id=args.worker_id,
-        drain_timeout=args.drain_timeout,
-        server=ServerConfig(
-            heartbeat_timeout=args.peer_timeout,
-            max_connections_per_address=args.max_connections_per_address,
-            max_connections=args.max_connections,
-        ),
         secret=load_secret(args.plane_secret_file),
         tls=tls_config(args.plane_tls_certfile, args.plane_tls_keyfile, args.plane_tls_ca_file),
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        discovery=args.discovery,
-        lease_ttl=args.lease_ttl,
         etcd=etcd_credentials_from_args(args),
-        kv_peers=tuple(p.strip() for p in args.kv_peers.split(",") if p.strip()),
-        otlp_endpoint=args.otlp_endpoint,
     )
+    return config
 
 
 def main(args: argparse.Namespace) -> int:

@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass
 
 import trio
 
+from headwater.config_fields import non_negative_int, option, positive_float
 from headwater.plane.base import RequestHandler
 from headwater.plane.kv import KvSource, serve_pull
 from headwater.plane.sockets import unthrottle
@@ -146,7 +147,13 @@ class ServerConfig:
     #: and the longest a client takes to give up on a silent worker, so both ends of
     #: a dead connection let go within the same bound. Keep it at least a client's
     #: interval plus its timeout.
-    heartbeat_timeout: float = 15.0
+    heartbeat_timeout: float = option(
+        15.0,
+        flags=("--peer-timeout",),
+        type=positive_float,
+        help="seconds a plane connection may stay silent (peers ping every 5 s) before the "
+        "worker closes it and cancels its requests",
+    )
     #: Reply frames queued per connection before request tasks wait for the writer.
     send_queue: int = 512
     #: KV payload pieces queued per connection (``kv_queue * kv_piece_bytes`` bytes).
@@ -159,11 +166,21 @@ class ServerConfig:
     #: as it is accepted. A frontend host opens one per frontend process, a decode
     #: worker one per prefill worker: 64 leaves room, and keeps one address (a
     #: stranger's) from taking the worker's descriptors. 0: no limit.
-    max_connections_per_address: int = 64
+    max_connections_per_address: int = option(
+        64,
+        type=non_negative_int,
+        help="plane connections open at once per peer IP address; one more is closed as "
+        "soon as it is accepted (0: no limit)",
+    )
     #: Connections open at once in all; None: half the process's descriptor limit
     #: (RLIMIT_NOFILE), at most 4096, so that the engine, its logs and children keep
     #: theirs. 0: no limit.
-    max_connections: int | None = None
+    max_connections: int | None = option(
+        None,
+        type=non_negative_int,
+        help="plane connections open at once in all (default: half the process's file "
+        "descriptor limit, at most 4096; 0: no limit)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_connections_per_address < 0 or (self.max_connections or 0) < 0:
