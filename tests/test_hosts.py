@@ -1,0 +1,206 @@
+"""Several hosts, simulated: network namespaces as worker hosts, the root namespace as
+the frontend's host with etcd, and a host that fails for real (docs/deployment.md,
+"Several hosts, simulated").
+
+Test policy as tests/test_partition.py's: root with ``ip`` and ``iptables`` (skipped
+without, failed under CI=true), every address on this machine (the veth pairs the
+fixture makes), processes in the test's nursery, waits bounded by the plane's and
+etcd's own timeouts plus :data:`SLACK`, a shared plane secret (off loopback a worker
+requires one). etcd listens on the root ends of the veths, so each worker host reaches
+it as a remote one would.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+import pytest
+import trio
+from test_partition import (
+    CLIENT_DETECTS,
+    FRONTEND_ARGS,
+    HEAL_BOUND,
+    SLACK,
+    plane_env,
+    routing,
+    stream_chat,
+    unary_chat,
+    wait_routing,
+)
+
+from headwater.cluster.recipes import DEFAULT_MODEL, start_frontend, start_worker
+from headwater.etcd.client import EtcdClient
+from headwater.etcd.records import model_prefix
+from headwater.ports import free_port
+
+from etcd_fixture import require_etcd
+from netns_fixture import Netns
+
+#: The workers' etcd lease: how long a powered-off host's workers stay registered.
+LEASE_TTL = 3
+#: A fixed port on each worker host: a host that comes back serves where it did.
+WORKER_PORT = 7101
+LONG = 3000  # tokens: ~20 s at GPU speed, still streaming when the host goes
+
+
+async def _etcd_on(nursery: trio.Nursery, hosts: list[str], tmp_path: Path) -> str:
+    """An etcd listening on loopback and on each address in *hosts*; its loopback URL."""
+    binary = require_etcd()
+    port, peer = free_port(), free_port()
+    clients = ",".join(f"http://{h}:{port}" for h in ["127.0.0.1", *hosts])
+    log = (tmp_path / "etcd.log").open("wb")
+    argv = [
+        binary,
+        f"--data-dir={tmp_path / 'etcd-data'}",
+        f"--listen-client-urls={clients}",
+        f"--advertise-client-urls=http://127.0.0.1:{port}",
+        f"--listen-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+        f"--initial-cluster=default=http://127.0.0.1:{peer}",
+    ]
+    process: trio.Process = await nursery.start(
+        partial(trio.run_process, argv, stdout=log, stderr=log, check=False)
+    )
+    url = f"http://127.0.0.1:{port}"
+    with trio.fail_after(15):
+        while True:
+            try:
+                async with httpx.AsyncClient() as http:
+                    if (await http.get(url + "/health")).status_code == 200:
+                        break
+            except httpx.HTTPError:
+                pass
+            await trio.sleep(0.1)
+    nursery.start_soon(_kill_at_exit, process, log)
+    return f"{port}"
+
+
+async def _kill_at_exit(process: trio.Process, log: BinaryIO) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        process.kill()
+        log.close()
+
+
+async def _registered(etcd_port: str) -> set[str]:
+    async with EtcdClient(f"http://127.0.0.1:{etcd_port}") as etcd:
+        kvs = (await etcd.range(model_prefix(DEFAULT_MODEL), prefix=True)).kvs
+    return {kv.key.decode().rsplit("/", 1)[-1] for kv in kvs}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_worker_host_powered_off_loses_no_request_and_comes_back(
+    tmp_path: Path, make_netns: Callable[[], Netns], nursery: trio.Nursery
+) -> None:
+    """Two worker hosts and the frontend's host with etcd. Streams run on both when one
+    host goes dark: its worker killed outright and its link down at once, no drain.
+    Every stream finishes whole (the dead host's move), every new request is served,
+    the frontend stops routing there within its heartbeat bound, and etcd's lease takes
+    the dead workers out of the pool. Then the host comes back (the link up, a new
+    worker on the same address) and serves again with no frontend restart."""
+    hosts, secret = [make_netns(), make_netns()], secrets.token_hex(16)
+    env = plane_env(secret)
+    etcd_port = await _etcd_on(nursery, [h.outer for h in hosts], tmp_path)
+
+    async def worker_on(host: Netns, name: str, speedup: str) -> str:
+        worker = await start_worker(
+            nursery,
+            "agg",
+            log_dir=tmp_path,
+            name=name,
+            listen=f"{host.inner}:{WORKER_PORT}",
+            prefix_argv=host.prefix,
+            discovery=f"etcd://{host.outer}:{etcd_port}",
+            lease_ttl=LEASE_TTL,
+            env=env,
+            engine_args=["--speedup-ratio", speedup],
+        )
+        assert worker.address == f"tcp://{host.inner}:{WORKER_PORT}"
+        workers[name] = worker.pid
+        return worker.worker_id
+
+    workers: dict[str, int] = {}
+    dark, lit = hosts
+    dark_id = await worker_on(dark, "dark", "1")  # GPU speed: its streams outlive the fault
+    lit_id = await worker_on(lit, "lit", "100")
+    frontend = await start_frontend(
+        nursery,
+        log_dir=tmp_path,
+        discovery=f"etcd://127.0.0.1:{etcd_port}",
+        extra_args=FRONTEND_ARGS,
+        env=env,
+    )
+    url = frontend.address
+    await wait_routing(
+        url, lambda v: all(v.get(w, {}).get("state") == "healthy" for w in (dark_id, lit_id)), 30
+    )
+    assert await _registered(etcd_port) == {dark_id, lit_id}
+
+    tokens: dict[int, int] = {}
+    arrivals: list[list[float]] = [[] for _ in range(4)]
+    served_meanwhile: list[float] = []
+    done = trio.Event()
+
+    async def one(i: int) -> None:
+        tokens[i] = await stream_chat(url, LONG, arrivals[i])
+
+    async def traffic() -> None:
+        while not done.is_set():
+            served_meanwhile.append(await unary_chat(url))
+            await trio.sleep(0.25)
+
+    async with trio.open_nursery() as load:
+        async with trio.open_nursery() as streams:
+            for i in range(len(arrivals)):
+                streams.start_soon(one, i)
+            await wait_routing(url, lambda v: v[dark_id]["inflight"] == 2, within=30)
+            with trio.fail_after(30):
+                while not all(len(a) > 10 for a in arrivals):
+                    await trio.sleep(0.05)
+            # Power off: the process and the link at once, nothing said to anyone.
+            off_at = trio.current_time()
+            # The link first: a killed process's kernel would still say goodbye (FIN) to
+            # its peers, and a powered-off host says nothing.
+            await trio.run_process([*dark.prefix, "ip", "link", "set", dark.inner_dev, "down"])
+            os.kill(workers["dark"], signal.SIGKILL)
+            load.start_soon(traffic)
+            view = await wait_routing(
+                url, lambda v: v.get(dark_id, {}).get("state") != "healthy", CLIENT_DETECTS + SLACK
+            )
+            left_routing = trio.current_time() - off_at
+        # etcd forgets the dead worker once its lease runs out.
+        with trio.fail_after(LEASE_TTL + SLACK + 5):
+            while dark_id in await _registered(etcd_port):
+                await trio.sleep(0.2)
+        lease_gone = trio.current_time() - off_at
+        await wait_routing(url, lambda v: dark_id not in v, SLACK)
+        done.set()
+
+    assert tokens == {i: LONG for i in range(len(arrivals))}  # whole: no request lost
+    assert served_meanwhile  # and the new ones all answered (unary_chat asserts 200)
+    assert left_routing <= CLIENT_DETECTS + SLACK, (left_routing, view[dark_id])
+    assert lease_gone <= LEASE_TTL + SLACK + 5
+
+    # The host comes back: its link up, a new worker where the old one listened.
+    await trio.run_process([*dark.prefix, "ip", "link", "set", dark.inner_dev, "up"])
+    back_id = await worker_on(dark, "dark-again", "100")
+    served = 0
+    with trio.fail_after(HEAL_BOUND + 10):
+        while not served:
+            await unary_chat(url)
+            served = (await routing(url)).get(back_id, {}).get("served", 0)
+            await trio.sleep(0.2)
+    assert await _registered(etcd_port) == {back_id, lit_id}
+    print(
+        f"host off: left routing after {left_routing:.2f} s, lease gone after "
+        f"{lease_gone:.2f} s; {len(served_meanwhile)} requests served meanwhile"
+    )
