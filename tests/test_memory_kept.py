@@ -96,3 +96,26 @@ async def test_an_etcd_clients_responses_wait_for_a_collection() -> None:
             assert sum(isinstance(o, httpx.Response) for o in gc.get_objects()) == 0
         finally:
             gc.enable()
+
+
+async def test_a_worker_never_idle_collects_after_its_busy_limit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    activity = Activity(idle_after_s=1.0)
+    activity.use_clock(trio.current_time)
+    calls: list[float] = []
+
+    class Counting(IdleCollector):
+        def __call__(self) -> None:
+            calls.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: collect_when_idle(activity, busy_limit_s=60.0, collector=Counting())
+        )
+        with activity:  # steady load: one request after another, never idle
+            for _ in range(150):
+                with activity:
+                    await trio.sleep(1)
+        assert 2 <= len(calls) <= 3  # about every 60 s of the 150 s, none idle
+        nursery.cancel_scope.cancel()

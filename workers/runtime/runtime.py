@@ -25,10 +25,11 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager, nullcontext, suppress
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
-from headwater.gc_tuning import collect_when_idle
+from headwater.gc_tuning import WORKER_BUSY_LIMIT_S, collect_when_idle
 from headwater.instrumentation import Activity
 from headwater.logs import request_context
 from headwater.plane.base import WorkerError
@@ -77,7 +78,9 @@ async def open_runtime(engine: Engine, worker_id: str) -> AsyncIterator[WorkerRu
         await nursery.start(engine.run)
         runtime = WorkerRuntime(engine, worker_id, nursery)
         # Cyclic garbage collected when the worker goes idle (headwater/gc_tuning.py).
-        nursery.start_soon(collect_when_idle, runtime.activity)
+        nursery.start_soon(
+            partial(collect_when_idle, runtime.activity, busy_limit_s=WORKER_BUSY_LIMIT_S)
+        )
         yield runtime
         nursery.cancel_scope.cancel()
 
