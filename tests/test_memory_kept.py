@@ -47,19 +47,27 @@ def test_the_idle_collector_collects_at_most_once_per_interval(
     assert collector.collections == 2
 
 
+class Counting(IdleCollector):
+    """Records when it would collect (on trio's clock), and collects nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[float] = []
+
+    def __call__(self) -> None:
+        self.calls.append(trio.current_time())
+
+
 async def test_a_process_collects_once_each_time_it_goes_idle_after_work(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     activity = Activity(idle_after_s=1.0)
     activity.use_clock(trio.current_time)
-    calls: list[float] = []
-
-    class Counting(IdleCollector):
-        def __call__(self) -> None:
-            calls.append(trio.current_time())
+    counting = Counting()
+    calls = counting.calls
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: collect_when_idle(activity, collector=Counting()))
+        nursery.start_soon(lambda: collect_when_idle(activity, collector=counting))
         await trio.sleep(10)
         assert calls == []  # idle from the start: no work, nothing to collect
         with activity:  # a request...
@@ -103,15 +111,12 @@ async def test_a_worker_never_idle_collects_after_its_busy_limit(
 ) -> None:
     activity = Activity(idle_after_s=1.0)
     activity.use_clock(trio.current_time)
-    calls: list[float] = []
-
-    class Counting(IdleCollector):
-        def __call__(self) -> None:
-            calls.append(trio.current_time())
+    counting = Counting()
+    calls = counting.calls
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            lambda: collect_when_idle(activity, busy_limit_s=60.0, collector=Counting())
+            lambda: collect_when_idle(activity, busy_limit_s=60.0, collector=counting)
         )
         with activity:  # steady load: one request after another, never idle
             for _ in range(150):
