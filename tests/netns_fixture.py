@@ -86,6 +86,7 @@ class Netns:
     outer_dev: str
     inner_dev: str
     partitioned: bool = field(default=False, init=False)
+    _port: int | None = field(default=None, init=False)  # partitioned from this port only
 
     @property
     def prefix(self) -> tuple[str, ...]:
@@ -93,9 +94,15 @@ class Netns:
         return ("ip", "netns", "exec", self.name)
 
     def _rules(self) -> list[list[str]]:
+        if self._port is None:
+            return [
+                ["INPUT", "-i", self.inner_dev, "-j", "DROP"],
+                ["OUTPUT", "-o", self.inner_dev, "-j", "DROP"],
+            ]
+        port = str(self._port)
         return [
-            ["INPUT", "-i", self.inner_dev, "-j", "DROP"],
-            ["OUTPUT", "-o", self.inner_dev, "-j", "DROP"],
+            ["INPUT", "-i", self.inner_dev, "-p", "tcp", "--sport", port, "-j", "DROP"],
+            ["OUTPUT", "-o", self.inner_dev, "-p", "tcp", "--dport", port, "-j", "DROP"],
         ]
 
     async def _iptables(self, op: str) -> None:
@@ -103,10 +110,13 @@ class Netns:
             with trio.fail_after(_COMMAND_TIMEOUT):
                 await trio.run_process([*self.prefix, "iptables", op, *rule], capture_stderr=True)
 
-    async def partition(self) -> None:
-        """Drop every packet in and out of the namespace's veth from now on."""
+    async def partition(self, port: int | None = None) -> None:
+        """Drop every packet in and out of the namespace's veth from now on; with
+        *port*, only the TCP packets to and from that port on the other side (cut off
+        from one service, say etcd, and not from the rest)."""
         if not self.partitioned:
             self.partitioned = True  # before: a half-applied partition is still healed
+            self._port = port
             await self._iptables("-I")
 
     async def heal(self) -> None:

@@ -100,6 +100,15 @@ class FakeClient(WorkerClient):
         self.instance = instance
         self.closed = False
         self.closed_event = trio.Event()
+        self.alive = False  # vouches for its connection (a TCP client's heartbeats)
+        self.lost = trio.Event()
+
+    @property
+    def reachable(self) -> bool:
+        return self.alive and not self.lost.is_set()
+
+    async def wait_lost(self) -> None:
+        await self.lost.wait()
 
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:
         raise NotImplementedError
@@ -589,6 +598,47 @@ async def test_membership_add_drain_remove(
     await trio.testing.wait_all_tasks_blocked()
     assert {c.instance.worker_id: c.closed for c in connect.clients} == {"p": True, "d": False}
     assert membership.statistics().connected == 1
+
+
+async def test_membership_keeps_a_reachable_worker_discovery_lost(
+    membership_parts: tuple[Router, FakeConnect, Membership],
+) -> None:
+    """Discovery going stale (a lease expired behind a partition from etcd) does not
+    empty the router: a worker whose connection is alive stays routed until that
+    connection is lost or discovery lists it again; a goodbye (drained first) or a
+    client that cannot vouch for its connection still removes at once."""
+    router, connect, membership = membership_parts
+    for wid in ("w", "bye", "mute"):
+        membership.worker_added(inst(wid))
+    await wait_router(router, lambda: len(states(router)) == 3)
+    clients = {c.instance.worker_id: c for c in connect.clients}
+    w, bye = clients["w"], clients["bye"]
+    w.alive = bye.alive = True  # "mute" cannot tell: the base class's answer
+
+    membership.worker_removed("w")
+    membership.worker_draining("bye")
+    membership.worker_removed("bye")
+    membership.worker_removed("mute")
+    await trio.testing.wait_all_tasks_blocked()
+    assert states(router) == {"w": WorkerState.HEALTHY}
+    assert (membership.statistics().unlisted, w.closed) == (1, False)
+
+    membership.worker_added(inst("w"))  # registered again: the same connection, listed
+    await trio.testing.wait_all_tasks_blocked()
+    assert membership.statistics().unlisted == 0
+    w.lost.set()  # a listed worker's lost connection is the client's to retry
+    await trio.testing.wait_all_tasks_blocked()
+    assert (states(router), w.closed) == ({"w": WorkerState.HEALTHY}, False)
+
+    w.lost = trio.Event()
+    membership.worker_removed("w")
+    await trio.testing.wait_all_tasks_blocked()
+    assert "w" in states(router)
+    w.lost.set()  # and an unlisted one's is the end of it
+    await wait_router(router, lambda: not states(router))
+    await trio.testing.wait_all_tasks_blocked()
+    assert [c.closed for c in connect.clients] == [True, True, True]
+    assert membership.statistics().unlisted == 0
 
 
 async def test_membership_retries_failed_connect(autojump_clock: trio.abc.Clock) -> None:

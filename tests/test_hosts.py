@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 from collections.abc import Callable
+from contextlib import suppress
 from functools import partial
 from pathlib import Path
 from typing import BinaryIO
@@ -28,14 +29,22 @@ from test_partition import (
     FRONTEND_ARGS,
     HEAL_BOUND,
     SLACK,
+    largest_gap,
     plane_env,
     routing,
+    stats_client,
     stream_chat,
     unary_chat,
     wait_routing,
 )
 
-from headwater.cluster.recipes import DEFAULT_MODEL, start_frontend, start_worker
+from headwater.cluster.recipes import (
+    DEFAULT_MODEL,
+    WorkerProcess,
+    start_frontend,
+    start_worker,
+    wait_healthy,
+)
 from headwater.etcd.client import EtcdClient
 from headwater.etcd.records import model_prefix
 from headwater.ports import free_port
@@ -90,6 +99,32 @@ async def _kill_at_exit(process: trio.Process, log: BinaryIO) -> None:
         log.close()
 
 
+async def _worker_on(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    host: Netns,
+    name: str,
+    etcd_port: str,
+    env: dict[str, str],
+    speedup: str,
+) -> WorkerProcess:
+    """A worker on *host*, at its fixed port, registered through etcd on a short lease."""
+    worker = await start_worker(
+        nursery,
+        "agg",
+        log_dir=tmp_path,
+        name=name,
+        listen=f"{host.inner}:{WORKER_PORT}",
+        prefix_argv=host.prefix,
+        discovery=f"etcd://{host.outer}:{etcd_port}",
+        lease_ttl=LEASE_TTL,
+        env=env,
+        engine_args=["--speedup-ratio", speedup],
+    )
+    assert worker.address == f"tcp://{host.inner}:{WORKER_PORT}"
+    return worker
+
+
 async def _registered(etcd_port: str) -> set[str]:
     async with EtcdClient(f"http://127.0.0.1:{etcd_port}") as etcd:
         kvs = (await etcd.range(model_prefix(DEFAULT_MODEL), prefix=True)).kvs
@@ -112,19 +147,7 @@ async def test_a_worker_host_powered_off_loses_no_request_and_comes_back(
     etcd_port = await _etcd_on(nursery, [h.outer for h in hosts], tmp_path)
 
     async def worker_on(host: Netns, name: str, speedup: str) -> str:
-        worker = await start_worker(
-            nursery,
-            "agg",
-            log_dir=tmp_path,
-            name=name,
-            listen=f"{host.inner}:{WORKER_PORT}",
-            prefix_argv=host.prefix,
-            discovery=f"etcd://{host.outer}:{etcd_port}",
-            lease_ttl=LEASE_TTL,
-            env=env,
-            engine_args=["--speedup-ratio", speedup],
-        )
-        assert worker.address == f"tcp://{host.inner}:{WORKER_PORT}"
+        worker = await _worker_on(nursery, tmp_path, host, name, etcd_port, env, speedup)
         workers[name] = worker.pid
         return worker.worker_id
 
@@ -203,4 +226,169 @@ async def test_a_worker_host_powered_off_loses_no_request_and_comes_back(
     print(
         f"host off: left routing after {left_routing:.2f} s, lease gone after "
         f"{lease_gone:.2f} s; {len(served_meanwhile)} requests served meanwhile"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_etcd_partitioned_from_the_workers_empties_no_routing_table(
+    tmp_path: Path, make_netns: Callable[[], Netns], nursery: trio.Nursery
+) -> None:
+    """etcd's host (the frontend's) cut off from both worker hosts for longer than the
+    lease, the plane between them untouched: the leases expire and etcd forgets both
+    workers, but the frontend keeps routing to them (their connections are alive), no
+    stream or request is lost; a worker killed meanwhile still leaves routing at its
+    heartbeat bound; healed, the survivor registers again and stays."""
+    hosts, secret = [make_netns(), make_netns()], secrets.token_hex(16)
+    env = plane_env(secret)
+    etcd_port = await _etcd_on(nursery, [h.outer for h in hosts], tmp_path)
+    kept = await _worker_on(nursery, tmp_path, hosts[0], "kept", etcd_port, env, "1")
+    doomed = await _worker_on(nursery, tmp_path, hosts[1], "doomed", etcd_port, env, "100")
+    frontend = await start_frontend(
+        nursery,
+        log_dir=tmp_path,
+        discovery=f"etcd://127.0.0.1:{etcd_port}",
+        extra_args=FRONTEND_ARGS,
+        env=env,
+    )
+    url, ids = frontend.address, (kept.worker_id, doomed.worker_id)
+    await wait_routing(url, lambda v: all(v.get(w, {}).get("state") == "healthy" for w in ids), 30)
+
+    tokens: list[int] = []
+    arrivals: list[float] = []
+
+    async def one() -> None:
+        tokens.append(await stream_chat(url, LONG, arrivals))
+
+    async with trio.open_nursery() as streams:
+        streams.start_soon(one)
+        with trio.fail_after(30):
+            while len(arrivals) < 10:
+                await trio.sleep(0.05)
+        for host in hosts:  # etcd's port only: the plane still flows
+            await host.partition(port=int(etcd_port))
+        cut_at = trio.current_time()
+        with trio.fail_after(LEASE_TTL + SLACK + 5):
+            while await _registered(etcd_port):
+                await trio.sleep(0.2)
+        forgotten = trio.current_time() - cut_at
+        # Discovery says nobody; the plane says both: both stay routed and serve.
+        before = await routing(url)
+        for _ in range(8):
+            await unary_chat(url)
+        view = await routing(url)
+        assert {w: view[w]["state"] for w in ids} == {w: "healthy" for w in ids}
+        assert all(view[w]["served"] > before[w]["served"] for w in ids), (before, view)
+        # A worker that dies while unlisted still goes, at its connection's bound.
+        died_at = trio.current_time()
+        os.kill(doomed.pid, signal.SIGKILL)
+        await wait_routing(url, lambda v: doomed.worker_id not in v, CLIENT_DETECTS + SLACK)
+        dropped = trio.current_time() - died_at
+        for host in hosts:
+            await host.heal()
+        healed_at = trio.current_time()
+        with trio.fail_after(30):
+            while await _registered(etcd_port) != {kept.worker_id}:
+                await trio.sleep(0.2)
+        registered_again = trio.current_time() - healed_at
+    assert tokens == [LONG]  # the stream on the kept worker ran through it all, whole
+    await unary_chat(url)
+    assert set(await routing(url)) == {kept.worker_id}
+    log = (tmp_path / "frontend.log").read_text()
+    assert f"worker {kept.worker_id} is listed by discovery again" in log
+    print(
+        f"etcd partition: etcd forgot both workers after {forgotten:.2f} s, both still "
+        f"served; a worker killed meanwhile left routing after {dropped:.2f} s; "
+        f"registered again {registered_again:.2f} s after the heal"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_two_frontends_on_two_hosts_one_killed_the_other_unaffected(
+    tmp_path: Path, make_netns: Callable[[], Netns], nursery: trio.Nursery
+) -> None:
+    """Two frontend hosts (namespaces) in front of the same two workers and etcd (the
+    root namespace's host). Both serve; one frontend is killed outright mid-stream: the
+    other's streams finish whole without a pause, its new requests are all served, and
+    the workers free the dead frontend's requests."""
+    hosts, secret = [make_netns(), make_netns()], secrets.token_hex(16)
+    env = plane_env(secret)
+    etcd_port = await _etcd_on(nursery, [h.outer for h in hosts], tmp_path)
+    for host in hosts[1:]:  # the second host reaches the first's address through ours
+        await trio.run_process([*host.prefix, "ip", "route", "add", "default", "via", host.outer])
+    workers = [
+        await start_worker(
+            nursery,
+            "agg",
+            log_dir=tmp_path,
+            name=f"worker-{i}",
+            listen=f"{hosts[0].outer}:0",
+            discovery=f"etcd://127.0.0.1:{etcd_port}",
+            env=env,
+            engine_args=["--speedup-ratio", "1"],
+        )
+        for i in range(2)
+    ]
+    frontends = [
+        await start_frontend(
+            nursery,
+            log_dir=tmp_path,
+            name=f"frontend-{i}",
+            host=host.inner,
+            prefix_argv=host.prefix,
+            discovery=f"etcd://{host.outer}:{etcd_port}",
+            extra_args=FRONTEND_ARGS,
+            env=env,
+        )
+        for i, host in enumerate(hosts)
+    ]
+    for frontend in frontends:
+        await wait_healthy(frontend.address, within=30, child=frontend)
+        await wait_routing(frontend.address, lambda v: len(v) == 2, 30)
+    doomed, survivor = (f.address for f in frontends)
+    clients = [await stats_client(nursery, w, secret) for w in workers]
+
+    async def inflight() -> int:
+        return sum([int((await c.fetch_stats())["inflight"]) for c in clients])
+
+    tokens: list[int] = []
+    arrivals: list[list[float]] = [[], []]
+    served_after: list[float] = []
+
+    async def orphan() -> None:  # its frontend dies under it
+        with suppress(httpx.HTTPError):
+            await stream_chat(doomed, LONG, [])
+
+    async def kept(i: int) -> None:
+        tokens.append(await stream_chat(survivor, LONG, arrivals[i]))
+
+    async with trio.open_nursery() as streams:
+        for i in range(2):
+            streams.start_soon(orphan)
+            streams.start_soon(kept, i)
+        with trio.fail_after(30):
+            while not (all(len(a) > 10 for a in arrivals) and await inflight() == 4):
+                await trio.sleep(0.05)
+        killed_at = trio.current_time()
+        os.kill(frontends[0].pid, signal.SIGKILL)
+        with trio.fail_after(SLACK):
+            while await inflight() != 2:  # the dead frontend's two, cancelled
+                await trio.sleep(0.1)
+        freed = trio.current_time() - killed_at
+        for _ in range(4):
+            served_after.append(await unary_chat(survivor))
+    assert tokens == [LONG, LONG]
+    gaps = [largest_gap(a) for a in arrivals]
+    assert all(end - start < 2.0 for start, end in gaps), gaps  # no pause at the kill
+    assert await inflight() == 0
+    stats = [await c.fetch_stats() for c in clients]
+    assert sum(int(s["cancelled_total"]) for s in stats) == 2
+    view = await routing(survivor)
+    assert {v["state"] for v in view.values()} == {"healthy"}
+    for c in clients:
+        await c.aclose()
+    print(
+        f"two frontends: one killed, its requests freed on the workers after {freed:.2f} s; "
+        f"the other's streams whole, widest gap {max(e - s for s, e in gaps):.2f} s"
     )

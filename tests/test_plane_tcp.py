@@ -550,6 +550,20 @@ async def test_heartbeat_loss_fails_inflight_streams(
     assert client.statistics().disconnects_total == 1
 
 
+async def test_reachable_until_the_heartbeats_stop(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """What membership asks of a worker discovery no longer lists: is the connection
+    alive, and when is it lost. A silent worker is lost at its heartbeat deadline."""
+    worker = ScriptedWorker(answer_pings=False)
+    client = await fake_client(nursery, worker, heartbeat_interval=1.0, heartbeat_timeout=2.0)
+    assert client.reachable
+    start = trio.current_time()
+    await client.wait_lost()
+    assert trio.current_time() - start == 1.0 + 2.0
+    assert not client.reachable
+
+
 async def test_answered_heartbeats_keep_an_idle_connection(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

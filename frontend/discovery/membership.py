@@ -9,7 +9,8 @@ owns:
   worker was known under another address or incarnation, the old client is
   removed and closed first.
 * ``worker_removed`` → ``router.remove`` now, close the client in the background
-  (bounded by ``close_timeout``, shielded).
+  (bounded by ``close_timeout``, shielded) — unless the worker is *unlisted but
+  reachable*, below.
 * ``worker_draining`` → ``router.set_draining`` (also applied when a pending
   connection completes later).
 
@@ -17,6 +18,15 @@ Wiring::
 
     async with open_membership(router, connect_worker) as membership:
         await nursery.start(discovery.run, membership)
+
+Discovery going stale must not empty the routing table. A worker cut off from etcd
+(a partition between its host and etcd's) loses its lease and its key while it
+serves on: discovery reports it removed, though its plane connection, checked by
+heartbeats every second, says it is there. So a removal of a worker that was not
+draining (a goodbye drains first) and whose client is ``reachable`` leaves it
+routed, *unlisted*, until that connection is lost (then it goes, as a removal would
+have) or discovery lists it again (it re-registers when etcd is back). Discovery
+decides who may join; the connection decides who is still there.
 
 Sink calls do only bookkeeping and ``start_soon``, so a burst of changes costs no
 buffer beyond one task per connecting worker. *connect* is called from a task of
@@ -52,6 +62,7 @@ class MembershipStats:
     connected: int  # clients in the router that this membership opened
     connecting: int  # workers whose connection is pending or being retried
     draining: int
+    unlisted: int  # removed by discovery, still routed while their connection lives
     connect_failures_total: int
 
 
@@ -98,6 +109,7 @@ class Membership:
         self._clients: dict[str, WorkerClient] = {}
         self._pending: dict[str, tuple[WorkerInstance, trio.CancelScope]] = {}
         self._draining: set[str] = set()
+        self._unlisted: dict[str, trio.CancelScope] = {}  # id → its watch on the connection
         self._failures = 0
         #: Workers whose connection is pending: ``await connecting.wait_value(0)``
         #: waits until every reported worker is in the router (or was removed).
@@ -127,6 +139,7 @@ class Membership:
             connected=len(self._clients),
             connecting=len(self._pending),
             draining=len(self._draining),
+            unlisted=len(self._unlisted),
             connect_failures_total=self._failures,
         )
 
@@ -136,6 +149,7 @@ class Membership:
         nursery = self._require_nursery()
         wid = instance.worker_id
         self._draining.discard(wid)
+        self._relist(wid)
         pending = self._pending.get(wid)
         if pending is not None:
             if _same(pending[0], instance):
@@ -155,12 +169,24 @@ class Membership:
         nursery.start_soon(self._connect, instance, scope, name=f"connect {wid}")
 
     def worker_removed(self, worker_id: str) -> None:
-        self._require_nursery()
+        nursery = self._require_nursery()
+        said_goodbye = worker_id in self._draining
         self._draining.discard(worker_id)
         pending = self._pending.pop(worker_id, None)
         self._count_pending()
         if pending is not None:
             pending[1].cancel()
+        client = self._clients.get(worker_id)
+        if client is not None and not said_goodbye and client.reachable:
+            if worker_id not in self._unlisted:
+                log.warning(
+                    "worker %s left discovery without draining (its lease expired?) but "
+                    "its connection is alive: still routed until that connection is lost",
+                    worker_id,
+                )
+                scope = self._unlisted[worker_id] = trio.CancelScope()
+                nursery.start_soon(self._route_while_reachable, client, scope)
+            return
         self._drop(worker_id)
 
     def worker_draining(self, worker_id: str) -> None:
@@ -174,8 +200,27 @@ class Membership:
             raise RuntimeError("Membership used after its open_membership() block ended")
         return self._nursery
 
+    def _relist(self, worker_id: str) -> None:
+        scope = self._unlisted.pop(worker_id, None)
+        if scope is not None:
+            scope.cancel()
+            log.info("worker %s is listed by discovery again", worker_id)
+
+    async def _route_while_reachable(self, client: WorkerClient, scope: trio.CancelScope) -> None:
+        """An unlisted worker (module doc): drop it once its connection is lost, unless
+        *scope* is cancelled first (listed again, or dropped for another reason)."""
+        wid = client.instance.worker_id
+        with scope:
+            await client.wait_lost()
+            log.warning("unlisted worker %s lost its connection: removed", wid)
+            self._unlisted.pop(wid, None)
+            self._drop(wid)
+
     def _drop(self, worker_id: str) -> None:
         nursery = self._require_nursery()
+        scope = self._unlisted.pop(worker_id, None)
+        if scope is not None:
+            scope.cancel()
         ours = self._clients.pop(worker_id, None)
         routed = self.router.remove(worker_id)  # may be another owner's: ours to close now
         for client in (ours, routed if routed is not ours else None):

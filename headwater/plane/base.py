@@ -205,6 +205,18 @@ class WorkerClient(abc.ABC):
         worker itself (the TCP handshake) says that instead."""
         return self.instance.capabilities or BASELINE
 
+    @property
+    def reachable(self) -> bool:
+        """True while this client holds a live connection to the worker, one its
+        heartbeats vouch for. A transport that cannot tell says False: membership then
+        believes discovery alone (see ``frontend.discovery.membership``)."""
+        return False
+
+    async def wait_lost(self) -> None:
+        """Return once the connection :attr:`reachable` vouched for is lost (at once
+        when there is none)."""
+        await trio.lowlevel.checkpoint()
+
     @abc.abstractmethod
     def stream(self, request: GenerateRequest) -> AbstractAsyncContextManager[ResponseStream]:
         """Send *request*; enter once ACKed (raises CannotConnect otherwise).

@@ -250,6 +250,19 @@ class TcpWorkerClient(WorkerClient):
         that declares nothing, what discovery said (see :class:`WorkerClient`)."""
         return self._declared or super().capabilities
 
+    @property
+    def reachable(self) -> bool:
+        """Connected, the connection alive by its heartbeats (a draining one is not:
+        the worker said goodbye)."""
+        conn = self._conn
+        live = conn is not None and not conn.unusable.is_set()
+        return live and self.state is ClientState.CONNECTED
+
+    async def wait_lost(self) -> None:
+        """Return once the current connection is lost: a heartbeat timeout, a reset,
+        the worker's goaway, or :meth:`aclose`."""
+        await self._state.wait_value(lambda state: state is not ClientState.CONNECTED)
+
     def release_kv(self, handle: KvHandle) -> None:
         """Queue a ``kv_release`` on the live connection (a draining one too: the
         worker still holds the KV). Without one there is nothing to do: a worker we
