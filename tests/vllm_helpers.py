@@ -48,8 +48,9 @@ Metrics = list[tuple[str, dict[str, str], float]]
 
 
 async def vllm_metrics(url: str) -> Metrics:
-    """vLLM's /metrics as (series name, labels, value) entries."""
-    async with httpx.AsyncClient(timeout=10) as http:
+    """vLLM's /metrics as (series name, labels, value) entries. Generous: on two shared
+    cores an engine restarted by the test before may keep its API server busy a while."""
+    async with httpx.AsyncClient(timeout=60) as http:
         r = await http.get(url + "/metrics")
     r.raise_for_status()
     entries: Metrics = []
