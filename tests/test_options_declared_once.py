@@ -18,7 +18,12 @@ import pytest
 from frontend.choices import Layout, Policy
 from frontend.config import FrontendConfig
 from headwater.cli import build_parser, env_name
-from headwater.cli.options import add_config_options, apply_env_defaults, config_argv
+from headwater.cli.options import (
+    add_config_options,
+    apply_env_defaults,
+    config_argv,
+    declared_flags,
+)
 from headwater.cli.options import config_from_args as generic_config_from_args
 from headwater.cli.serve import frontend_config_from_args
 from headwater.config_fields import (
@@ -247,3 +252,30 @@ def test_the_workers_options_are_its_configs_fields_too() -> None:
     defaults = worker_config_from_args(parser.parse_args([]))
     assert defaults.server == WorkerConfig(worker_id="x").server
     assert defaults.kv_peers == ()
+
+
+def test_the_launchers_options_are_its_configs_fields_too() -> None:
+    """headwater launch: LaunchConfig's fields (its restart policy a sub-config, shared
+    with serve's supervisor) are its options, and the plan is made from the config."""
+    from headwater.cli.launch import LaunchConfig, plan_from_args
+    from headwater.cluster.supervisor import RestartPolicy
+    from workers.engines import registry
+
+    parser = build_parser("launch")
+    engines = set().union(*(declared_flags(registry.config_type(n)) for n in registry.names()))
+    launch_flags = {a.option_strings[0] for a in parser._actions if a.option_strings}
+    assert launch_flags - engines - {"-h"} == declared_flags(LaunchConfig)
+    assert {f.name for f in dataclasses.fields(LaunchConfig)} == (
+        {f.name for f in option_fields(LaunchConfig)}
+        | {f.name for f in sub_config_fields(LaunchConfig)}
+    )
+    argv = ["--agg", "2", "--port", "0", "--discovery", "static", "--restart-budget", "0"]
+    plan = plan_from_args(parser.parse_args([*argv, "--worker-metrics", "--", "--router", "p2c"]))
+    assert (plan.agg, plan.prefill, plan.decode, plan.port) == (2, 0, 0, 0)
+    assert plan.restart == RestartPolicy(budget=0)
+    assert plan.worker_metrics is True
+    assert plan.serve_args[:2] == ("--router", "p2c")
+    defaults = plan_from_args(parser.parse_args(["--port", "0", "--discovery", "static"]))
+    assert (defaults.prefill, defaults.decode, defaults.restart) == (1, 1, RestartPolicy())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--restart-budget", "-1"])  # the policy's own value type

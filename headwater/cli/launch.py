@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -54,14 +55,15 @@ from headwater.cli.options import (
     LOG_FORMATS,
     LOG_LEVELS,
     add_config_options,
-    add_restart_options,
     config_argv,
     config_from_args,
     configure_logging,
     engine_config_from_args,
     engine_frontend_defaults,
+    non_negative_float,
     non_negative_int,
-    restart_policy_from_args,
+    positive_float,
+    positive_int,
 )
 from headwater.cli.preflight import check_engine, check_port
 from headwater.cli.secret_args import API_KEYS_ENV, api_keys_to_env, hide_in_cmdline
@@ -74,14 +76,22 @@ from headwater.cluster.launch import (
     run_cluster,
 )
 from headwater.cluster.recipes import DEFAULT_MODEL
-from headwater.config_fields import DRAIN_TIMEOUT
+from headwater.cluster.supervisor import RestartPolicy
+from headwater.config_fields import DRAIN_TIMEOUT, option, sub_config
 from workers.engines import registry
 from workers.engines.config import EngineConfig
 
 #: serve options the launcher sets itself; refused after ``--``.
 OWNED_SERVE_OPTIONS = ("--host", "--port", "--model-name", "--workers", "--discovery")
 
-__all__ = ["CLUSTER_READY_PREFIX", "ClusterPlan", "add_arguments", "main", "plan_from_args"]
+__all__ = [
+    "CLUSTER_READY_PREFIX",
+    "ClusterPlan",
+    "LaunchConfig",
+    "add_arguments",
+    "main",
+    "plan_from_args",
+]
 
 
 def _discovery(text: str) -> str:
@@ -90,83 +100,84 @@ def _discovery(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected etcd, static or etcd://HOST:PORT, got {text!r}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    a = parser.add_argument
-    a(
-        "--prefill",
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """``headwater launch``'s own options, declared once (headwater/config_fields.py):
+    the parser, the ``HEADWATER_*`` variables, ``--help`` and docs/cli.md are made from
+    these fields, and :func:`plan_from_args` turns the parsed config into a
+    :class:`ClusterPlan`. The engine's options are the engine's config's; what follows
+    ``--`` is serve's."""
+
+    prefill: int | None = option(
+        None,
         type=non_negative_int,
-        default=None,
         help="prefill workers (with no worker count given: 1 prefill + 1 decode)",
     )
-    a("--decode", type=non_negative_int, default=None, help="decode workers")
-    a("--agg", type=non_negative_int, default=None, help="aggregated workers")
-    a("--engine", choices=registry.names(), default=registry.DEFAULT_ENGINE, help="workers' engine")
-    a(
-        "--discovery",
+    decode: int | None = option(None, type=non_negative_int, help="decode workers")
+    agg: int | None = option(None, type=non_negative_int, help="aggregated workers")
+    engine: str = option(
+        registry.DEFAULT_ENGINE, choices=tuple(registry.names()), help="workers' engine"
+    )
+    discovery: str | None = option(
+        None,
         type=_discovery,
-        default=None,
         help="etcd: start an etcd and register the workers there (default when the etcd "
         "binary is found); static: no etcd, the frontend gets --workers; etcd://HOST:PORT: "
         "use that etcd",
     )
-    a(
-        "--etcd-binary",
-        default="",
-        help=f"etcd executable (default: ${ETCD_BIN_ENV}, else etcd on PATH)",
+    etcd_binary: str = option(
+        "", help=f"etcd executable (default: ${ETCD_BIN_ENV}, else etcd on PATH)"
     )
-    a("--port", type=int, default=8000, help="frontend port (0: any free port)")
-    a("--model-name", default=DEFAULT_MODEL, help="model served (frontend and workers)")
-    a(
-        "--extra-model",
-        dest="extra_models",
-        action="append",
-        default=[],
+    port: int = option(8000, help="frontend port (0: any free port)")
+    model_name: str = option(DEFAULT_MODEL, help="model served (frontend and workers)")
+    extra_models: tuple[str, ...] = option(
+        (),
+        flags=("--extra-model",),
+        repeat=True,
         metavar='"NAME ENGINE [ROLE=N ...] [ENGINE OPTION ...]"',
         help="workers of another model too, served by the same frontend: "
         '"coder scripted agg=1 --script answers.jsonl" (roles: prefill, decode, agg; '
         "default agg=1); repeat for more",
     )
-    a("--lease-ttl", type=int, default=10, help="workers' etcd lease TTL (s)")
-    a(
-        "--drain-timeout",
-        type=float,
-        default=DRAIN_TIMEOUT,  # serve's and worker's too
+    lease_ttl: int = option(10, type=positive_int, help="workers' etcd lease TTL (s)")
+    drain_timeout: float = option(
+        DRAIN_TIMEOUT,  # serve's and worker's too
+        type=non_negative_float,
         help="seconds the frontend and each worker get to finish their requests at shutdown",
     )
-    a("--worker-args", default="", help='more worker options, one string: "--block-size 32"')
-    a(
-        "--worker-metrics",
-        action="store_true",
+    worker_args: str = option("", help='more worker options, one string: "--block-size 32"')
+    worker_metrics: bool = option(
+        False,
         help="each worker serves /metrics (and /debug/*) on a free loopback port of its own, "
         "listed once the cluster is up (a restart keeps the port)",
     )
-    a(
-        "--workdir",
-        default=None,
+    workdir: str | None = option(
+        None,
         help="directory for logs and etcd data (default: a temporary one, removed after a "
         "clean stop)",
     )
-    a(
-        "--start-timeout",
-        type=float,
-        default=60.0,
+    start_timeout: float = option(
+        60.0,
+        type=positive_float,
         help="seconds each process gets to start (a restart too), and the frontend to "
         "become healthy",
     )
-    add_restart_options(parser, "the cluster")
-    a("--log-level", default="info", choices=LOG_LEVELS, help="the launcher's log level")
-    a(
-        "--log-format",
-        default="text",
+    restart: RestartPolicy = sub_config(RestartPolicy, group="restarts")
+    log_level: str = option("info", choices=LOG_LEVELS, help="the launcher's log level")
+    log_format: str = option(
+        "text",
         choices=LOG_FORMATS,
         help="text lines, or one JSON object a line: the launcher's and every child's",
     )
-    a(
-        "--otlp-endpoint",
-        default="",
+    otlp_endpoint: str = option(
+        "",
         help="send every process's OpenTelemetry traces over OTLP/HTTP here (default: none)",
     )
-    a(
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_options(parser, LaunchConfig)
+    parser.add_argument(
         "serve_args",
         nargs=argparse.REMAINDER,
         metavar="-- SERVE_OPTION ...",
@@ -181,6 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
     """Raises ValueError for a cluster that could not serve or a bad option."""
+    c: LaunchConfig = config_from_args(LaunchConfig, args)
     serve_args = list(args.serve_args)
     if serve_args and serve_args[0] == "--":
         serve_args = serve_args[1:]
@@ -190,14 +202,14 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
                 f"{arg.split('=', 1)[0]} after -- : the launcher sets it (use launch's own "
                 "--port / --model-name / --discovery)"
             )
-    counts = (args.prefill, args.decode, args.agg)
+    counts = (c.prefill, c.decode, c.agg)
     prefill, decode, agg = (1, 1, 0) if counts == (None, None, None) else (n or 0 for n in counts)
     if not agg and not (prefill and decode):
         raise ValueError("need --agg N, or both --prefill N and --decode N (N >= 1)")
-    discovery = args.discovery
+    discovery = c.discovery
     binary = ""
     if discovery in (None, "etcd"):
-        binary = find_etcd(args.etcd_binary) or ""
+        binary = find_etcd(c.etcd_binary) or ""
         if not binary:
             if discovery == "etcd":
                 raise ValueError(
@@ -207,12 +219,12 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
             discovery = "static"
         else:
             discovery = "etcd"
-    if args.port < 0 or args.port > 65535:
-        raise ValueError(f"--port must be 0-65535, got {args.port}")
+    if c.port < 0 or c.port > 65535:
+        raise ValueError(f"--port must be 0-65535, got {c.port}")
     engine_config = engine_config_from_args(args)
     # Before anything starts (etcd, workers, a model server each): the frontend's port,
     # the engine's own checks.
-    check_port("127.0.0.1", args.port, "--port")
+    check_port("127.0.0.1", c.port, "--port")
     check_engine(engine_config)
     serve_args += _frontend_defaults(engine_config, serve_args)
     if max(prefill, decode, agg) > 1 and not any(
@@ -222,14 +234,14 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         # default"); one of each leaves nothing to choose.
         serve_args += ["--router", "kv"]
     # Every child logs and traces as the launcher was told to.
-    shared = [f"--log-format={args.log_format}"] if args.log_format != "text" else []
-    if args.otlp_endpoint:
-        shared.append(f"--otlp-endpoint={args.otlp_endpoint}")
+    shared = [f"--log-format={c.log_format}"] if c.log_format != "text" else []
+    if c.otlp_endpoint:
+        shared.append(f"--otlp-endpoint={c.otlp_endpoint}")
     serve_args += shared
     # A worker is up once its engine is: a model server's start-up counts.
-    start_within = max(args.start_timeout, engine_config.start_timeout + 30)
-    extra_models = tuple(extra_model(text) for text in args.extra_models)
-    names = [args.model_name, *(m.model for m in extra_models)]
+    start_within = max(c.start_timeout, engine_config.start_timeout + 30)
+    extra_models = tuple(extra_model(text) for text in c.extra_models)
+    names = [c.model_name, *(m.model for m in extra_models)]
     if len(set(names)) != len(names):
         raise ValueError(f"--extra-model: each model needs a name of its own, got {names}")
     for extra in extra_models:
@@ -238,20 +250,20 @@ def plan_from_args(args: argparse.Namespace) -> ClusterPlan:
         prefill=prefill,
         decode=decode,
         agg=agg,
-        engine=args.engine,
+        engine=c.engine,
         engine_args=tuple(config_argv(engine_config)),
         discovery=discovery,
         etcd_binary=binary,
-        port=args.port,
-        model=args.model_name,
-        lease_ttl=args.lease_ttl,
-        drain_timeout=args.drain_timeout,
-        worker_args=(*shlex.split(args.worker_args), *shared),
-        worker_metrics=args.worker_metrics,
+        port=c.port,
+        model=c.model_name,
+        lease_ttl=c.lease_ttl,
+        drain_timeout=c.drain_timeout,
+        worker_args=(*shlex.split(c.worker_args), *shared),
+        worker_metrics=c.worker_metrics,
         serve_args=tuple(serve_args),
-        workdir=Path(args.workdir) if args.workdir else None,
+        workdir=Path(c.workdir) if c.workdir else None,
         start_within=start_within,
-        restart=restart_policy_from_args(args),
+        restart=c.restart,
         extra_models=extra_models,
     )
 

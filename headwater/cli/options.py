@@ -45,7 +45,6 @@ from headwater.logs import LOG_LEVELS as LOG_LEVELS
 from headwater.logs import configure_logging as configure_logging
 
 if TYPE_CHECKING:
-    from headwater.cluster.supervisor import RestartPolicy
     from headwater.etcd.client import EtcdCredentials
     from workers.engines.config import EngineConfig
 
@@ -288,52 +287,4 @@ def etcd_credentials_from_args(args: argparse.Namespace) -> EtcdCredentials | No
         ca_file=args.etcd_ca_file,
         cert_file=args.etcd_cert_file,
         key_file=args.etcd_key_file,
-    )
-
-
-def add_restart_options(parser: argparse.ArgumentParser | Any, stops: str) -> None:
-    """The options of a :class:`~headwater.cluster.supervisor.RestartPolicy`, for a
-    supervisor whose given-up process stops *stops* ("the cluster")."""
-    from headwater.cluster.supervisor import RestartPolicy
-
-    r = RestartPolicy()
-    a = parser.add_argument
-    a(
-        "--restart-backoff",
-        type=positive_float,
-        default=r.backoff,
-        help="seconds before a process that exited is restarted: a random delay between "
-        "half of this and this, whose upper bound doubles with each restart in a row",
-    )
-    a(
-        "--restart-backoff-max",
-        type=positive_float,
-        default=r.backoff_max,
-        help="the highest that upper bound goes (s)",
-    )
-    a(
-        "--restart-budget",
-        type=non_negative_int,
-        default=r.budget,
-        help=f"restarts allowed per process within --restart-window; its next exit stops "
-        f"{stops} (0: never restart)",
-    )
-    a(
-        "--restart-window",
-        type=positive_float,
-        default=r.window,
-        help="seconds over which restarts are counted; a process up this long starts "
-        "over at the first delay",
-    )
-
-
-def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
-    """The policy :func:`add_restart_options` declared; ValueError for a bad one."""
-    from headwater.cluster.supervisor import RestartPolicy
-
-    return RestartPolicy(
-        backoff=args.restart_backoff,
-        backoff_max=args.restart_backoff_max,
-        budget=args.restart_budget,
-        window=args.restart_window,
     )

@@ -24,7 +24,6 @@ from frontend.http.auth import API_KEYS_ENV, load_api_keys
 from headwater.cli.options import (
     add_config_options,
     add_etcd_options,
-    add_restart_options,
     argument_group,
     config_from_args,
     configure_logging,
@@ -32,10 +31,10 @@ from headwater.cli.options import (
     engine_config_from_args,
     engine_frontend_defaults,
     etcd_credentials_from_args,
-    restart_policy_from_args,
 )
 from headwater.cli.preflight import check_engine, check_port
 from headwater.cli.secret_args import hide_in_cmdline
+from headwater.cluster.supervisor import RestartPolicy
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from headwater.wire.handshake import SECRET_ENV, load_secret
 from workers.engines import registry
@@ -70,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="file holding the shared plane secret, one per line as the workers' "
         "(else HEADWATER_PLANE_SECRET); read once at start (docs/security.md)",
     )
-    add_restart_options(argument_group(p, PROCESSES), "all of them (with --processes N)")
+    add_config_options(argument_group(p, PROCESSES), RestartPolicy)
     add_etcd_options(p)
     for name in registry.names():
         group = p.add_argument_group(
@@ -143,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
         hide_in_cmdline(args.api_key)
     try:
         config = frontend_config_from_args(args)
-        restart = restart_policy_from_args(args)
+        restart = config_from_args(RestartPolicy, args)
         load_plane_secret(args.plane_secret_file)
         # Before anything slow (the tokenizer, a group's fork, a model server's start).
         if config.listen_fd is None:

@@ -62,6 +62,7 @@ from headwater.cluster.children import (
     append_to_log,
     describe_status,
 )
+from headwater.config_fields import non_negative_int, option, positive_float
 from headwater.ports import port_free
 
 log = logging.getLogger(__name__)
@@ -73,21 +74,37 @@ _LOG_TAIL = 1500  # characters of its log quoted when a process is given up
 class RestartPolicy:
     """When to restart a process that exited on its own, and when to give up on it.
 
-    Raises ValueError for values that make no sense (the option names are
-    ``headwater launch``'s).
+    Its fields are the ``--restart-*`` options of ``headwater launch`` and ``serve``
+    (headwater/config_fields.py). Raises ValueError for values that make no sense.
     """
 
-    #: Seconds before the first restart (at most: full jitter, at least half of it);
-    #: each further restart in a row waits up to twice as long.
-    backoff: float = 0.5
-    #: Upper bound of the delay (s).
-    backoff_max: float = 10.0
-    #: Restarts allowed per process in any ``window``; one more exit gives it up.
-    #: 0: never restart (the first unexpected exit gives it up).
-    budget: int = 5
-    #: Seconds over which restarts are counted; a process that stayed up this long
-    #: also starts over at the first delay.
-    window: float = 60.0
+    backoff: float = option(
+        0.5,
+        flags=("--restart-backoff",),
+        type=positive_float,
+        help="seconds before a process that exited is restarted: a random delay between "
+        "half of this and this, whose upper bound doubles with each restart in a row",
+    )
+    backoff_max: float = option(
+        10.0,
+        flags=("--restart-backoff-max",),
+        type=positive_float,
+        help="the highest that upper bound goes (s)",
+    )
+    budget: int = option(
+        5,
+        flags=("--restart-budget",),
+        type=non_negative_int,
+        help="restarts allowed per process within --restart-window; its next exit stops "
+        "the supervisor and every process it runs (0: never restart)",
+    )
+    window: float = option(
+        60.0,
+        flags=("--restart-window",),
+        type=positive_float,
+        help="seconds over which restarts are counted; a process up this long starts "
+        "over at the first delay",
+    )
 
     def __post_init__(self) -> None:
         if not self.backoff > 0:
