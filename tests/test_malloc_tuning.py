@@ -40,3 +40,46 @@ def test_freed_heap_is_kept_for_the_next_request() -> None:
     # per round. Tuned, the rounds after the first reuse the same pages.
     assert _faults("plain") > 100 * 256
     assert _faults("tuned") < 100
+
+
+#: A child whose six threads allocate at once, then prints glibc's arenas (malloc_stats
+#: writes an "Arena N:" block per arena to stderr).
+_THREADS = textwrap.dedent("""
+    import ctypes, sys, threading
+    from headwater.malloc_tuning import limit_arenas
+    if sys.argv[1] == "limited":
+        print(limit_arenas(2))
+    start = threading.Barrier(6)
+    def allocate():
+        start.wait()
+        kept = [bytearray(4096) for _ in range(2000)]  # above pymalloc's sizes: malloc's
+        start.wait()
+    threads = [threading.Thread(target=allocate) for _ in range(6)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    sys.stderr.flush()
+    ctypes.CDLL("libc.so.6").malloc_stats()
+""")
+
+
+def _arenas(mode: str, env: dict[str, str] | None = None) -> tuple[str, int]:
+    """(what limit_arenas said, if called; the arenas the threads used)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
+    )
+    return out.stdout.strip(), out.stderr.count("Arena ")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_frontends_threads_share_two_arenas() -> None:
+    # Untuned, each thread that allocates gets an arena of its own (up to 8 per core).
+    assert _arenas("plain")[1] >= 4
+    assert _arenas("limited") == ("True", 2)
+    # An operator's MALLOC_ARENA_MAX wins over the frontend's default.
+    assert _arenas("limited", {"MALLOC_ARENA_MAX": "3"}) == ("False", 3)

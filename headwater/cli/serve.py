@@ -35,6 +35,7 @@ from headwater.cli.options import (
 from headwater.cli.preflight import check_engine, check_port
 from headwater.cli.secret_args import hide_in_cmdline
 from headwater.cluster.supervisor import RestartPolicy
+from headwater.malloc_tuning import limit_arenas
 from headwater.orphans import supervisor_pid, terminate_when_orphaned
 from headwater.wire.handshake import SECRET_ENV, load_secret
 from workers.engines import registry
@@ -157,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"headwater serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
+    limit_arenas()  # before the tokenizer's threads, and the group's fork: all inherit it
     if args.api_key:
         logging.getLogger(__name__).warning(
             "--api-key puts a key in the command line, which every user of this machine can "
