@@ -19,6 +19,13 @@ import jsonschema_rs
 import openai
 import pytest
 import trio
+from openai.types.responses import (
+    FunctionToolParam,
+    Response,
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+)
+from openai.types.shared_params import Reasoning, ReasoningEffort
 
 from frontend.http.errors import ApiError
 from frontend.http.responses_api.format import ResponsesFormat
@@ -38,7 +45,7 @@ from frontend_fixture import shared_tokenizer, start_frontend
 from parser_corpus import BLOCK, BLOCK_END, invoke, param
 
 MODEL = "deepseek-v4"
-TOOL = {
+TOOL: FunctionToolParam = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city",
@@ -72,6 +79,12 @@ SCRIPT = [
     {"default": True, "text": "Hello! I am a script, not a model."},
 ]
 THINK = {"effort": "high"}
+
+
+def error_body(error: openai.APIError) -> dict[str, Any]:
+    """The JSON error object an API error carried."""
+    assert isinstance(error.body, dict)
+    return error.body
 
 
 async def start(nursery: trio.Nursery, tmp_path: Path, **overrides: Any) -> tuple[Any, str]:
@@ -109,9 +122,11 @@ async def test_the_sdk_gets_a_response_whose_usage_is_the_prompts(
         assert r.incomplete_details is None
         assert r.output_text == "Hello! I am a script, not a model."
         [message] = r.output
+        assert isinstance(message, ResponseOutputMessage)
         assert (message.type, message.role, message.status) == ("message", "assistant", "completed")
         assert message.id.startswith("msg_")
-        assert (r.instructions, r.metadata, r.user, r.store) == (
+        # store: not in this SDK's model of a response, read as an extra field.
+        assert (r.instructions, r.metadata, r.user, r.store) == (  # type: ignore[attr-defined]
             "Be brief.",
             {"k": "v"},
             "u1",
@@ -214,7 +229,10 @@ async def test_the_sdks_stream_helper_gets_what_a_unary_call_gets(
             final = await s.get_final_response()
         assert "".join(deltas) == unary.output_text == final.output_text == "Let me look.\n\n"
         assert [i.type for i in final.output] == [i.type for i in unary.output]
-        assert final.output[2].arguments == unary.output[2].arguments
+        final_call, unary_call = final.output[2], unary.output[2]
+        assert isinstance(final_call, ResponseFunctionToolCall)
+        assert isinstance(unary_call, ResponseFunctionToolCall)
+        assert final_call.arguments == unary_call.arguments
         streamed = await c.responses.create(**ask, stream=True)
         kinds = [e.type async for e in streamed]
         assert kinds[-1] == "response.completed"
@@ -306,7 +324,7 @@ async def test_stored_responses_are_retrieved_deleted_and_chained_without_instru
         # A chain whose start is gone cannot be continued, and says why.
         with pytest.raises(openai.NotFoundError, match="no longer stored") as e:
             await c.responses.create(model=MODEL, input="x", previous_response_id=third.id)
-        assert e.value.body["param"] == "previous_response_id"
+        assert error_body(e.value)["param"] == "previous_response_id"
         assert (await c.responses.retrieve(third.id)).id == third.id
 
 
@@ -337,7 +355,9 @@ async def test_max_output_tokens_makes_an_incomplete_response(
         assert r.status == "incomplete"
         assert r.incomplete_details is not None
         assert r.incomplete_details.reason == "max_output_tokens"
-        assert r.output[-1].status == "incomplete"
+        last = r.output[-1]
+        assert isinstance(last, ResponseOutputMessage)
+        assert last.status == "incomplete"
         assert r.usage is not None
         assert r.usage.output_tokens == 3
         stream = await c.responses.create(
@@ -352,15 +372,16 @@ async def test_reasoning_effort_picks_deepseeks_mode(nursery: trio.Nursery, tmp_
     fe, url = await start(nursery, tmp_path)
     messages = [{"role": "user", "content": "MODE?"}]
     async with client(url) as c:
-        for effort, kwargs, answer in (
+        cases: list[tuple[ReasoningEffort | None, dict[str, Any], str]] = [
             ("none", {"thinking": False}, "CHAT"),
             ("minimal", {"thinking": True}, "THINKING"),
             ("high", {"thinking": True}, "THINKING"),
             (None, {}, "CHAT"),
             ("xhigh", {"thinking": True, "reasoning_effort": "max"}, "MAX"),
             ("max", {"thinking": True, "reasoning_effort": "max"}, "MAX"),
-        ):
-            reasoning = {"effort": effort} if effort else None
+        ]
+        for effort, kwargs, answer in cases:
+            reasoning: Reasoning | None = {"effort": effort} if effort else None
             r = await c.responses.create(model=MODEL, input="MODE?", reasoning=reasoning)
             assert r.output_text == answer, effort
             assert r.usage is not None
@@ -368,6 +389,15 @@ async def test_reasoning_effort_picks_deepseeks_mode(nursery: trio.Nursery, tmp_
             assert r.usage.input_tokens == expected, effort
             assert r.reasoning is not None
             assert r.reasoning.effort == effort
+
+
+def cities(r: Response) -> list[str]:
+    """The city each of *r*'s output items, all tool calls, asks about."""
+    asked = []
+    for item in r.output:
+        assert isinstance(item, ResponseFunctionToolCall)
+        asked.append(json.loads(item.arguments)["city"])
+    return asked
 
 
 async def test_parallel_tool_calls_false_keeps_one_call(
@@ -389,10 +419,10 @@ async def test_parallel_tool_calls_false_keeps_one_call(
         SCRIPT.pop(0)
     async with client(url) as c:
         both = await c.responses.create(model=MODEL, input="two cities", tools=[TOOL])
-        assert [json.loads(i.arguments)["city"] for i in both.output] == ["Oslo", "Rome"]
+        assert cities(both) == ["Oslo", "Rome"]
         for cap in ({"parallel_tool_calls": False}, {"max_tool_calls": 1}):
             one = await c.responses.create(model=MODEL, input="two cities", tools=[TOOL], **cap)
-            assert [json.loads(i.arguments)["city"] for i in one.output] == ["Oslo"]
+            assert cities(one) == ["Oslo"]
 
 
 async def test_what_cannot_be_honoured_is_refused_the_openai_way(
@@ -441,10 +471,10 @@ async def test_what_cannot_be_honoured_is_refused_the_openai_way(
         for extra, field in bad:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.responses.create(**{"model": MODEL, "input": "hi", **extra})
-            assert e.value.body["param"] == field, (extra, e.value.body)
+            assert error_body(e.value)["param"] == field, (extra, e.value.body)
         with pytest.raises(openai.NotFoundError) as nf:
             await c.responses.create(model="gpt-5", input="hi")
-        assert nf.value.body["code"] == "model_not_found"
+        assert error_body(nf.value)["code"] == "model_not_found"
 
 
 # -- the translation, the format and the store alone -------------------------------------------

@@ -71,7 +71,12 @@ async def test_messages_tokenize_to_exactly_what_a_chat_request_sends() -> None:
     """The chat template with tools and template kwargs, as the chat route renders it:
     the count equals the chat response's prompt_tokens, for several switches."""
     async with serve_frontend() as (fe, url), httpx.AsyncClient(base_url=url) as c:
-        for extra in ({}, {"tools": TOOLS}, {"chat_template_kwargs": {"thinking": True}}):
+        extras: list[dict[str, Any]] = [
+            {},
+            {"tools": TOOLS},
+            {"chat_template_kwargs": {"thinking": True}},
+        ]
+        for extra in extras:
             r = await c.post("/tokenize", json={"model": MODEL, "messages": CHAT, **extra})
             assert r.status_code == 200, r.text
             tokens = r.json()["tokens"]
@@ -159,12 +164,13 @@ async def test_bad_requests_are_refused_with_the_field_named() -> None:
         for body, status, param in cases:
             assert_error(await c.post("/tokenize", json=body), status, param)
         vocab = shared_tokenizer().vocab_size
-        for body, status, param in [
+        detokenize_cases: list[tuple[dict[str, Any], int, str | None]] = [
             ({"tokens": [1, vocab]}, 400, "tokens"),
             ({"tokens": [-1]}, 400, "tokens"),
             ({"tokens": "1 2"}, 400, "tokens"),
             ({"tokens": [1], "model": "other"}, 404, "model"),
-        ]:
+        ]
+        for body, status, param in detokenize_cases:
             assert_error(await c.post("/detokenize", json=body), status, param)
         r = await c.post("/tokenize", content=b"{", headers={"content-type": "application/json"})
         assert_error(r, 400)

@@ -16,6 +16,7 @@ Both halves are fixed and tested here:
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import httpx
 import msgpack
@@ -84,7 +85,7 @@ async def client_for(worker: RunningWorker, nursery: trio.Nursery) -> TcpWorkerC
     ],
 )
 async def test_a_request_the_worker_could_not_read_fails_alone(
-    nursery: trio.Nursery, sampling: dict[str, object]
+    nursery: trio.Nursery, sampling: dict[str, Any]
 ) -> None:
     worker = await start_worker(nursery, speedup=50.0)  # the long stream is still running
     client = await client_for(worker, nursery)

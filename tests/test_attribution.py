@@ -42,14 +42,17 @@ class _Silent:
     worker_id = "w"
 
     def __init__(self) -> None:
-        self.kept: list[trio.MemorySendChannel[Reply]] = []
+        self.kept: list[trio.abc.SendChannel[Reply]] = []
         self.cancelled: list[str] = []
 
-    def submit(self, request: GenerateRequest, replies: trio.MemorySendChannel[Reply]) -> None:
+    def submit(self, request: GenerateRequest, replies: trio.abc.SendChannel[Reply]) -> None:
         self.kept.append(replies)
 
     def cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
+
+    def release_kv(self, transfer_id: str) -> None:
+        pass
 
 
 @pytest.mark.parametrize(("stall_s", "excused"), [(2.0, True), (0.5, False), (0.0, False)])

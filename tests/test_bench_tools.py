@@ -14,6 +14,7 @@ import socket
 import statistics
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
@@ -430,7 +431,7 @@ async def test_run_load_end_to_end(endpoint: prompts.Endpoint) -> None:
                 result = await run_load_trio(url, bodies, 4, 20, 20.0, stream)
             else:
                 result = await trio.to_thread.run_sync(
-                    lambda b=bodies: run_load(url, b, 4, 20, 20.0, False, progress=False)
+                    partial(run_load, url, bodies, 4, 20, 20.0, False, progress=False)
                 )
             _check(result, bodies, stream, 5)
             assert {r.body for r in result.records} == set(range(10))  # cycled twice

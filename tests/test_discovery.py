@@ -18,6 +18,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -513,6 +514,12 @@ async def test_watch_follows_changes_made_in_etcd(etcd_url: str, etcd_prefix: st
         nursery.cancel_scope.cancel()
 
 
+async def wait_all(sinks: list[RecordingSink], predicate: Callable[[RecordingSink], bool]) -> None:
+    """Waits on each sink in turn until *predicate* holds of it."""
+    for sink in sinks:
+        await sink.wait_for(partial(predicate, sink))
+
+
 @pytest.mark.slow
 async def test_two_watchers_see_the_same_set(etcd_url: str, etcd_prefix: str) -> None:
     sinks = [RecordingSink(), RecordingSink()]
@@ -526,15 +533,12 @@ async def test_two_watchers_see_the_same_set(etcd_url: str, etcd_prefix: str) ->
             ]
             for reg in registrations:
                 await regs.start(reg.run)
-            for sink in sinks:
-                await sink.wait_for(lambda s=sink: len(s.workers) == 3)
+            await wait_all(sinks, lambda s: len(s.workers) == 3)
             assert sinks[0].workers == sinks[1].workers == {w.worker_id: w for w in workers}
             await registrations[0].deregister()
-            for sink in sinks:
-                await sink.wait_for(lambda s=sink: set(s.workers) == {"w1", "w2"})
+            await wait_all(sinks, lambda s: set(s.workers) == {"w1", "w2"})
             regs.cancel_scope.cancel()  # each run() revokes its lease on the way out
-        for sink in sinks:
-            await sink.wait_for(lambda s=sink: not s.workers)
+        await wait_all(sinks, lambda s: not s.workers)
         assert sorted(sinks[0].calls) == sorted(sinks[1].calls)
         assert {wid for _, wid in sinks[0].calls} == {"w0", "w1", "w2"}
         nursery.cancel_scope.cancel()

@@ -10,9 +10,10 @@ migrated stream can be checked token for token against the one that never broke.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 import trio
@@ -118,7 +119,9 @@ class FakeWorker(WorkerClient):
                 if not replies.finished:
                     self.cancelled.append(request.request_id)
 
-    async def _chunks(self, request: GenerateRequest, behaviour: Behaviour) -> AsyncIterator[Chunk]:
+    async def _chunks(
+        self, request: GenerateRequest, behaviour: Behaviour
+    ) -> AsyncGenerator[Chunk, None]:
         rid = request.request_id
         if isinstance(behaviour, Prefill):
             await trio.sleep(0.01)
@@ -184,7 +187,7 @@ def request(max_tokens: int = 8, min_tokens: int = 0) -> GenerateRequest:
 
 
 async def run(
-    router: Router, req: GenerateRequest, *, stop_after: int | None = None, **config: int
+    router: Router, req: GenerateRequest, *, stop_after: int | None = None, **config: Any
 ) -> tuple[list[Chunk], FrontendMetrics]:
     metrics = FrontendMetrics()
     dispatcher = Dispatcher(router, MODEL, config=DispatchConfig(**config), metrics=metrics)
@@ -206,10 +209,11 @@ def expected(n: int) -> list[int]:
 
 
 def migrations(metrics: FrontendMetrics) -> float:
-    return sum(
+    total: float = sum(
         metrics.model_migration_total.labels(kind)._value.get()
         for kind in ("new_request", "ongoing_request")
     )
+    return total
 
 
 def used(*workers: FakeWorker) -> list[str]:

@@ -66,7 +66,11 @@ BASE: dict[str, dict[str, Any]] = {
     RESPONSES: {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
 }
 #: Each route's request model: every field of it has a row.
-MODELS = {**REQUEST_MODELS, MESSAGES: MessagesRequest, RESPONSES: ResponsesRequest}
+MODELS: dict[str, type[msgspec.Struct]] = {
+    **REQUEST_MODELS,
+    MESSAGES: MessagesRequest,
+    RESPONSES: ResponsesRequest,
+}
 CASES = [
     pytest.param(row, route, id=f"{route}:{row.where(route)}")
     for row in FIELDS
@@ -77,7 +81,7 @@ CASES = [
 def body(http: httpx.Client, url: str, row: Field, route: str) -> dict[str, Any]:
     """The route's smallest body, with what *row* asks for (a response to continue is
     made first, on the same frontend)."""
-    out = json.loads(json.dumps(BASE[route]))
+    out: dict[str, Any] = json.loads(json.dumps(BASE[route]))
     if row.sampling and route == GENERATE:
         out["sampling_params"].update(row.asks)
     else:
@@ -243,13 +247,13 @@ class RoomyVllm(FakeVllm):
         for token, finish in ((11, None), (12, "length")):
             choice: dict[str, Any] = {"token_ids": [token], "finish_reason": finish}
             if asked is not None:
-                entry = {
+                picked = {
                     "token_id": token,
                     "logprob": -0.5,
                     "rank": 1,
                     "top_logprobs": [{"token_id": token, "logprob": -0.5, "rank": 1}],
                 }
-                choice["logprobs"] = {"content": [entry]}
+                choice["logprobs"] = {"content": [picked]}
             events.append({"choices": [choice]})
         usage = {"choices": [], "usage": {"prompt_tokens": len(body["token_ids"])}}
         lines = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in [*events, usage]]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import re
 import struct
-from typing import Any
+from array import array
+from pathlib import Path
+from typing import Any, TypeVar
 
 import msgpack
 import pytest
@@ -187,6 +189,23 @@ def test_examples_cover_every_kind() -> None:
     assert kinds == KINDS
 
 
+_F = TypeVar("_F")
+
+
+def decode_one(data: bytes, kind: type[_F]) -> _F:
+    """The one frame *data* holds, a *kind*."""
+    (frame,) = FrameDecoder().feed(data)
+    assert isinstance(frame, kind)
+    return frame
+
+
+def handle_of(frame: Frame) -> KvHandle:
+    """The KV handle *frame*, a request or a chunk, carries."""
+    assert isinstance(frame, (GenerateRequest, Chunk))
+    assert frame.kv_handle is not None
+    return frame.kv_handle
+
+
 @pytest.mark.parametrize("frame", EXAMPLES, ids=lambda f: type(f).__name__)
 def test_round_trip(frame: Frame) -> None:
     assert FrameDecoder().feed(encode(frame)) == [frame]
@@ -199,13 +218,14 @@ def test_request_tokens_travel_packed() -> None:
     assert unpack_token_ids(body["token_ids"]) == REQUEST.token_ids
     # The packed bytes are the token array's own: little-endian uint32, in order.
     assert body["token_ids"][:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00"
-    (decoded,) = FrameDecoder().feed(encode(REQUEST))
+    decoded = decode_one(encode(REQUEST), GenerateRequest)
+    assert isinstance(decoded.token_ids, array)
     assert decoded.token_ids.typecode == TOKEN_TYPECODE  # unpacked as one array, no int list
 
 
 def test_requests_built_from_int_lists_travel_the_same() -> None:
     as_list = GenerateRequest("r", "m", [3, 2**32 - 1, 0], SamplingParams(max_tokens=1))
-    (decoded,) = FrameDecoder().feed(encode(as_list))
+    decoded = decode_one(encode(as_list), GenerateRequest)
     assert decoded.token_ids == token_array([3, 2**32 - 1, 0])
 
 
@@ -217,8 +237,8 @@ def test_block_hashes_travel_packed_in_requests_and_chunks() -> None:
         assert len(packed) == 8 * len(HASHES)
         assert body["kv_handle"]["block_size"] == 64
         (decoded,) = FrameDecoder().feed(encode(frame))
-        assert decoded.kv_handle.block_hashes == HASHES
-        assert type(decoded.kv_handle.block_hashes) is tuple
+        assert handle_of(decoded).block_hashes == HASHES
+        assert type(handle_of(decoded).block_hashes) is tuple
     assert unpack_block_hashes(pack_block_hashes(HASHES)) == HASHES
 
 
@@ -229,8 +249,8 @@ def test_handle_without_hashes_keeps_the_old_wire_form() -> None:
     assert msgpack.unpackb(encoded[4:])["kv_handle"] == old
     assert msgpack.packb(old, use_bin_type=True) in encoded  # the very bytes, in order
     (chunk,) = FrameDecoder().feed(_body({**GOOD_CHUNK, "kv_handle": old}))
-    assert chunk.kv_handle == KvHandle("w", "tcp://h:1", "t", 9)
-    assert (chunk.kv_handle.block_hashes, chunk.kv_handle.block_size) == ((), 0)
+    assert handle_of(chunk) == KvHandle("w", "tcp://h:1", "t", 9)
+    assert (handle_of(chunk).block_hashes, handle_of(chunk).block_size) == ((), 0)
 
 
 @pytest.mark.slow
@@ -392,7 +412,7 @@ def test_encode_refuses_oversize_frames() -> None:
 
 
 def _body(obj: object) -> bytes:
-    raw = msgpack.packb(obj, use_bin_type=True)
+    raw: bytes = msgpack.packb(obj, use_bin_type=True)
     return struct.pack(">I", len(raw)) + raw
 
 
@@ -495,7 +515,7 @@ def test_params_round_trip_nested_in_requests_and_chunks() -> None:
         for frame in (request, Chunk("r", [], None, handle)):
             (decoded,) = FrameDecoder().feed(encode(frame))
             assert decoded == frame
-            assert decoded.kv_handle.params == params
+            assert handle_of(decoded).params == params
     # Travelling as their own msgpack bytes, beside the handle's other fields.
     body = msgpack.unpackb(encode(Chunk("r", [], None, PARAMS_HANDLE))[4:])
     assert msgpack.unpackb(body["kv_handle"]["params"]) == PARAMS
@@ -511,7 +531,7 @@ def test_params_stay_out_of_repr_and_hash() -> None:
 def test_absent_params_are_empty_and_encode_as_before() -> None:
     old = {"worker_id": "w", "address": "tcp://h:1", "transfer_id": "t", "num_tokens": 9}
     (chunk,) = FrameDecoder().feed(_body({**GOOD_CHUNK, "kv_handle": old}))
-    assert chunk.kv_handle.params == {}
+    assert handle_of(chunk).params == {}
     assert KvHandle("w", "tcp://h:1", "t", 9).params == {}
     # Empty params add nothing to the wire: an older peer sees the handle it knows.
     encoded = encode(Chunk("r", [], None, KvHandle("w", "tcp://h:1", "t", 9, params={})))
@@ -524,7 +544,7 @@ def test_params_at_the_size_limit_travel() -> None:
     assert len(msgpack.packb(params, use_bin_type=True)) == MAX_KV_PARAMS_BYTES
     handle = KvHandle("w", "a", "t", 1, params=params)
     (decoded,) = FrameDecoder().feed(encode(Chunk("r", [], None, handle)))
-    assert decoded.kv_handle.params == params
+    assert handle_of(decoded).params == params
 
 
 class _Opaque:
@@ -552,7 +572,8 @@ def test_bad_params_refuse_to_encode(params: dict[Any, object], match: str) -> N
 
 
 def _packed(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 @pytest.mark.parametrize(
@@ -707,17 +728,17 @@ def test_a_rotation_accepts_no_secret_it_was_not_given() -> None:
             _run_handshake(client, server)
     # The worker's own check, of a client that answers without having checked it.
     for answer, accepted in [(b"old", True), (b"new", True), (b"other", False)]:
-        server = ServerHandshake(IDENTITY, secret=PlaneSecret(b"new", [b"old"]))
+        worker = ServerHandshake(IDENTITY, secret=PlaneSecret(b"new", [b"old"]))
         hello = Hello(PROTOCOL_VERSION, "frontend", "fe", "", b"c" * 32)
-        challenge = server.receive(hello)
+        challenge = worker.receive(hello)
         assert isinstance(challenge, Challenge)
         assert challenge.proof == proof(b"new", "server", hello.nonce, challenge.nonce)
         auth = Auth(proof(answer, "client", hello.nonce, challenge.nonce))
         if accepted:
-            assert server.receive(auth) == IDENTITY
+            assert worker.receive(auth) == IDENTITY
         else:
             with pytest.raises(AuthError, match="wrong plane secret"):
-                server.receive(auth)
+                worker.receive(auth)
 
 
 def test_server_refuses_other_versions_and_frames_before_hello() -> None:
@@ -756,7 +777,7 @@ def test_addresses() -> None:
     assert not is_loopback("example.com")
 
 
-def test_load_secret(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HEADWATER_PLANE_SECRET", raising=False)
     assert load_secret(None) is None
     monkeypatch.setenv("HEADWATER_PLANE_SECRET", " secret-from-env-1 \n")

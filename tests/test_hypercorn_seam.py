@@ -382,7 +382,7 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         TCPServer.protocol_send,
         TCPServer._read_data,
         H11Protocol._send_h11_event,
-        hypercorn.trio.tcp_server.TrioSingleTask,
+        hypercorn.trio.tcp_server.TrioSingleTask,  # type: ignore[attr-defined]
     )
     # The keep-alive outlasts _instances()'s gc.collect() (0.3-0.4 s on a busy machine).
     async with serve_frontend(keep_alive_timeout=1.5) as (fe, url), httpx.AsyncClient() as client:
@@ -412,7 +412,7 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         TCPServer.protocol_send,
         TCPServer._read_data,
         H11Protocol._send_h11_event,
-        hypercorn.trio.tcp_server.TrioSingleTask,
+        hypercorn.trio.tcp_server.TrioSingleTask,  # type: ignore[attr-defined]
     ) == originals
     after = _snapshot()
     for owner, names in before.items():

@@ -444,11 +444,12 @@ async def test_logprob_bounds_and_dependencies_are_400s() -> None:
         ]:
             r = await c.post("/v1/chat/completions", json={"model": MODEL, **body})
             assert_error(r, 400, param)
-        for body, param in [
+        completions: list[tuple[dict[str, object], str]] = [
             ({"prompt": "x", "logprobs": 21}, "logprobs"),
             ({"prompt": "x", "logprobs": True}, "logprobs"),
             ({"prompt": "x", "echo": "yes"}, "echo"),
-        ]:
+        ]
+        for body, param in completions:
             assert_error(await c.post("/v1/completions", json={"model": MODEL, **body}), 400, param)
 
 

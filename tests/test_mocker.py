@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -37,7 +37,7 @@ def prompt(n: int, start: int = 1000) -> list[int]:
 
 def request(
     rid: str,
-    token_ids: list[int],
+    token_ids: Sequence[int],
     max_tokens: int = 8,
     *,
     kv_handle: KvHandle | None = None,
@@ -649,7 +649,9 @@ class EagerKvCache:
             block = self.free_list.pop()
         else:
             block = self.lru.pop(0)
-            del self.by_hash[self.hash_of[block]]
+            evicted = self.hash_of[block]
+            assert evicted is not None
+            del self.by_hash[evicted]
             self.hash_of[block] = None
         self.refcount[block] = 1
         return block
@@ -836,6 +838,7 @@ async def test_each_held_transfer_expires_at_its_own_deadline(autojump_clock: ob
     async with running(prefill):
         start = trio.current_time()
         (a,) = await collect(prefill, request("a", prompt(100), 4))
+        assert a.kv_handle is not None
         await trio.sleep(1.0)
         await prefill.release_transfer(a.kv_handle.transfer_id)  # pulled: never expires
         await trio.sleep(1.0)

@@ -425,8 +425,8 @@ def test_tokens_are_drawn_from_the_distribution_logprobs_reports() -> None:
         ranks[min(lp.rank, HEAD + 1)] += 1
     # How often each rank is drawn is what its logprob says (within 4 sigma).
     for rank in (1, 2, 3):
-        p = math.exp(shape(span).logprobs[rank - 1])
-        assert abs(ranks[rank] - n * p) < 4 * math.sqrt(n * p * (1 - p))
+        prob = math.exp(shape(span).logprobs[rank - 1])
+        assert abs(ranks[rank] - n * prob) < 4 * math.sqrt(n * prob * (1 - prob))
     assert ranks[HEAD + 1] > 0  # the tail is drawn too, now and then
 
 

@@ -9,7 +9,7 @@ in tests/test_dispatch.py.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -17,8 +17,13 @@ import trio
 
 from frontend_fixture import assert_error, engines, eventually, idle, serve_frontend, sse_events
 
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
 MODEL = "deepseek-v4"
-CHAT = [{"role": "user", "content": "Write a haiku about rivers."}]
+CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Write a haiku about rivers."}
+]
 
 
 async def chat(c: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:
@@ -284,5 +289,6 @@ async def test_the_openai_sdk_reads_choices_and_logprobs() -> None:
         lp = echoed.choices[0].logprobs
         assert lp is not None
         assert lp.token_logprobs is not None
-        assert lp.token_logprobs[0] is None
+        first: float | None = lp.token_logprobs[0]  # typed float; echo's first is null
+        assert first is None
         assert echoed.choices[0].text.startswith("Rivers run")

@@ -82,7 +82,8 @@ FAST = 100_000.0
 
 async def start_worker(nursery: trio.Nursery, **kw: object) -> RunningWorker:
     config = WorkerConfig(engine_config=MockerConfig(speedup_ratio=FAST), **kw)  # type: ignore[arg-type]
-    return await nursery.start(partial(serve_worker, config))
+    worker: RunningWorker = await nursery.start(partial(serve_worker, config))
+    return worker
 
 
 def seal(data: bytes, mac: FrameMac | None) -> bytes:
@@ -512,9 +513,9 @@ def _subtree(task: trio.lowlevel.Task) -> list[trio.lowlevel.Task]:
 
 def task_count() -> int:
     """Tasks alive in the worker's task tree (``serve_worker`` and all it runs)."""
-    (worker,) = [
-        t for t in _subtree(trio.lowlevel.current_root_task()) if t.name.endswith("serve_worker")
-    ]
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    (worker,) = [t for t in _subtree(root) if t.name.endswith("serve_worker")]
     return len(_subtree(worker))
 
 
@@ -744,7 +745,7 @@ def _bad_kv_data(transfer_id: str) -> bytes:
 
 
 def _framed(body: object) -> bytes:
-    raw = msgpack.packb(body, use_bin_type=True)
+    raw: bytes = msgpack.packb(body, use_bin_type=True)
     return struct.pack(">I", len(raw)) + raw
 
 
@@ -760,7 +761,7 @@ class FakePrefill:
         self.connections = 0
         self.address = ""
 
-    async def serve(self, *, task_status: trio.TaskStatus[None]) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[list[trio.SocketListener]]) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         self.address = f"tcp://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
         await trio.serve_listeners(self._handle, listeners, task_status=task_status)

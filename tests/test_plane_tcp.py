@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import msgpack
@@ -98,7 +98,8 @@ async def start_worker(
 ) -> RunningWorker:
     engine_config = MockerConfig(speedup_ratio=speedup, kv_bytes_per_token=kv_bytes_per_token)
     config = WorkerConfig(role=role, engine_config=engine_config, **kw)  # type: ignore[arg-type]
-    return await nursery.start(partial(serve_worker, config))
+    worker: RunningWorker = await nursery.start(partial(serve_worker, config))
+    return worker
 
 
 async def collect(
@@ -244,7 +245,7 @@ async def raw_connection(worker: RunningWorker) -> tuple[trio.SocketStream, list
 
 
 def _frame(body: object) -> bytes:
-    raw = msgpack.packb(body)
+    raw: bytes = msgpack.packb(body)
     return struct.pack(">I", len(raw)) + raw
 
 
@@ -471,7 +472,7 @@ class ScriptedWorker:
             await stream.send_all(encode(Pong(frame.seq)))
         elif isinstance(frame, GenerateRequest) and self.ack:
             rid = frame.request_id
-            out = [Ack(rid)] + [Chunk(rid, [i]) for i in range(self.chunks)]
+            out: list[Frame] = [Ack(rid), *(Chunk(rid, [i]) for i in range(self.chunks))]
             if self.goaway_after_ack:
                 out.append(GoAway("draining"))
             await stream.send_all(b"".join(encode(f) for f in out))
@@ -479,7 +480,7 @@ class ScriptedWorker:
     async def finish(self, stream: trio.abc.Stream, rid: str) -> None:
         await stream.send_all(encode(Chunk(rid, [99], FinishReason.LENGTH)) + encode(End(rid)))
 
-    def connector(self, nursery: trio.Nursery) -> Callable[[], trio.abc.Stream]:
+    def connector(self, nursery: trio.Nursery) -> Callable[[], Awaitable[trio.abc.Stream]]:
         async def connect() -> trio.abc.Stream:
             self.connects.append(trio.current_time())
             client_end, server_end = trio.testing.memory_stream_pair()
@@ -487,7 +488,7 @@ class ScriptedWorker:
             nursery.start_soon(self.serve, server_end)
             return client_end
 
-        return connect  # type: ignore[return-value]
+        return connect
 
 
 async def fake_client(
@@ -587,7 +588,7 @@ async def test_reconnect_backoff_timing(
         attempts.append(trio.current_time())
         if len(attempts) <= 5:
             raise OSError("connection refused")
-        return await good()  # type: ignore[misc]
+        return await good()
 
     client = TcpWorkerClient(
         INSTANCE,
@@ -775,7 +776,12 @@ async def test_a_kv_handle_that_arrives_after_its_stream_left_is_released(
         async with client.stream(request("late")):
             pytest.fail("entered without an ACK")
     handle = KvHandle("w", "tcp://127.0.0.1:1", "kv-late", 100)
-    late = [Ack("late"), Chunk("late", [], kv_handle=handle), End("late"), Chunk("late", [7])]
+    late: list[Frame] = [
+        Ack("late"),
+        Chunk("late", [], kv_handle=handle),
+        End("late"),
+        Chunk("late", [7]),
+    ]
     await worker.streams[-1].send_all(b"".join(encode(f) for f in late))
     await trio.testing.wait_all_tasks_blocked()
     assert [f for f in worker.received if isinstance(f, KvRelease)] == [KvRelease("kv-late")]
@@ -962,7 +968,9 @@ async def test_worker_cancels_the_kv_pull_of_a_silent_peer(
     await ours.send_all(encode(request("p", max_tokens=1, prompt=500)))
     decoder: FrameDecoder = FrameDecoder()
     frames = await receive_frames(ours, decoder, 3)  # ack, the handle, end
-    handle = frames[1].kv_handle
+    with_handle = frames[1]
+    assert isinstance(with_handle, Chunk)
+    handle = with_handle.kv_handle
     assert handle is not None
     await ours.send_all(encode(KvPull(handle.transfer_id)))  # 50 MB: far more than fits
     silent_since = trio.current_time()

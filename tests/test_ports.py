@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 
@@ -31,7 +32,7 @@ def test_a_port_somebody_listens_on_is_skipped(monkeypatch: pytest.MonkeyPatch) 
             other = probe.getsockname()[1]
         picks: Iterator[int] = iter([taken, other])
         monkeypatch.setattr(ports, "ephemeral_range", lambda: (65000, 65535))
-        monkeypatch.setattr(ports.random, "randrange", lambda a, b: next(picks))
+        monkeypatch.setattr(random, "randrange", lambda a, b: next(picks))
         assert not ports.port_free(taken)
         assert ports.free_port() == other
 

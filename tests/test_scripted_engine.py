@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 import trio
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from headwater.cli import build_parser
 from headwater.cli import main as headwater_main
@@ -33,7 +34,13 @@ from headwater.plane.client import connect_worker
 from headwater.wire import FinishReason, GenerateRequest, Role, SamplingParams
 from workers.engines import registry
 from workers.engines.base import EngineContext, EngineError, EngineFailed
-from workers.engines.scripted import ScriptedConfig, ScriptedEngine, ScriptError, parse_script
+from workers.engines.scripted import (
+    ScriptedConfig,
+    ScriptedCounters,
+    ScriptedEngine,
+    ScriptError,
+    parse_script,
+)
 from workers.engines.scripted.answer import answer_tokens, continued
 from workers.engines.scripted.engine import INLINE_MAX_TOKENS
 
@@ -52,7 +59,7 @@ EOS = 1  # DeepSeek-V4's <｜end▁of▁sentence｜>
 
 WEATHER = "It is sunny in Paris, 22 degrees."
 GREETING = "Hello! I am a script, not a model."
-SCRIPT = [
+SCRIPT: list[dict[str, Any]] = [
     {"prompt_contains": "weather", "text": WEATHER},
     {"default": True, "text": GREETING},
 ]
@@ -392,8 +399,10 @@ async def test_unary_answers_and_finish_reasons(
     assert cut.json()["choices"][0]["finish_reason"] == "length"
     assert text.json()["choices"][0]["text"] == GREETING
     decode = next(e for e in engines(frontend) if e.role is not Role.PREFILL)
-    assert decode.counters.requests_finished == 3
-    assert decode.counters.default_answers == 2
+    counters: object = decode.counters
+    assert isinstance(counters, ScriptedCounters)  # engines() is typed for mocker engines
+    assert counters.requests_finished == 3
+    assert counters.default_answers == 2
 
 
 async def test_streaming_delivers_the_answer_token_by_token(
@@ -605,18 +614,21 @@ async def ask(
 ) -> tuple[str | None, list[dict[str, str]], str | None]:
     """One chat completion with TOOLS: its content, its tool calls (id, name, arguments)
     and finish reason, from the whole answer or reassembled from a stream's deltas."""
+    finish: str | None
     if not stream:
         r = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
         message, finish = r.choices[0].message, r.choices[0].finish_reason
-        calls = [
-            {
-                "id": c.id,
-                "type": c.type,
-                "name": c.function.name,  # type: ignore[union-attr]
-                "arguments": c.function.arguments,
-            }  # type: ignore[union-attr]
-            for c in message.tool_calls or []
-        ]
+        calls = []
+        for c in message.tool_calls or []:
+            assert isinstance(c, ChatCompletionMessageFunctionToolCall)
+            calls.append(
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "name": c.function.name,
+                    "arguments": c.function.arguments,
+                }
+            )
         return message.content, calls, finish
     parts: list[str] = []
     slots: dict[int, dict[str, str]] = {}

@@ -138,7 +138,7 @@ def test_loaded_trend_is_the_fitted_rise_over_the_load() -> None:
 def test_rss_floor_is_the_lowest_read_of_each_window_of_the_load() -> None:
     # Reads every 10 s from t=100: a saw (in flight at the read) on a floor that rises
     # 1 MiB per window; reads outside the load and unread figures are left out.
-    reads = [
+    reads: list[dict[str, int | None]] = [
         {"t_s": 100 + 10 * i, "rss_bytes": (200 + i // 6 + 50 * (i % 2)) * MIB} for i in range(18)
     ]
     reads += [

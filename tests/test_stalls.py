@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import CodeType
+from typing import Any
 
 import pytest
 import tokenizers
@@ -87,7 +89,7 @@ def _forwarder(
 
 @asynccontextmanager
 async def detecting(
-    **kwargs: float,
+    **kwargs: Any,
 ) -> AsyncIterator[tuple[StallDetector, trio.MemoryReceiveChannel[StallRecord]]]:
     """A running StallDetector (no canary) and a channel of its records."""
     send, receive = trio.open_memory_channel[StallRecord](math.inf)
@@ -100,7 +102,7 @@ async def detecting(
 
 @asynccontextmanager
 async def monitoring(
-    prefix: str = WORKER_PREFIX, **kwargs: float
+    prefix: str = WORKER_PREFIX, **kwargs: Any
 ) -> AsyncIterator[tuple[LoopMonitor, trio.MemoryReceiveChannel[StallRecord]]]:
     """A running LoopMonitor (canary + detector) and a channel of its records."""
     send, receive = trio.open_memory_channel[StallRecord](math.inf)
@@ -506,7 +508,7 @@ def test_a_stall_is_blamed_where_most_samples_landed_not_on_the_deepest_stack() 
     def write() -> None: ...
 
     detector = StallDetector()
-    sleeping = ((handler.__code__, 1),)
+    sleeping: tuple[tuple[CodeType, int], ...] = ((handler.__code__, 1),)
     writing = ((handler.__code__, 2), (write.__code__, 3), (write.__code__, 4))
     for frames in (sleeping, writing, sleeping):
         detector.watchdog._keep(frames)

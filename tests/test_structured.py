@@ -27,7 +27,7 @@ from headwater.wire import StructuredKind
 
 from vllm_fixture import require_vllm
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",

@@ -8,21 +8,36 @@ real app stack. Virtual time (``autojump_clock``) unless a test says otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import httpx
 import pytest
 import trio
 import trio.testing
 
+from headwater.plane.memory import MemoryWorkerClient
 from headwater.testing import ASGITransport, HeadwaterServer, open_server
+from headwater.testing.faults import ObservedRuntime
+from workers.engines.scripted import ScriptedEngine
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 TEXT = "The river ran to the sea and it never stopped, not once, not ever."
 SCRIPT = [{"default": True, "text": TEXT}]
-CHAT = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Go on."}]}
+
+
+class Chat(TypedDict):
+    """A chat completion's body, as the OpenAI SDK's ``create`` takes it too."""
+
+    model: str
+    messages: list[ChatCompletionMessageParam]
+
+
+CHAT: Chat = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Go on."}]}
 
 
 def client(app: Any, nursery: trio.Nursery) -> httpx.AsyncClient:
@@ -48,7 +63,7 @@ class Ticker:
         self.heard: list[str] = []
         self.done = trio.Event()
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         try:
             self.heard.append((await receive())["type"])
             await start(send)
@@ -101,6 +116,7 @@ async def test_a_client_that_leaves_is_a_disconnect_and_later_sends_are_dropped(
     app = Ticker()
     async with client(app, nursery) as c, c.stream("GET", "/") as r:
         lines = r.aiter_lines()
+        assert isinstance(lines, AsyncGenerator)  # typed an iterator: it has aclose()
         assert await lines.__anext__() == "tick 0"
         await lines.aclose()
     with trio.fail_after(5):
@@ -113,7 +129,7 @@ async def test_a_client_that_leaves_is_a_disconnect_and_later_sends_are_dropped(
 async def test_the_read_timeout_runs_on_trios_clock(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, where: str
 ) -> None:
-    async def slow(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def slow(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         await receive()
         if where == "head":
             await trio.sleep(30)
@@ -131,7 +147,7 @@ async def test_the_read_timeout_runs_on_trios_clock(
 async def test_an_app_that_fails_gives_a_500_or_a_cut_body(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def fails(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def fails(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         await receive()
         if scope["path"] == "/late":
             await start(send)
@@ -149,7 +165,7 @@ async def test_an_app_that_fails_gives_a_500_or_a_cut_body(
 async def test_a_head_request_gets_no_body(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def app(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         await receive()
         await start(send)
         await send({"type": "http.response.body", "body": b"body", "more_body": False})
@@ -211,8 +227,11 @@ async def test_a_client_that_leaves_cancels_the_answer_on_its_worker(
         (engine,) = [
             c.runtime.engine
             for c in server.frontend.router.clients()
-            if c.instance.role.value == "decode"
-        ]  # type: ignore[attr-defined]
+            if isinstance(c, MemoryWorkerClient)
+            and isinstance(c.runtime, ObservedRuntime)
+            and c.instance.role.value == "decode"
+        ]
+        assert isinstance(engine, ScriptedEngine)
         assert engine.counters.requests_cancelled == 1
 
 
@@ -234,7 +253,7 @@ async def test_the_anthropic_sdk_talks_to_the_server(
         assert isinstance(client, anthropic.AsyncAnthropic)
         ask: Any = [{"role": "user", "content": "Hi"}]
         message = await client.messages.create(model="deepseek-v4", max_tokens=100, messages=ask)
-        assert message.content[0].text == TEXT  # type: ignore[union-attr]
+        assert message.content[0].text == TEXT
         assert message.stop_reason == "end_turn"
         start_time = trio.current_time()
         async with client.messages.stream(

@@ -18,6 +18,7 @@ import openai
 import pytest
 import trio
 import trio.testing
+from openai.types.chat import ChatCompletionMessageParam
 
 from headwater.testing import Headwater, HeadwaterServer, open_server
 
@@ -33,7 +34,7 @@ CALL = (
     f"</{DSML}tool_calls>"
 )
 STORY = "Once upon a time a small river ran to the sea, and it never stopped."
-SCRIPT = [
+SCRIPT: list[dict[str, Any]] = [
     {"prompt_contains": "weather", "text": CALL},
     {"default": True, "text": STORY},
 ]
@@ -51,7 +52,7 @@ TOOLS: list[Any] = [
         },
     }
 ]
-ASK = [{"role": "user", "content": "Tell me a story."}]
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story."}]
 pytestmark = pytest.mark.headwater(script=SCRIPT, token_delay=DELAY)
 
 
@@ -81,7 +82,9 @@ async def test_a_request_is_recorded_as_the_frontend_saw_it(
 ) -> None:
     server = headwater_server
     client = server.openai_client()
-    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the weather in Paris?"}
+    ]
     r = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
     assert r.choices[0].finish_reason == "tool_calls"
     (call,) = r.choices[0].message.tool_calls or []
@@ -226,6 +229,7 @@ async def test_workers_that_refuse_give_a_503_that_the_sdk_retries(
     # The frontend waited queue_timeout for another prefill worker before it answered.
     queue_timeout = server.frontend.config.queue_timeout
     assert refused.ended == pytest.approx(start + queue_timeout)
+    assert refused.ended is not None
     # Then the SDK's own backoff (0.5 s, less up to a quarter of jitter), and success.
     assert 0.375 <= served.started - refused.ended <= 0.5
     assert served.status == 200

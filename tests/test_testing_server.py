@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import httpx
 import pytest
@@ -18,9 +18,21 @@ import trio.testing
 from headwater.testing import open_server
 from workers.engines.scripted import ScriptError
 
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
 TEXT = "A short answer from the script."
 SCRIPT = [{"default": True, "text": TEXT}]
-CHAT = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Hello."}]}
+
+
+class Chat(TypedDict):
+    """A chat completion's body, as the OpenAI SDK's ``create`` takes it too."""
+
+    model: str
+    messages: list[ChatCompletionMessageParam]
+
+
+CHAT: Chat = {"model": "deepseek-v4", "messages": [{"role": "user", "content": "Hello."}]}
 #: Over every bound past which a request's work goes to a thread on the real clock: the
 #: tokenizer pool's (8,192 characters), the scripted engine's (256 tokens), the KV
 #: router's hashing (4,096 tokens), an echo's (1,024 tokens), token strings' (4,096).

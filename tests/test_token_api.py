@@ -411,8 +411,8 @@ async def test_http_errors_and_the_context_length() -> None:
         for client in fe.router.clients():
             fe.router.set_draining(client.instance.worker_id)
         for stream in (False, True):
-            body = {"token_ids": PROMPT, "stream": stream}
-            err = assert_error(await c.post(GENERATE, json=body), 503)
+            unroutable = {"token_ids": PROMPT, "stream": stream}
+            err = assert_error(await c.post(GENERATE, json=unroutable), 503)
             assert err["type"] == "service_unavailable_error"
         await eventually(idle(fe))
 

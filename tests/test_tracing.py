@@ -62,9 +62,16 @@ def test_tracestate_is_checked_and_bounded() -> None:
     assert not valid_tracestate(",".join(f"k{i}=v" for i in range(33)))
 
 
-def _request(**trace: str) -> GenerateRequest:
+def _request(traceparent: str = "", tracestate: str = "") -> GenerateRequest:
     ids = token_array([1, 2, 3])
-    return GenerateRequest("r1", MODEL, ids, SamplingParams(max_tokens=4), **trace)
+    return GenerateRequest(
+        "r1",
+        MODEL,
+        ids,
+        SamplingParams(max_tokens=4),
+        traceparent=traceparent,
+        tracestate=tracestate,
+    )
 
 
 def test_the_request_frame_carries_trace_context_only_when_set() -> None:

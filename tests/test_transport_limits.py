@@ -402,7 +402,11 @@ async def test_no_limit_on_connections_per_client_with_zero() -> None:
 
 async def test_serve_over_tls(ca: trustme.CA, tmp_path: Path) -> None:
     pem = issue(ca, tmp_path, "server", "127.0.0.1", "localhost")
-    settings = {"certfile": pem.certfile, "keyfile": pem.keyfile, "insecure_bind": ["127.0.0.1:0"]}
+    settings: dict[str, Any] = {
+        "certfile": pem.certfile,
+        "keyfile": pem.keyfile,
+        "insecure_bind": ["127.0.0.1:0"],
+    }
     async with serving(**settings) as server:
         secure, plain = server.urls
         assert secure.startswith("https://127.0.0.1:")
@@ -433,7 +437,7 @@ async def test_tls_handshakes_and_heads_have_the_header_timeout(
     ca: trustme.CA, tmp_path: Path
 ) -> None:
     pem = issue(ca, tmp_path, "server", "127.0.0.1")
-    settings = {
+    settings: dict[str, Any] = {
         "certfile": pem.certfile,
         "keyfile": pem.keyfile,
         "header_timeout": 0.5,
@@ -609,7 +613,7 @@ async def test_a_client_gone_before_its_connection_is_set_up_takes_nothing_down(
     and the whole frontend exited: a soak's resets under load stopped a launched cluster."""
     import hypercorn.trio.tcp_server as upstream
 
-    real, failures = upstream.parse_socket_addr, [1]
+    real, failures = upstream.parse_socket_addr, [1]  # type: ignore[attr-defined]
 
     def gone_once(family: Any, address: Any) -> Any:
         if failures:

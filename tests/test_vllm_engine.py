@@ -363,7 +363,8 @@ class FakeVllm:
         if path == protocol.GENERATE_PATH:
             self.bodies.append(json.loads(await req.aread()))
             result = self.generate(req)
-            return await result if hasattr(result, "__await__") else result
+            response: httpx.Response = await result if hasattr(result, "__await__") else result
+            return response
         return httpx.Response(404)
 
 

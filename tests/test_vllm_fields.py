@@ -40,7 +40,7 @@ from vllm_helpers import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-SEEDED = {"temperature": 0.9, "seed": 11}
+SEEDED: dict[str, Any] = {"temperature": 0.9, "seed": 11}
 #: Each field, a value asking for it, and how vLLM's log prints it.
 FIELDS: list[tuple[str, Any, str]] = [
     ("top_k", 3, "top_k=3"),
@@ -79,9 +79,10 @@ async def test_every_sampling_field_reaches_vllm_and_gives_its_answer(
     # 1, or min_p 1) samples greedily even at a temperature of 2. (The penalties act on
     # tokens already generated, which the tiny model's greedy answers do not repeat.)
     greedy = await vllm_generate(agg.vllm_url, ids, {"temperature": 0.0, "max_tokens": 12})
-    hot = {"temperature": 2.0, "seed": 11}
+    hot: dict[str, Any] = {"temperature": 2.0, "seed": 11}
     assert tokens(await generate(client, request("hot", ids, 12, **hot))) != greedy.token_ids
-    for name, value in (("top_k", 1), ("min_p", 1.0)):
+    greedy_fields: list[tuple[str, Any]] = [("top_k", 1), ("min_p", 1.0)]
+    for name, value in greedy_fields:
         chunks = await generate(client, request(f"hot-{name}", ids, 12, **hot, **{name: value}))
         assert tokens(chunks) == greedy.token_ids, name
     # All at once, as one request carries them.

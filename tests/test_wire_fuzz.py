@@ -146,7 +146,8 @@ def mutated_map(draw: st.DrawFn, base: dict[Any, Any], depth: int = 0) -> dict[A
 
 
 def packed(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True, strict_types=False)
+    raw: bytes = msgpack.packb(obj, use_bin_type=True, strict_types=False)
+    return raw
 
 
 # ---- bytes ------------------------------------------------------------------------------
@@ -376,6 +377,7 @@ def test_server_handshake_lets_in_only_a_client_that_proves_the_secret(
             and move == "auth"
             and arg == "right"
         )
+        refusal: ProtocolError | None
         try:
             reply = server.receive(frame)
         except ProtocolError as exc:
@@ -440,6 +442,7 @@ def test_client_handshake_trusts_only_a_worker_that_proves_the_secret(
             expected_ok = (not accepted and move == "challenge" and arg == "right") or (
                 accepted == ["challenge"] and move == "hello_ok" and arg == PROTOCOL_VERSION
             )
+        refusal: ProtocolError | None
         try:
             reply = client.receive(frame)
         except ProtocolError as exc:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from headwater.cluster.children import ProcessHandle
 from headwater.cluster.recipes import start_worker
 from headwater.plane.base import WorkerInstance
 from headwater.plane.client import ClientState, TcpWorkerClient, connect_worker
@@ -30,7 +31,7 @@ MODEL = "deepseek-v4"
 
 @dataclass
 class WorkerProcess:
-    process: trio.Process
+    process: ProcessHandle
     address: str
     worker_id: str
     role: Role
