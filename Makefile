@@ -51,7 +51,7 @@ bench: $(DEV_STAMP)
 bench-kv: $(DEV_STAMP)
 	bash scripts/bench_kv_trace.sh $(ARGS)
 
-# The soak: 10 min of mixed load per target (serve, launch); fails on a leak or a lost
+# The soak: 30 min of mixed load per target (serve, launch); fails on a leak or a lost
 # request (docs/reliability.md). Shorter: make soak ARGS="--duration 120".
 soak: $(DEV_STAMP)
 	$(PY) -m scripts.soak $(ARGS)

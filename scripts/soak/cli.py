@@ -107,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
         "--rss-growth",
         type=float,
         default=d.rss_growth,
-        help="largest allowed rise of idle RSS after the warm-up (0.1: 10%%)",
+        help="largest allowed rise of idle RSS after the warm-up (0.05: 5%%)",
     )
     a(
         "--heap",

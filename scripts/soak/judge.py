@@ -6,7 +6,7 @@ in flight, the load client's connections closed, the settle time past trio's idl
 thread timeout (10 s) and the server's keep-alive timeout (5 s).
 
 - **Memory**: the median RSS of the end reads against the median of the start reads;
-  more than :attr:`Limits.rss_growth` (10%) up fails. Idle points, not the loaded part:
+  more than :attr:`Limits.rss_growth` (5%) up fails. Idle points, not the loaded part:
   under load RSS follows what is in flight at that instant (a few 40k-token bodies,
   their token arrays and KV bookkeeping), so its trend mixes load with leaks; idle, only
   what was kept is left. The trend over the loaded part (a least-squares line) is
@@ -35,8 +35,8 @@ COUNTED = ("fds", "tasks", "threads")
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    #: Largest allowed rise of idle RSS after the warm-up (0.10: 10%).
-    rss_growth: float = 0.10
+    #: Largest allowed rise of idle RSS after the warm-up (0.05: 5%).
+    rss_growth: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,7 +72,7 @@ CACHE_FULL = 0.9  # of its budget
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    duration_s: float = 600.0
+    duration_s: float = 1800.0
     #: None: 10% of the duration, at least 30 s.
     warmup_s: float | None = None
     settle_s: float = 20.0
