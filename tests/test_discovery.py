@@ -103,6 +103,7 @@ class FakeClient(WorkerClient):
         self.closed_event = trio.Event()
         self.alive = False  # vouches for its connection (a TCP client's heartbeats)
         self.lost = trio.Event()
+        self.silent = False  # its probes go unanswered (a host that died)
 
     @property
     def reachable(self) -> bool:
@@ -118,6 +119,8 @@ class FakeClient(WorkerClient):
         raise NotImplementedError
 
     async def probe(self) -> None:
+        if self.silent:
+            await trio.sleep_forever()
         await trio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
@@ -643,6 +646,28 @@ async def test_membership_keeps_a_reachable_worker_discovery_lost(
     await trio.testing.wait_all_tasks_blocked()
     assert [c.closed for c in connect.clients] == [True, True, True]
     assert membership.statistics().unlisted == 0
+
+
+async def test_membership_drops_an_unlisted_worker_that_does_not_answer_a_probe(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A host that died: its lease ran out before the heartbeats noticed, so its client
+    still says connected. The probe membership sends an unlisted worker goes unanswered,
+    and it leaves routing at the probe's deadline, not the heartbeats'."""
+    router = Router()
+    connect = FakeConnect()
+    async with open_membership(router, connect, confirm_timeout=2.0) as membership:
+        membership.worker_added(inst("dead"))
+        await wait_router(router, lambda: "dead" in states(router))
+        (client,) = connect.clients
+        client.alive = client.silent = True
+        removed_at = trio.current_time()
+        membership.worker_removed("dead")
+        await wait_router(router, lambda: not states(router), limit=60)
+        assert trio.current_time() - removed_at == pytest.approx(2.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert client.closed
+        assert membership.statistics().unlisted == 0
 
 
 async def test_membership_retries_failed_connect(autojump_clock: trio.abc.Clock) -> None:

@@ -24,9 +24,11 @@ Discovery going stale must not empty the routing table. A worker cut off from et
 serves on: discovery reports it removed, though its plane connection, checked by
 heartbeats every second, says it is there. So a removal of a worker that was not
 draining (a goodbye drains first) and whose client is ``reachable`` leaves it
-routed, *unlisted*, until that connection is lost (then it goes, as a removal would
-have) or discovery lists it again (it re-registers when etcd is back). Discovery
-decides who may join; the connection decides who is still there.
+routed, *unlisted*, if it answers a probe at once (within ``confirm_timeout``), until
+that connection is lost (then it goes, as a removal would have) or discovery lists it
+again (it re-registers when etcd is back). Discovery decides who may join; the
+connection decides who is still there. The probe keeps a host that died (whose lease
+ran out before the heartbeats noticed) from staying routed until the heartbeats do.
 
 Sink calls do only bookkeeping and ``start_soon``, so a burst of changes costs no
 buffer beyond one task per connecting worker. *connect* is called from a task of
@@ -49,7 +51,7 @@ from trio_util import AsyncValue
 
 from frontend.router.router import Router
 from headwater.backoff import Backoff
-from headwater.plane.base import WorkerClient, WorkerInstance
+from headwater.plane.base import PlaneError, WorkerClient, WorkerInstance
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class Membership:
         *,
         connect_timeout: float = 10.0,  # seconds per attempt
         close_timeout: float = 5.0,  # seconds to close a removed worker's client
+        confirm_timeout: float = 2.0,  # seconds an unlisted worker has to answer a probe
         retry_initial: float = 0.2,  # seconds before the first retry
         retry_max: float = 10.0,  # seconds between retries at most
     ) -> None:
@@ -103,6 +106,7 @@ class Membership:
         self.connect = connect
         self.connect_timeout = connect_timeout
         self.close_timeout = close_timeout
+        self.confirm_timeout = confirm_timeout
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self._nursery: trio.Nursery | None = nursery
@@ -207,12 +211,19 @@ class Membership:
             log.info("worker %s is listed by discovery again", worker_id)
 
     async def _route_while_reachable(self, client: WorkerClient, scope: trio.CancelScope) -> None:
-        """An unlisted worker (module doc): drop it once its connection is lost, unless
-        *scope* is cancelled first (listed again, or dropped for another reason)."""
+        """An unlisted worker (module doc): drop it unless it answers a probe now, then
+        once its connection is lost; unless *scope* is cancelled first (listed again, or
+        dropped for another reason)."""
         wid = client.instance.worker_id
         with scope:
-            await client.wait_lost()
-            log.warning("unlisted worker %s lost its connection: removed", wid)
+            try:
+                with trio.fail_after(self.confirm_timeout):
+                    await client.probe()
+            except (trio.TooSlowError, PlaneError) as exc:
+                log.warning("unlisted worker %s did not answer a probe (%r): removed", wid, exc)
+            else:
+                await client.wait_lost()
+                log.warning("unlisted worker %s lost its connection: removed", wid)
             self._unlisted.pop(wid, None)
             self._drop(wid)
 
