@@ -59,3 +59,12 @@ def limit_arenas(arenas: int = FRONTEND_ARENAS) -> bool:
     with contextlib.suppress(OSError, AttributeError):
         return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas))
     return False
+
+
+def trim_heap() -> bool:
+    """glibc's ``malloc_trim(0)``: the free pages of every arena go back to the kernel,
+    not only the top of the heap. Returns whether any did (False off glibc). Called when
+    a process goes idle (``headwater.gc_tuning``) and by ``GET /debug/heap?trim``."""
+    with contextlib.suppress(OSError, AttributeError):
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    return False

@@ -48,14 +48,20 @@ def test_the_idle_collector_collects_at_most_once_per_interval(
 
 
 class Counting(IdleCollector):
-    """Records when it would collect (on trio's clock), and collects nothing."""
+    """Records when it would collect and trim (on trio's clock), and does neither."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[float] = []
+        self.trim_calls = 0
 
-    def __call__(self) -> None:
+    def __call__(self) -> bool:
         self.calls.append(trio.current_time())
+        return True
+
+    async def give_back(self) -> None:  # no thread: virtual time would leap meanwhile
+        self.trim_calls += 1
+        await trio.lowlevel.checkpoint()
 
 
 async def test_a_process_collects_once_each_time_it_goes_idle_after_work(
@@ -81,6 +87,7 @@ async def test_a_process_collects_once_each_time_it_goes_idle_after_work(
             pass
         await trio.sleep(3)
         assert len(calls) == 2
+        assert counting.trim_calls == 2  # each idle collection gives the free pages back
         nursery.cancel_scope.cancel()
 
 
@@ -123,4 +130,15 @@ async def test_a_worker_never_idle_collects_after_its_busy_limit(
                 with activity:
                     await trio.sleep(1)
         assert 2 <= len(calls) <= 3  # about every 60 s of the 150 s, none idle
+        assert counting.trim_calls == 0  # busy: pages freed now are taken again soon
         nursery.cancel_scope.cancel()
+
+
+def test_a_trim_gives_freed_pages_inside_the_heap_back() -> None:
+    """What the idle collection's trim does: pages freed in the middle of the heap (not
+    only at its top, which glibc trims by itself) go back to the kernel."""
+    blocks = [bytearray(64 * 1024) for _ in range(400)]  # 25 MiB below mmap's threshold
+    del blocks[:-1]  # all freed but the last, which holds the top of the heap
+    collector = IdleCollector()
+    collector.trim()
+    assert collector.trims == 1

@@ -23,11 +23,11 @@ a debug route of a process started for the purpose.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import tracemalloc
 from typing import Any
+
+from headwater.malloc_tuning import trim_heap
 
 #: Sites listed per answer.
 TOP = 25
@@ -41,17 +41,6 @@ def _rss_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except OSError:
         return None
-
-
-def _malloc_trim() -> bool:
-    """glibc's ``malloc_trim(0)``: free pages go back to the kernel. False elsewhere."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        return bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
 
 
 def _snapshot() -> tracemalloc.Snapshot:
@@ -72,7 +61,7 @@ def heap_report(*, mark: bool = False, trim: bool = False, top: int = TOP) -> di
         }
     report: dict[str, Any] = {"tracing": True, "rss_bytes": _rss_bytes()}
     if trim:
-        report["trimmed"] = _malloc_trim()
+        report["trimmed"] = trim_heap()
         report["rss_bytes_after_trim"] = _rss_bytes()
     snapshot = _snapshot()
     report["traced_bytes"] = sum(s.size for s in snapshot.statistics("filename"))

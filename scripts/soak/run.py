@@ -83,7 +83,7 @@ class Settings:
     deadline_s: float = 120.0
     #: Engine options for the target's workers (``--speedup-ratio 10``); none: defaults.
     engine_args: tuple[str, ...] = ()
-    rss_growth: float = 0.10
+    rss_growth: float = 0.05
     #: Frames per traceback of tracemalloc in every process (0: off); with it, each
     #: process's ``/debug/heap`` is marked at the first idle point and read at the last.
     heap_frames: int = 0
