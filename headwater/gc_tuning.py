@@ -54,14 +54,14 @@ class IdleCollector:
     its heap, and levelled off only after 10-17 minutes (docs/reliability.md).
     """
 
-    __slots__ = ("_clock", "_last", "collections", "min_interval_s", "trims")
+    __slots__ = ("_clock", "_last", "_last_trim", "collections", "min_interval_s", "trims")
 
     def __init__(
         self, *, min_interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.min_interval_s = min_interval_s
         self._clock = clock
-        self._last = -math.inf
+        self._last = self._last_trim = -math.inf
         self.collections = 0
         self.trims = 0
 
@@ -80,8 +80,15 @@ class IdleCollector:
         if trim_heap():
             self.trims += 1
 
+    def trim_due(self) -> bool:
+        """Whether the last trim is *min_interval_s* old. Counted apart from collections:
+        a busy worker's collection must not spare its next idle point the trim, or the
+        soak's two idle reads would compare a trimmed heap with an untrimmed one."""
+        return self._clock() - self._last_trim >= self.min_interval_s
+
     async def give_back(self) -> None:
         """:meth:`trim` in a thread: a few ms to tens of ms, locking each arena in turn."""
+        self._last_trim = self._clock()
         await trio.to_thread.run_sync(self.trim)
 
 
@@ -118,7 +125,8 @@ async def collect_when_idle(
         now = trio.current_time()
         if activity.idle():
             seen, busy_since = activity.started, None
-            if collector():
+            collector()
+            if collector.trim_due():
                 await collector.give_back()
         elif busy_since is None:
             busy_since = now

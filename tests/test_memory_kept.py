@@ -51,7 +51,7 @@ class Counting(IdleCollector):
     """Records when it would collect and trim (on trio's clock), and does neither."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(clock=trio.current_time)
         self.calls: list[float] = []
         self.trim_calls = 0
 
@@ -60,6 +60,7 @@ class Counting(IdleCollector):
         return True
 
     async def give_back(self) -> None:  # no thread: virtual time would leap meanwhile
+        self._last_trim = trio.current_time()
         self.trim_calls += 1
         await trio.lowlevel.checkpoint()
 
@@ -87,7 +88,12 @@ async def test_a_process_collects_once_each_time_it_goes_idle_after_work(
             pass
         await trio.sleep(3)
         assert len(calls) == 2
-        assert counting.trim_calls == 2  # each idle collection gives the free pages back
+        assert counting.trim_calls == 1  # the free pages given back once a minute at most
+        await trio.sleep(60)
+        with activity:
+            pass
+        await trio.sleep(3)
+        assert (len(calls), counting.trim_calls) == (3, 2)
         nursery.cancel_scope.cancel()
 
 
@@ -131,6 +137,8 @@ async def test_a_worker_never_idle_collects_after_its_busy_limit(
                     await trio.sleep(1)
         assert 2 <= len(calls) <= 3  # about every 60 s of the 150 s, none idle
         assert counting.trim_calls == 0  # busy: pages freed now are taken again soon
+        await trio.sleep(3)  # idle at last: trimmed, though it collected a moment ago
+        assert counting.trim_calls == 1
         nursery.cancel_scope.cancel()
 
 
