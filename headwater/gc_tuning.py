@@ -65,15 +65,14 @@ class IdleCollector:
         self.collections = 0
         self.trims = 0
 
-    def __call__(self) -> bool:
-        """Collect unless the last collection was too recent; whether it did."""
+    def __call__(self) -> None:
+        """Collect unless the last collection was too recent."""
         now = self._clock()
         if now - self._last < self.min_interval_s:
-            return False
+            return
         self._last = now
         gc.collect()
         self.collections += 1
-        return True
 
     def trim(self) -> None:
         """Give malloc's free pages back (blocking: :meth:`give_back` runs it in a thread)."""

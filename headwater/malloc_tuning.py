@@ -39,15 +39,17 @@ MMAP_THRESHOLD = 4 * 1024 * 1024
 FRONTEND_ARENAS = 2
 
 
+def _glibc(call: str, *args: int) -> bool:
+    """glibc's *call* with *args*, true when it returned non-zero; False off glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        return bool(getattr(ctypes.CDLL("libc.so.6"), call)(*args))
+    return False
+
+
 def keep_freed_heap(trim: int = TRIM_THRESHOLD, mmap: int = MMAP_THRESHOLD) -> bool:
     """Make glibc keep freed heap up to *trim* bytes and map only blocks from *mmap*
     bytes on (process-wide). Returns whether it took effect (False off glibc)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, trim)
-        )
-    return False
+    return _glibc("mallopt", _M_MMAP_THRESHOLD, mmap) and _glibc("mallopt", _M_TRIM_THRESHOLD, trim)
 
 
 def limit_arenas(arenas: int = FRONTEND_ARENAS) -> bool:
@@ -56,15 +58,11 @@ def limit_arenas(arenas: int = FRONTEND_ARENAS) -> bool:
     the threads start. Returns whether it took effect (False off glibc)."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
-    with contextlib.suppress(OSError, AttributeError):
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas))
-    return False
+    return _glibc("mallopt", _M_ARENA_MAX, arenas)
 
 
 def trim_heap() -> bool:
     """glibc's ``malloc_trim(0)``: the free pages of every arena go back to the kernel,
     not only the top of the heap. Returns whether any did (False off glibc). Called when
     a process goes idle (``headwater.gc_tuning``) and by ``GET /debug/heap?trim``."""
-    with contextlib.suppress(OSError, AttributeError):
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    return False
+    return _glibc("malloc_trim", 0)

@@ -55,9 +55,8 @@ class Counting(IdleCollector):
         self.calls: list[float] = []
         self.trim_calls = 0
 
-    def __call__(self) -> bool:
+    def __call__(self) -> None:
         self.calls.append(trio.current_time())
-        return True
 
     async def give_back(self) -> None:  # no thread: virtual time would leap meanwhile
         self._last_trim = trio.current_time()
