@@ -152,9 +152,29 @@ def vllm_server(model: Path, port: int, log: Path, eager: bool, max_len: int) ->
     return server("vllm", argv, port, log, "/health")
 
 
+#: The peers of the load and probe measurements: vLLM's own server, and headwater with
+#: its worker reaching vLLM each way (``--vllm-client``).
+PEERS = {"vllm": "", "headwater": "api-server", "headwater-inproc": "in-process"}
+
+
+def peer_server(kind: str, model: Path, port: int, log: Path, eager: bool, max_len: int) -> Any:
+    if kind == "vllm":
+        return vllm_server(model, port, log, eager, max_len)
+    return headwater_server(model, port, log, eager, max_len, client=PEERS[kind])
+
+
 def headwater_server(
-    model: Path, port: int, log: Path, eager: bool, max_len: int, mode: str = "agg"
+    model: Path,
+    port: int,
+    log: Path,
+    eager: bool,
+    max_len: int,
+    mode: str = "agg",
+    client: str = "api-server",
 ) -> Any:
+    """``headwater serve --engine vllm``: the frontend and its in-process worker, which
+    reaches its vLLM child through vLLM's API server (``api-server``) or runs vLLM's
+    engine client itself (``in-process``: no API server)."""
     argv = [
         sys.executable,
         "-m",
@@ -176,11 +196,14 @@ def headwater_server(
         VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
         "--cpu-bind",
         "role",
+        "--vllm-client",
+        client,
         *WORKER_EXTRA,
     ]
     if eager:
         argv.append("--enforce-eager")
-    return server(f"headwater-{mode}", argv, port, log, "/health")
+    name = f"headwater-{mode}" + ("-in-process" if client == "in-process" else "")
+    return server(name, argv, port, log, "/health")
 
 
 # ---- load ------------------------------------------------------------------------------
@@ -557,6 +580,11 @@ def main() -> int:
     )
     parser.add_argument("--kv-buffer-device", default="cpu", help="NIXL's (cuda on GPUs)")
     parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help="servers of the load and probe measurements, from " + ", ".join(PEERS),
+    )
+    parser.add_argument(
         "--render",
         type=Path,
         nargs="+",
@@ -592,18 +620,22 @@ def main() -> int:
         else {}
     )
 
-    def order(kinds: tuple[str, str], r: int) -> tuple[str, ...]:
-        """The peers alternate which goes first, round by round."""
-        return kinds if r % 2 == 0 else kinds[::-1]
+    def order(kinds: Sequence[str], r: int) -> tuple[str, ...]:
+        """The peers take turns going first, round by round."""
+        k = r % len(kinds)
+        return (*kinds[k:], *kinds[:k])
+
+    peers = [p for p in args.peers.split(",") if p]
+    if unknown := set(peers) - set(PEERS):
+        parser.error(f"unknown peers {sorted(unknown)}: choose from {', '.join(PEERS)}")
 
     if "load" in only:
         rows = []
         for r in range(args.rounds):
-            for kind in order(("vllm", "headwater"), r):
+            for kind in order(peers, r):
                 port = free_port()
                 log = workdir / f"load-{kind}-{r}.log"
-                start = vllm_server if kind == "vllm" else headwater_server
-                with start(args.model, port, log, eager, 8192) as srv:
+                with peer_server(kind, args.model, port, log, eager, 8192) as srv:
                     rows += [{**row, "round": r} for row in run_load_matrix(srv, sets, args)]
         results["load"] = rows
 
@@ -611,7 +643,7 @@ def main() -> int:
         max_len = args.probe_tokens + 10000
         rows = []
         for r in range(args.rounds):
-            for kind in order(("vllm", "headwater"), r):
+            for kind in order(peers, r):
                 # A fresh nonce per run (a fresh server too): no prefix-cache hit.
                 long_set = bench_prompts.make_prompts(
                     "long", args.long_requests, tokens=args.probe_tokens
@@ -627,8 +659,7 @@ def main() -> int:
                 )
                 port = free_port()
                 log = workdir / f"probe-{kind}-{r}.log"
-                start = vllm_server if kind == "vllm" else headwater_server
-                with start(args.model, port, log, eager, max_len) as srv:
+                with peer_server(kind, args.model, port, log, eager, max_len) as srv:
                     rows.append({**run_probe(srv, bodies, workdir), "round": r})
         results["probe"] = rows
 

@@ -1,8 +1,9 @@
 """The vLLM engine, disaggregated: a prefill and a decode vLLM moving KV over NIXL.
 
-Test policy: the session's prefill + decode workers (tests/vllm_fixture.py; the decode
-vLLM runs without prefix caching, so a prompt token it did not compute can only have
-come over NIXL) against the session's aggregated vLLM as the reference: the same
+Test policy: the session's prefill + decode workers, vLLM in-process in each
+(tests/vllm_fixture.py; the decode vLLM runs without prefix caching, so a prompt token it
+did not compute can only have come over NIXL, which its worker's metrics port shows)
+against the session's aggregated vLLM's API server as the reference: the same
 weights, greedy, token for token. Prompts shorter and longer than one KV block (64
 tokens, ``--vllm-block-size``); small ``max_tokens``; 600 s per test (the first waits
 for the servers).
@@ -50,7 +51,7 @@ async def test_prefill_then_decode_equals_one_server_and_the_kv_came_over_nixl(
     decode = vllm_cluster.workers[Role.DECODE]
     to_prefill = await connect(prefill.instance, nursery)
     to_decode = await connect(decode.instance, nursery)
-    before = await vllm_metrics(decode.vllm_url)
+    before = await vllm_metrics(decode.metrics_url)
     for n in LENGTHS:
         ids = prompt(n, 100 + n)
         want = await vllm_generate(agg.vllm_url, ids, {**GREEDY, "max_tokens": 10})
@@ -64,7 +65,7 @@ async def test_prefill_then_decode_equals_one_server_and_the_kv_came_over_nixl(
         chunks = await generate(to_decode, request(f"pd-{n}", ids, 10, handle=handle))
         assert tokens(chunks) == want.token_ids
         assert chunks[-1].finish_reason is FinishReason.LENGTH
-    after = await vllm_metrics(decode.vllm_url)
+    after = await vllm_metrics(decode.metrics_url)
 
     def grew(source: str) -> float:
         return by_source(after, source) - by_source(before, source)
@@ -132,7 +133,8 @@ async def test_a_failed_kv_transfer_is_a_retryable_error_not_a_hang(
         await generate(to_decode, request("bad-kv", ids, 4, handle=bad))
     print(f"failed transfer reported in {trio.current_time() - started:.1f} s")
     assert failed.value.code is ErrorCode.KV_TRANSFER_FAILED
-    # The decode server stays up and serves the next request.
-    async with httpx.AsyncClient(timeout=10) as http:
-        assert (await http.get(decode.vllm_url + "/health")).status_code == 200
+    # The decode's vLLM stays up (its engine core the same) and serves the next request.
+    pids = list(decode.vllm_pids)
     assert len(tokens(await generate(to_decode, request("after-bad-kv", ids, 4)))) == 4
+    decode.refresh()
+    assert decode.vllm_pids == pids

@@ -6,9 +6,12 @@ that need it are skipped with the reason, except under CI (``CI=true``), where a
 missing vLLM is a failure, so a broken CI image cannot pass silently.
 
 Policy: three ``headwater worker --engine vllm`` processes, each starting its own
-vLLM (``--enforce-eager``) on free loopback ports: one aggregated (its vLLM logs every
-request's ``SamplingParams``), and a prefill + decode pair with NIXL (the decode without
-prefix caching, so its prompt tokens can only come from the transfer). They start in
+vLLM (``--enforce-eager``) on free loopback ports, both ways to it covered: one
+aggregated behind vLLM's API server (``--vllm-client api-server``: its vLLM logs every
+request's ``SamplingParams``, and its token-in API is the tests' oracle of vLLM's own
+answers), and a prefill + decode pair with NIXL, each with vLLM in-process (the
+default; the decode without prefix caching, so its prompt tokens can only come from
+the transfer, and exporting vLLM's series on its own metrics port). They start in
 the background as soon as collection sees a test marked ``vllm`` (``conftest.py``),
 while the other tests run; those tests run last and wait for them, and they run niced,
 so the tests running meanwhile keep the cores they need. At most these three vLLM
@@ -37,6 +40,7 @@ import pytest
 
 from headwater.orphans import supervisor_env
 from headwater.plane.base import WorkerInstance
+from headwater.ports import free_port
 from headwater.sessions import set_session_nice
 from headwater.wire import Role
 
@@ -56,6 +60,7 @@ NICENESS = 10  # of the vLLM workers and their servers
 _READY = re.compile(r"HEADWATER_WORKER_READY (\S+) (\S+) (\S+)")
 _VLLM_URL = re.compile(r"starting vLLM on (http://\S+):")
 _VLLM_PID = re.compile(r"vLLM pid (\d+)")
+_ENGINE_CORE_PID = re.compile(r"vLLM up at in-process \(engine core pid (\d+)\)")
 
 
 def vllm_missing() -> str | None:
@@ -99,7 +104,12 @@ class VllmWorker:
     stderr: Path
     address: str = ""
     worker_id: str = ""
+    #: The worker's own metrics endpoint (with vLLM's series when it runs in-process).
+    metrics_url: str = ""
+    #: vLLM's API server (``--vllm-client api-server``); "" in-process.
     vllm_url: str = ""
+    #: The process groups of the vLLM servers it started, or in-process the pids of the
+    #: engine cores (in the worker's own group), the last one current.
     vllm_pids: list[int] = field(default_factory=list)
 
     @property
@@ -119,6 +129,7 @@ class VllmWorker:
         if urls:
             self.vllm_url = urls[-1]
         self.vllm_pids = [int(p) for p in _VLLM_PID.findall(text)]
+        self.vllm_pids += [int(p) for p in _ENGINE_CORE_PID.findall(text)]
 
     def poll_ready(self) -> bool:
         match = _READY.search(self.stdout.read_text(errors="replace"))
@@ -206,13 +217,21 @@ class VllmCluster:
         for role, extra in (
             # Its vLLM logs each request's SamplingParams: what vLLM received
             # (tests/test_vllm_fields.py reads it).
-            (Role.AGG, (f"--otlp-endpoint={self.traces.url}", "--vllm-args=--enable-log-requests")),
+            (
+                Role.AGG,
+                (
+                    "--vllm-client=api-server",
+                    f"--otlp-endpoint={self.traces.url}",
+                    "--vllm-args=--enable-log-requests",
+                ),
+            ),
             (Role.PREFILL, ()),
             (Role.DECODE, ("--vllm-args=--no-enable-prefix-caching",)),
         ):
             self.workers[role] = self._spawn(role, extra)
 
     def _spawn(self, role: Role, extra: tuple[str, ...]) -> VllmWorker:
+        metrics_port = free_port()
         stdout = self.workdir / f"worker-{role}.out"
         stderr = self.workdir / f"worker-{role}.err"
         argv = [
@@ -246,6 +265,8 @@ class VllmCluster:
             str(self.workdir / f"vllm-{role}.log"),
             "--cpu-bind",
             "role",
+            "--metrics-port",
+            str(metrics_port),
             *extra,
         ]
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
@@ -262,7 +283,9 @@ class VllmCluster:
         # nice sets the worker's own priority; its session's scheduling group (and its
         # vLLM's, which the worker sets) needs it too (headwater/sessions.py).
         set_session_nice(process.pid, NICENESS)
-        return VllmWorker(role, process, stdout, stderr)
+        return VllmWorker(
+            role, process, stdout, stderr, metrics_url=f"http://127.0.0.1:{metrics_port}"
+        )
 
     def wait_ready(self) -> None:
         """Block until every worker reported ready; raises RuntimeError naming the one

@@ -135,6 +135,11 @@ class WorkerCollector(Collector):
         )
         for name, doc, share in picker:
             yield GaugeMetricFamily(name, doc, value=share)
+        # The engine's own series (vLLM's, in-process), but for the names above.
+        names = {name for name, _, _ in picker}
+        for family in w.runtime.engine.metric_families():
+            if family.name not in names:
+                yield family
 
 
 async def serve_worker_metrics(

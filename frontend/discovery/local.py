@@ -67,7 +67,7 @@ class LocalCluster(Discovery):
         for i, role in enumerate(self.roles):
             worker_id = f"local-{role.value}-{i}"
             address = f"memory://{worker_id}"
-            context = EngineContext(role, worker_id, kv, address)
+            context = EngineContext(role, worker_id, kv, address, beside_frontend=True)
             engine = registry.build(self.engine, self.engine_config, context)
             if isinstance(engine, KvSource):
                 kv.register(worker_id, engine)

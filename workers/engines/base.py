@@ -21,10 +21,11 @@ for others implement neither.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 
 import trio
+from prometheus_client.core import Metric
 
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
@@ -77,6 +78,10 @@ class EngineContext:
     #: The OTLP collector this worker's traces go to ("" : untraced); an engine that
     #: runs a server of its own (vLLM) sends that server's spans there too.
     otlp_endpoint: str = ""
+    #: The worker shares its process with the frontend (``headwater serve``'s
+    #: in-process workers): an engine keeps its heavy work out of this process, whose
+    #: event loop serves HTTP (vLLM is then reached through its own API server).
+    beside_frontend: bool = False
 
 
 class Engine(abc.ABC):
@@ -118,3 +123,9 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def statistics(self) -> EngineStats:
         """Current load, cheap enough to call on every routing decision."""
+
+    def metric_families(self) -> Iterable[Metric]:
+        """The engine's own Prometheus series, which the worker's metrics endpoint
+        exports as they are (vLLM's, when it runs in the worker's process); none by
+        default."""
+        return ()

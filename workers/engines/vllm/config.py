@@ -8,6 +8,7 @@ command-line option of ``headwater serve``, ``worker`` and ``launch``.
 
 from __future__ import annotations
 
+import enum
 import json
 import shlex
 import socket
@@ -27,6 +28,14 @@ NO_VOCABULARY = (
 PROBE_TIMEOUT = 3.0
 
 
+class VllmClient(enum.StrEnum):
+    """How a worker that starts vLLM talks to it (:mod:`workers.engines.vllm.backend`)."""
+
+    AUTO = "auto"  # in-process in a worker's own process; api-server beside a frontend
+    IN_PROCESS = "in-process"  # vLLM's engine client in the worker, its core a child
+    API_SERVER = "api-server"  # `vllm serve` as a child, its token-in API over HTTP
+
+
 @dataclass(frozen=True, slots=True)
 class VllmConfig(EngineConfig):
     """How a worker reaches vLLM. Raises ``ValueError`` on construction for values out
@@ -39,6 +48,17 @@ class VllmConfig(EngineConfig):
     #: A running vLLM server to use instead of starting one (``http://host:port``).
     vllm_url: str = field(
         default="", metadata={"help": "attach to the vLLM server at this URL instead"}
+    )
+    #: How a started vLLM is reached: its engine client in the worker's process
+    #: (``in-process``: no API server, no HTTP hop; docs/performance-vllm.md), or its
+    #: own API server (``api-server``). ``auto``: in-process where the worker has a
+    #: process of its own (``headwater worker``, ``launch``), the API server for
+    #: ``headwater serve``'s in-process workers, whose process is the frontend's
+    #: (vLLM's client would hold the GIL beside its loop). ``--vllm-url`` is always
+    #: an API server.
+    vllm_client: VllmClient = field(
+        default=VllmClient.AUTO,
+        metadata={"help": "how a started vLLM is reached (auto, in-process, api-server)"},
     )
     #: More ``vllm serve`` options for a started server, one shell-quoted string.
     vllm_args: str = field(
@@ -125,6 +145,8 @@ class VllmConfig(EngineConfig):
     down_after_polls: int = 3
 
     def __post_init__(self) -> None:
+        # A string for the enum becomes its member; ValueError names the choices.
+        object.__setattr__(self, "vllm_client", VllmClient(self.vllm_client))
         if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
             raise ValueError(f"--vllm-url wants http://host:port, got {self.vllm_url!r}")
         for name in (

@@ -1,18 +1,18 @@
-"""The vLLM engine's trio shell: GenerateRequests to vLLM's token API over httpx, and back.
+"""The vLLM engine's trio shell: GenerateRequests to vLLM, and its answers back as chunks.
 
-:class:`VllmEngine` is what a worker hosts. :meth:`VllmEngine.run` owns the vLLM
-server (:mod:`.server`: started and supervised, or attached), an httpx client on the
-worker's own trio loop, and a poller of vLLM's ``/metrics`` whose last answer
-:meth:`~VllmEngine.statistics` returns. It reports readiness only once vLLM's
-``/health`` answers, so the worker registers and ACKs nothing before.
+:class:`VllmEngine` is what a worker hosts. :meth:`VllmEngine.run` owns the way to
+vLLM (a :mod:`.backend`: vLLM's engine in-process, or its API server, started and
+supervised or attached) and a poller of vLLM's metrics whose last answer
+:meth:`~VllmEngine.statistics` returns. It reports readiness only once vLLM serves, so
+the worker registers and ACKs nothing before.
 
 Per request (:meth:`VllmEngine.generate`), by role:
 
-* ``agg``, or ``decode`` without a handle: one streamed ``POST /inference/v1/generate``,
-  a :class:`~headwater.wire.Chunk` per token event (with its logprobs when asked), the
-  finish reason and the cached prompt tokens (from the usage event that follows it) on
-  the last. Prompt logprobs, which vLLM's stream does not carry, come from a unary
-  request of one token before it, on the first chunk.
+* ``agg``, or ``decode`` without a handle: one streamed request, a
+  :class:`~headwater.wire.Chunk` per token event (with its logprobs when asked), the
+  finish reason and the cached prompt tokens on the last. Prompt logprobs come on the
+  first chunk: with the stream's first event in-process; through the API server, whose
+  stream does not carry them, from a unary request of one token before it.
 * ``prefill``: one unary request with ``max_tokens`` 1 and ``kv_transfer_params:
   {"do_remote_decode": true}``; vLLM's answer (its ``kv_transfer_params``) becomes the
   :class:`~headwater.wire.KvHandle`'s opaque ``params``, with the first token in the
@@ -27,7 +27,7 @@ vLLM's 400: ``invalid_request``; a decode leg whose transfer failed (vLLM's erro
 no first token within ``kv_pull_timeout``): ``kv_transfer_failed``, so the frontend
 prefills again; vLLM unreachable, dead or restarting: ``shutting_down`` (retryable:
 another worker takes the request, or it migrates with what it generated). Closing the
-generator closes the HTTP stream, and vLLM aborts the request at once.
+generator closes the backend's stream, and vLLM aborts the request at once.
 
 A started vLLM that dies fails every request in flight, is started again up to
 ``vllm_restarts`` times (the worker refuses requests meanwhile), then
@@ -38,15 +38,15 @@ worker exits.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
 
 import httpx
 import orjson
 import trio
+from prometheus_client.core import Metric
 
-from headwater.tracing import current_trace
 from headwater.wire import (
     Chunk,
     ErrorCode,
@@ -73,18 +73,20 @@ from headwater.wire.capabilities import (
 )
 from headwater.wire.kv_events import KvEventLog
 from workers.engines.base import Engine, EngineContext, EngineError, EngineFailed, EngineStats
-from workers.engines.vllm import protocol
-from workers.engines.vllm.config import NO_VOCABULARY, VllmConfig
+from workers.engines.vllm.api_server import ApiServerBackend
+from workers.engines.vllm.backend import VllmBackend, VllmUnreachable
+from workers.engines.vllm.config import NO_VOCABULARY, VllmClient, VllmConfig
+from workers.engines.vllm.in_process import InProcessBackend
 from workers.engines.vllm.kv_events import VllmKvEvents, subscribe
 from workers.engines.vllm.protocol import (
     FINISH_REASONS,
-    GENERATE_PATH,
     ProtocolError,
     StreamEvent,
+    VllmCall,
     VllmMetrics,
     VllmRequestError,
 )
-from workers.engines.vllm.server import VllmServer, VllmStartError
+from workers.engines.vllm.server import VllmStartError
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +128,12 @@ class _Watch:
 
 
 class VllmEngine(Engine):
-    """A worker's engine backed by a vLLM server; see the module docstring.
+    """A worker's engine backed by vLLM; see the module docstring.
 
     Start it with ``await nursery.start(engine.run)``; requests before that, or while
     vLLM is down, fail with ``shutting_down``. *vocab_size* overrides the config's;
-    *transport* replaces httpx's (tests play vLLM with an ``httpx.MockTransport``).
+    *transport* replaces httpx's and so chooses the API server's way (tests play
+    vLLM's API server with an ``httpx.MockTransport``).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class VllmEngine(Engine):
         vocab_size: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         otlp_endpoint: str = "",
+        beside_frontend: bool = False,
     ) -> None:
         if not config.model and not config.vllm_url:
             raise ValueError("the vllm engine needs --model PATH or --vllm-url URL")
@@ -162,7 +166,14 @@ class VllmEngine(Engine):
             features.add(STRUCTURED_OUTPUTS)
         self._capabilities = Capabilities("vllm", frozenset(features))
         self.counters = VllmCounters()
-        self.server = VllmServer(config, self.role, worker_id, otlp_endpoint=otlp_endpoint)
+        self.backend: VllmBackend = _backend(
+            config,
+            self.role,
+            worker_id,
+            transport=transport,
+            otlp_endpoint=otlp_endpoint,
+            beside_frontend=beside_frontend,
+        )
         #: vLLM's KV cache events, republished (:mod:`.kv_events`); None when vLLM
         #: publishes none here (attached, or --no-vllm-kv-events): approximate routing.
         self._kv: VllmKvEvents | None = None
@@ -170,8 +181,6 @@ class VllmEngine(Engine):
             self.kv_events = KvEventLog()
             self._kv = VllmKvEvents(self.kv_events)
         self.metrics = VllmMetrics()
-        self._http: httpx.AsyncClient | None = None
-        self._transport = transport  # tests: a fake vLLM (httpx.MockTransport)
         self._up = False
         self._up_event = trio.Event()
         self._watch = _Watch()
@@ -197,24 +206,20 @@ class VllmEngine(Engine):
         if self._started:
             raise RuntimeError("VllmEngine.run() may only be called once")
         self._started = True
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        timeout = httpx.Timeout(None, connect=5.0)
-        async with httpx.AsyncClient(
-            limits=limits, timeout=timeout, transport=self._transport
-        ) as http:
-            self._http = http
+        backend = self.backend
+        async with backend.open():
             try:
                 async with trio.open_nursery() as nursery:
                     if self._kv is not None:  # listening before vLLM publishes
-                        self.server.events_endpoint = await nursery.start(subscribe, self._kv)
-                    await self._start(http)
-                    nursery.start_soon(self._poll_metrics, http)
+                        backend.events_endpoint = await nursery.start(subscribe, self._kv)
+                    await self._start()
+                    nursery.start_soon(self._poll_metrics)
                     task_status.started()
-                    await self._supervise(http)
+                    await self._supervise()
             finally:
                 self._set_down("stopped")
                 with trio.move_on_after(30, shield=True):
-                    await self.server.stop()
+                    await backend.stop()
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         """Serve *request* on vLLM; see the module docstring for the mapping.
@@ -262,6 +267,10 @@ class VllmEngine(Engine):
             kv_blocks_total=total,
         )
 
+    def metric_families(self) -> Iterable[Metric]:
+        """vLLM's own series when it runs in this process (:mod:`.in_process`)."""
+        return self.backend.metric_families()
+
     @property
     def up(self) -> bool:
         """vLLM is healthy and taking requests."""
@@ -302,12 +311,9 @@ class VllmEngine(Engine):
             raise EngineError(ErrorCode.INVALID_REQUEST, problem)
 
     async def _prefill(self, request: GenerateRequest) -> Chunk:
-        body = protocol.generate_body(
-            request, stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE
-        )
+        call = VllmCall(request, stream=False, max_tokens=1, kv_transfer_params=REMOTE_DECODE)
         with self._vllm_errors(kv=False):
-            response = await self._post(body)
-            answer = protocol.parse_answer(response)
+            answer = await self._answer(call)
         if answer.kv_transfer_params is None:
             raise EngineError(
                 ErrorCode.INTERNAL,
@@ -332,22 +338,34 @@ class VllmEngine(Engine):
                 f"{self.worker_id}: the KV handle from {handle.worker_id} carries no vLLM "
                 "kv_transfer_params (a prefill worker of another engine?)",
             )
-        prompt = await self._prompt_logprobs(request)
-        body = protocol.generate_body(
-            request, stream=True, kv_transfer_params=handle.params if handle else None
+        inline = self.backend.streams_prompt_logprobs
+        prompt = None if inline else await self._prompt_logprobs(request)
+        call = VllmCall(
+            request,
+            stream=True,
+            kv_transfer_params=handle.params if handle else None,
+            prompt_logprobs=inline,
         )
         rid = request.request_id
-        top = request.sampling.logprobs
-        held: Chunk | None = None  # the last token's chunk, until the usage event
+        held: Chunk | None = None  # the last token's chunk, until the stream's end
         cached = 0
         first_deadline = self.config.kv_pull_timeout if kv else None
         with self._vllm_errors(kv=kv):
-            async with self._open_stream(body, first_deadline, top) as events, aclosing(events):
-                async for event in events:
+            async with aclosing(self.backend.stream(call)) as events:
+                first = True
+                while True:
+                    with self._watched(first_deadline if first else None) as scope:
+                        event = await anext(events, None)
+                    if scope.cancelled_caught:
+                        raise self._gone(first=first, deadline=first_deadline)
+                    if event is None or event.done:
+                        break
                     if event.cached_tokens is not None:
                         cached = event.cached_tokens
-                    if event.done:
-                        break
+                    if event.prompt_logprobs is not None:
+                        prompt = event.prompt_logprobs
+                    if event.token_ids:
+                        first = False
                     if event.finish is not None:
                         held = Chunk(
                             rid,
@@ -371,14 +389,13 @@ class VllmEngine(Engine):
         yield replace(held, cached_tokens=cached)
 
     async def _prompt_logprobs(self, request: GenerateRequest) -> tuple[TokenLogprobs, ...] | None:
-        """The prompt's logprobs, when the request asked: vLLM's stream does not carry
-        them, so a unary request of one token asks for them first (vLLM computes the
-        prompt once more for it: it does not read its prefix cache for prompt
-        logprobs)."""
-        top = request.sampling.prompt_logprobs
-        if top is None:
+        """The prompt's logprobs, when the request asked and the backend's stream does
+        not carry them: a unary request of one token asks for them first (vLLM
+        computes the prompt once more for it: it does not read its prefix cache for
+        prompt logprobs)."""
+        if request.sampling.prompt_logprobs is None:
             return None
-        body = protocol.generate_body(
+        call = VllmCall(
             request,
             stream=False,
             max_tokens=1,
@@ -386,28 +403,26 @@ class VllmEngine(Engine):
             request_id=request.request_id + ".prompt",
         )
         with self._vllm_errors(kv=False):
-            response = await self._post(body)
-            answer = protocol.parse_answer(response, prompt_logprobs=top)
+            answer = await self._answer(call)
         return answer.prompt_logprobs
 
-    def _open_stream(
-        self, body: bytes, first_deadline: float | None, logprobs: int | None
-    ) -> _EventStream:
-        assert self._http is not None
-        url = self.server.url + GENERATE_PATH
-        return _EventStream(self, self._http, url, body, first_deadline, logprobs)
-
-    async def _post(self, body: bytes) -> bytes:
-        assert self._http is not None
+    async def _answer(self, call: VllmCall) -> StreamEvent:
         with self._watched() as scope:
-            r = await self._http.post(
-                self.server.url + GENERATE_PATH, content=body, headers=_headers()
-            )
+            answer = await self.backend.answer(call)
         if scope.cancelled_caught:
             raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM went down")
-        if r.status_code != 200:
-            raise protocol.error_from_body(r.status_code, r.content)
-        return r.content
+        return answer
+
+    def _gone(self, *, first: bool, deadline: float | None) -> EngineError:
+        """What a wait on vLLM's stream cancelled by :meth:`_watched` means: the decode
+        leg's first token late (its KV transfer did not complete), or vLLM down."""
+        if self._up and first and deadline is not None:
+            return EngineError(
+                ErrorCode.KV_TRANSFER_FAILED,
+                f"{self.worker_id}: no first token within {deadline:g} s "
+                "(the KV transfer did not complete)",
+            )
+        return EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: vLLM went down")
 
     @contextmanager
     def _watched(self, deadline: float | None = None) -> Iterator[trio.CancelScope]:
@@ -427,7 +442,7 @@ class VllmEngine(Engine):
 
     @contextmanager
     def _vllm_errors(self, *, kv: bool) -> Iterator[None]:
-        """Translate what talking to vLLM raised into EngineError (see the module
+        """Translate what the backend raised into EngineError (see the module
         docstring); *kv*: a decode leg that pulls KV."""
         try:
             yield
@@ -441,45 +456,33 @@ class VllmEngine(Engine):
             else:
                 code = ErrorCode.INTERNAL
             raise EngineError(code, f"{self.worker_id}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(
-                ErrorCode.SHUTTING_DOWN,
-                f"{self.worker_id}: vLLM at {self.server.url} unreachable: {exc!r}",
-            ) from exc
+        except VllmUnreachable as exc:
+            raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id}: {exc}") from exc
         except ProtocolError as exc:
             raise EngineError(ErrorCode.INTERNAL, f"{self.worker_id}: {exc}") from exc
 
-    # ---- the server ---------------------------------------------------------------
+    # ---- vLLM's life ---------------------------------------------------------------
 
-    async def _start(self, http: httpx.AsyncClient) -> None:
+    async def _start(self) -> None:
         try:
-            await self.server.start(http)
-            await self._learn(http)
+            served = await self.backend.start()
         except VllmStartError as exc:
             raise EngineFailed(f"{self.worker_id}: {exc}") from exc
+        self.served_model = served.name
+        if served.max_model_len is not None:
+            self.max_model_len = served.max_model_len
         self.counters.vllm_starts += 1
         self._set_up()
 
-    async def _learn(self, http: httpx.AsyncClient) -> None:
-        """The served model's name and context length, from ``/v1/models``."""
-        try:
-            r = await http.get(self.server.url + "/v1/models", timeout=10.0)
-            model = r.json()["data"][0]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            raise VllmStartError(f"cannot read {self.server.url}/v1/models: {exc!r}") from exc
-        self.served_model = str(model.get("id", ""))
-        if isinstance(model.get("max_model_len"), int):
-            self.max_model_len = model["max_model_len"]
-
-    async def _supervise(self, http: httpx.AsyncClient) -> None:
-        """Restart a started server that died, up to ``vllm_restarts`` times (a start
+    async def _supervise(self) -> None:
+        """Restart a started vLLM that died, up to ``vllm_restarts`` times (a start
         that fails counts as one); an attached one is watched by the metrics poller."""
         restarts = 0
         while True:
-            status = await self.server.wait()
+            why = await self.backend.wait()
             self.counters.vllm_deaths += 1
-            self._set_down(f"vLLM exited with status {status}")
-            await self.server.stop()  # what is left of its process group
+            self._set_down(why)
+            await self.backend.stop()  # what is left of its processes
             while True:
                 if restarts >= self.config.vllm_restarts:
                     raise EngineFailed(
@@ -496,32 +499,32 @@ class VllmEngine(Engine):
                 if self._kv is not None:
                     self._kv.restarted()  # an empty cache, its event numbers from 0
                 try:
-                    await self._start(http)
+                    await self._start()
                     break
                 except EngineFailed as exc:
                     log.error("%s", exc)
 
-    async def _poll_metrics(self, http: httpx.AsyncClient) -> None:
-        """Read vLLM's ``/metrics`` every ``metrics_interval`` s into :attr:`metrics`.
-        For an attached server it is the health check too: ``down_after_polls``
-        failures in a row take it down, one answer brings it back."""
+    async def _poll_metrics(self) -> None:
+        """Read vLLM's metrics every ``metrics_interval`` s into :attr:`metrics`. For
+        an attached server it is the health check too: ``down_after_polls`` failures
+        in a row take it down, one answer brings it back."""
+        backend = self.backend
         failures = 0
         while True:
             await trio.sleep(self.config.metrics_interval)
-            if not self._up and not self.server.attached:
+            if not self._up and not backend.attached:
                 continue  # being restarted by _supervise
             try:
-                r = await http.get(self.server.url + "/metrics", timeout=5.0)
-                r.raise_for_status()
-            except httpx.HTTPError as exc:
+                metrics = await backend.metrics()
+            except VllmUnreachable as exc:
                 failures += 1
                 self.counters.metrics_poll_failures += 1
-                if self.server.attached and failures >= self.config.down_after_polls:
-                    self._set_down(f"/metrics failed {failures} times: {exc!r}")
+                if backend.attached and failures >= self.config.down_after_polls:
+                    self._set_down(f"metrics failed {failures} times: {exc}")
                 continue
             failures = 0
-            self._record(protocol.parse_metrics(r.text))
-            if self.server.attached and not self._up:
+            self._record(metrics)
+            if backend.attached and not self._up:
                 self._set_up()
 
     def _record(self, m: VllmMetrics) -> None:
@@ -536,7 +539,7 @@ class VllmEngine(Engine):
 
     def _set_up(self) -> None:
         if not self._up:
-            log.info("%s: vLLM up at %s", self.worker_id, self.server.url)
+            log.info("%s: vLLM up at %s", self.worker_id, self.backend.where)
         self._up = True
         self.counters.vllm_up = 1
 
@@ -548,85 +551,6 @@ class VllmEngine(Engine):
         self.metrics = VllmMetrics()
         self._watch.cancel_all()
 
-
-class _EventStream:
-    """One streamed generate request as an async context manager of events.
-
-    Each wait for the next line runs in its own watched cancel scope (vLLM going
-    down cancels it); the first one also has the decode leg's first-token deadline.
-    """
-
-    def __init__(
-        self,
-        engine: VllmEngine,
-        http: httpx.AsyncClient,
-        url: str,
-        body: bytes,
-        first_deadline: float | None,
-        logprobs: int | None = None,
-    ) -> None:
-        self._engine = engine
-        self._http = http
-        self._url = url
-        self._body = body
-        self._first_deadline = first_deadline
-        self._logprobs = logprobs  # top logprobs asked per token, to read them
-        self._response: httpx.Response | None = None
-
-    async def __aenter__(self) -> AsyncGenerator[StreamEvent, None]:
-        engine = self._engine
-        request = self._http.build_request(
-            "POST", self._url, content=self._body, headers=_headers()
-        )
-        with engine._watched(self._first_deadline) as scope:
-            self._response = await self._http.send(request, stream=True)
-        if scope.cancelled_caught:
-            if self._response is not None:
-                await self._response.aclose()
-            raise self._gone(first=True)
-        response = self._response
-        if response.status_code != 200:
-            content = await response.aread()
-            await response.aclose()
-            raise protocol.error_from_body(response.status_code, content)
-        return self._events(response)
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._response is not None:
-            await self._response.aclose()  # before the end: vLLM aborts the request
-
-    async def _events(self, response: httpx.Response) -> AsyncGenerator[StreamEvent, None]:
-        lines = response.aiter_lines()
-        first = True
-        while True:
-            deadline = self._first_deadline if first else None
-            with self._engine._watched(deadline) as scope:
-                line = await anext(lines, None)
-            if scope.cancelled_caught:
-                raise self._gone(first=first)
-            if line is None:
-                return
-            event = protocol.parse_sse_line(line, logprobs=self._logprobs)
-            if event is None:
-                continue
-            if event.token_ids:
-                first = False
-            yield event
-            if event.done:
-                return
-
-    def _gone(self, *, first: bool) -> EngineError:
-        engine = self._engine
-        if engine.up and first and self._first_deadline is not None:
-            return EngineError(
-                ErrorCode.KV_TRANSFER_FAILED,
-                f"{engine.worker_id}: no first token within {self._first_deadline:g} s "
-                "(the KV transfer did not complete)",
-            )
-        return EngineError(ErrorCode.SHUTTING_DOWN, f"{engine.worker_id}: vLLM went down")
-
-
-_JSON = {"Content-Type": "application/json"}
 
 #: The sampling features every vLLM honours (structured outputs need its tokenizer).
 SAMPLING_FEATURES = (
@@ -653,18 +577,26 @@ def _readable(structured: StructuredOutput) -> bool:
     return isinstance(choices, list) and all(isinstance(c, str) for c in choices)
 
 
-def _headers() -> dict[str, str]:
-    """A request's headers to vLLM: JSON, and the request's trace (W3C ``traceparent``
-    and ``tracestate``, from the worker's ``worker.request`` span) when it is traced, so
-    that vLLM's own spans (started with ``--otlp-traces-endpoint``) join it."""
-    span = current_trace().span
-    parent = span.traceparent
-    if not parent:
-        return _JSON
-    headers = {**_JSON, "traceparent": parent}
-    if state := span.tracestate:
-        headers["tracestate"] = state
-    return headers
+def _backend(
+    config: VllmConfig,
+    role: Role,
+    worker_id: str,
+    *,
+    transport: httpx.AsyncBaseTransport | None,
+    otlp_endpoint: str,
+    beside_frontend: bool,
+) -> VllmBackend:
+    """The way to vLLM that *config* asks for (:mod:`.backend`, ``auto`` resolved by
+    whether the worker shares the frontend's process); an attached vLLM, or a test's
+    *transport*, is always its API server."""
+    client = config.vllm_client
+    if client is VllmClient.AUTO:
+        client = VllmClient.API_SERVER if beside_frontend else VllmClient.IN_PROCESS
+    if config.attached or transport is not None or client is VllmClient.API_SERVER:
+        return ApiServerBackend(
+            config, role, worker_id, transport=transport, otlp_endpoint=otlp_endpoint
+        )
+    return InProcessBackend(config, role, worker_id, otlp_endpoint=otlp_endpoint)
 
 
 def _finish(reason: str, up: bool) -> FinishReason:
@@ -687,6 +619,7 @@ def build_engine(config: VllmConfig, context: EngineContext) -> VllmEngine:
             context.worker_id,
             transfer_address=context.transfer_address,
             otlp_endpoint=context.otlp_endpoint,
+            beside_frontend=context.beside_frontend,
         )
     except ValueError as exc:
         raise EngineFailed(str(exc)) from exc

@@ -153,6 +153,42 @@ def generate_body(
 
 
 @dataclass(frozen=True, slots=True)
+class VllmCall:
+    """One request to vLLM, whichever way it goes (:mod:`.backend`): *request* under
+    *request_id* (its own id if None), streamed or not, with at most *max_tokens*
+    (the request's if None), vLLM's *kv_transfer_params*, and the prompt's logprobs
+    asked for (*prompt_logprobs*) when the request wants them."""
+
+    request: GenerateRequest
+    stream: bool
+    max_tokens: int | None = None
+    kv_transfer_params: Mapping[str, Any] | None = None
+    prompt_logprobs: bool = False
+    request_id: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.request_id or self.request.request_id
+
+    def sampling_params(self) -> dict[str, Any]:
+        """vLLM's ``sampling_params`` for this call (:func:`sampling_params`)."""
+        return sampling_params(
+            self.request, max_tokens=self.max_tokens, prompt_logprobs=self.prompt_logprobs
+        )
+
+    def body(self) -> bytes:
+        """The JSON body of ``POST /inference/v1/generate`` (:func:`generate_body`)."""
+        return generate_body(
+            self.request,
+            stream=self.stream,
+            max_tokens=self.max_tokens,
+            kv_transfer_params=self.kv_transfer_params,
+            prompt_logprobs=self.prompt_logprobs,
+            request_id=self.request_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class StreamEvent:
     """One event of a generate stream (or the whole of a unary answer).
 
@@ -213,9 +249,9 @@ def parse_answer(
         tokens = choice.get("token_ids") or []
         finish = choice.get("finish_reason")
         if logprobs is not None:
-            token_logprobs = _token_logprobs(choice.get("logprobs"), tokens, logprobs)
+            token_logprobs = read_token_logprobs(choice.get("logprobs"), tokens, logprobs)
     if prompt_logprobs is not None:
-        prompt = _prompt_logprobs(obj.get("prompt_logprobs"), prompt_logprobs)
+        prompt = read_prompt_logprobs(obj.get("prompt_logprobs"), prompt_logprobs)
     cached = None
     usage = obj.get("usage")
     if isinstance(usage, dict):
@@ -248,7 +284,7 @@ def _top(
     return tuple(c[0] for c in ranked), tuple(c[1] for c in ranked)
 
 
-def _token_logprobs(raw: Any, tokens: Sequence[int], top: int) -> tuple[TokenLogprobs, ...]:
+def read_token_logprobs(raw: Any, tokens: Sequence[int], top: int) -> tuple[TokenLogprobs, ...]:
     """A choice's ``logprobs`` (``{"content": [{token_id, logprob, rank,
     top_logprobs}]}``, one entry per token) as the plane's entries."""
     content = raw.get("content") if isinstance(raw, dict) else None
@@ -270,7 +306,7 @@ def _token_logprobs(raw: Any, tokens: Sequence[int], top: int) -> tuple[TokenLog
     return tuple(entries)
 
 
-def _prompt_logprobs(raw: Any, top: int) -> tuple[TokenLogprobs, ...]:
+def read_prompt_logprobs(raw: Any, top: int) -> tuple[TokenLogprobs, ...]:
     """A unary answer's ``prompt_logprobs`` (``[null, {"<id>": {logprob, rank}}, ...]``:
     each position's own token and the top ones, keyed by id) as the plane's entries,
     from the second position on. The position's own token is the first key (vLLM's

@@ -70,31 +70,43 @@ def serve_argv(
     otlp_endpoint: str = "",
     events_endpoint: str = "",
 ) -> list[str]:
-    """The ``vllm serve`` command line of a started server; with *otlp_endpoint*, vLLM
-    traces its requests there (over OTLP/HTTP, :func:`serve_env`), each span a child of
-    the ``traceparent`` headwater's engine sends with the request; with
-    *events_endpoint* (``tcp://127.0.0.1:PORT``), it publishes its KV cache events there
-    (:mod:`.kv_events`)."""
+    """The ``vllm serve`` command line of a started server: the API server's own
+    options, then :func:`engine_argv`'s."""
     command = shlex.split(config.vllm_command) or [
         sys.executable,
         "-m",
         "workers.engines.vllm.launcher",
     ]
-    argv = [
+    return [
         *command,
         "serve",
-        config.model,
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
-        "--max-model-len",
-        str(config.max_model_len),
         # Token ids in and out: the frontend tokenizes. Without --enable-scale-out (or
         # --tokens-only) /inference/v1/generate answers 403.
         "--enable-scale-out",
         # Cached prompt tokens in the usage of each answer.
         "--enable-prompt-tokens-details",
+        *engine_argv(config, role, otlp_endpoint=otlp_endpoint, events_endpoint=events_endpoint),
+    ]
+
+
+def engine_argv(
+    config: VllmConfig, role: Role, *, otlp_endpoint: str = "", events_endpoint: str = ""
+) -> list[str]:
+    """vLLM's engine options, as ``vllm serve`` takes them, for a started server or an
+    engine in-process (:mod:`.in_process`); with *otlp_endpoint*, vLLM traces its
+    requests there (over OTLP/HTTP, :func:`serve_env`), each span a child of the trace
+    headwater's engine hands it with the request; with *events_endpoint*
+    (``tcp://127.0.0.1:PORT``), it publishes its KV cache events there
+    (:mod:`.kv_events`). ``vllm_args`` come last."""
+    argv = [
+        "--model",
+        config.model,
+        "--max-model-len",
+        str(config.max_model_len),
         "--block-size",
         str(config.vllm_block_size),
     ]

@@ -1,0 +1,186 @@
+"""The parts of vLLM in-process that run without vLLM: the asyncio thread, the shapes of
+its logprobs, and the plugin that stops an orphaned engine core.
+
+The whole, against a real vLLM: tests/test_vllm_in_process.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import trio
+
+from headwater.wire import TokenLogprobs
+from workers.engines.vllm.asyncio_thread import AsyncioThread, open_asyncio_thread
+from workers.engines.vllm.in_process import _prompt_logprobs, _token_logprobs
+from workers.engines.vllm.plugin import HOST_ENV
+from workers.engines.vllm.protocol import read_prompt_logprobs, read_token_logprobs
+
+
+async def test_a_coroutine_runs_on_the_asyncio_loop_and_its_result_comes_back() -> None:
+    async with open_asyncio_thread("test-loop") as thread:
+
+        async def where() -> tuple[bool, str]:
+            await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            return loop is thread.loop, trio_thread()
+
+        on_loop, name = await thread.run(where)
+        assert on_loop
+        assert name == "test-loop"
+        assert await thread.call(lambda: 6 * 7) == 42
+
+
+def trio_thread() -> str:
+    import threading
+
+    return threading.current_thread().name
+
+
+async def test_an_exception_on_the_loop_is_raised_here() -> None:
+    async with open_asyncio_thread("test-loop") as thread:
+
+        async def fail() -> None:
+            raise ValueError("on the loop")
+
+        with pytest.raises(ValueError, match="on the loop"):
+            await thread.run(fail)
+
+
+async def test_cancelled_from_trio_the_task_is_cancelled_and_its_cleanup_done_first() -> None:
+    cleaned = []
+    async with open_asyncio_thread("test-loop") as thread:
+
+        async def wait_forever() -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.05)  # cleanup that takes a while (vLLM's abort)
+                cleaned.append("done")
+                raise
+
+        with trio.move_on_after(0.2) as scope:
+            await thread.run(wait_forever)
+        assert scope.cancelled_caught
+        assert cleaned == ["done"]  # before run() returned, not some time later
+        # The loop goes on serving.
+        assert await thread.call(lambda: "still here") == "still here"
+
+
+async def test_the_thread_stops_with_the_block_and_its_tasks_are_cancelled() -> None:
+    ended: list[str] = []
+    async with open_asyncio_thread("test-loop") as thread:
+        runner: AsyncioThread = thread
+
+        async def lingering() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                ended.append("cancelled")
+
+        def spawn() -> None:
+            thread.loop.create_task(lingering())
+
+        await thread.call(spawn)
+    assert runner.loop.is_closed()
+    assert ended == ["cancelled"]
+
+
+@dataclass
+class _Logprob:  # vLLM's Logprob, as far as it is read
+    logprob: float
+    rank: int | None
+
+
+def test_token_logprobs_read_as_the_token_in_api_writes_them() -> None:
+    # vLLM's order: the sampled token first when it is not among the top ones, then
+    # the top ones by rank; -inf clamped; a position vLLM has no entry for.
+    positions = [
+        {7: _Logprob(-0.1, 1), 9: _Logprob(-2.5, 2), 4: _Logprob(-3.0, 3)},
+        {5: _Logprob(-4.0, 7), 7: _Logprob(-0.5, 1), 9: _Logprob(-math.inf, 2)},
+        None,
+    ]
+    raw = {"content": _token_logprobs([7, 5, 3], positions, 2)}
+    assert read_token_logprobs(raw, [7, 5, 3], 2) == (
+        TokenLogprobs(-0.1, 1, (7, 9), (-0.1, -2.5)),
+        # Ranked below the two asked: out of its own top list, which is one short.
+        TokenLogprobs(-4.0, 7, (7,), (-0.5,)),
+        TokenLogprobs(-9999.0, 0, (), ()),
+    )
+
+
+def test_prompt_logprobs_read_as_the_token_in_api_writes_them() -> None:
+    positions = [
+        None,
+        {11: _Logprob(-1.5, 4), 2: _Logprob(-0.2, 1), 8: _Logprob(-math.inf, 2)},
+    ]
+    assert read_prompt_logprobs(_prompt_logprobs(positions), 2) == (
+        TokenLogprobs(-1.5, 4, (2, 8), (-0.2, -9999.0)),
+    )
+
+
+CORE = """
+import time
+from workers.engines.vllm import plugin
+plugin.POLL_S = 0.1
+plugin.register()
+print("watching" if plugin._watching else "not watching", flush=True)
+time.sleep(60)
+"""
+
+#: A "worker": names itself in HOST_ENV (or not, with argv[2] "no"), as the in-process
+#: backend does before vLLM starts its engine core, and starts a "core".
+WORKER = """
+import os, subprocess, sys, time
+if sys.argv[2] == "yes":
+    os.environ[sys.argv[3]] = str(os.getpid())
+core = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(core.pid, core.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_an_engine_core_whose_worker_is_killed_stops_itself(named: bool) -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, CORE, "yes" if named else "no", HOST_ENV],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != HOST_ENV},
+    )
+    try:
+        assert worker.stdout is not None
+        pid, state = worker.stdout.readline().split(" ", 1)
+        core = int(pid)
+        assert state.strip() == ("watching" if named else "not watching")
+    finally:
+        worker.kill()  # SIGKILL: the worker cannot stop its core itself
+        worker.wait(10)
+        if worker.stdout is not None:
+            worker.stdout.close()
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Watching, it is gone within a poll or two; not watching, it lives on.
+        assert _alive(core) is not named
+    finally:
+        if _alive(core):
+            os.kill(core, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
