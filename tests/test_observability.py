@@ -601,6 +601,26 @@ async def test_worker_process_serves_its_metrics(tmp_path: Path, nursery: trio.N
     assert runtime["open_fds"] > 0
 
 
+async def test_the_engines_own_series_are_exported_beside_the_workers(
+    nursery: trio.Nursery,
+) -> None:
+    # vLLM in-process records its series in the worker's process; the worker exports
+    # them, except the names it gives itself (the endpoint picker's).
+    worker: RunningWorker = await nursery.start(
+        serve_worker,
+        WorkerConfig(engine_config=MockerConfig(speedup_ratio=1000.0, num_gpu_blocks=64)),
+    )
+    tokens = GaugeMetricFamily("vllm:engine_tokens", "the engine's own", value=42)
+    running = GaugeMetricFamily("vllm:num_requests_running", "the engine's own", value=7)
+    engine = worker.runtime.engine
+    engine.metric_families = lambda: [tokens, running]  # type: ignore[method-assign]
+    port: int = await nursery.start(serve_worker_metrics, 0, worker)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+        found = samples((await c.get("/metrics")).text)
+    assert value(found, "vllm:engine_tokens") == 42
+    assert [v for n, _, v in found if n == "vllm:num_requests_running"] == [0]  # the worker's
+
+
 async def test_worker_metrics_endpoint_answers_only_metrics(nursery: trio.Nursery) -> None:
     worker: RunningWorker = await nursery.start(
         serve_worker,
