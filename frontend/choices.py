@@ -56,3 +56,10 @@ class ReasoningField(enum.StrEnum):
 
     REASONING_CONTENT = "reasoning_content"  # DeepSeek's and vLLM's name
     REASONING = "reasoning"  # what some clients read
+
+
+class HttpParser(enum.StrEnum):
+    """What reads HTTP/1.1 requests (frontend/http/serving; docs/architecture.md)."""
+
+    H11 = "h11"  # hypercorn's, pure Python
+    HTTPTOOLS = "httptools"  # llhttp, compiled; the same answers (tests/test_http_parsers.py)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend.catalog import ModelSpec, parse_model_spec
-from frontend.choices import Backend, Layout, Policy, ReasoningField, TokenizeMode
+from frontend.choices import Backend, HttpParser, Layout, Policy, ReasoningField, TokenizeMode
 from frontend.http.responses_api.store import StoreConfig
 from frontend.limits import RequestLimits
 from frontend.postprocess.parsers import check_names
@@ -88,6 +88,13 @@ class FrontendConfig:
         group=HTTP,
         type=positive_float,
         help="seconds an idle keep-alive connection stays open",
+    )
+    # h11 until a benchmark shows llhttp's gain; both answer every request alike.
+    http_parser: HttpParser = option(
+        HttpParser.H11,
+        group=HTTP,
+        help="what parses HTTP/1.1 requests: h11 (pure Python) or httptools (llhttp, "
+        "compiled); the same answers either way",
     )
     # TLS on the listener (hypercorn's certfile/keyfile, PEM): both or neither. Behind a
     # TLS-terminating proxy, leave both unset (docs/security.md).

@@ -299,6 +299,7 @@ class Frontend:
         hc.graceful_timeout = cfg.graceful_timeout
         hc.write_timeout = cfg.write_timeout
         hc.h11_max_incomplete_size = cfg.max_header_bytes
+        hc.http_parser = str(cfg.http_parser)
         hc.header_timeout = cfg.header_timeout
         hc.body_read_timeout = cfg.read_timeout
         hc.max_connections_per_client = cfg.max_connections_per_client

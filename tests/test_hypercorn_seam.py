@@ -14,6 +14,7 @@ import gc
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.resources
 import inspect
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -42,6 +43,7 @@ from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 import frontend.http.serving
 from frontend.http.serving import ServerConfig, limits, serve
 from frontend.http.serving.h11_protocol import HeadWithBodyH11Protocol
+from frontend.http.serving.httptools_protocol import HttptoolsProtocol
 from frontend.http.serving.tcp_server import HeadwaterTCPServer, IdleDeadline
 
 from frontend_fixture import serve_frontend
@@ -52,7 +54,8 @@ class Fingerprint(NamedTuple):
     assumes: str  # what frontend/http/serving (or the middleware) takes for granted of it
 
 
-#: Taken on Hypercorn 0.18.0, Quart 0.22.0, quart-trio 0.12.0, h11 0.16.0, Werkzeug 3.1.9.
+#: Taken on Hypercorn 0.18.0, Quart 0.22.0, quart-trio 0.12.0, h11 0.16.0, Werkzeug 3.1.9,
+#: httptools 0.9.0.
 UPSTREAM: dict[str, Fingerprint] = {
     # -- serve: a trimmed copy of hypercorn's trio serve + worker_serve -------------------
     "hypercorn.trio.serve": Fingerprint(
@@ -193,6 +196,105 @@ UPSTREAM: dict[str, Fingerprint] = {
         "keep_alive_requests grows by one per request head: _read_data sees by it that a "
         "head ended (even when its whole request was served in the same handle call)",
     ),
+    # -- HttptoolsProtocol: hypercorn's H11Protocol, with llhttp and h11's rules ---------------
+    "hypercorn.protocol.h11.H11Protocol.handle": Fingerprint(
+        "3b56e067447488df5e480fc728e20c7fcc9f5813374172a197fa555ec13c0e1c",
+        "HttptoolsProtocol.handle does what it does: RawData to the parser (b'': the "
+        "client's EOF, which h11 reads from receive_data(b'')), Closed closes the stream",
+    ),
+    "hypercorn.protocol.h11.H11Protocol._maybe_recycle": Fingerprint(
+        "3ac53f52bc4e65de7e9b898df5c1c76c9865479e2821ed524acdf426c2075a88",
+        "HttptoolsProtocol's copy: the stream closed, then the next cycle (can_read set, "
+        "Updated(idle=True)) only when both sides are DONE (h11: keep-alive) and the "
+        "server is not terminating, else can_read set and Closed",
+    ),
+    "hypercorn.protocol.h11.H11Protocol._close_stream": Fingerprint(
+        "378930655d7bb41af90a2648eab11fed188c98ea9ec9dcbbdcacc37d550b5cf8",
+        "HttptoolsProtocol's copy: StreamClosed to the stream, then no stream",
+    ),
+    "hypercorn.protocol.http_stream.HTTPStream.handle": Fingerprint(
+        "6ed2e34c5e708c6aae3d2c9f56c7088379602ee3e1dbf406cd45024b3ed0a7db",
+        "a Request spawns the app; Body, EndBody and StreamClosed reach it as "
+        "http.request and http.disconnect: what either protocol hands a stream",
+    ),
+    "hypercorn.protocol.events": Fingerprint(
+        "d22d1846c7821b3f71292e683ff0763224e5b5c86ab4e636efdc8bad0a3eab2e",
+        "the stream events HttptoolsProtocol makes and takes, with these fields",
+    ),
+    "hypercorn.config.Config.response_headers": Fingerprint(
+        "5a637c3d48180e55020523bbe601bbffbaae225baf265cd61f88efbe8171a9ca",
+        "date and server fields, the same for both protocols with the label 'h11'",
+    ),
+    # h11's rules, which http11_codec writes again for llhttp (tests/test_http_parsers.py
+    # compares the two protocols' answers).
+    "h11._connection._keep_alive": Fingerprint(
+        "eac4961738765ee6cfeabd31c012fd912f35e0448b1a19515f30fbf8061b138c",
+        "http11_codec.keep_alive: HTTP/1.1 and no Connection: close",
+    ),
+    "h11._connection._body_framing": Fingerprint(
+        "bbbb12006a0c9b1d346ed79ea99c7741018ee0a86cee2ac9d2c8313cbe289a58",
+        "http11_codec.response_head's framing: no body for 204, 304, HEAD and a 2xx "
+        "CONNECT, then chunked, then Content-Length, else read to close",
+    ),
+    "h11._connection.Connection._clean_up_response_headers_for_sending": Fingerprint(
+        "a190401e4767c6414c345892d44596a3bf982099707984b507166bc814fb0b3f",
+        "http11_codec.response_head's fields: chunked (HTTP/1.1) or bare and closing "
+        "(older) for an unknown length, Connection: close with the other tokens sorted",
+    ),
+    "h11._connection.Connection._extract_next_receive_event": Fingerprint(
+        "c0fc7051975f7a5b661f541f55f50bfd52066bffd6a208bdf09d8c54a4184c87",
+        "a request waits (PAUSED) while the one before is DONE and bytes are buffered; "
+        "the client's EOF is ConnectionClosed when nothing is buffered",
+    ),
+    "h11._connection.Connection._process_event": Fingerprint(
+        "34a61e13cd672ae1011fb299f6517f8348d282828bd56804f472c1a49b03dc22",
+        "the client stops waiting for 100 Continue at its first Data or EndOfMessage, "
+        "or at the server's first response; a response may disable keep-alive",
+    ),
+    "h11._headers.normalize_and_validate": Fingerprint(
+        "82a8fcccb31d27d4bd375b79fe1906258773dc164469e70ee07b6eca07d74c6b",
+        "http11_codec: a transfer coding other than chunked, or two, is 501; a response's "
+        "fields are checked and its Content-Length list made one value",
+    ),
+    "h11._headers.has_expect_100_continue": Fingerprint(
+        "75de2ad05b2cea54bb8ad1786cbf531d7b728ff48e24b60cdc66e6d1c181fae6",
+        "http11_codec.wants_continue: HTTP/1.1 and Expect: 100-continue",
+    ),
+    "h11._events.Request.__init__": Fingerprint(
+        "e465e693adb3ceb430c65d7d0611a97390a23599b7780d1ed9da1dab65bd2bcb",
+        "http11_codec.request_head_status: one Host field, required on HTTP/1.1",
+    ),
+    "h11._readers.maybe_read_from_IDLE_client": Fingerprint(
+        "b0ae12d92b2c4db98cdc1c3519d857bedfd93a0d5d69148b9e2763c7ac514076",
+        "a head whose first byte is below 0x21 is refused before it ends "
+        "(HttptoolsProtocol._read_head does the same)",
+    ),
+    "h11._readers.ChunkedReader": Fingerprint(
+        "4d2629eeaaf366b636b5d890b9eedf3c71d316ddb89e10d58786fc7cee1105fe",
+        "http11_codec.ChunkedExtent reads the framing the same way: size line, data and "
+        "CRLF, trailers until an empty line",
+    ),
+    "h11._writers.write_any_response": Fingerprint(
+        "2dac073224410815f2f8b923ac3724175b52194f3b484daa3370eb66480969b7",
+        "the status line has no reason phrase (http11_codec._head_bytes)",
+    ),
+    "h11._writers.write_headers": Fingerprint(
+        "aeb8aefa9b19e88121530f1b632497244d06c52600869b940f2698b089364a3c",
+        "fields as given, a Host field first (http11_codec._head_bytes)",
+    ),
+    "h11._writers.ChunkedWriter": Fingerprint(
+        "816f6bf8247fe299cabea803020f0e797afe64e59640df2099bab46ae3da6e50",
+        "HttptoolsProtocol writes chunks the same way, and ends with 0 and a blank line",
+    ),
+    "h11._abnf": Fingerprint(
+        "c9b8b1af4c6cba99e403a18503232e6ee5c5e9373595bfe117cf743600ac7cd7",
+        "http11_codec's field name, field value and chunk size patterns are its own",
+    ),
+    "httptools.parser.errors": Fingerprint(
+        "655aed375b263c86ffa2943651ddee09b1a534b32510260cdbee92eebe4b9c7b",
+        "HttpParserUpgrade (not an HttpParserError) for an upgrade or CONNECT, "
+        "HttpParserError for anything llhttp refuses",
+    ),
     # -- h11, under hypercorn's H11Protocol --------------------------------------------------
     "h11._connection.Connection.next_event": Fingerprint(
         "7d3288bcc261c49c5423dde1a02204cda592867cb286f2371abf8aa67cfa4648",
@@ -251,6 +353,20 @@ UPSTREAM: dict[str, Fingerprint] = {
 }
 
 
+#: Upstream files that are not Python (a compiled module's source), as "package:file".
+UPSTREAM_FILES: dict[str, Fingerprint] = {
+    "httptools.parser:parser.pyx": Fingerprint(
+        "c7405463d1331cd2820dac3e53c6e467531a286b6b390f225429b522e3ad1102",
+        "HttpRequestParser(sink) calls the sink's on_url, on_header (a whole field: name, "
+        "value without its leading whitespace), on_headers_complete, on_body and "
+        "on_message_complete during feed_data, for the bytes given and no others; an "
+        "upgrade skips the body and raises HttpParserUpgrade after on_message_complete; "
+        "set_dangerous_leniencies(lenient_chunked_length=True) lets Content-Length with "
+        "Transfer-Encoding through; get_method and get_http_version read the last head",
+    ),
+}
+
+
 def _resolve(name: str) -> Any:
     """The object a dotted name denotes: the longest importable module, then attributes."""
     parts = name.split(".")
@@ -266,7 +382,7 @@ def _resolve(name: str) -> Any:
 
 
 def _versions() -> str:
-    pinned = ("hypercorn", "quart", "quart-trio", "h11", "werkzeug")
+    pinned = ("hypercorn", "quart", "quart-trio", "h11", "werkzeug", "httptools")
     return ", ".join(f"{d} {importlib.metadata.version(d)}" for d in pinned)
 
 
@@ -285,12 +401,31 @@ def test_upstream_code_is_the_code_the_seam_was_written_against(name: str) -> No
         )
 
 
+@pytest.mark.parametrize("name", list(UPSTREAM_FILES))
+def test_upstream_files_are_the_files_the_seam_was_written_against(name: str) -> None:
+    package, file = name.split(":")
+    expected = UPSTREAM_FILES[name]
+    digest = hashlib.sha256(importlib.resources.files(package).joinpath(file).read_bytes())
+    if digest.hexdigest() != expected.sha256:
+        pytest.fail(
+            f"{name} has changed upstream (installed: {_versions()}). Re-check "
+            f"frontend/http/serving/httptools_protocol.py against it; it assumes: "
+            f"{expected.assumes}. Then set its fingerprint to {digest.hexdigest()}.",
+            pytrace=False,
+        )
+
+
 def test_the_default_read_size_is_hypercorns() -> None:
     assert ServerConfig.read_size == MAX_RECV
 
 
 @pytest.mark.parametrize(
-    ("ours", "theirs"), [(HeadwaterTCPServer, TCPServer), (HeadWithBodyH11Protocol, H11Protocol)]
+    ("ours", "theirs"),
+    [
+        (HeadwaterTCPServer, TCPServer),
+        (HeadWithBodyH11Protocol, H11Protocol),
+        (HttptoolsProtocol, H11Protocol),  # not a subclass: its methods of the same names
+    ],
 )
 def test_every_override_is_fingerprinted_and_no_new_name_clashes(ours: type, theirs: type) -> None:
     # An upgrade that adds a method of the same name as one of ours would be overridden
@@ -304,6 +439,14 @@ def test_every_override_is_fingerprinted_and_no_new_name_clashes(ours: type, the
             assert f"{theirs.__module__}.{theirs.__qualname__}.{name}" in UPSTREAM, name
         else:
             assert name not in upstream_source, f"{theirs.__qualname__} now has {name}"
+
+
+@pytest.mark.parametrize("name", ["__init__", "initiate", "handle", "stream_send"])
+def test_the_httptools_protocol_has_the_interface_of_hypercorns(name: str) -> None:
+    # ProtocolWrapper and HeadwaterTCPServer call these, as they would H11Protocol's.
+    ours = inspect.signature(getattr(HttptoolsProtocol, name))
+    theirs = inspect.signature(getattr(H11Protocol, name))
+    assert list(ours.parameters) == list(theirs.parameters)
 
 
 def test_the_config_fields_of_the_fixes_are_not_hypercorns() -> None:
@@ -322,6 +465,7 @@ def test_the_config_fields_of_the_fixes_are_not_hypercorns() -> None:
         "answered",
         "accept_balance",
         "linger_timeout",
+        "http_parser",
     }
     assert not [name for name in ours if hasattr(Config, name)]
 

@@ -135,6 +135,13 @@ async def serving(app: _App | None = None, **fields: Any) -> AsyncIterator[_Serv
             nursery.cancel_scope.cancel()
 
 
+@pytest.fixture(params=["h11", "httptools"])
+def parser(request: pytest.FixtureRequest) -> str:
+    """Each HTTP/1.1 parser the seam has: the limits hold whichever reads the requests."""
+    value: str = request.param
+    return value
+
+
 async def _until_closed(stream: trio.abc.Stream, within: float = 5.0) -> bytes:
     """Everything the server sends until it closes the connection (a reset counts)."""
     seen = b""
@@ -177,10 +184,10 @@ def test_a_head_is_refused_once_it_cannot_end_within_the_limit() -> None:
 
 
 @pytest.mark.parametrize("piece", [None, 1000], ids=["whole", "trickled"])
-async def test_a_head_over_the_limit_gets_431(piece: int | None) -> None:
+async def test_a_head_over_the_limit_gets_431(piece: int | None, parser: str) -> None:
     # h11 alone refuses only a head still incomplete over the limit: one that arrives
     # in a single read would pass. Both are refused.
-    async with serving() as server:
+    async with serving(http_parser=parser) as server:
         stream = await server.connect()
         head = _head(LIMIT + 100)
         for i in range(0, len(head), piece or len(head)):
@@ -194,8 +201,8 @@ async def test_a_head_over_the_limit_gets_431(piece: int | None) -> None:
         assert server.refusals == ["header_too_large"]
 
 
-async def test_a_head_of_exactly_the_limit_is_served() -> None:
-    async with serving() as server, httpx.AsyncClient() as client:
+async def test_a_head_of_exactly_the_limit_is_served(parser: str) -> None:
+    async with serving(http_parser=parser) as server, httpx.AsyncClient() as client:
         stream = await server.connect()
         await stream.send_all(_head(LIMIT))
         assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
@@ -209,8 +216,8 @@ async def test_a_head_of_exactly_the_limit_is_served() -> None:
 
 
 @pytest.mark.slow
-async def test_a_head_that_stops_gets_408_after_the_header_timeout() -> None:
-    async with serving(header_timeout=0.5, keep_alive_timeout=10) as server:
+async def test_a_head_that_stops_gets_408_after_the_header_timeout(parser: str) -> None:
+    async with serving(header_timeout=0.5, keep_alive_timeout=10, http_parser=parser) as server:
         stream = await server.connect()
         await trio.sleep(0.3)  # idle before the first byte: not the head's time
         start = trio.current_time()
@@ -223,8 +230,8 @@ async def test_a_head_that_stops_gets_408_after_the_header_timeout() -> None:
 
 
 @pytest.mark.slow
-async def test_a_head_that_trickles_is_cut_however_steadily_it_comes() -> None:
-    async with serving(header_timeout=0.5, keep_alive_timeout=10) as server:
+async def test_a_head_that_trickles_is_cut_however_steadily_it_comes(parser: str) -> None:
+    async with serving(header_timeout=0.5, keep_alive_timeout=10, http_parser=parser) as server:
         stream = await server.connect()
         start = trio.current_time()
 
@@ -242,10 +249,10 @@ async def test_a_head_that_trickles_is_cut_however_steadily_it_comes() -> None:
 
 
 @pytest.mark.slow
-async def test_a_head_in_progress_is_not_cut_by_the_keep_alive_timeout() -> None:
+async def test_a_head_in_progress_is_not_cut_by_the_keep_alive_timeout(parser: str) -> None:
     # The connection stops being idle at the head's first byte: a head that takes
     # longer than keep_alive_timeout, but not header_timeout, is served.
-    async with serving(header_timeout=5.0, keep_alive_timeout=0.3) as server:
+    async with serving(header_timeout=5.0, keep_alive_timeout=0.3, http_parser=parser) as server:
         stream = await server.connect()
         head = _head(200)
         for i in range(0, len(head), 20):
@@ -261,9 +268,9 @@ async def test_a_head_in_progress_is_not_cut_by_the_keep_alive_timeout() -> None
 
 
 @pytest.mark.slow
-async def test_a_body_that_stalls_is_dropped_after_the_read_timeout() -> None:
+async def test_a_body_that_stalls_is_dropped_after_the_read_timeout(parser: str) -> None:
     app = _App()
-    async with serving(app, body_read_timeout=0.5) as server:
+    async with serving(app, body_read_timeout=0.5, http_parser=parser) as server:
         stream = await server.connect()
         head = b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n"
         await stream.send_all(head + b"x" * 10)
@@ -275,8 +282,8 @@ async def test_a_body_that_stalls_is_dropped_after_the_read_timeout() -> None:
 
 
 @pytest.mark.slow
-async def test_a_body_that_keeps_coming_and_a_silent_client_are_not_cut() -> None:
-    async with serving(body_read_timeout=0.5) as server:
+async def test_a_body_that_keeps_coming_and_a_silent_client_are_not_cut(parser: str) -> None:
+    async with serving(body_read_timeout=0.5, http_parser=parser) as server:
         stream = await server.connect()
         await stream.send_all(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n")
         for _ in range(10):  # 2 s in all, never 0.5 s without a byte
@@ -400,14 +407,14 @@ async def test_no_limit_on_connections_per_client_with_zero() -> None:
 # ---- TLS ----------------------------------------------------------------------------------
 
 
-async def test_serve_over_tls(ca: trustme.CA, tmp_path: Path) -> None:
+async def test_serve_over_tls(ca: trustme.CA, tmp_path: Path, parser: str) -> None:
     pem = issue(ca, tmp_path, "server", "127.0.0.1", "localhost")
     settings: dict[str, Any] = {
         "certfile": pem.certfile,
         "keyfile": pem.keyfile,
         "insecure_bind": ["127.0.0.1:0"],
     }
-    async with serving(**settings) as server:
+    async with serving(**settings, http_parser=parser) as server:
         secure, plain = server.urls
         assert secure.startswith("https://127.0.0.1:")
         assert plain.startswith("http://127.0.0.1:")
@@ -434,7 +441,7 @@ async def test_serve_over_tls(ca: trustme.CA, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 async def test_tls_handshakes_and_heads_have_the_header_timeout(
-    ca: trustme.CA, tmp_path: Path
+    ca: trustme.CA, tmp_path: Path, parser: str
 ) -> None:
     pem = issue(ca, tmp_path, "server", "127.0.0.1")
     settings: dict[str, Any] = {
@@ -443,7 +450,7 @@ async def test_tls_handshakes_and_heads_have_the_header_timeout(
         "header_timeout": 0.5,
         "keep_alive_timeout": 10,
     }
-    async with serving(**settings) as server:
+    async with serving(**settings, http_parser=parser) as server:
         silent = await server.connect()  # TCP, then not a byte of the TLS handshake
         start = trio.current_time()
         assert await _until_closed(silent) == b""

@@ -31,11 +31,9 @@ naming what was refused.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import h11
 from hypercorn.config import Config
@@ -45,26 +43,18 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import H11SendableEvent
 
 from frontend.http.serving.config import ServerConfig
-from frontend.http.serving.limits import (
-    HEADER_TIMEOUT,
-    HEADER_TOO_LARGE,
-    Fault,
-    head_fault,
-    request_fault,
+from frontend.http.serving.limits import HEADER_TOO_LARGE, Fault, head_fault, request_fault
+from frontend.http.serving.policy import (
+    ContinueOnReceive,
+    error_body,
+    json_error_head,
+    limit_error,
+    refusal,
 )
 
 if TYPE_CHECKING:
     from hypercorn.events import Event
-    from hypercorn.typing import (
-        AppWrapper,
-        ASGIReceiveCallable,
-        ASGIReceiveEvent,
-        ASGISendCallable,
-        ConnectionState,
-        Scope,
-        TaskGroup,
-        WorkerContext,
-    )
+    from hypercorn.typing import AppWrapper, ConnectionState, TaskGroup, WorkerContext
 
 STREAM_ID = 1  # hypercorn's: an HTTP/1.1 connection has one stream at a time
 
@@ -97,7 +87,22 @@ class HeadWithBodyH11Protocol(H11Protocol):
         super().__init__(
             app, config, context, task_group, connection_state, ssl, client, server, send
         )
-        self.app = _ContinueOnReceive(app, self._continue_if_waiting)
+        self.app = ContinueOnReceive(app, self._continue_if_waiting)
+
+    @property
+    def awaiting_head(self) -> bool:
+        """The next bytes received start a request head (the client is IDLE)."""
+        return self.connection.their_state is h11.IDLE
+
+    @property
+    def receiving_body(self) -> bool:
+        """A request's body is still to come (the client is in SEND_BODY)."""
+        return self.connection.their_state is h11.SEND_BODY
+
+    @property
+    def between_requests(self) -> bool:
+        """No request is under way (the server is IDLE)."""
+        return self.connection.our_state is h11.IDLE
 
     async def _handle_events(self) -> None:
         """hypercorn's ``H11Protocol._handle_events``, with the policy of the module
@@ -150,32 +155,11 @@ class HeadWithBodyH11Protocol(H11Protocol):
             )
 
     async def _refuse_request(self, fault: Fault) -> None:
-        """Answer *fault* (its status and an OpenAI-style error body, ``Connection:
-        close``), report it, and close the connection: what follows the head cannot be
-        trusted to be where h11 would look for it. Written as bytes, past h11, which has
-        not read the head yet (or would take the response for the request's own)."""
-        self.config.refused(fault.reason)
-        self.config.answered(fault.status)
-        body = _error_body(fault.reason, fault.message)
-        head = [
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(body)),
-            (b"connection", b"close"),
-            *self.config.response_headers("h11"),
-        ]
-        phrase = HTTPStatus(fault.status).phrase.encode()
-        await self.send(
-            RawData(
-                data=b"".join(
-                    (
-                        b"HTTP/1.1 %d %s\r\n" % (fault.status, phrase),
-                        *(name + b": " + value + b"\r\n" for name, value in head),
-                        b"\r\n",
-                        body,
-                    )
-                )
-            )
-        )
+        """Answer *fault* (:func:`~frontend.http.serving.policy.refusal`), and close the
+        connection: what follows the head cannot be trusted to be where h11 would look
+        for it. Written as bytes, past h11, which has not read the head yet (or would
+        take the response for the request's own)."""
+        await self.send(RawData(data=refusal(fault, self.config)))
         await self.send(Closed())
 
     async def _send_h11_event(self, event: H11SendableEvent) -> None:
@@ -218,7 +202,7 @@ class HeadWithBodyH11Protocol(H11Protocol):
         if status_code == 431:
             self.config.refused(HEADER_TOO_LARGE)
         self.config.answered(status_code)
-        error = _limit_error(status_code, self.config)
+        error = limit_error(status_code, self.config)
         if error is None:
             await super()._send_error_response(status_code)
             return
@@ -226,40 +210,15 @@ class HeadWithBodyH11Protocol(H11Protocol):
 
     async def _send_json_error(self, status_code: int, code: str, message: str) -> None:
         """A whole error response with an OpenAI-style body, and ``Connection: close``."""
-        body = _error_body(code, message)
-        head = [
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(body)),
-            (b"connection", b"close"),
-        ]
+        body = error_body(code, message)
         await self._send_h11_event(
             h11.Response(
                 status_code=status_code,
-                headers=list(chain(head, self.config.response_headers("h11"))),
+                headers=list(chain(json_error_head(body), self.config.response_headers("h11"))),
             )
         )
         await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
-
-
-def _error_body(code: str, message: str) -> bytes:
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
-    return json.dumps({"error": error}).encode()
-
-
-def _limit_error(status_code: int, config: ServerConfig) -> tuple[str, str] | None:
-    """The error code and message of a limit's status, None for any other."""
-    if status_code == 431:
-        return HEADER_TOO_LARGE, (
-            "The request's head (request line and header fields) is larger than this "
-            f"server's limit of {config.h11_max_incomplete_size} bytes."
-        )
-    if status_code == 408:
-        return HEADER_TIMEOUT, (
-            f"The request's head did not arrive within {config.header_timeout:g} s of its "
-            "first byte."
-        )
-    return None
 
 
 def _buffered(connection: h11.Connection, size: int) -> bytes:
@@ -282,32 +241,6 @@ def _without_upgrade(request: h11.Request) -> h11.Request:
         http_version=request.http_version,
         headers=[(name, value) for name, value in headers if name.lower() != b"upgrade"],
     )
-
-
-class _ContinueOnReceive:
-    """An app wrapper whose app's ``receive`` first awaits *on_receive* (which sends
-    ``100 Continue`` if the client waits for it): the client sends a body only when the
-    app reads it. hypercorn's AppWrapper interface, per request."""
-
-    def __init__(self, app: AppWrapper, on_receive: Callable[[], Awaitable[None]]) -> None:
-        self.app = app
-        self.on_receive = on_receive
-
-    async def __call__(
-        self,
-        scope: Scope,
-        receive: ASGIReceiveCallable,
-        send: ASGISendCallable,
-        sync_spawn: Callable[..., Any],
-        call_soon: Callable[..., Any],
-    ) -> None:
-        on_receive = self.on_receive
-
-        async def receive_inviting() -> ASGIReceiveEvent:
-            await on_receive()
-            return await receive()
-
-        await self.app(scope, receive_inviting, send, sync_spawn, call_soon)
 
 
 def _has_length(response: h11.Response) -> bool:

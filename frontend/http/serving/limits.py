@@ -17,9 +17,9 @@ framing (RFC 9112)              always                      ``*_fault`` (400)
 HTTP/1.1 only                   always                      :func:`request_fault` (505)
 ==============================  ==========================  ================================
 
-Both fault checks run in ``HeadWithBodyH11Protocol._handle_events``, where h11 is asked
-for each request: every head passes there, the first of a read and one pipelined behind
-a request alike.
+Both fault checks run where each protocol reads a request head
+(``HeadWithBodyH11Protocol._handle_events``, ``HttptoolsProtocol._read_head``): every
+head passes there, the first of a read and one pipelined behind a request alike.
 
 Every refusal is reported to ``ServerConfig.on_refusal`` with one of
 :data:`REFUSAL_REASONS`.
@@ -70,9 +70,15 @@ class Fault:
 
 
 def head_fault(buffered: bytes | bytearray, limit: int) -> Fault | None:
-    """What is wrong with the request head at the start of *buffered* (the bytes h11 holds
-    unparsed while it waits for a head: at least the first ``limit + 1``), or None while
-    nothing is, or the head is incomplete and may yet end in time.
+    """:func:`measure_head`'s fault alone."""
+    return measure_head(buffered, limit)[0]
+
+
+def measure_head(buffered: bytes | bytearray, limit: int) -> tuple[Fault | None, int]:
+    """What is wrong with the request head at the start of *buffered* (the bytes the
+    parser holds unparsed while it waits for a head: at least the first ``limit + 1``),
+    or None while nothing is, or the head is incomplete and may yet end in time; and
+    where the head ends (the offset past its blank line), or -1 if it has not.
 
     - Longer than *limit* bytes, whole or not: 431. h11 alone refuses only a head still
       incomplete over its limit, so a head that arrived whole (in one read, or pipelined
@@ -83,7 +89,7 @@ def head_fault(buffered: bytes | bytearray, limit: int) -> Fault | None:
     end = _BLANK_LINE.search(buffered, 0, limit + 1)
     if end is None or end.end() > limit:
         if end is None and len(buffered) <= limit:
-            return None  # incomplete, and may yet end within the limit
+            return None, -1  # incomplete, and may yet end within the limit
         return Fault(
             431,
             HEADER_TOO_LARGE,
@@ -91,7 +97,7 @@ def head_fault(buffered: bytes | bytearray, limit: int) -> Fault | None:
                 "The request's head (request line and header fields) is larger than this "
                 f"server's limit of {limit} bytes."
             ),
-        )
+        ), -1
     if _OBS_FOLD.search(buffered, 0, end.start()) is not None:
         return Fault(
             400,
@@ -100,8 +106,8 @@ def head_fault(buffered: bytes | bytearray, limit: int) -> Fault | None:
                 "A header field is folded over lines (obs-fold, RFC 9112 section 5.2): send "
                 "each field on one line."
             ),
-        )
-    return None
+        ), -1
+    return None, end.end()
 
 
 def request_fault(http_version: bytes, headers: Iterable[tuple[bytes, bytes]]) -> Fault | None:

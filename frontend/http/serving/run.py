@@ -17,7 +17,7 @@ from hypercorn.typing import ASGIFramework, ConnectionState, LifespanState
 from hypercorn.utils import repr_socket_addr
 
 from frontend.http.serving.balance import AcceptBalance, BalancedListener
-from frontend.http.serving.config import ServerConfig
+from frontend.http.serving.config import HTTP_PARSERS, ServerConfig
 from frontend.http.serving.limits import (
     TLS_HANDSHAKE_TIMEOUT,
     TOO_MANY_CONNECTIONS,
@@ -237,5 +237,7 @@ def _refuse_unsupported(config: ServerConfig) -> None:
     ]
     if asked:
         raise ValueError(f"headwater's serve does not support {', '.join(asked)}")
+    if config.http_parser not in HTTP_PARSERS:
+        raise ValueError(f"http_parser must be one of {HTTP_PARSERS}, got {config.http_parser!r}")
     if (config.certfile is None) != (config.keyfile is None):
         raise ValueError("TLS needs both a certfile and a keyfile")

@@ -27,7 +27,9 @@ from hypercorn.typing import AppWrapper, LifespanState
 
 from frontend.http.serving.config import ServerConfig
 from frontend.http.serving.h11_protocol import HeadWithBodyH11Protocol
+from frontend.http.serving.httptools_protocol import HttptoolsProtocol
 from frontend.http.serving.limits import HEADER_TIMEOUT, READ_TIMEOUT, WRITE_TIMEOUT
+from frontend.http.serving.policy import Http11
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,9 @@ class HeadwaterTCPServer(TCPServer):
     - its reads grow from ``config.read_size`` to ``config.read_size_large`` once one
       fills the former, and the idle timer ends with the reads (fix 4, :meth:`_read_data`);
     - its HTTP/1.1 protocol writes a known-length response's head with its body
-      (fix 5, :class:`~frontend.http.serving.h11_protocol.HeadWithBodyH11Protocol`);
+      (fix 5, :class:`~frontend.http.serving.h11_protocol.HeadWithBodyH11Protocol`, or
+      with ``config.http_parser = "httptools"``
+      :class:`~frontend.http.serving.httptools_protocol.HttptoolsProtocol`);
     - a request head must arrive within ``config.header_timeout`` of its first byte and
       within ``config.h11_max_incomplete_size`` bytes, a request body may not stall for
       ``config.body_read_timeout`` (:meth:`_read_data`); each refusal, and each write
@@ -158,8 +162,8 @@ class HeadwaterTCPServer(TCPServer):
           (:meth:`_close`): what it sends is read and dropped until it stops, or for
           ``linger_timeout`` at most.
 
-        First, the connection's HTTP/1.1 protocol becomes a
-        :class:`HeadWithBodyH11Protocol` (:meth:`_adopt_protocol`).
+        First, the connection's HTTP/1.1 protocol becomes headwater's
+        (:meth:`_adopt_protocol`).
         """
         self._adopt_protocol()
         config = self.config
@@ -197,7 +201,7 @@ class HeadwaterTCPServer(TCPServer):
                 if len(data) >= small:
                     size = large
                 http11 = self._http11()
-                if http11 is None or not data or http11.connection.their_state is not h11.IDLE:
+                if http11 is None or not data or not http11.awaiting_head:
                     # A SocketStream hands out bytes (hypercorn copies them with bytes()
                     # all the same); h11 takes any bytes-like.
                     await self.protocol.handle(RawData(data))  # type: ignore[arg-type]
@@ -209,10 +213,7 @@ class HeadwaterTCPServer(TCPServer):
                         await self.idle_task.stop()
                     heads = http11.keep_alive_requests
                     await self.protocol.handle(RawData(data))  # type: ignore[arg-type]
-                    if (
-                        http11.keep_alive_requests != heads
-                        or http11.connection.their_state is not h11.IDLE
-                    ):
+                    if http11.keep_alive_requests != heads or not http11.awaiting_head:
                         head_started = None  # the head ended
                 deadline, reason = self._next_deadline(head_started)
             await self.protocol.handle(Closed())
@@ -228,11 +229,7 @@ class HeadwaterTCPServer(TCPServer):
         answer end), and :meth:`_read_data` drops what comes, until the client stops or
         ``linger_timeout`` has passed; then the connection closes, here again."""
         http11 = self._http11()
-        if (
-            self._linger_until is None
-            and http11 is not None
-            and http11.connection.their_state is h11.SEND_BODY
-        ):
+        if self._linger_until is None and http11 is not None and http11.receiving_body:
             self._linger_until = trio.current_time() + self.config.linger_timeout
             if self._read_scope is not None:
                 self._read_scope.deadline = min(self._read_scope.deadline, self._linger_until)
@@ -243,7 +240,7 @@ class HeadwaterTCPServer(TCPServer):
             return
         await super()._close()
 
-    def _http11(self) -> HeadWithBodyH11Protocol | None:
+    def _http11(self) -> Http11 | None:
         """The connection's HTTP/1.1 protocol, unless it went h2c or websocket, or has
         none yet: hypercorn's ``run`` makes it after reading the socket's addresses, and a
         client that resets at once fails that read (OSError) and closes with none."""
@@ -251,6 +248,8 @@ class HeadwaterTCPServer(TCPServer):
         if wrapper is None:
             return None
         protocol = wrapper.protocol
+        if type(protocol) is HttptoolsProtocol:
+            return protocol
         if type(protocol) is not HeadWithBodyH11Protocol:
             return None
         return protocol if type(protocol.connection) is h11.Connection else None
@@ -262,7 +261,7 @@ class HeadwaterTCPServer(TCPServer):
             return math.inf, ""
         if head_started is not None:
             return head_started + self.config.header_timeout, HEADER_TIMEOUT
-        if http11.connection.their_state is h11.SEND_BODY:
+        if http11.receiving_body:
             return trio.current_time() + self.config.body_read_timeout, READ_TIMEOUT
         return math.inf, ""
 
@@ -272,16 +271,14 @@ class HeadwaterTCPServer(TCPServer):
         self.config.refused(reason)
         log.debug("closing a connection: %s", reason)
         http11 = self._http11()
-        if (
-            reason == HEADER_TIMEOUT
-            and http11 is not None
-            and http11.connection.our_state is h11.IDLE
-        ):
+        if reason == HEADER_TIMEOUT and http11 is not None and http11.between_requests:
             await http11._send_error_response(408)
 
     def _adopt_protocol(self) -> None:
         """Replace the H11Protocol that hypercorn's ``ProtocolWrapper`` made for this
-        connection by a :class:`HeadWithBodyH11Protocol` built from the same arguments.
+        connection by headwater's, built from the same arguments: a
+        :class:`HeadWithBodyH11Protocol`, or a :class:`HttptoolsProtocol` when
+        ``config.http_parser`` is ``"httptools"``.
 
         Why this way: hypercorn's ``run`` builds the wrapper, and the wrapper its
         protocol, from names bound in their own modules; taking either over would mean
@@ -299,7 +296,11 @@ class HeadwaterTCPServer(TCPServer):
         """
         w = self.protocol
         if type(w.protocol) is H11Protocol:
-            w.protocol = HeadWithBodyH11Protocol(
+            httptools = self.config.http_parser == "httptools"
+            cls = HttptoolsProtocol if httptools else HeadWithBodyH11Protocol
+            # The wrapper's annotation names hypercorn's two protocols; this one stands
+            # in for H11Protocol with the same interface.
+            w.protocol = cls(  # type: ignore[assignment]
                 w.app,
                 w.config,
                 w.context,
