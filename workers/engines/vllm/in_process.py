@@ -374,8 +374,22 @@ def _trace_headers() -> dict[str, str] | None:
     return headers
 
 
+#: The samples :func:`~.protocol.parse_metrics` reads: rendering only their collectors
+#: keeps each poll (every ``metrics_interval``, in a thread, holding the GIL) short.
+_READ = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:generation_tokens_total",
+    "vllm:nixl_xfer_time_seconds_sum",
+    "vllm:nixl_xfer_time_seconds_count",
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:cache_config_info",
+)
+
+
 def _prometheus_text() -> str:
-    """vLLM's series from this process's default Prometheus registry."""
+    """The series the worker reads of vLLM's, from this process's default registry."""
     from prometheus_client import REGISTRY, generate_latest
 
-    return generate_latest(REGISTRY).decode()
+    return generate_latest(REGISTRY.restricted_registry(_READ)).decode()
