@@ -10,6 +10,7 @@ import pytest
 from headwater.secret_env import SECRET_ENV_VARS
 
 from etcd_fixture import etcd_prefix, etcd_server, etcd_url, private_etcd
+from frontend_fixture import http_parser
 from heap_fixture import frozen_heap
 from netns_fixture import make_netns
 from tls_fixture import ca
@@ -21,6 +22,7 @@ __all__ = [
     "etcd_server",
     "etcd_url",
     "frozen_heap",
+    "http_parser",
     "make_netns",
     "private_etcd",
     "vllm_cluster",

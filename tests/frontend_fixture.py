@@ -197,3 +197,12 @@ def frontend_in_thread(**overrides: Any) -> Iterator[str]:
     finally:
         stop.set()
         thread.join(timeout=60)
+
+
+@pytest.fixture(params=["h11", "httptools"])
+def http_parser(request: pytest.FixtureRequest) -> str:
+    """Each HTTP/1.1 parser the frontend may run (``--http-parser``), for a test that
+    speaks HTTP to it: what it checks holds whichever reads the requests. Pass it to
+    :func:`serve_frontend` as ``http_parser``."""
+    value: str = request.param
+    return value

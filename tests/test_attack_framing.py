@@ -19,12 +19,14 @@ SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: test\r\n\r\n"
 
 
 @pytest.mark.parametrize("order", ["cl-first", "te-first"])
-async def test_content_length_with_transfer_encoding_is_a_400_and_a_close(order: str) -> None:
+async def test_content_length_with_transfer_encoding_is_a_400_and_a_close(
+    order: str, http_parser: str
+) -> None:
     chunked = b"0\r\n\r\n" + SMUGGLED  # as chunked: an empty body, then a second request
     framing = [b"Content-Length: %d\r\n" % len(chunked), b"Transfer-Encoding: chunked\r\n"]
     if order == "te-first":
         framing.reverse()
-    async with serve_frontend() as (fe, url):
+    async with serve_frontend(http_parser=http_parser) as (fe, url):
         stream = await open_raw(url)
         await stream.send_all(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
@@ -41,8 +43,8 @@ async def test_content_length_with_transfer_encoding_is_a_400_and_a_close(order:
         assert counted == 1
 
 
-async def test_an_obs_folded_header_is_a_400_and_a_close() -> None:
-    async with serve_frontend() as (_, url):
+async def test_an_obs_folded_header_is_a_400_and_a_close(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(
             b"GET /live HTTP/1.1\r\nHost: test\r\nX-Folded: one\r\n two\r\n\r\n" + SMUGGLED
@@ -54,8 +56,8 @@ async def test_an_obs_folded_header_is_a_400_and_a_close() -> None:
         assert bytes(buffered) + await until_closed(stream) == b""
 
 
-async def test_a_tab_folded_header_in_a_pipelined_head_is_refused_too() -> None:
-    async with serve_frontend() as (_, url):
+async def test_a_tab_folded_header_in_a_pipelined_head_is_refused_too(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(
             b"GET /live HTTP/1.1\r\nHost: test\r\n\r\n"
@@ -67,8 +69,8 @@ async def test_a_tab_folded_header_in_a_pipelined_head_is_refused_too() -> None:
         assert bytes(buffered) + await until_closed(stream) == b""
 
 
-async def test_plain_content_length_and_chunked_requests_are_served() -> None:
-    async with serve_frontend() as (_, url):
+async def test_plain_content_length_and_chunked_requests_are_served(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser) as (_, url):
         stream = await open_raw(url)
         body = b'{"model": "deepseek-v4", "prompt": "hi", "max_tokens": 2}'
         chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)

@@ -23,7 +23,7 @@ from frontend_fixture import serve_frontend
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
-async def test_the_prior_knowledge_preface_is_a_505_and_a_close() -> None:
+async def test_the_prior_knowledge_preface_is_a_505_and_a_close(http_parser: str) -> None:
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     for stream_id in range(1, 400, 2):  # 200 streams without a key, each waiting for a body
@@ -37,7 +37,7 @@ async def test_the_prior_knowledge_preface_is_a_505_and_a_close() -> None:
                 ("content-type", "application/json"),
             ],
         )
-    async with serve_frontend(api_keys=(KEY,)) as (fe, url):
+    async with serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (fe, url):
         stream = await open_raw(url)
         await stream.send_all(client.data_to_send())
         answer = await until_closed(stream, within=5)
@@ -47,12 +47,14 @@ async def test_the_prior_knowledge_preface_is_a_505_and_a_close() -> None:
         assert counted == 1
 
 
-async def test_an_h2c_upgrade_is_ignored_and_served_as_http11_behind_the_keys() -> None:
+async def test_an_h2c_upgrade_is_ignored_and_served_as_http11_behind_the_keys(
+    http_parser: str,
+) -> None:
     upgrade = (
         b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
         b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n"
     )
-    async with serve_frontend(api_keys=(KEY,)) as (_, url):
+    async with serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(b"GET /v1/models HTTP/1.1\r\nHost: test\r\n" + upgrade + b"\r\n")
         answer = await read_answer(stream)
@@ -72,8 +74,8 @@ async def test_an_h2c_upgrade_is_ignored_and_served_as_http11_behind_the_keys() 
         await stream.aclose()
 
 
-async def test_many_connections_opening_http2_are_all_closed_promptly() -> None:
-    async with serve_frontend(api_keys=(KEY,)) as (_, url):
+async def test_many_connections_opening_http2_are_all_closed_promptly(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (_, url):
         answers: list[bytes] = []
 
         async def one() -> None:

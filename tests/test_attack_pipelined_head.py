@@ -22,8 +22,8 @@ def _get(pad: int) -> bytes:
     return b"GET /live HTTP/1.1\r\nHost: test\r\nX-Pad: " + b"a" * pad + b"\r\n\r\n"
 
 
-async def test_a_long_head_pipelined_behind_a_request_is_refused_with_431() -> None:
-    async with serve_frontend(max_header_bytes=LIMIT) as (fe, url):
+async def test_a_long_head_pipelined_behind_a_request_is_refused_with_431(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser, max_header_bytes=LIMIT) as (fe, url):
         for first in (_get(10), post("/v1/models", b"{}")):  # with a body before it, too
             stream = await open_raw(url)
             await stream.send_all(first + _get(60_000))  # one write: one read, likely
@@ -38,8 +38,8 @@ async def test_a_long_head_pipelined_behind_a_request_is_refused_with_431() -> N
         assert counted == 2
 
 
-async def test_a_pipelined_head_within_the_limit_is_served() -> None:
-    async with serve_frontend(max_header_bytes=LIMIT) as (_, url):
+async def test_a_pipelined_head_within_the_limit_is_served(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser, max_header_bytes=LIMIT) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(_get(10) + _get(LIMIT - 100) + _get(10))
         buffered = bytearray()
@@ -48,9 +48,9 @@ async def test_a_pipelined_head_within_the_limit_is_served() -> None:
         await stream.aclose()
 
 
-async def test_many_small_pipelined_heads_are_each_measured_alone() -> None:
+async def test_many_small_pipelined_heads_are_each_measured_alone(http_parser: str) -> None:
     # The limit is per head: forty heads of 200 bytes in one read are forty requests.
-    async with serve_frontend(max_header_bytes=LIMIT) as (_, url):
+    async with serve_frontend(http_parser=http_parser, max_header_bytes=LIMIT) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(_get(150) * 40)
         buffered = bytearray()

@@ -22,8 +22,9 @@ from frontend_fixture import serve_frontend
 CHAT = b'{"model": "deepseek-v4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
 
 
-async def test_a_401_leaves_before_the_body_and_invites_none() -> None:
-    async with serve_frontend(api_keys=(KEY,), read_timeout=30) as (fe, url):
+async def test_a_401_leaves_before_the_body_and_invites_none(http_parser: str) -> None:
+    settings = {"api_keys": (KEY,), "read_timeout": 30, "http_parser": http_parser}
+    async with serve_frontend(**settings) as (fe, url):
         stream = await open_raw(url)
         start = trio.current_time()
         await stream.send_all(
@@ -42,11 +43,16 @@ async def test_a_401_leaves_before_the_body_and_invites_none() -> None:
         assert fe.metrics.rejected_requests_total.labels("unauthorized")._value.get() == 1
 
 
-async def test_a_client_that_writes_its_whole_body_first_still_gets_its_401() -> None:
+async def test_a_client_that_writes_its_whole_body_first_still_gets_its_401(
+    http_parser: str,
+) -> None:
     # httpx writes the whole body before it reads: the linger keeps the connection from
     # resetting the answer under it.
     body = b'{"model": "deepseek-v4", "prompt": "' + b"a" * 4_000_000 + b'"}'
-    async with serve_frontend(api_keys=(KEY,)) as (_, url), httpx.AsyncClient() as client:
+    async with (
+        serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (_, url),
+        httpx.AsyncClient() as client,
+    ):
         for _ in range(3):
             r = await client.post(
                 url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}
@@ -55,8 +61,8 @@ async def test_a_client_that_writes_its_whole_body_first_still_gets_its_401() ->
             assert r.json()["error"]["code"] == "invalid_api_key"
 
 
-async def test_an_authenticated_client_that_expects_100_continue_gets_it() -> None:
-    async with serve_frontend(api_keys=(KEY,)) as (_, url):
+async def test_an_authenticated_client_that_expects_100_continue_gets_it(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(
             post(
@@ -74,10 +80,10 @@ async def test_an_authenticated_client_that_expects_100_continue_gets_it() -> No
         await stream.aclose()
 
 
-async def test_a_refused_request_says_its_connection_closes() -> None:
+async def test_a_refused_request_says_its_connection_closes(http_parser: str) -> None:
     # Answered before its body was read, the connection closes after the 401, and the
     # 401 says so: a client does not send its next request on it.
-    async with serve_frontend(api_keys=(KEY,)) as (_, url):
+    async with serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(post("/v1/chat/completions", b"", length=len(CHAT)))
         answer = await read_answer(stream)

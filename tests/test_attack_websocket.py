@@ -33,9 +33,9 @@ UPGRADE = (
 
 @pytest.mark.parametrize("path", [b"/v1/models", b"/v1/chat/completions", b"/ws", b"/debug/x"])
 async def test_an_upgrade_without_a_key_is_a_plain_401(
-    path: bytes, caplog: pytest.LogCaptureFixture
+    path: bytes, caplog: pytest.LogCaptureFixture, http_parser: str
 ) -> None:
-    async with serve_frontend(api_keys=(KEY,)) as (_, url):
+    async with serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
         await stream.send_all(b"GET %s HTTP/1.1\r\nHost: test\r\n%s\r\n" % (path, UPGRADE))
         answer = await read_answer(stream)
@@ -46,8 +46,8 @@ async def test_an_upgrade_without_a_key_is_a_plain_401(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def test_an_upgrade_with_a_key_is_served_as_http11() -> None:
-    async with serve_frontend(api_keys=(KEY,)) as (_, url):
+async def test_an_upgrade_with_a_key_is_served_as_http11(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser, api_keys=(KEY,)) as (_, url):
         stream = await open_raw(url)
         for path, status in ((b"/v1/models", 200), (b"/ws", 404)):
             await stream.send_all(
@@ -92,8 +92,9 @@ def test_a_logged_value_cannot_begin_a_line() -> None:
 
 async def test_a_crafted_path_in_an_error_log_stays_on_its_line(
     caplog: pytest.LogCaptureFixture,
+    http_parser: str,
 ) -> None:
-    async with serve_frontend() as (fe, url):
+    async with serve_frontend(http_parser=http_parser) as (fe, url):
 
         @fe.app.before_request
         async def fail() -> None:  # an unexpected error, on a path the client chose

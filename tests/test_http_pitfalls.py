@@ -60,8 +60,8 @@ async def _read_until(stream: trio.SocketStream, marker: bytes) -> bytes:
 
 
 @pytest.mark.slow
-async def test_keep_alive_idle_timeout_closes_the_connection() -> None:
-    async with serve_frontend(keep_alive_timeout=0.5) as (_, url):
+async def test_keep_alive_idle_timeout_closes_the_connection(http_parser: str) -> None:
+    async with serve_frontend(http_parser=http_parser, keep_alive_timeout=0.5) as (_, url):
         stream = await _open(url)
         request = b"GET /live HTTP/1.1\r\nHost: test\r\nConnection: keep-alive\r\n\r\n"
         await stream.send_all(request)
@@ -76,11 +76,11 @@ async def test_keep_alive_idle_timeout_closes_the_connection() -> None:
 
 
 @pytest.mark.slow
-async def test_each_request_moves_the_idle_deadline() -> None:
+async def test_each_request_moves_the_idle_deadline(http_parser: str) -> None:
     # The idle timer is one deadline per connection: a request lifts it, the end of the
     # response sets it afresh. A connection used more often than keep_alive_timeout
     # stays open however long it lives, and still closes once it idles.
-    async with serve_frontend(keep_alive_timeout=0.6) as (_, url):
+    async with serve_frontend(http_parser=http_parser, keep_alive_timeout=0.6) as (_, url):
         stream = await _open(url)
         request = b"GET /live HTTP/1.1\r\nHost: test\r\nConnection: keep-alive\r\n\r\n"
         start = trio.current_time()
@@ -94,10 +94,12 @@ async def test_each_request_moves_the_idle_deadline() -> None:
 
 
 @pytest.mark.slow
-async def test_a_request_longer_than_the_idle_timeout_is_not_cut() -> None:
+async def test_a_request_longer_than_the_idle_timeout_is_not_cut(http_parser: str) -> None:
     # While a request runs its connection is not idle: a stream taking several
     # keep_alive_timeouts arrives whole, and the connection serves the next request.
-    async with serve_frontend(keep_alive_timeout=0.3, speedup_ratio=1.0) as (fe, url):
+    async with serve_frontend(
+        http_parser=http_parser, keep_alive_timeout=0.3, speedup_ratio=1.0
+    ) as (fe, url):
         body = {
             "model": fe.pipeline.model_name,
             "prompt": "hello",
@@ -285,11 +287,13 @@ def _tasks_named(fragment: str) -> list[trio.lowlevel.Task]:
     return found
 
 
-async def test_a_client_gone_mid_request_leaves_no_connection_task_behind() -> None:
+async def test_a_client_gone_mid_request_leaves_no_connection_task_behind(http_parser: str) -> None:
     # While a request runs the idle timer is lifted; if the client then goes away,
     # the connection's tasks (idle timer included) must end with it, not linger
     # until the server shuts down.
-    async with serve_frontend(keep_alive_timeout=60, speedup_ratio=1.0) as (fe, url):
+    async with serve_frontend(
+        http_parser=http_parser, keep_alive_timeout=60, speedup_ratio=1.0
+    ) as (fe, url):
         assert not _tasks_named("serve_listeners._run_handler")
         stream = await _open(url)
         payload = orjson.dumps(
@@ -304,7 +308,9 @@ async def test_a_client_gone_mid_request_leaves_no_connection_task_behind() -> N
                 await trio.sleep(0.05)
 
 
-async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> None:
+async def test_a_known_length_response_leaves_in_one_write(
+    monkeypatch: Any, http_parser: str
+) -> None:
     # Head and body of a JSON answer go out in one write(2); a streamed answer (no
     # Content-Length) still sends its head alone, at once, before its first event.
     writes: list[bytes] = []
@@ -315,7 +321,7 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
         return write_now(stream, data)
 
     monkeypatch.setattr(tcp_server, "_write_now", recording)
-    async with serve_frontend() as (fe, url):
+    async with serve_frontend(http_parser=http_parser) as (fe, url):
         stream = await _open(url)
         chat = orjson.dumps(
             {
@@ -354,12 +360,12 @@ async def test_a_known_length_response_leaves_in_one_write(monkeypatch: Any) -> 
         await stream.aclose()
 
 
-async def test_a_stream_in_flight_at_shutdown_runs_to_its_end() -> None:
+async def test_a_stream_in_flight_at_shutdown_runs_to_its_end(http_parser: str) -> None:
     # Graceful shutdown closes idle connections at once but lets a request in flight
     # finish (within graceful_timeout): the idle timer must not close a busy connection.
     # No drain (drain_timeout 0): hypercorn's graceful shutdown alone lets the stream finish.
     settings: dict[str, Any] = {"speedup_ratio": 1.0, "graceful_timeout": 10.0, "drain_timeout": 0}
-    async with serve_frontend(**settings) as (fe, url):
+    async with serve_frontend(http_parser=http_parser, **settings) as (fe, url):
         body = {
             "model": fe.pipeline.model_name,
             "prompt": "hello",

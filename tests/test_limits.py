@@ -131,9 +131,12 @@ async def test_each_limit_is_a_400_naming_it_and_counted_by_name() -> None:
         await eventually(idle(fe))
 
 
-async def test_the_body_size_and_the_context_length_count_as_limits_too() -> None:
+async def test_the_body_size_and_the_context_length_count_as_limits_too(http_parser: str) -> None:
     async with (
-        serve_frontend(max_body_bytes=4096, context_length=64) as (fe, url),
+        serve_frontend(http_parser=http_parser, max_body_bytes=4096, context_length=64) as (
+            fe,
+            url,
+        ),
         httpx.AsyncClient(base_url=url) as c,
     ):
         big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 8000}]}
@@ -184,9 +187,13 @@ async def _cancelled_on_the_worker(fe: Frontend) -> None:
 
 
 @pytest.mark.slow
-async def test_a_unary_request_past_its_deadline_is_a_504_and_cancelled_on_its_worker() -> None:
+async def test_a_unary_request_past_its_deadline_is_a_504_and_cancelled_on_its_worker(
+    http_parser: str,
+) -> None:
     async with (
-        serve_frontend(speedup_ratio=1.0, limits=RequestLimits(request_timeout=0.5)) as (fe, url),
+        serve_frontend(
+            http_parser=http_parser, speedup_ratio=1.0, limits=RequestLimits(request_timeout=0.5)
+        ) as (fe, url),
         httpx.AsyncClient(base_url=url, timeout=60) as c,
     ):
         start = trio.current_time()
@@ -205,9 +212,13 @@ async def test_a_unary_request_past_its_deadline_is_a_504_and_cancelled_on_its_w
 
 
 @pytest.mark.slow
-async def test_a_stream_past_its_deadline_ends_with_an_error_event_and_done() -> None:
+async def test_a_stream_past_its_deadline_ends_with_an_error_event_and_done(
+    http_parser: str,
+) -> None:
     async with (
-        serve_frontend(speedup_ratio=1.0, limits=RequestLimits(request_timeout=0.5)) as (fe, url),
+        serve_frontend(
+            http_parser=http_parser, speedup_ratio=1.0, limits=RequestLimits(request_timeout=0.5)
+        ) as (fe, url),
         httpx.AsyncClient(base_url=url, timeout=60) as c,
     ):
         start = trio.current_time()
