@@ -33,8 +33,10 @@ from headwater.wire import (
 )
 from workers.engines.base import EngineError, EngineFailed
 from workers.engines.vllm import launcher, protocol
-from workers.engines.vllm.config import VllmConfig
+from workers.engines.vllm.api_server import ApiServerBackend
+from workers.engines.vllm.config import VllmClient, VllmConfig
 from workers.engines.vllm.engine import VllmEngine, build_engine
+from workers.engines.vllm.in_process import InProcessBackend
 from workers.engines.vllm.server import serve_argv, serve_env
 
 URL = "http://vllm.test:8000"
@@ -330,6 +332,33 @@ def test_an_engine_without_a_model_or_a_vocabulary_is_refused(tmp_path: Path) ->
         build_engine(VllmConfig(), EngineContext(Role.AGG, "w"))
     with pytest.raises(EngineFailed, match="vocabulary"):
         build_engine(VllmConfig(vllm_url=URL), EngineContext(Role.AGG, "w"))
+
+
+@pytest.mark.parametrize(
+    ("client", "beside_frontend", "attached", "way"),
+    [
+        ("auto", False, False, InProcessBackend),  # a worker of its own: in-process
+        ("auto", True, False, ApiServerBackend),  # serve's in-process workers
+        ("in-process", True, False, InProcessBackend),  # asked for: obeyed
+        ("api-server", False, False, ApiServerBackend),
+        ("in-process", False, True, ApiServerBackend),  # --vllm-url: always its API server
+    ],
+)
+def test_the_way_to_vllm_follows_the_option_and_where_the_worker_runs(
+    client: str, beside_frontend: bool, attached: bool, way: type
+) -> None:
+    from workers.engines.base import EngineContext
+
+    config = VllmConfig(
+        model="/models/m",
+        vllm_url=URL if attached else "",
+        vllm_client=VllmClient(client),
+        vocab_size=1000,
+    )
+    context = EngineContext(Role.AGG, "w", beside_frontend=beside_frontend)
+    assert type(build_engine(config, context).backend) is way
+    with pytest.raises(ValueError, match="not a valid VllmClient"):
+        VllmConfig(vllm_client="sideways")  # type: ignore[arg-type]
 
 
 # ---- the engine against a fake vLLM -----------------------------------------------------
