@@ -190,6 +190,7 @@ CHUNKED = (
     b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
     b"5\r\nhello\r\n1;ext=1\r\n \r\n5\r\nworld\r\n0\r\nTrailer: x\r\n\r\n"
 )
+CHUNKED_HEAD = b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
 PIPELINED = GET + POST + b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n"
 EXPECT = b"POST /p HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
 UPGRADE_WS = (
@@ -274,6 +275,20 @@ CASES: dict[str, list[Step]] = {
     "upgrade websocket": [UPGRADE_WS + GET],
     "upgrade without connection upgrade": [b"GET /u HTTP/1.1\r\nHost: t\r\nUpgrade: h2c\r\n\r\n"],
     "connect": [b"CONNECT t:443 HTTP/1.1\r\nHost: t:443\r\n\r\n"],
+    # What h11 takes and llhttp would not, or the reverse: each read as h11 reads it.
+    "chunk sizes with blanks after them": [
+        CHUNKED_HEAD + b"5 \r\nhello\r\n3\t\r\nabc\r\n0 \r\n\r\n" + GET
+    ],
+    "a chunk extension with blanks after it": [
+        CHUNKED_HEAD + b'5;a=b \r\nhello\r\n3;q="x"\t\r\nabc\r\n0\r\n\r\n' + GET
+    ],
+    "a blank before a chunk extension": [CHUNKED_HEAD + b"5 ;a=b\r\nhello\r\n0\r\n\r\n"],
+    "a chunk size past 64 bits": [CHUNKED_HEAD + b"fffffffffffffffffffff\r\nab"],
+    "a chunk size of 20 hex digits": [CHUNKED_HEAD + b"ffffffffffffffffffff\r\nab"],
+    "a content-length past 64 bits": [
+        b"POST /p HTTP/1.1\r\nHost: t\r\nContent-Length: 99999999999999999999\r\n\r\nab"
+    ],
+    "a request line without a version (HTTP/0.9)": [b"GET /\r\n\r\n"],
 }
 
 # Bodies and heads split across reads at every byte.

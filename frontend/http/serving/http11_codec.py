@@ -36,6 +36,8 @@ _CONTENT_LENGTH = re.compile(rb"[0-9]{1,20}")
 _CHUNK_HEADER = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
 
 Framing = Literal["length", "chunked", "close"]
+#: The largest Content-Length or chunk size llhttp counts to (h11: any, and 20 hex digits).
+LLHTTP_MAX_SIZE = 2**64 - 1
 
 
 class ResponseHeadError(ValueError):
@@ -258,15 +260,22 @@ class ChunkedExtent:
         self._trailers = False  # past the last chunk: trailer lines until an empty one
         self._trailer_bytes = 0  # of the trailer lines read (h11 holds them all unparsed)
 
-    def measure(self, buffer: bytes | bytearray) -> tuple[int, bool]:
+    def measure(
+        self, buffer: bytes | bytearray, plain: bytearray | None = None
+    ) -> tuple[int, bool]:
         """How many of *buffer*'s first bytes belong to the body, and whether the body
-        ends with them; the count is consumed (the next call starts after them).
-        Raises :class:`ChunkError` for a malformed size line, or a line that has not
-        ended within the limit."""
+        ends with them; the count is consumed (the next call starts after them). Those
+        bytes are added to *plain*, if given, with each size line as llhttp takes it:
+        the size alone, in hex, at most :data:`LLHTTP_MAX_SIZE` (h11 takes an
+        extension, and blanks after it, that llhttp refuses). Raises
+        :class:`ChunkError` for a malformed size line, or a line that has not ended
+        within the limit."""
         pos, size = 0, len(buffer)
         while pos < size:
             if self._data:
                 taken = min(self._data, size - pos)
+                if plain is not None:
+                    plain += buffer[pos : pos + taken]
                 pos += taken
                 self._data -= taken
                 continue
@@ -278,6 +287,8 @@ class ChunkedExtent:
             line = bytes(buffer[pos : end + 1])
             pos = end + 1
             if self._trailers:
+                if plain is not None:
+                    plain += line
                 if line in (b"\r\n", b"\n"):
                     return pos, True
                 self._trailer_bytes += len(line)
@@ -286,6 +297,8 @@ class ChunkedExtent:
             if match is None:
                 raise ChunkError(400, f"bad chunk size line {line!r}")
             chunk = int(match[1], 16)
+            if plain is not None:  # llhttp counts to 2**64 - 1; no client sends more
+                plain += b"%x\r\n" % min(chunk, LLHTTP_MAX_SIZE)
             if chunk:
                 self._data = chunk + 2
             else:

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from httptools import HttpParserError, HttpParserUpgrade, HttpRequestParser
 
-from frontend.http.serving.http11_codec import ChunkedExtent, RequestHead, h11_request_head
+from frontend.http.serving.http11_codec import (
+    LLHTTP_MAX_SIZE,
+    ChunkedExtent,
+    RequestHead,
+    h11_request_head,
+)
 
 
 class _Sink:
@@ -84,10 +89,11 @@ class RequestReader:
         except HttpParserError:
             return h11_request_head(head), True
         else:
-            if sink.head_done:
+            if sink.head_done and parser.get_http_version() != "0.9":
                 version = parser.get_http_version().encode()
                 return RequestHead(parser.get_method(), sink.target, version, sink.headers), False
-        if not sink.head_done:
+        if not sink.head_done or parser.get_http_version() == "0.9":
+            # llhttp serves a request line without a version as HTTP/0.9; h11 refuses it
             return h11_request_head(head), True
         version = parser.get_http_version().encode()
         return RequestHead(parser.get_method(), sink.target, version, sink.headers), True
@@ -105,7 +111,9 @@ class RequestReader:
             stand_in = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
         elif lengths := [value for name, value in headers if name == b"content-length"]:
             self._body_left = int(lengths[0])
-            stand_in = b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % self._body_left
+            # llhttp counts to 2**64 - 1 at most; a longer body cannot be sent anyway.
+            length = min(self._body_left, LLHTTP_MAX_SIZE)
+            stand_in = b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % length
         if fresh:
             self._parser = self._new_parser()
             self._sink.complete = not stand_in
@@ -120,15 +128,19 @@ class RequestReader:
         if not buffer:
             return
         if self._chunks is not None:
-            size, done = self._chunks.measure(buffer)
+            plain = bytearray()
+            size, done = self._chunks.measure(buffer, plain)
+            if plain:
+                self._parser.feed_data(plain)
+            del buffer[:size]
         else:
             size = min(self._body_left, len(buffer))
             self._body_left -= size
             done = self._body_left == 0
-        if size:
-            with memoryview(buffer) as view, view[:size] as part:
-                self._parser.feed_data(part)
-            del buffer[:size]
+            if size:
+                with memoryview(buffer) as view, view[:size] as part:
+                    self._parser.feed_data(part)
+                del buffer[:size]
         if done != self._sink.complete:
             raise HttpParserError("the body's end is not where its framing says")
 
