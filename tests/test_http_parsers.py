@@ -289,6 +289,13 @@ CASES: dict[str, list[Step]] = {
         b"POST /p HTTP/1.1\r\nHost: t\r\nContent-Length: 99999999999999999999\r\n\r\nab"
     ],
     "a request line without a version (HTTP/0.9)": [b"GET /\r\n\r\n"],
+    "two spaces in a request line": [b"GET  /a HTTP/1.1\r\nHost: t\r\n\r\n"],
+    "an obs-folded trailer field": [CHUNKED_HEAD + b"0\r\nX: y\r\n  z\r\n\r\n" + GET],
+    "a control character in a trailer field": [CHUNKED_HEAD + b"0\r\nX: a\x01b\r\n\r\n"],
+    "a bad trailer field name": [CHUNKED_HEAD + b"0\r\nX Y: z\r\n\r\n"],
+    "a closing upgrade proposal, bytes behind it": [
+        b"GET /u HTTP/1.1\r\nHost: t\r\nConnection: close, upgrade\r\nUpgrade: x\r\n\r\n" + GET
+    ],
 }
 
 # Bodies and heads split across reads at every byte.

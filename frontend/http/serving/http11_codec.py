@@ -68,6 +68,13 @@ def wants_continue(http_version: bytes, headers: Iterable[tuple[bytes, bytes]]) 
     return http_version >= b"1.1" and b"100-continue" in _tokens(headers, b"expect")
 
 
+def proposes_switch(method: bytes, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request (lowercased field names) proposes a protocol switch (h11's
+    ``_process_event``): CONNECT, or an ``Upgrade`` field. h11 then reads nothing after
+    it until it has been answered (the answer refuses the switch)."""
+    return method == b"CONNECT" or bool(_tokens(headers, b"upgrade"))
+
+
 def keep_alive(http_version: bytes, headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """Whether a message (lowercased field names) lets its connection carry another
     (h11's ``_keep_alive``): HTTP/1.1 and no ``Connection: close``. An HTTP/1.0 client's
@@ -124,6 +131,24 @@ def h11_request_head(head: bytes) -> RequestHead | int:
     return RequestHead(
         event.method, event.target, event.http_version, list(event.headers.raw_items())
     )
+
+
+def h11_trailer_status(trailer: bytes) -> int | None:
+    """The status h11 refuses a chunked body's *trailer* section with (its lines, and
+    the empty line that ends them), or None if it takes it. llhttp refuses some that h11
+    takes (an obs-fold, a control character), and is not asked: the request's trailer
+    fields are dropped anyway."""
+    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=len(trailer) + 100)
+    connection.receive_data(_TRAILER_STAND_IN + trailer)
+    try:
+        connection.next_event()  # the stand-in's Request
+        connection.next_event()  # its EndOfMessage, with the trailer fields
+    except h11.RemoteProtocolError as error:
+        return error.error_status_hint
+    return None
+
+
+_TRAILER_STAND_IN = b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +283,7 @@ class ChunkedExtent:
         self._limit = limit
         self._data = 0  # bytes of chunk data (with its CRLF) still to come
         self._trailers = False  # past the last chunk: trailer lines until an empty one
-        self._trailer_bytes = 0  # of the trailer lines read (h11 holds them all unparsed)
+        self._trailer = bytearray()  # the trailer lines read (h11 holds them all unparsed)
 
     def measure(
         self, buffer: bytes | bytearray, plain: bytearray | None = None
@@ -267,7 +292,8 @@ class ChunkedExtent:
         ends with them; the count is consumed (the next call starts after them). Those
         bytes are added to *plain*, if given, with each size line as llhttp takes it:
         the size alone, in hex, at most :data:`LLHTTP_MAX_SIZE` (h11 takes an
-        extension, and blanks after it, that llhttp refuses). Raises
+        extension, and blanks after it, that llhttp refuses) and no trailer lines
+        (h11 checks them, :func:`h11_trailer_status`). Raises
         :class:`ChunkError` for a malformed size line, or a line that has not ended
         within the limit."""
         pos, size = 0, len(buffer)
@@ -281,17 +307,21 @@ class ChunkedExtent:
                 continue
             end = buffer.find(b"\n", pos)
             if end < 0:
-                if size - pos + self._trailer_bytes > self._limit:
+                if size - pos + len(self._trailer) > self._limit:
                     raise ChunkError(431, "a chunk size or trailer line is too long")
                 return pos, False
             line = bytes(buffer[pos : end + 1])
             pos = end + 1
             if self._trailers:
-                if plain is not None:
-                    plain += line
                 if line in (b"\r\n", b"\n"):
+                    if self._trailer:
+                        status = h11_trailer_status(bytes(self._trailer) + line)
+                        if status is not None:
+                            raise ChunkError(status, "a trailer field h11 refuses")
+                    if plain is not None:  # no trailer lines: h11 checked them
+                        plain += b"\r\n"
                     return pos, True
-                self._trailer_bytes += len(line)
+                self._trailer += line
                 continue
             match = _CHUNK_HEADER.fullmatch(line)
             if match is None:
@@ -303,6 +333,6 @@ class ChunkedExtent:
                 self._data = chunk + 2
             else:
                 self._trailers = True
-        if self._trailer_bytes > self._limit:  # whole lines, but no end to them yet
+        if len(self._trailer) > self._limit:  # whole lines, but no end to them yet
             raise ChunkError(431, "the trailer section is too long")
         return pos, False

@@ -48,7 +48,7 @@ from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import HTTPStream
 
 from frontend.http.serving.config import ServerConfig
-from frontend.http.serving.http11_codec import ChunkError, request_head_status
+from frontend.http.serving.http11_codec import ChunkError, proposes_switch, request_head_status
 from frontend.http.serving.http11_writer import BODY, DONE, ERROR, IDLE, ResponseWriter
 from frontend.http.serving.limits import HEADER_TOO_LARGE, Fault, measure_head, request_fault
 from frontend.http.serving.llhttp_reader import RequestReader
@@ -109,6 +109,7 @@ class HttptoolsProtocol:
         self._eof = False
         self._reader = RequestReader(config.h11_max_incomplete_size)
         self._their = IDLE  # the client's side; the server's is the writer's
+        self._switch_proposed = False  # by the request under way
         self._writer = ResponseWriter()
 
     @property
@@ -176,8 +177,9 @@ class HttptoolsProtocol:
             elif their is BODY:
                 if not await self._deliver_body():
                     break
-            elif their is DONE and self._buffer and self._writer.keep_alive:
-                # The next request: it waits until this one's answer has ended.
+            elif their is DONE and self._buffer and self._waits_for_answer():
+                # The next request (or, after a switch proposed, bytes h11 reads only
+                # then): it waits until this one's answer has ended.
                 await self.can_read.clear()
                 await self.can_read.wait()
             else:
@@ -186,6 +188,12 @@ class HttptoolsProtocol:
                 elif their is ERROR:
                     await self.send(Closed())
                 break
+
+    def _waits_for_answer(self) -> bool:
+        """Bytes after the request wait for its answer: the next request, or whatever
+        follows a protocol switch proposed, which h11 reads only once the answer has
+        refused it, by when the connection closes if not kept alive."""
+        return self._writer.keep_alive or (self._switch_proposed and self._writer.state is not DONE)
 
     async def _deliver_body(self) -> bool:
         """Hand the stream the body's next piece, or its end; False when there is
@@ -250,6 +258,7 @@ class HttptoolsProtocol:
         self._reader.start_body(lowered, fresh)
         self._their = BODY
         self._writer.request(method, version, lowered)
+        self._switch_proposed = proposes_switch(method, lowered)
         await self.send(Updated(idle=False))
         await self._create_stream(method, target, version, fields)
         return True

@@ -82,6 +82,9 @@ class RequestReader:
         h11's status); and whether its body needs a fresh parser."""
         sink, parser = self._sink, self._parser
         sink.clear()
+        if head.count(b" ", 0, head.find(b"\n")) != 2:
+            # h11's request line has two spaces, llhttp's one or more between its parts
+            return h11_request_head(head), True
         try:
             parser.feed_data(head)
         except HttpParserUpgrade:
