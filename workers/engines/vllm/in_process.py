@@ -34,6 +34,7 @@ the same parser as the API server's ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import os
@@ -142,6 +143,10 @@ class InProcessBackend:
         except Exception as exc:  # vLLM's own errors: a bad argument, a failed core
             raise VllmStartError(f"vLLM failed to start: {exc!r}") from exc
         self._llm = llm
+        # vLLM brought torch and its own modules into this process: hundreds of
+        # thousands of objects that live as long as it does. Frozen, the collector's
+        # full passes leave them alone (seen unfrozen: a 0.41 s collection on the loop).
+        gc.freeze()
         return ServedModel(self.config.model, llm.model_config.max_model_len)
 
     async def wait(self) -> str:
