@@ -681,3 +681,17 @@ async def test_an_attached_vllm_that_stops_answering_is_down_until_it_answers(
     fake.metrics_ok = True
     await trio.sleep(1)
     assert eng.up
+
+
+def test_an_error_finish_is_the_kv_transfers_on_a_decode_leg_only() -> None:
+    # vLLM in-process ends a decode whose KV pull failed with finish_reason "error"
+    # (through its API server the same failure is an error event): retryable there.
+    from workers.engines.vllm.engine import _finish
+
+    with pytest.raises(EngineError) as pulled:
+        _finish("error", True, kv=True)
+    assert pulled.value.code is ErrorCode.KV_TRANSFER_FAILED
+    with pytest.raises(EngineError) as plain:
+        _finish("error", True)
+    assert plain.value.code is ErrorCode.INTERNAL
+    assert _finish("length", True, kv=True) is FinishReason.LENGTH

@@ -370,7 +370,7 @@ class VllmEngine(Engine):
                         held = Chunk(
                             rid,
                             list(event.token_ids),
-                            finish_reason=_finish(event.finish, self._up),
+                            finish_reason=_finish(event.finish, self._up, kv=kv),
                             logprobs=event.logprobs,
                             prompt_logprobs=prompt,
                         )
@@ -599,14 +599,18 @@ def _backend(
     return InProcessBackend(config, role, worker_id, otlp_endpoint=otlp_endpoint)
 
 
-def _finish(reason: str, up: bool) -> FinishReason:
+def _finish(reason: str, up: bool, *, kv: bool = False) -> FinishReason:
+    """vLLM's finish reason as headwater's, or the error it means: on a decode leg that
+    pulls KV (*kv*), an ``error`` finish is the transfer's (vLLM in-process says so this
+    way; through its API server it is an error event), retryable by prefilling again."""
     known = FINISH_REASONS.get(reason)
     if known is not None:
         return known
     if reason == "abort":
         code = ErrorCode.INTERNAL if up else ErrorCode.SHUTTING_DOWN
         raise EngineError(code, "vLLM aborted the request")
-    raise EngineError(ErrorCode.INTERNAL, f"vLLM finished the request with {reason!r}")
+    code = ErrorCode.KV_TRANSFER_FAILED if kv and reason == "error" else ErrorCode.INTERNAL
+    raise EngineError(code, f"vLLM finished the request with {reason!r}")
 
 
 def build_engine(config: VllmConfig, context: EngineContext) -> VllmEngine:

@@ -184,12 +184,22 @@ class InProcessBackend:
                 last = output
         if last is None:
             raise ProtocolError("vLLM answered nothing")
-        return _event(last, call)
+        prompt = list(last.prompt_logprobs or ()) if call.prompt_logprobs else None
+        return _event(last, call, prompt)
 
     async def stream(self, call: VllmCall) -> AsyncGenerator[StreamEvent, None]:
+        # Streamed, vLLM may hand the prompt's logprobs over in pieces (an output with
+        # none, a chunked prefill's share each): gathered, they go with the first token.
+        gathered: list[Any] | None = [] if call.prompt_logprobs else None
         async with aclosing(self._outputs(call)) as outputs:
             async for output in outputs:
-                yield _event(output, call)
+                if gathered is not None and output.prompt_logprobs:
+                    gathered.extend(output.prompt_logprobs)
+                event = _event(output, call)
+                if gathered and (event.token_ids or event.finish is not None):
+                    event = _event(output, call, gathered)
+                    gathered = None
+                yield event
         yield DONE
 
     async def metrics(self) -> VllmMetrics:
@@ -273,8 +283,11 @@ def _sampling_params(call: VllmCall) -> SamplingParams:
         raise VllmRequestError(400, str(exc)) from exc
 
 
-def _event(output: RequestOutput, call: VllmCall) -> StreamEvent:
-    """One of vLLM's outputs as an event, read as the token-in API's answer would be."""
+def _event(
+    output: RequestOutput, call: VllmCall, prompt_positions: list[Any] | None = None
+) -> StreamEvent:
+    """One of vLLM's outputs as an event, read as the token-in API's answer would be;
+    *prompt_positions*: the prompt's logprobs to carry (all of them, as vLLM gave them)."""
     completion = output.outputs[0] if output.outputs else None
     tokens = list(completion.token_ids) if completion is not None else []
     finish = completion.finish_reason if completion is not None else None
@@ -285,8 +298,8 @@ def _event(output: RequestOutput, call: VllmCall) -> StreamEvent:
         logprobs = protocol.read_token_logprobs(raw, tokens, top)
     prompt = None
     prompt_top = call.request.sampling.prompt_logprobs
-    if call.prompt_logprobs and prompt_top is not None and output.prompt_logprobs is not None:
-        prompt = protocol.read_prompt_logprobs(_prompt_logprobs(output.prompt_logprobs), prompt_top)
+    if prompt_positions and prompt_top is not None:
+        prompt = protocol.read_prompt_logprobs(_prompt_logprobs(prompt_positions), prompt_top)
     return StreamEvent(
         tokens,
         finish,
