@@ -15,10 +15,9 @@ from contextlib import asynccontextmanager, contextmanager
 import httpx
 from prometheus_client.core import Metric
 
-from headwater.tracing import current_trace
 from headwater.wire import Role
 from workers.engines.vllm import protocol
-from workers.engines.vllm.backend import ServedModel, VllmUnreachable
+from workers.engines.vllm.backend import ServedModel, VllmUnreachable, trace_headers
 from workers.engines.vllm.config import VllmConfig
 from workers.engines.vllm.protocol import GENERATE_PATH, StreamEvent, VllmCall, VllmMetrics
 from workers.engines.vllm.server import VllmServer, VllmStartError
@@ -152,14 +151,5 @@ def _unreachable(url: str) -> Iterator[None]:
 
 
 def _headers() -> dict[str, str]:
-    """A request's headers to vLLM: JSON, and the request's trace (W3C ``traceparent``
-    and ``tracestate``, from the worker's ``worker.request`` span) when it is traced, so
-    that vLLM's own spans (started with ``--otlp-traces-endpoint``) join it."""
-    span = current_trace().span
-    parent = span.traceparent
-    if not parent:
-        return _JSON
-    headers = {**_JSON, "traceparent": parent}
-    if state := span.tracestate:
-        headers["tracestate"] = state
-    return headers
+    """A request's headers to vLLM: JSON, and the request's trace."""
+    return {**_JSON, **trace_headers()}

@@ -26,7 +26,22 @@ from typing import Protocol
 
 from prometheus_client.core import Metric
 
+from headwater.tracing import current_trace
 from workers.engines.vllm.protocol import StreamEvent, VllmCall, VllmMetrics
+
+
+def trace_headers() -> dict[str, str]:
+    """The request's trace for vLLM (W3C ``traceparent`` and ``tracestate``, from the
+    worker's ``worker.request`` span), so that vLLM's own spans (with an OTLP endpoint)
+    join it; empty when the request is not traced. Either backend hands it over."""
+    span = current_trace().span
+    parent = span.traceparent
+    if not parent:
+        return {}
+    headers = {"traceparent": parent}
+    if state := span.tracestate:
+        headers["tracestate"] = state
+    return headers
 
 
 class VllmUnreachable(Exception):

@@ -39,19 +39,18 @@ import logging
 import math
 import os
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from contextlib import aclosing, asynccontextmanager, suppress
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
+from contextlib import aclosing, asynccontextmanager, contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client.core import Metric
 
 from headwater.orphans import SUPERVISOR_ENV
-from headwater.tracing import current_trace
 from headwater.wire import Role
 from workers.engines.vllm import protocol
 from workers.engines.vllm.asyncio_thread import AsyncioThread, open_asyncio_thread
-from workers.engines.vllm.backend import ServedModel, VllmUnreachable
+from workers.engines.vllm.backend import ServedModel, VllmUnreachable, trace_headers
 from workers.engines.vllm.config import VllmConfig
 from workers.engines.vllm.plugin import HOST_ENV
 from workers.engines.vllm.protocol import (
@@ -195,11 +194,14 @@ class InProcessBackend:
             async for output in outputs:
                 if gathered is not None and output.prompt_logprobs:
                     gathered.extend(output.prompt_logprobs)
-                event = _event(output, call)
-                if gathered and (event.token_ids or event.finish is not None):
-                    event = _event(output, call, gathered)
+                first = output.outputs and (
+                    output.outputs[0].token_ids or output.outputs[0].finish_reason
+                )
+                if gathered and first:
+                    yield _event(output, call, gathered)
                     gathered = None
-                yield event
+                else:
+                    yield _event(output, call)
         yield DONE
 
     async def metrics(self) -> VllmMetrics:
@@ -225,7 +227,7 @@ class InProcessBackend:
         params = _sampling_params(call)
         ids = call.request.token_ids
         prompt = _tokens_input(list(ids))
-        outputs = llm.generate(prompt, params, call.id, trace_headers=_trace_headers())
+        outputs = llm.generate(prompt, params, call.id, trace_headers=trace_headers() or None)
         try:
             while True:
                 with _vllm_errors():
@@ -358,38 +360,22 @@ def _prompt_logprobs(positions: Iterable[Mapping[int, Any] | None]) -> list[Any]
     ]
 
 
-class _vllm_errors:
+@contextmanager
+def _vllm_errors() -> Iterator[None]:
     """vLLM's exceptions as the backend's (:mod:`.backend`)."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None or isinstance(exc, trio.Cancelled):
-            return
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
-        if isinstance(exc, EngineDeadError):
-            raise VllmUnreachable(f"vLLM's engine core is dead: {exc}") from exc
-        if isinstance(exc, VLLMClientError | ValueError | TypeError):
-            raise VllmRequestError(400, str(exc)) from exc
-        if isinstance(exc, EngineGenerateError):
-            raise VllmRequestError(500, repr(exc.__cause__ or exc)) from exc
-        if isinstance(exc, asyncio.CancelledError):  # its loop is stopping
-            raise VllmUnreachable("vLLM's loop stopped") from exc
-
-
-def _trace_headers() -> dict[str, str] | None:
-    """The request's trace for vLLM's own spans (as the API server's headers carry it)."""
-    span = current_trace().span
-    parent = span.traceparent
-    if not parent:
-        return None
-    headers = {"traceparent": parent}
-    if state := span.tracestate:
-        headers["tracestate"] = state
-    return headers
+    try:
+        yield
+    except EngineDeadError as exc:
+        raise VllmUnreachable(f"vLLM's engine core is dead: {exc}") from exc
+    except (VLLMClientError, ValueError, TypeError) as exc:
+        raise VllmRequestError(400, str(exc)) from exc
+    except EngineGenerateError as exc:
+        raise VllmRequestError(500, repr(exc.__cause__ or exc)) from exc
+    except asyncio.CancelledError as exc:  # its loop is stopping
+        raise VllmUnreachable("vLLM's loop stopped") from exc
 
 
 #: The samples :func:`~.protocol.parse_metrics` reads: rendering only their collectors
