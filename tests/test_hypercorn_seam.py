@@ -519,7 +519,7 @@ def _instances(cls: type) -> Iterator[Any]:
 
 
 @pytest.mark.slow
-async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
+async def test_serving_through_the_seam_leaves_hypercorn_untouched(http_parser: str) -> None:
     before = _snapshot()
     originals = (
         TCPServer.__init__,
@@ -529,7 +529,10 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         hypercorn.trio.tcp_server.TrioSingleTask,  # type: ignore[attr-defined]
     )
     # The keep-alive outlasts _instances()'s gc.collect() (0.3-0.4 s on a busy machine).
-    async with serve_frontend(keep_alive_timeout=1.5) as (fe, url), httpx.AsyncClient() as client:
+    async with (
+        serve_frontend(keep_alive_timeout=1.5, http_parser=http_parser) as (fe, url),
+        httpx.AsyncClient() as client,
+    ):
         body = {
             "model": fe.pipeline.model_name,
             "max_tokens": 3,
@@ -540,7 +543,8 @@ async def test_serving_through_the_seam_leaves_hypercorn_untouched() -> None:
         # this frontend's: a connection of an earlier test may not be collected yet.)
         port = int(url.rsplit(":", 1)[1])
         (server,) = [s for s in _instances(HeadwaterTCPServer) if _local_port(s) == port]
-        assert type(server.protocol.protocol) is HeadWithBodyH11Protocol
+        protocols = {"h11": HeadWithBodyH11Protocol, "httptools": HttptoolsProtocol}
+        assert type(server.protocol.protocol) is protocols[http_parser]
         assert type(server.idle_task) is IdleDeadline
         # A connection of its own: the first may have idled out during the collection.
         async with (
@@ -682,7 +686,7 @@ async def test_hypercorns_own_serve_alongside_is_hypercorn_as_it_is() -> None:
             assert (await b.get(theirs + "/")).status_code == 200
             (seam,) = _instances(HeadwaterTCPServer)
             (upstream,) = _instances(TCPServer)
-            assert type(seam.protocol.protocol) is HeadWithBodyH11Protocol
+            assert type(seam.protocol.protocol) is HttptoolsProtocol  # the default
             assert type(upstream.protocol.protocol) is H11Protocol
             assert type(upstream.idle_task) is TrioSingleTask
         stop.set()

@@ -161,6 +161,8 @@ def test_an_engine_core_whose_worker_is_killed_stops_itself(named: bool) -> None
         pid, state = worker.stdout.readline().split(" ", 1)
         core = int(pid)
         assert state.strip() == ("watching" if named else "not watching")
+        # Watching, it leads a session (a scheduling group) of its own.
+        assert (os.getsid(core) == core) is named
     finally:
         worker.kill()  # SIGKILL: the worker cannot stop its core itself
         worker.wait(10)

@@ -29,15 +29,14 @@ rely on, so an upgrade fails there, naming what to re-check.
    its body, in one ``write(2)``
    (:class:`~frontend.http.serving.h11_protocol.HeadWithBodyH11Protocol`).
 
-Two parsers read HTTP/1.1 requests, chosen by ``ServerConfig.http_parser``: ``"h11"``
-(the default, hypercorn's pure-Python parser,
-:class:`~frontend.http.serving.h11_protocol.HeadWithBodyH11Protocol`) and
-``"httptools"`` (llhttp, compiled,
+Two parsers read HTTP/1.1 requests, chosen by ``ServerConfig.http_parser``:
+``"httptools"`` (the default, llhttp, compiled,
 :class:`~frontend.http.serving.httptools_protocol.HttptoolsProtocol`, which writes its
-responses itself). Both carry the same policy, from the same code
-(:mod:`~frontend.http.serving.policy`, :mod:`~frontend.http.serving.limits`), and give
-a client the same answers (a head llhttp refuses is read again by h11); neither serves
-HTTP/2 or websockets.
+responses itself) and ``"h11"`` (hypercorn's pure-Python parser,
+:class:`~frontend.http.serving.h11_protocol.HeadWithBodyH11Protocol`). Both carry the
+same policy, from the same code (:mod:`~frontend.http.serving.policy`,
+:mod:`~frontend.http.serving.limits`), and give a client the same answers (a head llhttp
+refuses is read again by h11); neither serves HTTP/2 or websockets.
 
 Fix 1, the shielded final body send, is ASGI middleware
 (:class:`frontend.http.middleware.ShieldFinalSend`): it wraps the app, not the server.

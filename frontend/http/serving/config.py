@@ -71,10 +71,10 @@ class ServerConfig(Config):
     #: seeing the request: a request it cannot parse (400), a head over the limit (431)
     #: or too slow (408). A hook that raises is logged and dropped. None: not reported.
     on_answer: Callable[[int], None] | None = None
-    #: The parser of HTTP/1.1 requests: ``"h11"`` (hypercorn's, pure Python) or
-    #: ``"httptools"`` (llhttp, compiled; :mod:`frontend.http.serving.httptools_protocol`
-    #: says what it refuses that h11 serves). Both carry the same policy and limits.
-    http_parser: str = "h11"
+    #: The parser of HTTP/1.1 requests: ``"httptools"`` (llhttp, compiled;
+    #: :mod:`frontend.http.serving.httptools_protocol` says what it hands to h11) or
+    #: ``"h11"`` (hypercorn's, pure Python). Both carry the same policy and limits.
+    http_parser: str = "httptools"
     #: A process of a frontend group: its share of the group's connection counts, and
     #: the shared socket (``fd://N``) whose accepts take turns with the other processes
     #: (:mod:`frontend.http.serving.balance`). None: accept as the kernel hands out.

@@ -11,6 +11,14 @@ SIGKILL after :data:`GRACE_S`. The same reason and the same poll as
 :mod:`headwater.orphans` (the kernel's parent-death signal follows the parent
 *thread*); the standard library only, since this runs inside vLLM's processes.
 
+The core also leaves the worker's session for one of its own (``setsid``), at the
+worker's nice value (:func:`headwater.sessions.keep_niceness`). On Linux with
+autogroups, a session is a scheduling group and the CPU is shared between groups: in
+the worker's own group, the core's compute threads would outnumber the worker's loop
+and starve it (the probe of docs/performance-vllm.md); in a group of its own the loop
+gets its share whatever the core does, as beside a ``vllm serve`` started in its own
+session.
+
 Anywhere else (the worker itself, a ``vllm serve`` the worker started, whose launcher
 watches on its own) it does nothing.
 """
@@ -21,6 +29,8 @@ import os
 import signal
 import threading
 import time
+
+from headwater.sessions import keep_niceness
 
 #: The pid of the worker hosting vLLM in-process, set in its environment before vLLM
 #: starts its engine core (which inherits it).
@@ -38,9 +48,20 @@ def register() -> None:
     if _watching or not host.isdigit() or os.getppid() != int(host):
         return
     _watching = True
+    _own_scheduling_group()
     threading.Thread(
         target=_stop_when_orphaned, args=(int(host),), name="headwater-host-watch", daemon=True
     ).start()
+
+
+def _own_scheduling_group() -> None:
+    """A session of the core's own, so a scheduling group of its own, at the worker's
+    nice value (the core inherited it); nothing if it leads a session already."""
+    try:
+        os.setsid()
+    except OSError:
+        return
+    keep_niceness(os.getpid())
 
 
 def _stop_when_orphaned(host: int) -> None:
