@@ -13,7 +13,10 @@ Three measurements, each server started alone on loopback and stopped before the
   --mode agg`` (headwater's frontend, a worker in-process, its vLLM child) against
   vLLM's own OpenAI API server on the same model, tokenizing the same text itself.
   Streaming ``/v1/completions``, ~2k and ~7k-token distinct prompts, at c4 and c16:
-  req/s and TTFT p50/p99. Both generate ``--max-tokens`` tokens per request.
+  req/s, TTFT p50/p99 and CPU per request of each kind of process. Both generate
+  ``--max-tokens`` tokens per request. ``--peers`` chooses the servers (PEERS: vLLM's,
+  headwater through vLLM's API server, headwater with vLLM in-process, aggregated or
+  disaggregated).
 * ``probe`` — responsiveness under long prompts: 16 distinct ~40k-token prompts at
   once (``--max-model-len 50000``), while another process GETs ``/v1/models`` every
   20 ms; the probe's p50/p99/max latency, per server. Every body is built before
@@ -24,7 +27,7 @@ Three measurements, each server started alone on loopback and stopped before the
   vLLMs, KV over NIXL) against ``--mode agg``: per-request KV transfer time (the
   decode vLLM's ``vllm:nixl_xfer_time_seconds``), TTFT, and decode tokens/s.
 
-Each measurement runs ``--rounds`` times, the two peers alternating which goes first.
+Each measurement runs ``--rounds`` times, the peers taking turns going first.
 Writes every round to ``<out>/results.json`` and prints markdown tables of the
 medians. Needs ``make vllm`` and the tiny model (``python scripts/build_tiny_model.py``).
 One round of all three takes ~15-25 min on 2 cores.
@@ -152,15 +155,28 @@ def vllm_server(model: Path, port: int, log: Path, eager: bool, max_len: int) ->
     return server("vllm", argv, port, log, "/health")
 
 
-#: The peers of the load and probe measurements: vLLM's own server, and headwater with
-#: its worker reaching vLLM each way (``--vllm-client``).
-PEERS = {"vllm": "", "headwater": "api-server", "headwater-inproc": "in-process"}
+#: The peers of the load and probe measurements: vLLM's own server, and headwater
+#: (``--mode``, ``--vllm-client``) with its worker reaching vLLM each way, aggregated,
+#: and disaggregated (a prefill and a decode vLLM, NIXL between them).
+PEERS = {
+    "vllm": ("", ""),
+    "headwater": ("agg", "api-server"),
+    "headwater-inproc": ("agg", "in-process"),
+    # `headwater launch`: the frontend alone in its process, worker processes each with
+    # vLLM in-process (the layout `auto` chooses in-process for): one aggregated, or a
+    # prefill and a decode worker (NIXL between their engines).
+    "headwater-launch": ("launch", "in-process"),
+    "headwater-launch-disagg": ("launch-disagg", "in-process"),
+}
 
 
 def peer_server(kind: str, model: Path, port: int, log: Path, eager: bool, max_len: int) -> Any:
     if kind == "vllm":
         return vllm_server(model, port, log, eager, max_len)
-    return headwater_server(model, port, log, eager, max_len, client=PEERS[kind])
+    mode, client = PEERS[kind]
+    if mode.startswith("launch"):
+        return headwater_cluster(model, port, log, eager, max_len, disagg=mode.endswith("disagg"))
+    return headwater_server(model, port, log, eager, max_len, mode, client=client)
 
 
 def headwater_server(
@@ -204,6 +220,52 @@ def headwater_server(
         argv.append("--enforce-eager")
     name = f"headwater-{mode}" + ("-in-process" if client == "in-process" else "")
     return server(name, argv, port, log, "/health")
+
+
+def headwater_cluster(
+    model: Path, port: int, log: Path, eager: bool, max_len: int, disagg: bool = False
+) -> Any:
+    """``headwater launch``: the frontend in a process of its own, worker processes each
+    running vLLM's engine client itself (its engine core a child of it): one aggregated
+    (``--agg 1``), or a prefill and a decode (``--prefill 1 --decode 1``, each engine on
+    a core of its own as ``--cpu-bind role`` places them)."""
+    worker = [
+        "--max-model-len",
+        str(max_len),
+        "--cpu-kv-cache-gib",
+        VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
+        "--cpu-bind",
+        "role",
+        *WORKER_EXTRA,
+    ]
+    if eager:
+        worker.append("--enforce-eager")
+    argv = [
+        sys.executable,
+        "-m",
+        "headwater",
+        "launch",
+        "--engine",
+        "vllm",
+        "--model",
+        str(model),
+        *(("--prefill", "1", "--decode", "1") if disagg else ("--agg", "1")),
+        "--discovery",
+        "static",
+        "--port",
+        str(port),
+        "--model-name",
+        MODEL_NAME,
+        "--vllm-client",
+        "in-process",
+        "--worker-args",
+        " ".join(worker),
+        "--",  # the frontend's own bound on a prompt
+        "--context-length",
+        str(max_len),
+    ]
+    name = "headwater-launch-disagg" if disagg else "headwater-launch"
+    return server(name + "-in-process", argv, port, log, "/health")
 
 
 # ---- load ------------------------------------------------------------------------------
@@ -581,7 +643,7 @@ def main() -> int:
     parser.add_argument("--kv-buffer-device", default="cpu", help="NIXL's (cuda on GPUs)")
     parser.add_argument(
         "--peers",
-        default=",".join(PEERS),
+        default="vllm,headwater,headwater-inproc",
         help="servers of the load and probe measurements, from " + ", ".join(PEERS),
     )
     parser.add_argument(

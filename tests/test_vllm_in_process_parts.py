@@ -12,8 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import trio
@@ -92,6 +96,87 @@ async def test_the_thread_stops_with_the_block_and_its_tasks_are_cancelled() -> 
         await thread.call(spawn)
     assert runner.loop.is_closed()
     assert ended == ["cancelled"]
+
+
+async def test_a_stream_comes_in_order_and_what_is_ready_together_in_one_wake_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wake_ups = []
+    run_sync_soon = trio.lowlevel.TrioToken.run_sync_soon
+
+    def counted(self: trio.lowlevel.TrioToken, *args: Any, **kwargs: Any) -> None:
+        wake_ups.append(threading.current_thread().name)
+        run_sync_soon(self, *args, **kwargs)
+
+    monkeypatch.setattr(trio.lowlevel.TrioToken, "run_sync_soon", counted)
+
+    async def burst() -> AsyncGenerator[int, None]:
+        for i in range(100):  # no await between them: all ready at once
+            yield i
+        await asyncio.sleep(0.05)
+        yield 100
+
+    async with open_asyncio_thread("test-loop") as thread:
+        wake_ups.clear()
+        async with aclosing(thread.stream(burst)) as items:
+            got = [i async for i in items]
+    assert got == list(range(101))
+    # The burst crossed in one or two wake-ups (the first item's may leave before the
+    # rest is in), the last item in another, the end with it or in one more: not 101.
+    loop_wake_ups = [w for w in wake_ups if w == "test-loop"]
+    assert 2 <= len(loop_wake_ups) <= 4
+
+
+async def test_a_stream_raises_its_error_here_after_its_items() -> None:
+    async def failing() -> AsyncGenerator[str, None]:
+        yield "a"
+        yield "b"
+        raise ValueError("on the loop")
+
+    got = []
+
+    async def consume(thread: AsyncioThread) -> None:
+        async with aclosing(thread.stream(failing)) as items:
+            async for item in items:
+                got.append(item)
+
+    async with open_asyncio_thread("test-loop") as thread:
+        with pytest.raises(ValueError, match="on the loop"):
+            await consume(thread)
+    assert got == ["a", "b"]
+
+
+@pytest.mark.parametrize("how", ["closed", "cancelled"])
+async def test_a_stream_left_early_is_closed_on_the_loop_before_the_close_returns(
+    how: str,
+) -> None:
+    closed = []
+
+    async def endless() -> AsyncGenerator[int, None]:
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+                await asyncio.sleep(0.01)
+        finally:
+            await asyncio.sleep(0.05)  # cleanup that takes a while (vLLM's abort)
+            closed.append(asyncio.get_running_loop() is thread.loop)
+
+    async with open_asyncio_thread("test-loop") as thread:
+        if how == "closed":
+            async with aclosing(thread.stream(endless)) as items:
+                async for i in items:
+                    if i == 3:
+                        break
+        else:
+            with trio.move_on_after(0.1) as scope:
+                async with aclosing(thread.stream(endless)) as items:
+                    async for _ in items:
+                        pass
+            assert scope.cancelled_caught
+        assert closed == [True]  # on the loop, before the close returned
+        assert await thread.call(lambda: "still here") == "still here"
 
 
 @dataclass

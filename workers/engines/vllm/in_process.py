@@ -227,17 +227,15 @@ class InProcessBackend:
         params = _sampling_params(call)
         ids = call.request.token_ids
         prompt = _tokens_input(list(ids))
-        outputs = llm.generate(prompt, params, call.id, trace_headers=trace_headers() or None)
-        try:
+        headers = trace_headers() or None
+        stream = thread.stream(lambda: llm.generate(prompt, params, call.id, trace_headers=headers))
+        async with aclosing(stream) as outputs:
             while True:
                 with _vllm_errors():
-                    output = await thread.run(lambda: anext(outputs, None))
+                    output = await anext(outputs, None)
                 if output is None:
                     return
                 yield output
-        finally:
-            with trio.move_on_after(SHUTDOWN_S, shield=True):
-                await thread.run(outputs.aclose)
 
     def _loop_thread(self) -> AsyncioThread:
         if self._thread is None:
