@@ -43,7 +43,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import trio
@@ -68,6 +68,7 @@ from headwater.wire import (
     WorkerLoad,
 )
 from headwater.wire.addresses import parse_tcp_address
+from headwater.wire.capabilities import PROMPT_FROM_KV
 from headwater.wire.codec import FrameDecoder, encode, encode_checked, read_size
 from headwater.wire.errors import AuthError, ProtocolError
 from headwater.wire.frames import (
@@ -81,6 +82,7 @@ from headwater.wire.frames import (
     KvData,
     KvEvents,
     KvPoll,
+    KvPrompt,
     KvRelease,
     Ping,
     Pong,
@@ -89,6 +91,7 @@ from headwater.wire.frames import (
 from headwater.wire.handshake import ClientHandshake
 from headwater.wire.kv_events import KvEventBatch
 from headwater.wire.session import FrameMac
+from headwater.wire.tokens import token_array
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +253,9 @@ class PlaneConnection:
         self.rtt: float | None = None  # seconds, last heartbeat round trip
         #: The worker's load from its last heartbeat answer (None until one carried it).
         self.load: WorkerLoad | None = None
+        #: The worker takes a decode leg's prompt from its KV pull (it declared so).
+        caps = peer.capabilities
+        self.prompt_from_kv = caps is not None and caps.honours(PROMPT_FROM_KV)
 
     @property
     def inflight(self) -> int:
@@ -404,7 +410,7 @@ class PlaneConnection:
         match frame:
             case Ack() | Chunk() | End() | Error():
                 self._deliver(frame.request_id, frame)
-            case KvData():
+            case KvData() | KvPrompt():
                 self._deliver(frame.transfer_id, frame)
             case Pong():
                 if frame.load is not None:
@@ -500,7 +506,7 @@ class PlaneConnection:
         the ACK), WorkerError (refused, or the frame is too large). Leaving before
         the End sends a cancel.
         """
-        async with self.route(request.request_id, request) as route:
+        async with self.route(request.request_id, self._outgoing(request)) as route:
             stream = _TcpResponseStream(route)
             try:
                 sent = trio.current_time()
@@ -530,6 +536,23 @@ class PlaneConnection:
                 yield stream
             finally:
                 route.done = route.done or stream.finished
+
+    def _outgoing(self, request: GenerateRequest) -> GenerateRequest:
+        """*request* as it goes on the wire: without its prompt's ids when it is a decode
+        leg whose prefill worker holds that prompt (its handle's ``holds_prompt``, over
+        the ``num_tokens`` it prefilled) and this worker takes the ids from its KV pull.
+        Why: the prefill leg already carried the prompt (a 40k-token one is ~160 KB);
+        sent again it cost this end an encode, a check and a write. The caller keeps
+        the whole request, for a retry or a migration."""
+        handle = request.kv_handle
+        if (
+            self.prompt_from_kv
+            and handle is not None
+            and handle.holds_prompt
+            and handle.num_tokens == len(request.token_ids)
+        ):
+            return replace(request, token_ids=token_array())
+        return request
 
     def _excused(self, since: float) -> bool:
         """A deadline that started at *since* passed while this loop was stalled."""

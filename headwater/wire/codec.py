@@ -18,6 +18,8 @@ Kinds and their frame types::
     error      Error (has request_id) or Fault (connection-level, then close)
     cancel     Cancel       ping / pong: Ping, Pong (heartbeat, echo ``seq``)
     kv_pull    KvPull       kv_data: KvData (a transfer's payload, in pieces)
+    kv_prompt  KvPrompt     prefill → decode worker, before the payload: the prompt's ids,
+                            when the kv_pull asked (its request came without them)
     kv_release KvRelease    client → prefill worker: free a transfer never pulled (no answer)
     get_stats  GetStats     stats: Stats (the worker's counters, flat)
     kv_poll    KvPoll       kv_events: KvEvents (the worker's KV cache events, a batch)
@@ -94,6 +96,7 @@ from headwater.wire.frames import (
     KvData,
     KvEvents,
     KvPoll,
+    KvPrompt,
     KvPull,
     KvRelease,
     Ping,
@@ -125,7 +128,7 @@ from headwater.wire.messages import (
     WorkerLoad,
 )
 from headwater.wire.session import TAG_BYTES, FrameMac
-from headwater.wire.tokens import from_uint32_le, to_uint32_le
+from headwater.wire.tokens import from_uint32_le, to_uint32_le, token_array
 
 #: Largest encoded ``KvHandle.params`` (bytes). What engines put there (vLLM's
 #: ``kv_transfer_params``, SGLang's bootstrap host, port and room) is a few hundred
@@ -401,10 +404,10 @@ def _body(frame: Frame) -> _Map:
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
     match frame:
         case GenerateRequest():
-            body: _Map = {
-                "request_id": frame.request_id,
-                "model": frame.model,
-                "token_ids": pack_token_ids(frame.token_ids),
+            body: _Map = {"request_id": frame.request_id, "model": frame.model}
+            if not frame.prompt_in_kv:  # else the decode worker pulls the ids with the KV
+                body["token_ids"] = pack_token_ids(frame.token_ids)
+            body |= {
                 "sampling": _sampling_body(frame.sampling),
                 "kv_handle": _handle_body(frame.kv_handle),
                 "eos_token_ids": list(frame.eos_token_ids),
@@ -484,7 +487,15 @@ def _body(frame: Frame) -> _Map:
         case Stats():
             return {"k": "stats", "seq": frame.seq, "values": frame.values}
         case KvPull():
+            if frame.prompt:  # only when asked: what an older peer sends and expects
+                return {"k": "kv_pull", "transfer_id": frame.transfer_id, "prompt": True}
             return {"k": "kv_pull", "transfer_id": frame.transfer_id}
+        case KvPrompt():
+            return {
+                "k": "kv_prompt",
+                "transfer_id": frame.transfer_id,
+                "token_ids": pack_token_ids(frame.token_ids),
+            }
         case KvRelease():
             return {"k": "kv_release", "transfer_id": frame.transfer_id}
         case KvData():
@@ -563,6 +574,8 @@ def _handle_body(handle: KvHandle | None) -> _Map | None:
         body["block_size"] = handle.block_size
     if handle.params:
         body["params"] = pack_kv_params(handle.params)
+    if handle.holds_prompt:
+        body["prompt"] = True
     return body
 
 
@@ -855,7 +868,10 @@ def _kv_handle(d: _Map) -> KvHandle | None:
             )
     packed_params = _field(handle, "params", bytes, None)
     params = {} if packed_params is None else unpack_kv_params(packed_params)
-    return KvHandle(worker_id, address, transfer_id, num_tokens, hashes, block_size, params)
+    holds_prompt = _field(handle, "prompt", bool, False)
+    return KvHandle(
+        worker_id, address, transfer_id, num_tokens, hashes, block_size, params, holds_prompt
+    )
 
 
 def _parse_request(d: _Map) -> GenerateRequest:
@@ -878,12 +894,17 @@ def _parse_request(d: _Map) -> GenerateRequest:
         logit_bias=_logit_bias(sampling),
         structured=_structured(sampling),
     )
+    handle = _kv_handle(d)
+    packed = _field(d, "token_ids", bytes, None)
+    if packed is None and (handle is None or not handle.holds_prompt):
+        raise ProtocolError("request: missing field 'token_ids'")
     return GenerateRequest(
         request_id=_request_id(d),
         model=_field(d, "model", str),
-        token_ids=unpack_token_ids(_field(d, "token_ids", bytes)),
+        # Left out of a decode leg whose prompt comes with its KV pull.
+        token_ids=token_array() if packed is None else unpack_token_ids(packed),
         sampling=checked,
-        kv_handle=_kv_handle(d),
+        kv_handle=handle,
         eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
         **_trace_fields(d),
     )
@@ -1091,7 +1112,10 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "cancel": lambda d: Cancel(_request_id(d)),
     "ping": lambda d: Ping(_nonneg(d, "seq")),
     "pong": lambda d: Pong(_nonneg(d, "seq"), _load(d)),
-    "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id")),
+    "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id"), _field(d, "prompt", bool, False)),
+    "kv_prompt": lambda d: KvPrompt(
+        _request_id(d, "transfer_id"), unpack_token_ids(_field(d, "token_ids", bytes))
+    ),
     "kv_release": lambda d: KvRelease(_request_id(d, "transfer_id")),
     "kv_data": lambda d: KvData(
         _request_id(d, "transfer_id"), _field(d, "data", bytes), _field(d, "last", bool)
