@@ -55,7 +55,7 @@ from headwater.plane.base import (
     ResponseStream,
     WorkerError,
 )
-from headwater.plane.sockets import unthrottle
+from headwater.plane.sockets import receive_into, unthrottle
 from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import (
     Ack,
@@ -375,18 +375,26 @@ class PlaneConnection:
     # -- receiving --
 
     async def _reader(self) -> None:
+        decoder = self._decoder
         try:
-            frames = self._decoder.feed(b"")  # what came with the end of the handshake
+            self._dispatch_all(decoder.feed(b""))  # what came with the end of the handshake
         except ProtocolError as exc:
             self._break(f"protocol error from the worker: {exc.message}")
             return
-        for frame in frames:
-            self._dispatch(frame)
         while True:
             try:
-                data = await self._stream.receive_some(
-                    read_size(self._decoder, self.config.receive_size)
-                )
+                room = decoder.payload_room()
+                if room is not None and (received := await receive_into(self._stream, room)):
+                    # A KV payload read where it belongs: the one copy a receiver makes.
+                    del room
+                    self._read_at = trio.current_time()
+                    self._dispatch_all(decoder.payload_received(received))
+                    continue
+                del room
+                data = await self._stream.receive_some(read_size(decoder, self.config.receive_size))
+            except ProtocolError as exc:
+                self._break(f"protocol error from the worker: {exc.message}")
+                return
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 reason = tls_reason(exc)
                 if reason is not None and "EOF" in reason:  # TLS, closed without close_notify
@@ -398,13 +406,21 @@ class PlaneConnection:
                 self._break("the worker closed the connection")
                 return
             try:
-                frames = self._decoder.feed(data)
+                frames = decoder.feed(data)
             except ProtocolError as exc:
                 self._break(f"protocol error from the worker: {exc.message}")
                 return
+            del data
             self._read_at = trio.current_time()  # one clock read per batch of frames
-            for frame in frames:
-                self._dispatch(frame)
+            self._dispatch_all(frames)
+            del frames
+
+    def _dispatch_all(self, frames: list[Frame]) -> None:
+        """Dispatch *frames*, holding none of them after (a ``kv_data`` piece's payload
+        buffer is reused only once nothing holds it)."""
+        for frame in frames:
+            self._dispatch(frame)
+        frames.clear()
 
     def _dispatch(self, frame: Frame) -> None:
         match frame:

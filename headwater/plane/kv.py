@@ -131,7 +131,11 @@ async def pull_kv(
             msg = await route.next()
             if isinstance(msg, KvData):
                 received += len(msg.data)
-                if msg.last:
+                last = msg.last
+                # Its data may be a view of the connection's payload buffer, which the
+                # next piece reuses only once nothing holds it (FrameDecoder).
+                del msg
+                if last:
                     route.done = True
                     return received, ids
             elif isinstance(msg, KvPrompt) and prompt and ids is None and not received:
