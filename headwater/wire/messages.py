@@ -182,6 +182,14 @@ class GenerateRequest:
         handle = self.kv_handle
         return handle is not None and handle.holds_prompt and not self.token_ids
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt's length, whether its ids are here or come with the KV."""
+        handle = self.kv_handle
+        if handle is not None and handle.holds_prompt and not self.token_ids:
+            return handle.num_tokens
+        return len(self.token_ids)
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
