@@ -432,26 +432,6 @@ def test_a_kv_piece_still_held_is_never_overwritten() -> None:
     assert b.data == b"\x02" * 100_000
 
 
-def test_a_reader_may_receive_a_kv_payload_in_place() -> None:
-    data = pieces(b"\x03" * 300_000) + encode(Ping(1))
-    decoder = FrameDecoder()
-    assert decoder.payload_room() is None
-    assert decoder.feed(data[:1000]) == []  # the head and the start of the payload
-    room = decoder.payload_room()
-    assert room is not None
-    assert decoder.wanted == len(room) + 6  # the payload's rest, then "last" and a bool
-    at = 1000
-    out: list[Frame] = []
-    while (room := decoder.payload_room()) is not None:
-        n = min(len(room), 70_000)  # what one recv_into would have read
-        room[:n] = data[at : at + n]
-        at += n
-        del room
-        out += decoder.payload_received(n)
-    out += decoder.feed(data[at:])
-    assert out == [KvData("t" * 32, b"\x03" * 300_000, True), Ping(1)]
-
-
 @pytest.mark.parametrize("cut", [1, 50, 5000, 199_990])
 def test_a_kv_piece_is_checked_against_its_tag_in_parts(cut: int) -> None:
     send, receive = (FrameMac(b"k" * 32) for _ in range(2))

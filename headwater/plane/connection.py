@@ -55,7 +55,7 @@ from headwater.plane.base import (
     ResponseStream,
     WorkerError,
 )
-from headwater.plane.sockets import receive_into, unthrottle
+from headwater.plane.sockets import unthrottle
 from headwater.plane.tls import TlsConfig, tls_reason
 from headwater.wire import (
     Ack,
@@ -383,18 +383,7 @@ class PlaneConnection:
             return
         while True:
             try:
-                room = decoder.payload_room()
-                if room is not None and (received := await receive_into(self._stream, room)):
-                    # A KV payload read where it belongs: the one copy a receiver makes.
-                    del room
-                    self._read_at = trio.current_time()
-                    self._dispatch_all(decoder.payload_received(received))
-                    continue
-                del room
                 data = await self._stream.receive_some(read_size(decoder, self.config.receive_size))
-            except ProtocolError as exc:
-                self._break(f"protocol error from the worker: {exc.message}")
-                return
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 reason = tls_reason(exc)
                 if reason is not None and "EOF" in reason:  # TLS, closed without close_notify

@@ -14,7 +14,6 @@ lets one ``send()`` hand the kernel as much as its send buffer takes.
 from __future__ import annotations
 
 import contextlib
-import errno
 import socket
 
 import trio
@@ -32,24 +31,3 @@ def unthrottle(stream: trio.abc.Stream) -> None:
         # OSError: not TCP after all (a Unix socket in a test): nothing to lift.
         with contextlib.suppress(OSError):
             stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _UNLIMITED)
-
-
-async def receive_into(stream: trio.abc.Stream, buffer: memoryview) -> int | None:
-    """Read from *stream* straight into *buffer*; return the bytes read (0 at EOF), or
-    None when *stream* is not a plain :class:`trio.SocketStream` (the caller reads as
-    usual: TLS decrypts into bytes of its own anyway).
-
-    Why: ``receive_some`` returns a new bytes object, which the frame decoder then copies
-    where the bytes belong; a large KV payload read in place is copied once, by the
-    kernel, as a receiver of a real transfer would have it. Raises
-    BrokenResourceError, ClosedResourceError, as ``receive_some`` does.
-    """
-    if not isinstance(stream, trio.SocketStream):
-        return None
-    try:
-        n: int = await stream.socket.recv_into(buffer)
-    except OSError as exc:
-        if exc.errno == errno.EBADF:
-            raise trio.ClosedResourceError("this socket was already closed") from None
-        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-    return n

@@ -636,13 +636,13 @@ class FrameDecoder:
 
     A large ``kv_data`` piece laid out as :func:`encode_parts` sends it (every peer of
     this version) does not pass through the frame buffer: once its head is read, its
-    payload goes straight into a payload buffer the decoder keeps from piece to piece
-    (:meth:`payload_room` lets a reader receive it there itself), and the frame is
-    yielded with ``data`` a read-only view of that buffer. Why: a prompt's simulated KV
-    (~640 KB) was copied from the socket's bytes into the frame buffer, then again into
-    a fresh bytes object by msgpack, for a receiver that needs it once. The buffer is
-    reused only when no frame still holds a view of it: a consumer may keep ``data``.
-    Any other layout is decoded whole, as before.
+    payload goes from the bytes fed straight into a payload buffer the decoder keeps
+    from piece to piece, and the frame is yielded with ``data`` a read-only view of that
+    buffer. Why: a prompt's simulated KV (~640 KB) was copied from the socket's bytes
+    into the frame buffer, then again into a fresh bytes object by msgpack, for a
+    receiver that needs it once. The buffer is reused only when no frame still holds a
+    view of it: a consumer may keep ``data``. Any other layout is decoded whole, as
+    before.
     """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None) -> None:
@@ -665,29 +665,6 @@ class FrameDecoder:
         tells (0 when none is begun, or its prefix is not complete): what a reader may
         ask of its socket at once (:func:`read_size`)."""
         return self._wanted
-
-    def payload_room(self) -> memoryview | None:
-        """Where the rest of a ``kv_data`` payload belongs, when the next bytes on the
-        stream are all payload (else None): a reader may receive into it and report
-        with :meth:`payload_received`, so that those bytes are copied once."""
-        piece = self._piece
-        if piece is None or self._buffer or piece.received >= piece.size:
-            return None
-        end = min(piece.size, piece.received + MAX_READ)  # as a read would allocate
-        self._reserve(end)
-        return memoryview(self._payload)[piece.received : end]
-
-    def payload_received(self, n: int) -> list[Frame]:
-        """*n* bytes were written at the start of :meth:`payload_room`; returns the frames
-        that completed (as :meth:`feed`)."""
-        piece = self._piece
-        assert piece is not None
-        assert 0 <= n <= piece.size - piece.received
-        if piece.hash is not None:
-            with memoryview(self._payload) as view:
-                piece.hash.update(view[piece.received : piece.received + n])
-        piece.received += n
-        return self.feed(b"")
 
     def feed(self, data: bytes | bytearray | memoryview, limit: int = 0) -> list[Frame]:
         """Add *data*; return the frames it completed, in order: at most *limit* of them
@@ -793,8 +770,8 @@ class FrameDecoder:
 
     def _reserve(self, size: int) -> None:
         """Make the payload buffer at least *size* bytes. It grows as the payload
-        arrives, never ahead of it by more than a read: a length a peer announced is
-        not trusted for an allocation."""
+        arrives, never ahead of it: a length a peer announced is not trusted for an
+        allocation."""
         payload = self._payload
         if len(payload) < size:
             payload += bytes(size - len(payload))
