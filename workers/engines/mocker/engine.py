@@ -145,12 +145,19 @@ class MockerEngine(Engine):
         A decode leg that came without its prompt (``request.prompt_in_kv``) pulls first,
         the prompt with the KV, and is checked once it has it.
         """
-        pulled = False
-        spans = stage_spans()  # None unless this request is traced
-        if request.prompt_in_kv:
+        pulled = request.prompt_in_kv
+        spans = None
+        if pulled:
+            spans = stage_spans()  # None unless this request is traced
             request = await self._pull_prompt(request, spans)
-            pulled = True
-        seq = self._new_sequence(request, owned=pulled)
+        try:
+            seq = self._new_sequence(request, owned=pulled)
+        except BaseException:
+            if spans:
+                spans.close()
+            raise
+        if not pulled:
+            spans = stage_spans()
         self.counters.requests_started += 1
         finished = failed = False
         try:
