@@ -60,6 +60,7 @@ from headwater.wire.frames import (
     KvData,
     KvEvents,
     KvPoll,
+    KvPrompt,
     KvPull,
     KvRelease,
     Ping,
@@ -75,6 +76,7 @@ from headwater.wire.handshake import (
     proof,
 )
 from headwater.wire.kv_events import AllCleared, BlockRemoved, KvEventBatch
+from headwater.wire.session import FrameMac
 from headwater.wire.tokens import TOKEN_TYPECODE, token_array
 
 HANDLE = KvHandle("prefill-1", "tcp://10.0.0.5:7000", "t" * 32, 1234)
@@ -161,6 +163,14 @@ EXAMPLES: list[Frame] = [
     ),
     HASHED_REQUEST,
     LOGPROBS_REQUEST,
+    # A decode leg whose prompt comes with its KV pull: no token_ids on the wire.
+    GenerateRequest(
+        "r4",
+        "m",
+        token_array(),
+        SamplingParams(max_tokens=1),
+        KvHandle("p-1", "tcp://10.0.0.1:7001", "t" * 32, 1234, holds_prompt=True),
+    ),
     Ack("req-1"),
     Chunk("req-1", [17, 18], FinishReason.LENGTH, HANDLE, cached_tokens=64),
     Chunk("req-1"),
@@ -174,6 +184,8 @@ EXAMPLES: list[Frame] = [
     Ping(3),
     Pong(3),
     KvPull("t" * 32),
+    KvPull("t" * 32, prompt=True),
+    KvPrompt("t" * 32, token_array([5] * 1234)),
     KvData("t" * 32, b"\x00" * 100, True),
     KvRelease("t" * 32),
     GetStats(9),
@@ -383,6 +395,78 @@ def test_a_kv_piece_in_parts_is_the_same_bytes(size: int, transfer_id: str, last
         assert len(parts) == 1
     (decoded,) = FrameDecoder().feed(b"".join(parts))
     assert decoded == KvData(transfer_id, bytes(len(frame.data)), last)
+
+
+def pieces(*payloads: bytes, last: bool = True) -> bytes:
+    return b"".join(b"".join(encode_parts(KvData("t" * 32, p, last))) for p in payloads)
+
+
+def test_a_large_kv_piece_lands_in_a_reused_payload_buffer() -> None:
+    # Its payload goes from the bytes read to the decoder's payload buffer, not through
+    # the frame buffer and a bytes object of its own (FrameDecoder).
+    decoder = FrameDecoder()
+    (first,) = decoder.feed(pieces(b"\x01" * 200_000))
+    assert isinstance(first, KvData)
+    assert isinstance(first.data, memoryview)
+    assert first.data.readonly
+    assert first.data == b"\x01" * 200_000
+    buffer = id(first.data.obj)  # not a reference: that would hold it
+    del first
+    (second,) = decoder.feed(pieces(b"\x02" * 100_000))
+    assert isinstance(second, KvData)
+    assert isinstance(second.data, memoryview)
+    assert id(second.data.obj) == buffer  # nothing held the first: reused
+    assert second.data == b"\x02" * 100_000
+    assert decoder.buffered == 0
+
+
+def test_a_kv_piece_still_held_is_never_overwritten() -> None:
+    decoder = FrameDecoder()
+    a, b = decoder.feed(pieces(b"\x01" * 100_000, b"\x02" * 100_000))
+    assert isinstance(a, KvData)
+    assert isinstance(b, KvData)
+    assert isinstance(a.data, memoryview)
+    assert isinstance(b.data, memoryview)
+    assert a.data.obj is not b.data.obj
+    assert a.data == b"\x01" * 100_000
+    assert b.data == b"\x02" * 100_000
+
+
+@pytest.mark.parametrize("cut", [1, 50, 5000, 199_990])
+def test_a_kv_piece_is_checked_against_its_tag_in_parts(cut: int) -> None:
+    send, receive = (FrameMac(b"k" * 32) for _ in range(2))
+    frame = KvData("t" * 32, b"\x04" * 200_000, False)
+    data = b"".join(encode_parts(frame, mac=send)) + encode(Ping(2), mac=send)
+    decoder = FrameDecoder(mac=receive)
+    assert decoder.feed(data[:cut]) + decoder.feed(data[cut:]) == [frame, Ping(2)]
+    altered = bytearray(b"".join(encode_parts(frame, mac=FrameMac(b"k" * 32))))
+    altered[150_000] ^= 1  # a payload byte
+    with pytest.raises(AuthError):
+        FrameDecoder(mac=FrameMac(b"k" * 32)).feed(bytes(altered))
+
+
+def test_a_kv_piece_with_a_malformed_tail_is_a_protocol_error() -> None:
+    data = bytearray(pieces(b"\x00" * 100_000))
+    data[-1] = 0xC0  # nil where the bool belongs
+    with pytest.raises(ProtocolError, match="after its payload"):
+        FrameDecoder().feed(bytes(data))
+
+
+@pytest.mark.parametrize("n", [10, 16_384, 40_000])
+@pytest.mark.parametrize("secret", [None, b"k" * 32])
+def test_a_prompt_for_a_pull_leaves_as_its_arrays_own_buffer(n: int, secret: bytes | None) -> None:
+    def mac() -> FrameMac | None:
+        return None if secret is None else FrameMac(secret)
+
+    ids = token_array(range(n))
+    frame = KvPrompt("t" * 32, ids)
+    parts = encode_parts(frame, mac=mac())
+    assert b"".join(parts) == encode(frame, mac=mac())
+    if 4 * n >= 64 * 1024:
+        assert isinstance(parts[1], memoryview)
+        assert parts[1].obj is ids  # not copied
+    decoder = FrameDecoder(mac=mac())
+    assert decoder.feed(b"".join(parts)) == [frame]
 
 
 def test_a_kv_piece_in_parts_is_refused_when_too_large() -> None:

@@ -105,6 +105,11 @@ SMALLEST: list[tuple[str, list[str], Callable[[str], object]]] = [
         ["--steps", "500", "--tasks", "5", "--reps", "3"],
         lambda out: _number(r"StallDetector \(\+watchdog\) +([\d.]+)", out) > 0,
     ),
+    (
+        "kv_receive",
+        ["--pieces", "5"],
+        lambda out: json.loads(out[out.index("{") :])["us_per_piece"]["payload_buffer"] > 0,
+    ),
     ("parse", ["--runs", "20"], lambda out: _number(r"short chat .* decode +([\d.]+) us", out) > 0),
     (
         "plane",

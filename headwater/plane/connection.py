@@ -43,7 +43,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import trio
@@ -68,6 +68,7 @@ from headwater.wire import (
     WorkerLoad,
 )
 from headwater.wire.addresses import parse_tcp_address
+from headwater.wire.capabilities import PROMPT_FROM_KV
 from headwater.wire.codec import FrameDecoder, encode, encode_checked, read_size
 from headwater.wire.errors import AuthError, ProtocolError
 from headwater.wire.frames import (
@@ -81,6 +82,7 @@ from headwater.wire.frames import (
     KvData,
     KvEvents,
     KvPoll,
+    KvPrompt,
     KvRelease,
     Ping,
     Pong,
@@ -89,6 +91,7 @@ from headwater.wire.frames import (
 from headwater.wire.handshake import ClientHandshake
 from headwater.wire.kv_events import KvEventBatch
 from headwater.wire.session import FrameMac
+from headwater.wire.tokens import token_array
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +253,9 @@ class PlaneConnection:
         self.rtt: float | None = None  # seconds, last heartbeat round trip
         #: The worker's load from its last heartbeat answer (None until one carried it).
         self.load: WorkerLoad | None = None
+        #: The worker takes a decode leg's prompt from its KV pull (it declared so).
+        caps = peer.capabilities
+        self.prompt_from_kv = caps is not None and caps.honours(PROMPT_FROM_KV)
 
     @property
     def inflight(self) -> int:
@@ -369,18 +375,15 @@ class PlaneConnection:
     # -- receiving --
 
     async def _reader(self) -> None:
+        decoder = self._decoder
         try:
-            frames = self._decoder.feed(b"")  # what came with the end of the handshake
+            self._dispatch_all(decoder.feed(b""))  # what came with the end of the handshake
         except ProtocolError as exc:
             self._break(f"protocol error from the worker: {exc.message}")
             return
-        for frame in frames:
-            self._dispatch(frame)
         while True:
             try:
-                data = await self._stream.receive_some(
-                    read_size(self._decoder, self.config.receive_size)
-                )
+                data = await self._stream.receive_some(read_size(decoder, self.config.receive_size))
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 reason = tls_reason(exc)
                 if reason is not None and "EOF" in reason:  # TLS, closed without close_notify
@@ -392,19 +395,27 @@ class PlaneConnection:
                 self._break("the worker closed the connection")
                 return
             try:
-                frames = self._decoder.feed(data)
+                frames = decoder.feed(data)
             except ProtocolError as exc:
                 self._break(f"protocol error from the worker: {exc.message}")
                 return
+            del data
             self._read_at = trio.current_time()  # one clock read per batch of frames
-            for frame in frames:
-                self._dispatch(frame)
+            self._dispatch_all(frames)
+            del frames
+
+    def _dispatch_all(self, frames: list[Frame]) -> None:
+        """Dispatch *frames*, holding none of them after (a ``kv_data`` piece's payload
+        buffer is reused only once nothing holds it)."""
+        for frame in frames:
+            self._dispatch(frame)
+        frames.clear()
 
     def _dispatch(self, frame: Frame) -> None:
         match frame:
             case Ack() | Chunk() | End() | Error():
                 self._deliver(frame.request_id, frame)
-            case KvData():
+            case KvData() | KvPrompt():
                 self._deliver(frame.transfer_id, frame)
             case Pong():
                 if frame.load is not None:
@@ -500,7 +511,7 @@ class PlaneConnection:
         the ACK), WorkerError (refused, or the frame is too large). Leaving before
         the End sends a cancel.
         """
-        async with self.route(request.request_id, request) as route:
+        async with self.route(request.request_id, self._outgoing(request)) as route:
             stream = _TcpResponseStream(route)
             try:
                 sent = trio.current_time()
@@ -530,6 +541,23 @@ class PlaneConnection:
                 yield stream
             finally:
                 route.done = route.done or stream.finished
+
+    def _outgoing(self, request: GenerateRequest) -> GenerateRequest:
+        """*request* as it goes on the wire: without its prompt's ids when it is a decode
+        leg whose prefill worker holds that prompt (its handle's ``holds_prompt``, over
+        the ``num_tokens`` it prefilled) and this worker takes the ids from its KV pull.
+        Why: the prefill leg already carried the prompt (a 40k-token one is ~160 KB);
+        sent again it cost this end an encode, a check and a write. The caller keeps
+        the whole request, for a retry or a migration."""
+        handle = request.kv_handle
+        if (
+            self.prompt_from_kv
+            and handle is not None
+            and handle.holds_prompt
+            and handle.num_tokens == len(request.token_ids)
+        ):
+            return replace(request, token_ids=token_array())
+        return request
 
     def _excused(self, since: float) -> bool:
         """A deadline that started at *since* passed while this loop was stalled."""

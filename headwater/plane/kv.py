@@ -7,8 +7,13 @@ next leg pulls the KV straight from the prefill worker::
     decode worker                                   prefill worker
     TcpKvTransfer.pull(handle)                      PlaneServer
       pull_kv(conn, transfer_id) ── kv_pull ──▶       serve_pull(source, transfer_id, send)
+                                 ◀── kv_prompt ─        source.held_prompt(transfer_id)
                                  ◀── kv_data* ──        source.release_transfer(transfer_id)
                                  ◀── error ─────        (unknown or expired transfer)
+
+``kv_prompt`` comes only when the pull asked for it (``pull_with_prompt``): the decode
+leg's request came without its prompt (``GenerateRequest.prompt_in_kv``), which the
+prefill worker kept with the KV, so the frontend sent the prompt over the plane once.
 
 * :class:`KvSource` is what a prefill engine offers the plane (``release_transfer``);
   :class:`KvTransfer` what a decode engine pulls through (``pull``). In-process the
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import logging
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -47,7 +53,8 @@ from headwater.plane.connection import (
 )
 from headwater.wire import Error, ErrorCode, KvHandle
 from headwater.wire.addresses import is_loopback, parse_tcp_address
-from headwater.wire.frames import Frame, KvData, KvPull
+from headwater.wire.frames import Frame, KvData, KvPrompt, KvPull
+from headwater.wire.tokens import token_array
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,11 @@ class KvSource(Protocol):
         """
         ...
 
+    def held_prompt(self, transfer_id: str) -> Sequence[int] | None:
+        """The prompt's token ids held with *transfer_id* (its handle ``holds_prompt``),
+        or None (unknown, released, or a source that keeps no prompts). Never blocks."""
+        ...
+
 
 class KvTransfer(abc.ABC):
     """How a decode engine fetches the KV a prefill worker holds for it.
@@ -76,25 +88,58 @@ class KvTransfer(abc.ABC):
     async def pull(self, handle: KvHandle) -> int:
         """Fetch and release the KV behind *handle*; raise WorkerError on failure."""
 
+    async def pull_with_prompt(self, handle: KvHandle) -> tuple[int, array[int]]:
+        """:meth:`pull`, and the prompt's token ids the holder kept with the KV (for a
+        request that came without them: ``GenerateRequest.prompt_in_kv``). Raises
+        WorkerError (``kv_transfer_failed``) as :meth:`pull` does, or when the holder
+        has no prompt of *handle*'s ``num_tokens`` tokens."""
+        raise WorkerError(
+            ErrorCode.KV_TRANSFER_FAILED, f"{type(self).__name__} cannot fetch a prompt"
+        )
+
+
+def check_prompt(handle: KvHandle, prompt: Sequence[int] | None) -> array[int]:
+    """*prompt* as a token array, if it is the prompt *handle* names (its
+    ``num_tokens`` tokens); else raise WorkerError (``kv_transfer_failed``)."""
+    if prompt is None or len(prompt) != handle.num_tokens or not prompt:
+        got = "none" if prompt is None else f"{len(prompt)} tokens"
+        raise WorkerError(
+            ErrorCode.KV_TRANSFER_FAILED,
+            f"KV {handle.transfer_id} from {handle.worker_id}: expected the prompt's "
+            f"{handle.num_tokens} tokens with it, got {got}",
+        )
+    return token_array(prompt)
+
 
 # ---- one pull on a connection: the two halves --------------------------------------------
 
 
-async def pull_kv(conn: PlaneConnection, transfer_id: str) -> int:
-    """The client half: fetch the KV held under *transfer_id*; return the bytes received.
+async def pull_kv(
+    conn: PlaneConnection, transfer_id: str, *, prompt: bool = False
+) -> tuple[int, array[int] | None]:
+    """The client half: fetch the KV held under *transfer_id*; return the bytes received
+    and, with *prompt*, the prompt's token ids the worker sent before them (None if it
+    sent none: the caller decides what that means).
 
     Raises WorkerError (unknown or expired transfer), Disconnected. Cancellation
     sends a cancel, so the worker stops sending the payload.
     """
-    async with conn.route(transfer_id, KvPull(transfer_id)) as route:
+    async with conn.route(transfer_id, KvPull(transfer_id, prompt)) as route:
         received = 0
+        ids: array[int] | None = None
         while True:
             msg = await route.next()
             if isinstance(msg, KvData):
                 received += len(msg.data)
-                if msg.last:
+                last = msg.last
+                # Its data may be a view of the connection's payload buffer, which the
+                # next piece reuses only once nothing holds it (FrameDecoder).
+                del msg
+                if last:
                     route.done = True
-                    return received
+                    return received, ids
+            elif isinstance(msg, KvPrompt) and prompt and ids is None and not received:
+                ids = token_array(msg.token_ids)
             elif isinstance(msg, Error):
                 route.done = True
                 raise WorkerError(msg.code, msg.message)
@@ -107,21 +152,36 @@ SendFrame = Callable[[Frame], Awaitable[None]]
 
 
 async def serve_pull(
-    source: KvSource | None, transfer_id: str, send: SendFrame, *, piece: memoryview
+    source: KvSource | None,
+    transfer_id: str,
+    send: SendFrame,
+    *,
+    piece: memoryview,
+    prompt: bool = False,
 ) -> int:
     """The server half: release the KV and send it as ``kv_data`` pieces of at most
     ``len(piece)`` bytes (*piece* is a buffer of zeros: the simulated payload), or an
-    error frame if *source* does not hold it. Returns the bytes sent (0 on a refusal).
+    error frame if *source* does not hold it. With *prompt*, the prompt's token ids held
+    with it go first, in a ``kv_prompt`` (none held: an error, and the KV is freed).
+    Returns the bytes sent (0 on a refusal).
 
     Raises ClosedResourceError when the connection closes meanwhile.
     """
     try:
         if source is None:
             raise WorkerError(ErrorCode.KV_TRANSFER_FAILED, "this worker holds no KV")
+        # Read before the release, which forgets the hold; the ids stay the request's.
+        ids = source.held_prompt(transfer_id) if prompt else None
         size = await source.release_transfer(transfer_id)
+        if prompt and ids is None:
+            raise WorkerError(
+                ErrorCode.KV_TRANSFER_FAILED, f"no prompt held with transfer {transfer_id!r}"
+            )
     except WorkerError as exc:
         await send(Error(transfer_id, ErrorCode.KV_TRANSFER_FAILED, exc.message))
         return 0
+    if ids is not None:
+        await send(KvPrompt(transfer_id, ids))
     sent = 0
     while True:
         n = min(len(piece), size - sent)
@@ -227,12 +287,25 @@ class TcpKvTransfer(KvTransfer):
         Raises ``WorkerError("kv_transfer_failed")`` if the prefill worker cannot be
         reached, refuses the transfer, breaks off, or takes over ``pull_timeout``.
         """
+        received, _ = await self._pull(handle, prompt=False)
+        return received
+
+    async def pull_with_prompt(self, handle: KvHandle) -> tuple[int, array[int]]:
+        """:meth:`pull`, with the prompt the prefill worker kept (one ``kv_prompt``
+        frame before the payload)."""
+        received, ids = await self._pull(handle, prompt=True)
+        assert ids is not None  # _pull checked it
+        return received, ids
+
+    async def _pull(self, handle: KvHandle, *, prompt: bool) -> tuple[int, array[int] | None]:
         try:
             if self.peers is not None:
                 self.peers.check(handle)
             with trio.fail_after(self.pull_timeout):
                 conn = await self._connection(handle)
-                received = await pull_kv(conn, handle.transfer_id)
+                received, ids = await pull_kv(conn, handle.transfer_id, prompt=prompt)
+            if prompt:
+                ids = check_prompt(handle, ids)
         except (PlaneError, trio.TooSlowError, ValueError) as exc:
             self._failures += 1
             reason = "timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
@@ -243,7 +316,7 @@ class TcpKvTransfer(KvTransfer):
             ) from exc
         self._pulls += 1
         self._bytes += received
-        return received
+        return received, ids
 
     async def _connection(self, handle: KvHandle) -> PlaneConnection:
         address = handle.address

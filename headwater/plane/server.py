@@ -86,6 +86,7 @@ from headwater.wire.frames import (
     KvData,
     KvEvents,
     KvPoll,
+    KvPrompt,
     KvPull,
     KvRelease,
     Ping,
@@ -648,7 +649,7 @@ class _Connection:
         an Ack, the first chunk and an End produced in one engine step then leave in
         one write instead of three. Raises ClosedResourceError once closing.
         """
-        budget = self._kv_budget if isinstance(frame, KvData) else self._reply_budget
+        budget = self._kv_budget if isinstance(frame, KvData | KvPrompt) else self._reply_budget
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             budget.acquire_nowait()
@@ -725,7 +726,7 @@ class _Connection:
                 pass
             case KvPull():
                 assert self._nursery is not None
-                self._nursery.start_soon(self._serve_pull, frame.transfer_id)
+                self._nursery.start_soon(self._serve_pull, frame.transfer_id, frame.prompt)
             case KvRelease():
                 self.server.runtime.release_kv(frame.transfer_id)
             case GetStats():
@@ -769,7 +770,7 @@ class _Connection:
         if self._requests.get(channel.request_id) is channel:
             del self._requests[channel.request_id]
 
-    async def _serve_pull(self, transfer_id: str) -> None:
+    async def _serve_pull(self, transfer_id: str, prompt: bool) -> None:
         server = self.server
         if transfer_id in self._pulls:
             self.send_control(Error(transfer_id, ErrorCode.INVALID_REQUEST, "duplicate pull"))
@@ -778,7 +779,11 @@ class _Connection:
         try:
             with scope:
                 size = await serve_pull(
-                    server.kv_source, transfer_id, self.queue_reply, piece=server._zeros
+                    server.kv_source,
+                    transfer_id,
+                    self.queue_reply,
+                    piece=server._zeros,
+                    prompt=prompt,
                 )
                 if size:
                     server._pulls_served += 1

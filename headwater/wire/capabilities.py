@@ -51,6 +51,12 @@ FEATURES: Final = (
     N,
 )
 
+#: Not a request's feature but the worker's: a decode leg may come without its prompt's
+#: ids when its KV handle says the prefill worker holds them (``KvHandle.holds_prompt``),
+#: and the engine takes them from its KV pull. The frontend's plane connection then
+#: leaves them out, so a prompt crosses the plane from the frontend once.
+PROMPT_FROM_KV: Final = "prompt_from_kv"
+
 #: The most features a declaration may list on the wire, and the longest name: a
 #: declaration is a few hundred bytes, read before any request.
 MAX_FEATURES = 64

@@ -18,6 +18,8 @@ Kinds and their frame types::
     error      Error (has request_id) or Fault (connection-level, then close)
     cancel     Cancel       ping / pong: Ping, Pong (heartbeat, echo ``seq``)
     kv_pull    KvPull       kv_data: KvData (a transfer's payload, in pieces)
+    kv_prompt  KvPrompt     prefill → decode worker, before the payload: the prompt's ids,
+                            when the kv_pull asked (its request came without them)
     kv_release KvRelease    client → prefill worker: free a transfer never pulled (no answer)
     get_stats  GetStats     stats: Stats (the worker's counters, flat)
     kv_poll    KvPoll       kv_events: KvEvents (the worker's KV cache events, a batch)
@@ -72,7 +74,9 @@ from __future__ import annotations
 import array
 import math
 import struct
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar, overload
 
 import msgpack
@@ -94,6 +98,7 @@ from headwater.wire.frames import (
     KvData,
     KvEvents,
     KvPoll,
+    KvPrompt,
     KvPull,
     KvRelease,
     Ping,
@@ -125,7 +130,7 @@ from headwater.wire.messages import (
     WorkerLoad,
 )
 from headwater.wire.session import TAG_BYTES, FrameMac
-from headwater.wire.tokens import from_uint32_le, to_uint32_le
+from headwater.wire.tokens import from_uint32_le, to_uint32_le, token_array
 
 #: Largest encoded ``KvHandle.params`` (bytes). What engines put there (vLLM's
 #: ``kv_transfer_params``, SGLang's bootstrap host, port and room) is a few hundred
@@ -362,13 +367,17 @@ def encode_parts(
 ) -> list[bytes | memoryview]:
     """*frame* as :func:`encode` has it, in pieces whose concatenation is exactly
     ``encode(frame)``: for a large ``kv_data`` piece, the bytes before its payload, the
-    payload's own buffer and the bytes after it; one piece for any other frame.
+    payload's own buffer and the bytes after it; for a large ``kv_prompt``, the bytes
+    before its ids and the token array's own buffer (little-endian hosts); one piece for
+    any other frame.
 
     Why: a prompt's simulated KV leaves a prefill worker as ~640 KB pieces (40k tokens at
     16 bytes each), and ``packb`` copied each into its output, then the length prefix's
     concatenation copied it again; sent as its own buffer it is copied only by the
-    kernel. Raises what :func:`encode` raises.
+    kernel. The prompt's ids (~160 KB) likewise. Raises what :func:`encode` raises.
     """
+    if isinstance(frame, KvPrompt):
+        return _prompt_parts(frame, max_frame, mac)
     if not isinstance(frame, KvData) or len(frame.data) < _SPLICE_ABOVE:
         return [encode(frame, max_frame, mac)]
     size = len(frame.data)
@@ -396,15 +405,50 @@ def encode_parts(
     return [_HEADER.pack(body_size) + head, payload, tail]
 
 
+def _prompt_parts(
+    frame: KvPrompt, max_frame: int, mac: FrameMac | None
+) -> list[bytes | memoryview]:
+    ids = frame.token_ids
+    size = 4 * len(ids)
+    if (
+        size < _SPLICE_ABOVE
+        or sys.byteorder != "little"
+        or not isinstance(ids, array.array)
+        or ids.itemsize != 4
+    ):
+        return [encode(frame, max_frame, mac)]
+    # _body's map in its order; the ids' bin 32 last, so the array's buffer ends the body.
+    head = b"".join(
+        (
+            b"\x83",  # fixmap, 3 entries
+            msgpack.packb("k"),
+            msgpack.packb("kv_prompt"),
+            msgpack.packb("transfer_id"),
+            msgpack.packb(frame.transfer_id),
+            msgpack.packb("token_ids"),
+            b"\xc6",
+            _HEADER.pack(size),
+        )
+    )
+    payload = memoryview(ids).cast("B")
+    body_size = len(head) + size + (TAG_BYTES if mac is not None else 0)
+    if body_size > max_frame:
+        raise FrameTooLarge(body_size, max_frame)
+    parts: list[bytes | memoryview] = [_HEADER.pack(body_size) + head, payload]
+    if mac is not None:
+        parts.append(mac.sign(head, payload))
+    return parts
+
+
 def _body(frame: Frame) -> _Map:
     # The request messages put "k" last and the control frames first: the order their
     # bytes have always had, so an unchanged frame stays byte-identical on the wire.
     match frame:
         case GenerateRequest():
-            body: _Map = {
-                "request_id": frame.request_id,
-                "model": frame.model,
-                "token_ids": pack_token_ids(frame.token_ids),
+            body: _Map = {"request_id": frame.request_id, "model": frame.model}
+            if not frame.prompt_in_kv:  # else the decode worker pulls the ids with the KV
+                body["token_ids"] = pack_token_ids(frame.token_ids)
+            body |= {
                 "sampling": _sampling_body(frame.sampling),
                 "kv_handle": _handle_body(frame.kv_handle),
                 "eos_token_ids": list(frame.eos_token_ids),
@@ -484,7 +528,15 @@ def _body(frame: Frame) -> _Map:
         case Stats():
             return {"k": "stats", "seq": frame.seq, "values": frame.values}
         case KvPull():
+            if frame.prompt:  # only when asked: what an older peer sends and expects
+                return {"k": "kv_pull", "transfer_id": frame.transfer_id, "prompt": True}
             return {"k": "kv_pull", "transfer_id": frame.transfer_id}
+        case KvPrompt():
+            return {
+                "k": "kv_prompt",
+                "transfer_id": frame.transfer_id,
+                "token_ids": pack_token_ids(frame.token_ids),
+            }
         case KvRelease():
             return {"k": "kv_release", "transfer_id": frame.transfer_id}
         case KvData():
@@ -563,6 +615,8 @@ def _handle_body(handle: KvHandle | None) -> _Map | None:
         body["block_size"] = handle.block_size
     if handle.params:
         body["params"] = pack_kv_params(handle.params)
+    if handle.holds_prompt:
+        body["prompt"] = True
     return body
 
 
@@ -579,6 +633,16 @@ class FrameDecoder:
     With *mac* (a session's receiving side, set when the handshake completes) every
     frame's tag is checked before its body is unpacked: a frame that fails it raises
     :class:`~headwater.wire.errors.AuthError` and nothing of it is read.
+
+    A large ``kv_data`` piece laid out as :func:`encode_parts` sends it (every peer of
+    this version) does not pass through the frame buffer: once its head is read, its
+    payload goes from the bytes fed straight into a payload buffer the decoder keeps
+    from piece to piece, and the frame is yielded with ``data`` a read-only view of that
+    buffer. Why: a prompt's simulated KV (~640 KB) was copied from the socket's bytes
+    into the frame buffer, then again into a fresh bytes object by msgpack, for a
+    receiver that needs it once. The buffer is reused only when no frame still holds a
+    view of it: a consumer may keep ``data``. Any other layout is decoded whole, as
+    before.
     """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, mac: FrameMac | None = None) -> None:
@@ -587,11 +651,13 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._failure: ProtocolError | None = None
         self._wanted = 0
+        self._payload = bytearray()
+        self._piece: _Piece | None = None  # the kv_data piece whose payload is arriving
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet part of a complete frame."""
-        return len(self._buffer)
+        return len(self._buffer) + (self._piece.received if self._piece is not None else 0)
 
     @property
     def wanted(self) -> int:
@@ -612,37 +678,181 @@ class FrameDecoder:
         """
         if self._failure is not None:
             raise self._failure
-        buf = self._buffer
-        buf += data
+        try:
+            if self._piece is not None and data:
+                data = self._fill(data)
+            buf = self._buffer
+            buf += data
+            return self._frames(buf, limit)
+        except ProtocolError as exc:
+            self._failure = exc
+            self._buffer.clear()
+            self._piece = None
+            raise
+
+    def _fill(self, data: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+        """Copy what *data* holds of the arriving payload into the payload buffer;
+        return the rest of *data*."""
+        piece = self._piece
+        assert piece is not None
+        n = min(len(data), piece.size - piece.received)
+        if n:
+            self._reserve(piece.received + n)
+            with memoryview(data) as src, memoryview(self._payload) as dst:
+                chunk = src[:n]
+                dst[piece.received : piece.received + n] = chunk
+                if piece.hash is not None:
+                    piece.hash.update(chunk)
+                chunk.release()
+            piece.received += n
+        return data[n:] if n < len(data) else b""
+
+    def _frames(self, buf: bytearray, limit: int) -> list[Frame]:
         frames: list[Frame] = []
         pos = 0
         self._wanted = 0
         mac = self.mac
         tag = TAG_BYTES if mac is not None else 0
-        try:
-            while len(buf) - pos >= 4 and (not limit or len(frames) < limit):
-                (size,) = _HEADER.unpack_from(buf, pos)
-                if size > self.max_frame:
-                    raise FrameTooLarge(size, self.max_frame)
-                if size <= tag:
-                    raise ProtocolError("empty frame")
-                end = pos + 4 + size
-                if len(buf) < end:
-                    self._wanted = end - len(buf)
+        while not limit or len(frames) < limit:
+            piece = self._piece
+            if piece is not None:
+                if piece.received < piece.size:  # the buffer held no more of it
+                    self._wanted = piece.size - piece.received + piece.rest
                     break
-                # Both views are released on exit, even when a traceback holds them,
-                # so the buffer can be resized afterwards. unpackb copies what it keeps.
-                with memoryview(buf) as view, view[pos + 4 : end - tag] as body:
-                    if mac is not None:
-                        mac.verify(body, buf[end - tag : end])  # a copy: no export
-                    frames.append(decode_body(body, self.max_frame))
-                pos = end
-        except ProtocolError as exc:
-            self._failure = exc
-            buf.clear()
-            raise
+                if len(buf) - pos < piece.rest:
+                    self._wanted = piece.rest - (len(buf) - pos)
+                    break
+                frames.append(self._finish(buf, pos, piece))
+                pos += piece.rest
+                continue
+            if len(buf) - pos < 4:
+                break
+            (size,) = _HEADER.unpack_from(buf, pos)
+            if size > self.max_frame:
+                raise FrameTooLarge(size, self.max_frame)
+            if size <= tag:
+                raise ProtocolError("empty frame")
+            end = pos + 4 + size
+            if size >= _SPLICE_ABOVE:
+                piece = _piece_head(buf, pos + 4, min(end, len(buf)), size, tag)
+                if piece is not None:
+                    pos = self._begin(buf, pos + 4, piece)
+                    continue
+            if len(buf) < end:
+                self._wanted = end - len(buf)
+                break
+            # Both views are released on exit, even when a traceback holds them,
+            # so the buffer can be resized afterwards. unpackb copies what it keeps.
+            with memoryview(buf) as view, view[pos + 4 : end - tag] as body:
+                if mac is not None:
+                    mac.verify(body, buf[end - tag : end])  # a copy: no export
+                frames.append(decode_body(body, self.max_frame))
+            pos = end
         del buf[:pos]
         return frames
+
+    def _begin(self, buf: bytearray, at: int, piece: _Piece) -> int:
+        """Start receiving *piece*, whose head begins at *at* in *buf*: hash its head,
+        take what the buffer holds of its payload; return where the buffer's unread
+        bytes begin."""
+        if self.mac is not None:
+            piece.hash = self.mac.begin()
+            with memoryview(buf) as view:
+                piece.hash.update(view[at : at + piece.head])
+        if not _unshared(self._payload):
+            self._payload = bytearray()  # a frame still holds the last one: never overwrite
+        self._piece = piece
+        start = at + piece.head
+        with memoryview(buf) as view:
+            rest = self._fill(view[start : min(len(buf), start + piece.size)])
+            assert not rest
+        return start + piece.received
+
+    def _reserve(self, size: int) -> None:
+        """Make the payload buffer at least *size* bytes. It grows as the payload
+        arrives, never ahead of it: a length a peer announced is not trusted for an
+        allocation."""
+        payload = self._payload
+        if len(payload) < size:
+            payload += bytes(size - len(payload))
+
+    def _finish(self, buf: bytearray, pos: int, piece: _Piece) -> KvData:
+        """The piece whose payload has all arrived, read from its tail at *pos*."""
+        tail = bytes(buf[pos : pos + piece.rest])
+        body_tail = tail[: len(tail) - (TAG_BYTES if self.mac is not None else 0)]
+        if body_tail not in (_TAIL_LAST, _TAIL_MORE):
+            raise ProtocolError("kv_data: malformed frame after its payload")
+        if self.mac is not None:
+            assert piece.hash is not None
+            piece.hash.update(body_tail)
+            self.mac.finish(piece.hash, tail[len(body_tail) :])
+        self._piece = None
+        data = memoryview(self._payload)[: piece.size].toreadonly()
+        return KvData(piece.transfer_id, data, body_tail == _TAIL_LAST)
+
+
+@dataclass(slots=True)
+class _Piece:
+    """A large ``kv_data`` frame being received: its head is read, its payload is
+    arriving into the decoder's payload buffer."""
+
+    transfer_id: str
+    head: int  # bytes of the body before the payload
+    size: int  # payload bytes
+    rest: int  # bytes of the frame after the payload: its tail and tag
+    received: int = 0
+    hash: Any = None  # the session's running hash of the body, with a secret
+
+
+#: What follows a ``kv_data`` payload in :func:`encode_parts`' layout: ``"last"``, a bool.
+_TAIL_LAST: Final = msgpack.packb("last") + msgpack.packb(True)
+_TAIL_MORE: Final = msgpack.packb("last") + msgpack.packb(False)
+#: The start of its head: a map of 4, ``"k": "kv_data"``, then ``"transfer_id"``.
+_PIECE_START: Final = (
+    b"\x84" + msgpack.packb("k") + msgpack.packb("kv_data") + msgpack.packb("transfer_id")
+)
+_DATA_KEY: Final = msgpack.packb("data")
+_MAX_PIECE_ID: Final = 255  # a transfer id longer than str 8 holds is decoded whole
+
+
+def _piece_head(buf: bytearray, at: int, end: int, size: int, tag: int) -> _Piece | None:
+    """The head of a ``kv_data`` frame body laid out as :func:`encode_parts` lays it
+    (begun at *at* in *buf*, buffered to *end*; *size* bytes with its *tag*), or
+    None: another kind, another layout, or not enough of it buffered yet to tell (the
+    frame is then decoded whole, which is always correct)."""
+    n = len(_PIECE_START)
+    if end - at < n + 2 or buf[at : at + n] != _PIECE_START:
+        return None
+    i = at + n
+    marker = buf[i]
+    if 0xA1 <= marker <= 0xBF:  # fixstr
+        length, i = marker - 0xA0, i + 1
+    elif marker == 0xD9:  # str 8
+        length, i = buf[i + 1], i + 2
+    else:
+        return None
+    if not 0 < length <= _MAX_PIECE_ID or end - i < length + len(_DATA_KEY) + 5:
+        return None
+    try:
+        transfer_id = bytes(buf[i : i + length]).decode()
+    except UnicodeDecodeError:
+        return None  # decoded whole, which refuses it
+    i += length
+    if buf[i : i + len(_DATA_KEY)] != _DATA_KEY or buf[i + len(_DATA_KEY)] != 0xC6:
+        return None
+    i += len(_DATA_KEY) + 1
+    (payload,) = _HEADER.unpack_from(buf, i)
+    head = i + 4 - at
+    rest = len(_TAIL_LAST) + tag
+    if head + payload + rest != size:
+        return None
+    return _Piece(transfer_id, head, payload, rest)
+
+
+def _unshared(buffer: bytearray) -> bool:
+    """Whether no view of *buffer* is alive: every view holds a reference to it, and
+    three are ours (the decoder's attribute, this argument, getrefcount's own)."""
+    return sys.getrefcount(buffer) <= 3
 
 
 #: The most :func:`read_size` asks for in one read.
@@ -855,7 +1065,10 @@ def _kv_handle(d: _Map) -> KvHandle | None:
             )
     packed_params = _field(handle, "params", bytes, None)
     params = {} if packed_params is None else unpack_kv_params(packed_params)
-    return KvHandle(worker_id, address, transfer_id, num_tokens, hashes, block_size, params)
+    holds_prompt = _field(handle, "prompt", bool, False)
+    return KvHandle(
+        worker_id, address, transfer_id, num_tokens, hashes, block_size, params, holds_prompt
+    )
 
 
 def _parse_request(d: _Map) -> GenerateRequest:
@@ -878,12 +1091,17 @@ def _parse_request(d: _Map) -> GenerateRequest:
         logit_bias=_logit_bias(sampling),
         structured=_structured(sampling),
     )
+    handle = _kv_handle(d)
+    packed = _field(d, "token_ids", bytes, None)
+    if packed is None and (handle is None or not handle.holds_prompt):
+        raise ProtocolError("request: missing field 'token_ids'")
     return GenerateRequest(
         request_id=_request_id(d),
         model=_field(d, "model", str),
-        token_ids=unpack_token_ids(_field(d, "token_ids", bytes)),
+        # Left out of a decode leg whose prompt comes with its KV pull.
+        token_ids=token_array() if packed is None else unpack_token_ids(packed),
         sampling=checked,
-        kv_handle=_kv_handle(d),
+        kv_handle=handle,
         eos_token_ids=tuple(_int_list(d, "eos_token_ids")),
         **_trace_fields(d),
     )
@@ -1091,7 +1309,10 @@ _PARSERS: dict[str, Callable[[_Map], Frame]] = {
     "cancel": lambda d: Cancel(_request_id(d)),
     "ping": lambda d: Ping(_nonneg(d, "seq")),
     "pong": lambda d: Pong(_nonneg(d, "seq"), _load(d)),
-    "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id")),
+    "kv_pull": lambda d: KvPull(_request_id(d, "transfer_id"), _field(d, "prompt", bool, False)),
+    "kv_prompt": lambda d: KvPrompt(
+        _request_id(d, "transfer_id"), unpack_token_ids(_field(d, "token_ids", bytes))
+    ),
     "kv_release": lambda d: KvRelease(_request_id(d, "transfer_id")),
     "kv_data": lambda d: KvData(
         _request_id(d, "transfer_id"), _field(d, "data", bytes), _field(d, "last", bool)

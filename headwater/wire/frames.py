@@ -4,9 +4,10 @@ A connection carries two sorts of frame. The request messages
 (``headwater.wire.messages``: GenerateRequest, Ack, Chunk, End, Error, Cancel) are what
 the in-process transport passes as they are; the control frames here exist only on a
 byte stream: the handshake (Hello, Challenge, Auth, HelloOk), heartbeats (Ping, Pong),
-KV pulls (KvPull, KvData, KvRelease), stats (GetStats, Stats) and connection-level endings (Fault,
-GoAway). :data:`Frame` is their union: what ``headwater.wire.codec`` turns into bytes
-and back, and what the handshake and the trio shells in ``headwater.plane`` match on.
+KV pulls (KvPull, KvPrompt, KvData, KvRelease), stats (GetStats, Stats) and
+connection-level endings (Fault, GoAway). :data:`Frame` is their union: what
+``headwater.wire.codec`` turns into bytes and back, and what the handshake and the trio
+shells in ``headwater.plane`` match on.
 
 Nothing here does I/O or knows the wire format; the kind names and field encodings are
 the codec's.
@@ -14,6 +15,7 @@ the codec's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from headwater.wire.capabilities import Capabilities
@@ -106,9 +108,23 @@ class Pong:
 
 @dataclass(frozen=True, slots=True)
 class KvPull:
-    """A decode worker asks a prefill worker for the KV it holds under ``transfer_id``."""
+    """A decode worker asks a prefill worker for the KV it holds under ``transfer_id``;
+    with ``prompt``, for the prompt's token ids too (a :class:`KvPrompt` before the
+    payload), because its request came without them. An older prefill worker never
+    gets ``prompt``: only a handle of this version's says it holds the prompt."""
 
     transfer_id: str
+    prompt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class KvPrompt:
+    """The prompt's token ids held with ``transfer_id``, answering a :class:`KvPull`
+    that asked for them, before its first :class:`KvData`. ``token_ids`` is a token
+    array (``headwater.wire.tokens``)."""
+
+    transfer_id: str
+    token_ids: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +212,7 @@ Frame = (
     | Ping
     | Pong
     | KvPull
+    | KvPrompt
     | KvData
     | KvRelease
     | GetStats

@@ -130,6 +130,13 @@ class KvHandle:
     nobody may mutate it: it is typed read-only, but a dict underneath. It stays out of
     ``repr`` (it may be large) and out of the hash (a dict has none); equality compares
     it. Empty when the sender has none (an older peer).
+
+    ``holds_prompt``: the holder keeps the prompt's token ids with the KV (the
+    ``num_tokens`` tokens it prefilled) and hands them over with a pull that asks. A
+    decode leg carrying such a handle is a request for that same prompt, so over TCP it
+    may leave its ids out (:attr:`GenerateRequest.prompt_in_kv`) and the decode worker
+    takes them from the pull: the prompt crosses the plane from the frontend once. False
+    from an engine whose KV moves outside the plane (vLLM's NIXL) and from an older peer.
     """
 
     worker_id: str
@@ -143,6 +150,7 @@ class KvHandle:
     # plain dict, not a MappingProxyType: a proxy guards only the top level (nested
     # lists and dicts stay mutable), costs a wrapper per handle and needs a copy to pack.
     params: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
+    holds_prompt: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +158,8 @@ class GenerateRequest:
     """One generation request as a worker sees it: token ids in, token ids out.
 
     ``token_ids`` is a token array (``headwater.wire.tokens``) on the serving path;
-    engines accept any sequence of ints and never write to it.
+    engines accept any sequence of ints and never write to it. It is empty on a decode
+    leg whose prompt comes with its KV pull (:attr:`prompt_in_kv`).
     """
 
     request_id: str
@@ -163,6 +172,23 @@ class GenerateRequest:
     # worker's spans are its children (headwater.tracing; the codec validates both).
     traceparent: str = ""
     tracestate: str = ""
+
+    @property
+    def prompt_in_kv(self) -> bool:
+        """The prompt's ids are not here but with the KV the handle names: the engine
+        pulls them with it (``KvTransfer.pull_with_prompt``). Why: the prefill worker
+        already holds the prompt, so a decode leg sent over TCP leaves out the ~160 KB
+        of a 40k-token prompt's ids instead of sending them a second time."""
+        handle = self.kv_handle
+        return handle is not None and handle.holds_prompt and not self.token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt's length, whether its ids are here or come with the KV."""
+        handle = self.kv_handle
+        if handle is not None and handle.holds_prompt and not self.token_ids:
+            return handle.num_tokens
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from headwater.wire.errors import AuthError
 
@@ -74,7 +75,26 @@ class FrameMac:
 
     def verify(self, body: bytes | bytearray | memoryview, tag: bytes | bytearray) -> None:
         """Check the next frame received; raises :class:`AuthError` if its tag is wrong."""
-        if not hmac.compare_digest(self._tag((body,)), bytes(tag)):
+        self._check(self._tag((body,)), tag)
+
+    def begin(self) -> Any:
+        """The next frame's hash, to :meth:`finish` once fed its body in parts as they
+        arrive: a large ``kv_data`` piece is checked without being gathered in one
+        buffer (``headwater.wire.codec``). Nothing else may be verified in between."""
+        inner = self._inner.copy()
+        inner.update(_SEQ.pack(self.seq))
+        return inner
+
+    def finish(self, inner: Any, tag: bytes | bytearray) -> None:
+        """Check the frame :meth:`begin` started, fed its whole body; raises
+        :class:`AuthError` if *tag* is wrong."""
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        self.seq += 1
+        self._check(outer.digest()[:TAG_BYTES], tag)
+
+    def _check(self, expected: bytes, tag: bytes | bytearray) -> None:
+        if not hmac.compare_digest(expected, bytes(tag)):
             raise AuthError(
                 f"frame {self.seq - 1} failed authentication (injected, replayed, "
                 "reordered or altered on the way)"

@@ -8,10 +8,14 @@ in their :class:`~headwater.wire.KvHandle`.
 
 from __future__ import annotations
 
+from array import array
+
 import trio
 
-from headwater.plane.kv import KvSource, KvTransfer
+from headwater.plane.base import WorkerError
+from headwater.plane.kv import KvSource, KvTransfer, check_prompt
 from headwater.wire import ErrorCode, KvHandle
+from headwater.wire.tokens import copy_tokens
 from workers.engines.base import EngineError
 
 
@@ -52,3 +56,15 @@ class InProcessKvTransfer(KvTransfer):
         nbytes = await engine.release_transfer(handle.transfer_id)
         await trio.sleep(nbytes / self.bandwidth)
         return nbytes
+
+    async def pull_with_prompt(self, handle: KvHandle) -> tuple[int, array[int]]:
+        """:meth:`pull`, and a copy of the prompt its owner kept (the plane in-process
+        passes requests whole, so only a caller of its own asks)."""
+        engine = self._engines.get(handle.worker_id)
+        prompt = engine.held_prompt(handle.transfer_id) if engine is not None else None
+        nbytes = await self.pull(handle)
+        try:
+            ids = check_prompt(handle, prompt)
+        except WorkerError as exc:
+            raise EngineError(exc.code, exc.message) from exc
+        return nbytes, copy_tokens(ids)

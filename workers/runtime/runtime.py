@@ -206,7 +206,7 @@ class WorkerRuntime:
                 attributes={
                     "headwater.worker.id": self.worker_id,
                     "headwater.plane.request_id": rid,
-                    "gen_ai.usage.input_tokens": len(request.token_ids),
+                    "gen_ai.usage.input_tokens": request.num_prompt_tokens,
                     "headwater.kv_pull": request.kv_handle is not None,
                 },
             )

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import Sequence as IntSequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import trio
@@ -24,7 +25,13 @@ import trio
 from headwater.plane.base import WorkerError
 from headwater.plane.kv import KvTransfer
 from headwater.wire import Chunk, ErrorCode, GenerateRequest, KvHandle, Role, TokenLogprobs
-from headwater.wire.capabilities import LOGPROBS, PROMPT_LOGPROBS, SEED, Capabilities
+from headwater.wire.capabilities import (
+    LOGPROBS,
+    PROMPT_FROM_KV,
+    PROMPT_LOGPROBS,
+    SEED,
+    Capabilities,
+)
 from headwater.wire.kv_events import KvEventLog
 from headwater.wire.tokens import copy_tokens
 from workers.engines.base import Engine, EngineContext, EngineError, EngineStats
@@ -38,7 +45,7 @@ from workers.engines.mocker.sampling import (
 )
 from workers.engines.mocker.scheduler import MockerCounters, Scheduler, Sequence
 from workers.engines.mocker.transfers import HeldTransfers
-from workers.engines.stages import stage_spans
+from workers.engines.stages import StageSpans, stage_spans
 
 #: The shortest wait the scheduler sleeps for; shorter ones just yield (see
 #: :meth:`MockerEngine._schedule_forever`).
@@ -47,8 +54,8 @@ MIN_SLEEP = 0.5e-3
 #: thread (tokens).
 PROMPT_LOGPROBS_INLINE = 2048
 #: What the simulated engine honours beyond the baseline (temperature 0 is greedy: see
-#: :mod:`.sampling`).
-CAPABILITIES = Capabilities("mocker", frozenset({SEED, LOGPROBS, PROMPT_LOGPROBS}))
+#: :mod:`.sampling`), and that a decode leg may leave its prompt to the KV pull.
+CAPABILITIES = Capabilities("mocker", frozenset({SEED, LOGPROBS, PROMPT_LOGPROBS, PROMPT_FROM_KV}))
 
 
 @dataclass(eq=False, slots=True)
@@ -134,19 +141,35 @@ class MockerEngine(Engine):
         prompt larger than the cache, ``max_tokens < 1``, bad ``min_tokens`` or
         handle), ``kv_transfer_failed`` (pull failed), ``shutting_down``.
         Closing or cancelling the consumer frees the sequence's KV at once.
+
+        A decode leg that came without its prompt (``request.prompt_in_kv``) pulls first,
+        the prompt with the KV, and is checked once it has it.
         """
-        seq = self._new_sequence(request)
+        pulled = request.prompt_in_kv
+        spans = None
+        if pulled:
+            spans = stage_spans()  # None unless this request is traced
+            request = await self._pull_prompt(request, spans)
+        try:
+            seq = self._new_sequence(request, owned=pulled)
+        except BaseException:
+            if spans:
+                spans.close()
+            raise
+        if not pulled:
+            spans = stage_spans()
         self.counters.requests_started += 1
         finished = failed = False
-        spans = stage_spans()  # None unless this request is traced
         try:
             prompt = await self._prompt_logprobs(request)
             if request.kv_handle is not None:
-                if spans:
-                    spans.stage(
-                        "engine.kv_pull", {"headwater.kv.tokens": request.kv_handle.num_tokens}
-                    )
-                await self._pull(request.kv_handle)
+                if not pulled:
+                    if spans:
+                        spans.stage(
+                            "engine.kv_pull",
+                            {"headwater.kv.tokens": request.kv_handle.num_tokens},
+                        )
+                    await self._pull(request.kv_handle)
                 seq.transferred = request.kv_handle.num_tokens
                 seq.block_hashes = self._usable_hashes(request.kv_handle)
             if spans:  # the queue's wait and the prefill: the simulated scheduler's
@@ -221,6 +244,39 @@ class MockerEngine(Engine):
             return work()
         return await trio.to_thread.run_sync(work)
 
+    async def _pull_prompt(
+        self, request: GenerateRequest, spans: StageSpans | None
+    ) -> GenerateRequest:
+        """*request* with the prompt pulled along with its KV. A failed pull counts as a
+        failed request, as it does after the prompt came with the request."""
+        handle = request.kv_handle
+        assert handle is not None
+        if spans:
+            spans.stage("engine.kv_pull", {"headwater.kv.tokens": handle.num_tokens})
+        try:
+            if self._closed:
+                raise EngineError(ErrorCode.SHUTTING_DOWN, f"{self.worker_id} is shut down")
+            if self.role is Role.PREFILL:
+                raise EngineError(
+                    ErrorCode.INVALID_REQUEST, "a prefill engine cannot take a kv_handle"
+                )
+            prompt = await self._pull(handle, with_prompt=True)
+            assert prompt is not None
+        except BaseException as exc:
+            if spans:
+                spans.close()
+            self.counters.requests_started += 1
+            if isinstance(exc, Exception):
+                self.counters.requests_failed += 1
+            else:
+                self.counters.requests_cancelled += 1
+            raise
+        return replace(request, token_ids=prompt)
+
+    def held_prompt(self, transfer_id: str) -> IntSequence[int] | None:
+        """The prompt held with *transfer_id* (:class:`~headwater.plane.kv.KvSource`)."""
+        return self._transfers.prompt(transfer_id)
+
     async def release_transfer(self, transfer_id: str) -> int:
         """Free the KV held under *transfer_id*; return its payload size in bytes
         (:class:`~headwater.plane.kv.KvSource`, used by a prefill engine's worker).
@@ -257,7 +313,9 @@ class MockerEngine(Engine):
 
     # ---- request side -----------------------------------------------------------
 
-    def _new_sequence(self, request: GenerateRequest) -> _Request:
+    def _new_sequence(self, request: GenerateRequest, *, owned: bool = False) -> _Request:
+        """The request's sequence, once checked. *owned*: its token array is this
+        engine's own (pulled with the KV), so the sequence appends to it uncopied."""
         cfg = self.config
         prompt = request.token_ids
         sampling = request.sampling
@@ -283,7 +341,7 @@ class MockerEngine(Engine):
         if problem is not None:
             raise EngineError(ErrorCode.INVALID_REQUEST, problem)
 
-        if self.role is Role.PREFILL and isinstance(prompt, array):
+        if (owned or self.role is Role.PREFILL) and isinstance(prompt, array):
             tokens = prompt  # a prefill never appends: it reads the request's array
         else:
             try:
@@ -317,14 +375,20 @@ class MockerEngine(Engine):
             logprobs=None if self.role is Role.PREFILL else sampling.logprobs,
         )
 
-    async def _pull(self, handle: KvHandle) -> None:
+    async def _pull(self, handle: KvHandle, *, with_prompt: bool = False) -> array[int] | None:
+        """Pull *handle*'s KV (and, *with_prompt*, the prompt held with it); raises
+        EngineError (``kv_transfer_failed``)."""
         if self.kv_transfer is None:
             raise EngineError(
                 ErrorCode.KV_TRANSFER_FAILED, f"{self.worker_id} has no KV transfer configured"
             )
         self._pulling += 1
         try:
+            if with_prompt:
+                _, prompt = await self.kv_transfer.pull_with_prompt(handle)
+                return prompt
             await self.kv_transfer.pull(handle)
+            return None
         except EngineError:
             raise
         except WorkerError as exc:  # the transfer's own report (TCP: kv_transfer_failed)

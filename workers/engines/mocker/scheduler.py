@@ -343,7 +343,7 @@ class Scheduler(Generic[S]):
     def _hold(self, seq: S, now: float) -> None:
         assert seq.table is not None
         assert self.transfers is not None  # add() checked
-        seq.handle = self.transfers.hold(seq.table, len(seq.tokens), now)
+        seq.handle = self.transfers.hold(seq.table, len(seq.tokens), now, seq.tokens)
         seq.table = None
         self.running.remove(seq)
         seq.state = State.DONE

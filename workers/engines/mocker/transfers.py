@@ -16,6 +16,7 @@ time.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from headwater.wire import KvHandle
@@ -24,11 +25,13 @@ from workers.engines.mocker.kv_cache import BlockTable, KvCache
 
 @dataclass(slots=True)
 class HeldTransfer:
-    """The blocks of one prefilled prompt, kept for a pull until *expires_at*."""
+    """The blocks of one prefilled prompt, kept for a pull until *expires_at*, and the
+    prompt's ids (the request's own array, not a copy), which a pull may ask for."""
 
     table: BlockTable
     num_tokens: int
     expires_at: float  # the caller's clock (trio time in the engine)
+    tokens: Sequence[int] = ()
 
 
 class HeldTransfers:
@@ -50,11 +53,16 @@ class HeldTransfers:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, table: BlockTable, num_tokens: int, now: float) -> KvHandle:
+    def hold(
+        self, table: BlockTable, num_tokens: int, now: float, tokens: Sequence[int] = ()
+    ) -> KvHandle:
         """Keep *table* (its first *num_tokens* tokens computed and committed) until
-        ``now + timeout``; return the handle that names it. The hold owns *table* now."""
+        ``now + timeout``; return the handle that names it. The hold owns *table* now.
+        *tokens*, the prompt (at least *num_tokens* long), is kept with it: the handle
+        then says so (``holds_prompt``), and a decode leg need not carry the prompt."""
         transfer_id = uuid.uuid4().hex
-        self._held[transfer_id] = HeldTransfer(table, num_tokens, now + self._timeout)
+        kept = tokens if len(tokens) == num_tokens else ()
+        self._held[transfer_id] = HeldTransfer(table, num_tokens, now + self._timeout, kept)
         # The prompt's block hashes known here go along: the decode engine need not
         # recompute them.
         return KvHandle(
@@ -64,7 +72,13 @@ class HeldTransfers:
             num_tokens,
             block_hashes=self._cache.prefix_hashes(table, num_tokens),
             block_size=self._cache.block_size,
+            holds_prompt=bool(kept),
         )
+
+    def prompt(self, transfer_id: str) -> Sequence[int] | None:
+        """The prompt held with *transfer_id*, or None (none kept, or no such hold)."""
+        held = self._held.get(transfer_id)
+        return held.tokens if held is not None and held.tokens else None
 
     def release(self, transfer_id: str) -> int | None:
         """Free the hold under *transfer_id*; return its token count, or None if there
