@@ -40,10 +40,20 @@ def serve_command(checkout: Path, port: int, extra: Sequence[str] = ()) -> list[
     entry = ["-m", "headwater", "serve"]
     if not (checkout / "headwater" / "__main__.py").exists():
         entry = ["-m", "frontend"]
-    serve = checkout / "headwater" / "cli" / "serve.py"
-    if serve.exists() and '"--processes"' in serve.read_text():
+    if takes_processes(checkout):
         entry.append("--processes=1")  # one process: its CPU is one pid's (auto since)
     return [sys.executable, *entry, "--port", str(port), *SERVE_ARGS, *extra]
+
+
+def takes_processes(checkout: Path) -> bool:
+    """Whether *checkout*'s ``serve`` has ``--processes``: once a literal of its own,
+    now generated from the config's field. Without ``--processes=1`` it serves a group,
+    whose CPU the first pid's /proc does not count."""
+    marks = {
+        checkout / "headwater" / "cli" / "serve.py": '"--processes"',
+        checkout / "frontend" / "config.py": "processes: int = option(",
+    }
+    return any(path.exists() and mark in path.read_text() for path, mark in marks.items())
 
 
 def cpu_seconds(pid: int) -> float:
