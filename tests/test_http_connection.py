@@ -46,6 +46,13 @@ def _app(resumed: list[str]) -> QuartTrio:
 
         return Response(pieces(), content_type="text/event-stream")
 
+    @app.get("/forever")
+    async def forever() -> Response:
+        try:
+            await trio.sleep_forever()
+        finally:
+            resumed.append("cancelled")
+
     @app.get("/plain")
     async def plain() -> Response:
         async def pieces() -> AsyncIterator[bytes]:
@@ -57,8 +64,11 @@ def _app(resumed: list[str]) -> QuartTrio:
     return app
 
 
-async def _messages(app: QuartTrio, path: str) -> list[dict[str, Any]]:
-    """The ``http.response.body`` messages of one GET *path*."""
+async def _messages(
+    app: QuartTrio, path: str, *, leave_after: float | None = None
+) -> list[dict[str, Any]]:
+    """The ``http.response.body`` messages of one GET *path*; the client leaves after
+    *leave_after* seconds, if given, else once the response has ended."""
     sent: list[dict[str, Any]] = []
     done = trio.Event()
     requested = False
@@ -68,7 +78,10 @@ async def _messages(app: QuartTrio, path: str) -> list[dict[str, Any]]:
         if not requested:
             requested = True
             return {"type": "http.request", "body": b"", "more_body": False}
-        await done.wait()
+        if leave_after is None:
+            await done.wait()
+        else:
+            await trio.sleep(leave_after)
         return {"type": "http.disconnect"}
 
     async def send(message: Any) -> None:
@@ -81,6 +94,39 @@ async def _messages(app: QuartTrio, path: str) -> list[dict[str, Any]]:
     scope = http_scope("GET", url, [(b"host", b"test")], {}, ("127.0.0.1", 1))
     await app(scope, receive, send)  # type: ignore[arg-type]
     return [{"body": m.get("body", b""), "more_body": m.get("more_body", False)} for m in sent]
+
+
+class _Spawns(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.names.append(task.name)
+
+
+async def test_a_request_takes_one_task_beside_the_callers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # quart-trio spawns two (the handler, and one reading the request's messages); the
+    # messages are read by the caller's task here.
+    spawns = _Spawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        assert await _messages(_app([]), "/json")
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    (name,) = spawns.names
+    assert name.endswith(".handle_request")
+
+
+async def test_a_client_that_leaves_cancels_the_handler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    resumed: list[str] = []
+    with trio.fail_after(10):
+        assert await _messages(_app(resumed), "/forever", leave_after=1) == []
+    assert resumed == ["cancelled"]
+    assert trio.current_time() == 1
 
 
 def test_the_app_uses_the_ending_connection() -> None:

@@ -359,7 +359,9 @@ UPSTREAM: dict[str, Fingerprint] = {
     "quart_trio.asgi.TrioASGIHTTPConnection": Fingerprint(
         "6393e71c2a5138be0f89e98c65444e2dfa41309ac2ed855fa36cad56cea4b38d",
         "cancels the request's nursery when handle_messages returns, i.e. during the final "
-        "body send, which ShieldFinalSend therefore shields; RESPONSE_TIMEOUT bounds sends",
+        "body send, which ShieldFinalSend therefore shields; RESPONSE_TIMEOUT bounds sends. "
+        "EndingHTTPConnection.__call__ runs handle_messages in the nursery's own task, "
+        "handle_request as its one child, as __call__ starts both",
     ),
     # -- MemoMatcher (frontend/http/routing.py) ----------------------------------------------
     "werkzeug.routing.map.Map.__init__": Fingerprint(
