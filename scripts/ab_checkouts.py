@@ -17,13 +17,15 @@ Prints one line per run and a table of medians with their ranges (req/s, and the
 server's CPU per request from /proc), and the medians of the rounds' B/A ratios (a round's
 two sides ran next to each other in time). ``--interleave`` keeps both servers up and
 alternates single runs instead, each side warmed up first: on a machine shared with
-other work the two sides of a pair then meet about the same neighbours. Loopback only;
-every run is bounded in requests and time.
+other work the two sides of a pair then meet about the same neighbours (the loop's max
+is then since the server started). ``--together`` also runs each pair's two loads at
+the same moment. Loopback only; every run is bounded in requests and time.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -200,6 +202,13 @@ def main() -> int:
         "rather than a server start per side and round: on a busy machine, each pair of "
         "runs then meets the same neighbours",
     )
+    p.add_argument(
+        "--together",
+        action="store_true",
+        help="with --interleave: each round runs A's and B's loads at the same time, run "
+        "by run, so that both meet the same neighbours at the same moment (and each "
+        "other: compare CPU per request, not req/s)",
+    )
     args = p.parse_args()
     sides = {"A": args.a.resolve(), "B": args.b.resolve()}
     results: dict[str, list[list[dict[str, float]]]] = {"A": [], "B": []}
@@ -229,6 +238,19 @@ def main() -> int:
                 for run in args.run:
                     load(*servers[side], (*run[:3], min(run[3], 300)), args.loadgen_arg)
             for r in range(args.rounds):
+                if args.together:
+                    got: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+                    for run in args.run:  # A's and B's loads of one run at the same time
+                        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                            futures = {
+                                side: pool.submit(load, *servers[side], run, args.loadgen_arg)
+                                for side in ("A", "B")
+                            }
+                        for side, future in futures.items():
+                            got[side].append(future.result())
+                    for side in ("A", "B"):
+                        report(r, side, got[side])
+                    continue
                 for side in order(r):
                     report(
                         r, side, [load(*servers[side], run, args.loadgen_arg) for run in args.run]
