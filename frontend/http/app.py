@@ -329,8 +329,9 @@ def create_app(
         """The SSE body. Events that are ready together leave in one write: the opening
         (a chat stream's role chunk) with the first delta, the last delta with usage,
         ``[DONE]`` and the body's end (a :class:`LastPiece`). Each write is a pass
-        through Quart, hypercorn, the protocol and a send on the loop, and a wake-up of
-        the client; a short stream takes a third fewer of them (docs/performance.md)."""
+        through Quart, hypercorn, the protocol and a ``write(2)`` on the loop, and a
+        wake-up of the client: a short stream (8 tokens, c64) makes 5.2 writes, 6.5
+        while the body's end went alone (docs/performance.md, "The HTTP path")."""
         status = "cancelled"
         last: D | None = None
         pending = fmt.opening()  # written with the next event

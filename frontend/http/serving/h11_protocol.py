@@ -6,7 +6,8 @@ hypercorn writes a response's head as soon as the app starts the response, and i
 in a second write. :class:`HeadWithBodyH11Protocol` holds the head of a response whose
 length is known (its body is in hand: a JSON answer) and writes it with the body, in one
 ``write(2)``, as hyper and nginx do. A streamed response (no Content-Length) still sends
-its head at once, before the first event.
+its head at once, before the first event; its last body leaves with the body's end, one
+write, when the app ends it that way (a :class:`~frontend.http.serving.stream.LastBody`).
 
 Each request head passes :meth:`HeadWithBodyH11Protocol._handle_events` (hypercorn's, with
 the policy) before the app sees it, wherever in a read it came:
