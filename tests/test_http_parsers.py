@@ -346,6 +346,18 @@ async def test_both_parsers_answer_alike(name: str, autojump_clock: trio.testing
     assert (httptools.refusals, httptools.answers) == (h11.refusals, h11.answers)
 
 
+@pytest.mark.parametrize("parser", ["h11", "httptools"])
+async def test_a_last_body_leaves_with_the_body_end(
+    parser: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    # /stream ends with a body message that carries bytes: those and the chunked body's
+    # end leave in one write (frontend/http/serving/stream.py), the earlier piece alone.
+    outcome = await _run(parser, [b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n"])
+    head, *body = outcome.writes
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert body == [b"4\r\none,\r\n", b"3\r\ntwo\r\n0\r\n\r\n"]
+
+
 @pytest.mark.parametrize("name", list(H11_READS))
 def test_llhttp_alone_refuses_what_h11_reads(name: str) -> None:
     # Else those cases would not reach the protocol's reading by h11.

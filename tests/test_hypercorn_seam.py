@@ -37,13 +37,17 @@ from hypercorn.config import Config
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
+from quart.asgi import ASGIHTTPConnection
 
 import frontend.http.serving
+from frontend.http.connection import EndingHTTPConnection
 from frontend.http.serving import ServerConfig, limits, serve
 from frontend.http.serving.h11_protocol import HeadWithBodyH11Protocol
 from frontend.http.serving.httptools_protocol import HttptoolsProtocol
+from frontend.http.serving.stream import EndingHTTPStream
 from frontend.http.serving.tcp_server import HeadwaterTCPServer, IdleDeadline
 
 from frontend_fixture import serve_frontend
@@ -177,7 +181,8 @@ UPSTREAM: dict[str, Fingerprint] = {
     "hypercorn.protocol.h11.H11Protocol.stream_send": Fingerprint(
         "56a36254a368d71ab24ee76d72783226387f6ce3a82c52840a947b9d905ebf5b",
         "a Response is followed by its Body or EndBody, each sent through _send_h11_event "
-        "(which releases a held head); Data goes around it (websocket) unaffected",
+        "(which releases a held head); Data goes around it (websocket) unaffected. The "
+        "override sends a LastBody as h11 Data and EndOfMessage, in one write",
     ),
     "hypercorn.protocol.h11.H11Protocol._send_error_response": Fingerprint(
         "58c2b47ae295d000c65a2216fa6afd9efb1ea05363a40d5dbf427b1d2b41b4c7",
@@ -194,7 +199,9 @@ UPSTREAM: dict[str, Fingerprint] = {
     "hypercorn.protocol.h11.H11Protocol._create_stream": Fingerprint(
         "a2338a57ab343908f55d6a93b9d4a69aa6ccc39e49fc387e66b286f5cb274743",
         "keep_alive_requests grows by one per request head: _read_data sees by it that a "
-        "head ended (even when its whole request was served in the same handle call)",
+        "head ended (even when its whole request was served in the same handle call); the "
+        "override is a copy for an HTTP request (no Upgrade reaches it: no websocket) "
+        "that makes an EndingHTTPStream",
     ),
     # -- HttptoolsProtocol: hypercorn's H11Protocol, with llhttp and h11's rules ---------------
     "hypercorn.protocol.h11.H11Protocol.handle": Fingerprint(
@@ -319,7 +326,31 @@ UPSTREAM: dict[str, Fingerprint] = {
     "hypercorn.protocol.http_stream.HTTPStream.app_send": Fingerprint(
         "c806044b997369855904b5496ef44bd2bf273f599e686647500ce507c1b0250b",
         "the response finishes inside the last http.response.body send (EndBody, then "
-        "StreamClosed: http.disconnect to the app, the idle timer restarted)",
+        "StreamClosed: http.disconnect to the app, the idle timer restarted); a last "
+        "body with bytes in RESPONSE state is Body(bytes(body)) unless suppress_body, "
+        "then _send_closed unless trailers: EndingHTTPStream sends it as one LastBody",
+    ),
+    # -- EndingHTTPStream (frontend/http/serving/stream.py) ----------------------------------
+    "hypercorn.protocol.http_stream.HTTPStream._send_closed": Fingerprint(
+        "9aaf2e1ac611e51c85bb587cc9ca28f7db77e8ec03b43231ee0efc42a4c40393",
+        "EndBody, state CLOSED, the access log, StreamClosed: EndingHTTPStream does the "
+        "same after its LastBody, which stands for Body and EndBody",
+    ),
+    # -- EndingHTTPConnection (frontend/http/connection.py) ----------------------------------
+    "quart.asgi.ASGIHTTPConnection._send_response": Fingerprint(
+        "2958216ed9d8d2ebf66be8a3fbcf2a2cb50a2e89a77b196a1f919e834f7c49c7",
+        "a head (status, encode_headers(headers)), a message per piece of the body with "
+        "more_body, then an empty last one: the override sends the same bytes, a known "
+        "body and a stream's LastPiece as the last message",
+    ),
+    "quart.wrappers.response.DataBody": Fingerprint(
+        "a0ec2d37126227306b77656ffd08f4b51b33af5d24d78e44bee78fc409f6b1f3",
+        "its bytes are data[begin:end], in one piece",
+    ),
+    "quart.wrappers.response.IterableBody": Fingerprint(
+        "6000c4eb1baca62281f8a192d253a6042948d885086796b140529dbd06d16c26",
+        "iterates the app's async iterable itself (a LastPiece reaches the connection as "
+        "yielded) and closes it on exit",
     ),
     "quart.asgi.ASGIHTTPConnection.handle_messages": Fingerprint(
         "c69dd49dbf636109e9f22d5970782611bff650f840d3bfb24c2ec11c3b913ee6",
@@ -328,7 +359,9 @@ UPSTREAM: dict[str, Fingerprint] = {
     "quart_trio.asgi.TrioASGIHTTPConnection": Fingerprint(
         "6393e71c2a5138be0f89e98c65444e2dfa41309ac2ed855fa36cad56cea4b38d",
         "cancels the request's nursery when handle_messages returns, i.e. during the final "
-        "body send, which ShieldFinalSend therefore shields; RESPONSE_TIMEOUT bounds sends",
+        "body send, which ShieldFinalSend therefore shields; RESPONSE_TIMEOUT bounds sends. "
+        "EndingHTTPConnection.__call__ runs handle_messages in the nursery's own task, "
+        "handle_request as its one child, as __call__ starts both",
     ),
     # -- MemoMatcher (frontend/http/routing.py) ----------------------------------------------
     "werkzeug.routing.map.Map.__init__": Fingerprint(
@@ -394,7 +427,7 @@ def test_upstream_code_is_the_code_the_seam_was_written_against(name: str) -> No
         pytest.fail(
             f"{name} has changed upstream (installed: {_versions()}). Re-check the "
             f"seam (frontend/http/serving, frontend/http/middleware.py, "
-            f"frontend/http/routing.py) against it; it "
+            f"frontend/http/connection.py, frontend/http/routing.py) against it; it "
             f"assumes: {expected.assumes}. "
             f"Then set its fingerprint to {digest}.",
             pytrace=False,
@@ -425,6 +458,8 @@ def test_the_default_read_size_is_hypercorns() -> None:
         (HeadwaterTCPServer, TCPServer),
         (HeadWithBodyH11Protocol, H11Protocol),
         (HttptoolsProtocol, H11Protocol),  # not a subclass: its methods of the same names
+        (EndingHTTPStream, HTTPStream),
+        (EndingHTTPConnection, ASGIHTTPConnection),
     ],
 )
 def test_every_override_is_fingerprinted_and_no_new_name_clashes(ours: type, theirs: type) -> None:

@@ -191,3 +191,19 @@ def test_the_scripts_that_need_more_than_this_machine_still_parse_their_options(
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage:")
+
+
+def test_ab_checkouts_serves_one_process_whatever_the_checkouts_age(tmp_path: Path) -> None:
+    """Its CPU figure is one pid's: each side must serve one process, not a group,
+    whether ``--processes`` is a literal of the checkout's serve or generated from its
+    config's field (as now); a checkout from before the option gets none."""
+    from scripts.ab_checkouts import serve_command
+
+    old = tmp_path / "old"
+    (old / "headwater" / "cli").mkdir(parents=True)
+    (old / "headwater" / "cli" / "serve.py").write_text('p.add_argument("--processes")\n')
+    older = tmp_path / "older"
+    older.mkdir()
+    assert "--processes=1" in serve_command(REPO, 8000)
+    assert "--processes=1" in serve_command(old, 8000)
+    assert "--processes=1" not in serve_command(older, 8000)

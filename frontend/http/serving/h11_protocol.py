@@ -6,7 +6,8 @@ hypercorn writes a response's head as soon as the app starts the response, and i
 in a second write. :class:`HeadWithBodyH11Protocol` holds the head of a response whose
 length is known (its body is in hand: a JSON answer) and writes it with the body, in one
 ``write(2)``, as hyper and nginx do. A streamed response (no Content-Length) still sends
-its head at once, before the first event.
+its head at once, before the first event; its last body leaves with the body's end, one
+write, when the app ends it that way (a :class:`~frontend.http.serving.stream.LastBody`).
 
 Each request head passes :meth:`HeadWithBodyH11Protocol._handle_events` (hypercorn's, with
 the policy) before the app sees it, wherever in a read it came:
@@ -38,7 +39,8 @@ from typing import TYPE_CHECKING
 import h11
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData, Updated
-from hypercorn.protocol.events import Body, EndBody
+from hypercorn.protocol.events import Body, EndBody, Request
+from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import H11SendableEvent
 
@@ -51,6 +53,7 @@ from frontend.http.serving.policy import (
     limit_error,
     refusal,
 )
+from frontend.http.serving.stream import EndingHTTPStream, LastBody
 
 if TYPE_CHECKING:
     from hypercorn.events import Event
@@ -70,6 +73,8 @@ class HeadWithBodyH11Protocol(H11Protocol):
     config: ServerConfig
     #: The head of a known-length response, until the body's first bytes (or its end).
     _held_head: bytes | None = None
+    #: The bytes of a response's last body and its end, while both are being framed.
+    _corked: list[bytes] | None = None
 
     def __init__(
         self,
@@ -145,6 +150,51 @@ class HeadWithBodyH11Protocol(H11Protocol):
             elif isinstance(event, h11.EndOfMessage):
                 await self.stream.handle(EndBody(stream_id=STREAM_ID))
 
+    async def stream_send(self, event: StreamEvent) -> None:
+        """hypercorn's ``stream_send``, and a :class:`LastBody` (a response's last bytes
+        and its end) in one write."""
+        if type(event) is not LastBody:
+            await super().stream_send(event)
+            return
+        self._corked = []
+        try:
+            await self._send_h11_event(h11.Data(data=event.data))
+            await self._send_h11_event(h11.EndOfMessage())
+        finally:
+            corked, self._corked = self._corked, None
+            if corked:
+                await self.send(RawData(data=b"".join(corked)))
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        """hypercorn's ``_create_stream`` for an HTTP request (never a websocket: no
+        Upgrade field reaches here), whose last body leaves with the body's end
+        (:class:`EndingHTTPStream`)."""
+        self.stream = EndingHTTPStream(
+            self.app,
+            self.config,
+            self.context,
+            self.task_group,
+            self.ssl,
+            self.client,
+            self.server,
+            self.stream_send,
+            STREAM_ID,
+        )
+        raw = self.config.h11_pass_raw_headers
+        headers = request.headers.raw_items() if raw else list(request.headers)
+        await self.stream.handle(
+            Request(
+                stream_id=STREAM_ID,
+                headers=headers,
+                http_version=request.http_version.decode(),
+                method=request.method.decode("ascii").upper(),
+                raw_path=request.target,
+                state=self.connection_state,
+            )
+        )
+        self.keep_alive_requests += 1
+        await self.context.mark_request()
+
     async def _continue_if_waiting(self) -> None:
         """The app asks for the request's body: invite it, if the client waits to be."""
         if self.connection.they_are_waiting_for_100_continue:
@@ -192,7 +242,10 @@ class HeadWithBodyH11Protocol(H11Protocol):
             self._held_head = data
             return
         if data is not None:
-            await self.send(RawData(data=data))
+            if self._corked is not None:
+                self._corked.append(data)
+            else:
+                await self.send(RawData(data=data))
 
     async def _send_error_response(self, status_code: int) -> None:
         """hypercorn's ``H11Protocol._send_error_response``, with a JSON error body for

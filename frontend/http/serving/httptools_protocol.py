@@ -45,10 +45,14 @@ from hypercorn.protocol.events import (
     StreamClosed,
 )
 from hypercorn.protocol.events import Event as StreamEvent
-from hypercorn.protocol.http_stream import HTTPStream
 
 from frontend.http.serving.config import ServerConfig
-from frontend.http.serving.http11_codec import ChunkError, proposes_switch, request_head_status
+from frontend.http.serving.http11_codec import (
+    ChunkError,
+    ResponseHeadError,
+    proposes_switch,
+    request_head_status,
+)
 from frontend.http.serving.http11_writer import BODY, DONE, ERROR, IDLE, ResponseWriter
 from frontend.http.serving.limits import HEADER_TOO_LARGE, Fault, measure_head, request_fault
 from frontend.http.serving.llhttp_reader import RequestReader
@@ -59,6 +63,7 @@ from frontend.http.serving.policy import (
     limit_error,
     refusal,
 )
+from frontend.http.serving.stream import EndingHTTPStream, LastBody
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -102,7 +107,7 @@ class HttptoolsProtocol:
         self.send = send
         self.server = server
         self.ssl = ssl
-        self.stream: HTTPStream | None = None
+        self.stream: EndingHTTPStream | None = None
         self.task_group = task_group
         self.connection_state = connection_state
         self._buffer = bytearray()  # received, not yet given to the parser
@@ -153,7 +158,10 @@ class HttptoolsProtocol:
                 headers.append((b"connection", b"close"))
             await self._send_response(event.status_code, headers)
         elif isinstance(event, Body):
-            await self._send_body(event.data)
+            if type(event) is LastBody:
+                await self._send_last_body(event.data)
+            else:
+                await self._send_body(event.data)
         elif isinstance(event, EndBody):
             await self._end_body()
         elif isinstance(event, Data):  # a websocket's, which this server never makes
@@ -267,8 +275,9 @@ class HttptoolsProtocol:
         self, method: bytes, target: bytes, version: bytes, headers: list[tuple[bytes, bytes]]
     ) -> None:
         """hypercorn's ``H11Protocol._create_stream`` for an HTTP request (never a
-        websocket: no Upgrade field reaches the app, as with the h11 protocol)."""
-        self.stream = HTTPStream(
+        websocket: no Upgrade field reaches the app, as with the h11 protocol), whose
+        last body leaves with the body's end (:class:`EndingHTTPStream`)."""
+        self.stream = EndingHTTPStream(
             self.app,
             self.config,
             self.context,
@@ -344,6 +353,16 @@ class HttptoolsProtocol:
 
     async def _end_body(self) -> None:
         await self._write(self._writer.end())
+
+    async def _send_last_body(self, data: bytes) -> None:
+        """The body's last piece and its end, in one write."""
+        framed = self._writer.body(data)
+        try:
+            end = self._writer.end()
+        except ResponseHeadError:  # too little for its Content-Length: the piece still goes
+            await self._write(framed)
+            raise
+        await self._write(framed + end)
 
     async def _write(self, data: bytes) -> None:
         if data:
