@@ -81,6 +81,11 @@ SMALLEST: list[tuple[str, list[str], Callable[[str], object]]] = [
         lambda out: math.isfinite(_number(r"the parse stage adds (-?[\d.]+) ms", out)),
     ),
     (
+        "asyncio_hop",
+        ["--streams", "2", "--items", "20", "--gap", "0.001", "--rounds", "2"],
+        lambda out: _number(r"stream +median +([\d.]+) µs", out) > 0,
+    ),
+    (
         "cancel",
         ["--requests", "3"],
         lambda out: _number(r"3 disconnects: p50 ([\d.]+) ms", out) > 0,
@@ -170,11 +175,14 @@ async def test_the_steady_state_measurement_runs_against_a_server(tmp_path: Path
 
 def test_every_measurement_has_a_smoke_test() -> None:
     scripts = {p.stem for p in (REPO / "scripts" / "measure").glob("*.py")} - {"__init__"}
-    assert scripts == {name for name, _, _ in SMALLEST} | {"steady"}
+    # steady needs a server (below), vllm_client_cost a vLLM (its options: below).
+    assert scripts == {name for name, _, _ in SMALLEST} | {"steady", "vllm_client_cost"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ab_checkouts", "bench_vllm", "gpu_vllm"])
+@pytest.mark.parametrize(
+    "name", ["ab_checkouts", "bench_vllm", "gpu_vllm", "measure.vllm_client_cost"]
+)
 def test_the_scripts_that_need_more_than_this_machine_still_parse_their_options(
     name: str,
 ) -> None:
@@ -191,6 +199,32 @@ def test_the_scripts_that_need_more_than_this_machine_still_parse_their_options(
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage:")
+
+
+def test_the_vllm_client_cost_reads_each_thread_of_a_py_spy_profile(tmp_path: Path) -> None:
+    from scripts.measure.vllm_client_cost import read_samples
+
+    serve = (
+        "_serve (workers/engines/vllm/asyncio_thread.py:107);run_forever (asyncio/base_events.py:1)"
+    )
+    loop = "run (trio/_core/_run.py:1);handle (frontend/http/app.py:1)"
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        f"{serve};select (selectors.py:1);EpollSelector.select (selectors.py:2) 5\n"
+        f"{serve};send (zmq/sugar/socket.py:1) 3\n"
+        f"{serve};process_outputs (vllm/v1/engine/output_processor.py:1) 2\n"
+        f"{loop};run (workers/engines/vllm/asyncio_thread.py:40) 4\n"
+        f"{loop} 7\n"
+        "_bootstrap (threading.py:1);encode (frontend/preprocess/pool.py:1) 6\n"
+    )
+    samples = read_samples(raw)
+    assert samples["asyncio thread (vLLM's client)"] == {
+        "idle (waiting in select)": 5,
+        "zmq sockets": 3,
+        "vLLM output processing": 2,
+    }
+    assert samples["trio loop"] == {"hop to the asyncio thread": 4, "other": 7}
+    assert samples["other threads"] == {"all": 6}
 
 
 def test_ab_checkouts_serves_one_process_whatever_the_checkouts_age(tmp_path: Path) -> None:

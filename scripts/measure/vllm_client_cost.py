@@ -39,8 +39,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
-
 from headwater.ports import free_port
 from scripts.bench import prompts as bench_prompts
 from scripts.bench.loadgen import run_load
@@ -55,8 +53,11 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("idle (waiting in select)", ("EpollSelector.select",)),
     ("zmq sockets", ("zmq/",)),
     ("msgpack codec", ("msgspec", "serial_utils")),
-    ("vLLM input processing", ("input_processor", "processor.py", "inputs/", "sampling_params")),
     ("vLLM output processing", ("output_processor", "detokenizer", "logprobs", "outputs.py")),
+    (
+        "vLLM input processing",
+        ("input_processor", "engine/processor.py", "inputs/", "sampling_params"),
+    ),
     ("vLLM stats", ("loggers.py", "stats")),
     ("hop back to trio", ("_entry_queue.py", "_wakeup_socketpair")),
     ("headwater in the thread", ("workers/engines/vllm",)),
@@ -96,7 +97,10 @@ def group_of(pid: int, tid: int, name: str) -> str:
 
 
 def hosting_process(root: int) -> int:
-    """The headwater process whose child is vLLM's engine core: it hosts the client."""
+    """The headwater process whose child is vLLM's engine core: it hosts the client.
+    (psutil is one of vLLM's dependencies, there whenever this can run.)"""
+    import psutil
+
     for proc in psutil.Process(root).children(recursive=True):
         try:
             if "EngineCore" in proc.name() or "VLLM::" in proc.name():
