@@ -169,17 +169,7 @@ class HeadWithBodyH11Protocol(H11Protocol):
         """hypercorn's ``_create_stream`` for an HTTP request (never a websocket: no
         Upgrade field reaches here), whose last body leaves with the body's end
         (:class:`EndingHTTPStream`)."""
-        self.stream = EndingHTTPStream(
-            self.app,
-            self.config,
-            self.context,
-            self.task_group,
-            self.ssl,
-            self.client,
-            self.server,
-            self.stream_send,
-            STREAM_ID,
-        )
+        self.stream = EndingHTTPStream.of(self)
         raw = self.config.h11_pass_raw_headers
         headers = request.headers.raw_items() if raw else list(request.headers)
         await self.stream.handle(

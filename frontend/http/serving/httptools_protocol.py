@@ -277,17 +277,7 @@ class HttptoolsProtocol:
         """hypercorn's ``H11Protocol._create_stream`` for an HTTP request (never a
         websocket: no Upgrade field reaches the app, as with the h11 protocol), whose
         last body leaves with the body's end (:class:`EndingHTTPStream`)."""
-        self.stream = EndingHTTPStream(
-            self.app,
-            self.config,
-            self.context,
-            self.task_group,
-            self.ssl,
-            self.client,
-            self.server,
-            self.stream_send,
-            STREAM_ID,
-        )
+        self.stream = EndingHTTPStream.of(self)
         raw = self.config.h11_pass_raw_headers
         fields = [
             (name if raw else lowered, value.lower() if lowered == b"transfer-encoding" else value)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from time import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hypercorn.protocol.events import Body, StreamClosed
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
@@ -29,9 +29,29 @@ class LastBody(Body):
     """A response's last bytes and its end, to write together."""
 
 
+#: hypercorn's: an HTTP/1.1 connection has one stream at a time.
+STREAM_ID = 1
+
+
 class EndingHTTPStream(HTTPStream):
     """hypercorn's ``HTTPStream``, which sends a last body message that carries bytes
     as one :class:`LastBody` event."""
+
+    @classmethod
+    def of(cls, protocol: Any) -> EndingHTTPStream:
+        """The stream of an HTTP/1.1 request on *protocol* (either parser's: both carry
+        hypercorn's ``H11Protocol`` attributes), as hypercorn's ``_create_stream`` makes it."""
+        return cls(
+            protocol.app,
+            protocol.config,
+            protocol.context,
+            protocol.task_group,
+            protocol.ssl,
+            protocol.client,
+            protocol.server,
+            protocol.stream_send,
+            STREAM_ID,
+        )
 
     async def app_send(self, message: ASGISendEvent | None) -> None:
         """hypercorn's ``app_send``; for a last ``http.response.body`` with bytes (no
