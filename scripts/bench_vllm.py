@@ -179,6 +179,20 @@ def peer_server(kind: str, model: Path, port: int, log: Path, eager: bool, max_l
     return headwater_server(model, port, log, eager, max_len, mode, client=client)
 
 
+def engine_options(eager: bool, max_len: int) -> list[str]:
+    """The vLLM engine options of a headwater worker, in either layout."""
+    options = [
+        "--max-model-len",
+        str(max_len),
+        "--cpu-kv-cache-gib",
+        VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
+        "--cpu-bind",
+        "role",
+        *WORKER_EXTRA,
+    ]
+    return [*options, "--enforce-eager"] if eager else options
+
+
 def headwater_server(
     model: Path,
     port: int,
@@ -206,18 +220,10 @@ def headwater_server(
         str(port),
         "--model-name",
         MODEL_NAME,
-        "--max-model-len",
-        str(max_len),
-        "--cpu-kv-cache-gib",
-        VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
-        "--cpu-bind",
-        "role",
         "--vllm-client",
         client,
-        *WORKER_EXTRA,
+        *engine_options(eager, max_len),
     ]
-    if eager:
-        argv.append("--enforce-eager")
     name = f"headwater-{mode}" + ("-in-process" if client == "in-process" else "")
     return server(name, argv, port, log, "/health")
 
@@ -229,17 +235,7 @@ def headwater_cluster(
     running vLLM's engine client itself (its engine core a child of it): one aggregated
     (``--agg 1``), or a prefill and a decode (``--prefill 1 --decode 1``, each engine on
     a core of its own as ``--cpu-bind role`` places them)."""
-    worker = [
-        "--max-model-len",
-        str(max_len),
-        "--cpu-kv-cache-gib",
-        VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"],
-        "--cpu-bind",
-        "role",
-        *WORKER_EXTRA,
-    ]
-    if eager:
-        worker.append("--enforce-eager")
+    worker = engine_options(eager, max_len)
     argv = [
         sys.executable,
         "-m",
