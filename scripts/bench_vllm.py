@@ -299,20 +299,25 @@ def cpu_by_process(srv: Server) -> dict[str, float]:
     return totals
 
 
+def greedy_bodies(ps: Any, max_tokens: int) -> list[bytes]:
+    """Streaming completions of *ps*, greedy, each generating *max_tokens* tokens."""
+    return bench_prompts.build_bodies(
+        ps,
+        endpoint="completions",
+        stream=True,
+        max_tokens=max_tokens,
+        model=MODEL_NAME,
+        extra={"ignore_eos": True, "temperature": 0},
+    )
+
+
 def run_load_matrix(
     srv: Server, prompt_sets: dict[int, Any], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     rows = []
     url = srv.url + "/v1/completions"
     for size, ps in prompt_sets.items():
-        bodies = bench_prompts.build_bodies(
-            ps,
-            endpoint="completions",
-            stream=True,
-            max_tokens=args.max_tokens,
-            model=MODEL_NAME,
-            extra={"ignore_eos": True, "temperature": 0},
-        )
+        bodies = greedy_bodies(ps, args.max_tokens)
         # One warm-up request, not counted.
         run_load(url, bodies[-1:], 1, 1, 120, True, progress=False)
         offset = 0
@@ -428,14 +433,7 @@ def nixl(url: str) -> tuple[float, float]:
 
 
 def run_disagg(srv: Server, ps: Any, args: argparse.Namespace) -> dict[str, Any]:
-    bodies = bench_prompts.build_bodies(
-        ps,
-        endpoint="completions",
-        stream=True,
-        max_tokens=args.decode_tokens,
-        model=MODEL_NAME,
-        extra={"ignore_eos": True, "temperature": 0},
-    )
+    bodies = greedy_bodies(ps, args.decode_tokens)
     run_load(srv.url + "/v1/completions", bodies[-1:], 1, 1, 300, True, progress=False)
     children = vllm_children(srv)
     decode_url = next((u for w, u in children.items() if "decode" in w), None)

@@ -43,7 +43,7 @@ from headwater.ports import free_port
 from scripts.bench import prompts as bench_prompts
 from scripts.bench.loadgen import run_load
 from scripts.bench.stats import summarise
-from scripts.bench_vllm import MODEL_NAME, REPO, headwater_server
+from scripts.bench_vllm import REPO, greedy_bodies, headwater_server
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -170,14 +170,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="vllm-client-cost-"))
     ps = bench_prompts.make_prompts("long", args.requests + 1, tokens=args.tokens)
-    bodies = bench_prompts.build_bodies(
-        ps,
-        endpoint="completions",
-        stream=True,
-        max_tokens=args.max_tokens,
-        model=MODEL_NAME,
-        extra={"ignore_eos": True, "temperature": 0},
-    )
+    bodies = greedy_bodies(ps, args.max_tokens)
     port = free_port()
     with headwater_server(
         args.model, port, work / "server.log", True, 8192, client="in-process"
